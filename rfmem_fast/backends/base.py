@@ -1,0 +1,160 @@
+"""The small interface every backend implements (DESIGN.md, "The primitives every backend provides").
+
+The beam driver (:mod:`rfmem_fast.recollection`) and the search API call only these
+methods, on torch tensors living on the backend's device. A new backend is one new
+file that subclasses :class:`Backend`, plus its parity test against the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..bank import BankSnapshot, MemoryBank
+from ..signals import familiarity_signals
+
+
+@dataclass(frozen=True)
+class BankView:
+    """A bank snapshot as one backend holds it.
+
+    Attributes:
+        X: float32 [n, d] unit rows on the backend's device.
+        offsets: int64 [U + 1] CSR offsets on the backend's device.
+        offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
+        snapshot: the bank snapshot it was made from.
+    """
+
+    X: torch.Tensor
+    offsets: torch.Tensor
+    offsets_cpu: torch.Tensor
+    snapshot: BankSnapshot
+
+
+class Backend:
+    """Base class of the backends: the four primitives plus a view of the bank.
+
+    Subclasses set ``name`` and ``device`` and implement :meth:`segmented_topk`,
+    :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
+    composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
+    and may be overridden by a fused kernel.
+    """
+
+    name: str = "base"
+    device: torch.device = torch.device("cpu")
+    #: True when ``batched_kmeans`` reproduces scikit-learn's KMeans(random_state=seed).
+    sklearn_kmeans: bool = False
+
+    def view(self, bank: MemoryBank) -> BankView:
+        """The bank as this backend holds it (cached per bank version).
+
+        Args:
+            bank: the memory bank.
+
+        Returns:
+            BankView on ``self.device``.
+        """
+
+        def build() -> BankView:
+            snap = bank.snapshot()
+            offsets_cpu = torch.from_numpy(snap.offsets)
+            return BankView(
+                X=torch.from_numpy(snap.vectors).to(self.device),
+                offsets=offsets_cpu.to(self.device),
+                offsets_cpu=offsets_cpu,
+                snapshot=snap,
+            )
+
+        return bank.cached(("view", self.name, str(self.device)), build)
+
+    # ------------------------------------------------------------ primitives
+    def segmented_topk(
+        self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k inner products of each query within its own user's segment.
+
+        Args:
+            view: the bank.
+            Q: float32 [b, d] queries (unit norm in practice; not required).
+            qseg: int64 [b] segment (user) index of each query.
+            k: int >= 1.
+
+        Returns:
+            (scores float32 [b, k] descending, rows int64 [b, k] global row indices);
+            where a segment has fewer than k rows the tail is score ``-inf`` and row
+            ``-1``. Ties are broken by the smaller row index (spec "Vectors and scores").
+        """
+        raise NotImplementedError
+
+    def batched_kmeans(
+        self,
+        V: torch.Tensor,
+        counts: torch.Tensor,
+        clusters: torch.Tensor,
+        iters: int,
+        tol: float,
+        seeds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Many small KMeans problems in one call (spec section 4).
+
+        Args:
+            V: float32 [m, n, d]; problem ``i`` uses the points ``V[i, :counts[i]]``.
+            counts: int64 [m], 1 <= counts[i] <= n.
+            clusters: int64 [m], 1 <= clusters[i] <= counts[i].
+            iters: Lloyd iteration cap (>= 1).
+            tol: convergence tolerance (relative centre shift, as scikit-learn).
+            seeds: int64 [m] per-problem stream keys (see :mod:`rfmem_fast._rng`);
+                a backend that reproduces scikit-learn uses its own fixed seed instead.
+
+        Returns:
+            (labels int64 [m, n] in [0, clusters[i]) for valid points and -1 for
+             padding, centroids float32 [m, c, d] with c = max(clusters): the MEAN of
+             the member points of each cluster under those labels, zero for an empty
+             or unused cluster).
+        """
+        raise NotImplementedError
+
+    def alpha_mix(
+        self, qb: torch.Tensor, centroids: torch.Tensor, q0: torch.Tensor, alpha: float
+    ) -> torch.Tensor:
+        """The child queries of each branch (spec section 4).
+
+        ``q_child = normalise(alpha * qb + (1 - alpha) * normalise(centroid) + q0)``
+        with ``normalise(v) = v / (||v|| + 1e-12)``.
+
+        Args:
+            qb: float32 [m, d] branch queries.
+            centroids: float32 [m, c, d] cluster means.
+            q0: float32 [m, d] the original query of each branch.
+            alpha: weight in [0, 1].
+
+        Returns:
+            float32 [m, c, d].
+        """
+        raise NotImplementedError
+
+    def probe(
+        self,
+        view: BankView,
+        Q: torch.Tensor,
+        qseg: torch.Tensor,
+        k: int,
+        probe_k: int,
+        temperature: float,
+        convention: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k plus the familiarity signals of the first ``probe_k`` (spec section 1).
+
+        Args:
+            view, Q, qseg: as :meth:`segmented_topk`.
+            k: top-k width, >= probe_k.
+            probe_k: K of the signals.
+            temperature, convention: as :func:`rfmem_fast.signals.familiarity_signals`.
+
+        Returns:
+            (scores [b, k], rows [b, k], mean [b] float64, entropy [b] float64,
+             count [b] int64 probe hits).
+        """
+        scores, rows = self.segmented_topk(view, Q, qseg, k)
+        mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
+        return scores, rows, mean, ent, count

@@ -1,0 +1,197 @@
+"""Torch backend: every primitive is a whole-batch tensor operation (CPU or CUDA).
+
+* segmented top-k: the rows of each query's segment are gathered into a padded
+  [chunk, L, d] block and scored with one batched matmul per chunk of queries (the
+  chunk is sized so that a block stays under ``block_bytes``); a batch whose queries
+  all hit one segment is one plain matmul. Ties are broken by the smaller row exactly:
+  rows whose k-th score is tied past the cut are redone with a stable full sort.
+* batched KMeans: k-means++ seeding from per-problem counter-based streams
+  (:mod:`rfmem_fast._rng`), then Lloyd steps on all problems at once with a per-problem
+  tolerance; its labels differ from scikit-learn's, so this backend is judged by recall.
+* alpha-mix: broadcast arithmetic and two normalisations.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _rng
+from .base import Backend, BankView
+
+_EPS = 1e-12
+
+
+def _stable_topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row of ``s`` [b, L] with ties by the smaller column (exact).
+
+    Returns (values [b, k'], columns [b, k']) with k' = min(k, L).
+    """
+    L = s.shape[1]
+    kk = min(k, L)
+    if kk == 0:
+        return s[:, :0], torch.zeros((s.shape[0], 0), dtype=torch.int64, device=s.device)
+    if kk == L:
+        vals, cols = torch.sort(s, dim=1, descending=True, stable=True)
+        return vals, cols
+    vals, cols = torch.topk(s, kk, dim=1, largest=True, sorted=True)
+    # order ties inside the selection by column: sort by column, then stable by value
+    cols, perm = torch.sort(cols, dim=1)
+    vals = torch.gather(vals, 1, perm)
+    vals, perm = torch.sort(vals, dim=1, descending=True, stable=True)
+    cols = torch.gather(cols, 1, perm)
+    # a tie that straddles the cut: the selection may hold a larger column than one left out
+    kth = vals[:, -1:]
+    n_ge = (s >= kth).sum(dim=1)
+    bad = (n_ge > kk) & torch.isfinite(kth[:, 0])
+    if bool(bad.any()):
+        idx = bad.nonzero().squeeze(1)
+        v2, c2 = torch.sort(s[idx], dim=1, descending=True, stable=True)
+        vals[idx] = v2[:, :kk]
+        cols[idx] = c2[:, :kk]
+    return vals, cols
+
+
+class TorchBackend(Backend):
+    """Whole-batch torch implementation of the primitives (see the module docstring).
+
+    Args:
+        device: torch device ("cpu", "cuda", ...). Default "cpu".
+        block_bytes: memory budget of one gathered [chunk, L, d] block (bytes).
+
+    Raises:
+        ValueError: ``block_bytes`` < 1 MiB.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: str | torch.device = "cpu", block_bytes: int = 256 << 20) -> None:
+        if block_bytes < (1 << 20):
+            raise ValueError(f"block_bytes must be >= 1 MiB, got {block_bytes}")
+        self.device = torch.device(device)
+        self.block_bytes = int(block_bytes)
+
+    # ---------------------------------------------------------------- top-k
+    def segmented_topk(self, view: BankView, Q, qseg, k):
+        """See :meth:`Backend.segmented_topk`."""
+        X, off = view.X, view.offsets
+        b, d = Q.shape
+        Q = Q.to(self.device, torch.float32)
+        qseg = qseg.to(self.device)
+        scores = torch.full((b, k), float("-inf"), dtype=torch.float32, device=self.device)
+        rows = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
+        if b == 0 or X.shape[0] == 0:
+            return scores, rows
+        start = off[qseg]
+        lens = off[qseg + 1] - start
+        L = int(lens.max())
+        if L == 0:
+            return scores, rows
+        if bool((qseg == qseg[0]).all()):  # one segment: one matmul
+            a = int(start[0])
+            s = Q @ X[a : a + L].T
+            vals, cols = _stable_topk(s, k)
+            kk = vals.shape[1]
+            scores[:, :kk] = vals
+            rows[:, :kk] = cols + a
+            return scores, rows
+        chunk = max(1, self.block_bytes // max(1, L * d * 4))
+        ar = torch.arange(L, device=self.device)
+        for c0 in range(0, b, chunk):
+            c1 = min(b, c0 + chunk)
+            st, ln = start[c0:c1], lens[c0:c1]
+            mask = ar[None, :] < ln[:, None]
+            idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
+            blk = X[idx]  # [c, L, d]
+            s = torch.bmm(blk, Q[c0:c1, :, None]).squeeze(2)
+            s = s.masked_fill(~mask, float("-inf"))
+            vals, cols = _stable_topk(s, k)
+            kk = vals.shape[1]
+            ok = torch.isfinite(vals)
+            scores[c0:c1, :kk] = vals
+            rows[c0:c1, :kk] = torch.where(ok, cols + st[:, None], torch.full_like(cols, -1))
+        return scores, rows
+
+    # ---------------------------------------------------------------- KMeans
+    def batched_kmeans(self, V, counts, clusters, iters, tol, seeds):
+        """See :meth:`Backend.batched_kmeans`: k-means++ seeding, then batched Lloyd steps."""
+        V = V.to(self.device, torch.float32)
+        m, n, d = V.shape
+        counts = counts.to(self.device)
+        clusters = clusters.to(self.device)
+        seeds = seeds.to(self.device)
+        c_max = int(clusters.max()) if m else 0
+        if m == 0 or c_max == 0:
+            return (
+                torch.full((m, n), -1, dtype=torch.int64, device=self.device),
+                torch.zeros((m, c_max, d), dtype=torch.float32, device=self.device),
+            )
+        ar_n = torch.arange(n, device=self.device)
+        ar_c = torch.arange(c_max, device=self.device)
+        pmask = ar_n[None, :] < counts[:, None]  # [m, n]
+        cmask = ar_c[None, :] < clusters[:, None]  # [m, c]
+        rows_m = torch.arange(m, device=self.device)
+        sq = (V * V).sum(dim=2)  # [m, n]
+
+        def sqdist(C: torch.Tensor) -> torch.Tensor:  # [m, n, c]
+            cc = (C * C).sum(dim=2)
+            dist = sq[:, :, None] - 2.0 * torch.bmm(V, C.transpose(1, 2)) + cc[:, None, :]
+            return dist.clamp(min=0.0)
+
+        # k-means++ seeding with per-problem streams
+        u0 = _rng.uniform(seeds, 0)
+        first = torch.minimum((u0 * counts.to(torch.float64)).to(torch.int64), counts - 1)
+        C = torch.zeros((m, c_max, d), dtype=torch.float32, device=self.device)
+        C[:, 0] = V[rows_m, first]
+        D2 = ((V - C[:, :1]) ** 2).sum(dim=2).masked_fill(~pmask, 0.0).to(torch.float64)
+        for t in range(1, c_max):
+            total = D2.sum(dim=1)
+            cum = torch.cumsum(D2, dim=1)
+            u = _rng.uniform(seeds, t) * total
+            pick = torch.searchsorted(cum, u[:, None], right=True).squeeze(1)
+            # all remaining distances zero (duplicate points): take point t deterministically
+            pick = torch.where(total > 0, pick, torch.full_like(pick, t))
+            pick = torch.minimum(pick, counts - 1)
+            C[:, t] = V[rows_m, pick]
+            dn = ((V - C[:, t : t + 1]) ** 2).sum(dim=2).masked_fill(~pmask, 0.0).to(torch.float64)
+            D2 = torch.where((t < clusters)[:, None], torch.minimum(D2, dn), D2)
+
+        # per-problem tolerance, as scikit-learn: tol * mean variance of the points
+        cnt_f = counts.to(torch.float32)[:, None]
+        Vm = V * pmask[:, :, None]
+        mu = Vm.sum(dim=1) / cnt_f
+        var = ((Vm - mu[:, None, :]) ** 2 * pmask[:, :, None]).sum(dim=1) / cnt_f
+        tol_m = tol * var.mean(dim=1)
+
+        big = torch.finfo(torch.float32).max
+
+        def assign(C: torch.Tensor) -> torch.Tensor:
+            dist = sqdist(C).masked_fill(~cmask[:, None, :], big)
+            return dist.argmin(dim=2)
+
+        def update(labels: torch.Tensor, C_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            onehot = (labels[:, :, None] == ar_c[None, None, :]) & pmask[:, :, None]
+            oh = onehot.to(torch.float32)
+            sums = torch.bmm(oh.transpose(1, 2), V)  # [m, c, d]
+            cnt = oh.sum(dim=1)  # [m, c]
+            means = sums / cnt.clamp(min=1.0)[:, :, None]
+            return torch.where((cnt > 0)[:, :, None], means, C_old), cnt
+
+        done = torch.zeros(m, dtype=torch.bool, device=self.device)
+        for _ in range(int(iters)):
+            labels = assign(C)
+            C_new, _ = update(labels, C)
+            shift = ((C_new - C) ** 2).sum(dim=(1, 2))
+            C = torch.where(done[:, None, None], C, C_new)
+            done = done | (shift <= tol_m)
+            if bool(done.all()):
+                break
+        labels = assign(C)
+        C, cnt = update(labels, torch.zeros_like(C))
+        labels = labels.masked_fill(~pmask, -1)
+        return labels, C
+
+    # ---------------------------------------------------------------- mixing
+    def alpha_mix(self, qb, centroids, q0, alpha):
+        """See :meth:`Backend.alpha_mix`."""
+        cen = centroids / (centroids.norm(dim=2, keepdim=True) + _EPS)
+        q = alpha * qb[:, None, :] + (1.0 - alpha) * cen + q0[:, None, :]
+        return q / (q.norm(dim=2, keepdim=True) + _EPS)

@@ -1,0 +1,130 @@
+"""The one configuration object of RF-Mem retrieval (RFMEM_SPEC.md, all sections).
+
+Every knob of the algorithm is a field of :class:`RFMemConfig`; the defaults are the
+configuration of the authors' PersonaBench script, the one the golden values and the
+reference numbers of RFMEM_SPEC.md section 7 were measured with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ENTROPY_CONVENTIONS = ("mean", "sum", "normalized")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"RFMemConfig.{name} must be an int, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"RFMemConfig.{name} must be in {rng}, got {value}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"RFMemConfig.{name} must be a float, got {type(value).__name__}")
+    v = float(value)
+    bad = not math.isfinite(v) or v > hi or (v <= lo if lo_open else v < lo)
+    if bad:
+        left = "(" if lo_open else "["
+        raise ValueError(f"RFMemConfig.{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True)
+class RFMemConfig:
+    """All knobs of RF-Mem retrieval, validated on construction.
+
+    Fields (spec section in brackets):
+
+    * ``probe_k`` (int >= 1, default 10) [1]: size K of the familiarity probe.
+    * ``out_k`` (int >= 1, default 10) [3, 4]: number of items returned per query.
+    * ``temperature`` (float in (0, 1e4], default 20.0) [1]: softmax temperature ``lam``.
+    * ``entropy`` ("mean" | "sum" | "normalized", default "mean") [1]: entropy convention.
+    * ``theta_high`` / ``theta_low`` (floats in [-1, 1], defaults 0.6 / 0.2, with
+      ``theta_low <= theta_high``) [2]: mean-score thresholds of the router.
+    * ``tau`` (float in [0, 1e3], default 0.2) [2]: entropy threshold of the router.
+    * ``alpha`` (float in [0, 1], default 0.5) [4]: weight of the branch query in the mix.
+    * ``beam_width`` (int in [1, 64], default 4) [4]: beam width B (also clusters per branch).
+    * ``fanout`` (int in [1, 64], default 1) [4]: fanout F; a branch retrieves (B + level) * F.
+    * ``max_rounds`` (int in [1, 64], default 10) [4]: rounds R (the paper text uses 3).
+    * ``mmr_lambda`` (float in [0, 1], default 0.9) [4]: MMR weight; 1.0 turns MMR off.
+    * ``score_floor`` (float in [-1, 1], default 0.0) [4]: candidates scoring below are dropped.
+    * ``kmeans_seed`` (int >= 0, default 42) [4]: seed of every KMeans.
+    * ``kmeans_iters`` (int in [1, 1000], default 300) [4]: Lloyd iteration cap.
+    * ``kmeans_tol`` (float in [0, 1], default 1e-4) [4]: convergence tolerance (relative
+      centre shift, as scikit-learn's ``tol``).
+
+    Raises:
+        TypeError: a field has the wrong type (the message names the field).
+        ValueError: a field is outside its allowed range (the message names the field
+            and the range).
+    """
+
+    probe_k: int = 10
+    out_k: int = 10
+    temperature: float = 20.0
+    entropy: str = "mean"
+    theta_high: float = 0.6
+    theta_low: float = 0.2
+    tau: float = 0.2
+    alpha: float = 0.5
+    beam_width: int = 4
+    fanout: int = 1
+    max_rounds: int = 10
+    mmr_lambda: float = 0.9
+    score_floor: float = 0.0
+    kmeans_seed: int = 42
+    kmeans_iters: int = 300
+    kmeans_tol: float = 1e-4
+
+    def __post_init__(self) -> None:
+        _check_int("probe_k", self.probe_k, 1, 1 << 20)
+        _check_int("out_k", self.out_k, 1, 1 << 20)
+        _check_float("temperature", self.temperature, 0.0, 1e4, lo_open=True)
+        if self.entropy not in ENTROPY_CONVENTIONS:
+            raise ValueError(
+                f"RFMemConfig.entropy must be one of {ENTROPY_CONVENTIONS}, got {self.entropy!r}"
+            )
+        _check_float("theta_high", self.theta_high, -1.0, 1.0)
+        _check_float("theta_low", self.theta_low, -1.0, 1.0)
+        if self.theta_low > self.theta_high:
+            raise ValueError(
+                "RFMemConfig.theta_low must be <= theta_high, got "
+                f"theta_low={self.theta_low}, theta_high={self.theta_high}"
+            )
+        _check_float("tau", self.tau, 0.0, 1e3)
+        _check_float("alpha", self.alpha, 0.0, 1.0)
+        _check_int("beam_width", self.beam_width, 1, 64)
+        _check_int("fanout", self.fanout, 1, 64)
+        _check_int("max_rounds", self.max_rounds, 1, 64)
+        _check_float("mmr_lambda", self.mmr_lambda, 0.0, 1.0)
+        _check_float("score_floor", self.score_floor, -1.0, 1.0)
+        _check_int("kmeans_seed", self.kmeans_seed, 0, (1 << 31) - 1)
+        _check_int("kmeans_iters", self.kmeans_iters, 1, 1000)
+        _check_float("kmeans_tol", self.kmeans_tol, 0.0, 1.0)
+
+    @classmethod
+    def paper_text(cls, **overrides: Any) -> "RFMemConfig":
+        """The configuration as the paper's text states it: 3 rounds, MMR off.
+
+        Returns:
+            RFMemConfig with ``max_rounds=3`` and ``mmr_lambda=1.0`` (spec section 4),
+            other fields at their defaults unless overridden.
+        """
+        base = {"max_rounds": 3, "mmr_lambda": 1.0}
+        base.update(overrides)
+        return cls(**base)
+
+    def replace(self, **changes: Any) -> "RFMemConfig":
+        """A copy with some fields changed (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    def max_candidates(self) -> int:
+        """Largest candidate count of one branch: (B + R - 1) * F (spec section 4)."""
+        return (self.beam_width + self.max_rounds - 1) * self.fanout
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict (JSON-serialisable)."""
+        return dataclasses.asdict(self)

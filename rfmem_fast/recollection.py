@@ -1,0 +1,196 @@
+"""The Recollection path: the beam driver, written once over the batched primitives.
+
+Implements RFMEM_SPEC.md section 4 (the beam form the authors' code runs) for a whole
+batch of queries at once. The state of every (query, beam slot) pair lives in tensors;
+each round makes one ``segmented_topk`` call for all live branches, one
+``batched_kmeans`` call for all (query, branch) problems and one ``alpha_mix`` call;
+candidate filtering, MMR, child scoring, the stable beam selection and the
+discovery-order de-duplication are tensor operations. Python loops run only over
+rounds and over the (at most ``beam_width``) cluster slots, never over queries.
+
+Semantics kept from the authors' code:
+  * a branch retrieves the top ``(B + level) * F`` of its query and THEN drops the
+    items already returned (``seen``) and those scoring below ``score_floor``;
+  * with ``mmr_lambda < 1`` a candidate's score becomes
+    ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone);
+    that score is what the hits carry and what the branch score accumulates;
+  * children are ordered (parent beam slot, cluster label); the next beam is the
+    ``B`` children of largest accumulated score, stable on ties;
+  * ``seen`` is updated only after the beam is chosen, in (slot, candidate) order, so
+    the output keeps discovery order; the loop stops after ``max_rounds``, when a
+    query has ``>= out_k`` results, or when a round yields no child.
+One documented difference: a KMeans cluster with no member (possible only with
+duplicate vectors) yields no child here, where the authors' code builds a child from
+a NaN centroid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _rng
+from .backends.base import Backend, BankView
+from .config import RFMemConfig
+
+
+@dataclass
+class RecollectionOutput:
+    """Result of :func:`recollect` for b queries.
+
+    Attributes:
+        rows: int64 [b, out_k] global bank rows in discovery order, -1 padding.
+        scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
+            item was discovered with, -inf padding.
+        rounds: int64 [b] rounds that produced a beam (0 when none did).
+    """
+
+    rows: torch.Tensor
+    scores: torch.Tensor
+    rounds: torch.Tensor
+
+
+def recollect(
+    backend: Backend,
+    view: BankView,
+    q0: torch.Tensor,
+    qseg: torch.Tensor,
+    config: RFMemConfig,
+    level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> RecollectionOutput:
+    """Run the Recollection path for a batch of queries (spec section 4).
+
+    Args:
+        backend: provides the primitives; tensors live on ``backend.device``.
+        view: the bank as that backend holds it.
+        q0: float32 [b, d] original queries (unit norm).
+        qseg: int64 [b] segment (user) index of each query.
+        config: alpha, beam_width, fanout, max_rounds, mmr_lambda, score_floor,
+            out_k and the KMeans settings.
+        level0: optional (scores [b, k0], rows [b, k0]) top-k of ``q0`` already
+            computed (the probe), with k0 >= beam_width * fanout; reused as the first
+            round's candidates instead of searching again.
+
+    Returns:
+        RecollectionOutput.
+    """
+    dev = backend.device
+    B, F, R = config.beam_width, config.fanout, config.max_rounds
+    out_k = config.out_k
+    lam = float(config.mmr_lambda)
+    b, d = q0.shape
+    X = view.X
+    q0 = q0.to(dev, torch.float32)
+    qseg = qseg.to(dev)
+    cap = out_k - 1 + B * (B + R - 1) * F
+    res_rows = torch.full((b, cap), -1, dtype=torch.int64, device=dev)
+    res_sc = torch.full((b, cap), float("-inf"), dtype=torch.float64, device=dev)
+    res_len = torch.zeros(b, dtype=torch.int64, device=dev)
+    rounds = torch.zeros(b, dtype=torch.int64, device=dev)
+    beam_q = torch.zeros((b, B, d), dtype=torch.float32, device=dev)
+    beam_q[:, 0] = q0
+    beam_acc = torch.zeros((b, B), dtype=torch.float64, device=dev)
+    beam_ok = torch.zeros((b, B), dtype=torch.bool, device=dev)
+    beam_ok[:, 0] = True
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    ar_cap = torch.arange(cap, device=dev)
+    ar_B = torch.arange(B, device=dev)
+
+    for level in range(R):
+        act = active.nonzero().squeeze(1)
+        if act.numel() == 0:
+            break
+        na = act.numel()
+        K = (B + level) * F
+        # ---- live branches of the active queries, flattened to pairs p = (query, slot)
+        pq_local, pslot = beam_ok[act].nonzero(as_tuple=True)  # [P]
+        pq = act[pq_local]
+        bq = beam_q[pq, pslot]  # [P, d]
+        if level == 0 and level0 is not None:
+            c_sc, c_rows = level0[0][pq, :K].to(dev), level0[1][pq, :K].to(dev)
+        else:
+            c_sc, c_rows = backend.segmented_topk(view, bq, qseg[pq], K)
+        # ---- drop padding, scores under the floor and items already returned
+        seen = (c_rows[:, :, None] == res_rows[pq][:, None, :]) & (ar_cap[None, None, :] < res_len[pq][:, None, None])
+        valid = (c_rows >= 0) & (c_sc >= config.score_floor) & ~seen.any(dim=2)
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid first, in order
+        c_rows = torch.gather(c_rows, 1, order)
+        c_sc = torch.gather(c_sc, 1, order)
+        valid = torch.gather(valid, 1, order)
+        n_valid = valid.sum(dim=1)
+        V = X[c_rows.clamp(min=0)] * valid[:, :, None]  # [P, K, d]
+        s64 = c_sc.to(torch.float64)
+        if lam < 1.0:
+            G = torch.bmm(V, V.transpose(1, 2)).to(torch.float64)
+            eye = torch.eye(K, dtype=torch.bool, device=dev)
+            other = valid[:, None, :] & ~eye[None]
+            G = G.masked_fill(~other, float("-inf"))
+            mx = G.max(dim=2).values
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            mmr = lam * s64 - (1.0 - lam) * mx
+        else:
+            mmr = s64
+        mmr = torch.where(valid, mmr, torch.zeros_like(mmr))
+        # ---- cluster the candidates of every live branch that has some
+        has = n_valid > 0
+        hp = has.nonzero().squeeze(1)
+        kc = torch.clamp(n_valid[hp], max=B)
+        seeds = _rng.stream_key(config.kmeans_seed, level, pslot[hp])
+        labels = torch.full((pq.numel(), K), -1, dtype=torch.int64, device=dev)
+        child_q = torch.zeros((pq.numel(), B, d), dtype=torch.float32, device=dev)
+        if hp.numel():
+            lab_h, cen_h = backend.batched_kmeans(
+                V[hp], n_valid[hp], kc, config.kmeans_iters, config.kmeans_tol, seeds
+            )
+            lab_h, cen_h = lab_h.to(dev), cen_h.to(dev)
+            labels[hp] = lab_h
+            mixed = backend.alpha_mix(bq[hp], cen_h, q0[pq[hp]], config.alpha).to(dev)
+            child_q[hp, : mixed.shape[1]] = mixed
+        member = labels[:, :, None] == ar_B[None, None, :]  # [P, K, B]
+        csize = member.sum(dim=1)  # [P, B]
+        cgain = (member * mmr[:, :, None]).sum(dim=1)  # [P, B] float64
+        child_ok = csize > 0
+        child_acc = beam_acc[pq, pslot][:, None] + cgain
+        # ---- children of each active query on a [na, B slots * B clusters] grid
+        grid_acc = torch.full((na, B, B), float("-inf"), dtype=torch.float64, device=dev)
+        grid_acc[pq_local, pslot] = torch.where(child_ok, child_acc, torch.full_like(child_acc, float("-inf")))
+        grid_pair = torch.full((na, B), -1, dtype=torch.int64, device=dev)
+        grid_pair[pq_local, pslot] = torch.arange(pq.numel(), device=dev)
+        flat = grid_acc.reshape(na, B * B)
+        sel_acc, sel = torch.sort(flat, dim=1, descending=True, stable=True)
+        sel_acc, sel = sel_acc[:, :B], sel[:, :B]
+        sel_ok = torch.isfinite(sel_acc)  # [na, B]
+        any_child = sel_ok.any(dim=1)
+        sel_slot, sel_c = sel // B, sel % B
+        sel_pair = torch.gather(grid_pair, 1, sel_slot).clamp(min=0)  # [na, B]
+        # ---- the new beam
+        new_q = child_q[sel_pair, sel_c]  # [na, B, d]
+        beam_q[act] = torch.where(sel_ok[:, :, None], new_q, torch.zeros_like(new_q))
+        beam_acc[act] = torch.where(sel_ok, sel_acc, torch.zeros_like(sel_acc))
+        beam_ok[act] = sel_ok
+        # ---- hits of the beam in (slot, candidate) order, first occurrences only
+        h_rows = c_rows[sel_pair]  # [na, B, K]
+        h_sc = mmr[sel_pair]
+        h_ok = (labels[sel_pair] == sel_c[:, :, None]) & sel_ok[:, :, None]
+        L = B * K
+        h_rows, h_sc, h_ok = h_rows.reshape(na, L), h_sc.reshape(na, L), h_ok.reshape(na, L)
+        same = (h_rows[:, :, None] == h_rows[:, None, :]) & h_ok[:, None, :]
+        earlier = torch.ones((L, L), dtype=torch.bool, device=dev).tril(-1)
+        dup = (same & earlier[None]).any(dim=2)
+        keep = h_ok & ~dup
+        pos = res_len[act][:, None] + torch.cumsum(keep.to(torch.int64), dim=1) - 1
+        qi = act[:, None].expand(na, L)
+        res_rows[qi[keep], pos[keep]] = h_rows[keep]
+        res_sc[qi[keep], pos[keep]] = h_sc[keep]
+        res_len[act] += keep.sum(dim=1)
+        rounds[act] += any_child.to(torch.int64)
+        still = any_child & (res_len[act] < out_k) & (level + 1 < R)
+        active[act] = still
+
+    out_rows = res_rows[:, :out_k]
+    out_sc = res_sc[:, :out_k].to(torch.float32)
+    if out_rows.shape[1] < out_k:
+        pad = out_k - out_rows.shape[1]
+        out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
+        out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
+    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds)

@@ -1,0 +1,202 @@
+"""Entry points: RF-Mem, dense and recollection search over a multi-tenant bank (RFMEM_SPEC.md section 5).
+
+``search(bank, queries, users, config, mode, backend)`` runs, for the whole batch:
+
+1. one probe: a segmented top-k of width ``max(probe_k, out_k, beam_width * fanout)``
+   of every query within its own user's segment, and the familiarity signals of its
+   first ``probe_k`` scores (section 1);
+2. the router (section 2) in mode "rfmem"; mode "dense" sends every query to the
+   Familiarity path and mode "recollection" every query to the Recollection path;
+3. the Familiarity path (the probe's first ``out_k``, section 3) and the Recollection
+   path (:func:`rfmem_fast.recollection.recollect`, section 4, whose first round reuses
+   the probe) for the queries routed there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from ._validate import as_float_matrix, l2_normalize_rows
+from .backends import Backend, get_backend
+from .bank import MemoryBank
+from .config import RFMemConfig
+from .recollection import recollect
+from .router import (
+    FAMILIARITY,
+    RECOLLECTION,
+    ROUTE_NAMES,
+    RULE_FORCED_DENSE,
+    RULE_FORCED_RECOLLECTION,
+    RULE_NAMES,
+    route,
+)
+
+MODES = ("rfmem", "dense", "recollection")
+
+
+@dataclass
+class SearchResult:
+    """Results of a batch of b queries.
+
+    Attributes:
+        ids: object ndarray [b, out_k], the caller's item ids; ``None`` pads a row
+            whose user has fewer than ``out_k`` items (or whose recollection ran dry).
+        rows: int64 ndarray [b, out_k], global bank rows (-1 padding).
+        scores: float32 ndarray [b, out_k]: inner-product scores on the Familiarity
+            path; on the Recollection path the (MMR-adjusted when mmr_lambda < 1) score
+            each item was discovered with, in discovery order; ``-inf`` padding.
+        route: int64 ndarray [b], 0 = familiarity, 1 = recollection (``route_names``).
+        mean: float64 ndarray [b], mean probe score (0 for an empty bank).
+        entropy: float64 ndarray [b], probe entropy in the config's convention.
+        rule: int64 ndarray [b], index into ``rfmem_fast.router.RULE_NAMES``.
+        rounds: int64 ndarray [b], recollection rounds used (0 on the Familiarity path).
+        probe_ids: object ndarray [b, probe_k], the probe's item ids (None padding).
+        probe_scores: float32 ndarray [b, probe_k], the probe's scores (-inf padding).
+        mode, backend: how the batch was run.
+    """
+
+    ids: np.ndarray
+    rows: np.ndarray
+    scores: np.ndarray
+    route: np.ndarray
+    mean: np.ndarray
+    entropy: np.ndarray
+    rule: np.ndarray
+    rounds: np.ndarray
+    probe_ids: np.ndarray
+    probe_scores: np.ndarray
+    mode: str = "rfmem"
+    backend: str = ""
+    config: RFMemConfig = field(default_factory=RFMemConfig)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def route_names(self) -> list[str]:
+        """Route of each query as "familiarity" / "recollection"."""
+        return [ROUTE_NAMES[r] for r in self.route]
+
+    @property
+    def rule_names(self) -> list[str]:
+        """Rule that fired for each query, as a name from RULE_NAMES."""
+        return [RULE_NAMES[r] for r in self.rule]
+
+    def ids_list(self, i: int) -> list[Hashable]:
+        """The item ids of query ``i`` without padding."""
+        return [x for x, r in zip(self.ids[i], self.rows[i]) if r >= 0]
+
+
+def _as_queries(queries: Any, dim: int) -> np.ndarray:
+    q = as_float_matrix(queries, "queries", dim)
+    return l2_normalize_rows(q, "queries")
+
+
+def search(
+    bank: MemoryBank,
+    queries: Any,
+    users: Sequence[Hashable],
+    config: RFMemConfig | None = None,
+    mode: str = "rfmem",
+    backend: str | Backend = "auto",
+    device: str | None = None,
+) -> SearchResult:
+    """RF-Mem retrieval for a batch of queries, each within its own user's memory.
+
+    Args:
+        bank: the memory bank (at least one item overall).
+        queries: [b, d] floating array (float16/32/64, numpy or torch, any strides);
+            rows are L2-normalised here.
+        users: b user keys; query i searches only ``users[i]``'s items.
+        config: RFMemConfig (default: the spec's defaults).
+        mode: "rfmem" (probe, route, routed path), "dense" (always familiarity) or
+            "recollection" (always recollection).
+        backend: "auto" | "reference" | "torch" or a Backend instance.
+        device: torch device for device-capable backends (default: CUDA if present).
+
+    Returns:
+        SearchResult. A user with fewer than ``out_k`` items gets padded rows (id
+        None, row -1, score -inf); a user with no items gets an all-padding row,
+        mean 0, entropy 0 and the rule "no_hits" (route recollection in mode "rfmem").
+
+    Raises:
+        ValueError: unknown mode; an empty bank; queries not 2-D, of the wrong
+            dimension, with NaN / Inf or a zero row; ``users`` not of length b.
+        TypeError: non-floating queries; a config that is not an RFMemConfig.
+        KeyError: an unknown user (the message names it and its position).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if config is None:
+        config = RFMemConfig()
+    if not isinstance(config, RFMemConfig):
+        raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
+    if not isinstance(bank, MemoryBank):
+        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
+    if bank.num_items == 0:
+        raise ValueError("bank is empty: add items before searching")
+    q = _as_queries(queries, bank.dim)
+    if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
+        raise TypeError("users must be a sequence of user keys, one per query")
+    if len(users) != q.shape[0]:
+        raise ValueError(f"users has {len(users)} entries but queries has {q.shape[0]} rows")
+    seg = bank.segments_for(users)
+    be = get_backend(backend, device)
+    view = be.view(bank)
+    dev = be.device
+    b = q.shape[0]
+    Q = torch.from_numpy(q).to(dev)
+    qseg = torch.from_numpy(seg).to(dev)
+
+    k0 = max(config.probe_k, config.out_k, config.beam_width * config.fanout)
+    p_sc, p_rows, mean, ent, count = be.probe(
+        view, Q, qseg, k0, config.probe_k, config.temperature, config.entropy
+    )
+    if mode == "rfmem":
+        routes, rule = route(mean, ent, count, config)
+    elif mode == "dense":
+        routes = torch.full((b,), FAMILIARITY, dtype=torch.int64, device=mean.device)
+        rule = torch.full((b,), RULE_FORCED_DENSE, dtype=torch.int64, device=mean.device)
+    else:
+        routes = torch.full((b,), RECOLLECTION, dtype=torch.int64, device=mean.device)
+        rule = torch.full((b,), RULE_FORCED_RECOLLECTION, dtype=torch.int64, device=mean.device)
+    routes = routes.to(dev)
+
+    rows = p_rows[:, : config.out_k].clone()
+    scores = p_sc[:, : config.out_k].clone()
+    rounds = torch.zeros(b, dtype=torch.int64, device=dev)
+    reco = (routes == RECOLLECTION).nonzero().squeeze(1)
+    if reco.numel():
+        out = recollect(be, view, Q[reco], qseg[reco], config, level0=(p_sc[reco], p_rows[reco]))
+        rows[reco] = out.rows.to(dev)
+        scores[reco] = out.scores.to(dev)
+        rounds[reco] = out.rounds.to(dev)
+
+    rows_np = rows.cpu().numpy()
+    probe_rows = p_rows[:, : config.probe_k].cpu().numpy()
+    item_ids = view.snapshot.item_ids
+    return SearchResult(
+        ids=_lookup(item_ids, rows_np),
+        rows=rows_np,
+        scores=scores.cpu().numpy().astype(np.float32),
+        route=routes.cpu().numpy(),
+        mean=mean.cpu().numpy().astype(np.float64),
+        entropy=ent.cpu().numpy().astype(np.float64),
+        rule=rule.cpu().numpy(),
+        rounds=rounds.cpu().numpy(),
+        probe_ids=_lookup(item_ids, probe_rows),
+        probe_scores=p_sc[:, : config.probe_k].cpu().numpy().astype(np.float32),
+        mode=mode,
+        backend=be.name,
+        config=config,
+    )
+
+
+def _lookup(item_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    out = np.empty(rows.shape, dtype=object)
+    ok = rows >= 0
+    out[ok] = item_ids[rows[ok]]
+    return out
