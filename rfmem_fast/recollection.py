@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _rng
 from .backends.base import Backend, BankView
 from .config import RFMemConfig
 
@@ -135,12 +134,11 @@ def recollect(
         has = n_valid > 0
         hp = has.nonzero().squeeze(1)
         kc = torch.clamp(n_valid[hp], max=B)
-        seeds = _rng.stream_key(config.kmeans_seed, level, pslot[hp])
         labels = torch.full((pq.numel(), K), -1, dtype=torch.int64, device=dev)
         child_q = torch.zeros((pq.numel(), B, d), dtype=torch.float32, device=dev)
         if hp.numel():
             lab_h, cen_h = backend.batched_kmeans(
-                V[hp], n_valid[hp], kc, config.kmeans_iters, config.kmeans_tol, seeds
+                V[hp], n_valid[hp], kc, config.kmeans_iters, config.kmeans_tol, config.kmeans_seed
             )
             lab_h, cen_h = lab_h.to(dev), cen_h.to(dev)
             labels[hp] = lab_h

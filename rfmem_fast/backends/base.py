@@ -42,8 +42,6 @@ class Backend:
 
     name: str = "base"
     device: torch.device = torch.device("cpu")
-    #: True when ``batched_kmeans`` reproduces scikit-learn's KMeans(random_state=seed).
-    sklearn_kmeans: bool = False
 
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
@@ -93,7 +91,7 @@ class Backend:
         clusters: torch.Tensor,
         iters: int,
         tol: float,
-        seeds: torch.Tensor,
+        seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Many small KMeans problems in one call (spec section 4).
 
@@ -103,8 +101,8 @@ class Backend:
             clusters: int64 [m], 1 <= clusters[i] <= counts[i].
             iters: Lloyd iteration cap (>= 1).
             tol: convergence tolerance (relative centre shift, as scikit-learn).
-            seeds: int64 [m] per-problem stream keys (see :mod:`rfmem_fast._rng`);
-                a backend that reproduces scikit-learn uses its own fixed seed instead.
+            seed: scikit-learn's ``random_state``; every problem uses it afresh, as
+                the authors' code does (see :mod:`rfmem_fast.kmeans`).
 
         Returns:
             (labels int64 [m, n] in [0, clusters[i]) for valid points and -1 for

@@ -27,10 +27,6 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     device = torch.device("cpu")
-    sklearn_kmeans = True
-
-    def __init__(self, seed: int = 42) -> None:
-        self.seed = int(seed)
 
     def segmented_topk(self, view: BankView, Q, qseg, k):
         """See :meth:`Backend.segmented_topk`: a per-query numpy loop with a stable sort."""
@@ -85,11 +81,10 @@ class ReferenceBackend(Backend):
             torch.from_numpy(count),
         )
 
-    def batched_kmeans(self, V, counts, clusters, iters, tol, seeds):
+    def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
         """See :meth:`Backend.batched_kmeans`: scikit-learn KMeans per problem.
 
-        ``seeds`` is ignored: every problem uses ``random_state=self.seed`` (42 by
-        default), as the authors' code does.
+        Every problem gets ``KMeans(n_clusters, random_state=seed)``, as the authors' code.
         """
         from sklearn.cluster import KMeans
         from sklearn.exceptions import ConvergenceWarning
@@ -106,7 +101,7 @@ class ReferenceBackend(Backend):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", ConvergenceWarning)
                 km = KMeans(
-                    n_clusters=int(kc[i]), random_state=self.seed, max_iter=int(iters), tol=float(tol)
+                    n_clusters=int(kc[i]), random_state=int(seed), max_iter=int(iters), tol=float(tol)
                 )
                 lab = km.fit_predict(pts)
             labels[i, : cnt[i]] = lab

@@ -1,0 +1,52 @@
+"""Shared fixtures: the PersonaBench data embedded once per test session, the golden file."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from _shared import shared_dir
+
+from rfmem_fast import MemoryBank
+
+
+@dataclass
+class EmbeddedPB:
+    """PersonaBench (noise 0.0) embedded with the offline MiniLM encoder."""
+
+    bank: MemoryBank
+    queries: np.ndarray  # float32 [263, 384]
+    users: list  # user key per question
+    questions: list  # PBQuestion per row
+    golden: list  # golden dict per row, same order
+
+
+@pytest.fixture(scope="session")
+def golden_rows() -> list[dict]:
+    shared = shared_dir()
+    path = shared / "golden" / "personabench_noise0.0.jsonl" if shared else None
+    if path is None or not path.is_file():
+        pytest.skip("golden file absent (set RFMEM_SHARED or place shared/ beside the checkout)")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def pb_embedded(golden_rows) -> EmbeddedPB:
+    from rfmem_fast.datasets import load_personabench
+    from rfmem_fast.encoders import TextEncoder
+
+    data = load_personabench(shared_dir() / "data" / "personabench" / "eval_data_v1", noise=0.0)
+    enc = TextEncoder(show_progress=False)
+    texts = [t for u in data.users for t in u.chunk_texts]
+    X = enc.encode(texts)
+    bank = MemoryBank(X.shape[1])
+    pos = 0
+    for u in data.users:
+        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids, texts=u.chunk_texts)
+        pos += len(u)
+    Q = enc.encode([q.question for q in data.questions])
+    by_key = {(g["community"], g["q_id"]): g for g in golden_rows}
+    gold = [by_key[(q.community, q.q_id)] for q in data.questions]
+    return EmbeddedPB(bank, Q, [q.user_key for q in data.questions], data.questions, gold)
