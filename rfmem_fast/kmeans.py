@@ -145,26 +145,25 @@ def lloyd(
     ar_c = torch.arange(c_max, device=dev)
     pmask = torch.arange(n, device=dev)[None, :] < counts[:, None]
     cmask = ar_c[None, :] < clusters[:, None]
-    big = torch.finfo(torch.float32).max
+    V64 = V.to(torch.float64)  # float64 throughout: results independent of the batch's kernels
 
     def assign(C: torch.Tensor) -> torch.Tensor:
         cc = (C * C).sum(dim=2)
-        dist = cc[:, None, :] - 2.0 * torch.bmm(V, C.transpose(1, 2))
-        return dist.masked_fill(~cmask[:, None, :], big).argmin(dim=2).masked_fill(~pmask, -1)
+        dist = cc[:, None, :] - 2.0 * torch.bmm(V64, C.transpose(1, 2))
+        return dist.masked_fill(~cmask[:, None, :], float("inf")).argmin(dim=2).masked_fill(~pmask, -1)
 
     def means(labels: torch.Tensor, C_old: torch.Tensor) -> torch.Tensor:
-        oh = (labels[:, :, None] == ar_c[None, None, :]).to(torch.float32)
+        oh = (labels[:, :, None] == ar_c[None, None, :]).to(torch.float64)
         cnt = oh.sum(dim=1)
-        mu = torch.bmm(oh.transpose(1, 2), V) / cnt.clamp(min=1.0)[:, :, None]
+        mu = torch.bmm(oh.transpose(1, 2), V64) / cnt.clamp(min=1.0)[:, :, None]
         return torch.where((cnt > 0)[:, :, None], mu, C_old)
 
-    cnt_f = counts.to(torch.float32)[:, None]
-    Vm = V * pmask[:, :, None]
-    mu = Vm.sum(dim=1) / cnt_f
-    var = (((V - mu[:, None, :]) ** 2) * pmask[:, :, None]).sum(dim=1) / cnt_f
+    cnt_f = counts.to(torch.float64)[:, None]
+    mu = (V64 * pmask[:, :, None]).sum(dim=1) / cnt_f
+    var = (((V64 - mu[:, None, :]) ** 2) * pmask[:, :, None]).sum(dim=1) / cnt_f
     tol_m = tol * var.mean(dim=1)
 
-    C = kmeanspp_init(V, counts, clusters, seed)
+    C = kmeanspp_init(V, counts, clusters, seed).to(torch.float64)
     labels = torch.full((m, n), -1, dtype=torch.int64, device=dev)
     strict = torch.zeros(m, dtype=torch.bool, device=dev)
     done = torch.zeros(m, dtype=torch.bool, device=dev)
@@ -181,4 +180,4 @@ def lloyd(
         if bool(done.all()):
             break
     labels = torch.where(strict[:, None], labels, assign(C))
-    return labels, means(labels, torch.zeros_like(C))
+    return labels, means(labels, torch.zeros_like(C)).to(torch.float32)

@@ -120,7 +120,8 @@ def recollect(
         V = X[c_rows.clamp(min=0)] * valid[:, :, None]  # [P, K, d]
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
-            G = torch.bmm(V, V.transpose(1, 2)).to(torch.float64)
+            V64 = V.to(torch.float64)  # float64: independent of the batch's kernel choice
+            G = torch.bmm(V64, V64.transpose(1, 2))
             eye = torch.eye(K, dtype=torch.bool, device=dev)
             other = valid[:, None, :] & ~eye[None]
             G = G.masked_fill(~other, float("-inf"))

@@ -17,6 +17,8 @@ from ..kmeans import kmeanspp_init, lloyd  # noqa: F401  (kmeanspp_init re-expor
 from .base import Backend, BankView
 
 _EPS = 1e-12
+#: extra candidates selected by the float32 scan before the exact re-scoring
+RESCORE_MARGIN = 8
 
 
 def _stable_topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,44 +72,49 @@ class TorchBackend(Backend):
 
     # ---------------------------------------------------------------- top-k
     def segmented_topk(self, view: BankView, Q, qseg, k):
-        """See :meth:`Backend.segmented_topk`."""
+        """See :meth:`Backend.segmented_topk`.
+
+        A float32 (b)mm selects the top ``k + RESCORE_MARGIN`` rows of each query; their
+        scores are then recomputed in float64 (rounded to float32) and the top-k taken
+        from those. The float32 matmul's rounding depends on the kernel the batch shape
+        picks; the re-scored values do not, so a query gets the same scores whichever
+        queries share its batch.
+        """
         X, off = view.X, view.offsets
         b, d = Q.shape
         Q = Q.to(self.device, torch.float32)
         qseg = qseg.to(self.device)
-        scores = torch.full((b, k), float("-inf"), dtype=torch.float32, device=self.device)
-        rows = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
-        if b == 0 or X.shape[0] == 0:
-            return scores, rows
-        start = off[qseg]
-        lens = off[qseg + 1] - start
-        L = int(lens.max())
-        if L == 0:
-            return scores, rows
-        if bool((qseg == qseg[0]).all()):  # one segment: one matmul
-            a = int(start[0])
-            s = Q @ X[a : a + L].T
-            vals, cols = _stable_topk(s, k)
-            kk = vals.shape[1]
-            scores[:, :kk] = vals
-            rows[:, :kk] = cols + a
-            return scores, rows
-        chunk = max(1, self.block_bytes // max(1, L * d * 4))
-        ar = torch.arange(L, device=self.device)
-        for c0 in range(0, b, chunk):
-            c1 = min(b, c0 + chunk)
-            st, ln = start[c0:c1], lens[c0:c1]
-            mask = ar[None, :] < ln[:, None]
-            idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
-            blk = X[idx]  # [c, L, d]
-            s = torch.bmm(blk, Q[c0:c1, :, None]).squeeze(2)
-            s = s.masked_fill(~mask, float("-inf"))
-            vals, cols = _stable_topk(s, k)
-            kk = vals.shape[1]
-            ok = torch.isfinite(vals)
-            scores[c0:c1, :kk] = vals
-            rows[c0:c1, :kk] = torch.where(ok, cols + st[:, None], torch.full_like(cols, -1))
-        return scores, rows
+        kw = k + RESCORE_MARGIN
+        rows = torch.full((b, kw), -1, dtype=torch.int64, device=self.device)
+        if b and X.shape[0]:
+            start = off[qseg]
+            lens = off[qseg + 1] - start
+            L = int(lens.max())
+            if L and bool((qseg == qseg[0]).all()):  # one segment: one matmul
+                a = int(start[0])
+                _, cols = _stable_topk(Q @ X[a : a + L].T, kw)
+                rows[:, : cols.shape[1]] = cols + a
+            elif L:
+                chunk = max(1, self.block_bytes // max(1, L * d * 4))
+                ar = torch.arange(L, device=self.device)
+                for c0 in range(0, b, chunk):
+                    c1 = min(b, c0 + chunk)
+                    st, ln = start[c0:c1], lens[c0:c1]
+                    mask = ar[None, :] < ln[:, None]
+                    idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
+                    s = torch.bmm(X[idx], Q[c0:c1, :, None]).squeeze(2).masked_fill(~mask, float("-inf"))
+                    vals, cols = _stable_topk(s, kw)
+                    rows[c0:c1, : cols.shape[1]] = torch.where(torch.isfinite(vals), cols + st[:, None], -1)
+        # exact re-scoring of the candidates, then ties by the smaller row
+        ok = rows >= 0
+        exact = (X[rows.clamp(min=0)].double() * Q.double()[:, None, :]).sum(dim=2).float() if X.shape[0] else rows.float()
+        exact = exact.masked_fill(~ok, float("-inf"))
+        key_rows = torch.where(ok, rows, torch.iinfo(torch.int64).max)
+        key_rows, perm = torch.sort(key_rows, dim=1)
+        exact = torch.gather(exact, 1, perm)
+        exact, perm = torch.sort(exact, dim=1, descending=True, stable=True)
+        rows = torch.gather(torch.where(key_rows == torch.iinfo(torch.int64).max, -1, key_rows), 1, perm)
+        return exact[:, :k].contiguous(), rows[:, :k].contiguous()
 
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
@@ -116,7 +123,8 @@ class TorchBackend(Backend):
 
     # ---------------------------------------------------------------- mixing
     def alpha_mix(self, qb, centroids, q0, alpha):
-        """See :meth:`Backend.alpha_mix`."""
-        cen = centroids / (centroids.norm(dim=2, keepdim=True) + _EPS)
-        q = alpha * qb[:, None, :] + (1.0 - alpha) * cen + q0[:, None, :]
-        return q / (q.norm(dim=2, keepdim=True) + _EPS)
+        """See :meth:`Backend.alpha_mix` (computed in float64, returned as float32)."""
+        c64 = centroids.double()
+        cen = c64 / (c64.norm(dim=2, keepdim=True) + _EPS)
+        q = alpha * qb.double()[:, None, :] + (1.0 - alpha) * cen + q0.double()[:, None, :]
+        return (q / (q.norm(dim=2, keepdim=True) + _EPS)).float()

@@ -1,0 +1,55 @@
+"""RFMemConfig: spec defaults and validation (issue 2, item 2)."""
+from __future__ import annotations
+
+import pytest
+
+from rfmem_fast import RFMemConfig
+
+
+def test_defaults_are_the_golden_config():
+    c = RFMemConfig()
+    assert (c.probe_k, c.out_k, c.temperature, c.entropy) == (10, 10, 20.0, "mean")
+    assert (c.theta_high, c.theta_low, c.tau) == (0.6, 0.2, 0.2)
+    assert (c.alpha, c.beam_width, c.fanout, c.max_rounds) == (0.5, 4, 1, 10)
+    assert (c.mmr_lambda, c.score_floor, c.kmeans_seed) == (0.9, 0.0, 42)
+    assert c.max_candidates() == (4 + 10 - 1) * 1
+
+
+def test_paper_text_preset_and_replace():
+    p = RFMemConfig.paper_text()
+    assert p.max_rounds == 3 and p.mmr_lambda == 1.0
+    assert RFMemConfig().replace(alpha=0.7).alpha == 0.7
+    with pytest.raises(ValueError, match="alpha"):
+        RFMemConfig().replace(alpha=2.0)
+    assert RFMemConfig().to_dict()["beam_width"] == 4
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("probe_k", 0), ("out_k", -1), ("temperature", 0.0), ("temperature", float("nan")),
+        ("entropy", "shannon"), ("theta_high", 1.5), ("theta_low", -2.0), ("tau", -0.1),
+        ("alpha", 1.01), ("beam_width", 0), ("beam_width", 65), ("fanout", 0), ("max_rounds", 0),
+        ("mmr_lambda", -0.1), ("score_floor", 2.0), ("kmeans_seed", -1), ("kmeans_iters", 0),
+        ("kmeans_tol", -1e-3),
+    ],
+)  # fmt: skip
+def test_out_of_range_field_is_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        RFMemConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("probe_k", 2.5), ("beam_width", True), ("alpha", "0.5")])
+def test_wrong_type_is_named(field, value):
+    with pytest.raises(TypeError, match=field):
+        RFMemConfig(**{field: value})
+
+
+def test_theta_order_checked():
+    with pytest.raises(ValueError, match="theta_low"):
+        RFMemConfig(theta_low=0.7, theta_high=0.6)
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        RFMemConfig().alpha = 0.1  # type: ignore[misc]
