@@ -2,7 +2,7 @@
 
 * ``segmented_topk`` / ``probe``: one fused kernel scores each query against its own
   user's CSR segment in ``BLOCK_N x BLOCK_D`` tiles (any d: the last tile is masked),
-  keeps a running top-K in registers (K = the next power of two >= k) as packed
+  keeps a running top-K in registers (K = the next power of two >= max(k, 16)) as packed
   (score, row) int64 keys whose order is the spec's (score descending, ties by the
   smaller row), and for ``probe`` also computes the familiarity signals (mean and
   entropy of the first ``probe_k`` scores, every convention of
@@ -10,29 +10,40 @@
   score matrix is ever written. Queries are grouped by segment on the host, and one
   program serves a tile of up to ``BLOCK_M`` queries of one segment, so that a bank
   tile loaded once serves all of them (DESIGN.md, "Cost model").
-* ``batched_kmeans``: the k-means++ seeding is :func:`.torch_backend.kmeanspp_init`
-  (the torch backend's own code, so both start from the same centres); the Lloyd
-  iterations run in one kernel with one program per problem, iterated inside the
-  kernel with the same per-problem tolerance and early exit as
-  :meth:`TorchBackend.batched_kmeans`. Labels come from the final centres; centroids are
-  the member means (0 for an empty cluster); padding labels are -1.
+* ``batched_kmeans``: the k-means++ seeding is :func:`rfmem_fast.kmeans.kmeanspp_init`
+  (scikit-learn's greedy seeding as tensor ops, the very code the torch backend runs,
+  so both start from the same centres); the Lloyd iterations run in one kernel with
+  one program per problem, iterated inside the kernel with the stopping rules of
+  :func:`rfmem_fast.kmeans.lloyd` (labels repeat, or squared centre shift <=
+  ``tol * mean variance``). Centroids are the member means of the final labels (0 for
+  an empty cluster); padding labels are -1.
 * ``alpha_mix``: one program per (branch, cluster), normalise + mix + normalise.
 
 Where it runs. On a CUDA device (the default when ``torch.cuda.is_available()``) the
 kernels are compiled by Triton. On the CPU they run only in Triton's interpreter, i.e.
 when ``TRITON_INTERPRET=1`` is set in the environment; the variable is read at CALL
 time (the kernel module is loaded once per mode, see :func:`_kernels`), so a test may
-set it after ``rfmem_fast`` was imported. The interpreter is slow and meant for
-tests.
+set it after ``rfmem_fast`` was imported. Triton itself binds its language library to
+the interpreter or to the compiler at the first ``import triton`` of a process and
+cannot mix the two afterwards (:func:`process_mode`; a clear RuntimeError says so).
+The interpreter is slow and meant for tests. :func:`compile_kernels` runs the real
+compiler down to cubins without a GPU (CI).
 
 Fallbacks (documented, exact): a top-k wider than ``max_k`` (default 1024) and KMeans
 problems with more than 128 points or 64 clusters go to the torch implementation on the
 same device (the CUDA warp top-k of ``csrc/cuda`` is the tool for very large k).
 
-Numerics: scores are float32 dot products accumulated over d tiles, so they may differ
-from a BLAS matmul in the last bits (ids equal except for near-ties within ~1e-6);
-exact duplicates tie exactly and are ordered by row. The probe mean is accumulated in
-float64, the entropy in float32 (returned as float64).
+Numerics (``exact=True``, the default): every score is accumulated in float64 and
+rounded once to float32, which is what the torch backend's exact re-scoring returns,
+so the two backends give the same scores, the same ids and the same tie order, and a
+query's result does not depend on the tiling or on the rest of its batch. The probe
+signals, the KMeans (distances, means, tolerance) and the alpha-mix run in float64
+like their torch counterparts (:func:`rfmem_fast.signals.familiarity_signals`,
+:func:`rfmem_fast.kmeans.lloyd`). Differences left: float64 summation order (about
+1e-16 relative), so a KMeans label can differ only for points equidistant to two
+centres within that, and a score only when a float64 sum lies within 1e-16 of a float32
+rounding boundary. ``exact=False`` accumulates scores in float32 (faster where float64
+is slow; ids may differ from torch at near-ties within ~1e-6).
 """
 from __future__ import annotations
 
@@ -46,8 +57,9 @@ from types import ModuleType
 import torch
 
 from ..config import ENTROPY_CONVENTIONS
+from ..kmeans import kmeanspp_init
 from .base import Backend, BankView
-from .torch_backend import TorchBackend, kmeanspp_init
+from .torch_backend import TorchBackend
 
 _KERNELS_FILE = Path(__file__).with_name("_triton_kernels.py")
 _LOCK = threading.Lock()
@@ -70,10 +82,26 @@ def triton_importable() -> bool:
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET`` is set to 1 / true / on (read now, at call time).
 
-    This is the variable Triton itself reads when a kernel is defined; the backend
-    loads the matching copy of its kernels (:func:`_kernels`).
+    This is the variable Triton reads when a kernel is defined. Note that Triton fixes
+    the mode of its own library functions (``tl.sort``, ``tl.flip``, ...) when
+    ``triton`` is FIRST imported in a process (see :func:`process_mode`).
     """
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
+
+
+def process_mode() -> bool | None:
+    """Whether the imported ``triton`` runs its language library interpreted.
+
+    Returns:
+        True (interpreter), False (compiler), or None when triton is not imported yet
+        (then the first import follows ``TRITON_INTERPRET``).
+    """
+    if "triton.language" not in sys.modules:
+        return None
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.flip, InterpretedFunction)
 
 
 def triton_available() -> bool:
@@ -103,37 +131,119 @@ def extend_available(names: list[str]) -> list[str]:
     return names + ["triton"]
 
 
-def _kernels() -> ModuleType:
+def _kernels(interpret: bool | None = None) -> ModuleType:
     """The kernel module for the current mode (compiled or interpreted).
 
     ``triton.jit`` binds a kernel to the interpreter or to the compiler when the kernel
     is defined, according to ``TRITON_INTERPRET`` at that moment; so
-    ``_triton_kernels.py`` is executed once per mode into its own private module.
+    ``_triton_kernels.py`` is executed into a private module for the mode asked for
+    (cached). Triton's own library (``tl.sort``, ...) is bound once, at the first
+    ``import triton`` of the process: when this function makes that first import, it
+    makes it in the mode asked for; a later request for the other mode is refused.
+
+    Args:
+        interpret: the mode to load; None = the current ``TRITON_INTERPRET``.
 
     Raises:
-        RuntimeError: triton is not installed.
+        RuntimeError: triton is not installed, or it was imported in the other mode.
     """
-    mode = interpret_mode()
+    mode = interpret_mode() if interpret is None else bool(interpret)
     mod = _KERNEL_MODULES.get(mode)
     if mod is not None:
         return mod
+    if not triton_importable():
+        raise RuntimeError("the triton backend needs the 'triton' package (pip install triton)")
+    if process_mode() is None:  # first import of triton: in the mode asked for
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if mode else "0"
+        try:
+            import triton.language  # noqa: F401
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+    if process_mode() != mode:
+        raise RuntimeError(
+            f"triton was first imported in this process {'with' if not mode else 'without'} "
+            f"TRITON_INTERPRET=1, and Triton cannot mix its interpreter and its compiler in one "
+            f"process; set TRITON_INTERPRET {'before' if mode else 'only in another process than'} "
+            f"the first import of triton"
+        )
     with _LOCK:
         mod = _KERNEL_MODULES.get(mode)
         if mod is None:
-            if not triton_importable():
-                raise RuntimeError("the triton backend needs the 'triton' package (pip install triton)")
             name = f"{__package__}._triton_kernels_{'interp' if mode else 'jit'}"
             spec = importlib.util.spec_from_file_location(name, _KERNELS_FILE)
             assert spec is not None and spec.loader is not None
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
+            saved = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1" if mode else "0"  # what triton.jit reads now
             try:
                 spec.loader.exec_module(mod)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
+            finally:
+                if saved is None:
+                    os.environ.pop("TRITON_INTERPRET", None)
+                else:
+                    os.environ["TRITON_INTERPRET"] = saved
             _KERNEL_MODULES[mode] = mod
     return mod
+
+
+def compile_kernels(arch: int = 90, variants: list[tuple[str, dict]] | None = None) -> dict[str, str]:
+    """Compile the kernels ahead of time for an NVIDIA target; no GPU or driver needed.
+
+    Runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin via the ptxas that
+    ships with triton) on representative constexpr variants, so that CI on a CPU-only
+    machine catches a kernel that would not compile on the GPU (the interpreter checks
+    semantics only).
+
+    Args:
+        arch: compute capability as an int (80, 90, ...).
+        variants: list of (kernel name, constexprs incl. "num_warps") or None for the
+            default set (every kernel, exact and float32 top-k, small and large K).
+
+    Returns:
+        dict variant label -> size of the cubin in bytes.
+
+    Raises:
+        RuntimeError: triton is not installed, or this process imported triton under
+            ``TRITON_INTERPRET=1`` (run it in a fresh process); compilation errors
+            propagate.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = _kernels(interpret=False)  # a process whose triton is interpreted is refused here
+    if variants is None:
+        top = dict(K=16, BLOCK_M=1, BLOCK_N=64, BLOCK_D=16, EXACT=True, USE_DOT=False, SIGNALS=True, CONVENTION=0)
+        variants = [
+            ("segtopk_kernel", dict(top, num_warps=4)),
+            ("segtopk_kernel", dict(top, SIGNALS=False, num_warps=4)),
+            ("segtopk_kernel", dict(top, BLOCK_M=16, BLOCK_N=32, BLOCK_D=2, CONVENTION=2, num_warps=4)),
+            ("segtopk_kernel", dict(top, BLOCK_M=16, BLOCK_N=32, BLOCK_D=16, EXACT=False, USE_DOT=True,
+                                    CONVENTION=1, num_warps=4)),
+            ("segtopk_kernel", dict(top, K=1024, BLOCK_N=1024, BLOCK_D=2, SIGNALS=False, num_warps=8)),
+            ("kmeans_kernel", dict(NP=16, CP=4, BLOCK_D=32, num_warps=4)),
+            ("kmeans_kernel", dict(NP=64, CP=16, BLOCK_D=2, num_warps=4)),
+            ("alpha_mix_kernel", dict(BLOCK_D=512, num_warps=4)),
+        ]
+    target = GPUTarget("cuda", int(arch), 32)
+    out: dict[str, str] = {}
+    for name, consts in variants:
+        consts = dict(consts)
+        nw = consts.pop("num_warps", 4)
+        fn = getattr(kern, name)
+        src = ASTSource(fn=fn, signature=kern.SIGNATURES[name], constexprs=consts)
+        compiled = triton.compile(src, target=target, options={"num_warps": nw, "enable_fp_fusion": False})
+        label = f"{name}[{', '.join(f'{k}={v}' for k, v in consts.items())}, num_warps={nw}]"
+        out[label] = len(compiled.asm["cubin"])
+    return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -171,6 +281,11 @@ class TritonBackend(Backend):
         max_k: widest top-k run in the kernel (power of two); wider ones fall back to
             the torch implementation.
         num_warps: warps per program on the GPU (None: 4, or 8 for K >= 512).
+        exact: True (default): scores accumulated in float64 and rounded once to
+            float32, as the torch backend's exact re-scoring, so that a query's scores
+            (and ties) do not depend on the tiling or on the batch, and the backends
+            agree; False: float32 accumulation (``tl.dot`` for tiles of >= 16 queries),
+            faster on GPUs with slow float64, ids may differ at near-ties.
 
     Raises:
         ValueError: an unsupported device type, or bad ``block_m`` / ``max_k`` /
@@ -187,6 +302,7 @@ class TritonBackend(Backend):
         block_m: int | None = None,
         max_k: int = 1024,
         num_warps: int | None = None,
+        exact: bool = True,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,6 +323,9 @@ class TritonBackend(Backend):
             _check_int("num_warps", num_warps, 1)
             if num_warps > 32 or num_warps & (num_warps - 1):
                 raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
+        if not isinstance(exact, bool):
+            raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+        self.exact = exact
         self.block_m = block_m
         self.max_k = int(max_k)
         self.num_warps = num_warps
@@ -230,9 +349,8 @@ class TritonBackend(Backend):
         else:
             raise ValueError(f"the triton backend cannot run on device {dev}")
 
-    def _launch_kw(self, K: int) -> dict:
-        nw = self.num_warps if self.num_warps is not None else (8 if K >= 512 else 4)
-        return {"num_warps": nw}
+    def _num_warps(self, K: int) -> int:
+        return self.num_warps if self.num_warps is not None else (8 if K >= 512 else 4)
 
     def _check_view_query(self, view: BankView, Q, qseg, k) -> int:
         if not isinstance(view, BankView):
@@ -275,7 +393,11 @@ class TritonBackend(Backend):
         return bm, perm.contiguous(), sseg[q0].contiguous(), q0.contiguous(), qlen.contiguous()
 
     def _topk_launch(self, view: BankView, Q, qseg, k: int, signals: tuple | None):
-        """Run the fused kernel. Returns (scores, rows, mean, ent, count) (last three None without signals)."""
+        """Run the fused kernel: (scores [b, k], rows [b, k], mean [b], entropy [b], count [b]).
+
+        ``signals`` = (probe_k, temperature, convention index) or None (then the last
+        three are zeros and the kernel skips the signals).
+        """
         dev = view.X.device
         self._check_runnable(dev)
         kern = _kernels()
@@ -290,32 +412,37 @@ class TritonBackend(Backend):
         scores = torch.full((b, k), float("-inf"), dtype=torch.float32, device=dev)
         rows = torch.full((b, k), -1, dtype=torch.int64, device=dev)
         mean = torch.zeros(b, dtype=torch.float64, device=dev)
-        ent32 = torch.zeros(b, dtype=torch.float32, device=dev)
+        ent = torch.zeros(b, dtype=torch.float64, device=dev)
         count = torch.zeros(b, dtype=torch.int64, device=dev)
         if b == 0 or X.shape[0] == 0:
-            return scores, rows, mean, ent32.to(torch.float64), count
+            return scores, rows, mean, ent, count
         if bool(((qseg < 0) | (qseg >= U)).any()):
             raise ValueError(f"qseg values must be segment indices in [0, {U})")
-        K = _next_pow2(k)
+        K = max(16, _next_pow2(k))  # >= 16: fewer compiled variants, no degenerate 1-wide sorts
         bm, perm, tseg, tq0, tlen = self._tiles(qseg, K)
         block_n = max(K, 32 if bm > 1 else 64)
-        use_dot = bm >= 16
-        bd = min(_next_pow2(d), 128, max(1, 8192 // (bm * block_n)))
+        use_dot = (not self.exact) and bm >= 16
+        nw = self._num_warps(K)
+        # elements of the [BLOCK_M, BLOCK_N, BLOCK_D] product per program: ~8 float64 (16
+        # float32) per thread keeps sm_90 builds near 64-128 registers, no spills
+        budget = (1024 if self.exact else 2048) * nw // 4
+        bd = min(_next_pow2(d), 128, max(1, budget // (bm * block_n)))
         if use_dot:
             bd = max(bd, 16)
         if signals is None:
             probe_k, lam, conv, with_sig = 1, 1.0, 0, False
         else:
             probe_k, lam, conv, with_sig = signals[0], float(signals[1]), signals[2], True
+        lam_t = torch.tensor([lam], dtype=torch.float64, device=dev)
         grid = (tseg.shape[0],)
         kern.segtopk_kernel[grid](
             Q, X, off, perm, tseg, tq0, tlen,
-            scores, rows, mean, ent32, count,
-            d, k, Q.stride(0), X.stride(0), probe_k, lam,
-            K=K, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=bd, USE_DOT=use_dot,
-            SIGNALS=with_sig, CONVENTION=conv, **self._launch_kw(K),
+            scores, rows, mean, ent, count,
+            d, k, Q.stride(0), X.stride(0), probe_k, lam_t,
+            K=K, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=bd, EXACT=self.exact, USE_DOT=use_dot,
+            SIGNALS=with_sig, CONVENTION=conv, num_warps=nw, enable_fp_fusion=not self.exact,
         )
-        return scores, rows, mean, ent32.to(torch.float64), count
+        return scores, rows, mean, ent, count
 
     # ------------------------------------------------------------ primitives
     def segmented_topk(self, view: BankView, Q, qseg, k):
@@ -376,12 +503,14 @@ class TritonBackend(Backend):
         conv = ENTROPY_CONVENTIONS.index(convention)
         return self._topk_launch(view, Q, qseg, k, (probe_k, float(temperature), conv))
 
-    def batched_kmeans(self, V, counts, clusters, iters, tol, seeds):
-        """Many small KMeans problems: torch k-means++ seeding + in-kernel Lloyd.
+    def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
+        """Many small KMeans problems: batched k-means++ seeding + in-kernel Lloyd.
 
-        See :meth:`Backend.batched_kmeans` (spec section 4). Produces the same labels
-        as :meth:`TorchBackend.batched_kmeans` up to float rounding of near-equidistant
-        points (same seeding, same distance formula, same tolerance and early exit).
+        See :meth:`Backend.batched_kmeans` (spec section 4). Same seeding
+        (:func:`rfmem_fast.kmeans.kmeanspp_init`), distance formula, tolerance and
+        stopping rules as :meth:`TorchBackend.batched_kmeans` /
+        :func:`rfmem_fast.kmeans.lloyd`, so the labels agree up to float rounding of
+        near-equidistant points.
 
         Args:
             V: float [m, n, d] points; problem i uses ``V[i, :counts[i]]``.
@@ -389,23 +518,25 @@ class TritonBackend(Backend):
             clusters: integer [m], 1 <= clusters[i] <= counts[i].
             iters: int >= 1, Lloyd iteration cap.
             tol: float >= 0, relative tolerance (times the mean variance of the points).
-            seeds: integer [m] stream keys (:mod:`rfmem_fast._rng`).
+            seed: int >= 0, scikit-learn's ``random_state``.
 
         Returns:
             (labels int64 [m, n], -1 on padding; centroids float32 [m, c, d] with
-            c = max(clusters), member means, 0 when empty or unused).
+            c = max(clusters), member means, 0 when empty or unused), on the backend's
+            device.
 
         Raises:
-            TypeError: wrong tensor types / dtypes, non-int iters, non-float tol.
-            ValueError: wrong shapes or counts / clusters out of range.
+            TypeError: wrong tensor types / dtypes, non-int iters or seed, non-float tol.
+            ValueError: wrong shapes, counts / clusters out of range, negative tol or seed.
             RuntimeError: the device cannot run Triton.
         """
         _check_tensor("V", V, 3, floating=True)
-        for nm, t in (("counts", counts), ("clusters", clusters), ("seeds", seeds)):
+        for nm, t in (("counts", counts), ("clusters", clusters)):
             _check_tensor(nm, t, 1, floating=False)
             if t.shape[0] != V.shape[0]:
                 raise ValueError(f"{nm} has {t.shape[0]} entries but V holds {V.shape[0]} problems")
         iters = _check_int("iters", iters, 1)
+        seed = _check_int("seed", seed, 0)
         if isinstance(tol, bool) or not isinstance(tol, (int, float)):
             raise TypeError(f"tol must be a float, got {type(tol).__name__}")
         if not tol >= 0:
@@ -413,9 +544,8 @@ class TritonBackend(Backend):
         dev = self.device
         self._check_runnable(dev)
         V = V.to(dev, torch.float32).contiguous()
-        counts = counts.to(dev, torch.int64)
-        clusters = clusters.to(dev, torch.int64)
-        seeds = seeds.to(dev, torch.int64)
+        counts = counts.to(dev, torch.int64).contiguous()
+        clusters = clusters.to(dev, torch.int64).contiguous()
         m, n, d = V.shape
         if m == 0:
             return (
@@ -430,28 +560,28 @@ class TritonBackend(Backend):
                 f"got counts={int(counts[i])}, clusters={int(clusters[i])}"
             )
         c_max = int(clusters.max())
-        NP = max(16, _next_pow2(n))
-        CP = max(16, _next_pow2(c_max))
         if n > KMEANS_MAX_POINTS or c_max > KMEANS_MAX_CLUSTERS:
-            return self._torch.batched_kmeans(V, counts, clusters, iters, tol, seeds)
+            return self._torch.batched_kmeans(V, counts, clusters, iters, tol, seed)
         kern = _kernels()
-        C = kmeanspp_init(V, counts, clusters, seeds).contiguous()
-        # per-problem tolerance, exactly as TorchBackend: tol * mean variance of the points
+        C = kmeanspp_init(V, counts, clusters, seed).to(torch.float64).contiguous()
+        # per-problem tolerance, exactly as rfmem_fast.kmeans.lloyd: tol * mean variance (float64)
+        V64 = V.to(torch.float64)
         pmask = torch.arange(n, device=dev)[None, :] < counts[:, None]
-        cnt_f = counts.to(torch.float32)[:, None]
-        Vm = V * pmask[:, :, None]
-        mu = Vm.sum(dim=1) / cnt_f
-        var = ((Vm - mu[:, None, :]) ** 2 * pmask[:, :, None]).sum(dim=1) / cnt_f
-        tol_m = (tol * var.mean(dim=1)).to(torch.float32).contiguous()
+        cnt_f = counts.to(torch.float64)[:, None]
+        mu = (V64 * pmask[:, :, None]).sum(dim=1) / cnt_f
+        var = (((V64 - mu[:, None, :]) ** 2) * pmask[:, :, None]).sum(dim=1) / cnt_f
+        tol_m = (tol * var.mean(dim=1)).contiguous()
+        del V64
         labels = torch.empty((m, n), dtype=torch.int64, device=dev)
-        bd = min(64, max(16, _next_pow2(d)))
+        NP, CP = max(16, _next_pow2(n)), max(4, _next_pow2(c_max))  # floors: fewer compiled variants
         kern.kmeans_kernel[(m,)](
-            V, counts.contiguous(), clusters.contiguous(), tol_m, C, labels,
+            V, counts, clusters, tol_m, C, labels,
             n, c_max, d, iters,
             V.stride(0), V.stride(1), C.stride(0), C.stride(1),
-            NP=NP, CP=CP, BLOCK_D=bd, num_warps=4,
+            NP=NP, CP=CP, BLOCK_D=min(_next_pow2(d), max(1, 2048 // (NP * CP))),
+            num_warps=4, enable_fp_fusion=False,
         )
-        return labels, C
+        return labels, C.to(torch.float32)
 
     def alpha_mix(self, qb, centroids, q0, alpha):
         """Child queries of all branches in one kernel (see :meth:`Backend.alpha_mix`).
@@ -494,8 +624,20 @@ class TritonBackend(Backend):
         q0 = q0.to(dev, torch.float32).contiguous()
         cen = centroids.to(dev, torch.float32).contiguous()
         bd = min(1024, _next_pow2(d))
-        kern.alpha_mix_kernel[(m * c,)](qb, cen, q0, out, c, d, float(alpha), BLOCK_D=bd, num_warps=4)
+        alpha = float(alpha)
+        params = torch.tensor([alpha, 1.0 - alpha, 1e-12], dtype=torch.float64, device=dev)
+        kern.alpha_mix_kernel[(m * c,)](
+            qb, cen, q0, out, params, c, d, BLOCK_D=bd, num_warps=4, enable_fp_fusion=False
+        )
         return out
 
 
-__all__ = ["TritonBackend", "extend_available", "interpret_mode", "triton_available", "triton_importable"]
+__all__ = [
+    "TritonBackend",
+    "compile_kernels",
+    "extend_available",
+    "interpret_mode",
+    "process_mode",
+    "triton_available",
+    "triton_importable",
+]

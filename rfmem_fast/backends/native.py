@@ -1,0 +1,135 @@
+"""Native backend: the primitives as C++17 CPU kernels (``rfmem_fast._native``, csrc/cpu).
+
+* segmented top-k: one float32 pass over each query's own segment; the queries of one
+  user share each tile of its rows (up to 16 queries per tile, 4 rows per step, a
+  bounded heap per query touched only when a score beats the current worst kept one);
+  the k + 8 kept candidates are re-scored in float64 and rounded to float32, as the
+  torch backend does, so both give the same scores; ties by the smaller row; no
+  [b, n] score matrix. :meth:`probe` fuses the familiarity signals (float64, the three
+  conventions of :func:`rfmem_fast.signals.familiarity_signals`).
+* batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
+  the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
+  per OpenMP task, float64 arithmetic; labels equal the torch backend's on inputs
+  without exact near-ties.
+* alpha-mix: per (branch, cluster) in float64, rounded to float32.
+
+Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
+tensors); the kernels release the GIL and run on ``num_threads`` OpenMP threads
+(default: ``torch.get_num_threads()`` at call time).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _native
+from ..kmeans import n_local_trials, sklearn_draws
+from .base import Backend, BankView
+
+
+def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A C-contiguous CPU numpy view of ``t`` as ``dtype`` (copies only when needed)."""
+    return t.detach().to("cpu", dtype).contiguous().numpy()
+
+
+class NativeBackend(Backend):
+    """C++/OpenMP CPU implementation of the primitives (see the module docstring).
+
+    Args:
+        num_threads: OpenMP threads per call; ``None`` (default) follows
+            ``torch.get_num_threads()`` at each call.
+
+    Raises:
+        ValueError: ``num_threads`` < 1.
+    """
+
+    name = "native"
+    device = torch.device("cpu")
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        if num_threads is not None and (isinstance(num_threads, bool) or int(num_threads) < 1):
+            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        self.num_threads = None if num_threads is None else int(num_threads)
+
+    def _threads(self) -> int:
+        return self.num_threads if self.num_threads is not None else max(1, torch.get_num_threads())
+
+    @staticmethod
+    def _bank(view: BankView) -> tuple[np.ndarray, np.ndarray]:
+        return _np(view.X, torch.float32), _np(view.offsets_cpu, torch.int64)
+
+    # ---------------------------------------------------------------- top-k
+    def segmented_topk(self, view: BankView, Q, qseg, k):
+        """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``).
+
+        Raises:
+            ValueError: ``k`` < 1, or a segment index out of range.
+        """
+        X, off = self._bank(view)
+        s, r = _native.segmented_topk(
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads()
+        )
+        return torch.from_numpy(s), torch.from_numpy(r)
+
+    def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
+        """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
+
+        Raises:
+            ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
+        """
+        X, off = self._bank(view)
+        s, r, mean, ent, cnt = _native.probe(
+            X,
+            off,
+            _np(Q, torch.float32),
+            _np(qseg, torch.int64),
+            int(k),
+            int(probe_k),
+            float(temperature),
+            str(convention),
+            self._threads(),
+        )
+        return (
+            torch.from_numpy(s),
+            torch.from_numpy(r),
+            torch.from_numpy(mean),
+            torch.from_numpy(ent),
+            torch.from_numpy(cnt),
+        )
+
+    # ---------------------------------------------------------------- KMeans
+    def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
+        """See :meth:`Backend.batched_kmeans` (C++ kernel ``_native.batched_kmeans``).
+
+        The uniforms of scikit-learn's seeding (``RandomState(seed)``, one sequence per
+        cluster count) are drawn here and passed to the kernel as a table.
+
+        Raises:
+            ValueError: counts / clusters out of range (from the kernel).
+        """
+        Vn = _np(V, torch.float32)
+        cn = _np(counts, torch.int64)
+        kn = _np(clusters, torch.int64)
+        m = Vn.shape[0]
+        ks = sorted({int(k) for k in kn.tolist() if k >= 1})
+        width = max((1 + (k - 1) * n_local_trials(k) for k in ks), default=1)
+        draws = np.zeros((m, width), dtype=np.float64)
+        for k in ks:
+            d = sklearn_draws(int(seed), k)
+            draws[kn == k, : d.shape[0]] = d
+        labels, cents = _native.batched_kmeans(
+            Vn, cn, kn, int(iters), float(tol), draws, self._threads()
+        )
+        return torch.from_numpy(labels), torch.from_numpy(cents)
+
+    # ---------------------------------------------------------------- mixing
+    def alpha_mix(self, qb, centroids, q0, alpha):
+        """See :meth:`Backend.alpha_mix` (C++ kernel ``_native.alpha_mix``)."""
+        out = _native.alpha_mix(
+            _np(qb, torch.float32),
+            _np(centroids, torch.float32),
+            _np(q0, torch.float32),
+            float(alpha),
+            self._threads(),
+        )
+        return torch.from_numpy(out)
