@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rfmem_fast import RFMemConfig, search
+from rfmem_fast import RFMemConfig, available_backends, search
 from rfmem_fast.metrics import aggregate, recall_at_k
 
 SPEC_RECALL = {"dense": 0.5385, "recollection": 0.5322, "rfmem": 0.5352}  # RFMEM_SPEC.md section 7
@@ -71,14 +71,22 @@ CONFIGS = {
 }  # fmt: skip
 
 
+_RUNS: dict = {}
+FAST_CPU_BACKENDS = [b for b in ("torch", "native") if b in available_backends()]
+
+
+@pytest.mark.parametrize("backend", FAST_CPU_BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_torch_matches_reference(pb_embedded, name):
+def test_fast_backend_matches_reference(pb_embedded, name, backend):
     cfg = CONFIGS[name]
     pb = pb_embedded
     runs = {}
-    for be in ("reference", "torch"):
-        runs[be] = {m: search(pb.bank, pb.queries, pb.users, cfg, mode=m, backend=be) for m in ("dense", "recollection", "rfmem")}
-    ref, tor = runs["reference"], runs["torch"]
+    for be in ("reference", backend):
+        key = (name, be)
+        if key not in _RUNS:  # each reference run is shared by the fast backends
+            _RUNS[key] = {m: search(pb.bank, pb.queries, pb.users, cfg, mode=m, backend=be) for m in ("dense", "recollection", "rfmem")}
+        runs[be] = _RUNS[key]
+    ref, tor = runs["reference"], runs[backend]
     assert all(ref["dense"].ids_list(i) == tor["dense"].ids_list(i) for i in range(len(pb.users)))
     assert (ref["rfmem"].route == tor["rfmem"].route).all()
     assert (ref["rfmem"].rule == tor["rfmem"].rule).all()
@@ -86,7 +94,7 @@ def test_torch_matches_reference(pb_embedded, name):
     np.testing.assert_allclose(ref["rfmem"].entropy, tor["rfmem"].entropy, atol=1e-5)
     for m in ("recollection", "rfmem"):
         assert abs(overall_recall(pb, ref[m]) - overall_recall(pb, tor[m])) <= 0.01, m
-        # the torch KMeans replays scikit-learn's draws, so the ids agree almost everywhere
+        # the fast KMeans replay scikit-learn's draws, so the ids agree almost everywhere
         same = np.mean([ref[m].ids_list(i) == tor[m].ids_list(i) for i in range(len(pb.users))])
         assert same >= 0.95, (m, same)
     # the configs really differ from the defaults in what they route
