@@ -1,4 +1,14 @@
-"""Input checks shared by the bank and the search API (clear errors, never a crash)."""
+"""Input checks shared by the bank and the search API (clear errors, never a crash).
+
+Hostile input and what it gets (each error names the argument):
+
+* non-floating dtypes (int, bool, complex, object, str) -> TypeError;
+* ragged nested lists, a scalar, a 1-D or 3-D array, d == 0, a wrong d -> ValueError;
+* NaN / Inf, or finite float64 values beyond the float32 range -> ValueError;
+* a row of zero norm (nothing to normalise) -> ValueError;
+* torch tensors of any floating dtype (bfloat16 included), on any device, with or
+  without grad, are accepted and copied to CPU float32.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -22,12 +32,19 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
         np.ndarray float32 [n, d], C-contiguous (a copy when the input was not already so).
 
     Raises:
-        TypeError: non-floating dtype (int, bool, object, complex).
-        ValueError: not 2-D, wrong d, or NaN / Inf values.
+        TypeError: non-floating dtype (int, bool, object, complex, str).
+        ValueError: not convertible to an array (ragged), not 2-D, d == 0, wrong d,
+            NaN / Inf values, or values that overflow float32.
     """
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
+        x = x.detach().cpu()
+        if getattr(x, "is_floating_point", lambda: False)() and x.element_size() < 4:
+            x = x.float()  # bfloat16 has no numpy dtype; float16 widens exactly
+        x = x.numpy()
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as exc:  # ragged nested lists and the like
+        raise ValueError(f"{name} must be a 2-D array [n, d] of floats: {exc}") from None
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.floating):
         raise TypeError(
             f"{name} must hold floating-point values (float16/32/64), got dtype {arr.dtype}"
@@ -38,9 +55,16 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
         raise ValueError(f"{name} must have d >= 1 columns, got shape {tuple(arr.shape)}")
     if dim is not None and arr.shape[1] != dim:
         raise ValueError(f"{name} must have dimension {dim}, got {arr.shape[1]}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    src = arr
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
     if arr.size and not np.isfinite(arr).all():
-        bad = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        bad_rows = ~np.isfinite(arr).all(axis=1)
+        bad = int(np.flatnonzero(bad_rows)[0])
+        if src.dtype.itemsize > 4 and np.isfinite(src[bad]).all():
+            raise ValueError(
+                f"{name} row {bad} holds values beyond the float32 range (|x| > 3.4e38); scale it down"
+            )
         raise ValueError(f"{name} holds NaN or Inf (first in row {bad})")
     return arr
 
@@ -56,10 +80,12 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
         float32 [n, d], each row of unit L2 norm (a new array).
 
     Raises:
-        ValueError: a row has zero norm (nothing to normalise).
+        ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise).
     """
     norms = np.linalg.norm(arr.astype(np.float64), axis=1)
     if arr.shape[0] and (norms <= _NORM_EPS).any():
         bad = int(np.flatnonzero(norms <= _NORM_EPS)[0])
-        raise ValueError(f"{name} row {bad} has zero norm; it cannot be L2-normalised")
+        raise ValueError(
+            f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised"
+        )
     return (arr / norms[:, None]).astype(np.float32)

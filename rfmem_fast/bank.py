@@ -1,14 +1,54 @@
 """MemoryBank: many users' memory vectors in one CSR layout (RFMEM_SPEC.md, "Vectors and scores").
 
-The rows of all users are stored in one float32 matrix ``vectors[n, d]``; user ``u``
-owns the contiguous rows ``offsets[u] : offsets[u + 1]`` (CSR segments). Every row
-is L2-normalised on the way in, so that the inner product is the cosine score.
-Each row carries the caller's item id (str or int, unique within its user) and an
-optional text.
+What readers see
+----------------
+A :class:`BankSnapshot` (``bank.snapshot()``): one float32 matrix ``vectors[n, d]``
+holding the LIVE rows of all users, user ``u`` owning the contiguous rows
+``offsets[u] : offsets[u + 1]`` (CSR segments), the caller's item id and text of each
+row, the user keys, and the bank's write counter. Every row is L2-normalised on the
+way in, so the inner product is the cosine score. Deleted items are never in a
+snapshot, so no search mode or backend can return one. A snapshot is immutable: a
+search holding it is unaffected by later writes.
 
-Writes (``add``) go to per-user blocks; the CSR arrays are rebuilt lazily on the
-next read, once, and cached until the next write. Reads never see a half-built
-layout: the cached snapshot is replaced whole.
+Writes
+------
+``add`` / ``delete`` / ``update`` change per-user storage only, under one write lock,
+and never touch a published snapshot:
+
+* each user owns a ``base`` block (a read-only view into the last snapshot, or into
+  the memory-mapped store after ``load(mmap=True)``) and an owned ``tail`` buffer with
+  capacity doubling, so appends are amortised O(d) per row;
+* ``delete`` marks tombstones (O(1) per id); a user whose tombstones outnumber its
+  live rows (and are at least 64) is compacted on the spot (O(n_u d), amortised over
+  those deletions);
+* ``update`` overwrites a tail row in place, or records a patch for a base row (the
+  base is shared with the snapshot, so it is never written); the item keeps its id
+  and its row position (hence its tie-breaking rank, spec "Vectors and scores").
+
+Cost model
+----------
+* write: O(m d) to validate and normalise m rows, O(m) bookkeeping; the first write to
+  a user after a snapshot also copies that user's id / text lists (O(n_u)).
+* snapshot: built lazily on the first read after a write (so a burst of writes costs
+  one build), under the lock: one O(N d) copy into a fresh matrix (CSR segments must
+  be contiguous, so every write moves the rows after it), plus O(n_u) per changed user
+  for ids and texts; unchanged users' id / text arrays are copied at C speed. After
+  the build every user's storage is rebased onto the new matrix (tails, tombstones and
+  patches dropped), so the bank holds ONE copy of its rows in steady state and two
+  while a build runs or while an old snapshot is still held by a search.
+* :meth:`MemoryBank.compact` forces that build now (reclaiming tombstoned rows); it
+  changes neither the version nor any search result.
+
+Concurrency model
+-----------------
+One re-entrant write lock serialises writers and snapshot builds; readers take the
+current snapshot without the lock (an attribute read) and work on that immutable copy
+(copy-on-write). A search therefore sees exactly one bank version: never a torn mix,
+never an item deleted before it started (its snapshot is at least as new as every
+write that completed before the call). Users are append-only (a user whose items are
+all deleted stays, with 0 items), so user indices are stable across versions.
+
+Persistence: :meth:`MemoryBank.save` / :meth:`MemoryBank.load` (see :mod:`rfmem_fast.store`).
 """
 from __future__ import annotations
 
@@ -22,22 +62,35 @@ from ._validate import as_float_matrix, l2_normalize_rows
 
 ItemId = Hashable
 
+#: a user is compacted on the spot once its tombstones reach this many AND outnumber its live rows
+COMPACT_MIN_DEAD = 64
+
 
 @dataclass(frozen=True)
 class BankSnapshot:
     """An immutable CSR view of a bank, as the backends consume it.
 
     Attributes:
-        vectors: float32 [n, d], C-contiguous, unit rows.
-        offsets: int64 [U + 1], non-decreasing, ``offsets[0] == 0``, ``offsets[U] == n``.
-        item_ids: object ndarray [n], the caller's item id of each row.
+        vectors: float32 [n, d], C-contiguous, unit rows; only live (not deleted)
+            items. After ``MemoryBank.load(..., mmap=True)`` it may be backed by a
+            copy-on-write memory map of the store's ``vectors.npy``.
+        offsets: int64 [U + 1], non-decreasing, ``offsets[0] == 0``, ``offsets[U] == n``;
+            user ``u`` owns rows ``offsets[u]:offsets[u+1]``.
+        item_ids: object ndarray [n], the caller's item id (str or int) of each row.
         version: the bank's write counter when the snapshot was taken.
+        users: the U user keys in segment order (str or int).
+        texts: object ndarray [n], the text (str or None) of each row; None when
+            the snapshot was made by hand without texts.
+
+    Nothing here may be written: banks and searches share these arrays.
     """
 
     vectors: np.ndarray
     offsets: np.ndarray
     item_ids: np.ndarray
     version: int
+    users: tuple = ()
+    texts: np.ndarray | None = None
 
     @property
     def num_users(self) -> int:
@@ -45,35 +98,50 @@ class BankSnapshot:
         return int(self.offsets.shape[0] - 1)
 
     @property
+    def num_items(self) -> int:
+        """Number of live rows n."""
+        return int(self.vectors.shape[0])
+
+    @property
     def segment_lengths(self) -> np.ndarray:
         """int64 [U]: rows per user."""
         return np.diff(self.offsets)
 
 
-def _check_user(user: Any) -> Hashable:
-    if isinstance(user, bool) or not isinstance(user, (str, int, np.integer)):
-        raise TypeError(f"user must be a str or an int, got {type(user).__name__}")
-    return int(user) if isinstance(user, np.integer) else user
+# ---------------------------------------------------------------------- argument checks
+def _check_user(user: Any, name: str = "user") -> Hashable:
+    """A user key as stored: str or int (numpy scalars converted; bool refused)."""
+    if isinstance(user, (bool, np.bool_)) or not isinstance(user, (str, int, np.integer)):
+        raise TypeError(f"{name} must be a str or an int, got {type(user).__name__}")
+    if isinstance(user, np.integer):
+        return int(user)
+    return str(user) if isinstance(user, np.str_) else user
 
 
-def _check_ids(ids: Any, n: int, name: str = "ids") -> list[ItemId]:
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+def _check_id_list(ids: Any, name: str = "ids") -> list[ItemId]:
+    """Item ids as stored: a sequence of str or int (numpy scalars converted), no duplicates."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not hasattr(ids, "__iter__"):
         raise TypeError(f"{name} must be a sequence of str or int item ids, got {type(ids).__name__}")
     out: list[ItemId] = []
     for i in ids:
-        if isinstance(i, np.integer):
+        if isinstance(i, np.integer) and not isinstance(i, np.bool_):
             i = int(i)
         elif isinstance(i, np.str_):
             i = str(i)
         if isinstance(i, bool) or not isinstance(i, (str, int)):
             raise TypeError(f"{name} must hold str or int item ids, got {type(i).__name__}")
         out.append(i)
-    if len(out) != n:
-        raise ValueError(f"{name} has {len(out)} entries but vectors has {n} rows")
     if len(set(out)) != len(out):
         seen: set = set()
         dup = next(i for i in out if i in seen or seen.add(i))
         raise ValueError(f"{name} holds the duplicate item id {dup!r}")
+    return out
+
+
+def _check_ids(ids: Any, n: int, name: str = "ids") -> list[ItemId]:
+    out = _check_id_list(ids, name)
+    if len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries but vectors has {n} rows")
     return out
 
 
@@ -82,40 +150,210 @@ def _check_texts(texts: Any, n: int) -> list[str | None]:
         return [None] * n
     if isinstance(texts, (str, bytes)):
         raise TypeError("texts must be a sequence of str (or None), got a single string")
+    if not hasattr(texts, "__iter__"):
+        raise TypeError(f"texts must be a sequence of str (or None), got {type(texts).__name__}")
     out = list(texts)
     if len(out) != n:
         raise ValueError(f"texts has {len(out)} entries but vectors has {n} rows")
     for t in out:
         if t is not None and not isinstance(t, str):
             raise TypeError(f"texts must hold str or None, got {type(t).__name__}")
+    return [None if t is None else str(t) for t in out]
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    if len(values):
+        out[:] = list(values)
     return out
 
 
+# ---------------------------------------------------------------------- per-user storage
+class _UserRows:
+    """Row storage of one user; every method runs under the bank's lock.
+
+    Slots ``0 .. nb-1`` live in ``base`` (shared, never written), slots ``nb ..`` in
+    ``tail[:n_tail]`` (owned). ``ids`` / ``texts`` / ``alive`` are per slot and exist
+    only while the user is ``dirty`` (changed since the last snapshot); a clean user
+    is described by ``base`` plus ``ids_arr`` / ``texts_arr``, views into the last
+    snapshot.
+    """
+
+    __slots__ = (
+        "base", "tail", "n_tail", "ids", "texts", "alive", "n_dead", "patches",
+        "slot_of", "dirty", "ids_arr", "texts_arr",
+    )
+
+    def __init__(self, dim: int) -> None:
+        self.base = np.zeros((0, dim), dtype=np.float32)
+        self.tail: np.ndarray | None = None
+        self.n_tail = 0
+        self.ids: list = []
+        self.texts: list = []
+        self.alive = bytearray()
+        self.n_dead = 0
+        self.patches: dict[int, np.ndarray] = {}
+        self.slot_of: dict | None = {}
+        self.dirty = True
+        self.ids_arr: np.ndarray | None = None
+        self.texts_arr: np.ndarray | None = None
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def n_live(self) -> int:
+        if not self.dirty:
+            return int(self.base.shape[0])
+        return len(self.ids) - self.n_dead
+
+    def live_ids(self) -> list:
+        if not self.dirty:
+            return list(self.ids_arr)
+        if not self.n_dead:
+            return list(self.ids)
+        return [i for i, a in zip(self.ids, self.alive) if a]
+
+    def live_texts(self) -> list:
+        if not self.dirty:
+            return list(self.texts_arr)
+        if not self.n_dead:
+            return list(self.texts)
+        return [t for t, a in zip(self.texts, self.alive) if a]
+
+    def slots(self) -> dict:
+        """{live item id: slot}, built on demand."""
+        if self.slot_of is None:
+            ids = self.ids if self.dirty else self.ids_arr
+            if self.dirty and self.n_dead:
+                self.slot_of = {i: s for s, (i, a) in enumerate(zip(ids, self.alive)) if a}
+            else:
+                self.slot_of = {i: s for s, i in enumerate(ids)}
+        return self.slot_of
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the live rows, in slot order, into ``out`` [n_live, d]."""
+        alive = np.frombuffer(bytes(self.alive), dtype=np.bool_) if (self.dirty and self.n_dead) else None
+        nb = self.base.shape[0]
+        pos = 0
+        parts = [(self.base, 0)]
+        if self.tail is not None and self.n_tail:
+            parts.append((self.tail[: self.n_tail], nb))
+        for arr, s0 in parts:
+            m = arr.shape[0]
+            if m == 0:
+                continue
+            if alive is None:
+                out[pos : pos + m] = arr
+                pos += m
+            else:
+                msk = alive[s0 : s0 + m]
+                c = int(msk.sum())
+                np.compress(msk, arr, axis=0, out=out[pos : pos + c])
+                pos += c
+        if self.patches:
+            slots = np.fromiter(self.patches.keys(), dtype=np.int64, count=len(self.patches))
+            rows = (np.cumsum(alive) - 1)[slots] if alive is not None else slots
+            out[rows] = np.stack(list(self.patches.values()))
+
+    # ---------------------------------------------------------------- writing
+    def begin_write(self) -> None:
+        """Turn a clean (snapshot-backed) user into a writable one: O(n_u) list copies."""
+        if self.dirty:
+            return
+        n = int(self.base.shape[0])
+        self.ids = list(self.ids_arr)
+        self.texts = list(self.texts_arr)
+        self.alive = bytearray(b"\x01") * n
+        self.n_dead = 0
+        self.patches = {}
+        self.tail = None
+        self.n_tail = 0
+        self.dirty = True
+
+    def append(self, vec: np.ndarray, ids: list, texts: list) -> None:
+        m = vec.shape[0]
+        if self.tail is None:
+            self.tail, self.n_tail = vec, m  # vec is a fresh array owned by the bank
+        else:
+            need = self.n_tail + m
+            if need > self.tail.shape[0]:
+                grown = np.empty((max(need, 2 * self.tail.shape[0], 16), vec.shape[1]), dtype=np.float32)
+                grown[: self.n_tail] = self.tail[: self.n_tail]
+                self.tail = grown
+            self.tail[self.n_tail : need] = vec
+            self.n_tail = need
+        slots = self.slots()
+        s0 = len(self.ids)
+        for j, i in enumerate(ids):
+            slots[i] = s0 + j
+        self.ids.extend(ids)
+        self.texts.extend(texts)
+        self.alive.extend(b"\x01" * m)
+
+    def set_row(self, slot: int, row: np.ndarray) -> None:
+        nb = self.base.shape[0]
+        if slot < nb:
+            self.patches[slot] = row  # the base is shared with a snapshot: never written
+        else:
+            self.tail[slot - nb] = row
+
+    def kill(self, slot: int) -> None:
+        self.alive[slot] = 0
+        self.patches.pop(slot, None)
+        self.n_dead += 1
+
+    def compact(self, dim: int) -> None:
+        """Drop tombstones and patches into one owned buffer: O(n_u d)."""
+        out = np.empty((self.n_live, dim), dtype=np.float32)
+        self.fill(out)
+        self.ids, self.texts = self.live_ids(), self.live_texts()
+        self.base = np.zeros((0, dim), dtype=np.float32)
+        self.tail, self.n_tail = out, out.shape[0]
+        self.alive = bytearray(b"\x01") * out.shape[0]
+        self.n_dead = 0
+        self.patches = {}
+        self.slot_of = None
+
+    def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray) -> None:
+        """Point a user at its segment of a new snapshot (drops tail, tombstones, patches)."""
+        if self.dirty and self.n_dead:
+            self.slot_of = None  # slots shifted
+        self.base = vectors
+        self.ids_arr, self.texts_arr = item_ids, texts
+        self.tail, self.n_tail = None, 0
+        self.ids, self.texts, self.alive = [], [], bytearray()
+        self.n_dead = 0
+        self.patches = {}
+        self.dirty = False
+
+
 class MemoryBank:
-    """Many users' memory items in one CSR layout.
+    """Many users' memory items in one CSR layout, with incremental updates.
 
     Args:
         dim: vector dimension d (int >= 1).
 
     Raises:
-        ValueError: ``dim`` < 1.
+        ValueError: ``dim`` < 1 or not an int.
 
-    Thread safety: writes take an internal lock; a read (``snapshot``) returns an
-    immutable :class:`BankSnapshot`, so searches running while another thread adds
-    see either the old or the new bank, never a mix.
+    Writes: :meth:`add`, :meth:`update`, :meth:`delete` (per-user blocks, tombstones,
+    no rebuild of the whole bank per write), :meth:`compact`. Reads: :meth:`snapshot`
+    (an immutable :class:`BankSnapshot` of the live rows). Persistence: :meth:`save`,
+    :meth:`load`. The module docstring gives the cost and concurrency models.
+
+    Thread safety: any number of threads may search while one or more threads write;
+    every search sees one consistent snapshot (a write lock plus immutable
+    copy-on-write snapshots).
     """
 
     def __init__(self, dim: int) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         self._dim = int(dim)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._users: list[Hashable] = []
         self._uindex: dict[Hashable, int] = {}
-        self._blocks: list[list[np.ndarray]] = []
-        self._ids: list[list[ItemId]] = []
-        self._idsets: list[set] = []
-        self._texts: list[list[str | None]] = []
+        self._rows: list[_UserRows] = []
+        self._n_live = 0
         self._version = 0
         self._snap: BankSnapshot | None = None
         self._cache: dict[Any, Any] = {}
@@ -163,7 +401,7 @@ class MemoryBank:
         users = list(users)
         if len(users) != n_users:
             raise ValueError(f"users has {len(users)} entries but offsets describes {n_users} users")
-        if len(set(map(_check_user, users))) != len(users):
+        if len(set(_check_user(u, "users") for u in users)) != len(users):
             raise ValueError("users holds duplicate user keys")
         if item_ids is not None and len(item_ids) != vec.shape[0]:
             raise ValueError(f"item_ids has {len(item_ids)} entries but vectors has {vec.shape[0]} rows")
@@ -187,17 +425,22 @@ class MemoryBank:
         """Append items to a user's memory (creating the user if new).
 
         Args:
-            user: user key, str or int.
-            vectors: [m, d] floating array (float16/32/64, any strides, numpy or torch);
-                each row is L2-normalised before it is stored.
-            ids: m item ids (str or int), unique within the user, including the
-                items the user already has.
-            texts: m optional texts (str or None).
+            user: user key, str or int (bool refused; numpy scalars accepted).
+            vectors: [m, d] floating array (float16/32/64, any strides, numpy or torch),
+                m >= 1; each row is L2-normalised before it is stored.
+            ids: m item ids (str or int; ``"1"`` and ``1`` are different ids), unique
+                within the user's live items. The id of a deleted item may be reused.
+            texts: m optional texts (str or None; the empty string is a valid text and
+                is kept as ``""``, distinct from None).
+
+        Cost: amortised O(m d) (the user's tail buffer doubles); the next read builds
+        a new snapshot (module docstring).
 
         Raises:
             TypeError: wrong type of user, ids, texts or a non-floating dtype.
-            ValueError: wrong shape or dimension, NaN / Inf, a zero vector, mismatched
-                lengths, or an id the user already holds.
+            ValueError: wrong shape or dimension, no rows, NaN / Inf, a zero vector,
+                mismatched lengths, a duplicate id, or an id the user already holds.
+            Nothing is written when an error is raised.
         """
         with self._lock:
             self._add_unlocked(user, vectors, ids, texts, allow_empty=False)
@@ -212,25 +455,182 @@ class MemoryBank:
         tx = _check_texts(texts, vec.shape[0])
         u = self._uindex.get(user)
         if u is not None:
-            clash = [i for i in id_list if i in self._idsets[u]]
+            slots = self._rows[u].slots()
+            clash = [i for i in id_list if i in slots]
             if clash:
                 raise ValueError(f"ids: user {user!r} already holds item id {clash[0]!r}")
         else:
             u = len(self._users)
+            self._rows.append(_UserRows(self._dim))
             self._users.append(user)
             self._uindex[user] = u
-            self._blocks.append([])
-            self._ids.append([])
-            self._idsets.append(set())
-            self._texts.append([])
         if vec.shape[0]:
-            self._blocks[u].append(vec)
-            self._ids[u].extend(id_list)
-            self._idsets[u].update(id_list)
-            self._texts[u].extend(tx)
-        self._version += 1
+            r = self._rows[u]
+            r.begin_write()
+            r.append(vec, id_list, tx)
+            self._n_live += vec.shape[0]
+        self._touch()
+
+    def delete(self, user: Hashable, ids: Sequence[ItemId]) -> None:
+        """Delete items of a user; they are never returned by any later search.
+
+        Args:
+            user: an existing user key.
+            ids: m >= 1 distinct item ids (str or int) the user holds.
+
+        Cost: O(m) (tombstones); a user whose tombstones reach ``COMPACT_MIN_DEAD`` and
+        outnumber its live rows is compacted on the spot (O(n_u d), amortised). The
+        user stays, with 0 items when all are deleted (a search for it then gets the
+        documented empty row).
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (the message
+                names it); nothing is deleted then.
+            TypeError: ids not a sequence of str / int.
+            ValueError: no ids, or a duplicate id.
+        """
+        with self._lock:
+            u = self.user_index(user)
+            id_list = _check_id_list(ids)
+            if not id_list:
+                raise ValueError("ids must hold at least one item id")
+            r = self._rows[u]
+            slots = r.slots()
+            missing = [i for i in id_list if i not in slots]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            r.begin_write()
+            slots = r.slots()
+            for i in id_list:
+                r.kill(slots.pop(i))
+            self._n_live -= len(id_list)
+            if r.n_dead >= COMPACT_MIN_DEAD and r.n_dead > r.n_live:
+                r.compact(self._dim)
+            self._touch()
+
+    def update(
+        self,
+        user: Hashable,
+        ids: Sequence[ItemId],
+        vectors: Any,
+        texts: Sequence[str | None] | None = None,
+    ) -> None:
+        """Replace the vectors (and optionally texts) of existing items, keeping their ids.
+
+        Args:
+            user: an existing user key.
+            ids: m >= 1 distinct item ids the user holds.
+            vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`.
+            texts: m new texts (str or None), or None to keep the current texts.
+
+        Each item keeps its id and its row position within the user (so ties still
+        break as before). Cost: O(m d).
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+            TypeError / ValueError: as :meth:`add` (shapes, dtype, NaN / Inf, zero
+                rows, lengths, duplicates). Nothing is written when an error is raised.
+        """
+        with self._lock:
+            u = self.user_index(user)
+            vec = as_float_matrix(vectors, "vectors", self._dim)
+            if vec.shape[0] == 0:
+                raise ValueError("vectors must hold at least one row")
+            vec = l2_normalize_rows(vec, "vectors")
+            id_list = _check_ids(ids, vec.shape[0])
+            tx = None if texts is None else _check_texts(texts, vec.shape[0])
+            r = self._rows[u]
+            slots = r.slots()
+            missing = [i for i in id_list if i not in slots]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            r.begin_write()
+            slots = r.slots()
+            for j, i in enumerate(id_list):
+                s = slots[i]
+                r.set_row(s, vec[j])
+                if tx is not None:
+                    r.texts[s] = tx[j]
+            self._touch()
+
+    def compact(self) -> int:
+        """Reclaim the rows of deleted items now (build the snapshot and rebase on it).
+
+        Tombstones are otherwise reclaimed at the next snapshot build (the first read
+        after a write). Changes neither :attr:`version` nor any search result.
+
+        Returns:
+            int: the number of tombstoned rows dropped.
+
+        Cost: one snapshot build when the bank changed since the last one (O(N d)), else O(U).
+        """
+        with self._lock:
+            dropped = sum(r.n_dead for r in self._rows if r.dirty)
+            if self._snap is None:
+                self._snap = self._build_snapshot_locked()
+            return dropped
+
+    def _touch(self) -> None:
+        # drop the published snapshot before the version moves (see cached())
         self._snap = None
         self._cache = {}
+        self._version += 1
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: Any) -> None:
+        """Write the bank to a store directory, atomically (see :mod:`rfmem_fast.store`).
+
+        Args:
+            path: directory (created if absent; an existing store there is replaced
+                only once the new one is complete and synced).
+
+        Raises:
+            StoreError: ``path`` exists but is not a store; OSError: I/O failure (the
+                previous store stays intact).
+        """
+        from .store import save_bank
+
+        save_bank(self, path)
+
+    @classmethod
+    def load(cls, path: Any, mmap: bool = False, verify: bool = True) -> "MemoryBank":
+        """Read a bank written by :meth:`save` (see :func:`rfmem_fast.store.load_bank`).
+
+        Args:
+            path: the store directory.
+            mmap: map ``vectors.npy`` (copy-on-write) instead of reading it into memory.
+            verify: check every file's sha256 and the rows' finiteness and norms.
+
+        Returns:
+            MemoryBank equal to the saved one (users, ids, texts, vectors, version).
+
+        Raises:
+            StoreError (a ValueError): missing, corrupt, truncated, edited or
+                newer-version store; the message names the file.
+        """
+        from .store import load_bank
+
+        return load_bank(path, mmap=mmap, verify=verify)
+
+    def _install(self, snap: BankSnapshot) -> None:
+        """Make ``snap`` the bank's content (used by the store loader; no copy)."""
+        with self._lock:
+            self._users = list(snap.users)
+            self._uindex = {u: i for i, u in enumerate(self._users)}
+            texts = snap.texts if snap.texts is not None else np.full(snap.num_items, None, dtype=object)
+            if snap.texts is None:
+                snap = BankSnapshot(snap.vectors, snap.offsets, snap.item_ids, snap.version, snap.users, texts)
+            self._rows = []
+            for u in range(snap.num_users):
+                a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
+                r = _UserRows(self._dim)
+                r.slot_of = None
+                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b])
+                self._rows.append(r)
+            self._n_live = snap.num_items
+            self._version = int(snap.version)
+            self._cache = {}
+            self._snap = snap
 
     # ------------------------------------------------------------------ reading
     @property
@@ -240,112 +640,147 @@ class MemoryBank:
 
     @property
     def version(self) -> int:
-        """Write counter: changes on every successful write."""
+        """Write counter: increases on every successful add / update / delete."""
         return self._version
 
     @property
     def users(self) -> list[Hashable]:
-        """User keys in segment order (a copy)."""
+        """User keys in segment order (a copy); users are never removed."""
         return list(self._users)
 
     @property
     def num_users(self) -> int:
-        """Number of users U."""
+        """Number of users U (including users with 0 items)."""
         return len(self._users)
 
     @property
     def num_items(self) -> int:
-        """Total number of rows n over all users."""
-        return sum(len(i) for i in self._ids)
+        """Number of live items n over all users."""
+        return self._n_live
 
     def __len__(self) -> int:
         return self.num_items
 
     def __contains__(self, user: object) -> bool:
-        return user in self._uindex
+        try:
+            key = _check_user(user)
+        except TypeError:
+            return False
+        return key in self._uindex
 
     def user_size(self, user: Hashable) -> int:
-        """Number of items of ``user``. Raises KeyError for an unknown user."""
-        return len(self._ids[self.user_index(user)])
+        """Number of live items of ``user``. Raises KeyError for an unknown user."""
+        with self._lock:
+            return self._rows[self.user_index(user)].n_live
 
     def user_index(self, user: Hashable) -> int:
-        """Segment index of ``user``.
+        """Segment index of ``user`` (stable for the bank's lifetime).
 
         Raises:
-            KeyError: unknown user (the message names it).
+            KeyError: unknown user, or a key that is not a str / int (the message names it).
         """
         try:
-            return self._uindex[user]
+            key = _check_user(user)
+            return self._uindex[key]
         except (KeyError, TypeError):
             raise KeyError(f"users: unknown user {user!r}") from None
 
-    def segments_for(self, users: Iterable[Hashable]) -> np.ndarray:
+    def segments_for(self, users: Iterable[Hashable], snapshot: BankSnapshot | None = None) -> np.ndarray:
         """int64 [b]: the segment index of each user key.
 
+        Args:
+            users: b user keys (str or int; numpy scalars accepted).
+            snapshot: when given, a user added after that snapshot counts as unknown,
+                so the indices are valid for exactly that snapshot (what a search uses).
+
         Raises:
+            TypeError: a key that is not a str or int (bool and float refused), named
+                with its position.
             KeyError: an unknown user (the message names it and its position).
         """
+        limit = snapshot.num_users if snapshot is not None else None
+        index = self._uindex
         out = []
         for pos, user in enumerate(users):
-            if isinstance(user, np.integer):
-                user = int(user)
-            elif isinstance(user, np.str_):
-                user = str(user)
-            u = self._uindex.get(user) if isinstance(user, Hashable) else None
-            if u is None:
+            t = type(user)
+            key = user if (t is str or t is int) else _check_user(user, f"users[{pos}]")
+            u = index.get(key)
+            if u is None or (limit is not None and u >= limit):
                 raise KeyError(f"users[{pos}]: unknown user {user!r}")
             out.append(u)
         return np.asarray(out, dtype=np.int64)
 
     def snapshot(self) -> BankSnapshot:
-        """The current CSR layout (built once per write, then cached).
+        """The current live rows as an immutable CSR snapshot (built once per write, then cached).
 
         Returns:
             BankSnapshot with vectors float32 [n, d], offsets int64 [U + 1],
-            item_ids object [n].
+            item_ids object [n], texts object [n], users (U keys), version.
+
+        Cost: O(1) when cached; after a write, one build (module docstring) under the
+        write lock. Never returns a half-built layout.
         """
         snap = self._snap
         if snap is not None:
             return snap
         with self._lock:
             if self._snap is None:
-                lengths = [len(i) for i in self._ids]
-                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                blocks = [b for bl in self._blocks for b in bl]
-                vectors = (
-                    np.concatenate(blocks, axis=0)
-                    if blocks
-                    else np.zeros((0, self._dim), dtype=np.float32)
-                )
-                item_ids = np.empty(int(offsets[-1]), dtype=object)
-                item_ids[:] = [i for ids in self._ids for i in ids]
-                self._snap = BankSnapshot(vectors, offsets, item_ids, self._version)
-                self._blocks = [[vectors[offsets[u] : offsets[u + 1]]] if lengths[u] else [] for u in range(len(lengths))]
+                self._snap = self._build_snapshot_locked()
             return self._snap
 
+    def _build_snapshot_locked(self) -> BankSnapshot:
+        rows = self._rows
+        lengths = [r.n_live for r in rows]
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        n = int(offsets[-1])
+        vectors = np.empty((n, self._dim), dtype=np.float32)
+        item_ids = np.empty(n, dtype=object)
+        texts = np.empty(n, dtype=object)
+        for u, r in enumerate(rows):
+            a, b = int(offsets[u]), int(offsets[u + 1])
+            r.fill(vectors[a:b])
+            if r.dirty:
+                if b > a:
+                    item_ids[a:b] = r.live_ids()
+                    texts[a:b] = r.live_texts()
+            else:
+                item_ids[a:b] = r.ids_arr
+                texts[a:b] = r.texts_arr
+        for u, r in enumerate(rows):
+            a, b = int(offsets[u]), int(offsets[u + 1])
+            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b])
+        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts)
+
     def texts_of(self, user: Hashable) -> list[str | None]:
-        """The texts of ``user``'s items in row order (None where none was given)."""
-        return list(self._texts[self.user_index(user)])
+        """The texts of ``user``'s live items in row order (None where none was given)."""
+        with self._lock:
+            return self._rows[self.user_index(user)].live_texts()
 
     def item_ids_of(self, user: Hashable) -> list[ItemId]:
-        """The item ids of ``user`` in row order."""
-        return list(self._ids[self.user_index(user)])
+        """The ids of ``user``'s live items in row order."""
+        with self._lock:
+            return self._rows[self.user_index(user)].live_ids()
 
     def cached(self, key: Any, build: Any) -> Any:
-        """Per-version cache for backends (device copies of the snapshot and the like).
+        """Per-snapshot cache for backends (device copies of the snapshot and the like).
 
         Args:
             key: hashable cache key.
             build: zero-argument callable producing the value on a miss.
 
         Returns:
-            the cached value, rebuilt after any write to the bank.
+            the cached value; rebuilt whenever the bank's snapshot changes (after any
+            write). An entry is tagged with the snapshot it was made from (the value's
+            ``snapshot`` attribute when it has one), so a reader racing a writer can
+            never be handed a view of an older snapshot than the current one.
         """
-        version = self._version
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == version:
+        snap = self.snapshot()
+        cache = self._cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] is snap:
             return hit[1]
         value = build()
-        self._cache[key] = (version, value)
+        made_from = getattr(value, "snapshot", None)
+        cache[key] = (made_from if isinstance(made_from, BankSnapshot) else snap, value)
         return value

@@ -10,6 +10,14 @@
 3. the Familiarity path (the probe's first ``out_k``, section 3) and the Recollection
    path (:func:`rfmem_fast.recollection.recollect`, section 4, whose first round reuses
    the probe) for the queries routed there.
+
+Every call works on ONE immutable bank snapshot (taken once, see
+:class:`rfmem_fast.bank.MemoryBank`), so concurrent writes never tear a search. A
+large batch is cut into chunks of ``max_batch`` queries run one after the other
+(intermediate memory bounded by the chunk, results concatenated; identical to one
+call per query since the backends are batch-invariant). Top-k widths are capped by
+the longest user segment in the chunk, so a huge ``out_k`` / ``probe_k`` over a small
+bank costs only its padded output, not an absurd intermediate.
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ from .router import (
 )
 
 MODES = ("rfmem", "dense", "recollection")
+#: default number of queries per internal chunk of :func:`search`
+DEFAULT_MAX_BATCH = 8192
 
 
 @dataclass
@@ -103,6 +113,7 @@ def search(
     mode: str = "rfmem",
     backend: str | Backend = "auto",
     device: str | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> SearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -116,6 +127,8 @@ def search(
             "recollection" (always recollection).
         backend: "auto" | "reference" | "torch" or a Backend instance.
         device: torch device for device-capable backends (default: CUDA if present).
+        max_batch: queries per internal chunk (int >= 1, default 8192); bounds the
+            intermediate memory of a huge batch. Results do not depend on it.
 
     Returns:
         SearchResult. A user with fewer than ``out_k`` items gets padded rows (id
@@ -123,9 +136,11 @@ def search(
         mean 0, entropy 0 and the rule "no_hits" (route recollection in mode "rfmem").
 
     Raises:
-        ValueError: unknown mode; an empty bank; queries not 2-D, of the wrong
-            dimension, with NaN / Inf or a zero row; ``users`` not of length b.
-        TypeError: non-floating queries; a config that is not an RFMemConfig.
+        ValueError: unknown mode; an empty bank (no live item in the snapshot);
+            queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
+            ``users`` not of length b; ``max_batch`` < 1.
+        TypeError: non-floating queries; a config that is not an RFMemConfig; a
+            user key that is not a str / int.
         KeyError: an unknown user (the message names it and its position).
     """
     if mode not in MODES:
@@ -136,24 +151,61 @@ def search(
         raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
-    if bank.num_items == 0:
-        raise ValueError("bank is empty: add items before searching")
+    if isinstance(max_batch, (bool, np.bool_)) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    max_batch = int(max_batch)
     q = _as_queries(queries, bank.dim)
     if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
         raise TypeError("users must be a sequence of user keys, one per query")
     if len(users) != q.shape[0]:
         raise ValueError(f"users has {len(users)} entries but queries has {q.shape[0]} rows")
-    seg = bank.segments_for(users)
     be = get_backend(backend, device)
-    view = be.view(bank)
+    view = be.view(bank)  # one immutable snapshot for the whole call
+    snap = view.snapshot
+    if snap.vectors.shape[0] == 0:
+        raise ValueError("bank is empty: add items before searching")
+    seg = bank.segments_for(users, snapshot=snap)
+    b = q.shape[0]
+    out: dict[str, np.ndarray] = {}
+    for c0 in range(0, max(b, 1), max_batch):
+        part = _search_chunk(be, view, q[c0 : c0 + max_batch], seg[c0 : c0 + max_batch], config, mode)
+        if b <= max_batch:
+            out = part
+            break
+        if not out:  # results are written in place: no second copy of a huge batch
+            out = {key: np.empty((b,) + a.shape[1:], dtype=a.dtype) for key, a in part.items()}
+        for key, a in part.items():
+            out[key][c0 : c0 + a.shape[0]] = a
+    return SearchResult(mode=mode, backend=be.name, config=config, **out)
+
+
+def _pad(a: np.ndarray, width: int, value: Any) -> np.ndarray:
+    if a.shape[1] >= width:
+        return a
+    out = np.full((a.shape[0], width), value, dtype=a.dtype)
+    out[:, : a.shape[1]] = a
+    return out
+
+
+def _search_chunk(
+    be: Backend, view: Any, q: np.ndarray, seg: np.ndarray, config: RFMemConfig, mode: str
+) -> dict[str, np.ndarray]:
+    """One chunk of :func:`search`: the SearchResult arrays of ``q`` [c, d] (unit rows)."""
     dev = be.device
     b = q.shape[0]
     Q = torch.from_numpy(q).to(dev)
     qseg = torch.from_numpy(seg).to(dev)
 
-    k0 = max(config.probe_k, config.out_k, config.beam_width * config.fanout)
+    # widths: never wider than the longest segment queried (a wider top-k is padding only)
+    lens = np.diff(view.snapshot.offsets)[seg]
+    max_len = int(lens.max()) if lens.size else 0
+    bf = config.beam_width * config.fanout
+    k0 = max(config.probe_k, config.out_k, bf)
+    k0 = max(min(k0, max_len), bf)
+    probe_k = min(config.probe_k, k0)
+    out_k = min(config.out_k, k0)
     p_sc, p_rows, mean, ent, count = be.probe(
-        view, Q, qseg, k0, config.probe_k, config.temperature, config.entropy
+        view, Q, qseg, k0, probe_k, config.temperature, config.entropy
     )
     if mode == "rfmem":
         routes, rule = route(mean, ent, count, config)
@@ -165,33 +217,31 @@ def search(
         rule = torch.full((b,), RULE_FORCED_RECOLLECTION, dtype=torch.int64, device=mean.device)
     routes = routes.to(dev)
 
-    rows = p_rows[:, : config.out_k].clone()
-    scores = p_sc[:, : config.out_k].clone()
+    rows = p_rows[:, :out_k].clone()
+    scores = p_sc[:, :out_k].clone()
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = (routes == RECOLLECTION).nonzero().squeeze(1)
     if reco.numel():
-        out = recollect(be, view, Q[reco], qseg[reco], config, level0=(p_sc[reco], p_rows[reco]))
+        cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
+        out = recollect(be, view, Q[reco], qseg[reco], cfg, level0=(p_sc[reco], p_rows[reco]))
         rows[reco] = out.rows.to(dev)
         scores[reco] = out.scores.to(dev)
         rounds[reco] = out.rounds.to(dev)
 
-    rows_np = rows.cpu().numpy()
-    probe_rows = p_rows[:, : config.probe_k].cpu().numpy()
+    rows_np = _pad(rows.cpu().numpy(), config.out_k, -1)
+    probe_rows = _pad(p_rows[:, :probe_k].cpu().numpy(), config.probe_k, -1)
     item_ids = view.snapshot.item_ids
-    return SearchResult(
+    return dict(
         ids=_lookup(item_ids, rows_np),
         rows=rows_np,
-        scores=scores.cpu().numpy().astype(np.float32),
+        scores=_pad(scores.cpu().numpy().astype(np.float32), config.out_k, -np.inf),
         route=routes.cpu().numpy(),
         mean=mean.cpu().numpy().astype(np.float64),
         entropy=ent.cpu().numpy().astype(np.float64),
         rule=rule.cpu().numpy(),
         rounds=rounds.cpu().numpy(),
         probe_ids=_lookup(item_ids, probe_rows),
-        probe_scores=p_sc[:, : config.probe_k].cpu().numpy().astype(np.float32),
-        mode=mode,
-        backend=be.name,
-        config=config,
+        probe_scores=_pad(p_sc[:, :probe_k].cpu().numpy().astype(np.float32), config.probe_k, -np.inf),
     )
 
 

@@ -1,0 +1,538 @@
+"""Crash-safe persistence of a :class:`~rfmem_fast.bank.MemoryBank` (``bank.save`` / ``MemoryBank.load``).
+
+Layout of a store directory ``PATH``::
+
+    PATH/CURRENT                 {"format", "dir": "snap-00000007", "manifest_sha256"}
+    PATH/snap-00000007/manifest.json   format, format_version, dim, dtype, counts,
+                                       bank_version, {file: {"sha256", "bytes"}}
+    PATH/snap-00000007/vectors.npy     float32 [n, d], live rows in CSR order (unit rows)
+    PATH/snap-00000007/offsets.npy     int64 [U + 1]
+    PATH/snap-00000007/users.json      [U user keys]      (JSON keeps str vs int)
+    PATH/snap-00000007/ids.json        [n item ids]       (str or int)
+    PATH/snap-00000007/texts.json      [n texts]          (str or null)
+
+JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
+round-trips exactly) and read as UTF-8.
+
+Atomic save (the ``CURRENT`` pointer design): the new store is written into a hidden
+sibling ``PATH/.tmp-*`` directory, every file is fsynced, then the directory; it is
+renamed to ``PATH/snap-<generation>`` and ``PATH`` is fsynced; then a new ``CURRENT``
+is written to a temporary file, fsynced and swapped in with ``os.replace`` (atomic on
+POSIX and Windows), and ``PATH`` is fsynced again; only then are older ``snap-*`` and
+leftover ``.tmp-*`` directories removed. A crash (even SIGKILL or power loss) at any
+point leaves ``CURRENT`` naming either the complete old store or the complete new one;
+garbage from an interrupted save is removed by the next save. ``CURRENT`` holds the
+manifest's sha256 and the manifest holds every data file's sha256 and size, so any
+edit, truncation or deletion is detected on load.
+
+Concurrent saves of one bank are consistent (each writes one snapshot); concurrent
+saves to ONE path from several processes are not supported (the last commit wins,
+and cleanup may remove a save in progress); saves from one process to one path are
+serialised by a lock.
+
+Errors: :class:`StoreError` (a ``ValueError``) names the file and what is wrong.
+
+Testing hook: ``rfmem_fast.store._hook`` (None by default) is called with a stage
+name ("file:<name>" after each file, "before_commit", "after_commit") so that a test
+can kill a saving process at a chosen point (tests/test_store.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .bank import BankSnapshot, MemoryBank
+
+FORMAT_NAME = "rfmem_fast.store"
+#: the newest format this code reads and the one it writes
+FORMAT_VERSION = 1
+CURRENT = "CURRENT"
+MANIFEST = "manifest.json"
+DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
+_SNAP_RE = re.compile(r"^snap-(\d{8,})$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 22  # bytes per read while hashing / verifying
+_NORM_TOL = 1e-3  # |norm - 1| allowed for a stored row (rows are float32 unit vectors)
+
+#: test hook: called with a stage name ("file:<name>", "before_commit", "after_commit")
+_hook: Callable[[str], None] | None = None
+_path_locks: dict[str, threading.Lock] = {}
+_path_locks_guard = threading.Lock()
+
+__all__ = ["StoreError", "save_bank", "load_bank", "FORMAT_VERSION", "FORMAT_NAME"]
+
+
+class StoreError(ValueError):
+    """A store directory cannot be written or read: missing, corrupt, truncated,
+    edited by hand, or written by a newer format version.
+
+    Attributes:
+        path: the offending file or directory (str), also in the message.
+    """
+
+    def __init__(self, path: Any, what: str) -> None:
+        self.path = str(path)
+        self.what = what
+        super().__init__(f"{self.path}: {what}")
+
+    def __reduce__(self):  # picklable across processes despite the two-argument constructor
+        return (type(self), (self.path, self.what))
+
+
+def _stage(name: str) -> None:
+    if _hook is not None:
+        _hook(name)
+
+
+# ---------------------------------------------------------------------------- writing
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file wrapper that feeds every byte to sha256 and counts them."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.sha.update(mv)
+        self._f.write(mv)
+        self.nbytes += mv.nbytes
+        return mv.nbytes
+
+
+def _write_file(path: Path, write: Callable[[Any], None]) -> dict:
+    with open(path, "xb") as f:
+        w = _HashingWriter(f)
+        write(w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": w.sha.hexdigest(), "bytes": w.nbytes}
+
+
+def _write_array(arr: np.ndarray) -> Callable[[Any], None]:
+    def write(w: Any) -> None:
+        np.lib.format.write_array(w, np.ascontiguousarray(arr), allow_pickle=False)
+
+    return write
+
+
+def _write_json(obj: Any) -> Callable[[Any], None]:
+    data = json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+    def write(w: Any) -> None:
+        w.write(data)
+
+    return write
+
+
+def _path_lock(path: Path) -> threading.Lock:
+    key = os.path.abspath(path)
+    with _path_locks_guard:
+        return _path_locks.setdefault(key, threading.Lock())
+
+
+def _generation(path: Path) -> int:
+    gen = 0
+    for entry in path.iterdir():
+        m = _SNAP_RE.match(entry.name)
+        if m:
+            gen = max(gen, int(m.group(1)))
+    return gen + 1
+
+
+def save_bank(bank: MemoryBank, path: Any) -> Path:
+    """Write ``bank.snapshot()`` to the store directory ``path``, atomically.
+
+    Args:
+        bank: the bank (its current snapshot is written; writers may keep going).
+        path: directory; created (with parents) if absent. An existing store there is
+            replaced atomically; an existing directory that is not a store (non-empty
+            and without ``CURRENT``) is refused.
+
+    Returns:
+        Path of the committed data directory (``path/snap-<generation>``).
+
+    Raises:
+        StoreError: ``path`` is a file, or a non-empty directory that is not a store.
+        OSError: I/O failure; the previous store is left intact (see the module docstring).
+    """
+    if not isinstance(bank, MemoryBank):
+        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
+    path = Path(os.fspath(path))
+    snap = bank.snapshot()
+    with _path_lock(path):
+        if path.exists() and not path.is_dir():
+            raise StoreError(path, "exists and is not a directory; refusing to overwrite it")
+        if path.is_dir():
+            if any(True for _ in path.iterdir()) and not (path / CURRENT).is_file():
+                raise StoreError(path, "is a non-empty directory without a CURRENT file (not a store); refusing to overwrite it")
+        else:
+            path.mkdir(parents=True)
+            _fsync_dir(path.parent)
+        gen = _generation(path)
+        tmp = path / f".tmp-{gen:08d}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            files: dict[str, dict] = {}
+            payload: list[tuple[str, Callable[[Any], None]]] = [
+                ("vectors.npy", _write_array(snap.vectors.astype(np.float32, copy=False))),
+                ("offsets.npy", _write_array(snap.offsets.astype(np.int64, copy=False))),
+                ("users.json", _write_json(list(snap.users))),
+                ("ids.json", _write_json(snap.item_ids.tolist())),
+                ("texts.json", _write_json(snap.texts.tolist() if snap.texts is not None else [None] * snap.num_items)),
+            ]
+            for name, write in payload:
+                files[name] = _write_file(tmp / name, write)
+                _stage(f"file:{name}")
+            manifest = {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "dim": int(bank.dim),
+                "dtype": "float32",
+                "num_users": snap.num_users,
+                "num_items": snap.num_items,
+                "bank_version": int(snap.version),
+                "files": files,
+            }
+            mf = _write_file(tmp / MANIFEST, _write_json(manifest))
+            _stage(f"file:{MANIFEST}")
+            _fsync_dir(tmp)
+            final = path / f"snap-{gen:08d}"
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(path)
+        _stage("before_commit")
+        cur_tmp = path / f".CURRENT.tmp-{uuid.uuid4().hex[:12]}"
+        current = {"format": FORMAT_NAME, "dir": final.name, "manifest_sha256": mf["sha256"]}
+        try:
+            _write_file(cur_tmp, _write_json(current))
+            os.replace(cur_tmp, path / CURRENT)
+        except BaseException:
+            try:
+                cur_tmp.unlink()
+            except OSError:
+                pass
+            raise
+        _fsync_dir(path)
+        _stage("after_commit")
+        for entry in path.iterdir():  # older generations and leftovers of interrupted saves
+            name = entry.name
+            if name == final.name or name == CURRENT:
+                continue
+            if _SNAP_RE.match(name) or name.startswith(".tmp-") or name.startswith(".CURRENT.tmp-"):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    try:
+                        entry.unlink()
+                    except OSError:
+                        pass
+        return final
+
+
+# ---------------------------------------------------------------------------- reading
+def _read_small(path: Path, expect: dict | None, verify: bool) -> bytes:
+    """Read a whole (JSON) file, checking its size and checksum against ``expect``."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(path, "missing file") from None
+    except OSError as exc:
+        raise StoreError(path, f"cannot be read: {exc}") from None
+    if expect is not None:
+        if len(data) != expect["bytes"]:
+            raise StoreError(path, f"has {len(data)} bytes, the manifest says {expect['bytes']} (truncated or edited)")
+        if verify and hashlib.sha256(data).hexdigest() != expect["sha256"]:
+            raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
+    return data
+
+
+def _parse_json(path: Path, data: bytes) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StoreError(path, f"is not valid UTF-8 JSON: {exc}") from None
+
+
+def _check_size(path: Path, expect: dict) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise StoreError(path, "missing file") from None
+    if size != expect["bytes"]:
+        raise StoreError(path, f"has {size} bytes, the manifest says {expect['bytes']} (truncated or edited)")
+
+
+def _npy_header(path: Path, dtype: np.dtype, shape: tuple) -> int:
+    """Check a .npy header (dtype, C order, shape, size) and return the data offset."""
+    try:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. numpy's "created on Python 2" for a mangled header
+            major, _minor = np.lib.format.read_magic(f)
+            if major == 1:
+                shp, fortran, dt = np.lib.format.read_array_header_1_0(f)
+            elif major in (2, 3):
+                shp, fortran, dt = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy version {major}")
+            offset = f.tell()
+    except FileNotFoundError:
+        raise StoreError(path, "missing file") from None
+    except Exception as exc:  # untrusted header text: any parse failure is corruption
+        raise StoreError(path, f"bad .npy header: {type(exc).__name__}: {exc}") from None
+    if dt != dtype or fortran or tuple(shp) != tuple(shape):
+        raise StoreError(
+            path,
+            f"holds {dt} {tuple(shp)}{' (Fortran order)' if fortran else ''}, expected {dtype} {tuple(shape)} C order",
+        )
+    size = path.stat().st_size
+    need = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != need:
+        raise StoreError(path, f"has {size} bytes, its header needs {need} (truncated or padded)")
+    return offset
+
+
+def _read_vectors(path: Path, expect: dict, n: int, d: int, mmap: bool, verify: bool) -> np.ndarray:
+    """vectors.npy as float32 [n, d]: read (or map) it, hashing and checking rows in chunks.
+
+    With ``verify`` every byte is hashed and every row checked (finite, unit norm) in
+    one streaming pass; under ``mmap`` that pass reads the file with ordinary reads into
+    a small buffer, so the mapping itself stays untouched (not resident).
+    """
+    dt = np.dtype("<f4")
+    offset = _npy_header(path, dt, (n, d))
+    out = None if mmap else np.empty((n, d), dtype=np.float32)
+    if verify or not mmap:
+        rows_per = max(1, _CHUNK // max(1, d * 4))
+        buf = np.empty((rows_per, d), dtype=np.float32) if mmap else None
+        sha = hashlib.sha256()
+        bad_row: str | None = None
+        try:
+            with open(path, "rb") as f:
+                sha.update(f.read(offset))
+                for a in range(0, n, rows_per):
+                    b = min(n, a + rows_per)
+                    block = buf[: b - a] if mmap else out[a:b]
+                    mv = memoryview(block).cast("B")
+                    if f.readinto(mv) != mv.nbytes:
+                        raise StoreError(path, "ends early (truncated)")
+                    if verify:
+                        sha.update(mv)
+                        if bad_row is None:
+                            with np.errstate(all="ignore"):
+                                norms = np.linalg.norm(block.astype(np.float64), axis=1)
+                            off = ~(np.abs(norms - 1.0) <= _NORM_TOL)  # NaN / Inf included
+                            if off.any():
+                                bad_row = f"row {a + int(np.flatnonzero(off)[0])} is not a finite unit vector"
+                if verify:
+                    sha.update(f.read())
+        except OSError as exc:
+            raise StoreError(path, f"cannot be read: {exc}") from None
+        if verify and sha.hexdigest() != expect["sha256"]:
+            raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
+        if bad_row is not None:  # checksum fine: the store was written with bad rows
+            raise StoreError(path, bad_row)
+    if not mmap:
+        return out
+    if n == 0:
+        return np.zeros((0, d), dtype=np.float32)
+    try:
+        # copy-on-write map: writable in memory (torch wraps it without a copy or a
+        # warning), never written back to the file, pages read only when touched
+        mm = np.load(path, mmap_mode="c", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise StoreError(path, f"cannot be mapped: {exc}") from None
+    return np.asarray(mm)
+
+
+def _read_offsets(path: Path, expect: dict, u: int, n: int, verify: bool) -> np.ndarray:
+    dt = np.dtype("<i8")
+    _npy_header(path, dt, (u + 1,))
+    data = _read_small(path, expect, verify)
+    try:
+        off = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise StoreError(path, f"cannot be read: {exc}") from None
+    off = np.ascontiguousarray(off, dtype=np.int64)
+    if off[0] != 0 or off[-1] != n or (np.diff(off) < 0).any():
+        raise StoreError(path, f"offsets must be non-decreasing from 0 to {n}")
+    return off
+
+
+def _is_key(v: Any) -> bool:
+    return isinstance(v, (str, int)) and not isinstance(v, bool)
+
+
+def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> MemoryBank:
+    cur_path = root / CURRENT
+    cur = _parse_json(cur_path, current_bytes)
+    if not isinstance(cur, dict) or cur.get("format") != FORMAT_NAME:
+        raise StoreError(cur_path, f"is not an {FORMAT_NAME} pointer")
+    name, msha = cur.get("dir"), cur.get("manifest_sha256")
+    if not isinstance(name, str) or not _SNAP_RE.match(name):
+        raise StoreError(cur_path, f"names an invalid data directory {name!r}")
+    if not isinstance(msha, str) or not _HEX64.match(msha):
+        raise StoreError(cur_path, "holds no valid manifest checksum")
+    data_dir = root / name
+    if not data_dir.is_dir():
+        raise StoreError(data_dir, "missing data directory")
+
+    mpath = data_dir / MANIFEST
+    mbytes = _read_small(mpath, None, verify)
+    if hashlib.sha256(mbytes).hexdigest() != msha:  # always: the manifest is tiny
+        raise StoreError(mpath, "sha256 checksum mismatch with CURRENT (corrupt or edited)")
+    man = _parse_json(mpath, mbytes)
+    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
+        raise StoreError(mpath, f"is not an {FORMAT_NAME} manifest")
+    fv = man.get("format_version")
+    if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
+        raise StoreError(mpath, f"invalid format_version {fv!r}")
+    if fv > FORMAT_VERSION:
+        raise StoreError(
+            mpath, f"format_version {fv} is newer than this rfmem_fast supports ({FORMAT_VERSION}); upgrade rfmem_fast"
+        )
+    ints = {}
+    for key, lo in (("dim", 1), ("num_users", 0), ("num_items", 0), ("bank_version", 0)):
+        v = man.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise StoreError(mpath, f"{key} must be an int >= {lo}, got {v!r}")
+        ints[key] = v
+    if man.get("dtype") != "float32":
+        raise StoreError(mpath, f"dtype must be 'float32', got {man.get('dtype')!r}")
+    files = man.get("files")
+    if not isinstance(files, dict) or sorted(files) != sorted(DATA_FILES):
+        raise StoreError(mpath, f"files must list exactly {list(DATA_FILES)}")
+    for fname, meta in files.items():
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("sha256"), str)
+            or not _HEX64.match(meta["sha256"])
+            or not isinstance(meta.get("bytes"), int)
+            or isinstance(meta.get("bytes"), bool)
+            or meta["bytes"] < 0
+        ):
+            raise StoreError(mpath, f"invalid entry for {fname!r}")
+    d, u, n = ints["dim"], ints["num_users"], ints["num_items"]
+    for fname in DATA_FILES:  # cheap size checks first: truncation / deletion found early
+        _check_size(data_dir / fname, files[fname])
+
+    offsets = _read_offsets(data_dir / "offsets.npy", files["offsets.npy"], u, n, verify)
+    jsons = {}
+    for fname, length in (("users.json", u), ("ids.json", n), ("texts.json", n)):
+        p = data_dir / fname
+        obj = _parse_json(p, _read_small(p, files[fname], verify))
+        if not isinstance(obj, list) or len(obj) != length:
+            raise StoreError(p, f"must be a JSON list of {length} entries")
+        jsons[fname] = obj
+    users, ids, texts = jsons["users.json"], jsons["ids.json"], jsons["texts.json"]
+    upath, ipath, tpath = data_dir / "users.json", data_dir / "ids.json", data_dir / "texts.json"
+    if not all(_is_key(x) for x in users):
+        raise StoreError(upath, "user keys must be str or int")
+    if len(set(users)) != len(users):
+        raise StoreError(upath, "holds duplicate user keys")
+    if not all(_is_key(x) for x in ids):
+        raise StoreError(ipath, "item ids must be str or int")
+    for k in range(u):
+        a, b = int(offsets[k]), int(offsets[k + 1])
+        if len(set(ids[a:b])) != b - a:
+            raise StoreError(ipath, f"user {users[k]!r} holds a duplicate item id")
+    if not all(t is None or isinstance(t, str) for t in texts):
+        raise StoreError(tpath, "texts must be str or null")
+
+    vectors = _read_vectors(data_dir / "vectors.npy", files["vectors.npy"], n, d, mmap, verify)
+    item_ids = np.empty(n, dtype=object)
+    text_arr = np.empty(n, dtype=object)
+    if n:
+        item_ids[:] = ids
+        text_arr[:] = texts
+    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr)
+    bank = MemoryBank(d)
+    bank._install(snap)
+    return bank
+
+
+def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
+    """Read the store at ``path`` (written by :func:`save_bank` / ``bank.save``).
+
+    Args:
+        path: the store directory.
+        mmap: if True, ``vectors.npy`` is memory-mapped copy-on-write
+            (``np.load(mmap_mode="c")``) instead of read: pages are read only as
+            searches touch them, the array is writable in memory (so backends can wrap
+            it without a copy or warning) but nothing is ever written back to the file.
+            The first snapshot after a write to the loaded bank copies all rows into
+            memory. Do not truncate or rewrite the mapped file in place while the bank
+            lives (``save`` never does: it writes a new directory).
+        verify: if True (default), every data file's sha256 is checked and every row
+            is checked to be finite and of unit norm, in one streaming pass over
+            ``vectors.npy`` (under ``mmap`` with ordinary reads, so the mapping is not
+            made resident). If False these checks are skipped (the manifest's own
+            checksum, file sizes, headers, shapes, offsets, ids and texts are still
+            checked): faster, but a flipped byte inside the data goes unnoticed.
+
+    Returns:
+        MemoryBank whose snapshot equals the saved one (users, item ids with their
+        str / int types, texts, vectors bit for bit, offsets, version). Its first
+        snapshot is the loaded arrays themselves (no copy).
+
+    Raises:
+        StoreError (ValueError): no store at ``path``, a missing / truncated / corrupt
+            / edited file, an invalid manifest, or a newer ``format_version``; the
+            message names the file.
+    """
+    root = Path(os.fspath(path))
+    cur_path = root / CURRENT
+    if not root.is_dir():
+        raise StoreError(root, "no store here (not a directory)")
+    last: StoreError | None = None
+    for _ in range(3):  # a concurrent save may swap CURRENT and remove the old directory
+        try:
+            current = cur_path.read_bytes()
+        except FileNotFoundError:
+            raise StoreError(cur_path, "missing file (not a store, or never committed)") from None
+        except OSError as exc:
+            raise StoreError(cur_path, f"cannot be read: {exc}") from None
+        try:
+            return _load_once(root, current, bool(mmap), bool(verify))
+        except StoreError as exc:
+            try:
+                changed = cur_path.read_bytes() != current
+            except OSError:
+                changed = False
+            if not changed:
+                raise
+            last = exc  # CURRENT moved while we read: try the new store
+    assert last is not None
+    raise last
