@@ -21,6 +21,7 @@ from .backends import get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .search import MODES, SearchResult, search
+from .store import StoreError
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "MODES",
     "RFMemConfig",
     "SearchResult",
+    "StoreError",
     "available_backends",
     "get_backend",
     "search",
