@@ -222,6 +222,11 @@ _MEM_CHILD = textwrap.dedent(
         return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
 
     def peak():
+        # VmHWM belongs to this process's address space; ru_maxrss would carry the
+        # parent's (pytest's) peak across fork + exec
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     rng = np.random.default_rng(0)
