@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 
 import pytest
 from _shared import shared_dir

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -37,13 +36,8 @@ def pb(data_dir: Path) -> PersonaBench:
 
 
 @pytest.fixture(scope="module")
-def golden() -> list[dict]:
-    shared = shared_dir()
-    path = shared / "golden" / "personabench_noise0.0.jsonl" if shared else None
-    if path is None or not path.is_file():
-        pytest.skip("golden file absent")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def golden(golden_rows: list[dict]) -> list[dict]:
+    return golden_rows  # conftest.py
 
 
 # ----------------------------------------------------------------- real data

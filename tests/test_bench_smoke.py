@@ -1,0 +1,167 @@
+"""Smoke tests of the benchmark suite (rfmem_fast.bench, bench/): tiny sizes, so it cannot rot.
+
+* ``rfmem bench --quick`` with explicit tiny size flags writes a JSON report with the
+  machine, versions, command, every workload's figures and the headline ratios, plus
+  the PNG plots;
+* the PersonaBench workload runs on the real data with a stand-in encoder (the MiniLM
+  encoding itself is covered by tests/test_encoders.py);
+* bench/test_primitives_bench.py runs once with ``--benchmark-disable``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rfmem_fast.bench.cli import PRESETS, resolve
+from rfmem_fast.bench.runners import Bench, BenchSettings
+from rfmem_fast.bench.workloads import chunks_for_tokens, format_tokens, parse_size, parse_size_list
+from rfmem_fast.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--scales", "8K", "--shared-sizes", "2000", "--batch-sizes", "1,8", "--users", "5", "--items", "64",
+    "--mt-batch", "16", "--latency-queries", "4", "--min-queries", "4", "--reference-queries", "2",
+    "--reference-budget", "0.5", "--warmup", "1", "--personabench", "none", "--no-progress",
+]  # fmt: skip
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_sizes_parse():
+    assert parse_size("32K", binary=True) == 32 * 1024
+    assert chunks_for_tokens(parse_size("1M", binary=True), 256) == 4096
+    assert chunks_for_tokens(parse_size("128K", binary=True), 256) == 512
+    assert parse_size("1e5", binary=False) == 100_000 and parse_size("1M", binary=False) == 10**6
+    assert parse_size_list("32K, 128K,32K", binary=True) == [32768, 131072]
+    assert format_tokens(1024 * 1024) == "1M"
+    with pytest.raises(ValueError):
+        parse_size("-3", binary=False)
+
+
+def test_presets_resolve():
+    p = build_parser()
+    st, resolved, _ = resolve(p.parse_args(["bench", "--smoke"]))
+    assert resolved["preset"] == "smoke" and st.users == PRESETS["smoke"]["users"] and st.personabench is None
+    st, _, _ = resolve(p.parse_args(["bench", "--quick", "--users", "7"]))
+    assert st.users == 7 and st.items == PRESETS["quick"]["items"]  # explicit flags override the preset
+    st, _, _ = resolve(p.parse_args(["bench"]))
+    assert st.scales == [32768, 131072, 1048576] and st.batch_sizes == [1, 64, 1024] and (st.users, st.items) == (1000, 4096)
+
+
+def test_bad_flags_exit_2(capsys):
+    assert main(["bench", "--backends", "nope", "--no-progress"]) == 2
+    assert "not available" in capsys.readouterr().err
+    assert main(["bench", "--scales", "abc", "--no-progress"]) == 2
+
+
+def test_bench_cli_quick_tiny(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--quick", *TINY, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Latency" in printed and "Ratios" in printed
+    doc = json.loads(out.read_text())
+    for key in ("machine", "versions", "command", "settings", "config", "workloads", "ratios"):
+        assert key in doc
+    assert doc["machine"]["cpu"] and doc["machine"]["cores"] >= 1
+    for lib in ("torch", "numpy", "faiss", "rfmem_fast"):
+        assert doc["versions"][lib]
+    ours = doc["settings"]["backends"]
+    assert ours and "reference" not in ours
+    w = doc["workloads"]
+    # latency: every (system, mode) with p50 / p99
+    recs = w["latency"]["scales"][0]["results"]
+    assert w["latency"]["scales"][0]["chunks"] == 32
+    systems = {(r["system"], r["mode"]) for r in recs}
+    for b in ours + ["reference"]:
+        for m in ("dense", "recollection", "rfmem"):
+            assert (b, m) in systems
+    assert ("faiss", "dense") in systems
+    assert all(_finite(r["p50_ms"]) and r["p99_ms"] >= r["p50_ms"] for r in recs)
+    assert all(r["sampled"] for r in recs if r["kind"] == "reference")
+    # batch + multitenant: qps per system and batch size
+    bat = w["batch"]["sizes"][0]["results"]
+    assert {r["batch_size"] for r in bat if r["kind"] != "reference"} == {1, 8}
+    assert all(_finite(r["qps"]) and r["qps"] > 0 for r in bat)
+    mt = w["multitenant"]["results"]
+    assert all(_finite(r["qps"]) for r in mt)
+    # results agree with the reference on the queries it ran (ids are exact on every backend)
+    assert all(r["agree_reference"] == 1.0 for r in mt if r["kind"] == "ours" and r.get("agree_reference") is not None)
+    # route splits and ratios
+    assert 0.0 <= w["multitenant"]["route_split"]["familiarity_fraction"] <= 1.0
+    rt = doc["ratios"]
+    for name in ("rfmem_p50_over_dense_p50", "rfmem_qps_over_faiss_dense_qps", "rfmem_speedup_vs_reference"):
+        assert _finite(rt[name]["value"]), name
+    assert rt["rfmem_p50_over_dense_p50"]["paper"] == 1.42
+    assert rt["rfmem_qps_over_faiss_dense_qps"]["batch_size"] == 8
+    assert _finite(rt["rfmem_speedup_vs_reference"]["single_query"]["value"])
+    assert rt["route_split"]["familiarity_fraction"]
+    assert w["personabench"].get("skipped")
+    from rfmem_fast.bench.report import build_tables, format_markdown
+
+    md = format_markdown(build_tables(doc))
+    assert "| system | mode |" in md and "reference (per-query loop)" in md
+    for suffix in ("-latency.png", "-throughput.png"):
+        png = tmp_path / f"b{suffix}"
+        assert png.is_file() and png.stat().st_size > 1000
+
+
+class _HashEncoder:
+    """Stand-in encoder: a seeded unit vector per distinct text (deterministic, instant)."""
+
+    model_name = "hash-encoder-test"
+
+    def encode(self, texts):
+        out = np.empty((len(texts), 384), dtype=np.float32)
+        for i, t in enumerate(texts):
+            rng = np.random.default_rng(abs(hash(t)) % (2**32))
+            v = rng.standard_normal(384).astype(np.float32)
+            out[i] = v / np.linalg.norm(v)
+        return out
+
+
+def test_personabench_workload_fake_encoder():
+    from rfmem_fast.bench.workloads import default_personabench_dir
+
+    pb = default_personabench_dir()
+    if pb is None:
+        pytest.skip("PersonaBench data absent")
+    st = BenchSettings(
+        backends=["torch"], workloads=["personabench"], modes=["dense", "rfmem"], personabench=pb,
+        pb_users_per_community=1, reference_queries=2, reference_budget_s=0.5, warmup=1, cache_dir=None,
+        encoder=_HashEncoder(),
+    )  # fmt: skip
+    out = Bench(st, progress=False).run()["personabench"]
+    assert out["users"] == 2 and out["questions"] > 10 and not out["embeddings_cached"]
+    got = {(r["system"], r["mode"]) for r in out["results"]}
+    assert {("torch", "dense"), ("torch", "rfmem"), ("faiss", "dense"), ("reference", "rfmem")} <= got
+    assert all(_finite(r["p50_ms"]) for r in out["results"])
+    assert {(r["system"], r["mode"]) for r in out["batch"]} == {("torch", "dense"), ("torch", "rfmem")}
+    assert out["route_split"]["queries"] == out["questions"]
+
+
+def test_primitives_bench_suite_runs_once():
+    env = dict(os.environ, RFMEM_BENCH_SMOKE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", str(ROOT / "bench" / "test_primitives_bench.py"),
+         "--benchmark-disable", "-p", "no:cacheprovider"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
+def test_memory_guard_skips_materialising_cells():
+    from rfmem_fast.bench.systems import OursSystem
+
+    b = Bench(BenchSettings(backends=["torch"], faiss=False, reference=False), progress=False)
+    assert "score matrix" in b._too_big(OursSystem("torch"), "rfmem", 1024, 10**9)
+    assert b._too_big(OursSystem("torch"), "dense", 1, 1000) is None
