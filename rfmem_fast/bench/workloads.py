@@ -1,0 +1,486 @@
+"""Benchmark data: sizes, seeded synthetic clustered banks and queries, PersonaBench embeddings.
+
+Synthetic data (DESIGN.md, "Benchmark workloads"): every user owns ``clusters`` random
+unit centres in R^d; an item is ``normalise(centre + spread * g / sqrt(d))`` with
+``g ~ N(0, I_d)`` and a uniformly drawn centre (so two items of one centre have a cosine
+of about ``1 / (1 + spread^2)``). A query is one of two kinds, drawn with probability
+``specific_frac``:
+
+* *specific*: ``normalise(item + t * g / sqrt(d))`` around one of the user's items,
+  ``t ~ U(specific_noise)``; its top score stands out, so the probe's entropy is low and
+  RF-Mem takes the Familiarity path;
+* *vague*: ``normalise(centre + t * g / sqrt(d))`` around one of the user's centres,
+  ``t ~ U(vague_noise)``; many items score alike, so the entropy is high and most of
+  these take the Recollection path.
+
+With the defaults (d = 384, 8 centres, spread 1, half of each kind) about 60 % of the
+queries go to familiarity, at every memory scale; the benchmark reports the split it
+measured. Everything is float32 and reproducible from the seed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..bank import MemoryBank
+
+#: rows generated per step when a large bank is built (bounds the temporary memory)
+GEN_BLOCK_ROWS = 65536
+#: items per centre of the shared bank (it gets ``max(clusters, n // this)`` centres)
+SHARED_ITEMS_PER_CLUSTER = 512
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgG]?)\s*$")
+
+
+def parse_size(text: str, binary: bool) -> int:
+    """Parse a size such as ``"32K"``, ``"1M"``, ``"100000"`` or ``"1e5"``.
+
+    Args:
+        text: a number with an optional suffix K, M or G (case-insensitive).
+        binary: True: K = 1024, M = 1024**2, G = 1024**3 (token scales: 32K = 32,768
+            tokens = 128 chunks of 256); False: K = 1e3, M = 1e6, G = 1e9 (vector
+            counts).
+
+    Returns:
+        int >= 1.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 32K, 1M, 100000, 1e5)")
+    base = 1024 if binary else 1000
+    mult = {"": 1, "k": base, "m": base**2, "g": base**3}[m.group(2).lower()]
+    value = float(m.group(1)) * mult
+    if value < 1 or value != value:
+        raise ValueError(f"size must be >= 1, got {text!r}")
+    return int(round(value))
+
+
+def parse_size_list(text: str, binary: bool) -> list[int]:
+    """Parse a comma list of sizes (see :func:`parse_size`); order kept, duplicates dropped.
+
+    Raises:
+        ValueError: an empty list or a bad entry.
+    """
+    out: list[int] = []
+    for part in str(text).split(","):
+        if part.strip():
+            v = parse_size(part, binary)
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise ValueError(f"expected a comma list of sizes, got {text!r}")
+    return out
+
+
+def format_tokens(tokens: int) -> str:
+    """A token count as the paper writes it: 32768 -> "32K", 1048576 -> "1M", 1000 -> "1000"."""
+    for unit, mult in (("M", 1024**2), ("K", 1024)):
+        if tokens >= mult and tokens % mult == 0:
+            return f"{tokens // mult}{unit}"
+    return str(tokens)
+
+
+def format_count(n: int) -> str:
+    """A vector count in short decimal form: 100000 -> "100K", 1000000 -> "1M", 2000 -> "2K"."""
+    for unit, mult in (("M", 10**6), ("K", 10**3)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def chunks_for_tokens(tokens: int, chunk_tokens: int) -> int:
+    """Memory chunks of one user for a token budget: ``max(1, round(tokens / chunk_tokens))``.
+
+    Args:
+        tokens: memory size in tokens (e.g. 1,048,576 for "1M").
+        chunk_tokens: tokens per chunk (default of the benchmark: 256).
+
+    Returns:
+        int >= 1 (1M tokens at 256 per chunk = 4,096 chunks).
+    """
+    return max(1, int(round(tokens / chunk_tokens)))
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Parameters of the synthetic clustered data (see the module docstring).
+
+    Attributes:
+        dim: vector dimension d.
+        clusters: centres per user (the shared bank gets ``max(clusters, n // 512)``).
+        spread: noise of an item around its centre (relative to the unit centre).
+        specific_frac: probability that a query is *specific* (near an item).
+        specific_noise: (low, high) noise range of specific queries.
+        vague_noise: (low, high) noise range of vague queries (around a centre).
+    """
+
+    dim: int = 384
+    clusters: int = 8
+    spread: float = 1.0
+    specific_frac: float = 0.5
+    specific_noise: tuple[float, float] = (0.3, 1.5)
+    vague_noise: tuple[float, float] = (0.5, 2.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parameters as a JSON-serialisable dict."""
+        return {
+            "dim": self.dim,
+            "clusters": self.clusters,
+            "spread": self.spread,
+            "specific_frac": self.specific_frac,
+            "specific_noise": list(self.specific_noise),
+            "vague_noise": list(self.vague_noise),
+        }
+
+
+def _normalise_rows(x: np.ndarray) -> np.ndarray:
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x
+
+
+def _centres(rng: np.random.Generator, c: int, d: int) -> np.ndarray:
+    return _normalise_rows(rng.standard_normal((c, d), dtype=np.float32))
+
+
+def _items(rng: np.random.Generator, centres: np.ndarray, n: int, spread: float) -> np.ndarray:
+    d = centres.shape[1]
+    lab = rng.integers(0, centres.shape[0], n)
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    x *= np.float32(spread / np.sqrt(d))
+    x += centres[lab]
+    return _normalise_rows(x)
+
+
+@dataclass
+class SyntheticBank:
+    """A seeded multi-tenant bank of clustered unit vectors.
+
+    Attributes:
+        bank: the MemoryBank (users ``"u0" .. "u{U-1}"``, item ids 0 .. n_u - 1).
+        users: the user keys in segment order (list of str, length U).
+        centres: float32 [U, C, d] unit centres of every user (C may differ per user
+            only through the shared-bank rule; stored padded to the largest C).
+        n_centres: int64 [U], centres per user.
+        spec: the generating :class:`SyntheticSpec`.
+        build_s: seconds spent generating and inserting (the CSR snapshot included).
+    """
+
+    bank: MemoryBank
+    users: list[str]
+    centres: np.ndarray
+    n_centres: np.ndarray
+    spec: SyntheticSpec
+    build_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the bank's float32 vectors (n x d x 4)."""
+        return int(self.bank.num_items) * self.bank.dim * 4
+
+    def queries(
+        self, nq: int, seed: int, user_index: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Seeded queries near the users' items (specific) or centres (vague).
+
+        Args:
+            nq: number of queries (int >= 1).
+            seed: seed of this query set (independent of the bank's seed).
+            user_index: optional int [nq] segment index of each query; default: a
+                uniformly random user per query.
+
+        Returns:
+            (Q float32 [nq, d] unit rows, user_index int64 [nq], specific bool [nq]).
+        """
+        rng = np.random.default_rng([seed, 0x51E5])
+        snap = self.bank.snapshot()
+        U, d = len(self.users), self.bank.dim
+        if user_index is None:
+            user_index = rng.integers(0, U, nq)
+        user_index = np.asarray(user_index, dtype=np.int64)
+        sp = self.spec
+        specific = rng.random(nq) < sp.specific_frac
+        lo = snap.offsets[user_index]
+        ln = snap.offsets[user_index + 1] - lo
+        item = lo + (rng.random(nq) * ln).astype(np.int64)
+        cen = (rng.random(nq) * self.n_centres[user_index]).astype(np.int64)
+        t = np.where(
+            specific, rng.uniform(*sp.specific_noise, nq), rng.uniform(*sp.vague_noise, nq)
+        ).astype(np.float32)
+        base = np.where(specific[:, None], snap.vectors[item], self.centres[user_index, cen])
+        g = rng.standard_normal((nq, d), dtype=np.float32) * (t[:, None] / np.float32(np.sqrt(d)))
+        Q = _normalise_rows((base + g).astype(np.float32))
+        return np.ascontiguousarray(Q, dtype=np.float32), user_index, specific
+
+
+def synthetic_bank(
+    n_users: int,
+    n_items: int,
+    spec: SyntheticSpec,
+    seed: int,
+    clusters: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SyntheticBank:
+    """Build a seeded bank of ``n_users`` users with ``n_items`` clustered unit vectors each.
+
+    Rows are generated and inserted in blocks of at most :data:`GEN_BLOCK_ROWS`, so the
+    peak memory is about twice the bank (the bank's blocks plus its CSR snapshot,
+    which is built here).
+
+    Args:
+        n_users: U >= 1.
+        n_items: items per user n >= 1.
+        spec: data parameters (dimension, centres, spread).
+        seed: seed of the bank (user u draws from ``default_rng([seed, u])``).
+        clusters: centres per user (default ``spec.clusters``).
+        progress: optional callable receiving the number of rows just added.
+
+    Returns:
+        SyntheticBank.
+
+    Raises:
+        ValueError: a size < 1.
+    """
+    if n_users < 1 or n_items < 1:
+        raise ValueError(f"n_users and n_items must be >= 1, got {n_users}, {n_items}")
+    c = int(clusters or spec.clusters)
+    t0 = time.perf_counter()
+    bank = MemoryBank(spec.dim)
+    users = [f"u{u}" for u in range(n_users)]
+    centres = np.empty((n_users, c, spec.dim), dtype=np.float32)
+    for u, key in enumerate(users):
+        rng = np.random.default_rng([seed, u])
+        centres[u] = _centres(rng, c, spec.dim)
+        for a in range(0, n_items, GEN_BLOCK_ROWS):
+            b = min(n_items, a + GEN_BLOCK_ROWS)
+            bank.add(key, _items(rng, centres[u], b - a, spec.spread), ids=range(a, b))
+            if progress is not None:
+                progress(b - a)
+    bank.snapshot()
+    return SyntheticBank(
+        bank=bank,
+        users=users,
+        centres=centres,
+        n_centres=np.full(n_users, c, dtype=np.int64),
+        spec=spec,
+        build_s=time.perf_counter() - t0,
+    )
+
+
+def memory_available_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(need_bytes: int, what: str, fraction: float = 0.85) -> None:
+    """Refuse a workload that would not fit in the memory available now.
+
+    Args:
+        need_bytes: estimated peak bytes of the workload.
+        what: the workload and the flags that size it, for the message.
+        fraction: share of ``MemAvailable`` the workload may use.
+
+    Raises:
+        MemoryError: ``need_bytes > fraction * MemAvailable`` (the message names the
+            sizes and the flags to lower). Nothing is checked where /proc/meminfo is
+            unreadable.
+    """
+    avail = memory_available_bytes()
+    if avail is not None and need_bytes > fraction * avail:
+        raise MemoryError(
+            f"{what} needs about {need_bytes / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB "
+            "are available; lower its sizes"
+        )
+
+
+# --------------------------------------------------------------------------- PersonaBench
+
+
+def default_personabench_dir() -> Path | None:
+    """``../shared/data/personabench/eval_data_v1`` next to the checkout, if it exists.
+
+    Looked up under ``$RFMEM_SHARED`` (as the tests do), then relative to the source
+    checkout holding this package, then to the current directory.
+
+    Returns:
+        Path or None.
+    """
+    sub = Path("data") / "personabench" / "eval_data_v1"
+    cands = [Path(os.environ["RFMEM_SHARED"]) / sub] if os.environ.get("RFMEM_SHARED") else []
+    cands += [root / ".." / "shared" / sub for root in (Path(__file__).resolve().parents[2], Path.cwd())]
+    for p in cands:
+        if p.is_dir():
+            return p.resolve()
+    return None
+
+
+def default_cache_dir() -> Path:
+    """Cache folder of encoded PersonaBench embeddings.
+
+    ``$RFMEM_BENCH_CACHE`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/bench`` (default
+    ``~/.cache/rfmem_fast/bench``).
+    """
+    env = os.environ.get("RFMEM_BENCH_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rfmem_fast" / "bench"
+
+
+@dataclass
+class PersonaBenchEmbeddings:
+    """PersonaBench chunks and questions embedded with the MiniLM encoder.
+
+    Attributes:
+        bank: MemoryBank, one user per PersonaBench user (key ``"{community}/{name}"``),
+            item ids = segment ids.
+        Q: float32 [nq, d] unit question embeddings (every question, "Subjective" too).
+        users: nq user keys, ``users[i]`` owns question i.
+        n_users, n_chunks: sizes.
+        encode_chunks_s: seconds to embed the chunks (measured when they were
+            encoded, possibly by an earlier run whose cache was reused).
+        encode_questions_s: seconds to embed the questions in one batch (likewise).
+        cached: True when the embeddings came from the cache.
+        cache_file: the cache file used or written (None without a cache).
+        model: the encoder's model path or name.
+    """
+
+    bank: MemoryBank
+    Q: np.ndarray
+    users: list[str]
+    n_users: int
+    n_chunks: int
+    encode_chunks_s: float
+    encode_questions_s: float
+    cached: bool
+    cache_file: str | None
+    model: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cache_key(texts: Sequence[str], questions: Sequence[str], model: str) -> str:
+    h = hashlib.sha256()
+    h.update(model.encode())
+    for t in (*texts, "\x00", *questions):
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\x1f")
+    return h.hexdigest()[:24]
+
+
+def personabench_embeddings(
+    data_dir: str | os.PathLike[str],
+    noise: float = 0.0,
+    users_per_community: int = 3,
+    encoder: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> PersonaBenchEmbeddings:
+    """Load PersonaBench (spec section 6) and embed its chunks and questions.
+
+    Args:
+        data_dir: folder holding ``synthetic_data/``.
+        noise: noise level of the private data.
+        users_per_community: users per community (3 = the reference's 6 users).
+        encoder: object with ``encode(list[str]) -> float32 [n, d]`` (default: the
+            offline MiniLM :class:`rfmem_fast.encoders.TextEncoder`, loaded only when
+            the cache misses).
+        cache_dir: folder of the embedding cache (``.npz`` keyed by a hash of the
+            texts and the model); None disables the cache. A custom ``encoder`` is
+            cached under its ``model_name`` attribute or class name.
+        say: optional callable receiving status lines.
+
+    Returns:
+        PersonaBenchEmbeddings.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`rfmem_fast.datasets.load_personabench`.
+    """
+    from ..datasets import load_personabench
+
+    say = say or (lambda s: None)
+    data = load_personabench(data_dir, noise=noise, users_per_community=users_per_community)
+    texts = [t for u in data.users for t in u.chunk_texts]
+    qtexts = [q.question for q in data.questions]
+    if encoder is None:
+        from ..encoders import default_model_path
+
+        model = default_model_path()
+    else:
+        model = str(getattr(encoder, "model_name", None) or type(encoder).__name__)
+    key = _cache_key(texts, qtexts, model)
+    cache_file = Path(cache_dir) / f"personabench-{key}.npz" if cache_dir is not None else None
+    X = Q = None
+    enc_c = enc_q = float("nan")
+    cached = False
+    if cache_file is not None and cache_file.is_file():
+        try:
+            with np.load(cache_file) as z:
+                X, Q = z["X"], z["Q"]
+                meta = json.loads(str(z["meta"]))
+            if X.shape[0] != len(texts) or Q.shape[0] != len(qtexts):
+                raise ValueError("cache shape mismatch")
+            enc_c, enc_q = float(meta["encode_chunks_s"]), float(meta["encode_questions_s"])
+            cached = True
+            say(f"personabench: embeddings from cache {cache_file}")
+        except (OSError, KeyError, ValueError):
+            X = Q = None
+    if X is None or Q is None:
+        if encoder is None:
+            from ..encoders import TextEncoder
+
+            say("personabench: loading the MiniLM encoder")
+            encoder = TextEncoder()
+        say(f"personabench: encoding {len(texts)} chunks and {len(qtexts)} questions")
+        t0 = time.perf_counter()
+        X = np.asarray(encoder.encode(texts), dtype=np.float32)
+        enc_c = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        Q = np.asarray(encoder.encode(qtexts), dtype=np.float32)
+        enc_q = time.perf_counter() - t0
+        if cache_file is not None:
+            try:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp.npz")
+                meta = {"encode_chunks_s": enc_c, "encode_questions_s": enc_q, "model": model}
+                np.savez(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
+                os.replace(tmp, cache_file)
+            except OSError as e:  # a read-only cache is not an error
+                say(f"personabench: cannot write the cache ({e})")
+    bank = MemoryBank(X.shape[1])
+    pos = 0
+    for u in data.users:
+        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids)
+        pos += len(u)
+    bank.snapshot()
+    return PersonaBenchEmbeddings(
+        bank=bank,
+        Q=np.ascontiguousarray(Q, dtype=np.float32),
+        users=[q.user_key for q in data.questions],
+        n_users=len(data.users),
+        n_chunks=len(texts),
+        encode_chunks_s=enc_c,
+        encode_questions_s=enc_q,
+        cached=cached,
+        cache_file=str(cache_file) if cache_file is not None else None,
+        model=model,
+    )
