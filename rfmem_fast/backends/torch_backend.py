@@ -59,7 +59,8 @@ class TorchBackend(Backend):
         block_bytes: memory budget of one gathered [chunk, L, d] block (bytes).
 
     Raises:
-        ValueError: ``block_bytes`` < 1 MiB.
+        ValueError: ``block_bytes`` < 1 MiB; an unknown device, or a CUDA device where
+            torch sees none.
     """
 
     name = "torch"
@@ -67,7 +68,12 @@ class TorchBackend(Backend):
     def __init__(self, device: str | torch.device = "cpu", block_bytes: int = 256 << 20) -> None:
         if block_bytes < (1 << 20):
             raise ValueError(f"block_bytes must be >= 1 MiB, got {block_bytes}")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from e
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but this torch build sees no CUDA device")
         self.block_bytes = int(block_bytes)
 
     # ---------------------------------------------------------------- top-k
