@@ -41,8 +41,9 @@ def sklearn_draws(seed: int, k: int) -> np.ndarray:
     return np.random.RandomState(seed).random_sample(1 + (k - 1) * n_local_trials(k))
 
 
-def _draw_table(clusters: torch.Tensor, seed: int) -> torch.Tensor:
-    """float64 [m, 1 + (c-1) * T]: each problem's draws (T = trials of the largest c), 0-padded."""
+def draw_table(clusters: torch.Tensor, seed: int) -> torch.Tensor:
+    """float64 [m, 1 + (c-1) * T]: each problem's scikit-learn draws (T = trials of the
+    largest c), 0-padded; the table every backend's seeding reads."""
     ks = clusters.cpu().tolist()
     c_max = max(ks)
     width = 1 + (c_max - 1) * n_local_trials(c_max)
@@ -73,7 +74,7 @@ def kmeanspp_init(V: torch.Tensor, counts: torch.Tensor, clusters: torch.Tensor,
     C = torch.zeros((m, c_max, d), dtype=torch.float32, device=dev)
     if m == 0 or c_max == 0:
         return C
-    U = _draw_table(clusters, seed)
+    U = draw_table(clusters, seed)
     ar_n = torch.arange(n, device=dev)
     pmask = ar_n[None, :] < counts[:, None]
     rows_m = torch.arange(m, device=dev)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import _native
-from ..kmeans import n_local_trials, sklearn_draws
+from ..kmeans import draw_table
 from .base import Backend, BankView
 
 
@@ -110,13 +110,10 @@ class NativeBackend(Backend):
         Vn = _np(V, torch.float32)
         cn = _np(counts, torch.int64)
         kn = _np(clusters, torch.int64)
-        m = Vn.shape[0]
-        ks = sorted({int(k) for k in kn.tolist() if k >= 1})
-        width = max((1 + (k - 1) * n_local_trials(k) for k in ks), default=1)
-        draws = np.zeros((m, width), dtype=np.float64)
-        for k in ks:
-            d = sklearn_draws(int(seed), k)
-            draws[kn == k, : d.shape[0]] = d
+        if Vn.shape[0] and int(kn.min()) >= 1:
+            draws = draw_table(torch.from_numpy(kn), int(seed)).numpy()
+        else:  # empty batch or an invalid cluster count: let the kernel report it
+            draws = np.zeros((Vn.shape[0], 1), dtype=np.float64)
         labels, cents = _native.batched_kmeans(
             Vn, cn, kn, int(iters), float(tol), draws, self._threads()
         )
