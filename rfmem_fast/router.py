@@ -1,6 +1,9 @@
 """The threshold router of RF-Mem (RFMEM_SPEC.md section 2)."""
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from .config import RFMemConfig
@@ -28,9 +31,7 @@ RULE_NAMES = (
 )
 
 
-def route(
-    mean: torch.Tensor, entropy: torch.Tensor, count: torch.Tensor, config: RFMemConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(mean: Any, entropy: Any, count: Any, config: RFMemConfig) -> tuple[np.ndarray, np.ndarray]:
     """Route each query to the familiarity or the recollection path.
 
     Rules, first match wins (spec section 2)::
@@ -42,20 +43,26 @@ def route(
         else                  -> recollection  (rule "entropy_high")
 
     Args:
-        mean: float [b] mean probe score.
+        mean: float [b] mean probe score (numpy array or torch tensor, any device).
         entropy: float [b] probe entropy (in the config's convention).
         count: int [b] number of probe hits (0 for an empty bank).
         config: thresholds ``theta_high``, ``theta_low``, ``tau``.
 
     Returns:
-        (route [b] int64 with FAMILIARITY=0 / RECOLLECTION=1,
-         rule [b] int64, an index into RULE_NAMES).
+        (route int64 ndarray [b] with FAMILIARITY=0 / RECOLLECTION=1,
+         rule int64 ndarray [b], an index into RULE_NAMES). Computed on the host: the
+        b signals are tiny, and the results go to the caller as numpy anyway.
     """
-    rule = torch.full_like(count, RULE_ENTROPY_HIGH, dtype=torch.int64)
-    rule = torch.where(entropy < config.tau, torch.full_like(rule, RULE_ENTROPY_LOW), rule)
-    rule = torch.where(mean <= config.theta_low, torch.full_like(rule, RULE_MEAN_LOW), rule)
-    rule = torch.where(mean >= config.theta_high, torch.full_like(rule, RULE_MEAN_HIGH), rule)
-    rule = torch.where(count == 0, torch.full_like(rule, RULE_NO_HITS), rule)
+    mean, entropy, count = (_host(x) for x in (mean, entropy, count))
+    rule = np.full(mean.shape, RULE_ENTROPY_HIGH, dtype=np.int64)
+    # lowest priority first: each later rule overrides the earlier ones
+    rule[entropy < config.tau] = RULE_ENTROPY_LOW
+    rule[mean <= config.theta_low] = RULE_MEAN_LOW
+    rule[mean >= config.theta_high] = RULE_MEAN_HIGH
+    rule[count == 0] = RULE_NO_HITS
     fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
-    routes = torch.where(fam, FAMILIARITY, RECOLLECTION).to(torch.int64)
-    return routes, rule
+    return (~fam).astype(np.int64), rule  # FAMILIARITY = 0, RECOLLECTION = 1
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

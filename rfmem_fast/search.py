@@ -197,8 +197,8 @@ def _search_chunk(
     qseg = torch.from_numpy(seg).to(dev)
 
     # widths: never wider than the longest segment queried (a wider top-k is padding only)
-    lens = np.diff(view.snapshot.offsets)[seg]
-    max_len = int(lens.max()) if lens.size else 0
+    off = view.snapshot.offsets
+    max_len = int((off[seg + 1] - off[seg]).max()) if b else 0
     bf = config.beam_width * config.fanout
     k0 = max(config.probe_k, config.out_k, bf)
     k0 = max(min(k0, max_len), bf)
@@ -207,41 +207,40 @@ def _search_chunk(
     p_sc, p_rows, mean, ent, count = be.probe(
         view, Q, qseg, k0, probe_k, config.temperature, config.entropy
     )
+    # host-side bookkeeping in numpy: a handful of cheap calls on the Familiarity path
     if mode == "rfmem":
         routes, rule = route(mean, ent, count, config)
     elif mode == "dense":
-        routes = torch.full((b,), FAMILIARITY, dtype=torch.int64, device=mean.device)
-        rule = torch.full((b,), RULE_FORCED_DENSE, dtype=torch.int64, device=mean.device)
+        routes, rule = np.full(b, FAMILIARITY, np.int64), np.full(b, RULE_FORCED_DENSE, np.int64)
     else:
-        routes = torch.full((b,), RECOLLECTION, dtype=torch.int64, device=mean.device)
-        rule = torch.full((b,), RULE_FORCED_RECOLLECTION, dtype=torch.int64, device=mean.device)
-    routes = routes.to(dev)
-
-    rows = p_rows[:, :out_k].clone()
-    scores = p_sc[:, :out_k].clone()
-    rounds = torch.zeros(b, dtype=torch.int64, device=dev)
-    reco = (routes == RECOLLECTION).nonzero().squeeze(1)
-    if reco.numel():
+        routes, rule = np.full(b, RECOLLECTION, np.int64), np.full(b, RULE_FORCED_RECOLLECTION, np.int64)
+    p_rows_np, p_sc_np = p_rows.cpu().numpy(), p_sc.cpu().numpy()
+    rows = p_rows_np[:, :out_k].copy()
+    scores = p_sc_np[:, :out_k].astype(np.float32)
+    rounds = np.zeros(b, dtype=np.int64)
+    reco = np.flatnonzero(routes == RECOLLECTION)
+    if reco.size:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = recollect(be, view, Q[reco], qseg[reco], cfg, level0=(p_sc[reco], p_rows[reco]))
-        rows[reco] = out.rows.to(dev)
-        scores[reco] = out.scores.to(dev)
-        rounds[reco] = out.rounds.to(dev)
+        ri = torch.from_numpy(reco).to(dev)
+        out = recollect(be, view, Q[ri], qseg[ri], cfg, level0=(p_sc[ri], p_rows[ri]))
+        rows[reco] = out.rows.cpu().numpy()
+        scores[reco] = out.scores.cpu().numpy()
+        rounds[reco] = out.rounds.cpu().numpy()
 
-    rows_np = _pad(rows.cpu().numpy(), config.out_k, -1)
-    probe_rows = _pad(p_rows[:, :probe_k].cpu().numpy(), config.probe_k, -1)
+    rows = _pad(rows, config.out_k, -1)
+    probe_rows = _pad(p_rows_np[:, :probe_k], config.probe_k, -1)
     item_ids = view.snapshot.item_ids
     return dict(
-        ids=_lookup(item_ids, rows_np),
-        rows=rows_np,
-        scores=_pad(scores.cpu().numpy().astype(np.float32), config.out_k, -np.inf),
-        route=routes.cpu().numpy(),
+        ids=_lookup(item_ids, rows),
+        rows=rows,
+        scores=_pad(scores, config.out_k, -np.inf),
+        route=routes,
         mean=mean.cpu().numpy().astype(np.float64),
         entropy=ent.cpu().numpy().astype(np.float64),
-        rule=rule.cpu().numpy(),
-        rounds=rounds.cpu().numpy(),
+        rule=rule,
+        rounds=rounds,
         probe_ids=_lookup(item_ids, probe_rows),
-        probe_scores=_pad(p_sc[:, :probe_k].cpu().numpy().astype(np.float32), config.probe_k, -np.inf),
+        probe_scores=_pad(p_sc_np[:, :probe_k].astype(np.float32), config.probe_k, -np.inf),
     )
 
 
