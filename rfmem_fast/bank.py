@@ -205,19 +205,20 @@ class _UserRows:
             return int(self.base.shape[0])
         return len(self.ids) - self.n_dead
 
-    def live_ids(self) -> list:
+    def _live(self, per_slot: list, clean: np.ndarray | None) -> list:
         if not self.dirty:
-            return list(self.ids_arr)
+            return list(clean)
         if not self.n_dead:
-            return list(self.ids)
-        return [i for i, a in zip(self.ids, self.alive) if a]
+            return list(per_slot)
+        return [v for v, a in zip(per_slot, self.alive) if a]
+
+    def live_ids(self) -> list:
+        """Item ids of the live rows, in row order."""
+        return self._live(self.ids, self.ids_arr)
 
     def live_texts(self) -> list:
-        if not self.dirty:
-            return list(self.texts_arr)
-        if not self.n_dead:
-            return list(self.texts)
-        return [t for t, a in zip(self.texts, self.alive) if a]
+        """Texts of the live rows (None where none was given), in row order."""
+        return self._live(self.texts, self.texts_arr)
 
     def slots(self) -> dict:
         """{live item id: slot}, built on demand."""
