@@ -139,3 +139,19 @@ def test_available_backends_and_auto():
     names = rfmem_fast.available_backends()
     assert "torch" in names and "reference" in names
     assert rfmem_fast.get_backend("auto").name == names[0]
+
+
+@pytest.mark.parametrize("mode", ["dense", "rfmem"])
+def test_torch_topk_strategies_agree(mode):
+    """The torch backend's per-user (CPU default) and gather (GPU default) top-k agree exactly."""
+    from rfmem_fast.backends import TorchBackend
+
+    bank, rng = make_bank(8, users=7)
+    Q = rng.normal(size=(25, 16))
+    owners = [f"user{int(i)}" for i in rng.integers(0, 7, 25)]
+    a = search(bank, Q, owners, RFMemConfig(score_floor=-1.0), mode=mode, backend=TorchBackend(topk_strategy="per_user"))
+    b = search(bank, Q, owners, RFMemConfig(score_floor=-1.0), mode=mode, backend=TorchBackend(topk_strategy="gather"))
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_array_equal(a.scores, b.scores)
+    with pytest.raises(ValueError, match="topk_strategy"):
+        TorchBackend(topk_strategy="fast")

@@ -1,9 +1,11 @@
 """Torch backend: every primitive is a whole-batch tensor operation (CPU or CUDA).
 
-* segmented top-k: the rows of each query's segment are gathered into a padded
+* segmented top-k: on the CPU, the queries of each user of the batch are scored with
+  one matmul against that user's rows (a loop over the distinct users, not over
+  queries); on a GPU the rows of each query's segment are gathered into a padded
   [chunk, L, d] block and scored with one batched matmul per chunk of queries (the
-  chunk is sized so that a block stays under ``block_bytes``); a batch whose queries
-  all hit one segment is one plain matmul. Ties are broken by the smaller row exactly:
+  chunk is sized so that a block stays under ``block_bytes``), and a batch whose
+  queries all hit one segment is one plain matmul. Ties are broken by the smaller row exactly:
   rows whose k-th score is tied past the cut are redone with a stable full sort.
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd`, scikit-learn's greedy k-means++
   seeding (the same random draws) and Lloyd steps for all problems at once.
@@ -57,15 +59,22 @@ class TorchBackend(Backend):
     Args:
         device: torch device ("cpu", "cuda", ...). Default "cpu".
         block_bytes: memory budget of one gathered [chunk, L, d] block (bytes).
+        topk_strategy: "auto" (per user on the CPU, gather on a GPU), "per_user" or
+            "gather" (see the module docstring); results do not depend on it.
 
     Raises:
-        ValueError: ``block_bytes`` < 1 MiB; an unknown device, or a CUDA device where
+        ValueError: ``block_bytes`` < 1 MiB; an unknown ``topk_strategy``; an unknown device, or a CUDA device where
             torch sees none.
     """
 
     name = "torch"
 
-    def __init__(self, device: str | torch.device = "cpu", block_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, device: str | torch.device = "cpu", block_bytes: int = 256 << 20, topk_strategy: str = "auto"
+    ) -> None:
+        if topk_strategy not in ("auto", "per_user", "gather"):
+            raise ValueError(f"topk_strategy must be 'auto', 'per_user' or 'gather', got {topk_strategy!r}")
+        self.topk_strategy = topk_strategy
         if block_bytes < (1 << 20):
             raise ValueError(f"block_bytes must be >= 1 MiB, got {block_bytes}")
         try:
@@ -96,10 +105,22 @@ class TorchBackend(Backend):
             start = off[qseg]
             lens = off[qseg + 1] - start
             L = int(lens.max())
-            if L and bool((qseg == qseg[0]).all()):  # one segment: one matmul
-                a = int(start[0])
-                _, cols = _stable_topk(Q @ X[a : a + L].T, kw)
-                rows[:, : cols.shape[1]] = cols + a
+            per_user = self.topk_strategy == "per_user" or (
+                self.topk_strategy == "auto" and (self.device.type == "cpu" or bool((qseg == qseg[0]).all()))
+            )
+            if L and per_user:
+                # the queries of each user in one matmul against that user's rows
+                # (on the CPU this beats gathering a copy of the bank per query)
+                order = torch.argsort(qseg, stable=True)
+                users, counts = torch.unique_consecutive(qseg[order], return_counts=True)
+                pos = 0
+                for u, c in zip(users.tolist(), counts.tolist()):
+                    idx = order[pos : pos + c]
+                    pos += c
+                    a, e = int(off[u]), int(off[u + 1])
+                    if e > a:
+                        _, cols = _stable_topk(Q[idx] @ X[a:e].T, kw)
+                        rows[idx, : cols.shape[1]] = cols + a
             elif L:
                 chunk = max(1, self.block_bytes // max(1, L * d * 4))
                 ar = torch.arange(L, device=self.device)
