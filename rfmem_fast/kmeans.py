@@ -42,17 +42,31 @@ def sklearn_draws(seed: int, k: int) -> np.ndarray:
 
 
 def draw_table(clusters: torch.Tensor, seed: int) -> torch.Tensor:
-    """float64 [m, 1 + (c-1) * T]: each problem's scikit-learn draws (T = trials of the
-    largest c), 0-padded; the table every backend's seeding reads."""
-    ks = clusters.cpu().tolist()
-    c_max = max(ks)
+    """Each problem's scikit-learn draws, the table every backend's seeding reads.
+
+    Args:
+        clusters: int64 [m], cluster count of each problem (>= 1).
+        seed: scikit-learn's ``random_state``.
+
+    Returns:
+        float64 [m, 1 + (c - 1) * T] on ``clusters.device`` (c = max(clusters), T its
+        trial count), row i holding :func:`sklearn_draws` (seed, clusters[i]), 0-padded.
+        Built by indexing one small per-k table: no loop over problems.
+    """
+    c_max = int(clusters.max())
     width = 1 + (c_max - 1) * n_local_trials(c_max)
-    table = np.zeros((len(ks), width), dtype=np.float64)
-    for k in set(ks):
-        d = sklearn_draws(int(seed), int(k))
-        rows = [i for i, kk in enumerate(ks) if kk == k]
-        table[rows, : d.shape[0]] = d
-    return torch.from_numpy(table).to(clusters.device)
+    per_k = np.zeros((c_max + 1, width), dtype=np.float64)
+    for k in range(1, c_max + 1):  # at most beam_width rows
+        d = sklearn_draws(int(seed), k)
+        per_k[k, : d.shape[0]] = d
+    return torch.from_numpy(per_k).to(clusters.device)[clusters]
+
+
+def _trials_per_problem(clusters: torch.Tensor) -> torch.Tensor:
+    """int64 [m]: :func:`n_local_trials` of each problem's cluster count."""
+    c_max = int(clusters.max())
+    lut = torch.tensor([0] + [n_local_trials(k) for k in range(1, c_max + 1)], device=clusters.device)
+    return lut[clusters]
 
 
 def kmeanspp_init(V: torch.Tensor, counts: torch.Tensor, clusters: torch.Tensor, seed: int) -> torch.Tensor:
@@ -97,7 +111,7 @@ def kmeanspp_init(V: torch.Tensor, counts: torch.Tensor, clusters: torch.Tensor,
     closest = d2_to(V64[rows_m, first][:, None, :]).squeeze(1)  # [m, n]
     pot = closest.sum(dim=1)
     T_max = n_local_trials(c_max)
-    trials = torch.tensor([n_local_trials(int(k)) for k in clusters.cpu().tolist()], device=dev)
+    trials = _trials_per_problem(clusters)
     ar_t = torch.arange(T_max, device=dev)
     for t in range(1, c_max):
         live = t < clusters  # problems that still need a centre
