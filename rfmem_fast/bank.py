@@ -495,19 +495,27 @@ class MemoryBank:
             id_list = _check_id_list(ids)
             if not id_list:
                 raise ValueError("ids must hold at least one item id")
-            r = self._rows[u]
-            slots = r.slots()
-            missing = [i for i in id_list if i not in slots]
-            if missing:
-                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
-            r.begin_write()
-            slots = r.slots()
+            r, slots = self._writable_slots(u, id_list)
             for i in id_list:
                 r.kill(slots.pop(i))
             self._n_live -= len(id_list)
             if r.n_dead >= COMPACT_MIN_DEAD and r.n_dead > r.n_live:
                 r.compact(self._dim)
             self._touch()
+
+    def _writable_slots(self, u: int, id_list: list) -> tuple["_UserRows", dict]:
+        """User ``u``'s rows opened for writing and its {id: slot} map (under the lock).
+
+        Raises:
+            KeyError: an id the user does not hold (nothing is written then).
+        """
+        r = self._rows[u]
+        slots = r.slots()
+        missing = [i for i in id_list if i not in slots]
+        if missing:
+            raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+        r.begin_write()
+        return r, r.slots()
 
     def update(
         self,
@@ -540,13 +548,7 @@ class MemoryBank:
             vec = l2_normalize_rows(vec, "vectors")
             id_list = _check_ids(ids, vec.shape[0])
             tx = None if texts is None else _check_texts(texts, vec.shape[0])
-            r = self._rows[u]
-            slots = r.slots()
-            missing = [i for i in id_list if i not in slots]
-            if missing:
-                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
-            r.begin_write()
-            slots = r.slots()
+            r, slots = self._writable_slots(u, id_list)
             for j, i in enumerate(id_list):
                 s = slots[i]
                 r.set_row(s, vec[j])

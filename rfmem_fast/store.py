@@ -263,14 +263,19 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
 
 
 # ---------------------------------------------------------------------------- reading
-def _read_small(path: Path, expect: dict | None, verify: bool) -> bytes:
-    """Read a whole (JSON) file, checking its size and checksum against ``expect``."""
+def _read_bytes(path: Path, missing: str) -> bytes:
+    """The bytes of ``path``; StoreError (``missing`` or the OS error) naming it otherwise."""
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
-        raise StoreError(path, "missing file") from None
+        raise StoreError(path, missing) from None
     except OSError as exc:
         raise StoreError(path, f"cannot be read: {exc}") from None
+
+
+def _read_small(path: Path, expect: dict | None, verify: bool) -> bytes:
+    """Read a whole (JSON) file, checking its size and checksum against ``expect``."""
+    data = _read_bytes(path, "missing file")
     if expect is not None:
         if len(data) != expect["bytes"]:
             raise StoreError(path, f"has {len(data)} bytes, the manifest says {expect['bytes']} (truncated or edited)")
@@ -518,12 +523,7 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
         raise StoreError(root, "no store here (not a directory)")
     last: StoreError | None = None
     for _ in range(3):  # a concurrent save may swap CURRENT and remove the old directory
-        try:
-            current = cur_path.read_bytes()
-        except FileNotFoundError:
-            raise StoreError(cur_path, "missing file (not a store, or never committed)") from None
-        except OSError as exc:
-            raise StoreError(cur_path, f"cannot be read: {exc}") from None
+        current = _read_bytes(cur_path, "missing file (not a store, or never committed)")
         try:
             return _load_once(root, current, bool(mmap), bool(verify))
         except StoreError as exc:
