@@ -172,6 +172,7 @@ def run_personabench(
     Q = encoder.encode(qtexts)
 
     results: dict[str, SearchResult] = {}
+    scored: dict[str, list[tuple[str, float, float]]] = {}  # (category, recall, ndcg) per evaluated question
     reports: dict[str, ModeReport] = {}
     for mode in modes:
         search(bank, Q[:1], users[:1], config, mode=mode, backend=backend)  # warm-up
@@ -179,11 +180,12 @@ def run_personabench(
         res = search(bank, Q, users, config, mode=mode, backend=backend)
         batch_s = time.perf_counter() - t0
         results[mode] = res
-        rows = []
-        for i, q in enumerate(questions):
-            if q.is_evaluated:
-                r, n = recall_ndcg_at_k([str(x) for x in res.ids_list(i)], q.gt_segment_ids, k)
-                rows.append((q.category, r, n))
+        rows = [
+            (q.category, *recall_ndcg_at_k([str(x) for x in res.ids_list(i)], q.gt_segment_ids, k))
+            for i, q in enumerate(questions)
+            if q.is_evaluated
+        ]
+        scored[mode] = rows
         rep = ModeReport(metrics=aggregate(rows), batch_ms_per_query=1e3 * batch_s / len(questions))
         names = res.route_names
         rep.routes = {r: names.count(r) for r in ("familiarity", "recollection")}
@@ -203,16 +205,8 @@ def run_personabench(
 
     oracle = None
     if "dense" in results and "recollection" in results:
-        rows = []
-        for i, q in enumerate(questions):
-            if q.is_evaluated:
-                best = max(
-                    (recall_ndcg_at_k([str(x) for x in results[m].ids_list(i)], q.gt_segment_ids, k)
-                     for m in ("dense", "recollection")),
-                    key=lambda rn: rn,
-                )  # fmt: skip
-                rows.append((q.category, best[0], best[1]))
-        oracle = aggregate(rows)
+        # per question, the better of the two paths (by recall, then NDCG)
+        oracle = aggregate(max(a, b, key=lambda row: row[1:]) for a, b in zip(scored["dense"], scored["recollection"]))
 
     any_res = next(iter(results.values()))
     records = []
