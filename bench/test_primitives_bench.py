@@ -82,18 +82,24 @@ def _kmeans_inputs(dev: torch.device):
     return t(V), t(counts.astype(np.int64)), t(clusters.astype(np.int64))
 
 
+
+def _bench_synced(benchmark, device, fn, *args):
+    """``benchmark`` one call of ``fn(*args)``, waiting for the device before the clock stops."""
+
+    def call():
+        out = fn(*args)
+        _sync(device)
+        return out
+
+    return benchmark(call)
+
 @pytest.mark.benchmark(group="segmented_topk multi-tenant")
 def test_segmented_topk_multitenant(benchmark, backend, tenants):
     bank, Q, qseg = tenants
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 
-    def call():
-        out = backend.segmented_topk(view, q, s, CFG.out_k)
-        _sync(backend.device)
-        return out
-
-    scores, rows = benchmark(call)
+    scores, rows = _bench_synced(benchmark, backend.device, backend.segmented_topk, view, q, s, CFG.out_k)
     assert tuple(scores.shape) == (QUERIES, CFG.out_k) and tuple(rows.shape) == (QUERIES, CFG.out_k)
 
 
@@ -103,12 +109,7 @@ def test_segmented_topk_shared(benchmark, backend, shared):
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 
-    def call():
-        out = backend.segmented_topk(view, q, s, CFG.out_k)
-        _sync(backend.device)
-        return out
-
-    scores, rows = benchmark(call)
+    scores, rows = _bench_synced(benchmark, backend.device, backend.segmented_topk, view, q, s, CFG.out_k)
     assert tuple(rows.shape) == (SHARED_QUERIES, CFG.out_k)
 
 
@@ -118,12 +119,7 @@ def test_probe(benchmark, backend, tenants):
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 
-    def call():
-        out = backend.probe(view, q, s, CFG.out_k, CFG.probe_k, CFG.temperature, CFG.entropy)
-        _sync(backend.device)
-        return out
-
-    scores, rows, mean, ent, count = benchmark(call)
+    scores, rows, mean, ent, count = _bench_synced(benchmark, backend.device, backend.probe, view, q, s, CFG.out_k, CFG.probe_k, CFG.temperature, CFG.entropy)
     assert tuple(mean.shape) == (QUERIES,) and bool((count == CFG.probe_k).all())
 
 
@@ -131,12 +127,7 @@ def test_probe(benchmark, backend, tenants):
 def test_batched_kmeans(benchmark, backend):
     V, counts, clusters = _kmeans_inputs(backend.device)
 
-    def call():
-        out = backend.batched_kmeans(V, counts, clusters, CFG.kmeans_iters, CFG.kmeans_tol, CFG.kmeans_seed)
-        _sync(backend.device)
-        return out
-
-    labels, cents = benchmark(call)
+    labels, cents = _bench_synced(benchmark, backend.device, backend.batched_kmeans, V, counts, clusters, CFG.kmeans_iters, CFG.kmeans_tol, CFG.kmeans_seed)
     assert tuple(labels.shape) == tuple(V.shape[:2])
     assert int(labels.max()) < CFG.beam_width
 
@@ -149,11 +140,6 @@ def test_alpha_mix(benchmark, backend):
     q0 = torch.nn.functional.normalize(torch.randn(PROBLEMS, D, generator=g), dim=1).to(dev)
     cents = torch.randn(PROBLEMS, CFG.beam_width, D, generator=g).to(dev)
 
-    def call():
-        out = backend.alpha_mix(qb, cents, q0, CFG.alpha)
-        _sync(dev)
-        return out
-
-    out = benchmark(call)
+    out = _bench_synced(benchmark, dev, backend.alpha_mix, qb, cents, q0, CFG.alpha)
     assert tuple(out.shape) == (PROBLEMS, CFG.beam_width, D)
     assert torch.allclose(out.norm(dim=2).cpu(), torch.ones(PROBLEMS, CFG.beam_width), atol=1e-4)
