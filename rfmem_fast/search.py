@@ -51,10 +51,22 @@ DEFAULT_MAX_BATCH = 8192
 class SearchResult:
     """Results of a batch of b queries.
 
+    Every per-item field is read from the ONE bank snapshot the search ran on, so a
+    result stays self-consistent whatever is written to the bank afterwards: use
+    ``ids`` / ``texts`` / ``probe_texts``, never ``bank.snapshot()`` looked up by
+    ``rows`` after a write.
+
     Attributes:
         ids: object ndarray [b, out_k], the caller's item ids; ``None`` pads a row
-            whose user has fewer than ``out_k`` items (or whose recollection ran dry).
-        rows: int64 ndarray [b, out_k], global bank rows (-1 padding).
+            whose user has fewer than ``out_k`` items, or whose recollection ran dry
+            (the Recollection path can return fewer than ``out_k`` items even for a
+            user holding many more; see :func:`search`).
+        texts: object ndarray [b, out_k], the text (str, or None when the item was
+            added without one) of each hit, from the search's own snapshot; ``None``
+            pads as in ``ids``.
+        rows: int64 ndarray [b, out_k], rows of the snapshot the search used (-1
+            padding): SNAPSHOT-RELATIVE, valid for that snapshot only (a later write
+            moves rows); not stable handles.
         scores: float32 ndarray [b, out_k]: inner-product scores on the Familiarity
             path; on the Recollection path the (MMR-adjusted when mmr_lambda < 1) score
             each item was discovered with, in discovery order; ``-inf`` padding.
@@ -64,6 +76,8 @@ class SearchResult:
         rule: int64 ndarray [b], index into ``rfmem_fast.router.RULE_NAMES``.
         rounds: int64 ndarray [b], recollection rounds used (0 on the Familiarity path).
         probe_ids: object ndarray [b, probe_k], the probe's item ids (None padding).
+        probe_texts: object ndarray [b, probe_k], the probe's texts from the same
+            snapshot (None padding, or an item without text).
         probe_scores: float32 ndarray [b, probe_k], the probe's scores (-inf padding).
         mode, backend: how the batch was run.
     """
@@ -78,6 +92,8 @@ class SearchResult:
     rounds: np.ndarray
     probe_ids: np.ndarray
     probe_scores: np.ndarray
+    texts: np.ndarray
+    probe_texts: np.ndarray
     mode: str = "rfmem"
     backend: str = ""
     config: RFMemConfig = field(default_factory=RFMemConfig)
@@ -98,6 +114,10 @@ class SearchResult:
     def ids_list(self, i: int) -> list[Hashable]:
         """The item ids of query ``i`` without padding."""
         return [x for x, r in zip(self.ids[i], self.rows[i]) if r >= 0]
+
+    def texts_list(self, i: int) -> list[str | None]:
+        """The texts of query ``i``'s hits without padding (None for an item without text)."""
+        return [t for t, r in zip(self.texts[i], self.rows[i]) if r >= 0]
 
 
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
@@ -125,18 +145,33 @@ def search(
         config: RFMemConfig (default: the spec's defaults).
         mode: "rfmem" (probe, route, routed path), "dense" (always familiarity) or
             "recollection" (always recollection).
-        backend: "auto" | "reference" | "torch" or a Backend instance.
+        backend: "auto" | "native" | "torch" | "triton" | "cuda" | "reference"
+            (``rfmem_fast.backends.BACKEND_NAMES``; ``available_backends()`` lists
+            those that run here; "auto" takes the first), or a Backend instance.
         device: torch device for device-capable backends (default: CUDA if present).
         max_batch: queries per internal chunk (int >= 1, default 8192); bounds the
             intermediate memory of a huge batch. Results do not depend on it.
 
     Returns:
-        SearchResult. A user with fewer than ``out_k`` items gets padded rows (id
-        None, row -1, score -inf); a user with no items gets an all-padding row,
-        mean 0, entropy 0 and the rule "no_hits" (route recollection in mode "rfmem").
+        SearchResult, whose ids, texts and probe texts come from the one snapshot the
+        call used (``rows`` are relative to that snapshot). Padding (id None, text
+        None, row -1, score -inf) fills the tail of a row that has fewer than
+        ``out_k`` items:
+
+        * a user with fewer than ``out_k`` items, on either path;
+        * on the Recollection path, also a user with MANY items: recollection
+          stops after ``max_rounds`` rounds or when a round finds nothing new (every
+          candidate already returned or below ``score_floor``), as the spec's
+          section 4 does, so with a large ``out_k`` (e.g. 50 with the default 4-beam,
+          10-round config) a row can hold far fewer than ``out_k`` items;
+        * a user with no items: an all-padding row, mean 0, entropy 0 and the rule
+          "no_hits" (route recollection in mode "rfmem").
+
+        Use ``res.ids_list(i)`` / ``res.texts_list(i)`` for a row without padding.
 
     Raises:
-        ValueError: unknown mode; an empty bank (no live item in the snapshot);
+        ValueError: unknown mode or backend name (the message lists
+            ``BACKEND_NAMES``); an empty bank (no live item in the snapshot);
             queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
             ``users`` not of length b; ``max_batch`` < 1.
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
@@ -229,9 +264,12 @@ def _search_chunk(
 
     rows = _pad(rows, config.out_k, -1)
     probe_rows = _pad(p_rows_np[:, :probe_k], config.probe_k, -1)
-    item_ids = view.snapshot.item_ids
+    snap = view.snapshot  # ids and texts from the snapshot the rows index
+    item_ids = snap.item_ids
+    texts = snap.texts if snap.texts is not None else np.full(item_ids.shape[0], None, dtype=object)
     return dict(
         ids=_lookup(item_ids, rows),
+        texts=_lookup(texts, rows),
         rows=rows,
         scores=_pad(scores, config.out_k, -np.inf),
         route=routes,
@@ -240,6 +278,7 @@ def _search_chunk(
         rule=rule,
         rounds=rounds,
         probe_ids=_lookup(item_ids, probe_rows),
+        probe_texts=_lookup(texts, probe_rows),
         probe_scores=_pad(p_sc_np[:, :probe_k].astype(np.float32), config.probe_k, -np.inf),
     )
 

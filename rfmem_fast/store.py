@@ -183,8 +183,12 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
         Path of the committed data directory (``path/snap-<generation>``).
 
     Raises:
-        StoreError: ``path`` is a file, or a non-empty directory that is not a store.
-        OSError: I/O failure; the previous store is left intact (see the module docstring).
+        StoreError: ``path`` is a file, or a non-empty directory that is not a store,
+            or it cannot be created or written into (a parent is a file, a dangling
+            symlink, no permission, a read-only file system: the OS error is chained
+            as ``__cause__`` and named in the message); nothing is written then.
+        OSError: I/O failure while the files are written (disk full, ...); the
+            previous store is left intact (see the module docstring).
     """
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -193,15 +197,20 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
     with _path_lock(path):
         if path.exists() and not path.is_dir():
             raise StoreError(path, "exists and is not a directory; refusing to overwrite it")
-        if path.is_dir():
-            if any(True for _ in path.iterdir()) and not (path / CURRENT).is_file():
-                raise StoreError(path, "is a non-empty directory without a CURRENT file (not a store); refusing to overwrite it")
-        else:
-            path.mkdir(parents=True)
-            _fsync_dir(path.parent)
-        gen = _generation(path)
-        tmp = path / f".tmp-{gen:08d}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
+        try:
+            if path.is_dir():
+                if any(True for _ in path.iterdir()) and not (path / CURRENT).is_file():
+                    raise StoreError(path, "is a non-empty directory without a CURRENT file (not a store); refusing to overwrite it")
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(path.parent)
+            gen = _generation(path)
+            tmp = path / f".tmp-{gen:08d}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            tmp.mkdir()
+        except OSError as exc:  # the directory cannot be created, listed or written into
+            reason = exc.strerror or str(exc)
+            where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+            raise StoreError(path, f"cannot be created or written: {type(exc).__name__}: {reason}{where}") from exc
         try:
             files: dict[str, dict] = {}
             payload: list[tuple[str, Callable[[Any], None]]] = [
@@ -525,7 +534,9 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
     for _ in range(3):  # a concurrent save may swap CURRENT and remove the old directory
         current = _read_bytes(cur_path, "missing file (not a store, or never committed)")
         try:
-            return _load_once(root, current, bool(mmap), bool(verify))
+            bank = _load_once(root, current, bool(mmap), bool(verify))
+            bank._store = (str(root), bool(mmap))
+            return bank
         except StoreError as exc:
             try:
                 changed = cur_path.read_bytes() != current

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +86,95 @@ def test_parity_with_golden_probe(enc: TextEncoder) -> None:
     order = np.lexsort((np.arange(len(scores)), -scores))[:10]  # desc, ties by index
     assert [user.chunk_ids[i] for i in order] == gold["probe_segment_ids"]
     np.testing.assert_allclose(scores[order], gold["probe_scores"], atol=1e-4)
+
+
+# ---------------------------------------------------------------- no process-wide side effects (issue 8, item 4)
+def test_no_side_effects_in_process(capfd) -> None:
+    """Constructing and using an encoder leaves os.environ and transformers' tqdm state
+    as they were, and prints nothing with show_progress=False."""
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    env_before = dict(os.environ)
+    hook_before, bars_before = hf_logging._tqdm_hook, hf_logging.is_progress_bar_enabled()
+    e = TextEncoder(show_progress=False)
+    x = e.encode(["a sentence", "another one"] * 200)  # > 256 texts: the encode bar's threshold
+    assert x.shape == (400, 384)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)
+    assert dict(os.environ) == env_before
+    assert "HF_HUB_OFFLINE" not in os.environ or env_before.get("HF_HUB_OFFLINE") == os.environ["HF_HUB_OFFLINE"]
+    assert (hf_logging._tqdm_hook, hf_logging.is_progress_bar_enabled()) == (hook_before, bars_before)
+
+
+def test_quiet_loading_is_thread_local() -> None:
+    """The loading bar is silenced in the loading thread only; other threads' bars and
+    a hook installed by someone else are kept, and the hook is restored afterwards."""
+    import threading
+
+    from transformers.utils import logging as hf_logging
+
+    from rfmem_fast.encoders import _quiet_weight_loading
+
+    seen: list = []
+
+    def theirs(factory, args, kwargs):  # a hook another library had installed
+        seen.append(kwargs.get("desc"))
+        return factory(*args, **kwargs)
+
+    prev = hf_logging.set_tqdm_hook(theirs)
+    try:
+        other: dict = {}
+        with _quiet_weight_loading():
+            mine = hf_logging.tqdm(range(3), desc="mine")
+            t = threading.Thread(target=lambda: other.setdefault("bar", hf_logging.tqdm(range(3), desc="other", disable=False, file=open(os.devnull, "w"))))  # noqa: E501
+            t.start()
+            t.join()
+        assert getattr(mine, "disable", True) is True  # ours: silenced
+        assert other["bar"].disable is False  # another thread: drawn, through their hook
+        assert seen == ["other"]
+        assert hf_logging._tqdm_hook is theirs  # restored
+    finally:
+        hf_logging.set_tqdm_hook(prev)
+
+
+NO_NETWORK = """
+import os, socket, sys
+attempts = []
+def refuse(*a, **k):
+    attempts.append(a[:2])
+    raise OSError("network disabled by the test")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+socket.getaddrinfo = refuse
+import sentence_transformers  # third-party import-time effects happen before the snapshot
+env = dict(os.environ)
+from rfmem_fast.encoders import TextEncoder
+enc = TextEncoder(show_progress=False)
+x = enc.encode(["Where did I go to school?"])
+assert x.shape == (1, 384), x.shape
+changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+print("RESULT", attempts, changed, sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE)
+"""
+
+
+def test_loads_offline_without_offline_env() -> None:
+    """With HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset, the bundled model still loads
+    from the package path with no network attempt (sockets refused), sets no variable
+    and prints nothing."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    res = subprocess.run(
+        [sys.executable, "-c", NO_NETWORK], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr == "", res.stderr
+    assert res.stdout.strip() == "RESULT [] [] False", res.stdout

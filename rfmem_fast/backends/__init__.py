@@ -26,6 +26,12 @@ from . import cuda_ext as _cuda_ext
 from . import triton_backend as _triton_backend
 from .triton_backend import TritonBackend
 
+#: Every backend name :func:`get_backend` (and so ``search(backend=...)`` and the CLI's
+#: ``--backend``) accepts; the one list that docstrings, help texts and error messages
+#: quote (tests/test_conveniences.py checks that they do). Which of them run on this
+#: machine: :func:`available`.
+BACKEND_NAMES = ("auto", "native", "torch", "triton", "cuda", "reference")
+
 _FACTORIES: dict[str, Callable[..., Backend]] = {
     "reference": lambda device=None: ReferenceBackend(),
     "torch": lambda device=None: TorchBackend(device or ("cuda" if torch.cuda.is_available() else "cpu")),
@@ -71,27 +77,37 @@ def get_backend(name: str | Backend = "auto", device: str | None = None) -> Back
     """A backend instance by name.
 
     Args:
-        name: "auto" | "reference" | "torch" | "native" (when built) | "triton" |
-            "cuda" (or a :class:`Backend` instance, returned as is).
+        name: one of :data:`BACKEND_NAMES`: "auto" (the first of :func:`available`),
+            "native" (when built), "torch", "triton", "cuda", "reference"; or a
+            :class:`Backend` instance, returned as is.
         device: torch device for device-capable backends (default: CUDA if present).
 
     Returns:
         Backend.
 
     Raises:
-        ValueError: unknown backend name (the message lists the available ones), or a
-            non-CPU device for the native backend.
+        ValueError: a name not in :data:`BACKEND_NAMES`, or one that is not built here
+            (the message lists every name and the available ones), or a non-CPU
+            device for the native backend.
+        ImportError: "triton" without the triton package (names the extra).
+        TypeError: ``name`` is neither a str nor a Backend.
         RuntimeError: "triton" / "cuda" where they cannot run (no CUDA device, or the
             CPU without TRITON_INTERPRET=1; the message says which).
     """
     if isinstance(name, Backend):
         return name
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str (one of {', '.join(BACKEND_NAMES)}) or a Backend, got {type(name).__name__}")
     if name == "auto":
         name = available()[0]
     factory = _FACTORIES.get(name)
     if factory is None:
-        raise ValueError(f"backend must be one of {['auto'] + available()}, got {name!r}")
+        why = "is not available on this machine" if name in BACKEND_NAMES else "is not a backend name"
+        raise ValueError(
+            f"backend {name!r} {why}: backend must be one of {', '.join(BACKEND_NAMES)} "
+            f"(available here: {', '.join(['auto'] + available())})"
+        )
     return factory(device)
 
 
-__all__ = ["Backend", "BankView", "ReferenceBackend", "TorchBackend", "TritonBackend", "available", "get_backend"]
+__all__ = ["BACKEND_NAMES", "Backend", "BankView", "ReferenceBackend", "TorchBackend", "TritonBackend", "available", "get_backend"]

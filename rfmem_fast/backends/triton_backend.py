@@ -56,6 +56,7 @@ from types import ModuleType
 
 import torch
 
+from .._optional import install_hint
 from ..config import ENTROPY_CONVENTIONS
 from ..kmeans import kmeanspp_init
 from .base import Backend, BankView
@@ -72,6 +73,14 @@ KMEANS_MAX_CLUSTERS = 64
 
 
 # --------------------------------------------------------------------------- availability
+def _missing_triton() -> ImportError:
+    """The error for a process without the ``triton`` package (names the extra)."""
+    return ImportError(
+        f"the triton backend needs the optional package 'triton': {install_hint('triton')}",
+        name="triton",
+    )
+
+
 def triton_importable() -> bool:
     """True when the ``triton`` package is installed (checked once, without importing it)."""
     if not _IMPORTABLE:
@@ -145,14 +154,15 @@ def _kernels(interpret: bool | None = None) -> ModuleType:
         interpret: the mode to load; None = the current ``TRITON_INTERPRET``.
 
     Raises:
-        RuntimeError: triton is not installed, or it was imported in the other mode.
+        ImportError: triton is not installed (the message names the extra ``triton``).
+        RuntimeError: triton was imported in the other mode.
     """
     mode = interpret_mode() if interpret is None else bool(interpret)
     mod = _KERNEL_MODULES.get(mode)
     if mod is not None:
         return mod
     if not triton_importable():
-        raise RuntimeError("the triton backend needs the 'triton' package (pip install triton)")
+        raise _missing_triton()
     if process_mode() is None:  # first import of triton: in the mode asked for
         saved = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if mode else "0"
@@ -211,10 +221,12 @@ def compile_kernels(arch: int = 90, variants: list[tuple[str, dict]] | None = No
         dict variant label -> size of the cubin in bytes.
 
     Raises:
-        RuntimeError: triton is not installed, or this process imported triton under
-            ``TRITON_INTERPRET=1`` (run it in a fresh process); compilation errors
-            propagate.
+        ImportError: triton is not installed (extra ``triton``).
+        RuntimeError: this process imported triton under ``TRITON_INTERPRET=1`` (run
+            it in a fresh process); compilation errors propagate.
     """
+    if not triton_importable():
+        raise _missing_triton()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -290,8 +302,9 @@ class TritonBackend(Backend):
     Raises:
         ValueError: an unsupported device type, or bad ``block_m`` / ``max_k`` /
             ``num_warps``.
-        RuntimeError: triton is not installed, CUDA is requested but not available, or
-            the device is the CPU and ``TRITON_INTERPRET=1`` is not set.
+        ImportError: triton is not installed (the message names the extra ``triton``).
+        RuntimeError: CUDA is requested but not available, or the device is the CPU
+            and ``TRITON_INTERPRET=1`` is not set.
     """
 
     name = "triton"
@@ -336,7 +349,7 @@ class TritonBackend(Backend):
     @staticmethod
     def _check_runnable(dev: torch.device) -> None:
         if not triton_importable():
-            raise RuntimeError("the triton backend needs the 'triton' package (pip install triton)")
+            raise _missing_triton()
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("the triton backend was asked for CUDA, but torch.cuda.is_available() is False")

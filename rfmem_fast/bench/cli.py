@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .._optional import require
+from ..backends import BACKEND_NAMES
 from .runners import WORKLOADS, Bench, BenchSettings
 from .workloads import SyntheticSpec, default_cache_dir, default_personabench_dir, parse_size_list
 
@@ -77,7 +79,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     x.add_argument("--smoke", action="store_true", help="tiny sizes for tests (seconds): " + _preset_text("smoke"))
     g = p.add_argument_group("what to run")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) + " (default: all)")
-    g.add_argument("--backends", default="all", help="comma list of our backends (default: every available one except the reference, and triton only on CUDA)")
+    g.add_argument(
+        "--backends", default="all",
+        help=f"comma list of {', '.join(n for n in BACKEND_NAMES if n != 'auto')} (default: every available one "
+        "except the reference, and triton only on CUDA; the reference always runs as the per-query loop)",
+    )  # fmt: skip
     g.add_argument("--device", default=None, help="torch device of device-capable backends (default: CUDA if present)")
     g.add_argument("--modes", default=",".join(MODES), help="modes of the latency, multi-tenant and PersonaBench workloads (default %(default)s)")
     g.add_argument("--shared-modes", default="dense,rfmem", help="modes of the shared-bank batch workload (default %(default)s)")
@@ -304,16 +310,35 @@ def _other_cores(a: tuple[float, float, float] | None, b: tuple[float, float, fl
     return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0]))
 
 
+def _require_extras(args: argparse.Namespace) -> None:
+    """Check, before any work, the optional packages this run needs (extra ``bench``).
+
+    matplotlib for the plots (unless ``--no-plots``), tqdm for the progress bars
+    (unless ``--no-progress``). faiss and rich are optional even here: without faiss the
+    faiss baseline is left out (a note says so), without rich the tables are plain.
+
+    Raises:
+        ImportError: a needed package is missing; the message names the extra and the
+            flag that does without it.
+    """
+    if not args.no_plots:
+        require("matplotlib", "bench", "rfmem bench's plots (or pass --no-plots)")
+    if not args.no_progress:
+        require("tqdm", "bench", "rfmem bench's progress bars (or pass --no-progress)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``rfmem bench`` from parsed flags: workloads, tables, JSON, plots.
 
     Returns:
-        0 on success, 2 on a bad flag value.
+        0 on success, 2 on a bad flag value or a missing optional package (the
+        message names the extra to install).
     """
     t0 = time.perf_counter()
     try:
         settings, resolved, notes = resolve(args)
-    except BenchError as e:
+        _require_extras(args)
+    except (BenchError, ImportError) as e:
         print(f"rfmem bench: error: {e}", file=sys.stderr)
         return 2
     from ..evaluate import machine_info

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .._optional import install_hint
 from ..config import RFMemConfig
 from .systems import (
     FaissSystem,
@@ -151,7 +152,7 @@ class Bench:
                 FaissSystem()
             except ImportError:
                 self.faiss_ok = False
-                self.notes.append("faiss is not installed: no faiss baseline")
+                self.notes.append(f"faiss is not installed: no faiss baseline ({install_hint('bench')})")
 
     # ------------------------------------------------------------------ helpers
     def _bar(self, total: int, desc: str):
