@@ -20,3 +20,6 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     assert all(str(x).startswith("a") for x in res.ids_list(0))  # alice's items only
     assert "a2" not in bank.item_ids_of("alice") and bank.num_items == 79
     assert np.isfinite(res.scores[0]).all()
+    assert res.texts_list(1) == ["..."] * len(res.ids_list(1)) and all(t is None for t in res.texts[0])
+    documented = re.search(r'repr\(bank\)  # "(.*?)"', README.read_text(encoding="utf-8")).group(1)
+    assert repr(bank) == documented

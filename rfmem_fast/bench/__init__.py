@@ -15,7 +15,7 @@ Modules:
 
 Example::
 
-    rfmem bench --quick                     # < 2 min on 2 CPU cores
+    rfmem bench --quick --threads 1         # ~15 s on 2 CPU cores (+~25 s once: PersonaBench embeddings)
     rfmem bench                             # full: 32K/128K/1M tokens, 1e5/1e6 shared, 1000 x 4096
     python bench/run_bench.py --workloads latency --scales 32K,1M,4M
 """

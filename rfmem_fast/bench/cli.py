@@ -4,7 +4,8 @@
 ``add_parser(subparsers)``; the sub-command's ``func`` (:func:`run`) returns the exit
 code. ``bench/run_bench.py`` and ``python -m rfmem_fast.bench`` call :func:`main`.
 
-Presets: the default (full) run, ``--quick`` (under 2 minutes on 2 CPU cores) and
+Presets: the default (full) run, ``--quick`` (about 15 s with ``--threads 1`` on 2 CPU
+cores, plus about 25 s the first time to embed PersonaBench; README "Benchmarks") and
 ``--smoke`` (seconds; for tests). A size flag given explicitly overrides its preset.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("presets")
     x = g.add_mutually_exclusive_group()
-    x.add_argument("--quick", action="store_true", help="small sizes, under 2 minutes on 2 CPU cores: " + _preset_text("quick"))
+    x.add_argument("--quick", action="store_true", help="small sizes, ~15 s with --threads 1 on 2 CPU cores (+~25 s once to embed PersonaBench): " + _preset_text("quick"))
     x.add_argument("--smoke", action="store_true", help="tiny sizes for tests (seconds): " + _preset_text("smoke"))
     g = p.add_argument_group("what to run")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) + " (default: all)")
