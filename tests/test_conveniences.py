@@ -42,6 +42,8 @@ def test_backend_names_one_source(capsys):
     with pytest.raises(ValueError) as e:
         get_backend("fast")
     msg = str(e.value)
+    assert main(["bench", "--backends", "nope", "--no-progress"]) == 2
+    bench_err = capsys.readouterr().err
     for name in BACKEND_NAMES:
         quoted = f'"{name}"'
         assert quoted in search.__doc__, name
@@ -50,7 +52,7 @@ def test_backend_names_one_source(capsys):
         assert name in msg, name
         assert f"`{name}`" in README, name
         if name != "auto":
-            assert name in bench_help, name
+            assert name in bench_help and name in bench_err, name
     assert "'fast' is not a backend name" in msg
     with pytest.raises(TypeError, match="backend must be a str"):
         get_backend(3)  # type: ignore[arg-type]

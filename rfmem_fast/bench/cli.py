@@ -198,7 +198,8 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         backends = _csv(args.backends)
         unknown = [b for b in backends if b not in avail]
         if unknown:
-            raise BenchError(f"--backends: {unknown} not available here; available: {avail}")
+            names = ", ".join(n for n in BACKEND_NAMES if n != "auto")
+            raise BenchError(f"--backends: {unknown} not available here (backend names: {names}); available: {avail}")
         if "reference" in backends:
             backends.remove("reference")
             notes.append("the reference backend always runs as the per-query loop (--no-reference leaves it out)")
