@@ -201,7 +201,7 @@ EXTRAS: dict[str, list[str]] = {
     "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"],
     # the Triton kernels (GPU; on a CPU only under TRITON_INTERPRET=1, for tests)
     "triton": ["triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
-    # GPU-only baselines (CUDA wheels): never part of [all] / [test]
+    # GPU baselines (CUDA wheels; no module imports them yet): never part of [all] / [test]
     "gpu": ["faiss-gpu", "cuml-cu12"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
