@@ -206,7 +206,11 @@ setup(
         # the Triton kernels (GPU; tested on the CPU through TRITON_INTERPRET=1)
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ray"],
+        # rfmem_fast.distributed.ShardedMemory: users sharded over Ray actors
+        "ray": ["ray"],
+    },
     entry_points={"console_scripts": ["rfmem = rfmem_fast.cli:main"]},
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildExt},

@@ -80,6 +80,9 @@ class ShardServer:
             shard's process: triton / torch on a GPU actor, native on a CPU one).
         device: torch device for device-capable backends (default: the backend's).
         threads: torch intra-op threads of this process (None: leave as is).
+        defer_errors: if True, a home that cannot be opened does not make the
+            constructor raise: every later call raises that error instead (a Ray actor
+            whose ``__init__`` raises loses the exception's type; this keeps it).
 
     Raises:
         StoreError: the home is locked by another live process, its store or log is
@@ -97,29 +100,32 @@ class ShardServer:
         backend: str = "auto",
         device: str | None = None,
         threads: int | None = None,
+        defer_errors: bool = False,
     ) -> None:
         if not 0 <= int(index) < int(num_shards):
             raise ValueError(f"index must lie in [0, {num_shards}), got {index}")
         self.index, self.num_shards, self.dim = int(index), int(num_shards), int(dim)
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(int(threads))
-        self._backend: Backend = get_backend(backend, device)
         self._device = device
         self.home = Path(home) if home is not None else None
         self._wal: WriteAheadLog | None = None
         self._lock_fd: int | None = None
         self._pause_s, self._pause_flag = 0.0, None
-        self._broken: str | None = None
+        self._failed: BaseException | None = None
         self.bank = MemoryBank(self.dim)
-        if self.home is not None:
-            self._lock_home()
-            try:
+        try:
+            if threads is not None:
+                import torch
+
+                torch.set_num_threads(int(threads))
+            self._backend: Backend = get_backend(backend, device)
+            if self.home is not None:
+                self._lock_home()
                 self._open_home()
-            except BaseException:
-                self.close()  # release the lock: the home is not ours after all
+        except Exception as exc:
+            self.close()  # release the lock: the home is not ours after all
+            if not defer_errors:
                 raise
+            self._failed = exc
 
     # ------------------------------------------------------------------ home
     def _lock_home(self) -> None:
@@ -164,8 +170,8 @@ class ShardServer:
         self.bank, self._wal = bank, wal
 
     def _usable(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"shard {self.index} is unusable ({self._broken}); restart it from its home")
+        if self._failed is not None:
+            raise self._failed
 
     def _check_users(self, users: Sequence[Hashable], where: Any) -> None:
         for u in users:
@@ -194,8 +200,11 @@ class ShardServer:
             except BaseException as exc:
                 try:
                     self._open_home()  # drop the unlogged write: memory = durable state again
-                except BaseException as again:
-                    self._broken = f"the log failed ({exc}) and the home could not be re-opened ({again})"
+                except Exception as again:
+                    self._failed = RuntimeError(
+                        f"shard {self.index} is unusable: the log failed ({exc}) and its home could not be re-opened "
+                        f"({again}); restart it"
+                    )
                 raise
         return self.bank.version
 
@@ -350,26 +359,32 @@ class ShardServer:
 
     def users(self) -> list:
         """The shard's user keys in segment order."""
+        self._usable()
         return self.bank.users
 
     def has_user(self, user: Hashable) -> bool:
         """Whether the shard holds ``user`` (with or without items)."""
+        self._usable()
         return user in self.bank
 
     def user_size(self, user: Hashable) -> int:
         """:meth:`MemoryBank.user_size`."""
+        self._usable()
         return self.bank.user_size(user)
 
     def item_ids_of(self, user: Hashable) -> list:
         """:meth:`MemoryBank.item_ids_of`."""
+        self._usable()
         return self.bank.item_ids_of(user)
 
     def texts_of(self, user: Hashable) -> list:
         """:meth:`MemoryBank.texts_of`."""
+        self._usable()
         return self.bank.texts_of(user)
 
     def info(self) -> dict:
         """The shard's state: index, pid, host, users, items, bank version, backend, home, log length."""
+        self._usable()
         return {
             "shard": self.index,
             "pid": os.getpid(),

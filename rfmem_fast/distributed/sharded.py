@@ -184,7 +184,7 @@ class ShardedMemory:
             num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         self._num_shards, self._dim = num_shards, dim
         self._root = Path(path) if path is not None else None
-        self._args = dict(backend=backend, device=device, threads=threads_per_shard)
+        self._args = dict(backend=backend, device=device, threads=threads_per_shard, defer_errors=True)
         self._options = dict(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
@@ -315,8 +315,13 @@ class ShardedMemory:
                 s = pending.pop(ref)
                 try:
                     out[s] = ray.get(ref)
+                except ray.exceptions.ActorUnavailableError as exc:
+                    raise ShardUnavailableError(
+                        s, f"{what}: shard {s} is unavailable (restarting or unreachable; wait_ready() waits for it): {_first_line(exc)}"
+                    ) from None
                 except ray.exceptions.RayActorError as exc:
-                    raise ShardUnavailableError(s, f"{what}: shard {s} is unavailable (its actor died or cannot be reached): {_first_line(exc)}") from None
+                    hint = "; restart_shard() re-opens it from its store" if self._root is not None else ""
+                    raise ShardUnavailableError(s, f"{what}: shard {s} is unavailable (its actor died{hint}): {_first_line(exc)}") from None
                 except ray.exceptions.RayTaskError as exc:
                     raise _shard_exception(s, what, exc) from None
                 except ray.exceptions.RayError as exc:
@@ -587,6 +592,32 @@ class ShardedMemory:
         ray.kill(self._actors[shard], no_restart=True)
         self._actors[shard] = self._spawn(int(shard))
         return self._call_all({shard: self._actors[shard].info.remote()}, self._ready_timeout_s, "start")[shard]
+
+    def wait_ready(self, timeout_s: float | None = None) -> list[dict]:
+        """Wait until every shard answers (e.g. after Ray restarted a crashed actor).
+
+        Args:
+            timeout_s: give up after this many seconds (None: the constructor's
+                ``ready_timeout_s``).
+
+        Returns:
+            :meth:`stats` of every shard.
+
+        Raises:
+            ShardUnavailableError: a shard died for good (no Ray restart left; see
+                :meth:`restart_shard`). ShardTimeoutError: still restarting at the deadline.
+        """
+        timeout = self._ready_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.stats()
+            except ShardUnavailableError as exc:
+                if "restarting or unreachable" not in str(exc):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ShardTimeoutError(exc.shard, f"shard {exc.shard} did not come back within {timeout} s: {exc}") from None
+                time.sleep(0.1)
 
     def _actor(self, shard: int) -> Any:
         """The Ray actor handle of a shard (for tests and operators)."""
