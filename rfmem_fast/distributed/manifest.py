@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..store import StoreError, _fsync_dir
+from ..store import StoreError, _fsync_dir, check_format_header
 from .sharding import HASH_SCHEME
 
 MANIFEST_FILE = "rfmem_sharded.json"
@@ -100,13 +100,7 @@ def read_manifest(root: str | os.PathLike) -> dict:
         man = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise StoreError(path, f"is not valid JSON ({exc})") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise StoreError(path, f"is not an {FORMAT_NAME} manifest")
-    fv = man.get("format_version")
-    if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
-        raise StoreError(path, f"invalid format_version {fv!r}")
-    if fv > FORMAT_VERSION:
-        raise StoreError(path, f"format_version {fv} is newer than this rfmem_fast supports ({FORMAT_VERSION})")
+    check_format_header(path, man, FORMAT_NAME, FORMAT_VERSION)
     if man.get("hash_scheme") != HASH_SCHEME:
         raise StoreError(path, f"hash_scheme {man.get('hash_scheme')!r} is not {HASH_SCHEME!r} (another shard map)")
     for key in ("dim", "num_shards"):

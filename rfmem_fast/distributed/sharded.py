@@ -31,7 +31,7 @@ import numpy as np
 from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank
 from ..config import RFMemConfig
-from ..search import DEFAULT_MAX_BATCH, MODES, SearchResult
+from ..search import DEFAULT_MAX_BATCH, SearchResult, check_search_args
 from ..store import StoreError
 from .gather import gather_results
 from .manifest import make_manifest, read_manifest, shard_dir_name, write_manifest
@@ -448,14 +448,7 @@ class ShardedMemory:
                 (the message names it; no partial result is returned).
             ShardTimeoutError: ``timeout_s`` passed.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if config is None:
-            config = RFMemConfig()
-        if not isinstance(config, RFMemConfig):
-            raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
-        if not _is_int(max_batch) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        config, max_batch = check_search_args(mode, config, max_batch)
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend must be None or a backend name (str), got {type(backend).__name__}")
         q = as_float_matrix(queries, "queries", self._dim)
@@ -466,7 +459,7 @@ class ShardedMemory:
             raise ValueError(f"users has {len(keys)} entries but queries has {b} rows")
         groups = {int(s): np.flatnonzero(owner == s) for s in np.unique(owner)} if b else {0: np.zeros(0, np.int64)}
         calls = {
-            s: self._actors[s].search.remote(q[idx], [keys[i] for i in idx], idx, config, mode, backend, int(max_batch))
+            s: self._actors[s].search.remote(q[idx], [keys[i] for i in idx], idx, config, mode, backend, max_batch)
             for s, idx in groups.items()
         }
         out = self._call_all(calls, timeout_s, "search")
