@@ -306,7 +306,7 @@ def test_save_copy_and_load(durable, tmp_path):
         ShardedMemory.load(tmp_path / "nothing", **SHARD_OPTS)
     loaded = ShardedMemory.load(copy, **SHARD_OPTS)
     try:
-        assert loaded.num_shards == 2 and loaded.path == copy
+        assert loaded.num_shards == 2 and loaded.path == copy.absolute()
         _assert_same_search(loaded, mirror, np.random.default_rng(31))
     finally:
         loaded.close()
@@ -333,4 +333,6 @@ def test_readme_sharded_example_runs(ray_cluster, tmp_path, monkeypatch):
     res = scope["res"]
     assert res.ids.shape == (3, 10) and res.route_names[0] in ("familiarity", "recollection")
     assert all(str(x).startswith("a") and x != "a2" for x in res.ids_list(0))
-    assert (tmp_path / "sharded-store" / "rfmem_sharded.json").is_file()
+    store = tmp_path / "sharded-store"  # a relative path: resolved by the driver, not by each actor
+    assert (store / "rfmem_sharded.json").is_file()
+    assert all((store / f"shard-000{i}" / "store" / "CURRENT").is_file() for i in range(2))

@@ -150,13 +150,13 @@ class ShardedMemory:
         if not _is_int(dim) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         if path is not None:
-            root = Path(path)
+            root = Path(path).absolute()  # actors run in other working directories (and nodes)
             if root.exists() and (not root.is_dir() or any(root.iterdir())):
                 raise StoreError(root, "exists and is not an empty directory; use ShardedMemory.load to open a sharded store")
             root.mkdir(parents=True, exist_ok=True)
             write_manifest(root, make_manifest(num_shards, int(dim)))
         self._start(
-            num_shards, int(dim), path, address, backend, device, num_cpus, num_gpus,
+            num_shards, int(dim), None if path is None else root, address, backend, device, num_cpus, num_gpus,
             threads_per_shard, max_restarts, ready_timeout_s, ray_init,
         )  # fmt: skip
 
@@ -232,7 +232,7 @@ class ShardedMemory:
         man = read_manifest(path)
         self = cls.__new__(cls)
         self._start(
-            man["num_shards"], man["dim"], Path(path), kwargs.pop("address", None), kwargs.pop("backend", "auto"),
+            man["num_shards"], man["dim"], Path(path).absolute(), kwargs.pop("address", None), kwargs.pop("backend", "auto"),
             kwargs.pop("device", None), kwargs.pop("num_cpus", 1), kwargs.pop("num_gpus", None),
             kwargs.pop("threads_per_shard", None), kwargs.pop("max_restarts", None),
             kwargs.pop("ready_timeout_s", 300.0), kwargs.pop("ray_init", None),
@@ -490,7 +490,7 @@ class ShardedMemory:
         home = self._root
         if path is None and home is None:
             raise ValueError("path is required: this ShardedMemory has no home directory (created with path=None)")
-        target = Path(path) if path is not None else home
+        target = Path(path).absolute() if path is not None else home
         assert target is not None
         if home is not None and target.resolve() == home.resolve():
             infos = self._call_all({i: a.checkpoint.remote() for i, a in enumerate(self._actors)}, None, "checkpoint")
