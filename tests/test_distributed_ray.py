@@ -7,9 +7,9 @@ Skipped when Ray is not installed (``pip install "rfmem_fast[ray]"``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,14 +20,21 @@ import pytest
 ray = pytest.importorskip("ray", reason='ray is not installed (pip install "rfmem_fast[ray]")')
 
 import rfmem_fast  # noqa: E402
-from rfmem_fast import MemoryBank, RFMemConfig, StoreError, search  # noqa: E402
+from rfmem_fast import MemoryBank, StoreError, search  # noqa: E402
 from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank  # noqa: E402
 from rfmem_fast.distributed import ShardedMemory, ShardUnavailableError  # noqa: E402
 
 BACKENDS = [b for b in ("reference", "torch", "native") if b in rfmem_fast.available_backends()]
 MODES = ["rfmem", "dense", "recollection"]
-#: every field of SearchResult that a sharded search must reproduce exactly (rows are shard-local)
-COMPARED = ("ids", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids", "probe_scores")
+#: fields of SearchResult that a sharded search must reproduce exactly (rows are shard-local);
+#: every other array field of the dataclass (e.g. texts) is compared too, see compared_fields()
+REQUIRED = ("ids", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids", "probe_scores")
+
+
+def compared_fields(res) -> list[str]:
+    names = [f.name for f in dataclasses.fields(res) if isinstance(getattr(res, f.name), np.ndarray) and f.name != "rows"]
+    assert set(REQUIRED) <= set(names)
+    return names
 #: the reference backend (one query at a time) runs on every REF_STRIDE-th query only
 REF_STRIDE = 4
 SHARD_OPTS = dict(num_cpus=0, ready_timeout_s=120)
@@ -146,7 +153,7 @@ def test_sharded_search_equals_single_process(sharded, data, expected, dataset, 
     got = sharded.search(Q[idx], [users[i] for i in idx], mode=mode, backend=backend)
     ref = expected[dataset, backend, mode]
     assert got.mode == mode and got.backend == backend and len(got) == len(idx)
-    for f in COMPARED:
+    for f in compared_fields(ref):
         a, b = getattr(got, f), getattr(ref, f)
         assert a.dtype == b.dtype and a.shape == b.shape, f
         np.testing.assert_array_equal(a, b, err_msg=f"{dataset} {backend} {mode} {f} ({sharded.num_shards} shards)")
@@ -208,7 +215,7 @@ def _assert_same_search(mem, mirror, rng, n=40):
     Q = rng.normal(size=(n, D))
     for mode in MODES:
         got, ref = mem.search(Q, users, mode=mode), search(mirror, Q, users, mode=mode)
-        for f in COMPARED:
+        for f in compared_fields(ref):
             np.testing.assert_array_equal(getattr(got, f), getattr(ref, f), err_msg=f"{mode} {f}")
     for u in mirror.users:
         assert mem.item_ids_of(u) == mirror.item_ids_of(u) and mem.texts_of(u) == mirror.texts_of(u)
