@@ -103,27 +103,31 @@ def test_gather_scatters_every_array_field_back_into_caller_order():
 
 def test_gather_carries_fields_added_to_the_result_class():
     @dataclasses.dataclass
-    class WithTexts(SearchResult):
-        texts: np.ndarray = None  # a field another layer adds, e.g. the items' texts
+    class WithExtra(SearchResult):
+        shard_tag: np.ndarray = None  # a per-query field some other layer adds
+
+    rng = np.random.default_rng(4)
+    bank = _bank(rng, 5)
+    users = [f"u{i}" for i in rng.integers(0, 5, 5)]
+    Q = rng.normal(size=(5, D)).astype(np.float32)
 
     def part(pos, tag):
-        n = len(pos)
-        return np.asarray(pos), WithTexts(
-            ids=np.full((n, 2), tag, dtype=object), rows=np.zeros((n, 2), np.int64), scores=np.zeros((n, 2), np.float32),
-            route=np.zeros(n, np.int64), mean=np.zeros(n), entropy=np.zeros(n), rule=np.zeros(n, np.int64),
-            rounds=np.zeros(n, np.int64), probe_ids=np.empty((n, 1), object), probe_scores=np.zeros((n, 1), np.float32),
-            mode="dense", backend=tag, texts=np.array([[f"{tag}{p}"] * 2 for p in pos], dtype=object),
-        )  # fmt: skip
+        pos = np.asarray(pos)
+        res = search(bank, Q[pos], [users[i] for i in pos], backend="torch")
+        base = {f.name: getattr(res, f.name) for f in dataclasses.fields(res)}
+        base["backend"] = tag
+        return pos, WithExtra(**base, shard_tag=np.array([[f"{tag}{p}"] * 2 for p in pos], dtype=object))
 
     got = gather_results(5, [part([0, 3], "x"), part([1, 2, 4], "y")])
-    assert isinstance(got, WithTexts) and got.backend == "x+y"
-    assert got.texts[:, 0].tolist() == ["x0", "y1", "y2", "x3", "y4"]
-    assert got.ids[:, 0].tolist() == ["x", "y", "y", "x", "y"]
+    whole = search(bank, Q, users, backend="torch")
+    assert isinstance(got, WithExtra) and got.backend == "x+y"
+    assert got.shard_tag.shape == (5, 2) and got.shard_tag[:, 0].tolist() == ["x0", "y1", "y2", "x3", "y4"]
+    np.testing.assert_array_equal(got.ids, whole.ids)
     with pytest.raises(ValueError, match="exactly once"):
         gather_results(5, [part([0, 3], "x"), part([1, 2, 2], "y")])
     with pytest.raises(ValueError, match="mode"):
         p, r = part([1, 2, 4], "y")
-        gather_results(5, [part([0, 3], "x"), (p, dataclasses.replace(r, mode="rfmem"))])
+        gather_results(5, [part([0, 3], "x"), (p, dataclasses.replace(r, mode="dense"))])
 
 
 # ---------------------------------------------------------------------------- shard home
