@@ -183,7 +183,7 @@ def test_sharded_state_matches_the_writes(sharded, data):
     assert sorted(map(repr, sharded.users)) == sorted(repr(u) for b in data.banks() for u in b.users)
     for bank in data.banks():
         for u in bank.users[:3] + [u for u in ("u3", 7, "7") if u in bank]:
-                assert sharded.item_ids_of(u) == bank.item_ids_of(u) and sharded.texts_of(u) == bank.texts_of(u)
+            assert sharded.item_ids_of(u) == bank.item_ids_of(u) and sharded.texts_of(u) == bank.texts_of(u)
             assert sharded.user_size(u) == bank.user_size(u) and u in sharded
     assert "nobody" not in sharded and 7.5 not in sharded
 
