@@ -231,8 +231,12 @@ def _assert_same_search(mem, mirror, rng, n=40):
         assert mem.item_ids_of(u) == mirror.item_ids_of(u) and mem.texts_of(u) == mirror.texts_of(u)
 
 
-def test_errors_name_the_argument_and_write_nothing(durable):
+def test_errors_name_the_argument_and_write_nothing(durable, tmp_path):
     mem, mirror, _ = durable
+    bad = tmp_path / "bad"
+    with pytest.raises(ValueError, match=r"shard 0: backend must be one of .* got 'nope'"):
+        ShardedMemory(1, D, path=bad, backend="nope", **SHARD_OPTS)  # raised inside the actor, type kept
+    assert not any(bad.iterdir())  # a failed start leaves the directory empty (no manifest)
     u = mirror.users[0]
     before = mem.stats()
     with pytest.raises(KeyError, match=r"users\[2\]: unknown user 'ghost'"):

@@ -22,6 +22,7 @@ write.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Hashable, Sequence
@@ -149,16 +150,25 @@ class ShardedMemory:
         num_shards = _check_num_shards(num_shards)
         if not _is_int(dim) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        _ray()  # before touching the filesystem: no Ray, nothing created
+        root = None
         if path is not None:
             root = Path(path).absolute()  # actors run in other working directories (and nodes)
             if root.exists() and (not root.is_dir() or any(root.iterdir())):
                 raise StoreError(root, "exists and is not an empty directory; use ShardedMemory.load to open a sharded store")
             root.mkdir(parents=True, exist_ok=True)
-            write_manifest(root, make_manifest(num_shards, int(dim)))
-        self._start(
-            num_shards, int(dim), None if path is None else root, address, backend, device, num_cpus, num_gpus,
-            threads_per_shard, max_restarts, ready_timeout_s, ray_init,
-        )  # fmt: skip
+        try:
+            self._start(
+                num_shards, int(dim), root, address, backend, device, num_cpus, num_gpus,
+                threads_per_shard, max_restarts, ready_timeout_s, ray_init,
+            )  # fmt: skip
+        except BaseException:
+            if root is not None:  # leave the directory as empty as it was
+                for i in range(num_shards):
+                    shutil.rmtree(root / shard_dir_name(i), ignore_errors=True)
+            raise
+        if root is not None:
+            write_manifest(root, make_manifest(num_shards, int(dim)))  # last: a store without it is never opened
 
     # ------------------------------------------------------------------ construction
     def _start(
@@ -197,7 +207,7 @@ class ShardedMemory:
         try:
             for i in range(num_shards):
                 self._actors[i] = self._spawn(i)
-            self._info = self._call_all({i: a.info.remote() for i, a in enumerate(self._actors)}, self._ready_timeout_s, "start")
+            self._call_all({i: a.info.remote() for i, a in enumerate(self._actors)}, self._ready_timeout_s, "start")
         except BaseException:
             self.close()
             raise
@@ -227,19 +237,17 @@ class ShardedMemory:
                 that does not hash to it, or a store in use by another ShardedMemory.
             ImportError, ShardTimeoutError: as the constructor.
         """
-        if "path" in kwargs:
-            raise TypeError("load() takes the store as its first argument, not path=")
+        opts = dict(
+            address=None, backend="auto", device=None, num_cpus=1, num_gpus=None, threads_per_shard=None,
+            max_restarts=None, ready_timeout_s=300.0, ray_init=None,
+        )  # fmt: skip
+        unknown = sorted(set(kwargs) - set(opts))
+        if unknown:
+            raise TypeError(f"load() got unexpected keyword arguments {unknown} (the store is its first argument)")
+        opts.update(kwargs)
         man = read_manifest(path)
         self = cls.__new__(cls)
-        self._start(
-            man["num_shards"], man["dim"], Path(path).absolute(), kwargs.pop("address", None), kwargs.pop("backend", "auto"),
-            kwargs.pop("device", None), kwargs.pop("num_cpus", 1), kwargs.pop("num_gpus", None),
-            kwargs.pop("threads_per_shard", None), kwargs.pop("max_restarts", None),
-            kwargs.pop("ready_timeout_s", 300.0), kwargs.pop("ray_init", None),
-        )  # fmt: skip
-        if kwargs:
-            self.close()
-            raise TypeError(f"load() got unexpected keyword arguments {sorted(kwargs)}")
+        self._start(man["num_shards"], man["dim"], Path(path).absolute(), *opts.values())
         return self
 
     @classmethod
