@@ -203,6 +203,8 @@ EXTRAS: dict[str, list[str]] = {
     "triton": ["triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     # GPU baselines (CUDA wheels; no module imports them yet): never part of [all] / [test]
     "gpu": ["faiss-gpu", "cuml-cu12"],
+    # rfmem_fast.distributed.ShardedMemory: users sharded over Ray actors
+    "ray": ["ray"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
 GPU_ONLY = frozenset({"gpu"})

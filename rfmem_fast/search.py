@@ -125,6 +125,27 @@ def _as_queries(queries: Any, dim: int) -> np.ndarray:
     return l2_normalize_rows(q, "queries")
 
 
+def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConfig, int]:
+    """Check :func:`search`'s ``mode``, ``config`` and ``max_batch`` (shared with the layers above it).
+
+    Returns:
+        (the config, ``RFMemConfig()`` when None; max_batch as an int).
+
+    Raises:
+        ValueError: unknown mode; ``max_batch`` not an int >= 1.
+        TypeError: a config that is not an RFMemConfig.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if config is None:
+        config = RFMemConfig()
+    if not isinstance(config, RFMemConfig):
+        raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
+    if isinstance(max_batch, (bool, np.bool_)) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    return config, int(max_batch)
+
+
 def search(
     bank: MemoryBank,
     queries: Any,
@@ -178,17 +199,9 @@ def search(
             user key that is not a str / int.
         KeyError: an unknown user (the message names it and its position).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if config is None:
-        config = RFMemConfig()
-    if not isinstance(config, RFMemConfig):
-        raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
+    config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
-    if isinstance(max_batch, (bool, np.bool_)) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    max_batch = int(max_batch)
     q = _as_queries(queries, bank.dim)
     if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
         raise TypeError("users must be a sequence of user keys, one per query")

@@ -409,6 +409,31 @@ def _is_key(v: Any) -> bool:
     return isinstance(v, (str, int)) and not isinstance(v, bool)
 
 
+def check_format_header(path: Any, man: Any, format_name: str, max_version: int) -> dict:
+    """Check a manifest's ``format`` and ``format_version`` (this store's and the sharded store's).
+
+    Args:
+        path: the manifest file, named in errors.
+        man: the parsed JSON.
+        format_name: the expected ``format``.
+        max_version: the newest ``format_version`` this code reads.
+
+    Returns:
+        ``man`` (a dict).
+
+    Raises:
+        StoreError: not a dict of that format, an invalid or a newer format version.
+    """
+    if not isinstance(man, dict) or man.get("format") != format_name:
+        raise StoreError(path, f"is not an {format_name} manifest")
+    fv = man.get("format_version")
+    if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
+        raise StoreError(path, f"invalid format_version {fv!r}")
+    if fv > max_version:
+        raise StoreError(path, f"format_version {fv} is newer than this rfmem_fast supports ({max_version}); upgrade rfmem_fast")
+    return man
+
+
 def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> MemoryBank:
     cur_path = root / CURRENT
     cur = _parse_json(cur_path, current_bytes)
@@ -427,16 +452,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
     mbytes = _read_small(mpath, None, verify)
     if hashlib.sha256(mbytes).hexdigest() != msha:  # always: the manifest is tiny
         raise StoreError(mpath, "sha256 checksum mismatch with CURRENT (corrupt or edited)")
-    man = _parse_json(mpath, mbytes)
-    if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
-        raise StoreError(mpath, f"is not an {FORMAT_NAME} manifest")
-    fv = man.get("format_version")
-    if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
-        raise StoreError(mpath, f"invalid format_version {fv!r}")
-    if fv > FORMAT_VERSION:
-        raise StoreError(
-            mpath, f"format_version {fv} is newer than this rfmem_fast supports ({FORMAT_VERSION}); upgrade rfmem_fast"
-        )
+    man = check_format_header(mpath, _parse_json(mpath, mbytes), FORMAT_NAME, FORMAT_VERSION)
     ints = {}
     for key, lo in (("dim", 1), ("num_users", 0), ("num_items", 0), ("bank_version", 0)):
         v = man.get(key)
