@@ -152,6 +152,16 @@ def query_bounds(Q: torch.Tensor, coef: float, xnorm: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- exact scores
+_NEG_INF: dict = {}  # device -> float64 tensor -inf (torch.nextafter needs a tensor)
+
+
+def _neg_inf(device: torch.device) -> torch.Tensor:
+    t = _NEG_INF.get(device)
+    if t is None:
+        t = _NEG_INF[device] = torch.tensor(-math.inf, dtype=torch.float64, device=device)
+    return t
+
+
 def _fsum_sign(products: list[float], minus: float) -> int:
     """Sign of ``sum(products) - minus``, computed exactly (math.fsum is exact up to its
     final rounding, which keeps the sign: every term is a multiple of 2^-1074)."""
@@ -211,14 +221,14 @@ def exact_pair_scores(
         return out
     g = gamma(max(d, 1), U64) * (1.0 + 2.0**-30)
     step = max(1, int(memory_budget) // max(1, 4 * 8 * d))  # ~4 float64 [step, d] temporaries
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=X.device)
+    inf = -_neg_inf(X.device)
     for a in range(0, m, step):
         r, qq = rows[a : a + step], qi[a : a + step]
         p = X[r].to(torch.float64) * Q[qq].to(torch.float64)
         s = p.sum(dim=1)
         e = g * p.abs().sum(dim=1)
         del p
-        lo = torch.nextafter(s - e, -inf).to(torch.float32)
+        lo = torch.nextafter(s - e, _neg_inf(X.device)).to(torch.float32)
         hi = torch.nextafter(s + e, inf).to(torch.float32)
         out[a : a + r.shape[0]] = lo
         unsure = (lo != hi).nonzero().squeeze(1)
@@ -234,7 +244,8 @@ def order_by_score_row(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tupl
     """The first k of each row of (scores, rows) by (score descending, row ascending).
 
     Args:
-        scores: float32 [b, c] (``-inf`` = no candidate); rows: int64 [b, c] (-1 = none).
+        scores: float32 [b, c]; rows: int64 [b, c]; an entry is a candidate where
+            its row is >= 0 and its score > -inf.
         k: output width (may exceed c: padded).
 
     Returns:
@@ -256,14 +267,12 @@ def order_by_score_row(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tupl
 
 
 def cut_scores(t: torch.Tensor, lower_gap: torch.Tensor, scan_gap: torch.Tensor) -> torch.Tensor:
-    """``t - lower_gap - scan_gap`` rounded down (float64), ``-inf`` where ``t`` is -inf.
+    """``t - lower_gap - scan_gap`` rounded down (float64; -inf where ``t`` is -inf).
 
-    ``t - lower_gap`` is a lower bound of the k-th exact score; a rescan with bound
+    ``t - lower_gap`` is a lower bound of the k-th exact score; a scan with bound
     ``scan_gap`` must re-score every row whose scan score reaches the returned cut.
     """
-    t64 = t.to(torch.float64)
-    c = torch.nextafter(t64 - lower_gap - scan_gap, torch.tensor(-math.inf, dtype=torch.float64, device=t.device))
-    return torch.where(t64 > -math.inf, c, torch.full_like(c, -math.inf))
+    return torch.nextafter(t.to(torch.float64) - lower_gap - scan_gap, _neg_inf(t.device))
 
 
 def refine(
@@ -281,10 +290,11 @@ def refine(
     Args:
         X: float32 [n, d] bank; Q: float32 [b, d] queries.
         k: top-k width (>= 1).
-        cand_scores: float32 [b, w] scan scores (any order; ``-inf`` padding), w > k
-            unless the list holds the whole segment.
-        cand_rows: int64 [b, w] their rows (-1 padding); a list is "full" when it has
-            no padding, i.e. rows of the segment may have been left out.
+        cand_scores: float32 [b, w] scan scores sorted descending (ties in any order),
+            ``-inf`` exactly where there is no candidate; w > k unless the list holds
+            the whole segment.
+        cand_rows: int64 [b, w] their rows (-1 where no candidate). A list is "full"
+            when it has no padding: rows of the segment may have been left out.
         bound: float64 [b] the scan's ``B(q)`` (module docstring).
         memory_budget: bytes for the temporaries of the exact scores.
         seg_len: optional int64 [b] segment lengths: a list that holds all of its
@@ -298,25 +308,31 @@ def refine(
         ``>= lower - B'`` (``lower = t - B`` bounds the k-th exact score from below).
     """
     b, w = cand_scores.shape
-    valid = (cand_rows >= 0) & (cand_scores > -math.inf)
-    s = torch.where(valid, cand_scores, -math.inf)
     if w >= k:
-        t = torch.topk(s, k, dim=1).values[:, -1]
+        t = cand_scores[:, k - 1]
     else:
-        t = torch.full((b,), -math.inf, dtype=s.dtype, device=s.device)
-    cut = cut_scores(t, bound, bound)
-    lower = torch.where(t > -math.inf, t.to(torch.float64) - bound, torch.full_like(bound, -math.inf))
-    nvalid = valid.sum(dim=1)
-    full = nvalid == w
-    if seg_len is not None:
-        full &= nvalid < seg_len.to(nvalid.device)
-    need = full & (s.min(dim=1).values.to(torch.float64) >= cut) if w else full
-    sel = valid & (s.to(torch.float64) >= cut[:, None]) & ~need[:, None]
+        t = torch.full((b,), -math.inf, dtype=cand_scores.dtype, device=cand_scores.device)
+    lower = t.to(torch.float64) - bound  # -inf where t is -inf
+    cut = torch.nextafter(lower - bound, _neg_inf(t.device))
+    s64 = cand_scores.to(torch.float64)
+    sel = s64 >= cut[:, None]
+    if w:
+        full = cand_rows[:, -1] >= 0
+        if seg_len is not None:
+            full &= seg_len.to(full.device) > w
+        need = full & sel[:, -1]
+        sel &= ~need[:, None]
+    else:
+        need = torch.zeros(b, dtype=torch.bool, device=cand_scores.device)
+    sel &= cand_rows >= 0
     qi, ci = sel.nonzero(as_tuple=True)
-    ex = torch.full((b, w), -math.inf, dtype=torch.float32, device=s.device)
+    ex = torch.full((b, w), -math.inf, dtype=torch.float32, device=cand_scores.device)
+    rows = torch.full((b, w), -1, dtype=torch.int64, device=cand_scores.device)
     if qi.numel():
-        ex[qi, ci] = exact_pair_scores(X, Q, qi, cand_rows[qi, ci], memory_budget)
-    scores, rows = order_by_score_row(ex, torch.where(sel, cand_rows, -1), k)
+        r = cand_rows[qi, ci]
+        ex[qi, ci] = exact_pair_scores(X, Q, qi, r, memory_budget)
+        rows[qi, ci] = r
+    scores, rows = order_by_score_row(ex, rows, k)
     return scores, rows, need, lower
 
 
