@@ -128,14 +128,9 @@ def recollect(
 
 
 def _recollect_chunk(
-    backend: Backend,
-    view: BankView,
-    q0: torch.Tensor,
-    qseg: torch.Tensor,
-    config: RFMemConfig,
-    level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: Backend, view: BankView, q0: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig, level0=None
 ) -> RecollectionOutput:
-    """:func:`recollect` for one chunk of queries (all tensors of a round at once)."""
+    """:func:`recollect` (same arguments) for one chunk of queries: all tensors of a round at once."""
     dev = backend.device
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     out_k = config.out_k

@@ -176,3 +176,26 @@ def test_bound_coefficients():
     assert exact.scan_error_coef(384, exact.U32, 2.0**-11) > 2.0**-10  # TF32 inputs
     with pytest.raises(ValueError, match="no dot-product error bound"):
         exact.gamma(2**25, exact.U32)
+
+
+def test_chunked_scan_and_rescan_under_a_tiny_budget():
+    """100,000 rows drawn from 20 near duplicates of one vector: every query's kept list
+    is full of near-ties, so the torch backend rescans the segment in row blocks under a
+    1 MiB budget (and the native kernel rescans too); ids equal the oracle."""
+    rng = np.random.default_rng(3)
+    u = unit(rng.normal(size=8))
+    distinct = np.stack([u] + [perturb(u, rng, int(rng.integers(1, 3))) for _ in range(19)])
+    bank = MemoryBank(8)
+    bank.add("u", distinct[rng.integers(0, 20, size=100_000)], ids=list(range(100_000)))
+    snap = bank.snapshot()
+    uniq, inv = np.unique(snap.vectors, axis=0, return_inverse=True)
+    Q = np.stack([u, perturb(u, rng, 1), unit(rng.normal(size=8))]).astype(np.float32)
+    qseg = torch.zeros(3, dtype=torch.int64)
+    backends = [TorchBackend("cpu", memory_budget=1 << 20)] + ([get_backend("native")] if NATIVE else [])
+    for i in range(3):
+        ex = np.array([exact_f32(Q[i], x) for x in uniq])[inv.ravel()]
+        want = np.lexsort((np.arange(ex.size), -ex.astype(np.float64)))[:5]
+        for be in backends:
+            s, r = be.segmented_topk(be.view(bank), torch.from_numpy(Q[i : i + 1]), qseg[:1], 5)
+            assert r[0].tolist() == want.tolist(), be.name
+            np.testing.assert_array_equal(s[0].numpy(), ex[want])

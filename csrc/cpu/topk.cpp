@@ -54,6 +54,18 @@ struct Entry {
   int64_t r;
 };
 
+// e[0:m] into out_s / out_r, padded to k with -inf / -1.
+inline void write_padded(const Entry* e, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
+  for (int64_t j = 0; j < m; ++j) {
+    out_s[j] = e[j].s;
+    out_r[j] = e[j].r;
+  }
+  for (int64_t j = m; j < k; ++j) {
+    out_s[j] = kNegInf;
+    out_r[j] = -1;
+  }
+}
+
 // a ranks strictly below b (lower score, or equal score and larger row)
 inline bool worse(const Entry& a, const Entry& b) { return a.s < b.s || (a.s == b.s && a.r > b.r); }
 // a ranks strictly above b: the output order
@@ -96,16 +108,10 @@ struct Heap {
     }
   }
 
-  // The kept entries into out_s / out_r (any order), padded to k with -inf / -1.
+  // The kept entries into out_s / out_r (heap order: the root, the worst, first),
+  // padded to k with -inf / -1.
   void drain(float* out_s, int64_t* out_r) {
-    for (int64_t j = 0; j < size; ++j) {
-      out_s[j] = h[j].s;
-      out_r[j] = h[j].r;
-    }
-    for (int64_t j = size; j < k; ++j) {
-      out_s[j] = kNegInf;
-      out_r[j] = -1;
-    }
+    write_padded(h, size, k, out_s, out_r);
     size = 0;
   }
 };
@@ -222,14 +228,7 @@ struct ExactCtx {
 void emit(Entry* cand, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
   const int64_t kk = std::min(k, m);
   std::partial_sort(cand, cand + kk, cand + m, better);
-  for (int64_t j = 0; j < kk; ++j) {
-    out_s[j] = cand[j].s;
-    out_r[j] = cand[j].r;
-  }
-  for (int64_t j = kk; j < k; ++j) {
-    out_s[j] = kNegInf;
-    out_r[j] = -1;
-  }
+  write_padded(cand, kk, k, out_s, out_r);
 }
 
 // The scan cut of query q: every row of its exact top-k has a scan score >= the cut.

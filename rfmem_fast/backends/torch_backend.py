@@ -107,7 +107,8 @@ class TorchBackend(Backend):
         X, off = view.X, view.offsets
         bound = exact.query_bounds(Q, coef, view.row_norm_max)
         seg_len = off[qseg + 1] - off[qseg]
-        s, r, need, lower = exact.refine(X, Q, k, cand_s.to(self.device), cand_r.to(self.device), bound, self.memory_budget, seg_len)
+        cand_s, cand_r = cand_s.to(self.device), cand_r.to(self.device)
+        s, r, need, lower = exact.refine(X, Q, k, cand_s, cand_r, bound, self.memory_budget, seg_len)
         if bool(need.any()):
             idx = need.nonzero().squeeze(1)
             s2, r2 = self.rescan_topk(view, Q[idx], qseg[idx], k, lower[idx])
@@ -216,7 +217,8 @@ class TorchBackend(Backend):
         """
         X, off = view.X, view.offsets
         m, d = Q.shape
-        cut = exact.cut_scores(lower, torch.zeros_like(lower), exact.query_bounds(Q, self.scan_coef(d), view.row_norm_max))
+        bound = exact.query_bounds(Q, self.scan_coef(d), view.row_norm_max)
+        cut = exact.cut_scores(lower, torch.zeros_like(lower), bound)
         out_s = torch.full((m, k), -math.inf, dtype=torch.float32, device=self.device)
         out_r = torch.full((m, k), -1, dtype=torch.int64, device=self.device)
         for u, idx in self._users(qseg):
@@ -235,7 +237,9 @@ class TorchBackend(Backend):
                     ex = torch.full(sel.shape, -math.inf, dtype=torch.float32, device=self.device)
                     ex[qi, ci] = exact.exact_pair_scores(X, Q[sub], qi, ci + r0, self.memory_budget // 4)
                     rows = torch.where(sel, torch.arange(r0, r1, device=self.device)[None, :], -1)
-                    best_s, best_r = exact.order_by_score_row(torch.cat([best_s, ex], 1), torch.cat([best_r, rows], 1), k)
+                    best_s, best_r = exact.order_by_score_row(
+                        torch.cat([best_s, ex], 1), torch.cat([best_r, rows], 1), k
+                    )
                 out_s[sub], out_r[sub] = best_s, best_r
         return out_s, out_r
 
