@@ -160,7 +160,7 @@ def test_scan_bound_holds_for_torch_matmul(seed, d):
     Q = X[rng.integers(0, 40, size=5)] + np.float32(1e-3) * rng.normal(size=(5, d)).astype(np.float32)
     f = (torch.from_numpy(Q) @ torch.from_numpy(X).T).numpy()
     R = exact.row_norm_max(X)
-    B = exact.query_bounds(torch.from_numpy(Q), TorchBackend.scan_coef(d), R).numpy()
+    B = exact.query_bounds(torch.from_numpy(Q), TorchBackend("cpu").scan_coef(d), R).numpy()
     for i in range(5):
         e = np.array([exact_f32(Q[i], x) for x in X], dtype=np.float64)
         assert np.all(np.abs(f[i].astype(np.float64) - e) <= B[i])
@@ -176,6 +176,24 @@ def test_bound_coefficients():
     assert exact.scan_error_coef(384, exact.U32, 2.0**-11) > 2.0**-10  # TF32 inputs
     with pytest.raises(ValueError, match="no dot-product error bound"):
         exact.gamma(2**25, exact.U32)
+
+
+def test_reduced_precision_matmuls_widen_the_bound_and_stay_exact():
+    """With bfloat16 float32-matmuls allowed (torch.set_float32_matmul_precision), the
+    torch backend's bound includes the input rounding, and the result stays exact."""
+    prev = torch.get_float32_matmul_precision()
+    bank, Q, qseg = near_duplicate_bank(5, 64, 40)
+    want, _ = oracle_topk(bank.snapshot().vectors, bank.snapshot().offsets, Q, qseg, 5)
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert exact.matmul_input_unit("cpu") == 2.0**-8
+        be = TorchBackend("cpu")
+        assert be.scan_coef(64) > 2.0**-7
+        s, r = be.segmented_topk(be.view(bank), torch.from_numpy(Q), torch.from_numpy(qseg), 5)
+        assert r.tolist() == want.tolist()
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    assert exact.matmul_input_unit("cpu") == 0.0
 
 
 def test_chunked_scan_and_rescan_under_a_tiny_budget():

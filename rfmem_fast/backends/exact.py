@@ -113,13 +113,29 @@ def abs_error_term(d: int) -> float:
     return (d + 2) * 2.0**-149
 
 
-def matmul_input_unit() -> float:
-    """Input rounding unit of torch float32 matmuls under the current precision setting.
+def matmul_input_unit(device: torch.device | str = "cpu") -> float:
+    """Input rounding unit of torch float32 matmuls on ``device`` under the current settings.
 
-    ``torch.get_float32_matmul_precision()``: "highest" (IEEE float32, the default) 0,
-    "high" (TF32 allowed) ``2^-11``, "medium" (bfloat16 allowed) ``2^-8``.
+    The most pessimistic of the legacy ``torch.get_float32_matmul_precision()`` ("highest"
+    0, "high" TF32 ``2^-11``, "medium" bfloat16 ``2^-8``), ``allow_tf32`` on CUDA, and the
+    newer per-backend ``fp32_precision`` ("tf32" / "bf16") of CUDA matmuls or of oneDNN
+    (CPU); torch raises on the legacy getter when both APIs were used, then the
+    per-backend settings decide. Unknown values count as bfloat16.
     """
-    return _MATMUL_INPUT_UNIT.get(torch.get_float32_matmul_precision(), 2.0**-8)
+    units = [0.0]
+    try:
+        units.append(_MATMUL_INPUT_UNIT.get(torch.get_float32_matmul_precision(), 2.0**-8))
+    except RuntimeError:  # legacy and new precision APIs mixed
+        pass
+    fp32 = {"tf32": 2.0**-11, "bf16": 2.0**-8}
+    if torch.device(device).type == "cuda":
+        if torch.backends.cuda.matmul.allow_tf32:
+            units.append(2.0**-11)
+        units.append(fp32.get(str(getattr(torch.backends.cuda.matmul, "fp32_precision", "none")), 0.0))
+    else:
+        mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+        units.append(fp32.get(str(getattr(mkldnn, "fp32_precision", "none")), 0.0))
+    return max(units)
 
 
 def row_norm_max(X: np.ndarray, chunk: int = 1 << 16) -> float:

@@ -85,10 +85,10 @@ class TorchBackend(Backend):
         cand_s, cand_r = self._scan(view, Q, qseg, k + exact.SCAN_MARGIN)
         return self.finish_topk(view, Q, qseg, k, cand_s, cand_r, self.scan_coef(Q.shape[1]))
 
-    @staticmethod
-    def scan_coef(d: int) -> float:
-        """Relative error coefficient of this backend's float32 matmul scan (any order, depth d)."""
-        return exact.scan_error_coef(d, exact.U32, exact.matmul_input_unit())
+    def scan_coef(self, d: int) -> float:
+        """Relative error coefficient of this backend's float32 matmul scan (any order,
+        depth d, the input rounding of the matmul precision settings on its device)."""
+        return exact.scan_error_coef(d, exact.U32, exact.matmul_input_unit(self.device))
 
     def finish_topk(self, view: BankView, Q, qseg, k: int, cand_s, cand_r, coef: float):
         """Exact top-k from a scan's candidates (shared by the torch, triton and cuda backends).
