@@ -61,7 +61,7 @@ const T* cptr(const py::array& a) {
 
 void check_threads(const char* fn, int num_threads) {
   if (num_threads < 0)
-    throw py::value_error(std::string(fn) + ": num_threads must be >= 0 (0 = OpenMP default), got " +
+    throw py::value_error(std::string(fn) + ": num_threads must be >= 0 (0 = the machine's threads), got " +
                           std::to_string(num_threads));
 }
 

@@ -12,7 +12,7 @@
   conventions of :func:`rfmem_fast.signals.familiarity_signals`).
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
   the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
-  per OpenMP task, float64 arithmetic; labels equal the torch backend's on inputs
+  per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
   without exact near-ties.
 * alpha-mix: per (branch, cluster) in float64, rounded to float32.
 
@@ -38,7 +38,7 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 class NativeBackend(Backend):
-    """C++/OpenMP CPU implementation of the primitives (see the module docstring).
+    """C++ (per-call std::threads) CPU implementation of the primitives (see the module docstring).
 
     Args:
         num_threads: most threads per call; ``None`` (default) follows
