@@ -41,6 +41,7 @@ from .router import (
     RULE_NAMES,
     route,
 )
+from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
 #: default number of queries per internal chunk of :func:`search`
@@ -172,6 +173,8 @@ def search(
         device: torch device for device-capable backends (default: CUDA if present).
         max_batch: queries per internal chunk (int >= 1, default 8192); bounds the
             intermediate memory of a huge batch. Results do not depend on it.
+            A chunk whose scan work is small (e.g. one query) runs with one torch
+            intra-op thread on the CPU (:func:`rfmem_fast.threads.limit_torch_threads`).
 
     Returns:
         SearchResult, whose ids, texts and probe texts come from the one snapshot the
@@ -216,7 +219,10 @@ def search(
     b = q.shape[0]
     out: dict[str, np.ndarray] = {}
     for c0 in range(0, max(b, 1), max_batch):
-        part = _search_chunk(be, view, q[c0 : c0 + max_batch], seg[c0 : c0 + max_batch], config, mode)
+        sg = seg[c0 : c0 + max_batch]
+        # a small chunk runs with one torch thread (rfmem_fast.threads, README "Threads")
+        with limit_torch_threads(float((snap.offsets[sg + 1] - snap.offsets[sg]).sum()) * bank.dim, be.device):
+            part = _search_chunk(be, view, q[c0 : c0 + max_batch], sg, config, mode)
         if b <= max_batch:
             out = part
             break
