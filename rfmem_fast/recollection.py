@@ -14,6 +14,8 @@ Semantics kept from the authors' code:
   * with ``mmr_lambda < 1`` a candidate's score becomes
     ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone);
     that score is what the hits carry and what the branch score accumulates;
+  * a child's accumulated score is its parent's plus the sum of its members' scores,
+    summed in candidate order;
   * children are ordered (parent beam slot, cluster label); the next beam is the
     ``B`` children of largest accumulated score, stable on ties;
   * ``seen`` is updated only after the beam is chosen, in (slot, candidate) order, so
@@ -205,7 +207,9 @@ def _recollect_chunk(
             child_q[hp, : mixed.shape[1]] = mixed
         member = labels[:, :, None] == ar_B[None, None, :]  # [P, K, B]
         csize = member.sum(dim=1)  # [P, B]
-        cgain = (member * mmr[:, :, None]).sum(dim=1)  # [P, B] float64
+        # each cluster's members' scores summed in candidate order (a sequential sum, as the
+        # spec's `sum of member scores` and the native driver): cumsum runs in order, sum() may not
+        cgain = torch.cumsum(member * mmr[:, :, None], dim=1)[:, -1]  # [P, B] float64
         child_ok = csize > 0
         child_acc = beam_acc[pq, pslot][:, None] + cgain
         # ---- children of each active query on a [na, B slots * B clusters] grid

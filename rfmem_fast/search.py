@@ -8,8 +8,10 @@
 2. the router (section 2) in mode "rfmem"; mode "dense" sends every query to the
    Familiarity path and mode "recollection" every query to the Recollection path;
 3. the Familiarity path (the probe's first ``out_k``, section 3) and the Recollection
-   path (:func:`rfmem_fast.recollection.recollect`, section 4, whose first round reuses
-   the probe) for the queries routed there.
+   path (:meth:`Backend.recollect <rfmem_fast.backends.base.Backend.recollect>`: the
+   Python beam driver :func:`rfmem_fast.recollection.recollect`, or the native
+   backend's C++ driver; section 4, whose first round reuses the probe) for the
+   queries routed there.
 
 Every call works on ONE immutable bank snapshot (taken once, see
 :class:`rfmem_fast.bank.MemoryBank`), so concurrent writes never tear a search. A
@@ -31,7 +33,6 @@ from ._validate import as_float_matrix, l2_normalize_rows
 from .backends import Backend, get_backend
 from .bank import MemoryBank
 from .config import RFMemConfig
-from .recollection import recollect
 from .router import (
     FAMILIARITY,
     RECOLLECTION,
@@ -275,8 +276,11 @@ def _search_chunk(
     reco = np.flatnonzero(routes == RECOLLECTION)
     if reco.size:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        ri = torch.from_numpy(reco).to(dev)
-        out = recollect(be, view, Q[ri], qseg[ri], cfg, level0=(p_sc[ri], p_rows[ri]))
+        if reco.size == b:  # every query recollects (mode "recollection", one query): no gather
+            out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows))
+        else:
+            ri = torch.from_numpy(reco).to(dev)
+            out = be.recollect(view, Q[ri], qseg[ri], cfg, level0=(p_sc[ri], p_rows[ri]))
         rows[reco] = out.rows.cpu().numpy()
         scores[reco] = out.scores.cpu().numpy()
         rounds[reco] = out.rounds.cpu().numpy()
@@ -285,7 +289,7 @@ def _search_chunk(
     probe_rows = _pad(p_rows_np[:, :probe_k], config.probe_k, -1)
     snap = view.snapshot  # ids and texts from the snapshot the rows index
     item_ids = snap.item_ids
-    texts = snap.texts if snap.texts is not None else np.full(item_ids.shape[0], None, dtype=object)
+    texts = snap.texts  # None when no item has a text
     return dict(
         ids=_lookup(item_ids, rows),
         texts=_lookup(texts, rows),
@@ -302,8 +306,11 @@ def _search_chunk(
     )
 
 
-def _lookup(item_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    out = np.empty(rows.shape, dtype=object)
-    ok = rows >= 0
-    out[ok] = item_ids[rows[ok]]
+def _lookup(item_ids: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """object [rows.shape]: ``item_ids[rows]`` where rows >= 0, None elsewhere (all None
+    when ``item_ids`` is None)."""
+    out = np.empty(rows.shape, dtype=object)  # an empty object array holds None
+    if item_ids is not None:
+        ok = rows >= 0
+        out[ok] = item_ids[rows[ok]]
     return out

@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
+
+if TYPE_CHECKING:  # imported lazily at run time (recollection imports this module)
+    from ..config import RFMemConfig
+    from ..recollection import RecollectionOutput
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
 #: gathered rows, float64 re-scoring and the beam driver's per-round tensors are cut
@@ -71,7 +77,8 @@ class Backend:
     Subclasses set ``name`` and ``device`` and implement :meth:`segmented_topk`,
     :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
     composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
-    and may be overridden by a fused kernel.
+    and may be overridden by a fused kernel; :meth:`recollect` runs the Python beam
+    driver over the primitives and may be overridden by a fused driver.
 
     ``memory_budget`` (bytes, default :data:`DEFAULT_MEMORY_BUDGET`) bounds the
     temporaries of one primitive call and of the beam driver's rounds; every backend
@@ -172,6 +179,37 @@ class Backend:
             float32 [m, c, d].
         """
         raise NotImplementedError
+
+    def recollect(
+        self,
+        view: BankView,
+        q0: torch.Tensor,
+        qseg: torch.Tensor,
+        config: "RFMemConfig",
+        level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> "RecollectionOutput":
+        """The Recollection path (spec section 4) for a batch of queries.
+
+        The default runs the Python beam driver :func:`rfmem_fast.recollection.recollect`
+        over this backend's primitives; a backend may override it with a driver of its
+        own that returns the same rows, scores and rounds (the native backend's C++
+        driver).
+
+        Args:
+            view: the bank.
+            q0: float32 [b, d] original queries (unit norm).
+            qseg: int64 [b] segment (user) index of each query.
+            config: the RFMemConfig (alpha, beam_width, fanout, max_rounds, mmr_lambda,
+                score_floor, out_k, KMeans settings).
+            level0: optional (scores [b, k0], rows [b, k0]) top-k of ``q0`` already
+                computed (the probe), k0 >= beam_width * fanout.
+
+        Returns:
+            :class:`rfmem_fast.recollection.RecollectionOutput`.
+        """
+        from ..recollection import recollect
+
+        return recollect(self, view, q0, qseg, config, level0)
 
     def probe(
         self,
