@@ -12,8 +12,10 @@ Semantics kept from the authors' code:
   * a branch retrieves the top ``(B + level) * F`` of its query and THEN drops the
     items already returned (``seen``) and those scoring below ``score_floor``;
   * with ``mmr_lambda < 1`` a candidate's score becomes
-    ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone);
-    that score is what the hits carry and what the branch score accumulates;
+    ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone),
+    in float64, with ``<v, v_j>`` the exact score ``RN32(v . v_j)`` of
+    :func:`rfmem_fast.backends.exact.exact_gram`; that score is what the hits carry
+    and what the branch score accumulates;
   * a child's accumulated score is its parent's plus the sum of its members' scores,
     summed in candidate order;
   * children are ordered (parent beam slot, cluster label); the next beam is the
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends.base import DEFAULT_MEMORY_BUDGET, Backend, BankView
+from .backends.exact import exact_gram
 from .config import RFMemConfig
 
 
@@ -61,7 +64,8 @@ def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
 
     Per live branch (``B`` per query) and round, with ``K = (B + R - 1) * F``
     candidates and ``cap`` result slots: the seen-mask [K, cap], the candidate vectors
-    in float32 and float64 and their gather [K, d], the MMR Gram matrix [K, K], the
+    in float32 and float64 (twice: the MMR bound) and their gather [K, d], the MMR
+    Gram matrix and its bound [K, K], the
     cluster membership [K, B], the children [B, d]; per query the discovery-order
     de-duplication [B K, B K].
 
@@ -75,7 +79,7 @@ def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     K = (B + R - 1) * F
     cap = config.out_k - 1 + B * (B + R - 1) * F
-    per_branch = K * (cap + d * (4 + 8 + 4) + K * (8 + 1 + 1) + B * 9 + 64) + B * d * 4 * 4
+    per_branch = K * (cap + d * (4 + 8 + 8 + 4) + K * (8 + 8 + 8 + 1 + 1) + B * 9 + 64) + B * d * 4 * 4
     return int(B * per_branch + (B * K) ** 2 * 2 + 1024)
 
 
@@ -180,8 +184,8 @@ def _recollect_chunk(
         V = X[c_rows.clamp(min=0)] * valid[:, :, None]  # [P, K, d]
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
-            V64 = V.to(torch.float64)  # float64: independent of the batch's kernel choice
-            G = torch.bmm(V64, V64.transpose(1, 2))
+            # similarities RN32(v_i . v_j), exact like every score: no summation order decides
+            G = exact_gram(V, n_valid).to(torch.float64)
             eye = torch.eye(K, dtype=torch.bool, device=dev)
             other = valid[:, None, :] & ~eye[None]
             G = G.masked_fill(~other, float("-inf"))

@@ -7,7 +7,7 @@
 //   2. per branch, in beam-slot order: keep the candidates with a row, a float32 score
 //      >= score_floor and not yet returned, in their top-k order; with mmr_lambda < 1 a
 //      candidate's score becomes lam * s - (1 - lam) * max_{other kept j} <v, v_j>
-//      (float64; 0 when alone); KMeans of the kept vectors into min(B, kept) clusters
+//      (float64; 0 when alone; <v, v_j> the exact score RN32(v . v_j), exact.h); KMeans of the kept vectors into min(B, kept) clusters
 //      (batched_kmeans: scikit-learn's seeding replayed); the child of cluster c is
 //      alpha_mix(branch query, centroid c, q0) with accumulated score
 //      branch acc + (sum of its members' scores in candidate order, from 0);
@@ -29,24 +29,11 @@
 #include <vector>
 
 #include "common.h"
+#include "exact.h"
 #include "kernels.h"
 
 namespace rfmem {
 namespace {
-
-// <a, b> of two float32 vectors in float64 (the products are exact; 4 partial sums)
-inline double dot64(const float* a, const float* b, int64_t d) {
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-  int64_t j = 0;
-  for (; j + 4 <= d; j += 4) {
-    s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
-    s1 += static_cast<double>(a[j + 1]) * static_cast<double>(b[j + 1]);
-    s2 += static_cast<double>(a[j + 2]) * static_cast<double>(b[j + 2]);
-    s3 += static_cast<double>(a[j + 3]) * static_cast<double>(b[j + 3]);
-  }
-  for (; j < d; ++j) s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
-  return (s0 + s1) + (s2 + s3);
-}
 
 struct Child {
   double acc;
@@ -108,6 +95,7 @@ struct Batch {
 void recollect_one(const Batch& bt, const RecollectConfig& cfg, int64_t qi, Workspace& w, int inner_threads) {
   const int64_t B = cfg.beam_width, F = cfg.fanout, R = cfg.max_rounds, d = bt.d;
   const double lam = cfg.mmr_lambda;
+  const double g64 = gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack;
   const float* q0 = bt.Q0 + qi * d;
   const int64_t seg = bt.qseg[qi];
   const int64_t a = bt.offsets[seg];
@@ -152,8 +140,8 @@ void recollect_one(const Batch& bt, const RecollectConfig& cfg, int64_t qi, Work
         double* mx = w.mx.data();
         std::fill(mx, mx + nv, -std::numeric_limits<double>::infinity());
         for (int64_t i = 1; i < nv; ++i) {
-          for (int64_t j = 0; j < i; ++j) {
-            const double g = dot64(V + i * d, V + j * d, d);
+          for (int64_t j = 0; j < i; ++j) {  // the exact score RN32(v_i . v_j), symmetric
+            const double g = static_cast<double>(exact_score(V + i * d, V + j * d, d, g64));
             mx[i] = std::max(mx[i], g);
             mx[j] = std::max(mx[j], g);
           }

@@ -368,3 +368,41 @@ __all__ = [
     "row_norm_max",
     "scan_error_coef",
 ]
+
+
+def exact_gram(V: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Exact scores ``RN32(v_i . v_j)`` of every pair of points of each of m sets.
+
+    The similarity of the beam driver's MMR (spec section 4), made as exact as every
+    other score so that no backend's float64 summation order decides it: float64
+    batched products (exact products, any summation order) certified by the bound
+    ``gamma_d(2^-53) sum|p|`` as in :func:`exact_pair_scores`; the rare uncertain
+    pairs are rounded exactly on the CPU (:func:`round32_exact`). The native beam
+    driver computes the same values (csrc/cpu/exact.h ``exact_score``).
+
+    Args:
+        V: float32 [m, n, d]; set ``i`` holds the points ``V[i, :counts[i]]``.
+        counts: int64 [m], 0 <= counts[i] <= n.
+
+    Returns:
+        float32 [m, n, n] on V's device; entries involving a point at or beyond
+        ``counts[i]`` are unspecified.
+    """
+    m, n, d = V.shape
+    dev = V.device
+    V64 = V.to(torch.float64)
+    s = torch.bmm(V64, V64.transpose(1, 2))
+    A = V64.abs()
+    e = torch.bmm(A, A.transpose(1, 2)) * (gamma(max(d, 1), U64) * (1.0 + 2.0**-30))
+    del A, V64
+    lo = torch.nextafter(s - e, _neg_inf(dev)).to(torch.float32)
+    hi = torch.nextafter(s + e, -_neg_inf(dev)).to(torch.float32)
+    del s, e
+    valid = torch.arange(n, device=dev)[None, :] < counts.to(dev)[:, None]
+    unsure = ((lo != hi) & valid[:, :, None] & valid[:, None, :]).nonzero()
+    if unsure.shape[0]:
+        Vc = V.to(torch.float32).cpu().numpy()
+        idx = unsure.cpu().numpy()
+        fix = np.array([round32_exact(Vc[p, i], Vc[p, j]) for p, i, j in idx], dtype=np.float32)
+        lo[unsure[:, 0], unsure[:, 1], unsure[:, 2]] = torch.from_numpy(fix).to(dev)
+    return lo
