@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
 
@@ -22,13 +23,14 @@ class BankView:
         X: float32 [n, d] unit rows on the backend's device.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
-        snapshot: the bank snapshot it was made from.
+        snapshot: the bank snapshot it was made from (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`).
     """
 
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
-    snapshot: BankSnapshot
+    snapshot: BankSnapshot | None
 
 
 class Backend:
@@ -46,15 +48,27 @@ class Backend:
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
 
+        The snapshot's vectors are copied to ``self.device`` once per bank version, in
+        the bank's dtype; every later call with the same version gets the cached view.
+
         Args:
             bank: the memory bank.
 
         Returns:
             BankView on ``self.device``.
+
+        Raises:
+            DeviceMemoryError: the vectors and offsets would not fit in the device's free
+                memory (:func:`rfmem_fast.device.check_fits`; checked before copying).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
+            n, d = snap.vectors.shape
+            _device.check_fits(
+                snap.vectors.nbytes + snap.offsets.nbytes, self.device,
+                f"the bank ({n:,} x {d} {snap.vectors.dtype}, {snap.num_users:,} users)",
+            )  # fmt: skip
             offsets_cpu = torch.from_numpy(snap.offsets)
             return BankView(
                 X=torch.from_numpy(snap.vectors).to(self.device),
