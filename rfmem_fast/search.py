@@ -349,7 +349,7 @@ def search(
     q_np = None if tensor_in else _as_queries(queries, bank.dim)
     if tensor_in and queries.ndim != 2:  # checked again, with the others, on the device
         raise ValueError(f"queries must be 2-D [n, d], got shape {tuple(queries.shape)}")
-    b = int(queries.shape[0])
+    b = int(queries.shape[0]) if tensor_in else int(q_np.shape[0])
     if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
         raise TypeError("users must be a sequence of user keys, one per query")
     if len(users) != b:
@@ -371,7 +371,7 @@ def search(
     )  # fmt: skip
     if output == "torch":
         return res
-    return SearchResult(mode=mode, backend=be.name, config=config, **_host_fields(res, snap))
+    return SearchResult(mode=mode, backend=be.name, config=config, **res)
 
 
 def search_tensors(
@@ -402,26 +402,35 @@ def search_tensors(
         chunk_max_len: optional longest queried segment of each chunk (host ints); it caps
             the top-k widths. Default: the longest segment of the whole bank (results do
             not depend on it; see the module docstring).
-        host_output: False: a TensorSearchResult on the device; True: the same fields as
-            host numpy arrays, chunk by chunk (a huge batch never sits twice on the device).
+        host_output: False: a TensorSearchResult on the device; True: the arrays of a
+            :class:`SearchResult` (ids and texts looked up in ``view.snapshot``), converted
+            chunk by chunk into arrays allocated once (a huge batch is never held twice).
 
     Returns:
-        TensorSearchResult, or a dict of numpy arrays (``host_output``).
+        TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
     """
     b = int(Q.shape[0])
-    off = view.offsets_cpu
-    bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
+    bank_max = 0
+    if chunk_max_len is None:  # offsets_cpu is a host tensor: no device synchronisation
+        off = view.offsets_cpu
+        bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
     parts: list[dict[str, Any]] = []
+    host: dict[str, np.ndarray] = {}
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
         ml = bank_max if chunk_max_len is None else int(chunk_max_len[j]) if j < len(chunk_max_len) else bank_max
         part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode)
-        if host_output:
-            part = {k: v.cpu().numpy() for k, v in part.items()}
-        parts.append(part)
+        if not host_output:
+            parts.append(part)
+            continue
+        part = _host_fields({k: v.cpu().numpy() for k, v in part.items()}, view.snapshot)
+        if b <= max_batch:
+            return part
+        if not host:  # written in place: no second copy of a huge batch
+            host = {k: np.empty((b,) + a.shape[1:], dtype=a.dtype) for k, a in part.items()}
+        for k, a in part.items():
+            host[k][c0 : c0 + a.shape[0]] = a
     if host_output:
-        if len(parts) == 1:
-            return parts[0]
-        return {k: np.concatenate([p[k] for p in parts]) for k in _TENSOR_FIELDS}
+        return host
     cat = parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in _TENSOR_FIELDS}
     return TensorSearchResult(
         snapshot=view.snapshot, mode=mode, backend=backend.name, config=config, **cat
