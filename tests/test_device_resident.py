@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _shared import paused_backend
 
 from rfmem_fast import MemoryBank, RFMemConfig, search
 from rfmem_fast.backends import available, get_backend
@@ -173,31 +174,9 @@ def test_to_device_keeps_values():
     assert t.dtype == torch.int64 and t.tolist() == list(range(6))
 
 
-class _PausedBackend(TorchBackend):
-    """TorchBackend whose primitives are not counted (their syncs are the backend's own)."""
-
-    counter = None
-
-    def _call(self, name, *args):
-        with self.counter.paused():
-            return getattr(TorchBackend, name)(self, *args)
-
-    def segmented_topk(self, *a):
-        return self._call("segmented_topk", *a)
-
-    def probe(self, *a):
-        return self._call("probe", *a)
-
-    def batched_kmeans(self, *a):
-        return self._call("batched_kmeans", *a)
-
-    def alpha_mix(self, *a):
-        return self._call("alpha_mix", *a)
-
-
 def test_beam_driver_synchronises_once_per_round():
     bank, Q, owners = clustered_bank(seed=5)
-    be = _PausedBackend("cpu")
+    be = paused_backend(TorchBackend, "cpu")
     view = be.view(bank)
     qseg = torch.from_numpy(bank.segments_for(owners))
     q0 = torch.nn.functional.normalize(torch.from_numpy(Q), dim=1)
@@ -220,7 +199,7 @@ def test_beam_driver_synchronises_once_per_round():
 @pytest.mark.parametrize("mode", ["dense", "rfmem"])
 def test_search_on_torch_queries_sync_budget(mode):
     bank, Q, owners = clustered_bank(seed=7)
-    be = _PausedBackend("cpu")
+    be = paused_backend(TorchBackend, "cpu")
     with count_host_syncs("cpu") as warm:
         be.counter = warm
         search(bank, torch.from_numpy(Q), owners, CFG, mode=mode, backend=be, output="torch")
