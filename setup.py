@@ -124,11 +124,9 @@ class BuildExt(build_ext):
         if sys.platform != "win32":
             if has_flag(self.compiler, "-Wno-psabi"):
                 ext.extra_compile_args = list(ext.extra_compile_args) + ["-Wno-psabi"]
-            if has_flag(self.compiler, "-fopenmp"):
-                ext.extra_compile_args = list(ext.extra_compile_args) + ["-fopenmp"]
-                ext.extra_link_args = list(ext.extra_link_args) + ["-fopenmp"]
-        else:
-            ext.extra_compile_args = list(ext.extra_compile_args) + ["/openmp"]
+            if has_flag(self.compiler, "-pthread"):  # std::thread (csrc/cpu/common.h)
+                ext.extra_compile_args = list(ext.extra_compile_args) + ["-pthread"]
+                ext.extra_link_args = list(ext.extra_link_args) + ["-pthread"]
         super().build_extension(ext)
 
     # ---------------------------------------------------------------- CMake

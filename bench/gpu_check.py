@@ -329,7 +329,7 @@ def _settings(run: Run):
             device="cpu", backends=["torch", "triton"], spec=SyntheticSpec(dim=32), warmup=1,
             scales=[8 * 1024, 16 * 1024], chunk_tokens=256, latency_queries=3, latency_modes=["dense", "rfmem"],
             multitenant=[(6, 48), (12, 24)], mt_batches=[8, 24], dtypes=["float32", "float16"], faiss_batch=8,
-            shared_sizes=[600, 1200], batch_sizes=[1, 8, 64], kmeans_problems=[16], cell_budget_s=2.0, repeats=1,
+            shared_sizes=[600, 1200], batch_sizes=[1, 8, 64], kmeans_problems=[16], cell_budget_s=2.0, repeats=1, memory_budget=None,
             workload_backends={"latency": ["torch", "triton"], "multitenant": ["torch"], "shared": ["torch"], "kmeans": ["torch", "triton"]},
         )  # fmt: skip
     names = [b for b in ("triton", "torch", "cuda") if b in available()] if torch.cuda.is_available() else ["torch"]

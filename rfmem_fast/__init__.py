@@ -22,6 +22,7 @@ from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .search import MODES, SearchResult, search
 from .store import StoreError
+from .threads import get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,8 @@ __all__ = [
     "StoreError",
     "available_backends",
     "get_backend",
+    "get_num_threads",
     "search",
+    "set_num_threads",
     "__version__",
 ]

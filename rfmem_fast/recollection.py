@@ -22,6 +22,11 @@ Semantics kept from the authors' code:
 One documented difference: a KMeans cluster with no member (possible only with
 duplicate vectors) yields no child here, where the authors' code builds a child from
 a NaN centroid.
+
+Memory: the per-round tensors grow with (queries x beam slots x candidates x d); the
+batch is cut into chunks of queries whose per-round tensors fit the backend's
+``memory_budget`` (:func:`round_bytes_per_query`), run one after the other. Queries are
+independent, so the result does not depend on the chunking.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.base import Backend, BankView
+from .backends.base import DEFAULT_MEMORY_BUDGET, Backend, BankView
 from .config import RFMemConfig
 
 
@@ -49,6 +54,29 @@ class RecollectionOutput:
     rounds: torch.Tensor
 
 
+def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
+    """Bytes of the beam driver's per-round tensors for one query (an upper estimate).
+
+    Per live branch (``B`` per query) and round, with ``K = (B + R - 1) * F``
+    candidates and ``cap`` result slots: the seen-mask [K, cap], the candidate vectors
+    in float32 and float64 and their gather [K, d], the MMR Gram matrix [K, K], the
+    cluster membership [K, B], the children [B, d]; per query the discovery-order
+    de-duplication [B K, B K].
+
+    Args:
+        config: beam_width, fanout, max_rounds, out_k.
+        d: vector dimension.
+
+    Returns:
+        int bytes.
+    """
+    B, F, R = config.beam_width, config.fanout, config.max_rounds
+    K = (B + R - 1) * F
+    cap = config.out_k - 1 + B * (B + R - 1) * F
+    per_branch = K * (cap + d * (4 + 8 + 4) + K * (8 + 1 + 1) + B * 9 + 64) + B * d * 4 * 4
+    return int(B * per_branch + (B * K) ** 2 * 2 + 1024)
+
+
 def recollect(
     backend: Backend,
     view: BankView,
@@ -61,7 +89,10 @@ def recollect(
     """Run the Recollection path for a batch of queries (spec section 4).
 
     Args:
-        backend: provides the primitives; tensors live on ``backend.device``.
+        backend: provides the primitives; tensors live on ``backend.device``. Its
+            ``memory_budget`` (bytes) bounds the per-round tensors: the batch runs in
+            chunks of ``max(1, memory_budget // round_bytes_per_query(config, d))``
+            queries.
         view: the bank as that backend holds it.
         q0: float32 [b, d] original queries (unit norm).
         qseg: int64 [b] segment (user) index of each query.
@@ -78,12 +109,45 @@ def recollect(
     Returns:
         RecollectionOutput.
 
-    Host synchronisations: ONE per round in this driver (reading how many queries are
-    still active, which sizes the round's tensors; every other step is a fixed-shape
+    Host synchronisations: ONE per round (and per chunk of the memory budget) in this
+    driver (reading how many queries are still active, which sizes the round's tensors; every other step is a fixed-shape
     tensor operation: beam slots that hold no branch, and branches without candidates,
     are carried as masked pairs instead of being compacted), plus those inside the
     backend's primitives (:mod:`rfmem_fast.device`).
     """
+    b, d = q0.shape
+    budget = int(getattr(backend, "memory_budget", DEFAULT_MEMORY_BUDGET))
+    chunk = max(1, budget // round_bytes_per_query(config, d))
+    if active is not None and (
+        not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
+    ):
+        raise ValueError(f"active must be a bool tensor of shape [{b}]")
+    if b <= chunk:
+        return _recollect_chunk(backend, view, q0, qseg, config, level0, active)
+    parts = [
+        _recollect_chunk(
+            backend,
+            view,
+            q0[c0 : c0 + chunk],
+            qseg[c0 : c0 + chunk],
+            config,
+            None if level0 is None else (level0[0][c0 : c0 + chunk], level0[1][c0 : c0 + chunk]),
+            None if active is None else active[c0 : c0 + chunk],
+        )
+        for c0 in range(0, b, chunk)
+    ]
+    return RecollectionOutput(
+        rows=torch.cat([p.rows for p in parts]),
+        scores=torch.cat([p.scores for p in parts]),
+        rounds=torch.cat([p.rounds for p in parts]),
+    )
+
+
+def _recollect_chunk(
+    backend: Backend, view: BankView, q0: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig, level0=None,
+    active: torch.Tensor | None = None,
+) -> RecollectionOutput:
+    """:func:`recollect` (same arguments) for one chunk of queries: all tensors of a round at once."""
     dev = backend.device
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     out_k = config.out_k
@@ -106,8 +170,6 @@ def recollect(
     if active is None:
         active = torch.ones(b, dtype=torch.bool, device=dev)
     else:
-        if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,):
-            raise ValueError(f"active must be a bool tensor of shape [{b}]")
         active = active.to(dev).clone()
     ar_cap = torch.arange(cap, device=dev)
     ar_B = torch.arange(B, device=dev)

@@ -28,6 +28,7 @@ tensors to the host once and looks the item ids and texts up.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -49,6 +50,7 @@ from .router import (
     RULE_NAMES,
     route_tensor,
 )
+from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
 #: what :func:`search` returns: "numpy" (a SearchResult) or "torch" (a TensorSearchResult)
@@ -304,6 +306,8 @@ def search(
         device: torch device for device-capable backends (default: CUDA if present).
         max_batch: queries per internal chunk (int >= 1, default 8192); bounds the
             intermediate memory of a huge batch. Results do not depend on it.
+            A chunk whose scan work is small (e.g. one query) runs with one torch
+            intra-op thread on the CPU (:func:`rfmem_fast.threads.limit_torch_threads`).
         output: "numpy" (default): a :class:`SearchResult` of host arrays with item ids
             and texts; "torch": a :class:`TensorSearchResult` of tensors on the
             backend's device (rows, not ids; ``.to_result()`` converts), for
@@ -364,11 +368,8 @@ def search(
     seg = bank.segments_for(users, snapshot=snap)
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     qseg = to_device(seg, dev)
-    res = search_tensors(
-        be, view, Q, qseg, config, mode, max_batch=max_batch,
-        chunk_max_len=[int(lens[c0 : c0 + max_batch].max()) for c0 in range(0, b, max_batch)],
-        host_output=output == "numpy",
-    )  # fmt: skip
+    hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
+    res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=output == "numpy")
     if output == "torch":
         return res
     return SearchResult(mode=mode, backend=be.name, config=config, **res)
@@ -382,7 +383,7 @@ def search_tensors(
     config: RFMemConfig,
     mode: str = "rfmem",
     max_batch: int = DEFAULT_MAX_BATCH,
-    chunk_max_len: Sequence[int] | None = None,
+    chunk_hints: Sequence[tuple[int, float]] | None = None,
     host_output: bool = False,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
@@ -399,9 +400,11 @@ def search_tensors(
         qseg: int64 [b] segment index of each query, in [0, U), same device (not checked).
         config: RFMemConfig; mode: "rfmem" | "dense" | "recollection".
         max_batch: queries per internal chunk (>= 1).
-        chunk_max_len: optional longest queried segment of each chunk (host ints); it caps
-            the top-k widths. Default: the longest segment of the whole bank (results do
-            not depend on it; see the module docstring).
+        chunk_hints: optional (longest queried segment, scan work in multiply-adds) of
+            each chunk, host numbers: the first caps the top-k widths, the second sets the
+            chunk's torch threads on the CPU (:func:`rfmem_fast.threads.limit_torch_threads`,
+            one thread for a small chunk). Default: the longest segment of the whole bank
+            and the current threads (results depend on neither; see the module docstring).
         host_output: False: a TensorSearchResult on the device; True: the arrays of a
             :class:`SearchResult` (ids and texts looked up in ``view.snapshot``), converted
             chunk by chunk into arrays allocated once (a huge batch is never held twice).
@@ -411,14 +414,16 @@ def search_tensors(
     """
     b = int(Q.shape[0])
     bank_max = 0
-    if chunk_max_len is None:  # offsets_cpu is a host tensor: no device synchronisation
+    if chunk_hints is None:  # offsets_cpu is a host tensor: no device synchronisation
         off = view.offsets_cpu
         bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
     parts: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
-        ml = bank_max if chunk_max_len is None else int(chunk_max_len[j]) if j < len(chunk_max_len) else bank_max
-        part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode)
+        ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, math.inf)
+        # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
+        with limit_torch_threads(work, backend.device):
+            part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode)
         if not host_output:
             parts.append(part)
             continue

@@ -61,7 +61,7 @@ const T* cptr(const py::array& a) {
 
 void check_threads(const char* fn, int num_threads) {
   if (num_threads < 0)
-    throw py::value_error(std::string(fn) + ": num_threads must be >= 0 (0 = OpenMP default), got " +
+    throw py::value_error(std::string(fn) + ": num_threads must be >= 0 (0 = the machine's threads), got " +
                           std::to_string(num_threads));
 }
 
@@ -111,7 +111,7 @@ TopkInputs check_topk(const char* fn, const py::object& X_, const py::object& of
 }
 
 py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
-                            const py::object& qseg_, int64_t k, int num_threads) {
+                            const py::object& qseg_, int64_t k, int num_threads, double xnorm) {
   const char* fn = "segmented_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -122,7 +122,7 @@ py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, co
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads, xnorm);
   }
   return py::make_tuple(scores, rows);
 }
@@ -136,7 +136,8 @@ rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
 }
 
 py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
-                   int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads) {
+                   int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
+                   double xnorm) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -157,7 +158,7 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads, xnorm);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
   return py::make_tuple(scores, rows, mean, ent, count);
@@ -235,13 +236,6 @@ py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroi
   return out;
 }
 
-bool has_openmp() {
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
@@ -251,10 +245,12 @@ PYBIND11_MODULE(_native, mod) {
       "backend provides').\n\n"
       "Every function takes numpy arrays of exact dtypes, C-contiguous (zero-copy views of torch CPU tensors via "
       "tensor.numpy()), raises TypeError (wrong type / dtype) or ValueError (wrong rank, shape, contiguity or "
-      "values) before any work, and releases the GIL while it computes. num_threads = 0 uses the OpenMP default.";
+      "values) before any work, and releases the GIL while it computes. num_threads is the most threads a call may use (0 = the machine's); a "
+      "call uses fewer when its work is too small to pay for them (common.h threads_for), and the threads are "
+      "started for the call and joined before it returns (nothing spins between calls).";
 
   mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
-          py::arg("k"), py::arg("num_threads") = 0,
+          py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0,
           R"doc(Top-k inner products of each query within its own user's segment (spec "Vectors and scores").
 
 Args:
@@ -264,12 +260,15 @@ Args:
     Q: float32 [b, d] queries, C-contiguous.
     qseg: int64 [b] segment of each query, in [0, U).
     k: int >= 1.
-    num_threads: OpenMP threads (0 = default).
+    num_threads: most threads to use (0 = the machine's; fewer for small work).
+    xnorm: an upper bound of the row norms of X (the error bound of the scan uses it);
+        < 0 (default): computed here, one O(n d) pass.
 
 Returns:
     (scores float32 [b, k] descending, rows int64 [b, k] global row indices). A score is
-    the inner product summed in float64 and rounded to float32 (a float32 scan keeps
-    k + 8 candidates, which are then re-scored so), as the torch backend computes it.
+    RN32(q . x), the exact inner product rounded once to float32 (a float32 scan keeps
+    k + 8 candidates; every row that can reach the top k within the scan's proven error
+    bound is re-scored exactly, see rfmem_fast/backends/exact.py).
     Ties are broken by the smaller row (the order of a stable sort by descending score);
     where a segment has fewer than k rows the tail is -inf / -1. Rows scoring NaN or
     -inf are never returned. The result of a query does not depend on the other queries
@@ -282,10 +281,11 @@ Raises:
 
   mod.def("probe", &py_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"), py::arg("k"),
           py::arg("probe_k"), py::arg("temperature"), py::arg("convention") = "mean", py::arg("num_threads") = 0,
+          py::arg("xnorm") = -1.0,
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
-    X, offsets, Q, qseg, k, num_threads: as segmented_topk.
+    X, offsets, Q, qseg, k, num_threads, xnorm: as segmented_topk.
     probe_k: K of the signals (>= 1; capped at k).
     temperature: lam of the softmax (finite).
     convention: "mean" | "sum" | "normalized" (rfmem_fast.signals.familiarity_signals).
@@ -323,7 +323,7 @@ Args:
     tol: relative tolerance (finite, >= 0).
     draws: float64 [m, W] uniforms in [0, 1); row i needs at least
         1 + (k - 1) * (2 + int(ln k)) of them, k = clusters[i] (kmeanspp_draws(k)).
-    num_threads: OpenMP threads (0 = default).
+    num_threads: most threads to use (0 = the machine's; fewer for small work).
 
 Returns:
     (labels int64 [m, n]: cluster of each valid point, -1 for padding; centroids float32
@@ -348,7 +348,7 @@ Args:
     centroids: float32 [m, c, d].
     q0: float32 [m, d] original query of each branch.
     alpha: finite float.
-    num_threads: OpenMP threads (0 = default).
+    num_threads: most threads to use (0 = the machine's; fewer for small work).
 
 Returns:
     float32 [m, c, d].
@@ -366,8 +366,14 @@ Raises:
       py::arg("k"),
       "Uniform draws the k-means++ seeding of k clusters reads: 1 + (k - 1) * (2 + int(ln k)).\n\n"
       "Raises ValueError when k < 1.");
-  mod.def("has_openmp", &has_openmp, "True when the module was built with OpenMP (parallel over queries / problems).");
   mod.def(
-      "max_threads", []() { return rfmem::resolve_threads(0); },
-      "Threads a call with num_threads=0 uses (1 without OpenMP).");
+      "max_threads", []() { return rfmem::hardware_threads(); },
+      "Most threads a call with num_threads=0 may use: std::thread::hardware_concurrency().");
+  mod.def(
+      "threads_for",
+      [](int num_threads, double work, int64_t items) { return rfmem::threads_for(num_threads, work, items); },
+      py::arg("num_threads"), py::arg("work"), py::arg("items"),
+      "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
+      "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
+  mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
 }

@@ -18,11 +18,18 @@ namespace rfmem {
 /// k rows (or a score is -inf / NaN) the tail is -inf / -1.
 /// One float32 pass over each segment per group of up to 16 queries of that segment,
 /// in row tiles that stay in cache while every query of the group scores them, keeps
-/// k + 8 candidates per query; their scores are then recomputed exactly (float64 sum
-/// of the products, rounded to float32, as the torch backend) and the top k returned.
+/// k + 8 candidates per query; every candidate whose float32 score can reach the k-th
+/// exact score within the proven error bound of the scan is re-scored exactly
+/// (e = RN32(q.x), exact.h), the segment being rescanned for the rare query whose
+/// kept list cannot prove it holds them all (topk.cpp, rfmem_fast/backends/exact.py).
+/// ``xnorm``: an upper bound of the row norms of X (< 0: computed here, O(n d)).
+/// ``num_threads``: most threads to use (0 = the machine's); fewer when the work is small.
 void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
                     const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
-                    int64_t* out_rows, int num_threads);
+                    int64_t* out_rows, int num_threads, double xnorm);
+
+/// An upper bound of max_i ||X[i]|| (float64 sums, inflated by their error bound).
+double row_norm_bound(const float* X, int64_t n, int64_t d);
 
 /// Entropy conventions of familiarity_signals (spec section 1).
 enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };

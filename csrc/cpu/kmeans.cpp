@@ -251,23 +251,24 @@ void batched_kmeans(const float* V, int64_t m, int64_t n, int64_t d, const int64
                     const double* draws, int64_t n_draws, int64_t* labels, float* centroids,
                     int num_threads) {
   if (m == 0) return;
-  const int nthreads = resolve_threads(num_threads);
+  // work of one problem: a few Lloyd steps of n points x c centres x d (a rough
+  // estimate; the point is that a handful of small problems stays on one thread)
+  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(c_max, 1)) *
+                      static_cast<double>(d) * 8.0;
+  const int nthreads = threads_for(num_threads, work, m);
   std::vector<Scratch> scratch(static_cast<size_t>(nthreads));
   for (Scratch& s : scratch) s.reserve(n, std::max<int64_t>(c_max, 1), d);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (nthreads > 1 && m > 8)
-  for (int64_t i = 0; i < m; ++i) {
+  parallel_for(m, nthreads, [&](int64_t i, int tid) {
     kmeans_one(V + i * n * d, n, counts[i], clusters[i], d, iters, tol, draws + i * n_draws, c_max,
-               scratch[static_cast<size_t>(thread_index())], labels + i * n,
-               centroids + i * c_max * d);
-  }
+               scratch[static_cast<size_t>(tid)], labels + i * n, centroids + i * c_max * d);
+  });
 }
 
 void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t m, int64_t c,
                int64_t d, double alpha, float* out, int num_threads) {
-  const int nthreads = resolve_threads(num_threads);
   const double beta = 1.0 - alpha;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && m * c * d > 65536)
-  for (int64_t p = 0; p < m * c; ++p) {
+  const int nthreads = threads_for(num_threads, 6.0 * static_cast<double>(m * c * d), m * c);
+  parallel_for(m * c, nthreads, [&](int64_t p, int) {
     const int64_t i = p / c;
     const float* cen = centroids + p * d;
     const float* a = qb + i * d;
@@ -286,7 +287,7 @@ void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t
       const double v = alpha * a[t] + beta * (cen[t] / cden) + z[t];
       o[t] = static_cast<float>(v / qden);
     }
-  }
+  });
 }
 
 }  // namespace rfmem

@@ -7,21 +7,27 @@
 //      L1/L2 while every query of the group scores them (4 rows per kernel call,
 //      inner loop over d on 16 float lanes), so a tile loaded once serves the whole
 //      group and no [b, n] score matrix is ever written;
-//   3. each query keeps a bounded min-heap of its k + kRescoreMargin best float32
+//   3. each query keeps a bounded min-heap of its k + kScanMargin best float32
 //      scores (worst at the root); a score touches the heap only when it beats the
 //      current worst kept one;
 //   4. when there are fewer groups than threads (b = 1, or one user), each group's
 //      rows are also split into parts whose partial lists are merged exactly;
-//   5. the kept candidates are re-scored exactly: the float64 sum of the (exact)
-//      float64 products, rounded to float32, as the torch backend does; the top k of
-//      those by (score desc, row asc) is the answer.
+//   5. exact re-scoring (rfmem_fast/backends/exact.py has the derivation): the float32
+//      scan score f of any row is within B = c ||q|| R + (d + 2) 2^-149 of its exact
+//      score e = RN32(q.x), with c = (1 + gamma_n(2^-24)) - 1 + 2^-24 for this kernel's
+//      depth n = ceil(d / 16) + 4 (each of the 16 lanes adds its ceil(d / 16) products
+//      in order, then a 4-level tree; one rounding per multiplication and per addition,
+//      no FMA contraction) and R the largest row norm. With t the k-th best scan score,
+//      every row of the exact top-k has f >= t - 2B: those candidates are re-scored
+//      exactly (exact_score) and the top k of (e desc, row asc) is the answer. When the
+//      heap was full and its worst kept score is still >= t - 2B, rows may have been
+//      dropped: the query's segment is rescanned and every row with f >= t - 2B is
+//      re-scored into a running exact top-k (rescan_query).
 //
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
-// stable sort by descending score. Determinism: the float32 scan runs the same IEEE
-// operations for a (q, x) pair whatever the row's position in a tile, the group or
-// the CPU clone (no FP contraction), and the re-scoring is one fixed float64 loop, so
-// duplicate rows get bit-identical scores and a query's result does not depend on the
-// rest of its batch, the thread count or the CPU.
+// stable sort by descending score. Determinism: the exact scores do not depend on the
+// order of any computation, so a query's result does not depend on the rest of its
+// batch, the thread count or the CPU, and a top-k is a prefix of every wider top-k.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -30,6 +36,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "exact.h"
 
 namespace rfmem {
 namespace {
@@ -37,14 +44,27 @@ namespace {
 constexpr int kGroup = 16;                 // queries of one segment scored per tile
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile
 constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
-// Extra float32 candidates kept for the exact re-scoring (torch backend: RESCORE_MARGIN).
-constexpr int64_t kRescoreMargin = 8;
+// Extra float32 candidates kept beyond k (exact.py SCAN_MARGIN); the re-scored set is
+// decided by the error bound, not by this.
+constexpr int64_t kScanMargin = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Entry {
   float s;
   int64_t r;
 };
+
+// e[0:m] into out_s / out_r, padded to k with -inf / -1.
+inline void write_padded(const Entry* e, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
+  for (int64_t j = 0; j < m; ++j) {
+    out_s[j] = e[j].s;
+    out_r[j] = e[j].r;
+  }
+  for (int64_t j = m; j < k; ++j) {
+    out_s[j] = kNegInf;
+    out_r[j] = -1;
+  }
+}
 
 // a ranks strictly below b (lower score, or equal score and larger row)
 inline bool worse(const Entry& a, const Entry& b) { return a.s < b.s || (a.s == b.s && a.r > b.r); }
@@ -88,59 +108,13 @@ struct Heap {
     }
   }
 
-  // The kept entries into out_s / out_r (any order), padded to k with -inf / -1.
+  // The kept entries into out_s / out_r (heap order: the root, the worst, first),
+  // padded to k with -inf / -1.
   void drain(float* out_s, int64_t* out_r) {
-    for (int64_t j = 0; j < size; ++j) {
-      out_s[j] = h[j].s;
-      out_r[j] = h[j].r;
-    }
-    for (int64_t j = size; j < k; ++j) {
-      out_s[j] = kNegInf;
-      out_r[j] = -1;
-    }
+    write_padded(h, size, k, out_s, out_r);
     size = 0;
   }
 };
-
-// Exact score of row x for query q: the float64 sum of the float64 products (exact
-// for float32 inputs), in a fixed order (4 partial sums over j mod 4, then
-// (s0 + s1) + (s2 + s3)), rounded to float32.
-inline float exact_score(const float* q, const float* x, int64_t d) {
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-  int64_t j = 0;
-  for (; j + 4 <= d; j += 4) {
-    s0 += static_cast<double>(q[j]) * static_cast<double>(x[j]);
-    s1 += static_cast<double>(q[j + 1]) * static_cast<double>(x[j + 1]);
-    s2 += static_cast<double>(q[j + 2]) * static_cast<double>(x[j + 2]);
-    s3 += static_cast<double>(q[j + 3]) * static_cast<double>(x[j + 3]);
-  }
-  if (j < d) s0 += static_cast<double>(q[j]) * static_cast<double>(x[j]);
-  if (j + 1 < d) s1 += static_cast<double>(q[j + 1]) * static_cast<double>(x[j + 1]);
-  if (j + 2 < d) s2 += static_cast<double>(q[j + 2]) * static_cast<double>(x[j + 2]);
-  return static_cast<float>((s0 + s1) + (s2 + s3));
-}
-
-// Re-score the candidates cand[0:nc] (rows) of query q exactly, sort them by
-// (score desc, row asc) and write the first k into out_s / out_r (padded with
-// -inf / -1). cand is reordered in place.
-void finalize(const float* X, int64_t d, const float* q, Entry* cand, int64_t nc, int64_t k,
-              float* out_s, int64_t* out_r) {
-  int64_t m = 0;
-  for (int64_t j = 0; j < nc; ++j) {
-    const float e = exact_score(q, X + cand[j].r * d, d);
-    if (e > kNegInf) cand[m++] = Entry{e, cand[j].r};  // NaN and -inf are dropped
-  }
-  const int64_t kk = std::min(k, m);
-  std::partial_sort(cand, cand + kk, cand + m, better);
-  for (int64_t j = 0; j < kk; ++j) {
-    out_s[j] = cand[j].s;
-    out_r[j] = cand[j].r;
-  }
-  for (int64_t j = kk; j < k; ++j) {
-    out_s[j] = kNegInf;
-    out_r[j] = -1;
-  }
-}
 
 #if defined(__GNUC__)
 typedef float v8 __attribute__((vector_size(32)));
@@ -239,6 +213,77 @@ void scan_rows(const float* X, int64_t d, int64_t r0, int64_t r1, const float* c
   }
 }
 
+// What the exact re-scoring of one query needs.
+struct ExactCtx {
+  const float* X;
+  int64_t d;
+  int64_t k;
+  double coef;  // scan_coef(ceil(d / 16) + 4)
+  double xnorm;  // upper bound of the row norms
+  double absb;  // abs_bound(d)
+  double g64;  // gamma_d(2^-53) * (1 + 2^-30), for exact_score
+};
+
+// Write the k best of cand[0:m] (exact scores) by (score desc, row asc), padded.
+void emit(Entry* cand, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
+  const int64_t kk = std::min(k, m);
+  std::partial_sort(cand, cand + kk, cand + m, better);
+  write_padded(cand, kk, k, out_s, out_r);
+}
+
+// The scan cut of query q: every row of its exact top-k has a scan score >= the cut.
+// t = the k-th best scan score of the candidates (reorders cand), B = c ||q|| R + abs.
+double scan_cut(const ExactCtx& c, const float* q, Entry* cand, int64_t nc) {
+  if (nc < c.k) return -std::numeric_limits<double>::infinity();
+  std::nth_element(cand, cand + (c.k - 1), cand + nc, [](const Entry& x, const Entry& y) { return x.s > y.s; });
+  const double t = cand[c.k - 1].s;
+  if (!(t > -std::numeric_limits<double>::infinity())) return -std::numeric_limits<double>::infinity();
+  double qq = 0.0;
+  for (int64_t j = 0; j < c.d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+  const double B = c.coef * std::sqrt(qq) * kSlack * c.xnorm + c.absb;
+  return std::nextafter(t - 2.0 * B, -std::numeric_limits<double>::infinity());
+}
+
+// Re-score exactly the candidates whose scan score reaches the cut; emit the top k.
+void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
+             int64_t* out_r) {
+  int64_t m = 0;
+  for (int64_t j = 0; j < nc; ++j) {
+    if (static_cast<double>(cand[j].s) < cut) continue;
+    const float e = exact_score(q, c.X + cand[j].r * c.d, c.d, c.g64);
+    if (e > kNegInf) cand[m++] = Entry{e, cand[j].r};  // NaN and -inf are dropped
+  }
+  emit(cand, m, c.k, out_s, out_r);
+}
+
+// Rescan rows [a, e) for one query: every row whose scan score reaches the cut is
+// re-scored exactly into a running top-k (heap of capacity k at store).
+RFMEM_MULTIVERSION
+void rescan_query(const ExactCtx& c, const float* q, int64_t a, int64_t e, double cut, Entry* store,
+                  float* out_s, int64_t* out_r) {
+  Heap hp;
+  hp.h = store;
+  hp.k = c.k;
+  hp.size = 0;
+  const int64_t d = c.d;
+  float sc[4];
+  for (int64_t r = a; r < e; r += 4) {
+    const int64_t cnt = std::min<int64_t>(4, e - r);
+    const float* x0 = c.X + r * d;
+    const float* x1 = cnt > 1 ? x0 + d : x0;
+    const float* x2 = cnt > 2 ? x0 + 2 * d : x0;
+    const float* x3 = cnt > 3 ? x0 + 3 * d : x0;
+    dot4(q, x0, x1, x2, x3, d, sc);
+    for (int64_t i = 0; i < cnt; ++i) {
+      if (static_cast<double>(sc[i]) >= cut) {
+        const float ex = exact_score(q, c.X + (r + i) * d, d, c.g64);
+        if (ex > hp.threshold() || hp.size < hp.k) hp.push(ex, r + i);
+      }
+    }
+  }
+  emit(hp.h, hp.size, c.k, out_s, out_r);
+}
+
 struct Group {
   int64_t seg;    // segment of every query of the group
   int64_t first;  // position of its first query in the sorted order
@@ -249,11 +294,12 @@ struct Group {
 
 void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
                     const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
-                    int64_t* out_rows, int num_threads) {
-  (void)n;
+                    int64_t* out_rows, int num_threads, double xnorm) {
   (void)U;
   if (b == 0 || k == 0) return;
-  const int nthreads = resolve_threads(num_threads);
+  if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
+  const ExactCtx ctx{X, d, k, scan_coef((d + 15) / 16 + 4), xnorm, abs_bound(d),
+                     gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
 
   // 1. queries sorted by segment (stable), cut into groups of one segment
   std::vector<int64_t> order(b);
@@ -261,21 +307,25 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::stable_sort(order.begin(), order.end(),
                    [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
   std::vector<Group> groups;
+  double work = 0.0;  // multiply-adds of the scan
   for (int64_t i = 0; i < b;) {
     int64_t j = i;
     while (j < b && qseg[order[j]] == qseg[order[i]] && j - i < kGroup) ++j;
     groups.push_back(Group{qseg[order[i]], i, static_cast<int>(j - i)});
+    work += static_cast<double>(j - i) * static_cast<double>(offsets[qseg[order[i]] + 1] - offsets[qseg[order[i]]]) *
+            static_cast<double>(d);
     i = j;
   }
   const int64_t ng = static_cast<int64_t>(groups.size());
-  // schedule the longest segments first (dynamic scheduling then balances the tail)
+  // schedule the longest segments first (the work counter then balances the tail)
   std::vector<int64_t> gorder(ng);
   std::iota(gorder.begin(), gorder.end(), int64_t{0});
   std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t x, int64_t y) {
     return offsets[groups[x].seg + 1] - offsets[groups[x].seg] > offsets[groups[y].seg + 1] - offsets[groups[y].seg];
   });
 
-  // 2. row parts per group when there are too few groups to feed the threads
+  // 2. threads the work pays for; row parts per group when there are too few groups
+  int nthreads = threads_for(num_threads, work, std::numeric_limits<int64_t>::max());
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
@@ -286,9 +336,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);
 
   const int64_t items = ng * parts;
-  const int64_t kw = k + kRescoreMargin;  // float32 candidates kept per query
-  // per-thread heaps (kGroup heaps of capacity kw), allocated before the parallel region
-  std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * kGroup * kw);
+  nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
+  const int64_t kw = k + kScanMargin;  // float32 candidates kept per query
+  // per-thread scratch, allocated before the threads start: kGroup heaps of capacity kw
+  // and one exact heap of capacity k (rescans)
+  const size_t per_thread = static_cast<size_t>(kGroup * kw + k);
+  std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   // partial lists [ng, parts, kGroup, kw] when the rows are split
   std::vector<float> part_s;
   std::vector<int64_t> part_r;
@@ -297,8 +350,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     part_r.resize(static_cast<size_t>(items) * kGroup * kw);
   }
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1 && items > 1)
-  for (int64_t it = 0; it < items; ++it) {
+  parallel_for(items, nthreads, [&](int64_t it, int tid) {
     const int64_t gi = gorder[it / parts];
     const Group& g = groups[gi];
     const int64_t p = it % parts;
@@ -308,7 +360,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t r0 = a + len * p / parts, r1 = a + len * (p + 1) / parts;
     Heap heaps[kGroup];
     const float* qs[kGroup];
-    Entry* store = heap_store.data() + static_cast<size_t>(thread_index()) * kGroup * kw;
+    Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread;
     for (int i = 0; i < g.nq; ++i) {
       heaps[i].h = store + static_cast<size_t>(i) * kw;
       heaps[i].k = kw;
@@ -319,23 +371,32 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     for (int i = 0; i < g.nq; ++i) {
       if (parts == 1) {
         const int64_t qi = order[g.first + i];
-        finalize(X, d, qs[i], heaps[i].h, heaps[i].size, k, out_scores + qi * k, out_rows + qi * k);
-        heaps[i].size = 0;
+        Heap& hp = heaps[i];
+        // rows were dropped only if the heap filled up; they all scored <= its root
+        const bool filled = hp.size == kw && len > kw;
+        const float worst = hp.size ? hp.h[0].s : kNegInf;
+        const double cut = scan_cut(ctx, qs[i], hp.h, hp.size);
+        if (filled && static_cast<double>(worst) >= cut)
+          rescan_query(ctx, qs[i], a, e, cut, store + kGroup * kw, out_scores + qi * k, out_rows + qi * k);
+        else
+          rescore(ctx, qs[i], hp.h, hp.size, cut, out_scores + qi * k, out_rows + qi * k);
+        hp.size = 0;
       } else {
         const size_t off = ((static_cast<size_t>(gi) * parts + p) * kGroup + i) * kw;
-        heaps[i].drain(part_s.data() + off, part_r.data() + off);
+        heaps[i].drain(part_s.data() + off, part_r.data() + off);  // the root (worst) first
       }
     }
-  }
+  });
 
-  if (parts > 1) {  // exact merge of the partial lists (disjoint rows)
-    // candidate buffers per thread, allocated here so that nothing throws inside the region
+  if (parts > 1) {  // merge of the partial lists (disjoint rows), then the exact re-scoring
+    // candidate buffers per thread, allocated here so that nothing throws in the threads
     std::vector<std::vector<Entry>> cands(static_cast<size_t>(nthreads));
     for (auto& c : cands) c.reserve(static_cast<size_t>(parts * kw));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t gi = 0; gi < ng; ++gi) {
+    parallel_for(ng, nthreads, [&](int64_t gi, int tid) {
       const Group& g = groups[gi];
-      std::vector<Entry>& cand = cands[static_cast<size_t>(thread_index())];
+      const int64_t a = offsets[g.seg], e = offsets[g.seg + 1];
+      const int64_t len = e - a;
+      std::vector<Entry>& cand = cands[static_cast<size_t>(tid)];
       for (int i = 0; i < g.nq; ++i) {
         cand.clear();
         for (int64_t p = 0; p < parts; ++p) {
@@ -343,22 +404,43 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
           for (int64_t j = 0; j < kw && part_r[off + j] >= 0; ++j)
             cand.push_back(Entry{part_s[off + j], part_r[off + j]});
         }
-        // the kw best float32 candidates overall (as one pass would keep), then exact
-        const int64_t kk = std::min<int64_t>(kw, static_cast<int64_t>(cand.size()));
-        std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), better);
         const int64_t qi = order[g.first + i];
-        finalize(X, d, Q + qi * d, cand.data(), kk, k, out_scores + qi * k, out_rows + qi * k);
+        const float* q = Q + qi * d;
+        const double cut = scan_cut(ctx, q, cand.data(), static_cast<int64_t>(cand.size()));
+        bool dropped = false;  // a part whose list filled up may have dropped rows >= cut
+        for (int64_t p = 0; p < parts && !dropped; ++p) {
+          const size_t off = ((static_cast<size_t>(gi) * parts + p) * kGroup + i) * kw;
+          const int64_t prows = len * (p + 1) / parts - len * p / parts;
+          dropped = part_r[off + kw - 1] >= 0 && prows > kw && static_cast<double>(part_s[off]) >= cut;
+        }
+        Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + kGroup * kw;
+        if (dropped)
+          rescan_query(ctx, q, a, e, cut, store, out_scores + qi * k, out_rows + qi * k);
+        else
+          rescore(ctx, q, cand.data(), static_cast<int64_t>(cand.size()), cut, out_scores + qi * k,
+                  out_rows + qi * k);
       }
-    }
+    });
   }
+}
+
+double row_norm_bound(const float* X, int64_t n, int64_t d) {
+  double m = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    double s = 0.0;
+    for (int64_t j = 0; j < d; ++j) s += static_cast<double>(X[i * d + j]) * static_cast<double>(X[i * d + j]);
+    m = std::max(m, s);
+  }
+  // float64 sum of exact squares: relative error <= gamma_d(2^-53)
+  return std::sqrt(m * (1.0 + gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64))) * kSlack;
 }
 
 void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, double temperature,
                    Entropy convention, double* mean, double* ent, int64_t* count, int num_threads) {
-  const int nthreads = resolve_threads(num_threads);
   const int64_t K = std::min(probe_k, k);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && b > 256)
-  for (int64_t i = 0; i < b; ++i) {
+  // about 64 flops per probe score (exp, log): parallel only for very large batches
+  const int nthreads = threads_for(num_threads, 64.0 * static_cast<double>(b) * static_cast<double>(K), b);
+  parallel_for(b, nthreads, [&](int64_t i, int) {
     const float* s = scores + i * k;
     int64_t c = 0;
     double sum = 0.0;
@@ -372,7 +454,7 @@ void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, d
     if (c == 0) {
       mean[i] = 0.0;
       ent[i] = 0.0;
-      continue;
+      return;
     }
     mean[i] = sum / static_cast<double>(c);
     // z_j = lam * (s_j - s_first) over the valid scores; p = softmax(z)
@@ -401,7 +483,7 @@ void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, d
         ent[i] = c > 1 ? shannon / std::max(std::log(kf), 1e-300) : 0.0;
         break;
     }
-  }
+  });
 }
 
 }  // namespace rfmem

@@ -2,7 +2,7 @@
 
 * ``reference``: numpy + scikit-learn, one problem at a time; the oracle.
 * ``torch``: whole-batch tensor operations on CPU or CUDA.
-* ``native``: C++/OpenMP CPU kernels (``rfmem_fast._native``, csrc/cpu); registered
+* ``native``: C++ CPU kernels (per-call threads) (``rfmem_fast._native``, csrc/cpu); registered
   only when the compiled extension imports.
 * ``triton``: fused Triton kernels (triton_backend.py); the "auto" choice with CUDA,
   listed last (never "auto") on a CPU under ``TRITON_INTERPRET=1``.

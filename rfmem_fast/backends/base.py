@@ -6,13 +6,34 @@ file that subclasses :class:`Backend`, plus its parity test against the referenc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
+
+#: Default memory budget of one backend call's temporaries (bytes): score blocks,
+#: gathered rows, float64 re-scoring and the beam driver's per-round tensors are cut
+#: into chunks that fit it (README "Memory budget").
+DEFAULT_MEMORY_BUDGET = 256 << 20
+#: Smallest accepted memory budget (bytes).
+MIN_MEMORY_BUDGET = 1 << 20
+
+
+def check_memory_budget(value: int) -> int:
+    """``value`` as an int memory budget in bytes.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below :data:`MIN_MEMORY_BUDGET` (1 MiB).
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"memory_budget must be an int number of bytes, got {type(value).__name__}")
+    if value < MIN_MEMORY_BUDGET:
+        raise ValueError(f"memory_budget must be >= {MIN_MEMORY_BUDGET} bytes (1 MiB), got {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -31,6 +52,30 @@ class BankView:
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
     snapshot: BankSnapshot | None
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def row_norm_max(self) -> float:
+        """An upper bound of the largest row norm of the bank (computed once, cached).
+
+        Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
+        A view without a snapshot (built from device tensors) computes it where X lives:
+        squared norms summed in float64 (relative error <= d 2^-53), inflated to stay an
+        upper bound.
+        """
+        if "xnorm" not in self._memo:
+            if self.snapshot is not None:
+                from .exact import row_norm_max
+
+                self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+            else:
+                m = 0.0
+                d = self.X.shape[1] if self.X.ndim == 2 else 1
+                for a in range(0, self.X.shape[0], 1 << 16):
+                    part = self.X[a : a + (1 << 16)].to(torch.float64)
+                    m = max(m, float((part * part).sum(dim=1).max()))
+                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
+        return self._memo["xnorm"]
 
 
 class Backend:
@@ -40,10 +85,15 @@ class Backend:
     :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
     composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
     and may be overridden by a fused kernel.
+
+    ``memory_budget`` (bytes, default :data:`DEFAULT_MEMORY_BUDGET`) bounds the
+    temporaries of one primitive call and of the beam driver's rounds; every backend
+    takes it as a constructor argument.
     """
 
     name: str = "base"
     device: torch.device = torch.device("cpu")
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
@@ -95,6 +145,9 @@ class Backend:
             (scores float32 [b, k] descending, rows int64 [b, k] global row indices);
             where a segment has fewer than k rows the tail is score ``-inf`` and row
             ``-1``. Ties are broken by the smaller row index (spec "Vectors and scores").
+            Scores are exact: ``RN32(q . x)``, the real inner product rounded once to
+            float32, so a top-k is a prefix of every wider one and does not depend on
+            the batch (:mod:`rfmem_fast.backends.exact`).
         """
         raise NotImplementedError
 

@@ -4,9 +4,13 @@
 batched KMeans and alpha-mix) with ``segmented_topk`` replaced by
 ``rfmem_cuda_segmented_topk_warp`` (``csrc/cuda/segmented_topk_warp.cu``: one warp per
 query, running top-k in shared memory, bitonic merges, ties by the smaller row, scores
-accumulated in float64 and rounded once, as the torch and triton backends; k up to
-16384, for large k and very long segments where the Triton kernel's register top-k
-does not scale; DESIGN.md "Kernels worth fusing").
+accumulated in float64 and rounded once; k up to 16384, for large k and very long
+segments where the Triton kernel's register top-k does not scale; DESIGN.md "Kernels
+worth fusing"). The kernel keeps ``k + SCAN_MARGIN`` candidates, which then go through
+the exact re-scoring shared with the torch backend
+(:meth:`TorchBackend.finish_topk`, :mod:`rfmem_fast.backends.exact`; bound: float64
+accumulation, depth d, plus the rounding to float32), so the scores and ids are exact
+and equal the other backends'.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (nvcc
 and ninja needed, about a minute, cached by torch in ``TORCH_EXTENSIONS_DIR``) from
@@ -25,7 +29,8 @@ from types import ModuleType
 
 import torch
 
-from .base import BankView
+from . import exact as _exact
+from .base import DEFAULT_MEMORY_BUDGET, BankView
 from .torch_backend import TorchBackend
 
 _LOCK = threading.Lock()
@@ -119,7 +124,7 @@ class CudaBackend(TorchBackend):
 
     Args:
         device: a CUDA device (default "cuda").
-        block_bytes: as :class:`TorchBackend` (used by nothing here but kept).
+        memory_budget: as :class:`TorchBackend` (its fallbacks and the exact re-scoring).
 
     Raises:
         ValueError: a non-CUDA device.
@@ -128,11 +133,11 @@ class CudaBackend(TorchBackend):
 
     name = "cuda"
 
-    def __init__(self, device: str | torch.device | None = None, block_bytes: int = 256 << 20) -> None:
+    def __init__(self, device: str | torch.device | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         dev = torch.device(device or "cuda")
         if dev.type != "cuda":
             raise ValueError(f"the cuda backend runs on a CUDA device, got {dev}")
-        super().__init__(dev, block_bytes)
+        super().__init__(dev, memory_budget)
         self._ext = load_extension()
 
     def segmented_topk(self, view: BankView, Q, qseg, k):
@@ -157,18 +162,15 @@ class CudaBackend(TorchBackend):
             raise ValueError(
                 f"Q must be [b, {view.X.shape[1]}] and qseg [b], got {tuple(Q.shape)} and {tuple(qseg.shape)}"
             )
-        if k > MAX_K:
+        kw = k + _exact.SCAN_MARGIN
+        if kw > MAX_K:
             return super().segmented_topk(view, Q, qseg, k)
         dev = view.X.device
-        return tuple(
-            self._ext.segmented_topk(
-                Q.to(dev, torch.float32).contiguous(),
-                qseg.to(dev, torch.int64).contiguous(),
-                view.X,
-                view.offsets.to(dev, torch.int64),
-                int(k),
-            )
-        )
+        Q = Q.to(dev, torch.float32).contiguous()
+        qseg = qseg.to(dev, torch.int64).contiguous()
+        s, r = self._ext.segmented_topk(Q, qseg, view.X, view.offsets.to(dev, torch.int64), int(kw))
+        coef = _exact.scan_error_coef(Q.shape[1], _exact.U64)
+        return self.finish_topk(view, Q, qseg, k, s, r, coef)
 
 
 __all__ = ["CudaBackend", "cuda_ext_available", "extend_available", "load_extension", "source_dir"]

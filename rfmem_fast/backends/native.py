@@ -3,19 +3,23 @@
 * segmented top-k: one float32 pass over each query's own segment; the queries of one
   user share each tile of its rows (up to 16 queries per tile, 4 rows per step, a
   bounded heap per query touched only when a score beats the current worst kept one);
-  the k + 8 kept candidates are re-scored in float64 and rounded to float32, as the
-  torch backend does, so both give the same scores; ties by the smaller row; no
-  [b, n] score matrix. :meth:`probe` fuses the familiarity signals (float64, the three
+  then the exact re-scoring of :mod:`rfmem_fast.backends.exact` (every kept row whose
+  float32 score can reach the k-th exact score within the kernel's proven error bound
+  is re-scored exactly; the segment is rescanned when the kept list cannot prove it
+  holds them all), so all backends give the same scores and ids; ties by the smaller
+  row; no [b, n] score matrix, no temporaries beyond O(b k) (the memory budget is
+  never approached). :meth:`probe` fuses the familiarity signals (float64, the three
   conventions of :func:`rfmem_fast.signals.familiarity_signals`).
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
   the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
-  per OpenMP task, float64 arithmetic; labels equal the torch backend's on inputs
+  per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
   without exact near-ties.
 * alpha-mix: per (branch, cluster) in float64, rounded to float32.
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
-tensors); the kernels release the GIL and run on ``num_threads`` OpenMP threads
-(default: ``torch.get_num_threads()`` at call time).
+tensors); the kernels release the GIL and use at most ``num_threads`` threads
+(default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
+work is too small to pay for them; the threads live for one call (no spinning pool).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch
 
 from .. import _native
 from ..kmeans import draw_table
-from .base import Backend, BankView
+from ..threads import get_num_threads
+from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
 
 
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
@@ -33,26 +38,31 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 class NativeBackend(Backend):
-    """C++/OpenMP CPU implementation of the primitives (see the module docstring).
+    """C++ (per-call std::threads) CPU implementation of the primitives (see the module docstring).
 
     Args:
-        num_threads: OpenMP threads per call; ``None`` (default) follows
-            ``torch.get_num_threads()`` at each call.
+        num_threads: most threads per call; ``None`` (default) follows
+            :func:`rfmem_fast.threads.get_num_threads` at each call. A call uses fewer
+            when its work is small (a single query runs on the calling thread).
+        memory_budget: bytes for temporaries (default 256 MiB); the kernels never
+            come near it (O(b k) besides the outputs), it is kept for the beam driver.
 
     Raises:
-        ValueError: ``num_threads`` < 1.
+        ValueError: ``num_threads`` < 1; a budget < 1 MiB.
+        TypeError: a budget that is not an int.
     """
 
     name = "native"
     device = torch.device("cpu")
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         if num_threads is not None and (isinstance(num_threads, bool) or int(num_threads) < 1):
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
         self.num_threads = None if num_threads is None else int(num_threads)
+        self.memory_budget = check_memory_budget(memory_budget)
 
     def _threads(self) -> int:
-        return self.num_threads if self.num_threads is not None else max(1, torch.get_num_threads())
+        return self.num_threads if self.num_threads is not None else get_num_threads()
 
     @staticmethod
     def _bank(view: BankView) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +77,7 @@ class NativeBackend(Backend):
         """
         X, off = self._bank(view)
         s, r = _native.segmented_topk(
-            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads()
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
@@ -88,6 +98,7 @@ class NativeBackend(Backend):
             float(temperature),
             str(convention),
             self._threads(),
+            view.row_norm_max,
         )
         return (
             torch.from_numpy(s),

@@ -1,8 +1,10 @@
 """Reference backend: numpy + scikit-learn, one problem at a time, as the authors' code.
 
 This is the oracle of every other backend. It mirrors the RF-Mem authors' PersonaBench
-retriever (RFMEM_SPEC.md sections 1 and 4): exact inner products per query, stable
-ordering (ties by the smaller row), scikit-learn ``KMeans(n_clusters, random_state=seed)``
+retriever (RFMEM_SPEC.md sections 1 and 4): exact inner products per query (every row
+of the segment scored as ``RN32(q . x)``, the real inner product rounded once to
+float32, :func:`rfmem_fast.backends.exact.exact_pair_scores`), stable ordering (ties by
+the smaller row), scikit-learn ``KMeans(n_clusters, random_state=seed)``
 with k-means++ init and ``n_init="auto"`` on float32 points, cluster means and the mix
 ``normalise(alpha q + (1 - alpha) normalise(mean) + q0)`` in float32 numpy with
 ``v / (||v|| + 1e-12)``. Loops over queries and problems are intended here: clarity
@@ -15,7 +17,8 @@ import warnings
 import numpy as np
 import torch
 
-from .base import Backend, BankView
+from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
+from .exact import exact_pair_scores
 
 
 def _l2norm(v: np.ndarray) -> np.ndarray:
@@ -23,22 +26,35 @@ def _l2norm(v: np.ndarray) -> np.ndarray:
 
 
 class ReferenceBackend(Backend):
-    """numpy + scikit-learn oracle (CPU only). See the module docstring."""
+    """numpy + scikit-learn oracle (CPU only). See the module docstring.
+
+    Args:
+        memory_budget: bytes for the float64 temporaries of the exact scores of one
+            query (its segment is scored in chunks); default 256 MiB.
+
+    Raises:
+        TypeError / ValueError: a budget that is not an int >= 1 MiB.
+    """
 
     name = "reference"
     device = torch.device("cpu")
 
+    def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.memory_budget = check_memory_budget(memory_budget)
+
     def segmented_topk(self, view: BankView, Q, qseg, k):
-        """See :meth:`Backend.segmented_topk`: a per-query numpy loop with a stable sort."""
-        X = view.snapshot.vectors
+        """See :meth:`Backend.segmented_topk`: per query, every row of its segment scored
+        exactly, then a stable sort by descending score."""
+        X = torch.from_numpy(view.snapshot.vectors)
         off = view.snapshot.offsets
-        q = Q.detach().cpu().numpy().astype(np.float32, copy=False)
+        Qt = Q.detach().cpu().to(torch.float32)
         seg = qseg.cpu().numpy()
-        scores = np.full((q.shape[0], k), -np.inf, dtype=np.float32)
-        rows = np.full((q.shape[0], k), -1, dtype=np.int64)
-        for i in range(q.shape[0]):
+        scores = np.full((Qt.shape[0], k), -np.inf, dtype=np.float32)
+        rows = np.full((Qt.shape[0], k), -1, dtype=np.int64)
+        for i in range(Qt.shape[0]):
             a, b = int(off[seg[i]]), int(off[seg[i] + 1])
-            s = X[a:b] @ q[i]
+            r = torch.arange(a, b, dtype=torch.int64)
+            s = exact_pair_scores(X, Qt[i : i + 1], torch.zeros_like(r), r, self.memory_budget).numpy()
             order = np.argsort(-s, kind="stable")[:k]
             scores[i, : order.size] = s[order]
             rows[i, : order.size] = order + a

@@ -1,56 +1,31 @@
 """Torch backend: every primitive is a whole-batch tensor operation (CPU or CUDA).
 
-* segmented top-k: on the CPU, the queries of each user of the batch are scored with
-  one matmul against that user's rows (a loop over the distinct users, not over
-  queries); on a GPU the rows of each query's segment are gathered into a padded
-  [chunk, L, d] block and scored with one batched matmul per chunk of queries (the
-  chunk is sized so that a block stays under ``block_bytes``), and a batch whose
-  queries all hit one segment is one plain matmul. Ties are broken by the smaller row exactly:
-  rows whose k-th score is tied past the cut are redone with a stable full sort.
+* segmented top-k: a float32 scan keeps the best ``k + SCAN_MARGIN`` rows of each
+  query, then the exact re-scoring of :mod:`rfmem_fast.backends.exact` (every row whose
+  scan score can reach the k-th exact score within the proven error bound of the
+  float32 matmul is re-scored exactly; ties by the smaller row). The scan: on the
+  CPU, the queries of each user of the batch are scored with one matmul against that
+  user's rows (a loop over the distinct users, not over queries); on a GPU the rows of
+  each query's segment are gathered into a padded [chunk, L, d] block and scored with
+  one batched matmul per chunk of queries, and a batch whose queries all hit one
+  segment is one plain matmul. Both are cut into blocks of queries and rows whose
+  temporaries fit ``memory_budget`` bytes, with a running top-k merged across the row
+  blocks, so a long segment or a huge batch never builds a [b, n] score matrix.
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd`, scikit-learn's greedy k-means++
   seeding (the same random draws) and Lloyd steps for all problems at once.
 * alpha-mix: broadcast arithmetic and two normalisations.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kmeans import kmeanspp_init, lloyd  # noqa: F401  (kmeanspp_init re-exported)
-from .base import Backend, BankView
+from . import exact
+from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
 
 _EPS = 1e-12
-#: extra candidates selected by the float32 scan before the exact re-scoring
-RESCORE_MARGIN = 8
-
-
-def _stable_topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row of ``s`` [b, L] with ties by the smaller column (exact).
-
-    Returns (values [b, k'], columns [b, k']) with k' = min(k, L).
-    """
-    L = s.shape[1]
-    kk = min(k, L)
-    if kk == 0:
-        return s[:, :0], torch.zeros((s.shape[0], 0), dtype=torch.int64, device=s.device)
-    if kk == L:
-        vals, cols = torch.sort(s, dim=1, descending=True, stable=True)
-        return vals, cols
-    vals, cols = torch.topk(s, kk, dim=1, largest=True, sorted=True)
-    # order ties inside the selection by column: sort by column, then stable by value
-    cols, perm = torch.sort(cols, dim=1)
-    vals = torch.gather(vals, 1, perm)
-    vals, perm = torch.sort(vals, dim=1, descending=True, stable=True)
-    cols = torch.gather(cols, 1, perm)
-    # a tie that straddles the cut: the selection may hold a larger column than one left out
-    kth = vals[:, -1:]
-    n_ge = (s >= kth).sum(dim=1)
-    bad = (n_ge > kk) & torch.isfinite(kth[:, 0])
-    if bool(bad.any()):
-        idx = bad.nonzero().squeeze(1)
-        v2, c2 = torch.sort(s[idx], dim=1, descending=True, stable=True)
-        vals[idx] = v2[:, :kk]
-        cols[idx] = c2[:, :kk]
-    return vals, cols
 
 
 class TorchBackend(Backend):
@@ -58,90 +33,215 @@ class TorchBackend(Backend):
 
     Args:
         device: torch device ("cpu", "cuda", ...). Default "cpu".
-        block_bytes: memory budget of one gathered [chunk, L, d] block (bytes).
+        memory_budget: bytes for the temporaries of one call (score blocks, gathered
+            rows, float64 re-scoring); default 256 MiB (``DEFAULT_MEMORY_BUDGET``).
         topk_strategy: "auto" (per user on the CPU, gather on a GPU), "per_user" or
             "gather" (see the module docstring); results do not depend on it.
+        block_bytes: former name of ``memory_budget`` (used when given).
 
     Raises:
-        ValueError: ``block_bytes`` < 1 MiB; an unknown ``topk_strategy``; an unknown device, or a CUDA device where
-            torch sees none.
+        ValueError: a budget < 1 MiB; an unknown ``topk_strategy``; an unknown device,
+            or a CUDA device where torch sees none.
+        TypeError: a budget that is not an int.
     """
 
     name = "torch"
 
     def __init__(
-        self, device: str | torch.device = "cpu", block_bytes: int = 256 << 20, topk_strategy: str = "auto"
+        self,
+        device: str | torch.device = "cpu",
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        topk_strategy: str = "auto",
+        block_bytes: int | None = None,
     ) -> None:
         if topk_strategy not in ("auto", "per_user", "gather"):
             raise ValueError(f"topk_strategy must be 'auto', 'per_user' or 'gather', got {topk_strategy!r}")
         self.topk_strategy = topk_strategy
-        if block_bytes < (1 << 20):
-            raise ValueError(f"block_bytes must be >= 1 MiB, got {block_bytes}")
+        self.memory_budget = check_memory_budget(memory_budget if block_bytes is None else block_bytes)
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from e
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} was asked for, but this torch build sees no CUDA device")
-        self.block_bytes = int(block_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        """Former name of :attr:`memory_budget` (bytes)."""
+        return self.memory_budget
 
     # ---------------------------------------------------------------- top-k
     def segmented_topk(self, view: BankView, Q, qseg, k):
-        """See :meth:`Backend.segmented_topk`.
+        """See :meth:`Backend.segmented_topk`: a float32 scan, then the exact re-scoring.
 
-        A float32 (b)mm selects the top ``k + RESCORE_MARGIN`` rows of each query; their
-        scores are then recomputed in float64 (rounded to float32) and the top-k taken
-        from those. The float32 matmul's rounding depends on the kernel the batch shape
-        picks; the re-scored values do not, so a query gets the same scores whichever
-        queries share its batch.
+        The scan keeps ``k + SCAN_MARGIN`` candidates per query; :meth:`finish_topk`
+        re-scores exactly every row that can belong to the top-k under the float32
+        matmul's error bound (depth d, the input rounding of
+        ``torch.get_float32_matmul_precision()``), rescanning the rare query whose
+        list cannot prove it holds them all. Temporaries stay within ``memory_budget``.
         """
-        X, off = view.X, view.offsets
-        b, d = Q.shape
         Q = Q.to(self.device, torch.float32)
         qseg = qseg.to(self.device)
-        kw = k + RESCORE_MARGIN
-        rows = torch.full((b, kw), -1, dtype=torch.int64, device=self.device)
-        if b and X.shape[0]:
-            start = off[qseg]
-            lens = off[qseg + 1] - start
-            L = int(lens.max())
-            per_user = self.topk_strategy == "per_user" or (
-                self.topk_strategy == "auto" and (self.device.type == "cpu" or bool((qseg == qseg[0]).all()))
-            )
-            if L and per_user:
-                # the queries of each user in one matmul against that user's rows
-                # (on the CPU this beats gathering a copy of the bank per query)
-                order = torch.argsort(qseg, stable=True)
-                users, counts = torch.unique_consecutive(qseg[order], return_counts=True)
-                pos = 0
-                for u, c in zip(users.tolist(), counts.tolist()):
-                    idx = order[pos : pos + c]
-                    pos += c
-                    a, e = int(off[u]), int(off[u + 1])
-                    if e > a:
-                        _, cols = _stable_topk(Q[idx] @ X[a:e].T, kw)
-                        rows[idx, : cols.shape[1]] = cols + a
-            elif L:
-                chunk = max(1, self.block_bytes // max(1, L * d * 4))
-                ar = torch.arange(L, device=self.device)
-                for c0 in range(0, b, chunk):
-                    c1 = min(b, c0 + chunk)
-                    st, ln = start[c0:c1], lens[c0:c1]
-                    mask = ar[None, :] < ln[:, None]
-                    idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
-                    s = torch.bmm(X[idx], Q[c0:c1, :, None]).squeeze(2).masked_fill(~mask, float("-inf"))
-                    vals, cols = _stable_topk(s, kw)
-                    rows[c0:c1, : cols.shape[1]] = torch.where(torch.isfinite(vals), cols + st[:, None], -1)
-        # exact re-scoring of the candidates, then ties by the smaller row
-        ok = rows >= 0
-        exact = (X[rows.clamp(min=0)].double() * Q.double()[:, None, :]).sum(dim=2).float() if X.shape[0] else rows.float()
-        exact = exact.masked_fill(~ok, float("-inf"))
-        key_rows = torch.where(ok, rows, torch.iinfo(torch.int64).max)
-        key_rows, perm = torch.sort(key_rows, dim=1)
-        exact = torch.gather(exact, 1, perm)
-        exact, perm = torch.sort(exact, dim=1, descending=True, stable=True)
-        rows = torch.gather(torch.where(key_rows == torch.iinfo(torch.int64).max, -1, key_rows), 1, perm)
-        return exact[:, :k].contiguous(), rows[:, :k].contiguous()
+        cand_s, cand_r = self._scan(view, Q, qseg, k + exact.SCAN_MARGIN)
+        return self.finish_topk(view, Q, qseg, k, cand_s, cand_r, self.scan_coef(Q.shape[1]))
+
+    def scan_coef(self, d: int) -> float:
+        """Relative error coefficient of this backend's float32 matmul scan (any order,
+        depth d, the input rounding of the matmul precision settings on its device)."""
+        return exact.scan_error_coef(d, exact.U32, exact.matmul_input_unit(self.device))
+
+    def finish_topk(self, view: BankView, Q, qseg, k: int, cand_s, cand_r, coef: float):
+        """Exact top-k from a scan's candidates (shared by the torch, triton and cuda backends).
+
+        Args:
+            view: the bank; Q: float32 [b, d]; qseg: int64 [b] (on this device).
+            k: top-k width.
+            cand_s, cand_r: float32 / int64 [b, w] the scan's candidates (w > k).
+            coef: the scan's relative error coefficient (:func:`exact.scan_error_coef`).
+
+        Returns:
+            (scores float32 [b, k], rows int64 [b, k]) exact (see :mod:`exact`).
+        """
+        Q = Q.to(self.device, torch.float32)
+        qseg = qseg.to(self.device)
+        X, off = view.X, view.offsets
+        bound = exact.query_bounds(Q, coef, view.row_norm_max)
+        seg_len = off[qseg + 1] - off[qseg]
+        cand_s, cand_r = cand_s.to(self.device), cand_r.to(self.device)
+        s, r, need, lower = exact.refine(X, Q, k, cand_s, cand_r, bound, self.memory_budget, seg_len)
+        if bool(need.any()):
+            idx = need.nonzero().squeeze(1)
+            s2, r2 = self.rescan_topk(view, Q[idx], qseg[idx], k, lower[idx])
+            s[idx], r[idx] = s2, r2
+        return s, r
+
+    def _blocks(self, c: int, L: int, per_elem: int) -> tuple[int, int]:
+        """(queries, rows) per block so that ``queries * rows * per_elem`` bytes fit the budget."""
+        budget = self.memory_budget
+        qc = max(1, min(c, budget // max(1, per_elem * min(L, 1 << 16))))
+        rc = max(1, min(L, budget // max(1, per_elem * qc)))
+        return qc, rc
+
+    def _users(self, qseg: torch.Tensor):
+        """(user, query indices) for each distinct segment of the batch, in segment order."""
+        order = torch.argsort(qseg, stable=True)
+        users, counts = torch.unique_consecutive(qseg[order], return_counts=True)
+        pos = 0
+        for u, c in zip(users.tolist(), counts.tolist()):
+            yield u, order[pos : pos + c]
+            pos += c
+
+    def _scan(self, view: BankView, Q, qseg, kw: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best ``kw`` rows of each query by float32 score (any tie order): float32 /
+        int64 [b, kw], ``-inf`` / -1 padding."""
+        X, off = view.X, view.offsets
+        b, d = Q.shape
+        cand_s = torch.full((b, kw), -math.inf, dtype=torch.float32, device=self.device)
+        cand_r = torch.full((b, kw), -1, dtype=torch.int64, device=self.device)
+        if not (b and X.shape[0]):
+            return cand_s, cand_r
+        start = off[qseg]
+        lens = off[qseg + 1] - start
+        L = int(lens.max())
+        if L == 0:
+            return cand_s, cand_r
+        per_user = self.topk_strategy == "per_user" or (
+            self.topk_strategy == "auto" and (self.device.type == "cpu" or bool((qseg == qseg[0]).all()))
+        )
+        per_query = L * (d + 4) * 4  # gathered rows + scores of one query
+        if not per_user and per_query > self.memory_budget // 2:
+            per_user = True  # one query's gathered block would not fit: score it in row blocks
+        if per_user:
+            for u, idx in self._users(qseg):
+                a, e = int(off[u]), int(off[u + 1])
+                if e > a:
+                    s, r = self._scan_user(X, Q[idx], a, e, kw)
+                    cand_s[idx, : s.shape[1]] = s
+                    cand_r[idx, : r.shape[1]] = r
+            return cand_s, cand_r
+        chunk = max(1, (self.memory_budget // 2) // per_query)
+        ar = torch.arange(L, device=self.device)
+        for c0 in range(0, b, chunk):
+            c1 = min(b, c0 + chunk)
+            st, ln = start[c0:c1], lens[c0:c1]
+            mask = ar[None, :] < ln[:, None]
+            idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
+            s = torch.bmm(X[idx], Q[c0:c1, :, None]).squeeze(2).masked_fill(~mask, -math.inf)
+            del idx
+            vals, cols = torch.topk(s, min(kw, L), dim=1)
+            cand_s[c0:c1, : vals.shape[1]] = vals
+            cand_r[c0:c1, : cols.shape[1]] = torch.where(vals > -math.inf, cols + st[:, None], -1)
+        return cand_s, cand_r
+
+    def _scan_user(self, X, Qu, a: int, e: int, kw: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 top-``kw`` of the queries ``Qu`` [c, d] over rows [a, e), in blocks that
+        fit the budget, merged with a running top-k. Returns float32 / int64 [c, <= kw]."""
+        c, L = Qu.shape[0], e - a
+        w = min(kw, L)
+        qc, rc = self._blocks(c, L, 4 * 3)  # the score block and topk's temporaries
+        if qc >= c and rc >= L:
+            vals, cols = torch.topk(Qu @ X[a:e].T, w, dim=1)
+            return vals, cols + a
+        out_s = torch.empty((c, w), dtype=torch.float32, device=self.device)
+        out_r = torch.empty((c, w), dtype=torch.int64, device=self.device)
+        for q0 in range(0, c, qc):
+            Qb = Qu[q0 : q0 + qc]
+            best_s = best_r = None
+            for r0 in range(a, e, rc):
+                r1 = min(e, r0 + rc)
+                vals, cols = torch.topk(Qb @ X[r0:r1].T, min(w, r1 - r0), dim=1)
+                cols = cols + r0
+                if best_s is not None:
+                    vals, cols = torch.cat([best_s, vals], 1), torch.cat([best_r, cols], 1)
+                    vals, pick = torch.topk(vals, w, dim=1)
+                    cols = torch.gather(cols, 1, pick)
+                best_s, best_r = vals, cols
+            out_s[q0 : q0 + qc] = best_s
+            out_r[q0 : q0 + qc] = best_r
+        return out_s, out_r
+
+    def rescan_topk(self, view: BankView, Q, qseg, k: int, lower) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact top-k of queries whose candidate list could not prove completeness.
+
+        Rescans each query's segment in blocks (float32 matmul, this backend's bound
+        ``B'``), re-scores exactly every row of scan score ``>= lower - B'`` and merges
+        them into a running exact top-k (ties by the smaller row). Memory: one block.
+
+        Args:
+            view: the bank; Q: float32 [m, d]; qseg: int64 [m].
+            k: top-k width; lower: float64 [m], a lower bound of each query's k-th
+                exact score (:func:`exact.refine`).
+
+        Returns:
+            (scores float32 [m, k], rows int64 [m, k]).
+        """
+        X, off = view.X, view.offsets
+        m, d = Q.shape
+        bound = exact.query_bounds(Q, self.scan_coef(d), view.row_norm_max)
+        cut = exact.cut_scores(lower, torch.zeros_like(lower), bound)
+        out_s = torch.full((m, k), -math.inf, dtype=torch.float32, device=self.device)
+        out_r = torch.full((m, k), -1, dtype=torch.int64, device=self.device)
+        for u, idx in self._users(qseg):
+            a, e = int(off[u]), int(off[u + 1])
+            # block: scores, masks, float64 re-scores and the merge's sort keys
+            qc, rc = self._blocks(idx.numel(), e - a, 4 * 12)
+            for q0 in range(0, idx.numel(), qc):
+                sub = idx[q0 : q0 + qc]
+                best_s, best_r = out_s[sub], out_r[sub]
+                for r0 in range(a, e, rc):
+                    r1 = min(e, r0 + rc)
+                    sel = (Q[sub] @ X[r0:r1].T).to(torch.float64) >= cut[sub, None]
+                    qi, ci = sel.nonzero(as_tuple=True)
+                    if qi.numel() == 0:
+                        continue
+                    ex = torch.full(sel.shape, -math.inf, dtype=torch.float32, device=self.device)
+                    ex[qi, ci] = exact.exact_pair_scores(X, Q[sub], qi, ci + r0, self.memory_budget // 4)
+                    rows = torch.where(sel, torch.arange(r0, r1, device=self.device)[None, :], -1)
+                    best_s, best_r = exact.order_by_score_row(
+                        torch.cat([best_s, ex], 1), torch.cat([best_r, rows], 1), k
+                    )
+                out_s[sub], out_r[sub] = best_s, best_r
+        return out_s, out_r
 
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):

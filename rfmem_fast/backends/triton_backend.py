@@ -33,17 +33,22 @@ Fallbacks (documented, exact): a top-k wider than ``max_k`` (default 1024) and K
 problems with more than 128 points or 64 clusters go to the torch implementation on the
 same device (the CUDA warp top-k of ``csrc/cuda`` is the tool for very large k).
 
-Numerics (``exact=True``, the default): every score is accumulated in float64 and
-rounded once to float32, which is what the torch backend's exact re-scoring returns,
-so the two backends give the same scores, the same ids and the same tie order, and a
-query's result does not depend on the tiling or on the rest of its batch. The probe
-signals, the KMeans (distances, means, tolerance) and the alpha-mix run in float64
-like their torch counterparts (:func:`rfmem_fast.signals.familiarity_signals`,
-:func:`rfmem_fast.kmeans.lloyd`). Differences left: float64 summation order (about
-1e-16 relative), so a KMeans label can differ only for points equidistant to two
-centres within that, and a score only when a float64 sum lies within 1e-16 of a float32
-rounding boundary. ``exact=False`` accumulates scores in float32 (faster where float64
-is slow; ids may differ from torch at near-ties within ~1e-6).
+Numerics. The kernel keeps the best ``max(16, next_pow2(k + 4))`` rows of each query by
+its scan score; then the exact re-scoring of :mod:`rfmem_fast.backends.exact` (shared
+with the torch backend: every kept row whose scan score can reach the k-th exact score
+within the scan's proven error bound is re-scored exactly, and the rare query whose
+kept list cannot prove it holds them all is rescanned by the torch implementation on
+the same device). So the scores are exact (``RN32(q . x)``) and every backend returns
+the same ids in the same tie order, independent of tiling and batch. With
+``exact=True`` (the default) the scan accumulates in float64 and rounds once to
+float32 (bound ~2 float32 ulps: the re-scored set is the near-ties only); with
+``exact=False`` in float32 (``tl.dot`` with IEEE precision; bound gamma_d), faster
+where float64 is slow. The probe's signals come from the kernel unless the re-scoring
+changed the first ``probe_k`` (score, row) pairs of a query; those are recomputed by
+:func:`rfmem_fast.signals.familiarity_signals`. KMeans (distances, means, tolerance)
+and the alpha-mix run in float64 like their torch counterparts
+(:func:`rfmem_fast.kmeans.lloyd`); a KMeans label can differ only for points
+equidistant to two centres within float64 summation order (about 1e-16 relative).
 """
 from __future__ import annotations
 
@@ -59,7 +64,9 @@ import torch
 from .._optional import install_hint
 from ..config import ENTROPY_CONVENTIONS
 from ..kmeans import kmeanspp_init
-from .base import Backend, BankView
+from ..signals import familiarity_signals
+from . import exact as _exact
+from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView
 from .torch_backend import TorchBackend
 
 _KERNELS_FILE = Path(__file__).with_name("_triton_kernels.py")
@@ -293,11 +300,12 @@ class TritonBackend(Backend):
         max_k: widest top-k run in the kernel (power of two); wider ones fall back to
             the torch implementation.
         num_warps: warps per program on the GPU (None: 4, or 8 for K >= 512).
-        exact: True (default): scores accumulated in float64 and rounded once to
-            float32, as the torch backend's exact re-scoring, so that a query's scores
-            (and ties) do not depend on the tiling or on the batch, and the backends
-            agree; False: float32 accumulation (``tl.dot`` for tiles of >= 16 queries),
-            faster on GPUs with slow float64, ids may differ at near-ties.
+        exact: True (default): the scan accumulates in float64 (a tight error bound,
+            so almost nothing is re-scored); False: float32 accumulation (``tl.dot``
+            for tiles of >= 16 queries), faster on GPUs with slow float64. The results
+            are exact either way (module docstring "Numerics").
+        memory_budget: bytes for the temporaries of the exact re-scoring and of the
+            torch fallbacks (default 256 MiB).
 
     Raises:
         ValueError: an unsupported device type, or bad ``block_m`` / ``max_k`` /
@@ -316,6 +324,7 @@ class TritonBackend(Backend):
         max_k: int = 1024,
         num_warps: int | None = None,
         exact: bool = True,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -342,7 +351,8 @@ class TritonBackend(Backend):
         self.block_m = block_m
         self.max_k = int(max_k)
         self.num_warps = num_warps
-        self._torch = TorchBackend(self.device)
+        self._torch = TorchBackend(self.device, memory_budget=memory_budget)
+        self.memory_budget = self._torch.memory_budget
         self._check_runnable(self.device)
 
     # ------------------------------------------------------------ plumbing
@@ -477,11 +487,23 @@ class TritonBackend(Backend):
             RuntimeError: the device cannot run Triton (see the class docstring).
         """
         k = self._check_view_query(view, Q, qseg, k)
-        if _next_pow2(k) > self.max_k:
+        kw = self._scan_width(k)
+        if kw > self.max_k:
             self._check_runnable(view.X.device)
             return self._torch.segmented_topk(view, Q, qseg, k)
-        s, r, _, _, _ = self._topk_launch(view, Q, qseg, k, None)
-        return s, r
+        s, r, _, _, _ = self._topk_launch(view, Q, qseg, kw, None)
+        return self._finish(view, Q, qseg, k, s, r)
+
+    @staticmethod
+    def _scan_width(k: int) -> int:
+        """Candidates the kernel keeps for a top-k: a power of two >= max(16, k + 4)."""
+        return max(16, _next_pow2(k + 4))
+
+    def _finish(self, view: BankView, Q, qseg, k: int, s, r):
+        """The exact top-k from the kernel's candidates (:meth:`TorchBackend.finish_topk`)."""
+        acc = _exact.U64 if self.exact else _exact.U32
+        coef = _exact.scan_error_coef(Q.shape[1], acc)
+        return self._torch.finish_topk(view, Q.to(view.X.device, torch.float32), qseg.to(view.X.device), k, s, r, coef)
 
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
         """Top-k plus the familiarity signals in ONE kernel (see :meth:`Backend.probe`).
@@ -510,11 +532,20 @@ class TritonBackend(Backend):
             raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
         if convention not in ENTROPY_CONVENTIONS:
             raise ValueError(f"convention must be one of {ENTROPY_CONVENTIONS}, got {convention!r}")
-        if _next_pow2(k) > self.max_k:
+        kw = self._scan_width(k)
+        if kw > self.max_k:
             self._check_runnable(view.X.device)
             return self._torch.probe(view, Q, qseg, k, probe_k, temperature, convention)
         conv = ENTROPY_CONVENTIONS.index(convention)
-        return self._topk_launch(view, Q, qseg, k, (probe_k, float(temperature), conv))
+        s, r, mean, ent, cnt = self._topk_launch(view, Q, qseg, kw, (probe_k, float(temperature), conv))
+        scores, rows = self._finish(view, Q, qseg, k, s, r)
+        # the kernel's signals hold where the re-scoring left the first probe_k pairs as scanned
+        changed = ((scores[:, :probe_k] != s[:, :probe_k]) | (rows[:, :probe_k] != r[:, :probe_k])).any(dim=1)
+        if bool(changed.any()):
+            idx = changed.nonzero().squeeze(1)
+            m2, e2, c2 = familiarity_signals(scores[idx, :probe_k], float(temperature), convention)
+            mean[idx], ent[idx], cnt[idx] = m2, e2, c2
+        return scores, rows, mean, ent, cnt
 
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
         """Many small KMeans problems: batched k-means++ seeding + in-kernel Lloyd.

@@ -121,6 +121,9 @@ class GpuBenchSettings:
         cell_budget_s: a cell predicted to take longer is skipped.
         repeats: timed repetitions of a batch / KMeans call (fewer for the largest batches).
         max_batch: ``max_batch`` of the searches.
+        memory_budget: bytes of temporaries per backend call (``Backend.memory_budget``;
+            the library default, 256 MiB, would cut a GPU batch into many small rounds);
+            None keeps the default.
         workload_backends: optional {workload: backends} overriding ``backends``
             (the dry run keeps the Triton interpreter to few cells).
     """
@@ -149,6 +152,7 @@ class GpuBenchSettings:
     cell_budget_s: float = 20.0
     repeats: int = 3
     max_batch: int = 8192
+    memory_budget: int | None = 4 << 30
     workload_backends: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -389,9 +393,13 @@ class GpuBench:
         out = []
         for name in self.s.workload_backends.get(workload, self.s.backends):
             try:
-                out.append(get_backend(name, str(self.dev)))
+                be = get_backend(name, str(self.dev))
             except (ValueError, RuntimeError, ImportError) as e:
                 self.notes.append(f"{workload}: backend {name} unavailable: {e}")
+                continue
+            if self.s.memory_budget is not None:  # temporaries per call (the beam driver chunks to it)
+                be.memory_budget = int(self.s.memory_budget)
+            out.append(be)
         return out
 
     def _note(self, msg: str) -> None:
