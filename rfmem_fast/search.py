@@ -28,7 +28,7 @@ tensors to the host once and looks the item ids and texts up.
 """
 from __future__ import annotations
 
-import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -420,9 +420,9 @@ def search_tensors(
     parts: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
-        ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, math.inf)
+        ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
         # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
-        with limit_torch_threads(work, backend.device):
+        with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
             part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode)
         if not host_output:
             parts.append(part)
