@@ -41,6 +41,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -81,6 +82,9 @@ class Run:
         self.out: Path = args.out
         self.out.mkdir(parents=True, exist_ok=True)
         self.json_path = self.out / JSON_NAME
+        # files that need not come back (junit XML, short checks): the device tool returns at
+        # most 8 files from the output folder, kept for the JSON, the summary, 2 plots, 4 logs
+        self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         self.deadline = Deadline(float(args.budget_s))
         self.doc: dict[str, Any] = {
             "kind": "rfmem_fast gpu_check",
@@ -134,22 +138,41 @@ class Run:
         self.say(f"stage {name}: {rec['status']} in {rec['seconds']:.1f} s")
         self.write()
 
+    def _env(self, env: dict[str, str] | None) -> dict[str, str]:
+        full = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        full.update(env or {})
+        return full
+
+    def _log_path(self, log_name: str) -> Path:
+        """DIR/log_name, or a temporary file for a name starting with "tmp/" (not returned)."""
+        return self.tmp / log_name[4:] if log_name.startswith("tmp/") else self.out / log_name
+
+    def spawn(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+        """Start a command in the background, its output into DIR/log_name; see :meth:`finish`."""
+        self.say(f"$ {' '.join(shlex.quote(c) for c in cmd)}  (background)")
+        log = open(self._log_path(log_name), "w", encoding="utf-8")  # noqa: SIM115 - closed by finish()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self._env(env), stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc._log = log  # type: ignore[attr-defined]
+        proc._log_name = log_name  # type: ignore[attr-defined]
+        return proc, time.perf_counter()
+
+    def finish(self, started: tuple[subprocess.Popen, float], cap_s: float) -> dict[str, Any]:
+        """Wait for a :meth:`spawn` ed command: at most min(cap_s from its start, time left); then killed."""
+        proc, t0 = started
+        timeout = max(5.0, min(cap_s - (time.perf_counter() - t0), self.deadline.remaining()))
+        try:
+            rc: Any = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = "timeout"
+        proc._log.close()  # type: ignore[attr-defined]
+        text = self._log_path(proc._log_name).read_text(encoding="utf-8", errors="replace")  # type: ignore[attr-defined]
+        return {"cmd": proc.args, "rc": rc, "seconds": time.perf_counter() - t0, "log": proc._log_name, "tail": text[-3000:]}  # type: ignore[attr-defined]
+
     def subprocess(self, cmd: list[str], log_name: str, cap_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run a command with a timeout of min(cap_s, time left); its output goes to DIR/log_name."""
-        timeout = max(5.0, min(cap_s, self.deadline.remaining()))
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        full_env.update(env or {})
-        self.say(f"$ {' '.join(shlex.quote(c) for c in cmd)}  (timeout {timeout:.0f} s)")
-        t0 = time.perf_counter()
-        try:
-            res = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-            rc, text = res.returncode, res.stdout + res.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = "timeout"
-            text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            text += (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        (self.out / log_name).write_text(text[-2_000_000:], encoding="utf-8")
-        return {"cmd": cmd, "rc": rc, "seconds": time.perf_counter() - t0, "log": log_name, "tail": text[-3000:]}
+        return self.finish(self.spawn(cmd, log_name, env), cap_s)
 
 
 # --------------------------------------------------------------------------- stages
@@ -235,25 +258,20 @@ def stage_build(run: Run, rec: dict[str, Any]) -> None:
     if run.args.dry_run:
         rec.update(status="skipped", reason="dry run: no GPU; CI compiles csrc/cuda in tests/test_cuda_build.py (nvcc, sm_90)")
         return
-    import torch
-
     env = {"RFMEM_CUDA": "ON"}
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
     if nvcc and not os.environ.get("CUDACXX"):
         env["CUDACXX"] = nvcc  # CMake finds the CUDA compiler even when it is not on PATH
-    r = run.subprocess([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], "build.log", 150, env=env)
-    rec["setup_py"] = {k: v for k, v in r.items() if k != "tail"}
-    if r["rc"] != 0:
-        rec["setup_py"]["tail"] = r["tail"]
-        raise RuntimeError(f"setup.py build_ext (RFMEM_CUDA=ON) failed: rc {r['rc']} (see build.log)")
-    arch = ""
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        arch = f"{p.major}.{p.minor}"
+    # the cuda backend's torch extension compiles in parallel with the CMake build (16 cores)
     code = "from rfmem_fast.backends.cuda_ext import load_extension; m = load_extension(); print('cuda ext', m.__file__)"
-    r2 = run.subprocess([sys.executable, "-c", code], "build-cuda-ext.log", 150, env={"TORCH_CUDA_ARCH_LIST": arch} if arch else None)
+    ext = run.spawn([sys.executable, "-c", code], "build-cuda-ext.log")
+    r = run.subprocess([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], "build.log", 120, env=env)
+    r2 = run.finish(ext, 150)
+    rec["setup_py"] = {k: v for k, v in r.items() if k != "tail"} | ({"tail": r["tail"]} if r["rc"] != 0 else {})
     rec["cuda_ext"] = {k: v for k, v in r2.items() if k != "tail"} | ({"tail": r2["tail"]} if r2["rc"] != 0 else {})
-    native = run.subprocess([sys.executable, "-c", "import rfmem_fast._native as n; print(n.__file__)"], "build-check.log", 30)
+    if r["rc"] != 0:
+        raise RuntimeError(f"setup.py build_ext (RFMEM_CUDA=ON) failed: rc {r['rc']} (see build.log)")
+    native = run.subprocess([sys.executable, "-c", "import rfmem_fast._native as n; print(n.__file__)"], "tmp/build-check.log", 30)
     rec["native_module"] = native["tail"].strip()[-300:]
     if r2["rc"] != 0:
         rec["status"] = "partial"
@@ -273,13 +291,13 @@ def _pytest(run: Run, rec: dict[str, Any], args: list[str], log: str, cap_s: flo
     rec["pb_pack"] = str(pack) if pack else None
     if run.args.dry_run:
         env["TRITON_INTERPRET"] = "1"
-    junit = f"{Path(log).stem}.xml"
+    junit = run.tmp / f"{Path(log).stem}.xml"
     # a test module that cannot be imported here (a missing optional package) must not stop the others
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-           f"--junitxml={run.out / junit}", *args]  # fmt: skip
+           f"--junitxml={junit}", *args]  # fmt: skip
     r = run.subprocess(cmd, log, cap_s, env)
     rec.update({k: v for k, v in r.items()})
-    rec["summary"] = _pytest_summary(run.out / junit)
+    rec["summary"] = _pytest_summary(junit)
     if r["rc"] not in (0, 5):  # 5: nothing collected (no gpu test selected)
         rec["status"] = "failed"
         run.doc["notes"].append(f"{log}: pytest rc {r['rc']}: {rec['summary']}")
@@ -305,7 +323,7 @@ def stage_gpu_tests(run: Run, rec: dict[str, Any]) -> None:
     """``pytest -m gpu tests``: golden parity on the GPU backends, property cases, device-resident batches."""
     # the dry run collects only the files holding gpu tests (collecting the whole suite takes ~30 s here)
     where = ["tests/test_gpu.py"] if run.args.dry_run else ["tests"]
-    _pytest(run, rec, ["-m", "gpu", *where], "gpu-tests.log", 200)
+    _pytest(run, rec, ["-m", "gpu", *where], "gpu-tests.log", 150)
 
 
 def stage_cuda_suite(run: Run, rec: dict[str, Any]) -> None:
@@ -410,6 +428,27 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"Multi-tenant {bk['users']} x {bk['items']} {bk['dtype']}:", "", "| system | mode | batch | q/s |", "|---|---|---|---|"]
         for r in bk["results"]:
             lines.append(f"| {r['system']} | {r['mode']} | {r.get('batch_size')} | {r['qps']:,.0f} |" if r.get("qps") else f"| {r['system']} | {r['mode']} | {r.get('batch_size')} | {r.get('error', '-')} |")
+    sh = (doc.get("workloads") or {}).get("shared") or {}
+    for sz in sh.get("sizes", []):
+        bss = sh.get("batch_sizes", [])
+        lines += ["", f"Shared bank of {sz['n']:,} vectors, queries per second:", "",
+                  "| system | mode | " + " | ".join(f"batch {b}" for b in bss) + " |", "|---|---|" + "---|" * len(bss)]  # fmt: skip
+        keys = list(dict.fromkeys((r["system"], r["mode"]) for r in sz["results"]))
+        for sy, mo in keys:
+            cells = []
+            for b in bss:
+                r = next((r for r in sz["results"] if r["system"] == sy and r["mode"] == mo and r["batch_size"] == b), {})
+                cells.append(f"{r['qps']:,.0f}" if r.get("qps") else ("skipped" if r.get("skipped") else ("error" if r.get("error") else "-")))
+            lines.append(f"| {sy} | {mo} | " + " | ".join(cells) + " |")
+    km = (doc.get("workloads") or {}).get("kmeans") or {}
+    for e in km.get("problems", []):
+        lines += ["", f"KMeans, {e['m']:,} problems of {km.get('points')} points, {km.get('clusters')} clusters:", "",
+                  "| system | how | total ms | us per problem |", "|---|---|---|---|"]  # fmt: skip
+        for r in e["results"]:
+            if r.get("total_s") is not None:
+                lines.append(f"| {r['system']} | {r.get('how', '')} | {1e3 * r['total_s']:.2f} | {r['per_problem_us']:.1f} |")
+            else:
+                lines.append(f"| {r['system']} | - | {r.get('error', '-')} | - |")
     notes = doc.get("notes") or []
     if notes:
         lines += ["", "Notes:", ""] + [f"* {n}" for n in notes[:60]]
@@ -447,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         _parser().error(f"unknown stage(s) {bad}; choose from {', '.join(STAGES)}")
+    import torch
+
+    if torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        # one architecture, the same in every process of the run: the cuda backend's torch
+        # extension is compiled once (build stage) and loaded from torch's cache afterwards
+        p = torch.cuda.get_device_properties(0)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{p.major}.{p.minor}"
     run = Run(args)
     run.write()
     run._settings = _settings(run)
@@ -466,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             run.stage(name, fn, min_s=min_s)
     run.doc["status"] = "complete"
     run.write()
+    shutil.rmtree(run.tmp, ignore_errors=True)
     bad_stages = {k: v.get("status") for k, v in run.doc["stages"].items() if v.get("status") not in ("ok", "skipped")}
     run.say(f"done in {run.deadline.elapsed():.0f} s; {run.json_path}; stages not ok: {bad_stages or 'none'}")
     return 0

@@ -144,7 +144,7 @@ def to_device(array: np.ndarray | torch.Tensor, device: str | torch.device) -> t
 _SYNC_ALWAYS = frozenset(
     {
         "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "tolist", "cpu", "numpy",
-        "nonzero", "argwhere", "nonzero_static_fallback", "unique", "unique_consecutive", "masked_select",
+        "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
         "_local_scalar_dense", "equal", "allclose", "tensor", "as_tensor",
     }
 )  # fmt: skip

@@ -184,7 +184,7 @@ def _recollect_chunk(
         # (the beam starts with one branch), every slot afterwards; a slot that holds no
         # branch (fewer children than B) is a dead pair that yields nothing
         S = 1 if level == 0 else B
-        pq_local = torch.arange(na, device=dev).repeat_interleave(S)
+        pq_local = torch.arange(na, device=dev)[:, None].expand(na, S).reshape(-1)  # no host sync
         pslot = ar_B[:S].repeat(na)
         pq = act[pq_local]
         plive = beam_ok[pq, pslot]

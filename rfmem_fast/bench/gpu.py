@@ -14,7 +14,7 @@ Workloads (each a method of :class:`GpuBench`, each returning a JSON-ready dict)
   user, looped over the users of the batch (and with cuVS when faiss has it).
 * ``shared``: one user of 10^6 and 10^7 vectors (device-generated), batches of 1 to 65,536;
   a cell whose time, extrapolated linearly from the previous batch size, exceeds the cell
-  budget is skipped with that prediction recorded.
+  budget (10 s) is skipped with that prediction recorded.
 * ``kmeans``: many tiny KMeans problems (the recollection rounds' shape: 13 points, 4
   clusters, d = 384): our batched KMeans in one call per backend, against cuML ``KMeans``
   called once per problem, and against our own torch KMeans called once per problem (a
@@ -136,7 +136,7 @@ class GpuBenchSettings:
     warmup: int = 3
     scales: list[int] = field(default_factory=lambda: [32 * 1024, 128 * 1024, 1024 * 1024])
     chunk_tokens: int = 256
-    latency_queries: int = 100
+    latency_queries: int = 50
     latency_modes: list[str] = field(default_factory=lambda: ["dense", "recollection", "rfmem"])
     multitenant: list[tuple[int, int]] = field(default_factory=lambda: [(1000, 4096), (10000, 1024)])
     mt_batches: list[int] = field(default_factory=lambda: [1024, 16384])
@@ -149,8 +149,8 @@ class GpuBenchSettings:
     kmeans_problems: list[int] = field(default_factory=lambda: [1024, 16384])
     kmeans_points: int = 13
     kmeans_clusters: int = 4
-    cell_budget_s: float = 20.0
-    repeats: int = 3
+    cell_budget_s: float = 10.0
+    repeats: int = 2
     max_batch: int = 8192
     memory_budget: int | None = 4 << 30
     workload_backends: dict[str, list[str]] = field(default_factory=dict)
@@ -731,7 +731,7 @@ class GpuBench:
                 self.say(f"kmeans {m} {be.name}: {rec['total_s'] * 1e3:.2f} ms batched")
             # one problem per call: our torch KMeans (stand-in, always) and cuML (when installed)
             tb = TorchBackend(dev)
-            cap_s = min(s.cell_budget_s / 2, max(1.0, self.deadline.remaining() / 4))
+            cap_s = min(3.0, s.cell_budget_s / 2, max(0.5, self.deadline.remaining() / 8))
             per = self._per_problem(lambda i: tb.batched_kmeans(V[i : i + 1], counts[i : i + 1], clusters[i : i + 1], *args), m, cap_s)
             entry["results"].append({"system": "torch-per-problem", "kind": "per_problem", "how": "our torch KMeans, one problem per call",
                                      "per_problem_us": 1e6 * per[0], "total_s": per[0] * m, "sampled": per[1]})  # fmt: skip
