@@ -199,7 +199,8 @@ EXTRAS: dict[str, list[str]] = {
     "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"],
     # the Triton kernels (GPU; on a CPU only under TRITON_INTERPRET=1, for tests)
     "triton": ["triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
-    # GPU baselines (CUDA wheels; no module imports them yet): never part of [all] / [test]
+    # GPU comparators of bench/gpu_check.py (rfmem_fast.bench.gpu imports them lazily):
+    # faiss-gpu GpuIndexFlatIP, cuML KMeans; CUDA wheels, never part of [all] / [test]
     "gpu": ["faiss-gpu", "cuml-cu12"],
     # rfmem_fast.distributed.ShardedMemory: users sharded over Ray actors
     "ray": ["ray"],

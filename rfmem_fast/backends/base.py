@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
 
@@ -43,13 +44,14 @@ class BankView:
         X: float32 [n, d] unit rows on the backend's device.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
-        snapshot: the bank snapshot it was made from.
+        snapshot: the bank snapshot it was made from (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`).
     """
 
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
-    snapshot: BankSnapshot
+    snapshot: BankSnapshot | None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -57,11 +59,22 @@ class BankView:
         """An upper bound of the largest row norm of the bank (computed once, cached).
 
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
+        A view without a snapshot (built from device tensors) computes it where X lives:
+        squared norms summed in float64 (relative error <= d 2^-53), inflated to stay an
+        upper bound.
         """
         if "xnorm" not in self._memo:
-            from .exact import row_norm_max
+            if self.snapshot is not None:
+                from .exact import row_norm_max
 
-            self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+                self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+            else:
+                m = 0.0
+                d = self.X.shape[1] if self.X.ndim == 2 else 1
+                for a in range(0, self.X.shape[0], 1 << 16):
+                    part = self.X[a : a + (1 << 16)].to(torch.float64)
+                    m = max(m, float((part * part).sum(dim=1).max()))
+                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
         return self._memo["xnorm"]
 
 
@@ -85,15 +98,27 @@ class Backend:
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
 
+        The snapshot's vectors are copied to ``self.device`` once per bank version, in
+        the bank's dtype; every later call with the same version gets the cached view.
+
         Args:
             bank: the memory bank.
 
         Returns:
             BankView on ``self.device``.
+
+        Raises:
+            DeviceMemoryError: the vectors and offsets would not fit in the device's free
+                memory (:func:`rfmem_fast.device.check_fits`; checked before copying).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
+            n, d = snap.vectors.shape
+            _device.check_fits(
+                snap.vectors.nbytes + snap.offsets.nbytes, self.device,
+                f"the bank ({n:,} x {d} {snap.vectors.dtype}, {snap.num_users:,} users)",
+            )  # fmt: skip
             offsets_cpu = torch.from_numpy(snap.offsets)
             return BankView(
                 X=torch.from_numpy(snap.vectors).to(self.device),
