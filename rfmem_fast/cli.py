@@ -3,6 +3,9 @@
 ``rfmem eval personabench --data DIR [--noise 0.0] [--modes dense,recollection,rfmem]
 [--backend auto] [--out FILE] [--json FILE] [--no-latency] [--set FIELD=VALUE ...]``
 runs the PersonaBench evaluation (RFMEM_SPEC.md sections 6-7) and prints the table.
+
+``rfmem serve --path DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]`` serves a
+:class:`rfmem_fast.Memory` over HTTP (:mod:`rfmem_fast.serving.cli`).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``serve`` and, when present, ``bench``)."""
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
     sub = p.add_subparsers(dest="command", required=True)
     ev = sub.add_parser("eval", help="evaluate retrieval on a dataset")
@@ -64,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.add_parser(sub)
+    from .serving import cli as serve_cli  # the HTTP service (FastAPI imported only when run)
+
+    serve_cli.add_parser(sub)
     return p
 
 
