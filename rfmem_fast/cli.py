@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rfmem``. Returns the process exit code."""
     args = build_parser().parse_args(argv)
+    args.from_command_line = argv is None  # sub-commands may re-execute the process (serve)
     if args.command == "eval":
         from .evaluate import format_report, report_json, run_personabench, write_records
 

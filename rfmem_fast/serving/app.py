@@ -5,20 +5,20 @@ Routes (JSON bodies validated by pydantic; every ``/v1`` route needs
 
     GET    /health                                   liveness, counts (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
-    POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
+    POST   /v1/users/{user_id:path}/memories              {"texts": [...]} or {"vectors": [[...]]},
                                                      optional "ids", "metadata" -> 201 {"ids"}
-    GET    /v1/users/{user_id}/memories              every item of the user
-    GET    /v1/users/{user_id}/memories/{item_id}    one item
-    PATCH  /v1/users/{user_id}/memories/{item_id}    {"text"?, "vector"?, "metadata"?}
-    DELETE /v1/users/{user_id}/memories/{item_id}    delete one item
-    POST   /v1/users/{user_id}/memories/delete       {"ids": [...]}
-    POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?}
-    POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
+    GET    /v1/users/{user_id:path}/memories              every item of the user
+    GET    /v1/users/{user_id:path}/memories/{item_id}    one item
+    PATCH  /v1/users/{user_id:path}/memories/{item_id}    {"text"?, "vector"?, "metadata"?}
+    DELETE /v1/users/{user_id:path}/memories/{item_id}    delete one item
+    POST   /v1/users/{user_id:path}/memories/delete       {"ids": [...]}
+    POST   /v1/users/{user_id:path}/search                {"query": str | "vector": [...], "k"?, "mode"?}
+    POST   /v1/users/{user_id:path}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
     POST   /v1/checkpoint                            fold the write-ahead log into the store
 
 User scope: every request names ONE user in its path and reads or writes only that
-user's memories (the engine searches within the user's own segment). HTTP item ids
-are strings.
+user's memories (the engine searches within the user's own segment). User and item
+ids are strings, percent-encoded in the path (a user id may contain ``/``).
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
 field by its ``loc``); a value the memory refuses (wrong dimension, duplicate id, ...)
@@ -343,44 +343,44 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/users/{user_id}/memories", status_code=201, dependencies=v1)
+    @app.post("/v1/users/{user_id:path}/memories", status_code=201, dependencies=v1)
     def add(user_id: UserId, body: AddRequest) -> JSONResponse:
         with _http_errors():
             ids = memory.add(body.texts, user_id, ids=body.ids, metadata=body.metadata, vectors=body.vectors)
         return JSONResponse({"ids": ids}, status_code=201)
 
-    @app.get("/v1/users/{user_id}/memories", dependencies=v1, response_model=list[ItemOut])
+    @app.get("/v1/users/{user_id:path}/memories", dependencies=v1, response_model=list[ItemOut])
     def list_items(user_id: UserId) -> JSONResponse:
         with _http_errors():
             items = memory.get_all(user_id)
         return JSONResponse([it.to_dict() for it in items])
 
-    @app.get("/v1/users/{user_id}/memories/{item_id}", dependencies=v1, response_model=ItemOut)
+    @app.get("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1, response_model=ItemOut)
     def get_item(user_id: UserId, item_id: ItemPath) -> JSONResponse:
         with _http_errors():
             item = memory.get(item_id, user_id)[0]
         return JSONResponse(item.to_dict())
 
-    @app.patch("/v1/users/{user_id}/memories/{item_id}", dependencies=v1)
+    @app.patch("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1)
     def update_item(user_id: UserId, item_id: ItemPath, body: UpdateRequest) -> dict[str, Any]:
         with _http_errors():
             memory.update(item_id, user_id, texts=body.text, vectors=body.vector,
                           metadata=body.metadata)
         return {"updated": [item_id]}
 
-    @app.delete("/v1/users/{user_id}/memories/{item_id}", dependencies=v1)
+    @app.delete("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1)
     def delete_item(user_id: UserId, item_id: ItemPath) -> dict[str, Any]:
         with _http_errors():
             memory.delete(item_id, user_id)
         return {"deleted": [item_id]}
 
-    @app.post("/v1/users/{user_id}/memories/delete", dependencies=v1)
+    @app.post("/v1/users/{user_id:path}/memories/delete", dependencies=v1)
     def delete_items(user_id: UserId, body: DeleteRequest) -> dict[str, Any]:
         with _http_errors():
             memory.delete(body.ids, user_id)
         return {"deleted": body.ids}
 
-    @app.post("/v1/users/{user_id}/search", dependencies=v1, response_model=SearchResponse)
+    @app.post("/v1/users/{user_id:path}/search", dependencies=v1, response_model=SearchResponse)
     async def search(user_id: UserId, body: SearchRequest) -> JSONResponse:
         query = body.query if body.query is not None else body.vector
         with _http_errors():
@@ -388,7 +388,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         metrics.count(body.mode, hits)
         return JSONResponse(_search_json(hits))
 
-    @app.post("/v1/users/{user_id}/search/batch", dependencies=v1)
+    @app.post("/v1/users/{user_id:path}/search/batch", dependencies=v1)
     async def search_batch(user_id: UserId, body: BatchSearchRequest) -> JSONResponse:
         queries = body.queries if body.queries is not None else body.vectors
         with _http_errors():
@@ -448,8 +448,9 @@ def serve(
         enc = None
     else:
         from ..encoders import TextEncoder
+        from .memory import ENCODE_BATCH_SIZE
 
-        enc = TextEncoder(encoder, show_progress=False)
+        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False)
     memory = Memory(path, encoder=enc, backend=backend, dim=dim, batching=batching, max_batch=max_batch,
                     max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
     if enc is not False:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -31,12 +32,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--keep-omp-wait-policy", action="store_true",
+        help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
+        "when it is unset: spinning OpenMP threads starve the event loop and the batcher thread)",
+    )
     p.set_defaults(func=run)
     return p
 
 
+def _passive_omp(args: argparse.Namespace) -> None:
+    """Re-execute this command with OMP_WAIT_POLICY=PASSIVE when it is unset.
+
+    OpenMP (torch's encoder, the native search) reads the policy once, when it loads,
+    so it cannot be changed in a running process. With the default active waiting,
+    idle OpenMP threads keep spinning after each encode / search and take the cores
+    from the event loop and the batcher thread: on a loaded 2-core machine a
+    micro-batched request took 25x longer (issue 9 notes). Only done when the command
+    came from the process's own command line (``rfmem serve ...``).
+    """
+    if args.keep_omp_wait_policy or os.environ.get("OMP_WAIT_POLICY") or not getattr(args, "from_command_line", False):
+        return
+    argv = list(getattr(sys, "orig_argv", None) or [])
+    if len(argv) < 2:
+        return
+    os.execve(sys.executable, [sys.executable, *argv[1:]], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the server from parsed arguments; returns the exit code."""
+    _passive_omp(args)
     try:
         from .app import serve
     except ImportError as exc:
