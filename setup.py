@@ -180,6 +180,13 @@ def _ext_modules() -> list[Extension]:
     return [CMakeExtension("rfmem_fast._native", ROOT)]
 
 
+#: the HTTP service (rfmem serve): uvicorn[standard] brings uvloop + httptools (C event
+#: loop and HTTP parser); httpx for FastAPI's TestClient and HTTP clients
+SERVE = ["fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "httpx"]
+LANGCHAIN = ["langchain-core"]
+LLAMAINDEX = ["llama-index-core"]
+
+
 def _long_description() -> str:
     readme = ROOT / "README.md"
     return readme.read_text(encoding="utf-8") if readme.exists() else ""
@@ -206,7 +213,16 @@ setup(
         # the Triton kernels (GPU; tested on the CPU through TRITON_INTERPRET=1)
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis"]},
+    extras_require={
+        "test": [
+            "pytest", "pytest-benchmark", "hypothesis",
+            # the serving layer and framework retrievers are tested against the real packages
+            *SERVE, *LANGCHAIN, *LLAMAINDEX,
+        ],
+        "serve": SERVE,
+        "langchain": LANGCHAIN,
+        "llamaindex": LLAMAINDEX,
+    },
     entry_points={"console_scripts": ["rfmem = rfmem_fast.cli:main"]},
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildExt},
