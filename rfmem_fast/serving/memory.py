@@ -924,18 +924,28 @@ class Memory:
         encode_s = 0.0
         if need:
             t0 = time.perf_counter()
+            texts = list(need)
             try:
-                E = self._encode(list(need))
-            except Exception as exc:  # every query that needed the encoder fails with it
-                for idx in need.values():
-                    for i in idx:
-                        out[i] = exc
-            else:
-                for j, (text, idx) in enumerate(need.items()):
-                    v = E[j].copy()
-                    self._cache.embeddings.put(text, v)
-                    for i in idx:
-                        vecs[i] = v
+                rows: list[Any] = list(self._encode(texts))
+            except Exception as exc:
+                if len(texts) == 1:
+                    rows = [exc]
+                else:  # find the culprit: encode one by one, so only its callers fail
+                    rows = []
+                    for text in texts:
+                        try:
+                            rows.append(self._encode([text])[0])
+                        except Exception as exc1:
+                            rows.append(exc1)
+            for text, row in zip(texts, rows):
+                if not isinstance(row, BaseException):
+                    row = row.copy()
+                    self._cache.embeddings.put(text, row)
+                for i in need[text]:
+                    if isinstance(row, BaseException):
+                        out[i] = row
+                    else:
+                        vecs[i] = row
             encode_s = time.perf_counter() - t0
         search_s, searches = 0.0, 0
         with self._rw.read():
