@@ -45,7 +45,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any, Iterator, Literal, Union
 
 try:
-    from fastapi import Depends, FastAPI, Header, HTTPException, Path
+    from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -201,6 +202,13 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(400, str(e)) from None
 
 
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with pydantic's errors (type, loc naming the field, msg), without echoing the
+    input: a NaN in it cannot be written as JSON, and a vector would be echoed whole."""
+    errors = [{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
 def _search_json(hits: Hits) -> dict[str, Any]:
     return {
         "user_id": str(hits.user_id), "route": hits.route, "rule": hits.rule, "mean": hits.mean,
@@ -329,6 +337,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
                                 headers={"WWW-Authenticate": "Bearer"})
 
     app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.memory = memory
     app.state.metrics = metrics
