@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-wait-ms", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=3, help="times each question is asked in the cache workload")
-    p.add_argument("--cache-concurrency", type=int, default=8)
+    p.add_argument("--cache-concurrency", type=int, default=64)
     p.add_argument("--configs", default="batched,single,serial", help=f"comma list of {list(CONFIGS)}")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default=None,
                    help="load generator (default aiohttp when installed: ~0.2 ms CPU per request vs ~3.6 for httpx)")

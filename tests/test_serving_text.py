@@ -10,7 +10,7 @@ from rfmem_fast import Memory, search
 
 @pytest.fixture(scope="module")
 def pb_small():
-    """40 chunks of one PersonaBench user and the first 40 questions (texts only)."""
+    """24 chunks of one PersonaBench user and the first 30 questions (texts only)."""
     shared = shared_dir()
     if shared is None:
         pytest.skip("shared data absent")
@@ -18,16 +18,16 @@ def pb_small():
 
     data = load_personabench(shared / "data" / "personabench" / "eval_data_v1", noise=0.0)
     user = data.users[0]
-    return user, [q.question for q in data.questions[:40]]
+    return user, [q.question for q in data.questions[:30]]
 
 
 def test_batched_text_queries_match_one_text_encodes(pb_small, text_encoder):
-    """One batched encode + search of 40 PersonaBench questions against, per question,
+    """One batched encode + search of 30 PersonaBench questions against, per question,
     a one-text encode and one search call: same ids and routes, scores within float32
     rounding of the encoder (RFMEM_SPEC.md "Vectors and scores")."""
     user, questions = pb_small
     mem = Memory(encoder=text_encoder, cache_size=0)
-    mem.add(user.chunk_texts[:40], user.key, ids=user.chunk_ids[:40])
+    mem.add(user.chunk_texts[:24], user.key, ids=user.chunk_ids[:24])
     batched = mem.search_batch(questions, user.key, k=5)
     worst = 0.0
     for q, hits in zip(questions, batched):

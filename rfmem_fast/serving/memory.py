@@ -965,19 +965,25 @@ class Memory:
                 try:
                     res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
                                  config=self._config_for(k), mode=mode, backend=self._backend, device=self._device)
-                    # no write runs while the read side is held: the search ran on `snap`
-                    texts = _hit_texts(res, snap)
-                    for j, i in enumerate(idx):
-                        q = queries[i]
-                        out[i] = ans = self._answer(res, j, texts[j], q.user)
-                        key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, k)
-                        self._cache.put_result(key, ans)
                 except Exception as exc:
                     for i in idx:
-                        if out[i] is None:
-                            out[i] = exc
-                search_s += time.perf_counter() - t0
-                searches += 1
+                        out[i] = exc
+                    continue
+                finally:
+                    search_s += time.perf_counter() - t0
+                    searches += 1
+                # no write runs while the read side is held: the search ran on `snap`
+                texts = _hit_texts(res, snap)
+                routes, rules = res.route_names, res.rule_names
+                for j, i in enumerate(idx):
+                    q = queries[i]
+                    try:
+                        out[i] = ans = self._answer(res, j, texts[j], q.user, routes[j], rules[j])
+                    except Exception as exc:  # pragma: no cover - defensive: fails this caller only
+                        out[i] = exc
+                        continue
+                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, k)
+                    self._cache.put_result(key, ans)
         with self._stats_lock:
             c = self._counters
             c["runs"] += 1
@@ -993,16 +999,17 @@ class Memory:
                     log.exception("batch listener failed")
         return out
 
-    def _answer(self, res: SearchResult, j: int, texts: np.ndarray, user: Hashable) -> _Answer:
+    def _answer(self, res: SearchResult, j: int, texts: np.ndarray, user: Hashable, route: str,
+                rule: str) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata)."""
         ok = res.rows[j] >= 0
-        ids = [x for x, keep in zip(res.ids[j], ok) if keep]
-        scores = res.scores[j][ok]
-        txt = texts[ok]
+        ids = res.ids[j][ok].tolist()
+        scores = res.scores[j][ok].tolist()
+        txt = texts[ok].tolist()
         metas = self.bank.get_metadata(user, ids) if ids else []
-        route, rule = res.route_names[j], res.rule_names[j]
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
-            Hit(i, t, float(s), m or {}, r, user, route, rule, mean, ent, rounds)
+            Hit(i, t, s, m or {}, r, user, route, rule, mean, ent, rounds)
             for r, (i, t, s, m) in enumerate(zip(ids, txt, scores, metas))
         )
         return _Answer(user, hits, route, rule, mean, ent, rounds)
