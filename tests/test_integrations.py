@@ -51,7 +51,7 @@ def test_langchain_retriever(memory):
     assert [d.id for d in bob] == ["x"] and bob[0].metadata["owner"] == "bob"
     with pytest.raises(ValueError, match="mode"):
         RFMemRetriever(memory=memory, user_id="alice", mode="fast")
-    with pytest.raises(ValueError, match="k must be >= 1"):
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
         RFMemRetriever(memory=memory, user_id="alice", k=0)
     with pytest.raises(ValueError, match="memory"):
         RFMemRetriever(memory="not a memory", user_id="alice")

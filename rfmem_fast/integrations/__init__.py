@@ -13,7 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hit_metadata"]
+__all__ = ["hit_metadata", "check_k_mode"]
+
+
+def check_k_mode(k: Any, mode: Any) -> None:
+    """Validate a retriever's ``k`` (int >= 1 or None) and ``mode`` (one of ``rfmem_fast.MODES``).
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    from ..search import MODES
+
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 def hit_metadata(hit: Any) -> dict[str, Any]:

@@ -14,15 +14,14 @@ try:
     from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
     from langchain_core.documents import Document
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, field_validator
+    from pydantic import ConfigDict, model_validator
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "rfmem_fast.integrations.langchain needs langchain-core: pip install 'rfmem_fast[langchain]'"
     ) from exc
 
-from ..search import MODES
 from ..serving.memory import Hits, Memory
-from . import hit_metadata
+from . import check_k_mode, hit_metadata
 
 __all__ = ["RFMemRetriever"]
 
@@ -52,19 +51,10 @@ class RFMemRetriever(BaseRetriever):
     k: Union[int, None] = None
     mode: str = "rfmem"
 
-    @field_validator("k")
-    @classmethod
-    def _check_k(cls, v: Any) -> Any:
-        if v is not None and v < 1:
-            raise ValueError(f"k must be >= 1 or None, got {v}")
-        return v
-
-    @field_validator("mode")
-    @classmethod
-    def _check_mode(cls, v: str) -> str:
-        if v not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {v!r}")
-        return v
+    @model_validator(mode="after")
+    def _check(self) -> "RFMemRetriever":
+        check_k_mode(self.k, self.mode)
+        return self
 
     @staticmethod
     def _documents(hits: Hits) -> list[Document]:

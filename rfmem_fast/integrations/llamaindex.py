@@ -18,9 +18,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "rfmem_fast.integrations.llamaindex needs llama-index-core: pip install 'rfmem_fast[llamaindex]'"
     ) from exc
 
-from ..search import MODES
 from ..serving.memory import Hits, Memory
-from . import hit_metadata
+from . import check_k_mode, hit_metadata
 
 __all__ = ["RFMemRetriever"]
 
@@ -48,10 +47,7 @@ class RFMemRetriever(BaseRetriever):
                  **kwargs: Any) -> None:
         if not isinstance(memory, Memory):
             raise TypeError(f"memory must be a rfmem_fast.Memory, got {type(memory).__name__}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_k_mode(k, mode)
         self.memory = memory
         self.user_id = user_id
         self.k = k

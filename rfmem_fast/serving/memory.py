@@ -65,7 +65,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import MemoryBank
+from ..bank import MemoryBank, _check_id_list, _check_user
 from ..config import RFMemConfig
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -234,13 +234,7 @@ class _Query:
 
 # ---------------------------------------------------------------------- argument checks
 def _user_key(user: Any, name: str = "user_id") -> Hashable:
-    if isinstance(user, np.integer) and not isinstance(user, np.bool_):
-        return int(user)
-    if isinstance(user, np.str_):
-        return str(user)
-    if isinstance(user, bool) or not isinstance(user, (str, int)):
-        raise TypeError(f"{name} must be a str or an int, got {type(user).__name__}")
-    return user
+    return _check_user(user, name)
 
 
 def _text_list(texts: Any, name: str = "texts") -> list[str] | None:
@@ -258,20 +252,10 @@ def _text_list(texts: Any, name: str = "texts") -> list[str] | None:
 
 
 def _id_list(ids: Any, name: str = "ids") -> list:
-    """A single id (str / int) or a sequence of them, as a list."""
+    """A single id (str / int) or a sequence of distinct ids, as a non-empty list."""
     if isinstance(ids, (str, int, np.integer, np.str_)) and not isinstance(ids, (bool, np.bool_)):
         ids = [ids]
-    if isinstance(ids, bytes) or not hasattr(ids, "__iter__"):
-        raise TypeError(f"{name} must be an item id (str or int) or a sequence of them, got {type(ids).__name__}")
-    out = []
-    for i, x in enumerate(ids):
-        if isinstance(x, np.integer) and not isinstance(x, np.bool_):
-            x = int(x)
-        elif isinstance(x, np.str_):
-            x = str(x)
-        if isinstance(x, bool) or not isinstance(x, (str, int)):
-            raise TypeError(f"{name}[{i}] must be a str or an int, got {type(x).__name__}")
-        out.append(x)
+    out = _check_id_list(ids, name)
     if not out:
         raise ValueError(f"{name} must hold at least one item id")
     return out
@@ -809,6 +793,13 @@ class Memory:
         vec = self._vectors(arr, name)[0]
         return _Query(user, None, vec, k, mode, vector_key(vec))
 
+    def _start(self, query: Any, user_id: Any, k: Any, mode: Any) -> tuple[_Query, Hits | None]:
+        """A checked query and its cached answer (None on a miss)."""
+        self._check_open()
+        q = self._prepare(query, user_id, k, mode)
+        hit = self._cached(q)
+        return q, (hit.materialise(cached=True) if hit is not None else None)
+
     def _cached(self, q: _Query) -> _Answer | None:
         key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, q.mode, q.k)
         return self._cache.get_result(key)
@@ -832,11 +823,9 @@ class Memory:
             ValueError / TypeError: a bad query, user, k or mode (named).
             QueueFullError, RequestTimeoutError: overload (batching on).
         """
-        self._check_open()
-        q = self._prepare(query, user_id, k, mode)
-        hit = self._cached(q)
-        if hit is not None:
-            return hit.materialise(cached=True)
+        q, hits = self._start(query, user_id, k, mode)
+        if hits is not None:
+            return hits
         if self._batcher is not None:
             ans = self._batcher.call(q, timeout)
         else:
@@ -846,11 +835,9 @@ class Memory:
     async def asearch(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
                       timeout: float | None | str = "default") -> Hits:
         """Asyncio version of :meth:`search`: concurrent awaits share micro-batches."""
-        self._check_open()
-        q = self._prepare(query, user_id, k, mode)
-        hit = self._cached(q)
-        if hit is not None:
-            return hit.materialise(cached=True)
+        q, hits = self._start(query, user_id, k, mode)
+        if hits is not None:
+            return hits
         if self._batcher is not None:
             ans = await self._batcher.acall(q, timeout)
         else:
