@@ -25,6 +25,12 @@ def state(mem: Memory) -> dict:
     return out
 
 
+def crash(mem: Memory) -> None:
+    """Drop ``mem`` as a killed process would: no close(), no checkpoint; the OS
+    releases the directory lock (the SIGKILL test in test_serving_http.py does it for real)."""
+    mem._lock_file.close()
+
+
 def writes(mem: Memory) -> None:
     rng = np.random.default_rng(0)
     mem.add(["a", "b", "c"], "alice", ids=["1", "2", "3"], metadata=[{"k": 1}, None, {"k": [3]}])
@@ -39,7 +45,7 @@ def test_crash_without_close_replays_every_acknowledged_write(tmp_path):
     mem = Memory(tmp_path / "m", encoder=HashEncoder(DIM))
     writes(mem)
     expected = state(mem)
-    del mem  # no close(): nothing but the fsynced log holds the writes
+    crash(mem)  # no close(): nothing but the fsynced log holds the writes
     assert json.loads((tmp_path / "m" / META_FILE).read_text())["store"] is None
     again = Memory(tmp_path / "m", encoder=HashEncoder(DIM))
     assert state(again) == expected and again.stats()["replayed"] == 6
@@ -59,7 +65,7 @@ def test_checkpoint_folds_the_log_into_a_store(tmp_path):
     assert (tmp_path / "m" / WAL_FILE).stat().st_size == 0
     mem.add(["d"], "alice", ids=["9"])
     mem.save()
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [META_FILE, "store-00000002", WAL_FILE]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["LOCK", META_FILE, "store-00000002", WAL_FILE]
     mem.close()
     again = Memory(tmp_path / "m", encoder=False)
     assert again.stats()["replayed"] == 0
@@ -74,6 +80,7 @@ def test_crash_between_checkpoint_and_log_truncation(tmp_path):
     expected = state(mem)
     log = (tmp_path / "m" / WAL_FILE).read_bytes()
     mem.save()
+    crash(mem)
     (tmp_path / "m" / WAL_FILE).write_bytes(log)  # as if the process died before truncating
     (tmp_path / "m" / "store-00000099").mkdir()  # and a half-written later checkpoint
     again = Memory(tmp_path / "m", encoder=False)
@@ -85,13 +92,13 @@ def test_torn_last_line_is_dropped_corrupt_middle_line_refused(tmp_path):
     mem = Memory(tmp_path / "m", encoder=HashEncoder(DIM))
     writes(mem)
     expected = state(mem)
-    del mem
+    crash(mem)
     wal = tmp_path / "m" / WAL_FILE
     good = wal.read_bytes()
     wal.write_bytes(good + b'0badc0de {"seq":7,"op":"add","user":"alice","ids":["tor')  # a crash mid-append
     again = Memory(tmp_path / "m", encoder=False)
     assert state(again) == expected and wal.read_bytes() == good  # cut back to the last whole record
-    del again
+    crash(again)
     lines = good.splitlines(keepends=True)
     lines[1] = lines[1].replace(b'"ids"', b'"IDS"')  # a flipped byte: its checksum fails
     wal.write_bytes(b"".join(lines))
@@ -108,7 +115,7 @@ def test_refused_write_is_logged_as_aborted_and_not_replayed(tmp_path):
     ops = [json.loads(line.split(b" ", 1)[1])["op"] for line in (tmp_path / "m" / WAL_FILE).read_bytes().splitlines()]
     assert ops == ["add", "add", "abort", "add"]
     expected = state(mem)
-    del mem
+    crash(mem)
     again = Memory(tmp_path / "m", encoder=False)
     assert state(again) == expected and again.stats()["replay_skipped"] == 0
 
@@ -120,7 +127,7 @@ def test_auto_checkpoint_bounds_the_log(tmp_path):
         mem.add(None, "u", vectors=rng.normal(size=(16, DIM)), ids=[f"{i}-{j}" for j in range(16)])
     assert mem.stats()["checkpoints"] >= 4 and mem.stats()["wal_bytes"] <= 4096
     expected = state(mem)
-    del mem
+    crash(mem)
     assert state(Memory(tmp_path / "m", encoder=False)) == expected
 
 
@@ -142,6 +149,14 @@ def test_opening_errors(tmp_path):
         Memory(tmp_path / "m", encoder=False)
     with pytest.raises(ValueError, match="has no path"):
         Memory(encoder=False, dim=DIM).save()
+
+
+def test_one_open_memory_per_directory(tmp_path):
+    mem = Memory(tmp_path / "m", encoder=False, dim=DIM)
+    with pytest.raises(RuntimeError, match="open in another process or Memory"):
+        Memory(tmp_path / "m", encoder=False)
+    mem.close()
+    Memory(tmp_path / "m", encoder=False).close()  # free again once closed
 
 
 def test_closed_memory_refuses_calls(tmp_path):

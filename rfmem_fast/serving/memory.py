@@ -37,6 +37,7 @@ What it adds to the engine
       memory.json        {"format", "format_version", "dim", "store", "wal_seq"}
       store-00000003/    the bank store of the last checkpoint (rfmem_fast.store)
       wal.jsonl          writes after it (seq > wal_seq), replayed on open
+      LOCK               held (flock) by the one process that has the memory open
 
   A crash (even SIGKILL) at any point loses no acknowledged write: ``memory.json`` is
   replaced atomically and names a complete store plus the last log record it holds.
@@ -82,6 +83,7 @@ log = logging.getLogger("rfmem_fast.serving")
 DEFAULT_DIM = 384
 META_FILE = "memory.json"
 WAL_FILE = "wal.jsonl"
+LOCK_FILE = "LOCK"
 FORMAT_NAME = "rfmem_fast.memory"
 FORMAT_VERSION = 1
 _STORE_PREFIX = "store-"
@@ -388,12 +390,18 @@ class Memory:
         self._seq = 0
         self._wal: WriteAheadLog | None = None
         self._path: Path | None = None
+        self._lock_file: Any = None
         self._store_gen = 0
         enc_dim = getattr(self._encoder, "dim", None) if self._encoder is not None else None
         if path is None:
             self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
         else:
-            self._open(Path(os.fspath(path)), dim, enc_dim, fsync)
+            try:
+                self._open(Path(os.fspath(path)), dim, enc_dim, fsync)
+            except BaseException:
+                if self._lock_file is not None:
+                    self._lock_file.close()
+                raise
         self._batcher: MicroBatcher | None = None
         if batching:
             self._batcher = MicroBatcher(self._run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms,
@@ -420,6 +428,7 @@ class Memory:
         meta_path = path / META_FILE
         self._path = path
         if meta_path.is_file():
+            self._take_lock(path)
             meta = self._read_meta(meta_path)
             stored_dim = meta["dim"]
             self._resolve_dim(dim, enc_dim, stored_dim)
@@ -430,20 +439,45 @@ class Memory:
             self._store_gen = int(store[len(_STORE_PREFIX):]) if store else 0
             self._seq = meta["wal_seq"]
         else:
-            if path.is_dir() and any(path.iterdir()):
+            if path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir()):
                 raise ValueError(
                     f"path {str(path)!r} is a non-empty directory without {META_FILE} (not a Memory); "
                     "use an empty or new directory"
                 )
             path.mkdir(parents=True, exist_ok=True)
+            self._take_lock(path)
             self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
             self._write_meta(None)
             store = None
         for entry in path.iterdir():  # leftovers of an interrupted checkpoint
             if entry.name.startswith(_STORE_PREFIX) and entry.name != store and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith(f".{META_FILE}.tmp-"):
+                entry.unlink(missing_ok=True)
         self._wal = WriteAheadLog(path / WAL_FILE, fsync=fsync)
         self._replay(self._seq)
+
+    def _take_lock(self, path: Path) -> None:
+        """Hold ``path/LOCK`` (an exclusive flock) while open: a second process (or a
+        second Memory in this one) on the same directory would interleave log appends.
+
+        Raises:
+            RuntimeError: the directory is open elsewhere.
+        """
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on POSIX: no cross-process guard
+            return
+        f = open(path / LOCK_FILE, "a+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise RuntimeError(
+                f"the memory at {str(path)!r} is open in another process or Memory (its {LOCK_FILE} is held); "
+                "close that one first"
+            ) from None
+        self._lock_file = f
 
     def _read_meta(self, meta_path: Path) -> dict[str, Any]:
         try:
@@ -1041,11 +1075,16 @@ class Memory:
         if self._batcher is not None:
             self._batcher.close()
         with self._wmutex:
-            if self._wal is not None:
-                if self._wal.nbytes and self._broken is None:
-                    self._checkpoint_locked()
-                self._wal.close()
-            self._closed = True
+            try:
+                if self._wal is not None:
+                    if self._wal.nbytes and self._broken is None:
+                        self._checkpoint_locked()
+                    self._wal.close()
+            finally:
+                self._closed = True
+                if self._lock_file is not None:
+                    self._lock_file.close()  # releases the flock
+                    self._lock_file = None
 
     # ------------------------------------------------------------------ observability
     def add_listener(self, fn: Callable[[BatchEvent], None]) -> None:
