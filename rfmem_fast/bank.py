@@ -580,21 +580,20 @@ class MemoryBank:
         self,
         user: Hashable,
         ids: Sequence[ItemId],
-        vectors: Any = None,
+        vectors: Any,
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
     ) -> None:
-        """Replace the vectors, texts and / or metadata of existing items, keeping their ids.
+        """Replace the vectors (and optionally texts and metadata) of existing items, keeping their ids.
 
         Args:
             user: an existing user key.
             ids: m >= 1 distinct item ids the user holds.
-            vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`,
-                or None to keep the current vectors.
+            vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`.
             texts: m new texts (str or None), or None to keep the current texts.
             metadata: m new metadata dicts (None entries clear an item's metadata), or
-                None to keep the current metadata. At least one of ``vectors``,
-                ``texts`` and ``metadata`` must be given.
+                None to keep the current metadata (:meth:`set_metadata` changes only
+                metadata).
 
         Each item keeps its id and its row position within the user (so ties still
         break as before). Cost: O(m d).
@@ -604,33 +603,51 @@ class MemoryBank:
             TypeError / ValueError: as :meth:`add` (shapes, dtype, NaN / Inf, zero
                 rows, lengths, duplicates). Nothing is written when an error is raised.
         """
-        if vectors is None and texts is None and metadata is None:
-            raise ValueError("update needs at least one of vectors, texts and metadata")
         with self._lock:
             u = self.user_index(user)
-            vec = None
-            if vectors is not None:
-                vec = as_float_matrix(vectors, "vectors", self._dim)
-                if vec.shape[0] == 0:
-                    raise ValueError("vectors must hold at least one row")
-                vec = l2_normalize_rows(vec, "vectors")
-                id_list = _check_ids(ids, vec.shape[0])
-            else:
-                id_list = _check_id_list(ids)
-                if not id_list:
-                    raise ValueError("ids must hold at least one item id")
-            tx = None if texts is None else _check_texts(texts, len(id_list))
-            meta = None if metadata is None else _check_metadata(metadata, len(id_list))
+            vec = as_float_matrix(vectors, "vectors", self._dim)
+            if vec.shape[0] == 0:
+                raise ValueError("vectors must hold at least one row")
+            vec = l2_normalize_rows(vec, "vectors")
+            id_list = _check_ids(ids, vec.shape[0])
+            tx = None if texts is None else _check_texts(texts, vec.shape[0])
+            meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
             r, slots = self._writable_slots(u, id_list)
             for j, i in enumerate(id_list):
                 s = slots[i]
-                if vec is not None:
-                    r.set_row(s, vec[j])
+                r.set_row(s, vec[j])
                 if tx is not None:
                     r.texts[s] = tx[j]
             if meta is not None:
                 self._set_metadata(self._users[u], id_list, meta)
             self._touch()
+
+    def set_metadata(self, user: Hashable, ids: Sequence[ItemId], metadata: Sequence[dict | None]) -> None:
+        """Replace the metadata of existing items (vectors and texts unchanged).
+
+        Args:
+            user: an existing user key.
+            ids: m >= 1 distinct item ids the user holds.
+            metadata: m dicts (JSON objects, as in :meth:`add`) or None (clears).
+
+        Searches never read metadata, so neither :attr:`version` nor the snapshot
+        changes. Cost: O(m) plus the JSON copy of the dicts.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+            TypeError / ValueError: malformed ids or metadata (nothing is written then).
+        """
+        with self._lock:
+            u = self.user_index(user)
+            id_list = _check_id_list(ids)
+            if not id_list:
+                raise ValueError("ids must hold at least one item id")
+            meta = _check_metadata(metadata, len(id_list))
+            slots = self._rows[u].slots()
+            missing = [i for i in id_list if i not in slots]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            self._set_metadata(self._users[u], id_list, meta)
 
     def compact(self) -> int:
         """Reclaim the rows of deleted items now (build the snapshot and rebase on it).

@@ -29,13 +29,14 @@ def test_add_get_update_delete_metadata():
     ]
     assert bank.get_metadata(7, [11, 10]) == [None, {"who": "int user"}]
     v0 = bank.version
-    bank.update("alice", ["a1", "a0"], metadata=[{"new": True}, None])  # None clears
-    assert bank.version == v0 + 1
+    bank.set_metadata("alice", ["a1", "a0"], [{"new": True}, None])  # None clears
+    assert bank.version == v0  # searches never read metadata: no new snapshot
     assert bank.get_metadata("alice", ["a0", "a1"]) == [None, {"new": True}]
-    bank.update("alice", ["a2"], vectors=vecs(1, seed=5))  # metadata kept when not given
+    bank.update("alice", ["a2"], vecs(1, seed=5))  # metadata kept when not given
     assert bank.get_metadata("alice", ["a2"])[0]["n"] == 1.5
-    bank.update("alice", ["a3"], texts=["changed"])  # text-only update, vector kept
-    assert bank.texts_of("alice")[3] == "changed"
+    bank.update("alice", ["a3"], vecs(1, seed=6), texts=["changed"], metadata=[{"m": 3}])
+    assert bank.texts_of("alice")[3] == "changed" and bank.get_metadata("alice", ["a3"]) == [{"m": 3}]
+    assert bank.version == v0 + 2
     bank.delete("alice", ["a1"])
     bank.add("alice", vecs(1, seed=9), ["a1"])  # a reused id starts without metadata
     assert bank.get_metadata("alice", ["a1"]) == [None]
@@ -71,12 +72,15 @@ def test_bad_metadata_is_refused_and_nothing_written(metadata, exc, match):
     assert "u" not in bank and bank.version == 0
 
 
-def test_update_needs_something_and_checks_ids():
+def test_set_metadata_checks_ids():
     bank = make_bank()
-    with pytest.raises(ValueError, match="at least one of vectors, texts and metadata"):
-        bank.update("alice", ["a0"])
     with pytest.raises(KeyError, match="holds no item id 'zz'"):
-        bank.update("alice", ["zz"], metadata=[{"a": 1}])
+        bank.set_metadata("alice", ["a0", "zz"], [{"a": 1}, None])
+    assert bank.get_metadata("alice", ["a0"]) == [{"src": "chat", "tags": ["x", "y"]}]  # nothing written
+    with pytest.raises(ValueError, match="metadata has 1 entries"):
+        bank.set_metadata("alice", ["a0", "a1"], [{"a": 1}])
+    with pytest.raises(ValueError, match="at least one item id"):
+        bank.set_metadata("alice", [], [])
     with pytest.raises(KeyError, match="holds no item id 'zz'"):
         bank.get_metadata("alice", ["zz"])
     with pytest.raises(KeyError, match="unknown user"):

@@ -655,8 +655,10 @@ class Memory:
             vec = decode_array(vec)
         if op == "add":
             self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"])
+        elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
+            self.bank.set_metadata(user, rec["ids"], rec["metadata"])
         elif op == "update":
-            self.bank.update(user, rec["ids"], vectors=vec, texts=rec["texts"], metadata=rec["metadata"])
+            self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
         elif op == "delete":
             self.bank.delete(user, rec["ids"])
         else:
