@@ -111,9 +111,16 @@ LABELS = {
 
 
 class Server:
-    """``rfmem serve`` in a subprocess, ready once /health answers."""
+    """``rfmem serve`` in a subprocess, ready once /health answers.
 
-    def __init__(self, path: Path, config: str, args: argparse.Namespace, cache_size: int) -> None:
+    Each server gets its own copy of the memory directory (``path``-``name``): a
+    directory is open in one process at a time.
+    """
+
+    def __init__(self, path: Path, config: str, args: argparse.Namespace, cache_size: int, name: str = "") -> None:
+        own = path.with_name(f"{path.name}-{name or config}")
+        shutil.copytree(path, own)
+        path = own
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
@@ -352,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             for srv in servers.values():
                 srv.stop()
         # repeated questions, cache on
-        srv = Server(tmp / "mem", "batched", args, cache_size=4096)
+        srv = Server(tmp / "mem", "batched", args, cache_size=4096, name="cache")
         try:
             srv.wait_ready()
             rep = [w for w in work for _ in range(args.repeats)]
