@@ -163,13 +163,31 @@ def _check_texts(texts: Any, n: int) -> list[str | None]:
     return [None if t is None else str(t) for t in out]
 
 
+#: deepest nesting of lists / dicts accepted in one item's metadata
+MAX_METADATA_DEPTH = 64
+
+
+def _nesting_depth(obj: Any) -> int:
+    """Nesting depth of dicts / lists in ``obj`` (iterative: no recursion limit)."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list, tuple)):
+            depth = max(depth, d)
+            if depth > MAX_METADATA_DEPTH:
+                return depth
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return depth
+
+
 def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
     """Per-item metadata as stored: m JSON objects (or None), deep-copied through JSON.
 
     Raises:
         TypeError: not a sequence of dicts / None.
-        ValueError: wrong length, or an entry that does not survive a JSON round trip
-            unchanged (non-str keys, tuples, NaN / Inf, non-JSON values).
+        ValueError: wrong length, an entry nested deeper than ``MAX_METADATA_DEPTH``, or
+            one that does not survive a JSON round trip unchanged (non-str keys, tuples,
+            NaN / Inf, non-JSON values).
     """
     if metadata is None:
         return [None] * n
@@ -183,6 +201,8 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
             continue
         if not isinstance(m, dict):
             raise TypeError(f"metadata[{j}] must be a dict or None, got {type(m).__name__}")
+        if _nesting_depth(m) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata[{j}] nests deeper than {MAX_METADATA_DEPTH} levels")
         try:
             copied = json.loads(json.dumps(m, allow_nan=False))
         except (TypeError, ValueError, RecursionError) as exc:

@@ -10,6 +10,14 @@ from rfmem_fast import MemoryBank, StoreError, search
 from rfmem_fast.store import CURRENT, MANIFEST
 
 
+def nested(depth):
+    """{"a": {"a": ... 1}} with ``depth`` dicts."""
+    out = 1
+    for _ in range(depth):
+        out = {"a": out}
+    return out
+
+
 def vecs(n, d=8, seed=0):
     return np.random.default_rng(seed).normal(size=(n, d))
 
@@ -63,10 +71,16 @@ def test_metadata_is_copied_in_and_out():
         ([None, {"t": (1, 2)}], ValueError, r"metadata\[1\] does not survive"),
         ([{"x": float("nan")}, None], ValueError, r"metadata\[0\] is not JSON"),
         ([{"x": object()}, None], ValueError, r"metadata\[0\] is not JSON"),
+        ([None, {"a": [{"b": 1}] * 2}], None, None),  # fine: shared sub-objects are copied
+        ([None, nested(65)], ValueError, r"metadata\[1\] nests deeper than 64 levels"),
     ],
 )
 def test_bad_metadata_is_refused_and_nothing_written(metadata, exc, match):
     bank = MemoryBank(8)
+    if exc is None:
+        bank.add("u", vecs(2), ["p", "q"], metadata=metadata)
+        assert bank.get_metadata("u") == metadata
+        return
     with pytest.raises(exc, match=match):
         bank.add("u", vecs(2), ["p", "q"], metadata=metadata)
     assert "u" not in bank and bank.version == 0

@@ -91,6 +91,13 @@ def test_bearer_token(served):
     assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
+def nested(depth):
+    out = 1
+    for _ in range(depth):
+        out = {"a": out}
+    return out
+
+
 BAD = [
     ("post", "/v1/users/u/memories", {}, 422, "texts or vectors is required"),
     ("post", "/v1/users/u/memories", {"texts": "one string"}, 422, "texts"),
@@ -118,6 +125,7 @@ BAD = [
     ("post", "/v1/users/u/memories/delete", {"ids": []}, 422, "ids"),
     ("post", "/v1/users/u/memories/delete", {"ids": ["taken", "nope"]}, 404, "nope"),
     ("delete", "/v1/users/ghost/memories/x", None, 404, "unknown user 'ghost'"),
+    ("post", "/v1/users/u/memories", {"texts": ["a"], "metadata": nested(500)}, 400, "metadata[0] nests deeper"),
 ]
 
 

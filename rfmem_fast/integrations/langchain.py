@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun

@@ -268,7 +268,7 @@ def _metadata_list(metadata: Any, m: int) -> list | None:
     if metadata is None:
         return None
     if isinstance(metadata, dict):
-        return [copy.deepcopy(metadata) for _ in range(m)]
+        return [metadata] * m  # the bank stores a copy per item
     if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
         raise TypeError(f"metadata must be a dict, a sequence of dicts (or None) or None, got {type(metadata).__name__}")
     out = list(metadata)
@@ -626,7 +626,7 @@ class Memory:
                     line["vectors"] = encode_array(line["vectors"])
                 try:
                     self._wal.append(line)
-                except (TypeError, ValueError) as exc:  # not JSON: nothing was written
+                except (TypeError, ValueError, RecursionError) as exc:  # not JSON: nothing was written
                     raise ValueError(f"cannot log this write: {exc}") from None
                 except OSError as exc:  # a partial line may be on disk: stop writing
                     self._broken = exc
