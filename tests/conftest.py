@@ -81,3 +81,11 @@ def pb_embedded(golden_rows) -> EmbeddedPB:
     by_key = {(g["community"], g["q_id"]): g for g in golden_rows}
     gold = [by_key[(q.community, q.q_id)] for q in data.questions]
     return EmbeddedPB(bank, Q, [q.user_key for q in data.questions], data.questions, gold)
+
+
+@pytest.fixture(scope="session")
+def text_encoder():
+    """The offline MiniLM encoder as the serving layer's default builds it (loaded once)."""
+    from rfmem_fast.serving.memory import _default_encoder
+
+    return _default_encoder()
