@@ -6,6 +6,9 @@ runs the PersonaBench evaluation (RFMEM_SPEC.md sections 6-7) and prints the tab
 (needs the ``text`` extra for the encoder). ``rfmem bench ...`` runs the benchmark
 suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra). ``rfmem --version`` prints
 the version.
+
+``rfmem serve --path DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]`` serves a
+:class:`rfmem_fast.Memory` over HTTP (:mod:`rfmem_fast.serving.cli`; the ``serve`` extra).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``serve`` and, when present, ``bench``)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
@@ -74,12 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.add_parser(sub)
+    from .serving import cli as serve_cli  # the HTTP service (FastAPI imported only when run)
+
+    serve_cli.add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rfmem``. Returns the process exit code."""
     args = build_parser().parse_args(argv)
+    args.from_command_line = argv is None  # sub-commands may re-execute the process (serve)
     if args.command == "eval":
         from .evaluate import format_report, report_json, run_personabench, write_records
 

@@ -64,5 +64,39 @@ def route(mean: Any, entropy: Any, count: Any, config: RFMemConfig) -> tuple[np.
     return (~fam).astype(np.int64), rule  # FAMILIARITY = 0, RECOLLECTION = 1
 
 
+def route_tensor(
+    mean: torch.Tensor, entropy: torch.Tensor, count: torch.Tensor, config: RFMemConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` on the signals' own device, without a host synchronisation.
+
+    The same rules in the same priority (spec section 2), as tensor operations, for
+    device-resident batches (``search(..., output="torch")``); tests/test_device_resident.py
+    checks that it equals :func:`route` on every rule and at the thresholds.
+
+    Args:
+        mean: float [b] mean probe score (tensor, any device).
+        entropy: float [b] probe entropy (the config's convention), same device.
+        count: int [b] probe hits, same device.
+        config: thresholds ``theta_high``, ``theta_low``, ``tau``.
+
+    Returns:
+        (route int64 [b], rule int64 [b]) on the signals' device, codes as :func:`route`.
+
+    Raises:
+        TypeError: an argument that is not a torch.Tensor.
+    """
+    for name, t in (("mean", mean), ("entropy", entropy), ("count", count)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    rule = torch.full(mean.shape, RULE_ENTROPY_HIGH, dtype=torch.int64, device=mean.device)
+    # lowest priority first, as route(): each later rule overrides the earlier ones
+    rule = torch.where(entropy < config.tau, RULE_ENTROPY_LOW, rule)
+    rule = torch.where(mean <= config.theta_low, RULE_MEAN_LOW, rule)
+    rule = torch.where(mean >= config.theta_high, RULE_MEAN_HIGH, rule)
+    rule = torch.where(count == 0, RULE_NO_HITS, rule)
+    fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
+    return (~fam).to(torch.int64), rule
+
+
 def _host(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

@@ -10,6 +10,10 @@ Layout of a store directory ``PATH``::
     PATH/snap-00000007/users.json      [U user keys]      (JSON keeps str vs int)
     PATH/snap-00000007/ids.json        [n item ids]       (str or int)
     PATH/snap-00000007/texts.json      [n texts]          (str or null)
+    PATH/snap-00000007/metadata.json   [n metadata objects] (object or null; optional:
+                                       written only when some item has metadata, so a
+                                       store without it, older ones included, loads as
+                                       "no metadata"; covered by the manifest's checksums)
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -60,6 +64,8 @@ FORMAT_VERSION = 1
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
 DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
+#: files a store may hold besides DATA_FILES (listed in the manifest when present)
+OPTIONAL_FILES = ("metadata.json",)
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22  # bytes per read while hashing / verifying
@@ -193,7 +199,7 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
     path = Path(os.fspath(path))
-    snap = bank.snapshot()
+    snap, metadata = bank._snapshot_and_metadata()
     with _path_lock(path):
         if path.exists() and not path.is_dir():
             raise StoreError(path, "exists and is not a directory; refusing to overwrite it")
@@ -220,6 +226,8 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
                 ("ids.json", _write_json(snap.item_ids.tolist())),
                 ("texts.json", _write_json(snap.texts.tolist() if snap.texts is not None else [None] * snap.num_items)),
             ]
+            if metadata is not None:
+                payload.append(("metadata.json", _write_json(metadata)))
             for name, write in payload:
                 files[name] = _write_file(tmp / name, write)
                 _stage(f"file:{name}")
@@ -462,8 +470,12 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
     if man.get("dtype") != "float32":
         raise StoreError(mpath, f"dtype must be 'float32', got {man.get('dtype')!r}")
     files = man.get("files")
-    if not isinstance(files, dict) or sorted(files) != sorted(DATA_FILES):
-        raise StoreError(mpath, f"files must list exactly {list(DATA_FILES)}")
+    if (
+        not isinstance(files, dict)
+        or not set(DATA_FILES) <= set(files)
+        or not set(files) <= set(DATA_FILES) | set(OPTIONAL_FILES)
+    ):
+        raise StoreError(mpath, f"files must list exactly {list(DATA_FILES)}, plus optionally {list(OPTIONAL_FILES)}")
     for fname, meta in files.items():
         if (
             not isinstance(meta, dict)
@@ -475,7 +487,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         ):
             raise StoreError(mpath, f"invalid entry for {fname!r}")
     d, u, n = ints["dim"], ints["num_users"], ints["num_items"]
-    for fname in DATA_FILES:  # cheap size checks first: truncation / deletion found early
+    for fname in files:  # cheap size checks first: truncation / deletion found early
         _check_size(data_dir / fname, files[fname])
 
     offsets = _read_offsets(data_dir / "offsets.npy", files["offsets.npy"], u, n, verify)
@@ -500,6 +512,14 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
             raise StoreError(ipath, f"user {users[k]!r} holds a duplicate item id")
     if not all(t is None or isinstance(t, str) for t in texts):
         raise StoreError(tpath, "texts must be str or null")
+    metadata = None
+    if "metadata.json" in files:
+        mdpath = data_dir / "metadata.json"
+        metadata = _parse_json(mdpath, _read_small(mdpath, files["metadata.json"], verify))
+        if not isinstance(metadata, list) or len(metadata) != n:
+            raise StoreError(mdpath, f"must be a JSON list of {n} entries")
+        if not all(m is None or isinstance(m, dict) for m in metadata):
+            raise StoreError(mdpath, "entries must be JSON objects or null")
 
     vectors = _read_vectors(data_dir / "vectors.npy", files["vectors.npy"], n, d, mmap, verify)
     item_ids = np.empty(n, dtype=object)
@@ -509,7 +529,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         text_arr[:] = texts
     snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr)
     bank = MemoryBank(d)
-    bank._install(snap)
+    bank._install(snap, metadata)
     return bank
 
 
@@ -534,7 +554,8 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
 
     Returns:
         MemoryBank whose snapshot equals the saved one (users, item ids with their
-        str / int types, texts, vectors bit for bit, offsets, version). Its first
+        str / int types, texts, vectors bit for bit, offsets, version), with the
+        items' metadata. Its first
         snapshot is the loaded arrays themselves (no copy).
 
     Raises:

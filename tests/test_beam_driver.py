@@ -313,3 +313,34 @@ def test_recollect_accepts_valid_level0():
     np.testing.assert_array_equal(rows, rows2)
     np.testing.assert_array_equal(scores, scores2)
     np.testing.assert_array_equal(rounds, rounds2)
+
+
+# ----------------------------------------------------------------- MMR similarity
+def test_max_similarity_native_matches_default():
+    """The native MMR similarity equals the default batched product (up to the float64
+    summation order; exactly on small-integer data) and marks lone points with -inf."""
+    rng = np.random.default_rng(12)
+    V = rng.standard_normal((30, 9, 37)).astype(np.float32)
+    counts = rng.integers(0, 10, 30).astype(np.int64)
+    counts[:3] = [0, 1, 9]
+    V[4, 1] = V[4, 0]  # a duplicate: its similarity is its squared norm
+    got = NATIVE.max_similarity(torch.from_numpy(V), torch.from_numpy(counts))
+    want = Backend.max_similarity(TorchBackend("cpu"), torch.from_numpy(V), torch.from_numpy(counts))
+    assert got.dtype == torch.float64 and got.shape == (30, 9)
+    for i in range(30):
+        c = int(counts[i])
+        torch.testing.assert_close(got[i, :c], want[i, :c], rtol=1e-13, atol=1e-13)
+        assert torch.isneginf(got[i, c:]).all()
+    assert torch.isneginf(got[1, 0])  # alone
+    np.testing.assert_allclose(got[4, 0].item(), float(V[4, 0].astype(np.float64) @ V[4, 0]), rtol=1e-14)
+    G = np.round(V * 2).astype(np.float32)  # exact products and sums: every order agrees
+    assert torch.equal(
+        NATIVE.max_similarity(torch.from_numpy(G), torch.from_numpy(counts))[:, :3][counts[:, None] > np.arange(3)],
+        Backend.max_similarity(NATIVE, torch.from_numpy(G), torch.from_numpy(counts))[:, :3][
+            counts[:, None] > np.arange(3)
+        ],
+    )
+    with pytest.raises(ValueError, match="counts\\[0\\] = 10"):
+        _native.max_similarity(V, np.full(30, 10, np.int64))
+    with pytest.raises(TypeError, match="V must have dtype float32"):
+        _native.max_similarity(V.astype(np.float64), counts)

@@ -239,12 +239,36 @@ py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroi
 
 
 
+py::array_t<double> py_max_similarity(const py::object& V_, const py::object& counts_, int num_threads) {
+  const char* fn = "max_similarity";
+  check_threads(fn, num_threads);
+  py::array V = checked<float>(V_, fn, "V", 3, "float32");
+  py::array counts = checked<int64_t>(counts_, fn, "counts", 1, "int64");
+  const int64_t m = V.shape(0), n = V.shape(1), d = V.shape(2);
+  if (counts.shape(0) != m)
+    throw py::value_error(std::string(fn) + ": counts must have one entry per set (" + std::to_string(m) +
+                          "), got shape " + shape_str(counts));
+  const int64_t* cnt = cptr<int64_t>(counts);
+  for (int64_t i = 0; i < m; ++i) {
+    if (cnt[i] < 0 || cnt[i] > n)
+      throw py::value_error(std::string(fn) + ": counts[" + std::to_string(i) + "] = " + std::to_string(cnt[i]) +
+                            " must be in [0, " + std::to_string(n) + "]");
+  }
+  py::array_t<double> out({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(n)});
+  double* po = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::max_similarity(cptr<float>(V), m, n, d, cnt, po, num_threads);
+  }
+  return out;
+}
+
 py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const py::object& Q0_,
                        const py::object& qseg_, const py::object& level0_scores_, const py::object& level0_rows_,
                        int64_t beam_width, int64_t fanout, int64_t max_rounds, int64_t out_k, double alpha,
                        double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
-                       int64_t memory_budget) {
+                       int64_t memory_budget, const py::object& active_) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -317,6 +341,15 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
       }
     }
   }
+  const uint8_t* act = nullptr;
+  py::array active;
+  if (!active_.is_none()) {
+    active = checked<bool>(active_, fn, "active", 1, "bool");
+    if (active.shape(0) != in.b)
+      throw py::value_error(std::string(fn) + ": active must have one entry per query (" + std::to_string(in.b) +
+                            "), got shape " + shape_str(active));
+    act = static_cast<const uint8_t*>(active.data());
+  }
   const py::ssize_t b = static_cast<py::ssize_t>(in.b);
   py::array_t<int64_t> rows({b, static_cast<py::ssize_t>(width)});
   py::array_t<float> scores({b, static_cast<py::ssize_t>(width)});
@@ -328,7 +361,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget);
+                     memory_budget, act);
   }
   return py::make_tuple(rows, scores, rounds);
 }
@@ -453,11 +486,32 @@ Raises:
     TypeError: wrong type / dtype. ValueError: wrong rank / shape / contiguity, non-finite alpha.
 )doc");
 
+  mod.def("max_similarity", &py_max_similarity, py::arg("V"), py::arg("counts"), py::arg("num_threads") = 0,
+          R"doc(The MMR similarity of many point sets (spec section 4): each point's largest inner product with another point of its set.
+
+The function the native beam driver (recollect) uses, so that the Python driver over the
+native backend gives the same MMR scores bit for bit.
+
+Args:
+    V: float32 [m, n, d], C-contiguous; set i holds V[i, :counts[i]].
+    counts: int64 [m], 0 <= counts[i] <= n.
+    num_threads: most threads (0 = the machine's; fewer for small work).
+
+Returns:
+    float64 [m, n]: for j < counts[i] the largest <V[i, j], V[i, l]> over l < counts[i],
+    l != j (float64 sum of the exact products, in a fixed order), -inf when the point is
+    alone and for j >= counts[i].
+
+Raises:
+    TypeError: wrong type / dtype. ValueError: wrong rank / contiguity, counts out of range.
+)doc");
+
   mod.def("recollect", &py_recollect, py::arg("X"), py::arg("offsets"), py::arg("Q0"), py::arg("qseg"),
           py::arg("level0_scores"), py::arg("level0_rows"), py::arg("beam_width"), py::arg("fanout"),
           py::arg("max_rounds"), py::arg("out_k"), py::arg("alpha"), py::arg("mmr_lambda"), py::arg("score_floor"),
           py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
+          py::arg("active") = py::none(),
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -482,6 +536,8 @@ Args:
     xnorm: an upper bound of the row norms of X (< 0: computed here).
     memory_budget: bytes for the per-thread workspaces (threads are capped so that they
         fit; one thread at least).
+    active: bool [b] or None (all): queries with False are not recollected (padding rows,
+        -inf scores, 0 rounds, no work).
 
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the

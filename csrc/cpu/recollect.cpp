@@ -7,7 +7,7 @@
 //   2. per branch, in beam-slot order: keep the candidates with a row, a float32 score
 //      >= score_floor and not yet returned, in their top-k order; with mmr_lambda < 1 a
 //      candidate's score becomes lam * s - (1 - lam) * max_{other kept j} <v, v_j>
-//      (float64; 0 when alone; <v, v_j> the exact score RN32(v . v_j), exact.h); KMeans of the kept vectors into min(B, kept) clusters
+//      (float64, max_similarity_set; 0 when alone); KMeans of the kept vectors into min(B, kept) clusters
 //      (batched_kmeans: scikit-learn's seeding replayed); the child of cluster c is
 //      alpha_mix(branch query, centroid c, q0) with accumulated score
 //      branch acc + (sum of its members' scores in candidate order, from 0);
@@ -29,11 +29,25 @@
 #include <vector>
 
 #include "common.h"
-#include "exact.h"
 #include "kernels.h"
 
 namespace rfmem {
 namespace {
+
+// <a, b> of two float32 vectors in float64: exact products, summed on 4 partial sums
+// (j mod 4) in order of j, then (s0 + s1) + (s2 + s3)
+inline double dot64(const float* a, const float* b, int64_t d) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+  int64_t j = 0;
+  for (; j + 4 <= d; j += 4) {
+    s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
+    s1 += static_cast<double>(a[j + 1]) * static_cast<double>(b[j + 1]);
+    s2 += static_cast<double>(a[j + 2]) * static_cast<double>(b[j + 2]);
+    s3 += static_cast<double>(a[j + 3]) * static_cast<double>(b[j + 3]);
+  }
+  for (; j < d; ++j) s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
+  return (s0 + s1) + (s2 + s3);
+}
 
 struct Child {
   double acc;
@@ -95,7 +109,6 @@ struct Batch {
 void recollect_one(const Batch& bt, const RecollectConfig& cfg, int64_t qi, Workspace& w, int inner_threads) {
   const int64_t B = cfg.beam_width, F = cfg.fanout, R = cfg.max_rounds, d = bt.d;
   const double lam = cfg.mmr_lambda;
-  const double g64 = gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack;
   const float* q0 = bt.Q0 + qi * d;
   const int64_t seg = bt.qseg[qi];
   const int64_t a = bt.offsets[seg];
@@ -138,14 +151,7 @@ void recollect_one(const Batch& bt, const RecollectConfig& cfg, int64_t qi, Work
       for (int64_t j = 0; j < nv; ++j) std::copy(bt.X + rows[j] * d, bt.X + (rows[j] + 1) * d, V + j * d);
       if (lam < 1.0) {
         double* mx = w.mx.data();
-        std::fill(mx, mx + nv, -std::numeric_limits<double>::infinity());
-        for (int64_t i = 1; i < nv; ++i) {
-          for (int64_t j = 0; j < i; ++j) {  // the exact score RN32(v_i . v_j), symmetric
-            const double g = static_cast<double>(exact_score(V + i * d, V + j * d, d, g64));
-            mx[i] = std::max(mx[i], g);
-            mx[j] = std::max(mx[j], g);
-          }
-        }
+        max_similarity_set(V, nv, d, mx);
         for (int64_t i = 0; i < nv; ++i) {
           const double m = std::isfinite(mx[i]) ? mx[i] : 0.0;
           mmr[i] = lam * mmr[i] - (1.0 - lam) * m;
@@ -207,6 +213,28 @@ void recollect_one(const Batch& bt, const RecollectConfig& cfg, int64_t qi, Work
 
 }  // namespace
 
+void max_similarity_set(const float* V, int64_t cnt, int64_t d, double* mx) {
+  std::fill(mx, mx + cnt, -std::numeric_limits<double>::infinity());
+  for (int64_t i = 1; i < cnt; ++i) {
+    for (int64_t j = 0; j < i; ++j) {  // <v_i, v_j> == <v_j, v_i> bit for bit: computed once
+      const double g = dot64(V + i * d, V + j * d, d);
+      mx[i] = std::max(mx[i], g);
+      mx[j] = std::max(mx[j], g);
+    }
+  }
+}
+
+void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts, double* out,
+                    int num_threads) {
+  double work = 0.0;
+  for (int64_t i = 0; i < m; ++i) work += 0.5 * static_cast<double>(counts[i] * counts[i]) * static_cast<double>(d);
+  parallel_for(m, threads_for(num_threads, work, m), [&](int64_t i, int) {
+    double* o = out + i * n;
+    max_similarity_set(V + i * n * d, counts[i], d, o);
+    std::fill(o + counts[i], o + n, -std::numeric_limits<double>::infinity());
+  });
+}
+
 int64_t recollect_capacity(const RecollectConfig& cfg) {
   return cfg.out_k - 1 + cfg.beam_width * (cfg.beam_width + cfg.max_rounds - 1) * cfg.fanout;
 }
@@ -224,8 +252,23 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
-               int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget) {
+               int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
+               const uint8_t* active) {
   if (b == 0) return;
+  // the queries to recollect; the others get padding at once
+  std::vector<int64_t> todo;
+  todo.reserve(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    if (active == nullptr || active[i]) {
+      todo.push_back(i);
+      continue;
+    }
+    std::fill(out_rows + i * width, out_rows + (i + 1) * width, int64_t{-1});
+    std::fill(out_scores + i * width, out_scores + (i + 1) * width, -std::numeric_limits<float>::infinity());
+    out_rounds[i] = 0;
+  }
+  const int64_t nq = static_cast<int64_t>(todo.size());
+  if (nq == 0) return;
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
   const int64_t B = cfg.beam_width;
   const int64_t Kmax = (cfg.beam_width + cfg.max_rounds - 1) * cfg.fanout;
@@ -233,12 +276,12 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   int64_t max_len = 0;
   double work = 0.0;  // multiply-adds: a probe's worth plus B branches over ~3 more rounds
   const double rounds_est = static_cast<double>(1 + B * std::min<int64_t>(cfg.max_rounds - 1, 3));
-  for (int64_t i = 0; i < b; ++i) {
+  for (const int64_t i : todo) {
     const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]];
     max_len = std::max(max_len, len);
     work += static_cast<double>(len) * static_cast<double>(d) * rounds_est;
   }
-  int nthreads = threads_for(num_threads, work, b);
+  int nthreads = threads_for(num_threads, work, nq);
   const double ws_bytes = static_cast<double>(recollect_workspace_bytes(cfg, d, max_len));
   const double by_budget = static_cast<double>(memory_budget) / ws_bytes;
   if (by_budget < static_cast<double>(nthreads)) nthreads = std::max(1, static_cast<int>(by_budget));
@@ -251,9 +294,9 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                  level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds};
   std::exception_ptr error;
   std::mutex error_lock;
-  parallel_for(b, nthreads, [&](int64_t qi, int tid) {
+  parallel_for(nq, nthreads, [&](int64_t t, int tid) {
     try {
-      recollect_one(bt, cfg, qi, ws[static_cast<size_t>(tid)], inner_threads);
+      recollect_one(bt, cfg, todo[static_cast<size_t>(t)], ws[static_cast<size_t>(tid)], inner_threads);
     } catch (...) {  // bad_alloc inside a primitive: reported after the join
       std::lock_guard<std::mutex> g(error_lock);
       if (!error) error = std::current_exception();

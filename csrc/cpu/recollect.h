@@ -31,6 +31,16 @@ struct RecollectConfig {
   int64_t n_draws = 0;
 };
 
+/// The MMR similarity of one set of cnt points (float32 [cnt, d]): mx[j] = the largest
+/// <v_j, v_l> over l != j, -inf when cnt == 1; each inner product is the float64 sum of
+/// the exact products on 4 partial sums (j mod 4, in order), then (s0 + s1) + (s2 + s3).
+void max_similarity_set(const float* V, int64_t cnt, int64_t d, double* mx);
+
+/// max_similarity_set for m sets: V float32 [m, n, d], set i = V[i, :counts[i]]
+/// (0 <= counts[i] <= n); out float64 [m, n] (-inf beyond counts[i]).
+void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts, double* out,
+                    int num_threads);
+
 /// Result slots one query can fill: out_k - 1 + B * (B + R - 1) * F (a round adds at
 /// most B * (B + level) * F items and the loop stops at out_k).
 int64_t recollect_capacity(const RecollectConfig& cfg);
@@ -52,10 +62,13 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// and at most max(1, memory_budget / recollect_workspace_bytes(...)). A single
 /// query runs on the calling thread (its top-k calls may split rows over threads when
 /// their own work pays for it). ``xnorm``: an upper bound of the row norms of X.
+/// ``active``: uint8 [b] or null (all): a query with active[i] == 0 is not recollected
+/// (padding rows, -inf scores, 0 rounds, no work).
 /// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
-               int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget);
+               int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
+               const uint8_t* active = nullptr);
 
 }  // namespace rfmem

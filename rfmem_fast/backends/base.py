@@ -12,6 +12,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
 
@@ -49,13 +50,14 @@ class BankView:
         X: float32 [n, d] unit rows on the backend's device.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
-        snapshot: the bank snapshot it was made from.
+        snapshot: the bank snapshot it was made from (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`).
     """
 
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
-    snapshot: BankSnapshot
+    snapshot: BankSnapshot | None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -63,11 +65,22 @@ class BankView:
         """An upper bound of the largest row norm of the bank (computed once, cached).
 
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
+        A view without a snapshot (built from device tensors) computes it where X lives:
+        squared norms summed in float64 (relative error <= d 2^-53), inflated to stay an
+        upper bound.
         """
         if "xnorm" not in self._memo:
-            from .exact import row_norm_max
+            if self.snapshot is not None:
+                from .exact import row_norm_max
 
-            self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+                self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+            else:
+                m = 0.0
+                d = self.X.shape[1] if self.X.ndim == 2 else 1
+                for a in range(0, self.X.shape[0], 1 << 16):
+                    part = self.X[a : a + (1 << 16)].to(torch.float64)
+                    m = max(m, float((part * part).sum(dim=1).max()))
+                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
         return self._memo["xnorm"]
 
 
@@ -77,8 +90,9 @@ class Backend:
     Subclasses set ``name`` and ``device`` and implement :meth:`segmented_topk`,
     :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
     composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
-    and may be overridden by a fused kernel; :meth:`recollect` runs the Python beam
-    driver over the primitives and may be overridden by a fused driver.
+    and may be overridden by a fused kernel; :meth:`max_similarity` (MMR) has a
+    batched-product default; :meth:`recollect` runs the Python beam driver over the
+    primitives and may be overridden by a fused driver.
 
     ``memory_budget`` (bytes, default :data:`DEFAULT_MEMORY_BUDGET`) bounds the
     temporaries of one primitive call and of the beam driver's rounds; every backend
@@ -92,15 +106,27 @@ class Backend:
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
 
+        The snapshot's vectors are copied to ``self.device`` once per bank version, in
+        the bank's dtype; every later call with the same version gets the cached view.
+
         Args:
             bank: the memory bank.
 
         Returns:
             BankView on ``self.device``.
+
+        Raises:
+            DeviceMemoryError: the vectors and offsets would not fit in the device's free
+                memory (:func:`rfmem_fast.device.check_fits`; checked before copying).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
+            n, d = snap.vectors.shape
+            _device.check_fits(
+                snap.vectors.nbytes + snap.offsets.nbytes, self.device,
+                f"the bank ({n:,} x {d} {snap.vectors.dtype}, {snap.num_users:,} users)",
+            )  # fmt: skip
             offsets_cpu = torch.from_numpy(snap.offsets)
             return BankView(
                 X=torch.from_numpy(snap.vectors).to(self.device),
@@ -180,6 +206,32 @@ class Backend:
         """
         raise NotImplementedError
 
+    def max_similarity(self, V: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each point's largest inner product with another point of its set (MMR, spec section 4).
+
+        The similarity term of the beam driver's MMR score
+        ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>``. The default takes
+        the float64 Gram matrices with one batched product (any summation order; no
+        host synchronisation); the native backend computes it in C++ with the function
+        its C++ beam driver uses, so that both of its drivers agree bit for bit.
+
+        Args:
+            V: float32 [m, n, d]; set ``i`` holds the points ``V[i, :counts[i]]``.
+            counts: int64 [m], 0 <= counts[i] <= n.
+
+        Returns:
+            float64 [m, n] on the backend's device: for j < counts[i], the largest
+            ``<V[i, j], V[i, l]>`` over l < counts[i], l != j (``-inf`` when the point is
+            alone); unspecified for j >= counts[i].
+        """
+        m, n, _ = V.shape
+        V64 = V.to(torch.float64)
+        G = torch.bmm(V64, V64.transpose(1, 2))
+        valid = torch.arange(n, device=V.device)[None, :] < counts.to(V.device)[:, None]
+        eye = torch.eye(n, dtype=torch.bool, device=V.device)
+        G = G.masked_fill(~(valid[:, None, :] & ~eye[None]), float("-inf"))
+        return G.max(dim=2).values if n else G.new_zeros((m, 0))
+
     def recollect(
         self,
         view: BankView,
@@ -187,6 +239,7 @@ class Backend:
         qseg: torch.Tensor,
         config: "RFMemConfig",
         level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+        active: torch.Tensor | None = None,
     ) -> "RecollectionOutput":
         """The Recollection path (spec section 4) for a batch of queries.
 
@@ -203,13 +256,18 @@ class Backend:
                 score_floor, out_k, KMeans settings).
             level0: optional (scores [b, k0], rows [b, k0]) top-k of ``q0`` already
                 computed (the probe), k0 >= beam_width * fanout.
+            active: optional bool [b] on the backend's device: the queries to recollect
+                (default all); the others get padding rows, ``-inf`` scores, 0 rounds.
 
         Returns:
             :class:`rfmem_fast.recollection.RecollectionOutput`.
+
+        Raises:
+            ValueError: ``active`` not a bool tensor of shape [b].
         """
         from ..recollection import recollect
 
-        return recollect(self, view, q0, qseg, config, level0)
+        return recollect(self, view, q0, qseg, config, level0, active)
 
     def probe(
         self,

@@ -15,6 +15,8 @@
   per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
   without exact near-ties.
 * alpha-mix: per (branch, cluster) in float64, rounded to float32.
+* MMR similarity (:meth:`NativeBackend.max_similarity`): float64 inner products of each
+  candidate set, in the fixed order of csrc/cpu/recollect.cpp.
 * beam driver (:meth:`NativeBackend.recollect`): the whole Recollection path in ONE C++
   call for the batch (``_native.recollect``, csrc/cpu/recollect.cpp): each query runs
   all its rounds on one thread, back to back, while its user's rows are in cache, with
@@ -201,8 +203,15 @@ class NativeBackend(Backend):
         )
         return torch.from_numpy(out)
 
+    # ---------------------------------------------------------------- MMR
+    def max_similarity(self, V, counts):
+        """See :meth:`Backend.max_similarity` (C++ kernel ``_native.max_similarity``, the
+        function the C++ beam driver uses: both drivers get the same MMR scores)."""
+        out = _native.max_similarity(_np(V, torch.float32), _np(counts, torch.int64), self._threads())
+        return torch.from_numpy(out)
+
     # ---------------------------------------------------------------- beam driver
-    def recollect(self, view, q0, qseg, config, level0=None):
+    def recollect(self, view, q0, qseg, config, level0=None, active=None):
         """See :meth:`Backend.recollect`: the C++ beam driver (``_native.recollect``).
 
         One call for the whole batch; rows, scores and rounds equal those of the Python
@@ -212,12 +221,18 @@ class NativeBackend(Backend):
 
         Raises:
             ValueError: ``level0`` narrower than ``beam_width * fanout`` or holding a
-                row outside its query's segment; an unknown ``RFMEM_BEAM_DRIVER``.
+                row outside its query's segment; ``active`` not a bool tensor of shape
+                [b]; an unknown ``RFMEM_BEAM_DRIVER``.
         """
         if self._driver() == "python":
-            return super().recollect(view, q0, qseg, config, level0)
+            return super().recollect(view, q0, qseg, config, level0, active)
         from ..recollection import RecollectionOutput  # recollection imports the backends
 
+        b = int(q0.shape[0])
+        if active is not None and (
+            not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
+        ):
+            raise ValueError(f"active must be a bool tensor of shape [{b}]")
         X, off = self._bank(view)
         l0s = l0r = None
         if level0 is not None:
@@ -243,6 +258,7 @@ class NativeBackend(Backend):
             self._threads(),
             view.row_norm_max,
             self.memory_budget,
+            None if active is None else _np(active, torch.bool),
         )
         return RecollectionOutput(
             rows=torch.from_numpy(rows), scores=torch.from_numpy(scores), rounds=torch.from_numpy(rounds)

@@ -32,7 +32,7 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.8):
 
 
 def _label(rec: dict[str, Any]) -> str:
-    return {"faiss": "faiss IndexFlatIP", "reference": "reference loop"}.get(rec["kind"], rec["system"])
+    return rec.get("label") or {"faiss": "faiss IndexFlatIP", "reference": "reference loop"}.get(rec["kind"], rec["system"])
 
 
 def plot_latency(doc: dict[str, Any], path: str | Path) -> Path | None:

@@ -484,3 +484,103 @@ def personabench_embeddings(
         cache_file=str(cache_file) if cache_file is not None else None,
         model=model,
     )
+
+
+# --------------------------------------------------------------------------- PersonaBench pack
+#: format tag of :func:`write_personabench_pack` files
+PACK_FORMAT = "rfmem_fast.personabench_pack/1"
+
+
+def write_personabench_pack(
+    path: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str],
+    golden_file: str | os.PathLike[str],
+    encoder: Any = None,
+    noise: float = 0.0,
+) -> Path:
+    """Write PersonaBench, embedded, with its golden values, into ONE self-contained file.
+
+    A machine without the shared data or the offline encoder (a lent GPU machine, see
+    ``bench/gpu_check.py --prepare``) runs the golden parity tests from this file
+    (``RFMEM_PB_PACK=file``, read by tests/conftest.py through
+    :func:`read_personabench_pack`). About 1.5 MB (npz, compressed).
+
+    Args:
+        path: the ``.npz`` file to write.
+        data_dir: folder holding ``synthetic_data/`` (the reference's 6 users are loaded).
+        golden_file: ``personabench_noise0.0.jsonl`` (the authors' per-question values).
+        encoder: object with ``encode(list[str]) -> float32 [n, d]`` (default: the
+            offline MiniLM :class:`rfmem_fast.encoders.TextEncoder`).
+        noise: noise level of the private data.
+
+    Returns:
+        the path written.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`rfmem_fast.datasets.load_personabench`,
+            or a golden file that cannot be read.
+    """
+    from dataclasses import asdict
+
+    from ..datasets import load_personabench
+
+    data = load_personabench(data_dir, noise=noise)
+    if encoder is None:
+        from ..encoders import TextEncoder
+
+        encoder = TextEncoder(show_progress=False)
+    texts = [t for u in data.users for t in u.chunk_texts]
+    X = np.asarray(encoder.encode(texts), dtype=np.float32)
+    Q = np.asarray(encoder.encode([q.question for q in data.questions]), dtype=np.float32)
+    with open(golden_file, encoding="utf-8") as f:
+        golden = [json.loads(line) for line in f if line.strip()]
+    meta = {
+        "format": PACK_FORMAT,
+        "noise": noise,
+        "users": [{"key": u.key, "chunk_ids": u.chunk_ids, "chunk_texts": u.chunk_texts} for u in data.users],
+        "questions": [asdict(q) for q in data.questions],
+        "golden": golden,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)
+    return path
+
+
+def read_personabench_pack(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file of :func:`write_personabench_pack`.
+
+    Returns:
+        {"bank": MemoryBank (user keys, chunk ids and texts as loaded), "queries":
+        float32 [263, d], "users": user key per question, "questions": list of
+        :class:`rfmem_fast.datasets.personabench.PBQuestion`, "golden": list of dicts
+        (the golden file's rows, in file order)}.
+
+    Raises:
+        ValueError: not such a file (wrong format tag or inconsistent sizes).
+        OSError: unreadable.
+    """
+    from ..datasets.personabench import PBQuestion
+
+    with np.load(path) as z:
+        X, Q, meta = z["X"], z["Q"], json.loads(str(z["meta"]))
+    if meta.get("format") != PACK_FORMAT:
+        raise ValueError(f"{path} is not a PersonaBench pack ({PACK_FORMAT})")
+    bank = MemoryBank(X.shape[1])
+    pos = 0
+    for u in meta["users"]:
+        n = len(u["chunk_ids"])
+        bank.add(u["key"], X[pos : pos + n], u["chunk_ids"], texts=u["chunk_texts"])
+        pos += n
+    questions = [PBQuestion(**q) for q in meta["questions"]]
+    if pos != X.shape[0] or len(questions) != Q.shape[0]:
+        raise ValueError(f"{path}: sizes do not match ({pos} chunks for {X.shape[0]} vectors)")
+    return {
+        "bank": bank,
+        "queries": Q,
+        "users": [q.user_key for q in questions],
+        "questions": questions,
+        "golden": meta["golden"],
+    }
