@@ -88,14 +88,28 @@ def route_tensor(
     for name, t in (("mean", mean), ("entropy", entropy), ("count", count)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    rule = torch.full(mean.shape, RULE_ENTROPY_HIGH, dtype=torch.int64, device=mean.device)
-    # lowest priority first, as route(): each later rule overrides the earlier ones
-    rule = torch.where(entropy < config.tau, RULE_ENTROPY_LOW, rule)
-    rule = torch.where(mean <= config.theta_low, RULE_MEAN_LOW, rule)
-    rule = torch.where(mean >= config.theta_high, RULE_MEAN_HIGH, rule)
-    rule = torch.where(count == 0, RULE_NO_HITS, rule)
-    fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
-    return (~fam).to(torch.int64), rule
+    # the rules nested by priority, the first match outermost (as route()); few tensor
+    # operations, each costing a dispatch on a one-query batch
+    rule = torch.where(
+        count == 0,
+        RULE_NO_HITS,
+        torch.where(
+            mean >= config.theta_high,
+            RULE_MEAN_HIGH,
+            torch.where(
+                mean <= config.theta_low,
+                RULE_MEAN_LOW,
+                torch.where(entropy < config.tau, RULE_ENTROPY_LOW, RULE_ENTROPY_HIGH),
+            ),
+        ),
+    )
+    # recollection for the odd rules (mean_low, entropy_high) and no_hits
+    return (rule % 2) + (rule == RULE_NO_HITS), rule
+
+
+# route_tensor maps a rule to its route by parity: keep the codes consistent with it
+assert {RULE_MEAN_HIGH % 2, RULE_ENTROPY_LOW % 2} == {FAMILIARITY} and RULE_NO_HITS % 2 == 0
+assert RULE_MEAN_LOW % 2 == RULE_ENTROPY_HIGH % 2 == RECOLLECTION
 
 
 def _host(x: Any) -> np.ndarray:

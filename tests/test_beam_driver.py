@@ -136,10 +136,13 @@ def test_random_cases_native_driver_equals_python_driver(
     view = NATIVE.view(bank)
     qseg = torch.from_numpy(bank.segments_for(users))
     Qn = torch.from_numpy(Q / np.linalg.norm(Q, axis=1, keepdims=True)).float()
-    o1 = NATIVE.recollect(view, Qn, qseg, cfg)
-    o2 = python_driver(NATIVE, view, Qn, qseg, cfg)
-    assert torch.equal(o1.rows, o2.rows) and torch.equal(o1.rounds, o2.rounds)
-    assert torch.equal(o1.scores.view(torch.int32), o2.scores.view(torch.int32))
+    for active in (None, torch.from_numpy(rng.random(7) < 0.5)):  # all, or the masked queries only
+        o1 = NATIVE.recollect(view, Qn, qseg, cfg, active=active)
+        o2 = python_driver(NATIVE, view, Qn, qseg, cfg, active=active)
+        assert torch.equal(o1.rows, o2.rows) and torch.equal(o1.rounds, o2.rounds)
+        assert torch.equal(o1.scores.view(torch.int32), o2.scores.view(torch.int32))
+        if active is not None:
+            assert (o1.rows[~active] == -1).all() and (o1.rounds[~active] == 0).all()
 
 
 def test_short_users_and_empty_user():

@@ -233,6 +233,13 @@ class NativeBackend(Backend):
             not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
         ):
             raise ValueError(f"active must be a bool tensor of shape [{b}]")
+        act = None if active is None else _np(active, torch.bool)
+        if act is not None and not act.any():  # e.g. a familiar query in mode "rfmem": nothing to do
+            return RecollectionOutput(
+                rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
+                scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
+                rounds=torch.zeros(b, dtype=torch.int64),
+            )
         X, off = self._bank(view)
         l0s = l0r = None
         if level0 is not None:
@@ -258,7 +265,7 @@ class NativeBackend(Backend):
             self._threads(),
             view.row_norm_max,
             self.memory_budget,
-            None if active is None else _np(active, torch.bool),
+            act,
         )
         return RecollectionOutput(
             rows=torch.from_numpy(rows), scores=torch.from_numpy(scores), rounds=torch.from_numpy(rounds)
