@@ -27,18 +27,11 @@ from rfmem_fast.backends.native import BEAM_DRIVER_ENV, NativeBackend, _draws_by
 from rfmem_fast.backends.reference import ReferenceBackend  # noqa: E402
 from rfmem_fast.backends.torch_backend import TorchBackend  # noqa: E402
 from rfmem_fast.recollection import recollect as python_driver  # noqa: E402
+from test_parity_personabench import CONFIGS as PB_CONFIGS  # noqa: E402  (the parity tests' configs)
 
 NATIVE = NativeBackend(beam_driver="native")
 PYTHON = NativeBackend(beam_driver="python")
 
-# the configs of tests/test_parity_personabench.py
-PB_CONFIGS = {
-    "spec": RFMemConfig(),
-    "wide_beam": RFMemConfig(alpha=0.3, beam_width=3, fanout=2, max_rounds=4, temperature=30.0,
-                             entropy="normalized", tau=0.9, mmr_lambda=1.0),
-    "narrow": RFMemConfig(alpha=0.8, beam_width=5, fanout=1, max_rounds=3, temperature=10.0,
-                          entropy="sum", tau=2.0, theta_low=0.1, theta_high=0.5, mmr_lambda=0.7),
-}  # fmt: skip
 
 
 def _same_results(a, b, where: str = "") -> None:
