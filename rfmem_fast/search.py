@@ -31,6 +31,7 @@ from ._validate import as_float_matrix, l2_normalize_rows
 from .backends import Backend, get_backend
 from .bank import MemoryBank
 from .config import RFMemConfig
+from .expansion import fold_expansions
 from .recollection import recollect
 from .router import (
     FAMILIARITY,
@@ -39,8 +40,8 @@ from .router import (
     RULE_FORCED_DENSE,
     RULE_FORCED_RECOLLECTION,
     RULE_NAMES,
-    route,
 )
+from .routing import ProbeSignals, Router, merge_paths
 
 MODES = ("rfmem", "dense", "recollection")
 #: default number of queries per internal chunk of :func:`search`
@@ -114,6 +115,8 @@ def search(
     backend: str | Backend = "auto",
     device: str | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
+    expansions: Any = None,
+    router: Router | None = None,
 ) -> SearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -129,6 +132,16 @@ def search(
         device: torch device for device-capable backends (default: CUDA if present).
         max_batch: queries per internal chunk (int >= 1, default 8192); bounds the
             intermediate memory of a huge batch. Results do not depend on it.
+        expansions: optional extra vectors per query (the query-expansion hook, e.g.
+            HyDE pseudo-document embeddings): a float array [b, m, d] or a sequence of
+            b arrays [m_i, d] / None; folded into each query as
+            ``normalise(q + config.expansion_weight * sum_j e_j)`` before the probe, so
+            the probe, the routing, the Recollection path's original query and the
+            merges all use the expanded query (:mod:`rfmem_fast.expansion`).
+        router: a :class:`rfmem_fast.routing.Router` to route with in mode "rfmem"
+            (default: ``config.resolved_router()``, i.e. the file of ``config.router``
+            or the spec's thresholds). On the Recollection path ``config.merge``
+            combines the hits with the probe's top-k (:mod:`rfmem_fast.routing.merge`).
 
     Returns:
         SearchResult. A user with fewer than ``out_k`` items gets padded rows (id
@@ -142,6 +155,8 @@ def search(
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
             user key that is not a str / int.
         KeyError: an unknown user (the message names it and its position).
+        ValueError / TypeError: bad ``expansions`` (the message names the entry); a
+            ``router`` that is not a Router or was made for another probe.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -159,6 +174,15 @@ def search(
         raise TypeError("users must be a sequence of user keys, one per query")
     if len(users) != q.shape[0]:
         raise ValueError(f"users has {len(users)} entries but queries has {q.shape[0]} rows")
+    q = fold_expansions(q, expansions, config.expansion_weight)
+    if mode != "rfmem":
+        router = None
+    elif router is None:
+        router = config.resolved_router()
+    elif not isinstance(router, Router):
+        raise TypeError(f"router must be a rfmem_fast.routing.Router, got {type(router).__name__}")
+    else:
+        router.check_config(config)
     be = get_backend(backend, device)
     view = be.view(bank)  # one immutable snapshot for the whole call
     snap = view.snapshot
@@ -168,7 +192,7 @@ def search(
     b = q.shape[0]
     out: dict[str, np.ndarray] = {}
     for c0 in range(0, max(b, 1), max_batch):
-        part = _search_chunk(be, view, q[c0 : c0 + max_batch], seg[c0 : c0 + max_batch], config, mode)
+        part = _search_chunk(be, view, q[c0 : c0 + max_batch], seg[c0 : c0 + max_batch], config, mode, router)
         if b <= max_batch:
             out = part
             break
@@ -188,7 +212,7 @@ def _pad(a: np.ndarray, width: int, value: Any) -> np.ndarray:
 
 
 def _search_chunk(
-    be: Backend, view: Any, q: np.ndarray, seg: np.ndarray, config: RFMemConfig, mode: str
+    be: Backend, view: Any, q: np.ndarray, seg: np.ndarray, config: RFMemConfig, mode: str, router: Router | None
 ) -> dict[str, np.ndarray]:
     """One chunk of :func:`search`: the SearchResult arrays of ``q`` [c, d] (unit rows)."""
     dev = be.device
@@ -208,13 +232,13 @@ def _search_chunk(
         view, Q, qseg, k0, probe_k, config.temperature, config.entropy
     )
     # host-side bookkeeping in numpy: a handful of cheap calls on the Familiarity path
-    if mode == "rfmem":
-        routes, rule = route(mean, ent, count, config)
+    p_rows_np, p_sc_np = p_rows.cpu().numpy(), p_sc.cpu().numpy()
+    if router is not None:  # mode "rfmem"
+        routes, rule = router.route(ProbeSignals.from_arrays(p_sc_np[:, :probe_k], mean, ent, count))
     elif mode == "dense":
         routes, rule = np.full(b, FAMILIARITY, np.int64), np.full(b, RULE_FORCED_DENSE, np.int64)
     else:
         routes, rule = np.full(b, RECOLLECTION, np.int64), np.full(b, RULE_FORCED_RECOLLECTION, np.int64)
-    p_rows_np, p_sc_np = p_rows.cpu().numpy(), p_sc.cpu().numpy()
     rows = p_rows_np[:, :out_k].copy()
     scores = p_sc_np[:, :out_k].astype(np.float32)
     rounds = np.zeros(b, dtype=np.int64)
@@ -223,8 +247,14 @@ def _search_chunk(
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         ri = torch.from_numpy(reco).to(dev)
         out = recollect(be, view, Q[ri], qseg[ri], cfg, level0=(p_sc[ri], p_rows[ri]))
-        rows[reco] = out.rows.cpu().numpy()
-        scores[reco] = out.scores.cpu().numpy()
+        if config.merge == "none":  # the authors' output
+            rows[reco] = out.rows.cpu().numpy()
+            scores[reco] = out.scores.cpu().numpy()
+        else:
+            rows[reco], scores[reco] = merge_paths(
+                config.merge, p_rows_np[reco], out.hit_rows.cpu().numpy(), q[reco], view.snapshot.vectors,
+                out_k, config.rrf_k, config.rescore_weight,
+            )  # fmt: skip
         rounds[reco] = out.rounds.cpu().numpy()
 
     rows = _pad(rows, config.out_k, -1)
