@@ -16,6 +16,7 @@ backend.
 """
 from __future__ import annotations
 
+from .calibrate import ROUTER_FIT_KINDS, Calibration, calibrate, fit_router, path_labels, question_recalls
 from .base import ROUTER_KINDS, ProbeSettings, Router, register
 from .features import FEATURE_NAMES, ProbeSignals, probe_features
 from .files import ROUTER_FORMAT, ROUTER_VERSION, RouterFileError, load_router, save_router
@@ -26,9 +27,11 @@ from .threshold import ThresholdRouter
 __all__ = [
     "FEATURE_NAMES",
     "MERGE_MODES",
+    "ROUTER_FIT_KINDS",
     "ROUTER_FORMAT",
     "ROUTER_KINDS",
     "ROUTER_VERSION",
+    "Calibration",
     "LearnedRouter",
     "LogisticRouter",
     "MLPRouter",
@@ -37,10 +40,14 @@ __all__ = [
     "Router",
     "RouterFileError",
     "ThresholdRouter",
+    "calibrate",
     "fit_learned_router",
+    "fit_router",
     "load_router",
     "merge_paths",
+    "path_labels",
     "probe_features",
+    "question_recalls",
     "register",
     "save_router",
 ]

@@ -68,6 +68,12 @@ class ProbeSignals:
                 raise ValueError(f"{name} must have shape ({s.shape[0]},), got {a.shape}")
         return cls(s, out[0].astype(np.float64), out[1].astype(np.float64), out[2].astype(np.int64))
 
+    @classmethod
+    def from_result(cls, result: Any) -> "ProbeSignals":
+        """The probe signals of a :class:`rfmem_fast.SearchResult` (any mode)."""
+        scores = np.asarray(result.probe_scores, dtype=np.float64)
+        return cls.from_arrays(scores, result.mean, result.entropy, np.isfinite(scores).sum(axis=1))
+
     def __len__(self) -> int:
         return int(self.scores.shape[0])
 
