@@ -104,7 +104,10 @@ def _parse_modes(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rfmem`` (sub-commands ``eval`` and, when present, ``bench``)."""
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ev = sub.add_parser("eval", help="evaluate retrieval on a dataset")
     evsub = ev.add_subparsers(dest="dataset", required=True)
@@ -175,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in handlers:
         try:
             return handlers[args.command](args, command)
-        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+        except (FileNotFoundError, ValueError, KeyError, TypeError, ImportError, RuntimeError) as e:
             print(f"rfmem: error: {e}", file=sys.stderr)
             return 2
     return args.func(args)  # sub-commands registered by optional modules

@@ -55,11 +55,9 @@ def default_models_dir() -> Path:
     ``$RFMEM_MODELS`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/models`` (default
     ``~/.cache/rfmem_fast/models``).
     """
-    env = os.environ.get("RFMEM_MODELS")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rfmem_fast" / "models"
+    from ._paths import cache_subdir
+
+    return cache_subdir("models", "RFMEM_MODELS")
 
 
 def mpnet_part_files() -> list[Path]:

@@ -138,6 +138,7 @@ def test_models_list(capsys):
 
 @pytest.mark.parametrize("name", available_models())
 def test_installed_encoders_embed(name):
+    pytest.importorskip("sentence_transformers")
     from rfmem_fast.encoders import TextEncoder
 
     enc = TextEncoder(resolve_model(name), show_progress=False)

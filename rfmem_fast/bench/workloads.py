@@ -339,10 +339,8 @@ def default_cache_dir() -> Path:
     ``$RFMEM_BENCH_CACHE`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/bench`` (default
     ``~/.cache/rfmem_fast/bench``).
     """
-    env = os.environ.get("RFMEM_BENCH_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rfmem_fast" / "bench"
+    from .._paths import cache_subdir
+
+    return cache_subdir("bench", "RFMEM_BENCH_CACHE")
 
 

@@ -33,11 +33,9 @@ def default_embedding_cache_dir() -> Path:
     ``$RFMEM_CACHE`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/embeddings`` (default
     ``~/.cache/rfmem_fast/embeddings``).
     """
-    env = os.environ.get("RFMEM_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rfmem_fast" / "embeddings"
+    from .._paths import cache_subdir
+
+    return cache_subdir("embeddings", "RFMEM_CACHE")
 
 
 @dataclass

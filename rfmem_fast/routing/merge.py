@@ -89,17 +89,9 @@ def merge_paths(
     return _merge_block(merge, probe_rows, hit_rows, queries, vectors, out_k, rrf_k, rescore_weight)
 
 
-def _merge_block(
-    merge: str,
-    probe_rows: np.ndarray,
-    hit_rows: np.ndarray,
-    queries: np.ndarray,
-    vectors: np.ndarray,
-    out_k: int,
-    rrf_k: float,
-    rescore_weight: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`merge_paths` on one block of queries (all of it batched)."""
+def _merge_block(merge: str, probe_rows: np.ndarray, hit_rows: np.ndarray, queries: np.ndarray, vectors: np.ndarray,
+                 out_k: int, rrf_k: float, rescore_weight: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """:func:`merge_paths` on one block of queries (all of it batched; arguments as there)."""
     r, kp = probe_rows.shape
     m = hit_rows.shape[1]
     cand = np.concatenate([probe_rows, hit_rows], axis=1)  # [r, L]
