@@ -59,7 +59,7 @@ def rows_for(data: str, encoder: str, noise: float, backend: str) -> dict[str, d
         rep = run_personabench(data, config=RFMemConfig.paper(), modes=["rfmem"], cv="users", router_kind=kind, **kw)
         add(f"RF-Mem, {kind} router (LOO)", rep, "rfmem")
     rep = run_personabench(data, config=RFMemConfig.recommended(), modes=["rfmem"], cv="users", router_kind="logistic", **kw)
-    add("rescore, logistic router (LOO)", rep, "rfmem")
+    add("recommended() merge, logistic router (LOO)", rep, "rfmem")
     return out
 
 
@@ -111,18 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "personabench" / "eval_data_v1"))
     p.add_argument("--encoders", default="minilm")
     p.add_argument("--noise", default="all", help="all or a comma list")
+    p.add_argument("--conditions", default=None, help="explicit ENC:NOISE pairs (comma list), instead of --encoders x --noise")
     p.add_argument("--backend", default="native")
     p.add_argument("--out", default=None, help="JSON output file")
     args = p.parse_args(argv)
     noises = NOISE_LEVELS if args.noise == "all" else tuple(float(x) for x in args.noise.split(","))
     t0 = time.perf_counter()
+    pairs = [(e, n) for e in args.encoders.split(",") for n in noises]
+    if args.conditions:
+        pairs = [(c.rpartition(":")[0], float(c.rpartition(":")[2])) for c in args.conditions.split(",")]
     results, costs = {}, {}
-    for enc in args.encoders.split(","):
-        for noise in noises:
-            label = f"{enc} {noise}"
-            print(f"[{time.perf_counter() - t0:.0f} s] {label}", file=sys.stderr)
-            results[label] = rows_for(args.data, enc, noise, args.backend)
-            costs[label] = cost_for(args.data, enc, noise, args.backend)
+    for enc, noise in pairs:
+        label = f"{enc} {noise}"
+        print(f"[{time.perf_counter() - t0:.0f} s] {label}", file=sys.stderr)
+        results[label] = rows_for(args.data, enc, noise, args.backend)
+        costs[label] = cost_for(args.data, enc, noise, args.backend)
     print(markdown(results))
     print()
     print("| cost: ms per query (batch of 263), % recollecting | " + " | ".join(costs) + " |")

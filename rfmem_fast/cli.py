@@ -61,6 +61,19 @@ def _parse_noise(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"--noise must be 'all' or a comma list of levels such as 0.0,0.3, got {text!r}") from None
 
 
+def _parse_conditions(text: str) -> list[tuple[str, float]]:
+    out = []
+    for item in text.split(","):
+        enc, sep, noise = item.strip().rpartition(":")
+        try:
+            out.append((enc, float(noise)))
+        except ValueError:
+            enc = ""
+        if not sep or not enc:
+            raise argparse.ArgumentTypeError(f"--conditions expects ENCODER:NOISE pairs such as minilm:0.0, got {item!r}")
+    return out
+
+
 def _parse_ks(text: str) -> list[int]:
     try:
         ks = [int(x) for x in text.split(",") if x.strip()]
@@ -148,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     tpb.add_argument("--data", required=True, help="folder holding synthetic_data/")
     tpb.add_argument("--encoders", default="minilm", help="comma list of encoders (minilm, mpnet, folders); default minilm")
     tpb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s) or all (default 0.0)")
+    tpb.add_argument("--conditions", type=_parse_conditions, default=None, metavar="ENC:NOISE,...",
+                     help="explicit (encoder, noise) pairs, e.g. minilm:0.0,minilm:0.3,mpnet:0.0 (instead of --encoders x --noise)")  # fmt: skip
     tpb.add_argument("--grid", choices=sorted(GRIDS), default="full", help="Recollection-path grid (default full)")
     tpb.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
     tpb.add_argument("--top", type=int, default=10, help="list this many of the best configurations")
@@ -273,6 +288,7 @@ def _tune(args: argparse.Namespace, command: str) -> int:
     res = tune_personabench(
         args.data, encoders=[e.strip() for e in args.encoders.split(",") if e.strip()], noises=args.noise,
         grid=args.grid, k=args.k, backend=args.backend, top=args.top, timing=not args.no_timing, progress=_say,
+        conditions=args.conditions,
     )  # fmt: skip
     print(format_tune(res))
     if args.json_out:

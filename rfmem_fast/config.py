@@ -181,20 +181,20 @@ class RFMemConfig:
     def recommended(cls, **overrides: Any) -> "RFMemConfig":
         """The configuration chosen by leave-one-user-out CV on PersonaBench (README "Retrieval quality").
 
-        ``rfmem tune personabench --grid merge`` over MiniLM and MPNet and the noise
-        levels (see :mod:`rfmem_fast.tuning` for the protocol and objective) keeps
-        the authors' Recollection path (alpha 0.5, B 4, F 1, R 10, MMR 0.9) and picks,
-        in every fold and on all users: recollect every query (theta_high =
-        theta_low = 1, so the rule "mean_low" always fires) and merge its hits with
-        the probe's top-k by ``merge="rescore"``, ``rescore_weight=0.5``. It returns
-        ``min(out_k, user size)`` items per query. Its nested-CV Recall@10, cost and
-        comparison with dense and the paper preset are in the README; it costs a
-        recollection for every query.
+        ``rfmem tune personabench --grid merge`` (protocol and objective in
+        :mod:`rfmem_fast.tuning`) over the conditions embedded so far (MiniLM at noise
+        0.0 / 0.3 / 0.5 / 0.7 and MPNet at the levels listed in the README) keeps the
+        authors' Recollection path (alpha 0.5, B 4, F 1, R 10, MMR 0.9) and picks:
+        recollect every query (theta_high = theta_low = 1, so the rule "mean_low"
+        always fires) and interleave the probe's top-k with the recollected hits
+        (``merge="interleave"``). It returns ``min(out_k, user size)`` items per query
+        and costs a recollection for every query; its nested-CV Recall@10 and cost
+        next to dense and the paper preset are in the README.
 
         Returns:
             RFMemConfig with those fields, others at their defaults unless overridden.
         """
-        base: dict[str, Any] = {"merge": "rescore", "rescore_weight": 0.5, "theta_high": 1.0, "theta_low": 1.0, "tau": 0.0}
+        base: dict[str, Any] = {"merge": "interleave", "theta_high": 1.0, "theta_low": 1.0, "tau": 0.0}
         base.update(overrides)
         return cls(**base)
 

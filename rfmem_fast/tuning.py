@@ -265,6 +265,7 @@ def tune_personabench(
     top: int = 10,
     timing: bool = True,
     progress: Callable[[str], None] | None = None,
+    conditions: Sequence[tuple[str, float]] | None = None,
 ) -> TuneResult:
     """Grid-search RF-Mem's configuration with nested leave-one-user-out CV on PersonaBench.
 
@@ -283,12 +284,14 @@ def tune_personabench(
         top: how many of the best configurations (on all users) to list.
         timing: time dense, paper RF-Mem and the recommended config per condition.
         progress: optional callable receiving status lines.
+        conditions: explicit (encoder, noise) pairs, instead of every encoder at
+            every noise level.
 
     Returns:
         TuneResult.
 
     Raises:
-        ValueError: unknown grid name, fewer than 2 users, k < 1.
+        ValueError: unknown grid name, fewer than 2 users, k < 1, no condition.
     """
     from sklearn.model_selection import LeaveOneGroupOut
 
@@ -305,7 +308,10 @@ def tune_personabench(
         raise ValueError(f"k must be >= 1, got {k}")
     cache = default_tune_cache_dir() if cache_dir == "default" else (Path(cache_dir) if cache_dir else None)
     ecache = default_embedding_cache_dir() if emb_cache == "default" else emb_cache
-    conds = [Condition(str(e), float(n)) for e in encoders for n in noises]
+    pairs = conditions if conditions is not None else [(e, n) for e in encoders for n in noises]
+    conds = [Condition(str(e), float(n)) for e, n in pairs]
+    if not conds:
+        raise ValueError("no condition to tune on")
     data = [_condition_data(c, data_dir, space, k, backend, cache, ecache, say) for c in conds]
     users = list(dict.fromkeys(data[0].users.tolist()))
     if len(users) < 2:
