@@ -6,18 +6,19 @@ For every (encoder, noise level) whose embeddings are cached or can be encoded, 
 * dense, the paper's Recollection path and RF-Mem (``RFMemConfig.paper()``) and the
   oracle router over the paper's two paths;
 * RF-Mem with the paper's router and ``merge="interleave"``;
-* ``RFMemConfig.recommended()`` (fixed, nothing fitted here: its CV score is the one of
-  the tuning procedure that chose it, see ``rfmem tune --grid merge``);
+* ``RFMemConfig.recommended(encoder)`` (fixed, nothing fitted here: its CV score is the
+  one of the tuning procedure that chose it, see ``rfmem tune --grid merge``);
 * learned routers (logistic regression, MLP) fitted leave-one-user-out on the paper's
-  two paths, and the logistic router with the recommended merge;
+  two paths, and the logistic router with the interleave and rescore merges;
 
 and writes one JSON (figures, machine, command) plus a markdown table on stdout::
 
     python bench/quality_table.py --encoders minilm,mpnet --noise all --out bench/results/quality.json
 
 The cost table times one whole-batch search of the 263 questions (``--backend``,
-median of 5, dense / paper RF-Mem / recommended() alternated so that they share the
-machine's load, which is recorded).
+median of 5, the configurations alternated so that they share the
+machine's load, which is recorded), for dense, paper RF-Mem, recommended(encoder) and
+RF-Mem + interleave.
 """
 from __future__ import annotations
 
@@ -48,33 +49,36 @@ def rows_for(data: str, encoder: str, noise: float, backend: str) -> dict[str, d
         }
 
     kw = dict(noise=noise, encoder=encoder, backend=backend, latency=False)
+    rec = RFMemConfig.recommended("mpnet" if encoder == "mpnet" else "minilm")
     paper = run_personabench(data, config=RFMemConfig.paper(), **kw)
     add("dense", paper, "dense")
     add("recollection (paper)", paper, "recollection")
     add("RF-Mem (paper)", paper, "rfmem")
     out["oracle (paper paths)"] = {"recall": paper.oracle["Overall"]["recall"], "ndcg": paper.oracle["Overall"]["ndcg"]}
     add("RF-Mem + interleave", run_personabench(data, config=RFMemConfig.paper(merge="interleave"), modes=["rfmem"], **kw), "rfmem")
-    add("recommended()", run_personabench(data, config=RFMemConfig.recommended(), modes=["rfmem"], **kw), "rfmem")
+    add("recommended(encoder)", run_personabench(data, config=rec, modes=["rfmem"], **kw), "rfmem")
     for kind in ("logistic", "mlp"):
         rep = run_personabench(data, config=RFMemConfig.paper(), modes=["rfmem"], cv="users", router_kind=kind, **kw)
         add(f"RF-Mem, {kind} router (LOO)", rep, "rfmem")
-    rep = run_personabench(data, config=RFMemConfig.recommended(), modes=["rfmem"], cv="users", router_kind="logistic", **kw)
-    add("recommended() merge, logistic router (LOO)", rep, "rfmem")
+    for merge in ("interleave", "rescore"):
+        rep = run_personabench(data, config=RFMemConfig.paper(merge=merge), modes=["rfmem"], cv="users", router_kind="logistic", **kw)
+        add(f"RF-Mem + {merge}, logistic router (LOO)", rep, "rfmem")
     return out
 
 
 def cost_for(data: str, encoder: str, noise: float, backend: str, repeats: int = 5) -> dict[str, dict[str, float]]:
     """ms per query of one whole-batch search (median of ``repeats``, the three
     configurations alternated so that they share the machine's load) and the share of
-    questions recollecting, for dense, paper RF-Mem and recommended()."""
+    questions recollecting, for dense, paper RF-Mem, recommended(encoder) and RF-Mem + interleave."""
     import numpy as np
 
     from rfmem_fast import search
     from rfmem_fast.datasets.embedded import default_embedding_cache_dir, personabench_embeddings
 
     emb = personabench_embeddings(data, noise, encoder=encoder, cache_dir=default_embedding_cache_dir())
+    rec = RFMemConfig.recommended("mpnet" if encoder == "mpnet" else "minilm")
     runs = {"dense": (RFMemConfig.paper(), "dense"), "RF-Mem (paper)": (RFMemConfig.paper(), "rfmem"),
-            "recommended()": (RFMemConfig.recommended(), "rfmem")}  # fmt: skip
+            "recommended(encoder)": (rec, "rfmem"), "RF-Mem + interleave": (RFMemConfig.paper(merge="interleave"), "rfmem")}  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in runs}
     frac = {}
     for name, (cfg, mode) in runs.items():  # warm-up

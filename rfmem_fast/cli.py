@@ -29,8 +29,9 @@ PRESETS = ("default", "paper", "recommended")
 NOISE_LEVELS = (0.0, 0.3, 0.5, 0.7)
 
 
-def _config_from_sets(sets: Sequence[str], preset: str = "default") -> RFMemConfig:
-    """RFMemConfig from a preset and ``FIELD=VALUE`` strings (values parsed as the field's type)."""
+def _config_from_sets(sets: Sequence[str], preset: str = "default", encoder: str = "minilm") -> RFMemConfig:
+    """RFMemConfig from a preset (``recommended`` for the given encoder alias) and
+    ``FIELD=VALUE`` strings (values parsed as the field's type)."""
     fields = {f.name: f for f in dataclasses.fields(RFMemConfig)}
     kwargs: dict[str, object] = {}
     for item in sets:
@@ -46,8 +47,9 @@ def _config_from_sets(sets: Sequence[str], preset: str = "default") -> RFMemConf
         except ValueError:
             raise SystemExit(f"--set {name}: cannot parse {raw!r} as {type(default).__name__}") from None
     try:
-        base = {"default": RFMemConfig, "paper": RFMemConfig.paper, "recommended": RFMemConfig.recommended}[preset]
-        return base(**kwargs)
+        if preset == "recommended":
+            return RFMemConfig.recommended(encoder, **kwargs)
+        return (RFMemConfig.paper if preset == "paper" else RFMemConfig)(**kwargs)
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"--set / --preset: {e}") from None
 
@@ -93,8 +95,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=PRESETS, default="default", help="base configuration (default: the spec's = paper)")
+    p.add_argument("--preset", choices=PRESETS, default="default",
+                   help="base configuration: default = paper (the spec's); recommended = RFMemConfig.recommended() "
+                        "for --encoder (mpnet's pick with --encoder mpnet, else MiniLM's)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RFMemConfig field")
+
+
+def _preset_encoder(args: argparse.Namespace) -> str:
+    """The encoder whose ``recommended()`` pick --preset recommended takes ("minilm" unless --encoder mpnet)."""
+    return "mpnet" if getattr(args, "encoder", "minilm") == "mpnet" else "minilm"
 
 
 def _cache_arg(args: argparse.Namespace) -> object:
@@ -215,7 +224,7 @@ def _eval(args: argparse.Namespace, command: str) -> int:
 
     from .evaluate import format_noise_summary, format_report, report_json, run_personabench, write_records
 
-    config = _config_from_sets(args.set, args.preset)
+    config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
     reports = []
     for noise in args.noise:
         rep = run_personabench(
@@ -246,7 +255,7 @@ def _calibrate(args: argparse.Namespace, command: str) -> int:
 
     from .routing import calibrate, save_router
 
-    config = _config_from_sets(args.set, args.preset)
+    config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
     if args.source == "custom":
         from .bank import MemoryBank
 

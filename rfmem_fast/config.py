@@ -178,25 +178,43 @@ class RFMemConfig:
         return cls(**overrides)
 
     @classmethod
-    def recommended(cls, **overrides: Any) -> "RFMemConfig":
-        """The configuration chosen by leave-one-user-out CV on PersonaBench (README "Retrieval quality").
+    def recommended(cls, encoder: str = "minilm", **overrides: Any) -> "RFMemConfig":
+        """The configuration chosen by leave-one-user-out CV on PersonaBench, per encoder (README "Retrieval quality").
 
-        ``rfmem tune personabench --grid merge`` (protocol and objective in
-        :mod:`rfmem_fast.tuning`) over the conditions embedded so far (MiniLM at noise
-        0.0 / 0.3 / 0.5 / 0.7 and MPNet at the levels listed in the README) keeps the
-        authors' Recollection path (alpha 0.5, B 4, F 1, R 10, MMR 0.9) and picks:
-        recollect every query (theta_high = theta_low = 1, so the rule "mean_low"
-        always fires) and interleave the probe's top-k with the recollected hits
-        (``merge="interleave"``). It returns ``min(out_k, user size)`` items per query
-        and costs a recollection for every query; its nested-CV Recall@10 and cost
-        next to dense and the paper preset are in the README.
+        What ``rfmem tune personabench --grid merge`` picks on all six users for the
+        encoder's measured noise levels (protocol, objective and the nested-CV scores
+        of that procedure: :mod:`rfmem_fast.tuning` and the README). The grid keeps
+        the authors' Recollection path (alpha 0.5, B 4, F 1, R 10, MMR 0.9) and
+        chooses the merge and whether to route by the paper's thresholds, always or
+        never recollect:
+
+        * ``"minilm"`` (noise 0.0 / 0.3 / 0.5 / 0.7; every fold agrees): recollect
+          every query (theta_high = theta_low = 1: the rule "mean_low" always fires)
+          and rank the union of the probe's top-k and the recollected hits by
+          ``merge="rescore"``, ``rescore_weight=0.5``; returns ``min(out_k, user
+          size)`` items and costs a recollection per query.
+        * ``"mpnet"`` (noise 0.0 / 0.3 measured): never recollect (theta_high =
+          theta_low = -1: every query takes the Familiarity path, i.e. dense): no
+          merge beat dense at both levels with all-mpnet-base-v2.
+
+        Args:
+            encoder: "minilm" (the package's default encoder) or "mpnet".
+            overrides: RFMemConfig fields to change on top.
 
         Returns:
-            RFMemConfig with those fields, others at their defaults unless overridden.
+            RFMemConfig.
+
+        Raises:
+            ValueError: an unknown encoder (the message lists the known ones), or an
+                invalid override.
         """
-        base: dict[str, Any] = {"merge": "interleave", "theta_high": 1.0, "theta_low": 1.0, "tau": 0.0}
-        base.update(overrides)
-        return cls(**base)
+        picks: dict[str, dict[str, Any]] = {
+            "minilm": {"merge": "rescore", "rescore_weight": 0.5, "theta_high": 1.0, "theta_low": 1.0, "tau": 0.0},
+            "mpnet": {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0},
+        }
+        if encoder not in picks:
+            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
+        return cls(**{**picks[encoder], **overrides})
 
     @classmethod
     def paper_text(cls, **overrides: Any) -> "RFMemConfig":
