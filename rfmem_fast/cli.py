@@ -66,13 +66,14 @@ def _parse_noise(text: str) -> list[float]:
 def _parse_conditions(text: str) -> list[tuple[str, float]]:
     out = []
     for item in text.split(","):
-        enc, sep, noise = item.strip().rpartition(":")
+        enc, _, noise = item.strip().rpartition(":")
         try:
-            out.append((enc, float(noise)))
+            level = float(noise)
         except ValueError:
             enc = ""
-        if not sep or not enc:
+        if not enc:
             raise argparse.ArgumentTypeError(f"--conditions expects ENCODER:NOISE pairs such as minilm:0.0, got {item!r}")
+        out.append((enc, level))
     return out
 
 
