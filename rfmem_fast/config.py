@@ -193,9 +193,9 @@ class RFMemConfig:
           and rank the union of the probe's top-k and the recollected hits by
           ``merge="rescore"``, ``rescore_weight=0.5``; returns ``min(out_k, user
           size)`` items and costs a recollection per query.
-        * ``"mpnet"`` (noise 0.0 / 0.3 measured): never recollect (theta_high =
-          theta_low = -1: every query takes the Familiarity path, i.e. dense): no
-          merge beat dense at both levels with all-mpnet-base-v2.
+        * ``"mpnet"`` (noise 0.0 / 0.3 / 0.5 measured; every fold agrees): never
+          recollect (theta_high = theta_low = -1: every query takes the Familiarity
+          path, i.e. dense): no merge beat dense at every level with all-mpnet-base-v2.
 
         Args:
             encoder: "minilm" (the package's default encoder) or "mpnet".
