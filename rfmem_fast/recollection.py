@@ -47,11 +47,15 @@ class RecollectionOutput:
         scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
             item was discovered with, -inf padding.
         rounds: int64 [b] rounds that produced a beam (0 when none did).
+        hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
+            discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
+            merges of :mod:`rfmem_fast.routing.merge` read it.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
+    hit_rows: torch.Tensor | None = None
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
@@ -273,4 +277,4 @@ def _recollect_chunk(
         pad = out_k - out_rows.shape[1]
         out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
         out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
-    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds)
+    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds, hit_rows=res_rows)
