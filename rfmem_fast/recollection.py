@@ -51,11 +51,22 @@ class RecollectionOutput:
         scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
             item was discovered with, -inf padding.
         rounds: int64 [b] rounds that produced a beam (0 when none did).
+        hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
+            discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
+            merges of :mod:`rfmem_fast.routing.merge` read it.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
+    hit_rows: torch.Tensor | None = None
+
+
+def recollection_capacity(config: RFMemConfig) -> int:
+    """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
+    (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
+    B, F, R = config.beam_width, config.fanout, config.max_rounds
+    return config.out_k - 1 + B * (B + R - 1) * F
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
@@ -76,7 +87,7 @@ def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
     """
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     K = (B + R - 1) * F
-    cap = config.out_k - 1 + B * (B + R - 1) * F
+    cap = recollection_capacity(config)
     per_branch = K * (cap + d * (4 + 8 + 4) + K * (8 + 1 + 1) + B * 9 + 64) + B * d * 4 * 4
     return int(B * per_branch + (B * K) ** 2 * 2 + 1024)
 
@@ -144,6 +155,7 @@ def recollect(
         rows=torch.cat([p.rows for p in parts]),
         scores=torch.cat([p.scores for p in parts]),
         rounds=torch.cat([p.rounds for p in parts]),
+        hit_rows=torch.cat([p.hit_rows for p in parts]),
     )
 
 
@@ -160,7 +172,7 @@ def _recollect_chunk(
     X = view.X
     q0 = q0.to(dev, torch.float32)
     qseg = qseg.to(dev)
-    cap = out_k - 1 + B * (B + R - 1) * F
+    cap = recollection_capacity(config)
     # column ``cap`` is a scratch slot: masked-out writes of a round go there (never read)
     res_rows = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
     res_sc = torch.full((b, cap + 1), float("-inf"), dtype=torch.float64, device=dev)
@@ -274,4 +286,4 @@ def _recollect_chunk(
         pad = out_k - out_rows.shape[1]
         out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
         out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
-    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds)
+    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds, hit_rows=res_rows)

@@ -1,4 +1,8 @@
-"""The threshold router of RF-Mem (RFMEM_SPEC.md section 2)."""
+"""The threshold router of RF-Mem (RFMEM_SPEC.md section 2), route and rule codes.
+
+Learned routers and the router interface live in :mod:`rfmem_fast.routing`; they
+report their decisions with the rule codes defined here.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -20,6 +24,8 @@ RULE_ENTROPY_HIGH = 3  # otherwise                    -> recollection
 RULE_NO_HITS = 4  # empty bank: no probe hits         -> recollection
 RULE_FORCED_DENSE = 5  # mode "dense"
 RULE_FORCED_RECOLLECTION = 6  # mode "recollection"
+RULE_LEARNED_FAMILIARITY = 7  # a learned router (rfmem_fast.routing) chose familiarity
+RULE_LEARNED_RECOLLECTION = 8  # a learned router chose recollection
 RULE_NAMES = (
     "mean_high",
     "mean_low",
@@ -28,6 +34,8 @@ RULE_NAMES = (
     "no_hits",
     "forced_dense",
     "forced_recollection",
+    "learned_familiarity",
+    "learned_recollection",
 )
 
 
@@ -53,12 +61,19 @@ def route(mean: Any, entropy: Any, count: Any, config: RFMemConfig) -> tuple[np.
          rule int64 ndarray [b], an index into RULE_NAMES). Computed on the host: the
         b signals are tiny, and the results go to the caller as numpy anyway.
     """
+    return route_by_thresholds(mean, entropy, count, config.theta_high, config.theta_low, config.tau)
+
+
+def route_by_thresholds(
+    mean: Any, entropy: Any, count: Any, theta_high: float, theta_low: float, tau: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`route` with the three thresholds given directly (same rules, same outputs)."""
     mean, entropy, count = (_host(x) for x in (mean, entropy, count))
     rule = np.full(mean.shape, RULE_ENTROPY_HIGH, dtype=np.int64)
     # lowest priority first: each later rule overrides the earlier ones
-    rule[entropy < config.tau] = RULE_ENTROPY_LOW
-    rule[mean <= config.theta_low] = RULE_MEAN_LOW
-    rule[mean >= config.theta_high] = RULE_MEAN_HIGH
+    rule[entropy < tau] = RULE_ENTROPY_LOW
+    rule[mean <= theta_low] = RULE_MEAN_LOW
+    rule[mean >= theta_high] = RULE_MEAN_HIGH
     rule[count == 0] = RULE_NO_HITS
     fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
     return (~fam).astype(np.int64), rule  # FAMILIARITY = 0, RECOLLECTION = 1

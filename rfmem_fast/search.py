@@ -42,6 +42,7 @@ from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .device import to_device
+from .expansion import fold_expansions
 from .router import (
     FAMILIARITY,
     RECOLLECTION,
@@ -51,6 +52,7 @@ from .router import (
     RULE_NAMES,
     route_tensor,
 )
+from .routing import ProbeSignals, Router, merge_paths
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
@@ -289,6 +291,8 @@ def search(
     device: str | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     output: str = "numpy",
+    expansions: Any = None,
+    router: Router | None = None,
 ) -> SearchResult | TensorSearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -316,6 +320,19 @@ def search(
             runs there, and the whole call synchronises with the host only where
             :mod:`rfmem_fast.device` documents (once to validate the queries, once per
             recollection round, plus the backend primitives' own).
+        expansions: optional extra vectors per query (the query-expansion hook, e.g.
+            HyDE pseudo-document embeddings): a float array [b, m, d] or a sequence of
+            b arrays [m_i, d] / None; folded into each query as
+            ``normalise(q + config.expansion_weight * sum_j e_j)`` before the probe, so
+            the probe, the routing, the Recollection path's original query and the
+            merges all use the expanded query (:mod:`rfmem_fast.expansion`; folded on
+            the host, so torch queries make one round trip when expansions are given).
+        router: a :class:`rfmem_fast.routing.Router` to route with in mode "rfmem"
+            (default: the router of ``config.router`` when set, else the spec's
+            thresholds, evaluated on the backend's device). A router object or file
+            routes on the host from the probe's signals (one device-to-host copy). On
+            the Recollection path ``config.merge`` combines the hits with the probe's
+            top-k (:mod:`rfmem_fast.routing.merge`; on the host).
 
     Returns:
         SearchResult (or TensorSearchResult with ``output="torch"``), whose ids, texts and probe texts come from the one snapshot the
@@ -344,6 +361,8 @@ def search(
         KeyError: an unknown user (the message names it and its position).
         DeviceMemoryError: the bank does not fit in the free memory of the backend's
             device (:func:`rfmem_fast.device.check_fits`; raised before any allocation).
+        ValueError / TypeError: bad ``expansions`` (the message names the entry); a
+            ``router`` that is not a Router or was made for another probe.
     """
     config, max_batch = check_search_args(mode, config, max_batch)
     if output not in OUTPUTS:
@@ -359,9 +378,15 @@ def search(
         raise TypeError("users must be a sequence of user keys, one per query")
     if len(users) != b:
         raise ValueError(f"users has {len(users)} entries but queries has {b} rows")
+    router = _resolve_router(mode, config, router)
     be = get_backend(backend, device)
     dev = torch.device(be.device)
-    Q = _as_query_tensor(queries, bank.dim, dev) if tensor_in else to_device(q_np, dev)
+    if tensor_in:
+        Q = _as_query_tensor(queries, bank.dim, dev)
+        if expansions is not None:
+            Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
+    else:
+        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
     view = be.view(bank)  # one immutable snapshot for the whole call
     snap = view.snapshot
     if snap.vectors.shape[0] == 0:
@@ -370,7 +395,10 @@ def search(
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     qseg = to_device(seg, dev)
     hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
-    res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=output == "numpy")
+    res = search_tensors(
+        be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
+        host_output=output == "numpy", router=router,
+    )  # fmt: skip
     if output == "torch":
         return res
     return SearchResult(mode=mode, backend=be.name, config=config, **res)
@@ -386,6 +414,7 @@ def search_tensors(
     max_batch: int = DEFAULT_MAX_BATCH,
     chunk_hints: Sequence[tuple[int, float]] | None = None,
     host_output: bool = False,
+    router: Router | None = None,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
 
@@ -409,6 +438,9 @@ def search_tensors(
         host_output: False: a TensorSearchResult on the device; True: the arrays of a
             :class:`SearchResult` (ids and texts looked up in ``view.snapshot``), converted
             chunk by chunk into arrays allocated once (a huge batch is never held twice).
+        router: mode "rfmem" only: None routes by the spec's thresholds of ``config`` on
+            the device (:func:`rfmem_fast.router.route_tensor`); a Router routes on the
+            host from the probe's signals.
 
     Returns:
         TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
@@ -424,7 +456,7 @@ def search_tensors(
         ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
         # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
         with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
-            part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode)
+            part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router)
         if not host_output:
             parts.append(part)
             continue
@@ -444,7 +476,14 @@ def search_tensors(
 
 
 def _search_chunk(
-    be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tensor, max_len: int, config: RFMemConfig, mode: str
+    be: Backend,
+    view: Any,
+    Q: torch.Tensor,
+    qseg: torch.Tensor,
+    max_len: int,
+    config: RFMemConfig,
+    mode: str,
+    router: Router | None = None,
 ) -> dict[str, torch.Tensor]:
     """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device."""
     b = Q.shape[0]
@@ -458,7 +497,10 @@ def _search_chunk(
     p_sc, p_rows, mean, ent, count = be.probe(
         view, Q, qseg, k0, probe_k, config.temperature, config.entropy
     )
-    if mode == "rfmem":
+    if mode == "rfmem" and router is not None:  # a router object / file: on the host
+        sig = ProbeSignals.from_arrays(p_sc[:, :probe_k], mean, ent, count)
+        routes, rule = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev) for a in router.route(sig))
+    elif mode == "rfmem":
         routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     else:
         forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
@@ -471,8 +513,11 @@ def _search_chunk(
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         reco = routes == RECOLLECTION
         out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
-        rows = torch.where(reco[:, None], out.rows.to(dev), rows)
-        scores = torch.where(reco[:, None], out.scores.to(dev), scores)
+        if config.merge == "none":  # the authors' output
+            rows = torch.where(reco[:, None], out.rows.to(dev), rows)
+            scores = torch.where(reco[:, None], out.scores.to(dev), scores)
+        else:
+            rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
     return dict(
         rows=_pad_t(rows, config.out_k, -1),
@@ -485,6 +530,48 @@ def _search_chunk(
         probe_rows=_pad_t(p_rows[:, :probe_k], config.probe_k, -1),
         probe_scores=_pad_t(p_sc[:, :probe_k].to(torch.float32), config.probe_k, float("-inf")),
     )
+
+
+def _merged(
+    view: Any,
+    Q: torch.Tensor,
+    p_rows: torch.Tensor,
+    hit_rows: torch.Tensor,
+    reco: torch.Tensor,
+    rows: torch.Tensor,
+    scores: torch.Tensor,
+    out_k: int,
+    config: RFMemConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` / ``scores`` [b, out_k] with the recollecting queries' rows replaced by
+    ``config.merge`` of their probe top-k and recollection hits (on the host, batched:
+    :func:`rfmem_fast.routing.merge_paths`)."""
+    idx = reco.nonzero().squeeze(1).cpu()
+    if idx.numel() == 0:
+        return rows, scores
+    vectors = view.snapshot.vectors if view.snapshot is not None else view.X.float().cpu().numpy()
+    m_rows, m_sc = merge_paths(
+        config.merge, p_rows[idx].cpu().numpy(), hit_rows[idx].cpu().numpy(), Q[idx].float().cpu().numpy(),
+        vectors, out_k, config.rrf_k, config.rescore_weight,
+    )  # fmt: skip
+    dev = rows.device
+    rows, scores = rows.clone(), scores.clone()
+    rows[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_rows, dtype=np.int64)).to(dev)
+    scores[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_sc, dtype=np.float32)).to(dev)
+    return rows, scores
+
+
+def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:
+    """The router :func:`search` passes on: None for the spec's thresholds of ``config``
+    (evaluated on the device), else a checked Router (``config.router``'s file when set)."""
+    if mode != "rfmem":
+        return None
+    if router is None:
+        return config.resolved_router() if config.router is not None else None
+    if not isinstance(router, Router):
+        raise TypeError(f"router must be a rfmem_fast.routing.Router, got {type(router).__name__}")
+    router.check_config(config)
+    return router
 
 
 def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:

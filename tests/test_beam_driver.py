@@ -133,6 +133,7 @@ def test_random_cases_native_driver_equals_python_driver(
         o1 = NATIVE.recollect(view, Qn, qseg, cfg, active=active)
         o2 = python_driver(NATIVE, view, Qn, qseg, cfg, active=active)
         assert torch.equal(o1.rows, o2.rows) and torch.equal(o1.rounds, o2.rounds)
+        assert torch.equal(o1.hit_rows, o2.hit_rows)  # every discovered item (the merges' input)
         assert torch.equal(o1.scores.view(torch.int32), o2.scores.view(torch.int32))
         if active is not None:
             assert (o1.rows[~active] == -1).all() and (o1.rounds[~active] == 0).all()
@@ -208,8 +209,9 @@ def test_width_returns_every_discovered_item():
     for row in rc:
         kept = row[row >= 0]
         assert len(set(kept.tolist())) == len(kept)  # first occurrences only
-    with pytest.raises(ValueError, match="width"):
-        _native.recollect(*args, cap + 1)
+    rw, _, _ = _native.recollect(*args, cap + 3)  # wider: padding
+    np.testing.assert_array_equal(rw[:, :cap], rc)
+    assert (rw[:, cap:] == -1).all()
 
 
 # ----------------------------------------------------------------- the switch
@@ -340,3 +342,23 @@ def test_max_similarity_native_matches_default():
         _native.max_similarity(V, np.full(30, 10, np.int64))
     with pytest.raises(TypeError, match="V must have dtype float32"):
         _native.max_similarity(V.astype(np.float64), counts)
+
+
+# ----------------------------------------------------------------- merges (issue 10)
+@pytest.mark.parametrize("merge", ["interleave", "rrf", "rescore"])
+def test_merge_modes_same_on_both_drivers(merge):
+    """The merges read every discovered item (``hit_rows``): the native driver returns
+    them as the Python driver does, also when the Python driver cuts its batch into
+    chunks of a tiny memory budget."""
+    rng = np.random.default_rng(21)
+    bank = _random_bank(rng, 16, [150, 60, 9], "dup")
+    users = [f"u{int(u)}" for u in rng.integers(0, 3, 40)]
+    Q = rng.standard_normal((40, 16)).astype(np.float32)
+    cfg = RFMemConfig(merge=merge, out_k=12)
+    tiny = NativeBackend(memory_budget=1 << 20, beam_driver="python")
+    for mode in ("recollection", "rfmem"):
+        a = search(bank, Q, users, cfg, mode=mode, backend=NATIVE)
+        _same_results(a, search(bank, Q, users, cfg, mode=mode, backend=PYTHON), f"{merge} {mode}")
+        _same_results(a, search(bank, Q, users, cfg, mode=mode, backend=tiny), f"{merge} {mode} chunked")
+        if mode == "recollection":  # a merge returns min(out_k, user size) items
+            assert ((a.rows >= 0).sum(axis=1) == np.minimum(12, [bank.user_size(u) for u in users])).all()

@@ -308,8 +308,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                           "] (row k: scikit-learn's draws for k clusters), got shape " + shape_str(draws));
   cfg.draws = cptr<double>(draws);
   cfg.n_draws = draws.shape(1);
-  const int64_t cap = rfmem::recollect_capacity(cfg);
-  check_range("width", width, 1, cap);
+  check_range("width", width, 1, int64_t{1} << 30);
   const float* l0s = nullptr;
   const int64_t* l0r = nullptr;
   int64_t k0 = 0;
@@ -529,8 +528,8 @@ Args:
         kmeans_iters (0..1000), kmeans_tol (>= 0): RFMemConfig's fields.
     draws: float64 [beam_width + 1, W]: row k holds scikit-learn's uniforms for k clusters
         (rfmem_fast.kmeans.sklearn_draws), W >= kmeanspp_draws(beam_width).
-    width: result columns, 1 <= width <= out_k - 1 + B (B + R - 1) F (out_k for the
-        result; the maximum for every item the beam discovered).
+    width: result columns (>= 1): out_k for the result; out_k - 1 + B (B + R - 1) F (or
+        more, padding) for every item the beam discovered, in discovery order.
     num_threads: most threads (0 = the machine's; fewer for small work; a single query
         runs on the calling thread).
     xnorm: an upper bound of the row norms of X (< 0: computed here).

@@ -56,8 +56,8 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// as the first round's candidates, or both null (then searched here).
 /// Writes, per query, the first ``width`` discovered items (rows int64 [b, width],
 /// -1 padding; scores float32 [b, width], the (MMR-adjusted) discovery score, -inf
-/// padding; width <= recollect_capacity(cfg): out_k for the result, the capacity for
-/// every hit) and the rounds that produced a beam (int64 [b]).
+/// padding; width >= 1: out_k for the result, recollect_capacity(cfg) or more for every
+/// hit) and the rounds that produced a beam (int64 [b]).
 /// ``num_threads``: most threads (0 = the machine's); fewer when the work is small,
 /// and at most max(1, memory_budget / recollect_workspace_bytes(...)). A single
 /// query runs on the calling thread (its top-k calls may split rows over threads when

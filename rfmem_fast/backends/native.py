@@ -226,19 +226,23 @@ class NativeBackend(Backend):
         """
         if self._driver() == "python":
             return super().recollect(view, q0, qseg, config, level0, active)
-        from ..recollection import RecollectionOutput  # recollection imports the backends
+        from ..recollection import RecollectionOutput, recollection_capacity  # (it imports the backends)
 
         b = int(q0.shape[0])
         if active is not None and (
             not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
         ):
             raise ValueError(f"active must be a bool tensor of shape [{b}]")
+        # every discovered item (hit_rows, the merges' input), as wide as the Python
+        # driver's: the result slots and one spare column
+        width = recollection_capacity(config) + 1
         act = None if active is None else _np(active, torch.bool)
         if act is not None and not act.any():  # e.g. a familiar query in mode "rfmem": nothing to do
             return RecollectionOutput(
                 rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
                 scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
                 rounds=torch.zeros(b, dtype=torch.int64),
+                hit_rows=torch.full((b, width), -1, dtype=torch.int64),
             )
         X, off = self._bank(view)
         l0s = l0r = None
@@ -261,12 +265,16 @@ class NativeBackend(Backend):
             config.kmeans_iters,
             float(config.kmeans_tol),
             _draws_by_clusters(int(config.kmeans_seed), int(config.beam_width)),
-            config.out_k,
+            width,
             self._threads(),
             view.row_norm_max,
             self.memory_budget,
             act,
         )
+        hits = torch.from_numpy(rows)
         return RecollectionOutput(
-            rows=torch.from_numpy(rows), scores=torch.from_numpy(scores), rounds=torch.from_numpy(rounds)
+            rows=hits[:, : config.out_k],
+            scores=torch.from_numpy(scores[:, : config.out_k]),
+            rounds=torch.from_numpy(rounds),
+            hit_rows=hits,
         )
