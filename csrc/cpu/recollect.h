@@ -3,7 +3,8 @@
 // portable Python driver and this driver's oracle; same rows, scores and rounds).
 //
 // Each query runs all its rounds on one thread, back to back, so that its user's rows
-// stay in cache from one round to the next (DESIGN.md "Cost model"); the queries of a
+// stay in cache from one round to the next (DESIGN.md "Cost model"); queries of one
+// user run in lockstep groups that share each round's top-k call; the groups of a
 // batch are spread over per-call threads (common.h parallel_for). The primitives are
 // the native backend's own: segmented_topk (exact top-k, topk.cpp), batched_kmeans
 // (scikit-learn's seeding replayed, kmeans.cpp) and alpha_mix, called per query.
@@ -45,8 +46,9 @@ void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64
 /// most B * (B + level) * F items and the loop stops at out_k).
 int64_t recollect_capacity(const RecollectConfig& cfg);
 
-/// Bytes of one thread's workspace for queries of segments of at most ``max_len`` rows.
-size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t max_len);
+/// Bytes of one thread's workspace for groups of ``group`` queries of segments of at
+/// most ``max_len`` rows.
+size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t max_len, int64_t group);
 
 /// The Recollection path for b queries (spec section 4, as rfmem_fast/recollection.py).
 ///
@@ -58,10 +60,13 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// -1 padding; scores float32 [b, width], the (MMR-adjusted) discovery score, -inf
 /// padding; width >= 1: out_k for the result, recollect_capacity(cfg) or more for every
 /// hit) and the rounds that produced a beam (int64 [b]).
-/// ``num_threads``: most threads (0 = the machine's); fewer when the work is small,
-/// and at most max(1, memory_budget / recollect_workspace_bytes(...)). A single
-/// query runs on the calling thread (its top-k calls may split rows over threads when
-/// their own work pays for it). ``xnorm``: an upper bound of the row norms of X.
+/// Queries of one segment run in groups of up to 16 (a round's top-k call serves all
+/// their branches); the groups are spread over ``num_threads`` threads (0 = the
+/// machine's), fewer when the work is small, at most
+/// max(1, memory_budget / recollect_workspace_bytes(...)) (groups shrink when even one
+/// does not fit). A single query runs on the calling thread (its top-k calls may split
+/// rows over threads when their own work pays for it). ``xnorm``: an upper bound of
+/// the row norms of X.
 /// ``active``: uint8 [b] or null (all): a query with active[i] == 0 is not recollected
 /// (padding rows, -inf scores, 0 rounds, no work).
 /// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
