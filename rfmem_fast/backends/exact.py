@@ -368,4 +368,3 @@ __all__ = [
     "row_norm_max",
     "scan_error_coef",
 ]
-
