@@ -237,8 +237,6 @@ py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroi
   return out;
 }
 
-
-
 py::array_t<double> py_max_similarity(const py::object& V_, const py::object& counts_, int num_threads) {
   const char* fn = "max_similarity";
   check_threads(fn, num_threads);

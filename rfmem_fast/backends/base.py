@@ -7,10 +7,9 @@ file that subclasses :class:`Backend`, plus its parity test against the referenc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank

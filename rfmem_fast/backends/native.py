@@ -19,8 +19,9 @@
   candidate set, in the fixed order of csrc/cpu/recollect.cpp.
 * beam driver (:meth:`NativeBackend.recollect`): the whole Recollection path in ONE C++
   call for the batch (``_native.recollect``, csrc/cpu/recollect.cpp): each query runs
-  all its rounds on one thread, back to back, while its user's rows are in cache, with
-  the three primitives above; same rows, scores and rounds as the Python driver
+  all its rounds on one thread, back to back, while its user's rows are in cache (the
+  queries of one user in lockstep groups sharing each round's top-k call), with the
+  three primitives above; same rows, scores and rounds as the Python driver
   :func:`rfmem_fast.recollection.recollect`, which stays the portable path and the
   oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
   ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver.
@@ -79,9 +80,10 @@ class NativeBackend(Backend):
             when its work is small (a single query runs on the calling thread).
         memory_budget: bytes for temporaries (default 256 MiB); the top-k, KMeans and
             alpha-mix kernels never come near it (O(b k) besides the outputs); the C++
-            beam driver uses at most ``memory_budget // workspace`` threads (one
-            workspace, about 0.1 MiB for the default config and d = 384, per thread;
-            one thread at least); the Python driver cuts its batch to fit it.
+            beam driver uses at most ``memory_budget // workspace`` threads (a thread's
+            workspace: about 0.1 MiB per query of its group of up to 16 queries of one
+            user for the default config and d = 384; one thread at least, smaller
+            groups when one does not fit); the Python driver cuts its batch to fit it.
         beam_driver: "native" (the C++ driver, csrc/cpu/recollect.cpp) or "python"
             (:func:`rfmem_fast.recollection.recollect` over these kernels); ``None``
             (default) reads ``RFMEM_BEAM_DRIVER`` at each call, "native" when unset.
