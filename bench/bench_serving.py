@@ -4,26 +4,36 @@ What it does, side by side in one run:
 
 1. builds a Memory directory holding the 6 PersonaBench users' 527 chunks (texts, ids,
    MiniLM vectors; embeddings from the ``rfmem bench`` cache when present);
-2. for each server configuration (``--configs``): micro-batching ("batched", the
-   default server), one search per request with a thread each ("single",
-   ``--no-batching``) and with one worker ("serial", ``--max-batch 1``): starts the real
-   server (``python -m rfmem_fast.cli serve``, text encoder loaded, hot-query cache OFF
-   so that every request is encoded and searched) and drives it with an asyncio client
-   (aiohttp by default, ``--client httpx``) at each concurrency (default 1, 8, 64):
-   closed loop, each client sends the next random PersonaBench question (text) of its
-   user as soon as its previous answer arrives;
-3. a repeated-question workload with the cache ON (every question asked ``--repeats``
+2. for each encoder precision (``--encoder-dtype``, default "auto", the server's
+   default: bfloat16 on a CPU with native bfloat16 matmul, else float32; a comma list
+   compares several) and each server configuration (``--configs``): micro-batching
+   ("batched", the default server), one search per request with a thread each
+   ("single", ``--no-batching``) and with one worker ("serial", ``--max-batch 1``):
+   starts the real server (``python -m rfmem_fast.cli serve``, text encoder loaded,
+   hot-query cache OFF so that every request is encoded and searched) and drives it
+   with an asyncio client (aiohttp by default, ``--client httpx``) at each concurrency
+   (default 1, 8, 64): closed loop, each client sends the next random PersonaBench
+   question (text) of its user as soon as its previous answer arrives. The servers of
+   one precision run at once and their cells are interleaved per concurrency, so a
+   change of the machine's load hits them alike;
+3. open loop (``--open-loop``, on the micro-batching server): Poisson arrivals at fixed
+   offered rates (default 25 / 50 / 75 % of the rate it reached with 64 closed-loop
+   clients), latency counted from each request's scheduled send time (no coordinated
+   omission): p50 / p99 at a given offered load;
+4. a repeated-question workload with the cache ON (every question asked ``--repeats``
    times, shuffled) to measure the cache hit rate.
 
-Per cell: requests/s, client latency p50 / p99 / mean (ms), errors, and from the
+Per cell: requests/s, client latency p50 / p99 / mean (ms), errors, the server's and
+the client's CPU milliseconds per request (both run on the same cores), and from the
 server's ``/metrics`` the batch sizes and the encoder vs search time (per batched run
-and per request). The JSON (``--out``, default ``bench/results/serving-<time>.json``)
-holds the machine, load (load average, cores busy with other processes), versions,
-the command and every figure; a PNG next to it plots requests/s and p50 / p99 against
-concurrency.
+and per request); the encoder's precision comes from the server's ``/health``. The
+JSON (``--out``, default ``bench/results/serving-<time>.json``) holds the machine,
+load (load average, cores busy with other processes), versions, the command and every
+figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
 
-    python bench/bench_serving.py                       # ~2-3 min on 2 CPU cores
-    python bench/bench_serving.py --concurrency 1,8 --requests 100   # quicker
+    python bench/bench_serving.py                       # ~3-4 min on 2 CPU cores
+    python bench/bench_serving.py --encoder-dtype auto,float32   # both precisions
+    python bench/bench_serving.py --concurrency 1,8 --requests 100 --open-loop none   # quicker
 """
 from __future__ import annotations
 
@@ -114,22 +124,26 @@ class Server:
     """``rfmem serve`` in a subprocess, ready once /health answers.
 
     Each server gets its own copy of the memory directory (``path``-``name``): a
-    directory is open in one process at a time.
+    directory is open in one process at a time. ``dtype``: its ``--encoder-dtype``.
     """
 
-    def __init__(self, path: Path, config: str, args: argparse.Namespace, cache_size: int, name: str = "") -> None:
-        own = path.with_name(f"{path.name}-{name or config}")
+    def __init__(self, path: Path, config: str, args: argparse.Namespace, cache_size: int, dtype: str,
+                 name: str = "") -> None:
+        own = path.with_name(f"{path.name}-{name or config}-{dtype}")
         shutil.copytree(path, own)
         path = own
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
-               "--cache-size", str(cache_size), "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning"]
+               "--cache-size", str(cache_size), "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
+               "--encoder-dtype", dtype]
         cmd += CONFIGS[config](args)
         self.cmd = cmd
+        self.health: dict[str, Any] = {}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait for /health (kept in ``self.health``: the encoder's precision among others)."""
         import httpx
 
         t_end = time.monotonic() + timeout
@@ -137,7 +151,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                if httpx.get(f"{self.base}/health", timeout=1.0).status_code == 200:
+                r = httpx.get(f"{self.base}/health", timeout=1.0)
+                if r.status_code == 200:
+                    self.health = r.json()
                     return
             except httpx.HTTPError:
                 pass
@@ -153,18 +169,15 @@ class Server:
             self.proc.wait()
 
 
-async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "httpx") -> dict[str, Any]:
-    """Closed loop: ``concurrency`` clients send ``work`` (question, user) in order.
+def _session(base: str, client: str, limit: int) -> tuple[Any, Any, tuple]:
+    """(session, ``one(session, user, body) -> status str``, transport errors) of ``client``.
 
     ``client``: "httpx" (httpx.AsyncClient) or "aiohttp" (aiohttp.ClientSession; about
     0.2 ms of client CPU per request here against httpx's 3.6 ms, which on a 2-core
-    machine the server would otherwise lose to the load generator).
+    machine the server would otherwise lose to the load generator). ``limit``: the most
+    connections open at once (0: no limit).
     """
-    lat: list[float] = []
-    errors: dict[str, int] = {}
-    it = iter([(quote(u, safe=""), json.dumps({"query": q, "k": k}).encode()) for q, u in work])
     headers = {"content-type": "application/json"}
-
     if client == "aiohttp":
         import aiohttp
 
@@ -173,19 +186,40 @@ async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int
                 await r.read()
                 return str(r.status)
 
-        session = aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=concurrency),
+        session = aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=limit),
                                         timeout=aiohttp.ClientTimeout(total=120))
-        transport_errors: tuple = (aiohttp.ClientError, asyncio.TimeoutError)
-    else:
-        import httpx
+        return session, one, (aiohttp.ClientError, asyncio.TimeoutError)
+    import httpx
 
-        async def one(http: Any, u: str, body: bytes) -> str:
-            r = await http.post(f"/v1/users/{u}/search", content=body, headers=headers)
-            return str(r.status_code)
+    async def one_httpx(http: Any, u: str, body: bytes) -> str:
+        r = await http.post(f"/v1/users/{u}/search", content=body, headers=headers)
+        return str(r.status_code)
 
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        session = httpx.AsyncClient(base_url=base, limits=limits, timeout=120.0)
-        transport_errors = (httpx.HTTPError,)
+    limits = httpx.Limits(max_connections=limit or None, max_keepalive_connections=limit or None)
+    return httpx.AsyncClient(base_url=base, limits=limits, timeout=120.0), one_httpx, (httpx.HTTPError,)
+
+
+def _bodies(work: list[tuple[str, str]], k: int) -> list[tuple[str, bytes]]:
+    return [(quote(u, safe=""), json.dumps({"query": q, "k": k}).encode()) for q, u in work]
+
+
+def _latency_summary(lat: list[float], errors: dict[str, int], wall: float) -> dict[str, Any]:
+    ms = np.array(lat) * 1000.0
+    return {
+        "requests": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall if wall > 0 else None,
+        "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
+        "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
+        "mean_ms": float(ms.mean()) if len(ms) else None,
+    }
+
+
+async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "httpx") -> dict[str, Any]:
+    """Closed loop: ``concurrency`` clients send ``work`` (question, user) in order, each
+    the next one as soon as its previous answer arrived (client: :func:`_session`)."""
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    it = iter(_bodies(work, k))
+    session, one, transport_errors = _session(base, client, concurrency)
 
     async def worker(http: Any) -> None:
         for u, body in it:
@@ -203,30 +237,81 @@ async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    ms = np.array(lat) * 1000.0
-    return {
-        "requests": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall if wall > 0 else None,
-        "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
-        "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
-        "mean_ms": float(ms.mean()) if len(ms) else None,
-    }
+    return _latency_summary(lat, errors, wall)
 
 
-def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: int, client: str) -> dict[str, Any]:
-    """One (server, concurrency) cell with server-side metrics and load around it."""
+def poisson_schedule(n: int, rate: float, seed: int) -> np.ndarray:
+    """Send times (s from the start, float64 [n], increasing) of ``n`` Poisson arrivals
+    at ``rate`` requests / s: cumulative sums of seeded exponential gaps of mean 1 / rate."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+
+
+async def drive_open(base: str, work: list[tuple[str, str]], rate: float, k: int, client: str = "aiohttp",
+                     seed: int = 0) -> dict[str, Any]:
+    """Open loop: ``work`` sent at Poisson arrival times of ``rate`` requests / s, whatever
+    the answers do (no connection limit). A request's latency runs from its SCHEDULED
+    send time to its answer, so a client or server that falls behind shows in the
+    percentiles (no coordinated omission). ``send_lag_p99_ms``: how late the client
+    sent (it measures itself).
+    """
+    lat: list[float] = []
+    lag: list[float] = []
+    errors: dict[str, int] = {}
+    at = poisson_schedule(len(work), rate, seed)
+    session, one, transport_errors = _session(base, client, 0)
+    loop = asyncio.get_running_loop()
+
+    async def send(http: Any, t_rel: float, u: str, body: bytes, t0: float) -> None:
+        due = t0 + t_rel
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag.append(loop.time() - due)
+        try:
+            key = await one(http, u, body)
+        except transport_errors as e:
+            key = type(e).__name__
+        if key == "200":
+            lat.append(loop.time() - due)
+        else:
+            errors[key] = errors.get(key, 0) + 1
+
+    async with session as http:
+        t0 = loop.time() + 0.05
+        w0 = time.perf_counter()
+        await asyncio.gather(*(send(http, t, u, b, t0) for t, (u, b) in zip(at, _bodies(work, k))))
+        wall = time.perf_counter() - w0
+    out = _latency_summary(lat, errors, wall)
+    out.update(offered_rps=rate, send_lag_p99_ms=float(np.percentile(np.array(lag) * 1000, 99)) if lag else None)
+    return out
+
+
+def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: int, client: str,
+             rate: float | None = None) -> dict[str, Any]:
+    """One (server, concurrency) cell -- or, with ``rate``, one open-loop cell -- with the
+    server-side metrics, the CPU of server and client, and the load around it."""
     import httpx
 
     with httpx.Client() as c:
         m0 = metrics(c, server.base)
     cpu0, srv0, load0 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
-    res = asyncio.run(drive(server.base, work, concurrency, k, client))
+    if rate is None:
+        res = asyncio.run(drive(server.base, work, concurrency, k, client))
+    else:
+        res = asyncio.run(drive_open(server.base, work, rate, k, client))
     cpu1, srv1, load1 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
     with httpx.Client() as c:
         m1 = metrics(c, server.base)
     d = {key: m1[key] - m0[key] for key in m0}
     runs = d["rfmem_batch_size_count"]
+    done = max(1, res["requests"] + sum(res["errors"].values()))
     res.update(
         concurrency=concurrency,
+        encoder_dtype=(server.health.get("encoder") or {}).get("dtype"),
+        server_cpu_ms_per_request=1000 * (srv1 - srv0) / done,
+        client_cpu_ms_per_request=1000 * (cpu1[2] - cpu0[2]) / done if cpu0 and cpu1 else None,
         batches=runs,
         mean_batch=d["rfmem_batch_size_sum"] / runs if runs else None,
         encode_ms_per_batch=1000 * d["rfmem_encode_seconds_sum"] / d["rfmem_encode_seconds_count"] if d["rfmem_encode_seconds_count"] else None,
@@ -247,26 +332,30 @@ def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: i
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
+    """requests/s and p50 / p99 against concurrency, one line per (server, precision)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for config, style in zip(CONFIGS, ("o-", "s--", "^:")):
-        cells = [c for c in doc["cells"] if c["config"] == config]
-        if not cells:
-            continue
-        xs = [c["concurrency"] for c in cells]
-        lab = LABELS[config]
-        a.plot(xs, [c["rps"] for c in cells], style, label=lab)
-        b.plot(xs, [c["p50_ms"] for c in cells], style, label=f"{lab} p50")
-        b.plot(xs, [c["p99_ms"] for c in cells], style, alpha=0.5, label=f"{lab} p99")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = iter(("o-", "s--", "^:", "o-.", "s-", "^--"))
+    for dtype in doc["settings"]["encoder_dtypes"]:
+        for config in CONFIGS:
+            cells = [c for c in doc["cells"] if c["config"] == config and c["dtype_asked"] == dtype]
+            if not cells:
+                continue
+            style = next(styles, "x-")
+            xs = [c["concurrency"] for c in cells]
+            lab = f"{LABELS[config]} [{cells[0]['encoder_dtype']}]"
+            a.plot(xs, [c["rps"] for c in cells], style, label=lab)
+            b.plot(xs, [c["p50_ms"] for c in cells], style, label=f"{lab} p50")
+            b.plot(xs, [c["p99_ms"] for c in cells], style, alpha=0.45, label=f"{lab} p99")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
+        ax.set_xlabel("concurrent clients (closed loop)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
     a.set_ylabel("requests / s")
     b.set_ylabel("latency (ms)")
     b.set_yscale("log")
@@ -279,7 +368,60 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def _say_cell(say: Any, res: dict[str, Any]) -> None:
+    say(f"  {res['rps']:.1f} req/s  p50 {res['p50_ms']:.1f} ms  p99 {res['p99_ms']:.1f} ms  "
+        f"mean batch {res['mean_batch'] or 0:.1f}  server CPU {res['server_cpu_ms_per_request']:.2f} ms/req  "
+        f"errors {sum(res['errors'].values())}")
+
+
+def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[str, str]], mem: Path,
+              args: argparse.Namespace, doc: dict[str, Any], say: Any) -> None:
+    """The closed-loop cells of every server configuration at one encoder precision, then
+    the open-loop cells of the micro-batching server (appended to ``doc``)."""
+    rng = random.Random(0)  # the same requests for every precision
+    # every server up at once, cells interleaved per concurrency: a load change on a
+    # shared machine then hits the configurations alike
+    servers = {config: Server(mem, config, args, cache_size=0, dtype=dtype) for config in configs}
+    try:
+        for config, srv in servers.items():
+            srv.wait_ready()
+            doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd)
+            doc["encoders"][dtype] = srv.health.get("encoder")
+            asyncio.run(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
+        for c in conc:
+            n = max(args.requests, 8 * c)
+            cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
+            for config, srv in servers.items():
+                say(f"[{dtype}] {config} concurrency={c}: {n} requests")
+                res = run_cell(srv, cell_work, c, args.k, args.client)
+                res.update(config=config, dtype_asked=dtype)
+                doc["cells"].append(res)
+                _say_cell(say, res)
+        if args.open_loop == "none":
+            return
+        top = next((cl for cl in doc["cells"] if cl["config"] == "batched" and cl["dtype_asked"] == dtype
+                    and cl["concurrency"] == max(conc)), None)
+        if args.open_loop == "auto":
+            rates = [round(f * top["rps"]) for f in (0.25, 0.5, 0.75)] if top and top["rps"] else []
+        else:
+            rates = [float(x) for x in args.open_loop.split(",") if x.strip()]
+        srv = servers["batched"]
+        for i, rate in enumerate(rates):
+            n = max(64, int(rate * args.open_loop_seconds))
+            cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
+            say(f"[{dtype}] batched open loop at {rate} req/s: {n} requests")
+            res = run_cell(srv, cell_work, 0, args.k, args.client, rate=rate)
+            res.update(config="batched", dtype_asked=dtype, mode="open-loop")
+            doc["open_loop"].append(res)
+            _say_cell(say, res)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from rfmem_fast.encoders import DTYPES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
     p.add_argument("--concurrency", default="1,8,64", help="comma list of concurrent clients")
@@ -288,7 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=10, help="hits per query")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-wait-ms", type=float, default=2.0)
-    p.add_argument("--repeats", type=int, default=3, help="times each question is asked in the cache workload")
+    p.add_argument("--encoder-dtype", default="auto",
+                   help=f"comma list of the servers' --encoder-dtype, each run with every configuration (of {DTYPES}; "
+                   "default auto, the server's default)")
+    p.add_argument("--open-loop", default="auto",
+                   help="offered rates (req/s, comma list) of the open-loop cells on the micro-batching server; "
+                   "'auto' (default): 25/50/75%% of its rate at the highest concurrency; 'none': skip")
+    p.add_argument("--open-loop-seconds", type=float, default=10.0, help="length of one open-loop cell (s)")
+    p.add_argument("--repeats", type=int, default=3, help="times each question is asked in the cache workload (0: skip)")
     p.add_argument("--cache-concurrency", type=int, default=64)
     p.add_argument("--configs", default="batched,single,serial", help=f"comma list of {list(CONFIGS)}")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default=None,
@@ -306,6 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or "batched" not in configs:
         p.error(f"--configs must include 'batched' and only name {list(CONFIGS)}")
+    dtypes = [d.strip() for d in args.encoder_dtype.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        p.error(f"--encoder-dtype must be a comma list of {DTYPES}, got {args.encoder_dtype!r}")
+    if args.open_loop not in ("auto", "none"):
+        try:
+            if any(float(x) <= 0 for x in args.open_loop.split(",") if x.strip()):
+                raise ValueError
+        except ValueError:
+            p.error(f"--open-loop must be 'auto', 'none' or a comma list of rates > 0, got {args.open_loop!r}")
     conc = [int(x) for x in args.concurrency.split(",") if x.strip()]
     data = Path(args.data) if args.data else default_personabench_dir()
     if data is None:
@@ -320,15 +478,19 @@ def main(argv: list[str] | None = None) -> int:
         "load": {"loadavg_start": _loadavg()},
         "settings": {"concurrency": conc, "requests": args.requests, "warmup": args.warmup, "k": args.k,
                      "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "data": str(data),
-                     "configs": {c: LABELS[c] for c in configs}, "client": args.client,
+                     "configs": {c: LABELS[c] for c in configs}, "client": args.client, "encoder_dtypes": dtypes,
+                     "open_loop": args.open_loop, "open_loop_seconds": args.open_loop_seconds,
                      "query": "PersonaBench question text, encoded by the server (all-MiniLM-L6-v2, CPU)",
-                     "cache": "off for the batching cells; on for the repeated-question cell"},
-        "cells": [],
+                     "cache": "off for the batching cells; on for the repeated-question cell",
+                     "cpu": "server_cpu_ms_per_request: the server process; client_cpu_ms_per_request: this "
+                            "load generator (same cores)"},
+        "server_commands": {}, "encoders": {}, "cells": [], "open_loop": [],
     }
     try:
         import importlib.metadata as md
 
-        for dist in ("fastapi", "uvicorn", "uvloop", "httptools", "httpx", "aiohttp", "prometheus-client", "pydantic"):
+        for dist in ("fastapi", "uvicorn", "uvloop", "httptools", "httpx", "aiohttp", "prometheus-client", "pydantic",
+                     "orjson"):
             try:
                 doc["versions"][dist] = md.version(dist)
             except md.PackageNotFoundError:
@@ -336,76 +498,74 @@ def main(argv: list[str] | None = None) -> int:
         questions, users, info = build_memory(data, tmp / "mem", say)
         doc["data"] = info
         work = list(zip(questions, users))
-        rng = random.Random(0)
-        # every server up at once, cells interleaved per concurrency: a load change on a
-        # shared machine then hits the configurations alike
-        servers = {config: Server(tmp / "mem", config, args, cache_size=0) for config in configs}
-        try:
-            for config, srv in servers.items():
+        for dtype in dtypes:
+            run_dtype(dtype, configs, conc, work, tmp / "mem", args, doc, say)
+        if args.repeats > 0:  # repeated questions, cache on
+            srv = Server(tmp / "mem", "batched", args, cache_size=4096, dtype=dtypes[0], name="cache")
+            try:
                 srv.wait_ready()
-                doc.setdefault("server_commands", {})[config] = " ".join(srv.cmd)
-                asyncio.run(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
-            for c in conc:
-                n = max(args.requests, 8 * c)
-                cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
-                for config, srv in servers.items():
-                    say(f"{config} concurrency={c}: {n} requests")
-                    res = run_cell(srv, cell_work, c, args.k, args.client)
-                    res["config"] = config
-                    doc["cells"].append(res)
-                    say(f"  {res['rps']:.1f} req/s  p50 {res['p50_ms']:.1f} ms  p99 {res['p99_ms']:.1f} ms  "
-                        f"mean batch {res['mean_batch']}")
-        finally:
-            for srv in servers.values():
+                rep = [w for w in work for _ in range(args.repeats)]
+                random.Random(1).shuffle(rep)
+                say(f"cache: {len(rep)} requests ({args.repeats} x {len(work)} questions)")
+                res = run_cell(srv, rep, args.cache_concurrency, args.k, args.client)
+                lookups = res["cache_hits"] + res["cache_misses"]
+                res.update(config="batched", dtype_asked=dtypes[0], repeats=args.repeats,
+                           cache_hit_rate=res["cache_hits"] / lookups if lookups else None,
+                           cache_hit_rate_ideal=1 - 1 / args.repeats)
+                doc["cache_cell"] = res
+                say(f"  hit rate {res['cache_hit_rate']:.3f}, {res['rps']:.1f} req/s")
+            finally:
                 srv.stop()
-        # repeated questions, cache on
-        srv = Server(tmp / "mem", "batched", args, cache_size=4096, name="cache")
-        try:
-            srv.wait_ready()
-            rep = [w for w in work for _ in range(args.repeats)]
-            random.Random(1).shuffle(rep)
-            say(f"cache: {len(rep)} requests ({args.repeats} x {len(work)} questions)")
-            res = run_cell(srv, rep, args.cache_concurrency, args.k, args.client)
-            lookups = res["cache_hits"] + res["cache_misses"]
-            res.update(config="batched", repeats=args.repeats,
-                       cache_hit_rate=res["cache_hits"] / lookups if lookups else None,
-                       cache_hit_rate_ideal=1 - 1 / args.repeats)
-            doc["cache_cell"] = res
-            say(f"  hit rate {res['cache_hit_rate']:.3f}, {res['rps']:.1f} req/s")
-        finally:
-            srv.stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc["load"]["loadavg_end"] = _loadavg()
-    by = {(c["config"], c["concurrency"]): c for c in doc["cells"]}
-    ratios: dict[str, dict[str, float]] = {}
-    for base_cfg in configs:
-        if base_cfg == "batched":
-            continue
-        for c in conc:
-            on, off = by.get(("batched", c)), by.get((base_cfg, c))
-            if on and off and off["rps"]:
-                ratios.setdefault(base_cfg, {})[str(c)] = on["rps"] / off["rps"]
-    doc["rps_ratios_batched_over"] = ratios
-    top = by.get(("batched", 64))
-    at64 = [r["64"] for r in ratios.values() if "64" in r]
-    worst = min(at64) if at64 else None  # against the better one-search-per-request server
-    doc["goal"] = {
-        "rps_ratio_at_64_vs_best_baseline": worst, "rps_ratio_ge_3": bool(worst and worst >= 3),
-        "p99_ms_at_64": top["p99_ms"] if top else None, "p99_lt_200ms": bool(top and top["p99_ms"] < 200),
-    }
+    by = {(c["config"], c["dtype_asked"], c["concurrency"]): c for c in doc["cells"]}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for dtype in dtypes:
+        for base_cfg in configs:
+            if base_cfg == "batched":
+                continue
+            for c in conc:
+                on, off = by.get(("batched", dtype, c)), by.get((base_cfg, dtype, c))
+                if on and off and off["rps"]:
+                    ratios.setdefault(dtype, {}).setdefault(base_cfg, {})[str(c)] = on["rps"] / off["rps"]
+    doc["rps_ratios_batched_over"] = ratios  # {dtype: {baseline: {concurrency: ratio}}}, same precision
+    goal: dict[str, Any] = {}
+    for dtype in dtypes:
+        top = by.get(("batched", dtype, 64))
+        at64 = [r["64"] for r in ratios.get(dtype, {}).values() if "64" in r]
+        worst = min(at64) if at64 else None  # against the better one-search-per-request server
+        goal[dtype] = {
+            "encoder_dtype": doc["encoders"].get(dtype, {}) and doc["encoders"][dtype].get("dtype"),
+            "rps_at_64": top["rps"] if top else None,
+            "rps_ratio_at_64_vs_best_baseline": worst, "rps_ratio_ge_3": bool(worst and worst >= 3),
+            "p99_ms_at_64": top["p99_ms"] if top else None, "p99_lt_200ms": bool(top and top["p99_ms"] < 200),
+        }
+    doc["goal"] = goal
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     png = out.with_suffix(".png")
     plot(doc, png)
     print(f"wrote {out} and {png}")
-    print("| server | clients | req/s | p50 ms | p99 ms | mean batch | encode ms/req | search ms/req | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for cl in sorted(doc["cells"], key=lambda c: (configs.index(c["config"]), c["concurrency"])):
-        print(f"| {cl['config']} | {cl['concurrency']} | {cl['rps']:.1f} | {cl['p50_ms']:.1f} | "
+    print("| server | precision | clients | req/s | p50 ms | p99 ms | mean batch | encode ms/req | search ms/req | "
+          "server CPU ms/req | client CPU ms/req | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for cl in sorted(doc["cells"], key=lambda c: (dtypes.index(c["dtype_asked"]), configs.index(c["config"]),
+                                                  c["concurrency"])):
+        print(f"| {cl['config']} | {cl['encoder_dtype']} | {cl['concurrency']} | {cl['rps']:.1f} | {cl['p50_ms']:.1f} | "
               f"{cl['p99_ms']:.1f} | {cl['mean_batch'] or 0:.1f} | {cl['encode_ms_per_request']:.2f} | "
-              f"{cl['search_ms_per_request']:.2f} | {sum(cl['errors'].values())} |")
-    print(f"req/s ratios (batched / baseline): {ratios}; goal: {doc['goal']}")
+              f"{cl['search_ms_per_request']:.2f} | {cl['server_cpu_ms_per_request']:.2f} | "
+              f"{cl['client_cpu_ms_per_request'] or 0:.2f} | {sum(cl['errors'].values())} |")
+    if doc["open_loop"]:
+        print("\n| open loop (micro-batching) | precision | offered req/s | served req/s | p50 ms | p99 ms | "
+              "mean batch | server CPU ms/req | client send lag p99 ms | errors |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for cl in doc["open_loop"]:
+            print(f"| batched | {cl['encoder_dtype']} | {cl['offered_rps']:.0f} | {cl['rps']:.1f} | {cl['p50_ms']:.1f} | "
+                  f"{cl['p99_ms']:.1f} | {cl['mean_batch'] or 0:.1f} | {cl['server_cpu_ms_per_request']:.2f} | "
+                  f"{cl['send_lag_p99_ms']:.1f} | {sum(cl['errors'].values())} |")
+    print(f"req/s ratios (batched / baseline, same precision): {ratios}")
+    print(f"goal: {goal}")
     return 0
 
 

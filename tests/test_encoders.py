@@ -178,3 +178,71 @@ def test_loads_offline_without_offline_env() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stderr == "", res.stderr
     assert res.stdout.strip() == "RESULT [] [] False", res.stdout
+
+
+# ---------------------------------------------------------------- precision (issue 9 follow-up: bfloat16 serving)
+def _pb_questions(n: int) -> list[str]:
+    shared = shared_dir()
+    if shared is None:
+        pytest.skip("shared folder absent")
+    from rfmem_fast.datasets import load_personabench
+
+    qs = [q.question for q in load_personabench(shared / "data" / "personabench" / "eval_data_v1", noise=0.0).questions]
+    return qs[::max(1, len(qs) // n)][:n]
+
+
+@pytest.fixture(scope="module")
+def enc_bf16() -> TextEncoder:
+    return TextEncoder(show_progress=False, dtype="bfloat16", batch_size=8)
+
+
+def test_bfloat16_embeddings_close_to_float32_on_personabench(enc: TextEncoder, enc_bf16: TextEncoder) -> None:
+    """bfloat16 matmuls (Linear weights in bfloat16 + autocast) against the float32
+    encoder on 48 PersonaBench questions: float32 unit vectors, cosine > 0.9999 each."""
+    qs = _pb_questions(48)
+    ref, low = enc.encode(qs), enc_bf16.encode(qs)
+    assert enc.dtype == "float32" and enc_bf16.dtype == "bfloat16" and "bfloat16" in repr(enc_bf16)
+    assert low.dtype == np.float32 and low.shape == ref.shape and low.flags.c_contiguous
+    np.testing.assert_allclose(np.linalg.norm(low, axis=1), 1.0, atol=1e-6)
+    cos = (ref * low).sum(axis=1)
+    assert cos.min() > 0.9999, cos.min()
+    assert not np.array_equal(ref, low)  # the low precision really ran
+
+
+def test_bfloat16_batched_equals_single_within_tolerance(enc_bf16: TextEncoder) -> None:
+    """A question embedded in a (length-sorted, padded) batch vs alone, in bfloat16."""
+    qs = _pb_questions(12)
+    batched = enc_bf16.encode(qs)
+    single = np.stack([enc_bf16.encode([q])[0] for q in qs])
+    cos = (batched * single).sum(axis=1)
+    assert cos.min() > 0.9999, cos.min()
+    assert np.abs(batched - single).max() < 5e-3
+
+
+def test_dtype_is_validated_before_loading() -> None:
+    with pytest.raises(ValueError, match=r"dtype must be one of .*'int8'"):
+        TextEncoder(dtype="int8")
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        TextEncoder(dtype=np.float16)  # type: ignore[arg-type]
+
+
+def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto": bfloat16 only where torch reports native bfloat16 matmul (CPU features /
+    CUDA capability), float16 on an older GPU, float32 elsewhere; names pass through."""
+    import torch
+
+    from rfmem_fast.encoders import native_bf16, resolve_dtype
+
+    for name in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype(name, "cpu") == name
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False})
+    assert resolve_dtype("auto", "cpu") == "float32" and not native_bf16("cpu")
+    for feature in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"):  # x86-64 and ARM64 names
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda f=feature: {f: True})
+        assert resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, want in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert resolve_dtype("auto", "cuda:0") == want
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("fp8", "cpu")

@@ -255,3 +255,44 @@ def test_rfmem_serve_killed_with_sigkill_restarts_with_every_acknowledged_write(
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its shutdown
     assert any(p.name.startswith("store-") for p in (tmp_path / "mem").iterdir())
     assert (tmp_path / "mem" / "wal.jsonl").stat().st_size == 0
+
+
+def test_health_and_metrics_report_the_encoder_precision(tmp_path):
+    enc = HashEncoder(DIM)
+    enc.dtype, enc.device = "bfloat16", "cpu"
+    mem = Memory(tmp_path / "m", encoder=enc)
+    with TestClient(create_app(mem)) as c:
+        assert c.get("/health").json()["encoder"] == {"model": "HashEncoder", "dtype": "bfloat16", "device": "cpu",
+                                                      "loaded": True}
+        assert 'rfmem_encoder_info{device="cpu",dtype="bfloat16",model="HashEncoder"} 1.0' in c.get("/metrics").text
+    mem.close()
+    vec_only = Memory(encoder=False, dim=DIM)
+    with TestClient(create_app(vec_only)) as c:
+        assert c.get("/health").json()["encoder"] is None
+        assert "rfmem_encoder_info" not in c.get("/metrics").text
+
+
+def test_json_responses_keep_what_orjson_refuses(served):
+    """Answers are serialised by orjson; an int beyond 64 bits in metadata (valid JSON,
+    refused by orjson) falls back to the standard library instead of a 500."""
+    c, _ = served
+    big = 2**70
+    r = c.post("/v1/users/u/memories", headers=H, json={"texts": ["a"], "ids": ["x"], "metadata": {"n": big, "s": "é"}})
+    assert r.status_code == 201
+    r = c.get("/v1/users/u/memories/x", headers=H)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"id": "x", "text": "a", "metadata": {"n": big, "s": "é"}}
+    r = c.post("/v1/users/u/search", headers=H, json={"query": "a", "k": 1, "mode": "dense"})
+    assert r.status_code == 200 and r.json()["hits"][0]["metadata"] == {"n": big, "s": "é"}
+
+
+def test_serve_refuses_a_bad_encoder_dtype(tmp_path, capsys):
+    from rfmem_fast.cli import main
+    from rfmem_fast.serving.app import serve
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--path", str(tmp_path / "m"), "--encoder-dtype", "int8"])
+    assert exc.value.code == 2 and "--encoder-dtype" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="encoder_dtype must be one of"):
+        serve(str(tmp_path / "m"), encoder_dtype="fp8")
+    assert not (tmp_path / "m").exists()  # refused before anything was opened

@@ -389,3 +389,40 @@ def test_config_and_construction_errors(tmp_path):
     mem = Memory(encoder=False, dim=DIM, config=RFMemConfig(out_k=2))
     mem.add(None, "u", vectors=np.eye(DIM)[:5] + 0.01)
     assert len(mem.search(np.ones(DIM), "u")) == 2 and len(mem.search(np.ones(DIM), "u", k=4)) == 4
+
+
+def test_encoder_dtype_option(monkeypatch):
+    """encoder_dtype reaches the default encoder (loaded lazily) and is reported by
+    encoder_info / stats before and after loading; misuse is refused, naming it."""
+    import rfmem_fast.serving.memory as memory_module
+
+    made = []
+
+    def fake_default(**kwargs):
+        made.append(kwargs)
+        enc = HashEncoder(DIM)
+        enc.dtype, enc.device = kwargs.get("dtype", "float32"), "cpu"
+        return enc
+
+    monkeypatch.setattr(memory_module, "_default_encoder", fake_default)
+    mem = Memory(dim=DIM, encoder_dtype="bfloat16")
+    assert mem.encoder_info() == {"model": "all-MiniLM-L6-v2 (default, not loaded yet)", "dtype": "bfloat16",
+                                  "device": "cpu", "loaded": False}
+    assert made == []  # nothing loaded yet
+    mem.add(["a text"], "u")
+    assert made == [{"dtype": "bfloat16"}]
+    assert mem.encoder_info() == {"model": "HashEncoder", "dtype": "bfloat16", "device": "cpu", "loaded": True}
+    assert mem.stats()["encoder"]["dtype"] == "bfloat16"
+    Memory(dim=DIM).add(["a text"], "u")
+    assert made[-1] == {}  # no encoder_dtype: the encoder's own default (float32)
+    assert Memory(encoder=False, dim=DIM).encoder_info() is None
+    assert Memory(encoder=HashEncoder(DIM)).encoder_info() == {"model": "HashEncoder", "dtype": None, "device": None,
+                                                               "loaded": True}
+    with pytest.raises(ValueError, match=r"encoder_dtype must be one of .*'int8'"):
+        Memory(dim=DIM, encoder_dtype="int8")
+    with pytest.raises(TypeError, match="encoder_dtype must be one of"):
+        Memory(dim=DIM, encoder_dtype=16)
+    with pytest.raises(ValueError, match="encoder_dtype applies to the default encoder only"):
+        Memory(encoder=HashEncoder(DIM), encoder_dtype="bfloat16")
+    with pytest.raises(ValueError, match="encoder_dtype needs a text encoder"):
+        Memory(encoder=False, dim=DIM, encoder_dtype="float32")

@@ -88,8 +88,9 @@ def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
     Args:
         encoder: None or "minilm" (the bundled all-MiniLM-L6-v2), "mpnet", the path
             of a local sentence-transformers folder, or an object with
-            ``encode(list[str]) -> float32 [n, d]`` (identified by its ``model_path``,
-            ``model_name`` attribute or class name).
+            ``encode(list[str]) -> float32 [n, d]`` (identified by its ``model_path``
+            plus its ``dtype`` when not "float32" -- a bfloat16 TextEncoder gets
+            its own cache entries --, ``model_name`` attribute or class name).
 
     Returns:
         (model, identity, obj): ``obj`` is the given object, or None when the
@@ -105,7 +106,9 @@ def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
         return folder, model_fingerprint(folder), None
     path = getattr(encoder, "model_path", None)
     if isinstance(path, str) and os.path.isdir(path):
-        return path, model_fingerprint(path), encoder
+        dtype = getattr(encoder, "dtype", None)  # a low-precision encoder embeds differently
+        suffix = f"-{dtype}" if isinstance(dtype, str) and dtype != "float32" else ""
+        return path, model_fingerprint(path) + suffix, encoder
     name = str(getattr(encoder, "model_name", None) or type(encoder).__name__)
     return name, name, encoder
 

@@ -33,7 +33,8 @@ Metrics (``/metrics``): ``rfmem_http_requests_total{method,route,status}``,
 ``rfmem_batch_size`` / ``rfmem_encode_seconds`` / ``rfmem_search_seconds`` (histograms
 per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_queue_depth``, ``rfmem_items``, ``rfmem_users``, ``rfmem_writes_total``,
-``rfmem_wal_bytes``.
+``rfmem_wal_bytes``, ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
+also in ``/health``).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any, Iterator, Literal, Union
 
 try:
-    from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
+    import orjson
+    from fastapi import Depends, FastAPI, HTTPException, Path, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -54,7 +56,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "the HTTP service needs the 'serve' extra: pip install 'rfmem_fast[serve]' "
-        f"(fastapi, uvicorn, pydantic, prometheus-client); missing: {exc.name}"
+        f"(fastapi, uvicorn, pydantic, prometheus-client, orjson); missing: {exc.name}"
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
@@ -202,11 +204,23 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(400, str(e)) from None
 
 
+class FastJSONResponse(JSONResponse):
+    """A JSON response serialised by orjson (~15x faster than the standard library on a
+    search answer: 3 us instead of 44 us); falls back to the standard library for what
+    orjson refuses (an int beyond 64 bits in metadata)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return orjson.dumps(content)
+        except orjson.JSONEncodeError:
+            return super().render(content)
+
+
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     """422 with pydantic's errors (type, loc naming the field, msg), without echoing the
     input: a NaN in it cannot be written as JSON, and a vector would be echoed whole."""
     errors = [{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
-    return JSONResponse({"detail": errors}, status_code=422)
+    return FastJSONResponse({"detail": errors}, status_code=422)
 
 
 def _search_json(hits: Hits) -> dict[str, Any]:
@@ -271,6 +285,12 @@ class _MemoryCollector:
         yield GaugeMetricFamily("rfmem_users", "users", value=st["users"])
         yield CounterMetricFamily("rfmem_writes", "acknowledged writes", value=st["writes"])
         yield GaugeMetricFamily("rfmem_wal_bytes", "bytes in the write-ahead log", value=st["wal_bytes"])
+        enc = st["encoder"]
+        if enc is not None:
+            info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, precision, device",
+                                     labels=["model", "dtype", "device"])
+            info.add_metric([enc["model"], str(enc["dtype"]), str(enc["device"])], 1)
+            yield info
 
 
 class _MetricsMiddleware:
@@ -328,47 +348,46 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         if close_memory:
             await asyncio.to_thread(memory.close)
 
-    def auth(authorization: Annotated[str | None, Header()] = None) -> None:
-        if key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
+    async def auth(request: Request) -> None:  # async: no hop to the thread pool per request
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key):
             raise HTTPException(401, "missing or invalid bearer token (Authorization: Bearer <key>)",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan)
+    app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan,
+                  default_response_class=FastJSONResponse)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.memory = memory
     app.state.metrics = metrics
-    v1 = [Depends(auth)]
+    v1 = [Depends(auth)] if key is not None else []
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok", "users": memory.bank.num_users, "items": memory.bank.num_items,
-                "batching": memory.batching}
+                "batching": memory.batching, "encoder": memory.encoder_info()}
 
     @app.get("/metrics")
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/users/{user_id:path}/memories", status_code=201, dependencies=v1)
-    def add(user_id: UserId, body: AddRequest) -> JSONResponse:
+    def add(user_id: UserId, body: AddRequest) -> FastJSONResponse:
         with _http_errors():
             ids = memory.add(body.texts, user_id, ids=body.ids, metadata=body.metadata, vectors=body.vectors)
-        return JSONResponse({"ids": ids}, status_code=201)
+        return FastJSONResponse({"ids": ids}, status_code=201)
 
     @app.get("/v1/users/{user_id:path}/memories", dependencies=v1, response_model=list[ItemOut])
-    def list_items(user_id: UserId) -> JSONResponse:
+    def list_items(user_id: UserId) -> FastJSONResponse:
         with _http_errors():
             items = memory.get_all(user_id)
-        return JSONResponse([it.to_dict() for it in items])
+        return FastJSONResponse([it.to_dict() for it in items])
 
     @app.get("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1, response_model=ItemOut)
-    def get_item(user_id: UserId, item_id: ItemPath) -> JSONResponse:
+    def get_item(user_id: UserId, item_id: ItemPath) -> FastJSONResponse:
         with _http_errors():
             item = memory.get(item_id, user_id)[0]
-        return JSONResponse(item.to_dict())
+        return FastJSONResponse(item.to_dict())
 
     @app.patch("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1)
     def update_item(user_id: UserId, item_id: ItemPath, body: UpdateRequest) -> dict[str, Any]:
@@ -390,21 +409,21 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         return {"deleted": body.ids}
 
     @app.post("/v1/users/{user_id:path}/search", dependencies=v1, response_model=SearchResponse)
-    async def search(user_id: UserId, body: SearchRequest) -> JSONResponse:
+    async def search(user_id: UserId, body: SearchRequest) -> FastJSONResponse:
         query = body.query if body.query is not None else body.vector
         with _http_errors():
             hits = await memory.asearch(query, user_id, k=body.k, mode=body.mode)
         metrics.count(body.mode, hits)
-        return JSONResponse(_search_json(hits))
+        return FastJSONResponse(_search_json(hits))
 
     @app.post("/v1/users/{user_id:path}/search/batch", dependencies=v1)
-    async def search_batch(user_id: UserId, body: BatchSearchRequest) -> JSONResponse:
+    async def search_batch(user_id: UserId, body: BatchSearchRequest) -> FastJSONResponse:
         queries = body.queries if body.queries is not None else body.vectors
         with _http_errors():
             results = await asyncio.to_thread(memory.search_batch, queries, user_id, body.k, body.mode)
         for hits in results:
             metrics.count(body.mode, hits)
-        return JSONResponse({"results": [_search_json(h) for h in results]})
+        return FastJSONResponse({"results": [_search_json(h) for h in results]})
 
     @app.post("/v1/checkpoint", dependencies=v1)
     def checkpoint() -> dict[str, Any]:
@@ -421,6 +440,7 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     encoder: str = "default",
+    encoder_dtype: str = "auto",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -441,6 +461,10 @@ def serve(
             neither: no auth).
         encoder: "default" (the offline all-MiniLM-L6-v2, loaded before the server
             listens), "none" (vectors only) or a local sentence-transformers directory.
+        encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
+            "auto" (default: bfloat16 where the CPU has native bfloat16 matmul, e.g.
+            AVX512-BF16 / AMX, float32 elsewhere), "float32", "bfloat16" or "float16".
+            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``).
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -451,17 +475,24 @@ def serve(
     """
     import uvicorn
 
+    from ..encoders import check_dtype
+
+    check_dtype(encoder_dtype, "encoder_dtype")
+    dtype: str | None = encoder_dtype
     if encoder == "none":
         enc: Any = False
+        dtype = None
     elif encoder == "default":
         enc = None
     else:
         from ..encoders import TextEncoder
         from .memory import ENCODE_BATCH_SIZE
 
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False)
-    memory = Memory(path, encoder=enc, backend=backend, dim=dim, batching=batching, max_batch=max_batch,
-                    max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
+        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype)
+        dtype = None
+    memory = Memory(path, encoder=enc, encoder_dtype=dtype, backend=backend, dim=dim, batching=batching,
+                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
+                    cache_size=cache_size)
     if enc is not False:
         memory.encoder  # load the model now, not on the first request
     key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
