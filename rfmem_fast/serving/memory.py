@@ -303,8 +303,8 @@ class Memory:
         encoder_dtype: precision of the default encoder, "float32" (None, the
             default), "bfloat16", "float16" or "auto" (bfloat16 where the CPU / GPU
             multiplies it natively: :func:`rfmem_fast.encoders.resolve_dtype`). A
-            bfloat16 query embedding is within ~2e-5 of cosine 1 to the float32 one
-            (MiniLM, PersonaBench) at 2-2.5x less encoder CPU; hits can differ from
+            bfloat16 embedding has cosine >= 0.99997 to the float32 one (MiniLM,
+            PersonaBench) at ~2x less encoder CPU in batches; hits can differ from
             float32 ones on near-ties only. Only for the default encoder: pass
             ``TextEncoder(dtype=...)`` as ``encoder`` otherwise.
         config: RFMemConfig (default: the spec's defaults); ``k`` in :meth:`search`
