@@ -136,7 +136,6 @@ def _recollect_chunk(
     out_k = config.out_k
     lam = float(config.mmr_lambda)
     b, d = q0.shape
-    X = view.X
     q0 = q0.to(dev, torch.float32)
     qseg = qseg.to(dev)
     cap = out_k - 1 + B * (B + R - 1) * F
@@ -175,7 +174,7 @@ def _recollect_chunk(
         c_sc = torch.gather(c_sc, 1, order)
         valid = torch.gather(valid, 1, order)
         n_valid = valid.sum(dim=1)
-        V = X[c_rows.clamp(min=0)] * valid[:, :, None]  # [P, K, d]
+        V = view.rows(c_rows.clamp(min=0)) * valid[:, :, None]  # [P, K, d] float32 rows (exact copy)
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
             V64 = V.to(torch.float64)  # float64: independent of the batch's kernel choice

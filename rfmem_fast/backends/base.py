@@ -40,28 +40,57 @@ class BankView:
     """A bank snapshot as one backend holds it.
 
     Attributes:
-        X: float32 [n, d] unit rows on the backend's device.
+        X: float32 [n, d] unit rows (the exact copy the scores are defined on), on the
+            backend's device; on the host (CPU) when ``Xs`` is a half-precision copy, so
+            that a GPU holds only the scan copy.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
         snapshot: the bank snapshot it was made from.
+        Xs: the scan copy of a float16 / bfloat16 bank (``torch.float16`` /
+            ``torch.bfloat16`` [n, d] on the backend's device) for a backend that scans
+            it (``Backend.scans_half``); None: the backend scans ``X``.
     """
 
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
     snapshot: BankSnapshot
+    Xs: torch.Tensor | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def scan(self) -> torch.Tensor:
+        """The rows a scan reads: ``Xs`` when set, else ``X`` (float32)."""
+        return self.X if self.Xs is None else self.Xs
+
+    @property
+    def scan_dtype(self) -> str:
+        """"float32", or the half type of ``Xs`` (:mod:`rfmem_fast.precision`)."""
+        return "float32" if self.Xs is None else self.snapshot.dtype
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``X[idx]`` on ``idx``'s device (the exact copy; [*idx.shape, d])."""
+        return self.X[idx.to(self.X.device)].to(idx.device)
+
+    @property
     def row_norm_max(self) -> float:
-        """An upper bound of the largest row norm of the bank (computed once, cached).
+        """An upper bound of the largest row norm of the float32 rows (computed once, cached).
 
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
+        For a half-precision bank it is computed from the scan copy
+        (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
+        memory-mapped from a store are not read.
         """
         if "xnorm" not in self._memo:
-            from .exact import row_norm_max
+            snap = self.snapshot
+            if snap.scan is not None:
+                from ..precision import row_norm_bound_from_scan
 
-            self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
+            else:
+                from .exact import row_norm_max
+
+                self._memo["xnorm"] = row_norm_max(snap.vectors)
         return self._memo["xnorm"]
 
 
@@ -81,6 +110,9 @@ class Backend:
     name: str = "base"
     device: torch.device = torch.device("cpu")
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    #: True for a backend whose scans read a half-precision bank's scan copy
+    #: (``BankView.Xs``); the others scan the float32 rows of every bank.
+    scans_half: bool = False
 
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
@@ -89,18 +121,22 @@ class Backend:
             bank: the memory bank.
 
         Returns:
-            BankView on ``self.device``.
+            BankView on ``self.device`` (a half-precision bank's float32 rows stay on the
+            host for a backend that scans its half copy: see :class:`BankView`).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
             offsets_cpu = torch.from_numpy(snap.offsets)
-            return BankView(
-                X=torch.from_numpy(snap.vectors).to(self.device),
-                offsets=offsets_cpu.to(self.device),
-                offsets_cpu=offsets_cpu,
-                snapshot=snap,
-            )
+            X = torch.from_numpy(snap.vectors)
+            Xs = None
+            if self.scans_half and snap.scan is not None:
+                from ..precision import scan_tensor
+
+                Xs = scan_tensor(snap.scan, snap.dtype).to(self.device)  # the float32 rows stay on the host
+            else:
+                X = X.to(self.device)
+            return BankView(X=X, offsets=offsets_cpu.to(self.device), offsets_cpu=offsets_cpu, snapshot=snap, Xs=Xs)
 
         return bank.cached(("view", self.name, str(self.device)), build)
 

@@ -1,15 +1,23 @@
 """Native backend: the primitives as C++17 CPU kernels (``rfmem_fast._native``, csrc/cpu).
 
-* segmented top-k: one float32 pass over each query's own segment; the queries of one
-  user share each tile of its rows (up to 16 queries per tile, 4 rows per step, a
-  bounded heap per query touched only when a score beats the current worst kept one);
+* segmented top-k: one float32 pass over each query's own segment, on one of two paths
+  chosen per segment by a cost rule (``_native.gemm_pays``): the scan path, where the
+  queries of one user share each tile of its rows (up to 16 queries per tile, 4 rows
+  per step), or the GEMM path for many queries of one long segment (a shared bank, a
+  few large users): register-blocked matrix products (AVX-512 / AVX2+FMA micro-kernels
+  picked at run time, a baseline one elsewhere) over tiles of rows, each score compared
+  at once with its query's heap threshold, never a [b, n] matrix; both keep a bounded
+  heap per query touched only when a score beats the current worst kept one;
   then the exact re-scoring of :mod:`rfmem_fast.backends.exact` (every kept row whose
   float32 score can reach the k-th exact score within the kernel's proven error bound
   is re-scored exactly; the segment is rescanned when the kept list cannot prove it
   holds them all), so all backends give the same scores and ids; ties by the smaller
   row; no [b, n] score matrix, no temporaries beyond O(b k) (the memory budget is
   never approached). :meth:`probe` fuses the familiarity signals (float64, the three
-  conventions of :func:`rfmem_fast.signals.familiarity_signals`).
+  conventions of :func:`rfmem_fast.signals.familiarity_signals`). A float16 / bfloat16
+  bank is scanned in its half-precision copy (F16C conversion / a 16-bit shift to
+  float32, float32 accumulation), the float32 rows being read only to re-score the
+  candidates exactly (:mod:`rfmem_fast.precision`).
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
   the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
   per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
@@ -31,6 +39,9 @@ from ..kmeans import draw_table
 from ..threads import get_num_threads
 from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
 
+#: the values of ``NativeBackend(topk_path=...)``
+TOPK_PATHS = ("auto", "scan", "gemm")
+
 
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """A C-contiguous CPU numpy view of ``t`` as ``dtype`` (copies only when needed)."""
@@ -46,20 +57,28 @@ class NativeBackend(Backend):
             when its work is small (a single query runs on the calling thread).
         memory_budget: bytes for temporaries (default 256 MiB); the kernels never
             come near it (O(b k) besides the outputs), it is kept for the beam driver.
+        topk_path: "auto" (default: the cost rule per segment), "scan" or "gemm"
+            (forced, for tests and benchmarks); results never depend on it.
 
     Raises:
-        ValueError: ``num_threads`` < 1; a budget < 1 MiB.
+        ValueError: ``num_threads`` < 1; a budget < 1 MiB; an unknown ``topk_path``.
         TypeError: a budget that is not an int.
     """
 
     name = "native"
     device = torch.device("cpu")
+    scans_half = True
 
-    def __init__(self, num_threads: int | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+    def __init__(
+        self, num_threads: int | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET, topk_path: str = "auto"
+    ) -> None:
         if num_threads is not None and (isinstance(num_threads, bool) or int(num_threads) < 1):
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        if topk_path not in TOPK_PATHS:
+            raise ValueError(f"topk_path must be one of {TOPK_PATHS}, got {topk_path!r}")
         self.num_threads = None if num_threads is None else int(num_threads)
         self.memory_budget = check_memory_budget(memory_budget)
+        self.topk_path = topk_path
 
     def _threads(self) -> int:
         return self.num_threads if self.num_threads is not None else get_num_threads()
@@ -67,6 +86,13 @@ class NativeBackend(Backend):
     @staticmethod
     def _bank(view: BankView) -> tuple[np.ndarray, np.ndarray]:
         return _np(view.X, torch.float32), _np(view.offsets_cpu, torch.int64)
+
+    def _scan_args(self, view: BankView) -> dict:
+        """The kernel's scan options: the half-precision copy (uint16 bits) when the view has one."""
+        snap = view.snapshot
+        if view.Xs is None or snap.scan is None:
+            return {"path": self.topk_path}
+        return {"scan": snap.scan.view(np.uint16), "scan_type": snap.dtype, "path": self.topk_path}
 
     # ---------------------------------------------------------------- top-k
     def segmented_topk(self, view: BankView, Q, qseg, k):
@@ -77,7 +103,8 @@ class NativeBackend(Backend):
         """
         X, off = self._bank(view)
         s, r = _native.segmented_topk(
-            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max,
+            **self._scan_args(view),
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
@@ -99,6 +126,7 @@ class NativeBackend(Backend):
             str(convention),
             self._threads(),
             view.row_norm_max,
+            **self._scan_args(view),
         )
         return (
             torch.from_numpy(s),
