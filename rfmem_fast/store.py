@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap as mmap_module
 import os
 import re
 import shutil
@@ -436,10 +437,33 @@ def _read_rows(
             try:
                 # copy-on-write map: writable in memory (torch wraps it without a copy or a
                 # warning), never written back to the file, pages read only when touched
-                outs[i] = np.asarray(np.load(path, mmap_mode="c", allow_pickle=False))
+                mm = np.load(path, mmap_mode="c", allow_pickle=False)
             except (ValueError, OSError, EOFError) as exc:
                 raise StoreError(path, f"cannot be mapped: {exc}") from None
+            if half and i == 0:
+                _random_access(path, mm)
+            outs[i] = np.asarray(mm)
     return outs[0], (outs[1] if half else None)
+
+
+def _random_access(path: Path, mm: np.memmap) -> None:
+    """Hints for the float32 rows of a half-precision bank, which searches read only for
+    the candidates they re-score (a few rows per query, at random): drop the file's
+    clean pages from the page cache (the verify pass read them) and map it for random
+    access (no read-ahead), so that a search makes resident only the pages of the rows
+    it reads. Best effort: silently skipped where the OS lacks these calls."""
+    try:
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        raw = getattr(mm, "_mmap", None)
+        if raw is not None and hasattr(raw, "madvise") and hasattr(mmap_module, "MADV_RANDOM"):
+            raw.madvise(mmap_module.MADV_RANDOM)
+    except (OSError, ValueError):
+        pass
 
 
 def _read_offsets(path: Path, expect: dict, u: int, n: int, verify: bool) -> np.ndarray:
@@ -578,17 +602,24 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
             it without a copy or warning) but nothing is ever written back to the file.
             The first snapshot after a write to the loaded bank copies all rows into
             memory. Do not truncate or rewrite the mapped file in place while the bank
-            lives (``save`` never does: it writes a new directory).
+            lives (``save`` never does: it writes a new directory). A half-precision
+            bank maps ``scan.npy`` too; its ``vectors.npy`` is then only read for the
+            rows searches re-score, so it is mapped for random access and its pages are
+            dropped from the page cache after the verify pass: the process keeps
+            resident the scan copy (half the float32 bytes) plus the pages of the rows
+            it re-scored (README "Half-precision banks").
         verify: if True (default), every data file's sha256 is checked and every row
-            is checked to be finite and of unit norm, in one streaming pass over
-            ``vectors.npy`` (under ``mmap`` with ordinary reads, so the mapping is not
-            made resident). If False these checks are skipped (the manifest's own
+            is checked to be finite and of unit norm (and, for a half-precision bank,
+            every row of ``scan.npy`` to be the rounding of its float32 row), in one
+            streaming pass over the files (under ``mmap`` with ordinary reads, so the
+            mappings are not made resident). If False these checks are skipped (the manifest's own
             checksum, file sizes, headers, shapes, offsets, ids and texts are still
             checked): faster, but a flipped byte inside the data goes unnoticed.
 
     Returns:
         MemoryBank whose snapshot equals the saved one (users, item ids with their
-        str / int types, texts, vectors bit for bit, offsets, version). Its first
+        str / int types, texts, vectors and scan copy bit for bit, dtype, offsets,
+        version). Its first
         snapshot is the loaded arrays themselves (no copy).
 
     Raises:

@@ -445,6 +445,6 @@ Raises:
       "The cost rule of segmented_topk(path='auto'): True when num_queries queries of one segment of seg_len rows "
       "(dimension d) take the GEMM path at SIMD level ``level`` (-1: the level in use). GEMM costs the queries "
       "padded to whole panels (32 at level 2, 16 below) at the micro-kernel's rate, the scan path every query at "
-      "the lanes' rate (csrc/cpu/topk.cpp, measured rates); segments of fewer than 32 rows always scan.");
+      "the lanes' rate (csrc/cpu/topk.cpp, measured rates); segments of fewer than 128 rows always scan.");
   mod.attr("GEMM_KC") = rfmem::kGemmKc;
 }

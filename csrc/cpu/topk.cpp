@@ -366,7 +366,7 @@ namespace {
 constexpr double kScanRate[3] = {3.0, 8.0, 8.0};
 constexpr double kGemmRate[3] = {3.0, 14.0, 28.0};
 constexpr int64_t kPanel[3] = {16, 16, 32};
-constexpr int64_t kGemmMinRows = 32;
+constexpr int64_t kGemmMinRows = 128;
 }  // namespace
 
 bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level) {
