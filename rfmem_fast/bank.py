@@ -694,6 +694,29 @@ class MemoryBank:
 
         return load_bank(path, mmap=mmap, verify=verify)
 
+    def astype(self, dtype: Any) -> "MemoryBank":
+        """A bank of another scan type holding this bank's current users, items and rows.
+
+        Args:
+            dtype: "float32", "float16" or "bfloat16" (see :class:`MemoryBank`).
+
+        Returns:
+            a new MemoryBank of ``dtype`` whose snapshot has this bank's float32 rows,
+            offsets, users, item ids, texts and version. The float32 rows are SHARED with
+            this bank's current snapshot (no copy: snapshots are immutable and neither
+            bank ever writes them); the scan copy of a half type is computed here
+            (O(n d)). Later writes to either bank do not affect the other.
+
+        Raises:
+            ValueError: an unknown ``dtype``.
+        """
+        dtype = check_dtype(dtype)
+        snap = self.snapshot()
+        scan = to_scan_copy(snap.vectors, dtype) if dtype in HALF_DTYPES else None
+        out = MemoryBank(self._dim, dtype=dtype)
+        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype))
+        return out
+
     def _install(self, snap: BankSnapshot) -> None:
         """Make ``snap`` the bank's content (used by the store loader; no copy)."""
         with self._lock:

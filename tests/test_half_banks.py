@@ -52,9 +52,11 @@ def _fast_backends():
 
 
 def _as(bank: MemoryBank, dtype: str) -> MemoryBank:
-    """The same users, items and float32 rows in a bank of ``dtype``."""
-    s = bank.snapshot()
-    return MemoryBank.from_arrays(s.vectors, s.offsets, users=list(s.users), item_ids=list(s.item_ids), dtype=dtype)
+    """The same users, items and float32 rows (bit for bit, shared) in a bank of ``dtype``."""
+    out = bank.astype(dtype)
+    a, b = bank.snapshot(), out.snapshot()
+    assert b.vectors is a.vectors and b.item_ids is a.item_ids and out.dtype == dtype
+    return out
 
 
 # ------------------------------------------------------------------ the scan copy
@@ -84,6 +86,20 @@ def test_scan_copy_rounds_to_nearest_even():
     np.testing.assert_array_equal(scan_to_float32(f16, "float16"), f16.astype(np.float32))
     with pytest.raises(ValueError, match="float16 range"):
         to_scan_copy(np.float32([[70000.0]]), "float16")
+
+
+def test_astype_shares_rows_and_stays_independent():
+    rng = np.random.default_rng(8)
+    bank = MemoryBank(16)
+    bank.add("a", rng.normal(size=(30, 16)), ids=list(range(30)), texts=[str(i) for i in range(30)])
+    half = _as(bank, "float16")
+    np.testing.assert_array_equal(half.snapshot().scan, bank.snapshot().vectors.astype(np.float16))
+    half.delete("a", [0, 1])
+    half.add("b", rng.normal(size=(3, 16)), ids=[1, 2, 3])
+    bank.update("a", [5], rng.normal(size=(1, 16)))
+    assert bank.user_size("a") == 30 and "b" not in bank and half.user_size("a") == 28
+    assert half.texts_of("a")[:2] == ["2", "3"] and half.snapshot().scan.shape == (31, 16)
+    assert not np.array_equal(half.snapshot().vectors[3], bank.snapshot().vectors[5])  # the update stayed in bank
 
 
 def test_dtype_argument():
