@@ -88,7 +88,14 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
   const v8 z = {0, 0, 0, 0, 0, 0, 0, 0};
   v8 a0l = z, a0h = z, a1l = z, a1h = z, a2l = z, a2h = z, a3l = z, a3h = z;
   int64_t j = 0;
+  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
+  // per step (a prefetch never faults, past the end of the rows too)
+  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
   for (; j + 16 <= d; j += 16) {
+    __builtin_prefetch(next + j * 16);
+    __builtin_prefetch(next + j * 16 + 64);
+    __builtin_prefetch(next + j * 16 + 128);
+    __builtin_prefetch(next + j * 16 + 192);
     const v8 ql = ld8(q + j), qh = ld8(q + j + 8);
     a0l += ld8(x0 + j) * ql;
     a0h += ld8(x0 + j + 8) * qh;
