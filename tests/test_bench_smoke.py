@@ -102,6 +102,18 @@ def test_bench_cli_quick_tiny(tmp_path, capsys):
         assert _finite(rt[name]["value"]), name
     assert rt["rfmem_p50_over_dense_p50"]["paper"] == 1.42
     assert rt["rfmem_qps_over_faiss_dense_qps"]["batch_size"] == 8
+    # issue 11: dtype and thread-count variants side by side, the goals' ratios
+    assert doc["settings"]["dtypes"] == ["float32", "float16"] and doc["settings"]["thread_counts"] == [1, 2]
+    variants = {(r["system"], r["dtype"], r["threads"]) for r in mt if r["kind"] == "ours"}
+    assert variants == {(b, dt, t) for b in ours for dt in ("float32", "float16") for t in (1, 2)}
+    assert {r["threads"] for r in bat if r["kind"] == "faiss"} == {1, 2}
+    assert all(r["agree_reference"] == 1.0 for r in mt if r["dtype"] == "float16" and r.get("agree_reference") is not None)
+    for name, goal in (("shared_dense_qps_over_faiss_dense_qps", ">= 1"), ("multitenant_float16_dense_qps_over_float32", ">= 1.6"),
+                       ("multitenant_float16_rfmem_qps_over_float32", ">= 1.4")):  # fmt: skip
+        assert _finite(rt[name]["value"]) and rt[name]["goal"] == goal and rt[name]["threads"] == 2, name
+    assert set(rt["shared_dense_qps_over_faiss_dense_qps"]["per_threads"]) == {"1", "2"}  # JSON object keys
+    assert rt["rfmem_qps_over_faiss_dense_qps"]["goal"] == ">= 0.3"
+    assert all(_finite(v) for per in rt["thread_scaling"]["qps_ratio"].values() for v in per.values())
     assert _finite(rt["rfmem_speedup_vs_reference"]["single_query"]["value"])
     assert rt["route_split"]["familiarity_fraction"]
     assert w["personabench"].get("skipped")

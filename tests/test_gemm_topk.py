@@ -60,6 +60,7 @@ def test_cost_rule():
         assert _native.gemm_pays(16, 4096, 384, lv)
         assert not _native.gemm_pays(1, 100_000, 384, lv)
         assert not _native.gemm_pays(4, 4096, 384, lv)
+        assert [n for n in range(1, 40) if _native.gemm_pays(n, 4096, 384, lv)] == list(range(12 if lv == 2 else 10, 40))
         assert not _native.gemm_pays(1024, 64, 384, lv)  # shorter than the 128-row minimum
     assert not any(_native.gemm_pays(nq, 100_000, 384, 0) for nq in range(1, 300))
     assert _native.gemm_pays(1024, 100_000, 384) == (SUPPORTED >= 1)  # level -1: the one in use

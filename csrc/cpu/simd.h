@@ -16,9 +16,12 @@
 //     - 1 at most (gemm_depth), whether the multiply-add is fused (levels 1, 2) or not
 //     (level 0).
 //   * dot4_half / scan_rows_half: the scan path over float16 / bfloat16 rows, converted
-//     exactly to float32 (F16C / a 16-bit shift) and reduced on the SAME 16 lanes with
-//     the same multiply-then-add order and the same final tree as the float32 scan of
-//     topk.cpp, so its depth is ceil(d / 16) + 4 and all levels give identical bits.
+//     exactly to float32 (F16C / a 16-bit shift) and reduced on the same 16 lanes as the
+//     float32 scan of topk.cpp (lane j % 16 accumulates in order of j, then a balanced
+//     4-level tree), so its depth is at most ceil(d / 16) + 4. Levels 1 and 2 fuse each
+//     multiply-add (one rounding per term instead of two; level 2 scans 8 rows per step)
+//     and prefetch the rows ahead, level 0 multiplies then adds: their scan scores may
+//     differ in the last bits, the exact results never do.
 //   * to_f32: float16 / bfloat16 -> float32, exact.
 #pragma once
 

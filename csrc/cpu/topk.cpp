@@ -24,7 +24,9 @@
 //      exact score e = RN32(q.x), with c = (1 + u_in)^2 (1 + gamma_n(2^-24)) - 1 + 2^-24
 //      and n the depth of the kernel (roundings a product term goes through):
 //        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
-//                   products in order, then a 4-level tree; no FMA contraction),
+//                   products in order, then a 4-level tree; no FMA contraction for
+//                   float32 rows, fused multiply-adds for half rows at SIMD levels 1, 2:
+//                   fewer roundings, the same bound),
 //        GEMM path  n = min(d, Kc) + ceil(d / Kc) - 1, Kc = kGemmKc = 64 (simd.h
 //                   gemm_depth: blocks of Kc terms summed from zero, then added to the
 //                   running sum),
@@ -365,14 +367,20 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
 
 }  // namespace
 
-// The cost rule (kernels.h gemm_pays). Multiply-adds per cycle of one core on a d = 384
-// bank far larger than the caches, measured by bench/bench_gemm.py (Intel Xeon, Sapphire
-// Rapids class; README "GEMM path"): scan path (16 lanes, multiply then add) and GEMM
-// micro-kernel (fused multiply-adds) per SIMD level, and the panel width NR per level.
+// The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
+// bench/bench_gemm.py ("rates": one segment of 100,000 x 384 rows, 512 queries, Intel
+// Xeon of the Sapphire Rapids class, bench/results/gemm-indicative.json): the scan path
+// (16 lanes, groups of 16 queries per tile) ~15 GMAC/s at every level; the GEMM micro-
+// kernel 62 GMAC/s (AVX-512), 42 (AVX2 + FMA), 9 (baseline, below the scan: never taken).
+// A unit also has a fixed cost (packing its panels, per-micro-tile threshold checks,
+// partial tiles) of about kGemmFixed queries' worth of scan work, fitted to the measured
+// crossover ("crossover" in the same file: the GEMM path wins from about 12 queries per
+// segment at AVX-512 and 10 at AVX2, on segments of >= 128 rows).
 namespace {
-constexpr double kScanRate[3] = {3.0, 8.0, 8.0};
-constexpr double kGemmRate[3] = {3.0, 14.0, 28.0};
+constexpr double kScanRate[3] = {15.0, 15.0, 15.0};
+constexpr double kGemmRate[3] = {9.0, 42.0, 62.0};
 constexpr int64_t kPanel[3] = {16, 16, 32};
+constexpr double kGemmFixed = 4.0;
 constexpr int64_t kGemmMinRows = 128;
 }  // namespace
 
@@ -381,7 +389,7 @@ bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level) {
   level = std::max(0, std::min(level, 2));
   const int64_t nr = kPanel[level];
   const double padded = static_cast<double>((nq + nr - 1) / nr * nr);
-  return padded / kGemmRate[level] < static_cast<double>(nq) / kScanRate[level];
+  return padded * kScanRate[level] / kGemmRate[level] + kGemmFixed < static_cast<double>(nq);
 }
 
 void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q,
