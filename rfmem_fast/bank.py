@@ -56,7 +56,9 @@ Persistence: :meth:`MemoryBank.save` / :meth:`MemoryBank.load` (see :mod:`rfmem_
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
@@ -183,6 +185,59 @@ def _check_texts(texts: Any, n: int) -> list[str | None]:
         if t is not None and not isinstance(t, str):
             raise TypeError(f"texts must hold str or None, got {type(t).__name__}")
     return [None if t is None else str(t) for t in out]
+
+
+#: deepest nesting of lists / dicts accepted in one item's metadata
+MAX_METADATA_DEPTH = 64
+
+
+def _nesting_depth(obj: Any) -> int:
+    """Nesting depth of dicts / lists in ``obj`` (iterative: no recursion limit)."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list, tuple)):
+            depth = max(depth, d)
+            if depth > MAX_METADATA_DEPTH:
+                return depth
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return depth
+
+
+def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
+    """Per-item metadata as stored: m JSON objects (or None), deep-copied through JSON.
+
+    Raises:
+        TypeError: not a sequence of dicts / None.
+        ValueError: wrong length, an entry nested deeper than ``MAX_METADATA_DEPTH``, or
+            one that does not survive a JSON round trip unchanged (non-str keys, tuples,
+            NaN / Inf, non-JSON values).
+    """
+    if metadata is None:
+        return [None] * n
+    if isinstance(metadata, (str, bytes, dict)) or not hasattr(metadata, "__iter__"):
+        raise TypeError(f"metadata must be a sequence of dicts (or None), one per item, got {type(metadata).__name__}")
+    out = list(metadata)
+    if len(out) != n:
+        raise ValueError(f"metadata has {len(out)} entries but there are {n} items")
+    for j, m in enumerate(out):
+        if m is None:
+            continue
+        if not isinstance(m, dict):
+            raise TypeError(f"metadata[{j}] must be a dict or None, got {type(m).__name__}")
+        if _nesting_depth(m) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata[{j}] nests deeper than {MAX_METADATA_DEPTH} levels")
+        try:
+            copied = json.loads(json.dumps(m, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"metadata[{j}] is not JSON-serialisable: {exc}") from None
+        if copied != m:
+            raise ValueError(
+                f"metadata[{j}] does not survive a JSON round trip unchanged "
+                "(use str keys, lists rather than tuples, finite numbers)"
+            )
+        out[j] = copied
+    return out
 
 
 def _object_array(values: Sequence[Any]) -> np.ndarray:
@@ -393,6 +448,9 @@ class MemoryBank:
         self._snap: BankSnapshot | None = None
         self._cache: dict[Any, Any] = {}
         self._store: tuple[str, bool] | None = None  # (path, mmap) when made by load()
+        # per-item metadata, {user: {item id: dict}}, only for items that have some;
+        # not part of the snapshot (searches never read it), guarded by the lock
+        self._meta: dict[Hashable, dict[ItemId, dict]] = {}
 
     def __repr__(self) -> str:
         """``MemoryBank(dim=384, users=2, items=79, version=5, dtype=float16[, store='...', mmap=True])``.
@@ -410,6 +468,7 @@ class MemoryBank:
             if self._store[1]:
                 parts.append("mmap=True")
         return f"MemoryBank({', '.join(parts)})"
+
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -477,6 +536,7 @@ class MemoryBank:
         vectors: Any,
         ids: Sequence[ItemId],
         texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
     ) -> None:
         """Append items to a user's memory (creating the user if new).
 
@@ -488,20 +548,24 @@ class MemoryBank:
                 within the user's live items. The id of a deleted item may be reused.
             texts: m optional texts (str or None; the empty string is a valid text and
                 is kept as ``""``, distinct from None).
+            metadata: m optional per-item metadata dicts (or None): JSON objects (str
+                keys, JSON values), stored as a deep copy, saved with the bank and read
+                back by :meth:`get_metadata`. Searches never look at them.
 
         Cost: amortised O(m d) (the user's tail buffer doubles); the next read builds
         a new snapshot (module docstring).
 
         Raises:
-            TypeError: wrong type of user, ids, texts or a non-floating dtype.
+            TypeError: wrong type of user, ids, texts, metadata or a non-floating dtype.
             ValueError: wrong shape or dimension, no rows, NaN / Inf, a zero vector,
-                mismatched lengths, a duplicate id, or an id the user already holds.
+                mismatched lengths, a duplicate id, an id the user already holds, or
+                metadata that is not JSON.
             Nothing is written when an error is raised.
         """
         with self._lock:
-            self._add_unlocked(user, vectors, ids, texts, allow_empty=False)
+            self._add_unlocked(user, vectors, ids, texts, allow_empty=False, metadata=metadata)
 
-    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool) -> None:
+    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool, metadata=None) -> None:
         user = _check_user(user)
         vec = as_float_matrix(vectors, "vectors", self._dim)
         if vec.shape[0] == 0 and not allow_empty:
@@ -509,6 +573,7 @@ class MemoryBank:
         vec = l2_normalize_rows(vec, "vectors")
         id_list = _check_ids(ids, vec.shape[0])
         tx = _check_texts(texts, vec.shape[0])
+        meta = _check_metadata(metadata, vec.shape[0])
         u = self._uindex.get(user)
         if u is not None:
             slots = self._rows[u].slots()
@@ -525,7 +590,21 @@ class MemoryBank:
             r.begin_write()
             r.append(vec, id_list, tx)
             self._n_live += vec.shape[0]
+            self._set_metadata(user, id_list, meta)
         self._touch()
+
+    def _set_metadata(self, user: Hashable, ids: list, meta: list) -> None:
+        """Store (dict) or clear (None) the metadata of ``ids`` (under the lock)."""
+        store = self._meta.get(user)
+        if store is None:
+            if all(m is None for m in meta):
+                return
+            store = self._meta[user] = {}
+        for i, m in zip(ids, meta):
+            if m is None:
+                store.pop(i, None)
+            else:
+                store[i] = m
 
     def delete(self, user: Hashable, ids: Sequence[ItemId], missing_ok: bool = False) -> int:
         """Delete items of a user; they are never returned by any later search.
@@ -568,6 +647,7 @@ class MemoryBank:
             r, slots = self._writable_slots(u, id_list)
             for i in id_list:
                 r.kill(slots.pop(i))
+            self._set_metadata(self._users[u], id_list, [None] * len(id_list))
             self._n_live -= len(id_list)
             if r.n_dead >= COMPACT_MIN_DEAD and r.n_dead > r.n_live:
                 r.compact(self._dim)
@@ -601,14 +681,18 @@ class MemoryBank:
         ids: Sequence[ItemId],
         vectors: Any,
         texts: Sequence[str | None] | None = None,
+        metadata: Sequence[dict | None] | None = None,
     ) -> None:
-        """Replace the vectors (and optionally texts) of existing items, keeping their ids.
+        """Replace the vectors (and optionally texts and metadata) of existing items, keeping their ids.
 
         Args:
             user: an existing user key.
             ids: m >= 1 distinct item ids the user holds.
             vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`.
             texts: m new texts (str or None), or None to keep the current texts.
+            metadata: m new metadata dicts (None entries clear an item's metadata), or
+                None to keep the current metadata (:meth:`set_metadata` changes only
+                metadata).
 
         Each item keeps its id and its row position within the user (so ties still
         break as before). Cost: O(m d).
@@ -626,13 +710,43 @@ class MemoryBank:
             vec = l2_normalize_rows(vec, "vectors")
             id_list = _check_ids(ids, vec.shape[0])
             tx = None if texts is None else _check_texts(texts, vec.shape[0])
+            meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
             r, slots = self._writable_slots(u, id_list)
             for j, i in enumerate(id_list):
                 s = slots[i]
                 r.set_row(s, vec[j])
                 if tx is not None:
                     r.texts[s] = tx[j]
+            if meta is not None:
+                self._set_metadata(self._users[u], id_list, meta)
             self._touch()
+
+    def set_metadata(self, user: Hashable, ids: Sequence[ItemId], metadata: Sequence[dict | None]) -> None:
+        """Replace the metadata of existing items (vectors and texts unchanged).
+
+        Args:
+            user: an existing user key.
+            ids: m >= 1 distinct item ids the user holds.
+            metadata: m dicts (JSON objects, as in :meth:`add`) or None (clears).
+
+        Searches never read metadata, so neither :attr:`version` nor the snapshot
+        changes. Cost: O(m) plus the JSON copy of the dicts.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+            TypeError / ValueError: malformed ids or metadata (nothing is written then).
+        """
+        with self._lock:
+            u = self.user_index(user)
+            id_list = _check_id_list(ids)
+            if not id_list:
+                raise ValueError("ids must hold at least one item id")
+            meta = _check_metadata(metadata, len(id_list))
+            slots = self._rows[u].slots()
+            missing = [i for i in id_list if i not in slots]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            self._set_metadata(self._users[u], id_list, meta)
 
     def compact(self) -> int:
         """Reclaim the rows of deleted items now (build the snapshot and rebase on it).
@@ -702,28 +816,40 @@ class MemoryBank:
 
         Returns:
             a new MemoryBank of ``dtype`` whose snapshot has this bank's float32 rows,
-            offsets, users, item ids, texts and version. The float32 rows are SHARED with
-            this bank's current snapshot (no copy: snapshots are immutable and neither
-            bank ever writes them); the scan copy of a half type is computed here
-            (O(n d)). Later writes to either bank do not affect the other.
+            offsets, users, item ids, texts and version, and a copy of the items'
+            metadata. The float32 rows are SHARED with this bank's current snapshot (no
+            copy: snapshots are immutable and neither bank ever writes them); the scan
+            copy of a half type is computed here (O(n d)). Later writes to either bank do
+            not affect the other.
 
         Raises:
             ValueError: an unknown ``dtype``.
         """
         dtype = check_dtype(dtype)
-        snap = self.snapshot()
+        with self._lock:
+            snap = self.snapshot()
+            meta = None
+            if self._meta:
+                meta = [None] * snap.num_items
+                for u, user in enumerate(snap.users):
+                    store = self._meta.get(user)
+                    if store:
+                        for r in range(int(snap.offsets[u]), int(snap.offsets[u + 1])):
+                            m = store.get(snap.item_ids[r])
+                            meta[r] = None if m is None else copy.deepcopy(m)
         scan = to_scan_copy(snap.vectors, dtype) if dtype in HALF_DTYPES else None
         out = MemoryBank(self._dim, dtype=dtype)
-        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype))
+        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype), meta)
         return out
 
-    def _install(self, snap: BankSnapshot) -> None:
-        """Make ``snap`` the bank's content (used by the store loader; no copy)."""
+    def _install(self, snap: BankSnapshot, metadata: Sequence[dict | None] | None = None) -> None:
+        """Make ``snap`` the bank's content (used by the store loader; no copy), with the
+        rows' metadata (list [n] of dict / None) when given."""
+        if snap.dtype != self._dtype or (snap.scan is None) != (self._dtype not in HALF_DTYPES):
+            raise ValueError(f"snapshot of dtype {snap.dtype!r} cannot be installed in a {self._dtype} bank")
         with self._lock:
             self._users = list(snap.users)
             self._uindex = {u: i for i, u in enumerate(self._users)}
-            if snap.dtype != self._dtype or (snap.scan is None) != (self._dtype not in HALF_DTYPES):
-                raise ValueError(f"snapshot of dtype {snap.dtype!r} cannot be installed in a {self._dtype} bank")
             texts = snap.texts if snap.texts is not None else np.full(snap.num_items, None, dtype=object)
             if snap.texts is None:
                 snap = dataclasses.replace(snap, texts=texts)
@@ -737,6 +863,11 @@ class MemoryBank:
             self._n_live = snap.num_items
             self._version = int(snap.version)
             self._cache = {}
+            self._meta = {}
+            if metadata is not None:
+                for u in range(snap.num_users):
+                    a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
+                    self._set_metadata(self._users[u], list(snap.item_ids[a:b]), list(metadata[a:b]))
             self._snap = snap
 
     # ------------------------------------------------------------------ reading
@@ -874,6 +1005,49 @@ class MemoryBank:
         """The ids of ``user``'s live items in row order."""
         with self._lock:
             return self._rows[self.user_index(user)].live_ids()
+
+    def get_metadata(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> list[dict | None]:
+        """The metadata of some (or all) of ``user``'s live items, as deep copies.
+
+        Args:
+            user: an existing user key.
+            ids: item ids the user holds, or None for all its live items in row order.
+
+        Returns:
+            list of dict (None for an item stored without metadata), aligned with ``ids``.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+        """
+        with self._lock:
+            u = self.user_index(user)
+            if ids is None:
+                id_list = self._rows[u].live_ids()
+            else:
+                id_list = _check_id_list(ids)
+                slots = self._rows[u].slots()
+                missing = [i for i in id_list if i not in slots]
+                if missing:
+                    raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            store = self._meta.get(self._users[u], {})
+            return [copy.deepcopy(store.get(i)) for i in id_list]
+
+    def _snapshot_and_metadata(self) -> tuple[BankSnapshot, list | None]:
+        """The snapshot and its rows' metadata (list [n] of dict / None, or None when no
+        item has any), taken together under the lock (what :func:`rfmem_fast.store.save_bank` writes)."""
+        with self._lock:
+            snap = self.snapshot()
+            if not any(self._meta.values()):
+                return snap, None
+            meta: list = [None] * snap.num_items
+            for user, store in self._meta.items():
+                u = self._uindex[user]
+                a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
+                for row in range(a, b):
+                    m = store.get(snap.item_ids[row])
+                    if m is not None:
+                        meta[row] = m
+            return snap, meta
 
     def cached(self, key: Any, build: Any) -> Any:
         """Per-snapshot cache for backends (device copies of the snapshot and the like).

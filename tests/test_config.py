@@ -53,3 +53,15 @@ def test_theta_order_checked():
 def test_frozen():
     with pytest.raises(Exception):
         RFMemConfig().alpha = 0.1  # type: ignore[misc]
+
+
+def test_presets():
+    assert RFMemConfig.paper() == RFMemConfig()
+    r = RFMemConfig.recommended()
+    assert (r.merge, r.rescore_weight, r.theta_high, r.theta_low) == ("rescore", 0.5, 1.0, 1.0)
+    assert (r.alpha, r.beam_width, r.fanout, r.max_rounds, r.mmr_lambda) == (0.5, 4, 1, 10, 0.9)
+    m = RFMemConfig.recommended("mpnet")
+    assert m.theta_high == -1.0 and m.merge == "none"
+    assert RFMemConfig.recommended(out_k=5).out_k == 5
+    with pytest.raises(ValueError, match="encoder"):
+        RFMemConfig.recommended("bert")

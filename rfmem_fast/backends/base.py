@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
 
@@ -45,7 +46,8 @@ class BankView:
             that a GPU holds only the scan copy.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
-        snapshot: the bank snapshot it was made from.
+        snapshot: the bank snapshot it was made from (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`).
         Xs: the scan copy of a float16 / bfloat16 bank (``torch.float16`` /
             ``torch.bfloat16`` [n, d] on the backend's device) for a backend that scans
             it (``Backend.scans_half``); None: the backend scans ``X``.
@@ -54,7 +56,7 @@ class BankView:
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
-    snapshot: BankSnapshot
+    snapshot: BankSnapshot | None
     Xs: torch.Tensor | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -79,18 +81,27 @@ class BankView:
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
         For a half-precision bank it is computed from the scan copy
         (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
-        memory-mapped from a store are not read.
+        memory-mapped from a store are not read. A view without a snapshot (built from
+        device tensors) computes it where X lives: squared norms summed in float64
+        (relative error <= d 2^-53), inflated to stay an upper bound.
         """
         if "xnorm" not in self._memo:
             snap = self.snapshot
-            if snap.scan is not None:
+            if snap is not None and snap.scan is not None:
                 from ..precision import row_norm_bound_from_scan
 
                 self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
-            else:
+            elif snap is not None:
                 from .exact import row_norm_max
 
                 self._memo["xnorm"] = row_norm_max(snap.vectors)
+            else:
+                m = 0.0
+                d = self.X.shape[1] if self.X.ndim == 2 else 1
+                for a in range(0, self.X.shape[0], 1 << 16):
+                    part = self.X[a : a + (1 << 16)].to(torch.float64)
+                    m = max(m, float((part * part).sum(dim=1).max()))
+                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
         return self._memo["xnorm"]
 
 
@@ -117,20 +128,35 @@ class Backend:
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
 
+        The snapshot's vectors are copied to ``self.device`` once per bank version, in
+        the bank's dtype; every later call with the same version gets the cached view.
+
         Args:
             bank: the memory bank.
 
         Returns:
             BankView on ``self.device`` (a half-precision bank's float32 rows stay on the
             host for a backend that scans its half copy: see :class:`BankView`).
+
+        Raises:
+            DeviceMemoryError: the vectors (the scan copy, for a backend that scans a
+                half-precision bank's) and offsets would not fit in the device's free
+                memory (:func:`rfmem_fast.device.check_fits`; checked before copying).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
+            n, d = snap.vectors.shape
+            half = self.scans_half and snap.scan is not None
+            on_device = snap.scan if half else snap.vectors
+            _device.check_fits(
+                on_device.nbytes + snap.offsets.nbytes, self.device,
+                f"the bank ({n:,} x {d} {snap.dtype if half else snap.vectors.dtype}, {snap.num_users:,} users)",
+            )  # fmt: skip
             offsets_cpu = torch.from_numpy(snap.offsets)
             X = torch.from_numpy(snap.vectors)
             Xs = None
-            if self.scans_half and snap.scan is not None:
+            if half:
                 from ..precision import scan_tensor
 
                 Xs = scan_tensor(snap.scan, snap.dtype).to(self.device)  # the float32 rows stay on the host

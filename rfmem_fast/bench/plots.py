@@ -34,7 +34,11 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.8):
 
 
 def _label(rec: dict[str, Any]) -> str:
-    return "reference loop" if rec["kind"] == "reference" else record_label(rec)
+    if rec["kind"] == "reference":
+        return "reference loop"
+    if "dtype" in rec or "threads" in rec:  # rfmem bench's records: the variant's name
+        return record_label(rec)
+    return rec.get("label") or {"faiss": "faiss IndexFlatIP"}.get(rec["kind"], rec["system"])
 
 
 def _key(rec: dict[str, Any]) -> str:

@@ -19,18 +19,18 @@ measured. Everything is float32 and reproducible from the seed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from ..bank import MemoryBank
+from ..datasets.embedded import PersonaBenchEmbeddings, personabench_embeddings  # noqa: F401  (re-exported)
 
 #: rows generated per step when a large bank is built (bounds the temporary memory)
 GEN_BLOCK_ROWS = 65536
@@ -340,147 +340,106 @@ def default_cache_dir() -> Path:
     ``$RFMEM_BENCH_CACHE`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/bench`` (default
     ``~/.cache/rfmem_fast/bench``).
     """
-    env = os.environ.get("RFMEM_BENCH_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rfmem_fast" / "bench"
+    from .._paths import cache_subdir
+
+    return cache_subdir("bench", "RFMEM_BENCH_CACHE")
 
 
-@dataclass
-class PersonaBenchEmbeddings:
-    """PersonaBench chunks and questions embedded with the MiniLM encoder.
-
-    Attributes:
-        bank: MemoryBank, one user per PersonaBench user (key ``"{community}/{name}"``),
-            item ids = segment ids.
-        Q: float32 [nq, d] unit question embeddings (every question, "Subjective" too).
-        users: nq user keys, ``users[i]`` owns question i.
-        n_users, n_chunks: sizes.
-        encode_chunks_s: seconds to embed the chunks (measured when they were
-            encoded, possibly by an earlier run whose cache was reused).
-        encode_questions_s: seconds to embed the questions in one batch (likewise).
-        cached: True when the embeddings came from the cache.
-        cache_file: the cache file used or written (None without a cache).
-        model: the encoder's model path or name.
-    """
-
-    bank: MemoryBank
-    Q: np.ndarray
-    users: list[str]
-    n_users: int
-    n_chunks: int
-    encode_chunks_s: float
-    encode_questions_s: float
-    cached: bool
-    cache_file: str | None
-    model: str
-    extra: dict[str, Any] = field(default_factory=dict)
+# --------------------------------------------------------------------------- PersonaBench pack
+#: format tag of :func:`write_personabench_pack` files
+PACK_FORMAT = "rfmem_fast.personabench_pack/1"
 
 
-def _cache_key(texts: Sequence[str], questions: Sequence[str], model: str) -> str:
-    h = hashlib.sha256()
-    h.update(model.encode())
-    for t in (*texts, "\x00", *questions):
-        h.update(t.encode("utf-8", "surrogatepass"))
-        h.update(b"\x1f")
-    return h.hexdigest()[:24]
-
-
-def personabench_embeddings(
+def write_personabench_pack(
+    path: str | os.PathLike[str],
     data_dir: str | os.PathLike[str],
-    noise: float = 0.0,
-    users_per_community: int = 3,
+    golden_file: str | os.PathLike[str],
     encoder: Any = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    say: Callable[[str], None] | None = None,
-) -> PersonaBenchEmbeddings:
-    """Load PersonaBench (spec section 6) and embed its chunks and questions.
+    noise: float = 0.0,
+) -> Path:
+    """Write PersonaBench, embedded, with its golden values, into ONE self-contained file.
+
+    A machine without the shared data or the offline encoder (a lent GPU machine, see
+    ``bench/gpu_check.py --prepare``) runs the golden parity tests from this file
+    (``RFMEM_PB_PACK=file``, read by tests/conftest.py through
+    :func:`read_personabench_pack`). About 1.5 MB (npz, compressed).
 
     Args:
-        data_dir: folder holding ``synthetic_data/``.
-        noise: noise level of the private data.
-        users_per_community: users per community (3 = the reference's 6 users).
+        path: the ``.npz`` file to write.
+        data_dir: folder holding ``synthetic_data/`` (the reference's 6 users are loaded).
+        golden_file: ``personabench_noise0.0.jsonl`` (the authors' per-question values).
         encoder: object with ``encode(list[str]) -> float32 [n, d]`` (default: the
-            offline MiniLM :class:`rfmem_fast.encoders.TextEncoder`, loaded only when
-            the cache misses).
-        cache_dir: folder of the embedding cache (``.npz`` keyed by a hash of the
-            texts and the model); None disables the cache. A custom ``encoder`` is
-            cached under its ``model_name`` attribute or class name.
-        say: optional callable receiving status lines.
+            offline MiniLM :class:`rfmem_fast.encoders.TextEncoder`).
+        noise: noise level of the private data.
 
     Returns:
-        PersonaBenchEmbeddings.
+        the path written.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`rfmem_fast.datasets.load_personabench`.
+        FileNotFoundError / ValueError: as :func:`rfmem_fast.datasets.load_personabench`,
+            or a golden file that cannot be read.
     """
+    from dataclasses import asdict
+
     from ..datasets import load_personabench
 
-    say = say or (lambda s: None)
-    data = load_personabench(data_dir, noise=noise, users_per_community=users_per_community)
-    texts = [t for u in data.users for t in u.chunk_texts]
-    qtexts = [q.question for q in data.questions]
+    data = load_personabench(data_dir, noise=noise)
     if encoder is None:
-        from ..encoders import default_model_path
+        from ..encoders import TextEncoder
 
-        model = default_model_path()
-    else:
-        model = str(getattr(encoder, "model_name", None) or type(encoder).__name__)
-    key = _cache_key(texts, qtexts, model)
-    cache_file = Path(cache_dir) / f"personabench-{key}.npz" if cache_dir is not None else None
-    X = Q = None
-    enc_c = enc_q = float("nan")
-    cached = False
-    if cache_file is not None and cache_file.is_file():
-        try:
-            with np.load(cache_file) as z:
-                X, Q = z["X"], z["Q"]
-                meta = json.loads(str(z["meta"]))
-            if X.shape[0] != len(texts) or Q.shape[0] != len(qtexts):
-                raise ValueError("cache shape mismatch")
-            enc_c, enc_q = float(meta["encode_chunks_s"]), float(meta["encode_questions_s"])
-            cached = True
-            say(f"personabench: embeddings from cache {cache_file}")
-        except (OSError, KeyError, ValueError):
-            X = Q = None
-    if X is None or Q is None:
-        if encoder is None:
-            from ..encoders import TextEncoder
+        encoder = TextEncoder(show_progress=False)
+    texts = [t for u in data.users for t in u.chunk_texts]
+    X = np.asarray(encoder.encode(texts), dtype=np.float32)
+    Q = np.asarray(encoder.encode([q.question for q in data.questions]), dtype=np.float32)
+    with open(golden_file, encoding="utf-8") as f:
+        golden = [json.loads(line) for line in f if line.strip()]
+    meta = {
+        "format": PACK_FORMAT,
+        "noise": noise,
+        "users": [{"key": u.key, "chunk_ids": u.chunk_ids, "chunk_texts": u.chunk_texts} for u in data.users],
+        "questions": [asdict(q) for q in data.questions],
+        "golden": golden,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)
+    return path
 
-            say("personabench: loading the MiniLM encoder")
-            encoder = TextEncoder()
-        say(f"personabench: encoding {len(texts)} chunks and {len(qtexts)} questions")
-        t0 = time.perf_counter()
-        X = np.asarray(encoder.encode(texts), dtype=np.float32)
-        enc_c = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        Q = np.asarray(encoder.encode(qtexts), dtype=np.float32)
-        enc_q = time.perf_counter() - t0
-        if cache_file is not None:
-            try:
-                cache_file.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp.npz")
-                meta = {"encode_chunks_s": enc_c, "encode_questions_s": enc_q, "model": model}
-                np.savez(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
-                os.replace(tmp, cache_file)
-            except OSError as e:  # a read-only cache is not an error
-                say(f"personabench: cannot write the cache ({e})")
+
+def read_personabench_pack(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file of :func:`write_personabench_pack`.
+
+    Returns:
+        {"bank": MemoryBank (user keys, chunk ids and texts as loaded), "queries":
+        float32 [263, d], "users": user key per question, "questions": list of
+        :class:`rfmem_fast.datasets.personabench.PBQuestion`, "golden": list of dicts
+        (the golden file's rows, in file order)}.
+
+    Raises:
+        ValueError: not such a file (wrong format tag or inconsistent sizes).
+        OSError: unreadable.
+    """
+    from ..datasets.personabench import PBQuestion
+
+    with np.load(path) as z:
+        X, Q, meta = z["X"], z["Q"], json.loads(str(z["meta"]))
+    if meta.get("format") != PACK_FORMAT:
+        raise ValueError(f"{path} is not a PersonaBench pack ({PACK_FORMAT})")
     bank = MemoryBank(X.shape[1])
     pos = 0
-    for u in data.users:
-        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids)
-        pos += len(u)
-    bank.snapshot()
-    return PersonaBenchEmbeddings(
-        bank=bank,
-        Q=np.ascontiguousarray(Q, dtype=np.float32),
-        users=[q.user_key for q in data.questions],
-        n_users=len(data.users),
-        n_chunks=len(texts),
-        encode_chunks_s=enc_c,
-        encode_questions_s=enc_q,
-        cached=cached,
-        cache_file=str(cache_file) if cache_file is not None else None,
-        model=model,
-    )
+    for u in meta["users"]:
+        n = len(u["chunk_ids"])
+        bank.add(u["key"], X[pos : pos + n], u["chunk_ids"], texts=u["chunk_texts"])
+        pos += n
+    questions = [PBQuestion(**q) for q in meta["questions"]]
+    if pos != X.shape[0] or len(questions) != Q.shape[0]:
+        raise ValueError(f"{path}: sizes do not match ({pos} chunks for {X.shape[0]} vectors)")
+    return {
+        "bank": bank,
+        "queries": Q,
+        "users": [q.user_key for q in questions],
+        "questions": questions,
+        "golden": meta["golden"],
+    }

@@ -1,0 +1,203 @@
+"""PersonaBench embedded with a sentence encoder, cached on disk (RFMEM_SPEC.md section 6).
+
+:func:`personabench_embeddings` loads a PersonaBench split, embeds its chunks and
+questions and builds the memory bank. The embeddings are cached as one ``.npz`` per
+(encoder, data) pair: the file name is a hash of the encoder's identity (the
+:func:`rfmem_fast.models.model_fingerprint` of its folder: content of its config
+files and sizes of its weights) and of every chunk and question text, so a second run
+with the same encoder and data reads the file instead of encoding, and any change of
+either misses the cache. Writes are atomic (temporary file + rename); an unreadable
+cache file is ignored and rewritten.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..bank import MemoryBank
+from .personabench import PersonaBench, load_personabench
+
+__all__ = ["PersonaBenchEmbeddings", "personabench_embeddings", "default_embedding_cache_dir", "encoder_identity"]
+
+
+def default_embedding_cache_dir() -> Path:
+    """Embedding cache folder of the evaluation and tuning jobs.
+
+    ``$RFMEM_CACHE`` if set, else ``$XDG_CACHE_HOME/rfmem_fast/embeddings`` (default
+    ``~/.cache/rfmem_fast/embeddings``).
+    """
+    from .._paths import cache_subdir
+
+    return cache_subdir("embeddings", "RFMEM_CACHE")
+
+
+@dataclass
+class PersonaBenchEmbeddings:
+    """PersonaBench chunks and questions embedded with one encoder.
+
+    Attributes:
+        bank: MemoryBank, one user per PersonaBench user (key ``"{community}/{name}"``),
+            item ids = segment ids, texts = chunk texts.
+        Q: float32 [nq, d] unit question embeddings (every question, "Subjective" too).
+        users: nq user keys, ``users[i]`` owns question i.
+        n_users, n_chunks: sizes.
+        encode_chunks_s: seconds to embed the chunks (measured when they were
+            encoded, possibly by an earlier run whose cache was reused).
+        encode_questions_s: seconds to embed the questions in one batch (likewise).
+        cached: True when the embeddings came from the cache.
+        cache_file: the cache file used or written (None without a cache).
+        model: the encoder's model folder or name.
+        model_id: the identity the cache is keyed by (fingerprint or name).
+        data: the loaded :class:`PersonaBench` (questions with their ground truth).
+    """
+
+    bank: MemoryBank
+    Q: np.ndarray
+    users: list[str]
+    n_users: int
+    n_chunks: int
+    encode_chunks_s: float
+    encode_questions_s: float
+    cached: bool
+    cache_file: str | None
+    model: str
+    model_id: str = ""
+    data: PersonaBench | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cache_key(texts: Sequence[str], questions: Sequence[str], model: str) -> str:
+    h = hashlib.sha256()
+    h.update(model.encode())
+    for t in (*texts, "\x00", *questions):
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\x1f")
+    return h.hexdigest()[:24]
+
+
+def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
+    """(model name or folder, cache identity, encoder object or None) of an encoder argument.
+
+    Args:
+        encoder: None or "minilm" (the bundled all-MiniLM-L6-v2), "mpnet", the path
+            of a local sentence-transformers folder, or an object with
+            ``encode(list[str]) -> float32 [n, d]`` (identified by its ``model_path``,
+            ``model_name`` attribute or class name).
+
+    Returns:
+        (model, identity, obj): ``obj`` is the given object, or None when the
+        encoder is to be loaded from the folder ``model`` (only if the cache misses).
+
+    Raises:
+        FileNotFoundError: a path that is not a folder, missing MPNet parts.
+    """
+    from ..models import model_fingerprint, resolve_model
+
+    if encoder is None or isinstance(encoder, (str, os.PathLike)):
+        folder = resolve_model(encoder)
+        return folder, model_fingerprint(folder), None
+    path = getattr(encoder, "model_path", None)
+    if isinstance(path, str) and os.path.isdir(path):
+        return path, model_fingerprint(path), encoder
+    name = str(getattr(encoder, "model_name", None) or type(encoder).__name__)
+    return name, name, encoder
+
+
+def personabench_embeddings(
+    data_dir: str | os.PathLike[str],
+    noise: float = 0.0,
+    users_per_community: int = 3,
+    encoder: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> PersonaBenchEmbeddings:
+    """Load PersonaBench (spec section 6) and embed its chunks and questions, cached.
+
+    Args:
+        data_dir: folder holding ``synthetic_data/``.
+        noise: noise level of the private data.
+        users_per_community: users per community (3 = the reference's 6 users).
+        encoder: see :func:`encoder_identity` (default: the offline MiniLM, loaded
+            only when the cache misses).
+        cache_dir: folder of the embedding cache (``personabench-<hash>.npz``); None
+            disables the cache.
+        say: optional callable receiving status lines.
+
+    Returns:
+        PersonaBenchEmbeddings.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`rfmem_fast.datasets.load_personabench`
+            and :func:`encoder_identity`.
+    """
+    say = say or (lambda s: None)
+    data = load_personabench(data_dir, noise=noise, users_per_community=users_per_community)
+    texts = [t for u in data.users for t in u.chunk_texts]
+    qtexts = [q.question for q in data.questions]
+    model, model_id, enc = encoder_identity(encoder)
+    key = _cache_key(texts, qtexts, model_id)
+    cache_file = Path(cache_dir) / f"personabench-{key}.npz" if cache_dir is not None else None
+    X = Q = None
+    enc_c = enc_q = float("nan")
+    cached = False
+    if cache_file is not None and cache_file.is_file():
+        try:
+            with np.load(cache_file) as z:
+                X, Q = z["X"], z["Q"]
+                meta = json.loads(str(z["meta"]))
+            if X.shape[0] != len(texts) or Q.shape[0] != len(qtexts):
+                raise ValueError("cache shape mismatch")
+            enc_c, enc_q = float(meta["encode_chunks_s"]), float(meta["encode_questions_s"])
+            cached = True
+            say(f"personabench: embeddings from cache {cache_file}")
+        except (OSError, KeyError, ValueError):
+            X = Q = None
+    if X is None or Q is None:
+        if enc is None:
+            from ..encoders import TextEncoder
+
+            say(f"personabench: loading the encoder {model}")
+            enc = TextEncoder(model)
+        say(f"personabench: encoding {len(texts)} chunks and {len(qtexts)} questions (noise {noise})")
+        t0 = time.perf_counter()
+        X = np.asarray(enc.encode(texts), dtype=np.float32)
+        enc_c = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        Q = np.asarray(enc.encode(qtexts), dtype=np.float32)
+        enc_q = time.perf_counter() - t0
+        if cache_file is not None:
+            try:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp.npz")
+                meta = {"encode_chunks_s": enc_c, "encode_questions_s": enc_q, "model": model, "model_id": model_id}
+                np.savez(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
+                os.replace(tmp, cache_file)
+            except OSError as e:  # a read-only cache is not an error
+                say(f"personabench: cannot write the cache ({e})")
+    bank = MemoryBank(X.shape[1])
+    pos = 0
+    for u in data.users:
+        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids, texts=u.chunk_texts)
+        pos += len(u)
+    bank.snapshot()
+    return PersonaBenchEmbeddings(
+        bank=bank,
+        Q=np.ascontiguousarray(Q, dtype=np.float32),
+        users=[q.user_key for q in data.questions],
+        n_users=len(data.users),
+        n_chunks=len(texts),
+        encode_chunks_s=enc_c,
+        encode_questions_s=enc_q,
+        cached=cached,
+        cache_file=str(cache_file) if cache_file is not None else None,
+        model=model,
+        model_id=model_id,
+        data=data,
+    )

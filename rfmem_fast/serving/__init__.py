@@ -1,0 +1,28 @@
+"""Serving layer: the text facade :class:`Memory`, request micro-batching, the hot-query
+cache, the write-ahead log and (with the ``serve`` extra) the HTTP service.
+
+Everything here calls :func:`rfmem_fast.search` and :class:`rfmem_fast.MemoryBank`
+only, never a backend's internals. ``rfmem_fast.serving.app`` (FastAPI) is imported
+only by ``rfmem serve`` / :func:`rfmem_fast.serving.app.create_app`.
+"""
+from __future__ import annotations
+
+from .batcher import BatcherClosedError, MicroBatcher, QueueFullError, RequestTimeoutError
+from .cache import LRUCache, QueryCache
+from .memory import BatchEvent, Hit, Hits, Item, Memory
+from .wal import WriteAheadLog
+
+__all__ = [
+    "BatchEvent",
+    "BatcherClosedError",
+    "Hit",
+    "Hits",
+    "Item",
+    "LRUCache",
+    "Memory",
+    "MicroBatcher",
+    "QueryCache",
+    "QueueFullError",
+    "RequestTimeoutError",
+    "WriteAheadLog",
+]

@@ -1,0 +1,80 @@
+"""``rfmem serve``: the HTTP service (arguments here; the app in :mod:`rfmem_fast.serving.app`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``rfmem`` sub-command parser."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a memory over HTTP (FastAPI + uvicorn; needs the 'serve' extra)",
+        description="Serve a rfmem_fast.Memory over HTTP: add / search / update / delete per user, "
+        "/health, /metrics. Writes are durable (write-ahead log) once acknowledged.",
+    )
+    p.add_argument("--path", required=True, help="memory directory (created if absent)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on /v1 routes (default: $RFMEM_API_KEY; neither: no auth)")
+    p.add_argument("--encoder", default="default",
+                   help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
+    p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
+    p.add_argument("--backend", default="auto", help="search backend (default auto)")
+    p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
+    p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
+    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting before 503 (default 1024)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait before 504 (default 30)")
+    p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--keep-omp-wait-policy", action="store_true",
+        help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
+        "when it is unset: spinning OpenMP threads starve the event loop and the batcher thread)",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _passive_omp(args: argparse.Namespace) -> None:
+    """Re-execute this command with OMP_WAIT_POLICY=PASSIVE when it is unset.
+
+    OpenMP (torch's encoder, the native search) reads the policy once, when it loads,
+    so it cannot be changed in a running process. With the default active waiting,
+    idle OpenMP threads keep spinning after each encode / search and take the cores
+    from the event loop and the batcher thread: on a loaded 2-core machine a
+    micro-batched request took 25x longer (issue 9 notes). Only done when the command
+    came from the process's own command line (``rfmem serve ...``).
+    """
+    if args.keep_omp_wait_policy or os.environ.get("OMP_WAIT_POLICY") or not getattr(args, "from_command_line", False):
+        return
+    argv = list(getattr(sys, "orig_argv", None) or [])
+    if len(argv) < 2:
+        return
+    os.execve(sys.executable, [sys.executable, *argv[1:]], dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server from parsed arguments; returns the exit code."""
+    _passive_omp(args)
+    try:
+        from .app import serve
+    except ImportError as exc:
+        print(f"rfmem serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(
+            args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder, dim=args.dim,
+            backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
+            max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
+            cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
+        )
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"rfmem serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

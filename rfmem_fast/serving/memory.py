@@ -1,0 +1,1091 @@
+"""``rfmem_fast.Memory``: text in, RF-Mem hits out, for serving stacks.
+
+A thread-safe facade over one :class:`~rfmem_fast.MemoryBank` and
+:func:`~rfmem_fast.search` (RFMEM_SPEC.md sections 1-5), with the names mem0 /
+LangChain users expect::
+
+    from rfmem_fast import Memory
+    mem = Memory("mem_dir")                       # opens (or creates) a durable memory
+    ids = mem.add(["I moved to Lyon in 2021", "My sister is called Ana"], user_id="u1",
+                  metadata={"source": "chat"})
+    hits = mem.search("where do I live?", user_id="u1", k=5)
+    hits[0].text, hits[0].score, hits[0].metadata, hits.route, hits.rule, hits.mean
+    mem.close()                                   # checkpoint; or use `with Memory(...)`
+
+What it adds to the engine
+--------------------------
+* Text: queries and items are encoded by ``encoder`` (default: the offline
+  all-MiniLM-L6-v2 :class:`~rfmem_fast.encoders.TextEncoder`, loaded on first use).
+  Vectors may be passed instead (``add(vectors=...)``, a 1-D vector as the query) by
+  stacks that embed elsewhere; ``encoder=False`` makes a vectors-only memory.
+* Micro-batching (:mod:`rfmem_fast.serving.batcher`): concurrent :meth:`Memory.search`
+  (threads) and :meth:`Memory.asearch` (asyncio) calls are gathered for at most
+  ``max_wait_ms`` or ``max_batch`` queries and run as ONE batched encode and one batched
+  :func:`~rfmem_fast.search` per (mode, k) in the batch. The engine is batch-invariant
+  (a query's result never depends on the batch it shares), so each caller gets exactly
+  the result of an unbatched call with the same query vector. Text queries are
+  embedded in a batch; an encoder may round a text's embedding differently in a batch
+  than alone (sentence-transformers: at most a few float32 ulps), which can only swap
+  exact near-ties.
+* A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
+  whole answers by (user, that user's write version, query, mode, k); any write to a
+  user invalidates that user's answers.
+* Durability (``path``): each write is appended to a write-ahead log and fsynced before
+  the call returns (:mod:`rfmem_fast.serving.wal`), replayed on open; :meth:`Memory.save`
+  checkpoints (an atomic bank store, then the log is truncated). Layout of ``path``::
+
+      memory.json        {"format", "format_version", "dim", "store", "wal_seq"}
+      store-00000003/    the bank store of the last checkpoint (rfmem_fast.store)
+      wal.jsonl          writes after it (seq > wal_seq), replayed on open
+      LOCK               held (flock) by the one process that has the memory open
+
+  A crash (even SIGKILL) at any point loses no acknowledged write: ``memory.json`` is
+  replaced atomically and names a complete store plus the last log record it holds.
+
+Consistency: writes are serialised; a search sees one bank version, and its hits'
+texts and metadata come from that same version (writes wait for searches in flight,
+searches for the short in-memory apply of a write, not for its fsync). Write through
+the Memory only: a write made directly to :attr:`Memory.bank` bypasses the log and the
+cache invalidation.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from .._validate import as_float_matrix, l2_normalize_rows
+from ..bank import MemoryBank, _check_id_list, _check_user
+from ..config import RFMemConfig
+from ..search import MODES, SearchResult, search
+from ..store import StoreError, _fsync_dir
+from ._rwlock import RWLock
+from .batcher import BatcherClosedError, MicroBatcher
+from .cache import QueryCache, vector_key
+from .wal import WriteAheadLog, decode_array, encode_array
+
+__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM"]
+
+log = logging.getLogger("rfmem_fast.serving")
+
+#: dimension of the default encoder (all-MiniLM-L6-v2)
+DEFAULT_DIM = 384
+META_FILE = "memory.json"
+WAL_FILE = "wal.jsonl"
+LOCK_FILE = "LOCK"
+FORMAT_NAME = "rfmem_fast.memory"
+FORMAT_VERSION = 1
+_STORE_PREFIX = "store-"
+
+
+#: texts per forward pass of the default encoder. sentence-transformers sorts a call's
+#: texts by length and pads each pass to its longest text: small passes keep padding
+#: low, so a micro-batch of 64 questions costs ~2.7x less CPU per question than 64
+#: single encodes, where passes of 64 cost MORE than single encodes (one 85-token
+#: question pads 63 15-token ones; issue 9 notes).
+ENCODE_BATCH_SIZE = 8
+
+
+def _default_encoder() -> Any:
+    """The default text encoder (the offline all-MiniLM-L6-v2); tests may patch this."""
+    from ..encoders import TextEncoder
+
+    return TextEncoder(batch_size=ENCODE_BATCH_SIZE, show_progress=False)
+
+
+# ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Hit:
+    """One retrieved memory item.
+
+    Attributes:
+        id: the item id (str or int).
+        text: the item's text (None when it was added as a vector without text).
+        score: float; the inner product (cosine) on the Familiarity path, the
+            (MMR-adjusted) discovery score on the Recollection path (RFMEM_SPEC.md 3-4).
+        metadata: the item's metadata dict ({} when none); the caller's own copy.
+        rank: 0-based position in the query's result.
+        user_id: the user whose memory it came from (always the query's user).
+        route: the query's path, "familiarity" or "recollection" (spec section 2).
+        rule: the router rule that fired (``rfmem_fast.router.RULE_NAMES``).
+        mean: mean of the probe's top-``probe_k`` scores (spec section 1).
+        entropy: the probe's softmax entropy (spec section 1).
+        rounds: recollection rounds used (0 on the Familiarity path).
+    """
+
+    id: Hashable
+    text: str | None
+    score: float
+    metadata: dict
+    rank: int
+    user_id: Hashable
+    route: str | None
+    rule: str
+    mean: float
+    entropy: float
+    rounds: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return asdict(self)
+
+
+class Hits(list):
+    """The hits of one query (a ``list[Hit]``, best first) plus the query's own signals.
+
+    Attributes:
+        user_id: the query's user.
+        route: "familiarity" / "recollection", or None when the user has no memory.
+        rule: the router rule (``RULE_NAMES``), "unknown_user" for a user never seen,
+            "no_hits" when the whole bank is empty.
+        mean, entropy: the probe's familiarity signals (0.0 without items).
+        rounds: recollection rounds used.
+        cached: True when the answer came from the hot-query cache.
+    """
+
+    def __init__(self, hits: Sequence[Hit] = (), *, user_id: Hashable, route: str | None, rule: str,
+                 mean: float, entropy: float, rounds: int, cached: bool = False) -> None:
+        super().__init__(hits)
+        self.user_id = user_id
+        self.route = route
+        self.rule = rule
+        self.mean = mean
+        self.entropy = entropy
+        self.rounds = rounds
+        self.cached = cached
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"user_id", "route", "rule", "mean", "entropy", "rounds", "cached", "hits": [...]}."""
+        return {
+            "user_id": self.user_id, "route": self.route, "rule": self.rule, "mean": self.mean,
+            "entropy": self.entropy, "rounds": self.rounds, "cached": self.cached,
+            "hits": [h.to_dict() for h in self],
+        }
+
+
+@dataclass(frozen=True)
+class Item:
+    """A stored memory item: id, text (or None) and metadata ({} when none)."""
+
+    id: Hashable
+    text: str | None
+    metadata: dict
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """What one batched run cost (passed to listeners, e.g. the HTTP metrics).
+
+    Attributes:
+        size: queries in the run (cache hits answered before it are not included).
+        encoded: texts sent to the encoder (after the embedding cache).
+        encode_seconds / search_seconds: wall time of the encoder call / of the
+            :func:`rfmem_fast.search` calls.
+        searches: :func:`rfmem_fast.search` calls made (one per (mode, k) group).
+    """
+
+    size: int
+    encoded: int
+    encode_seconds: float
+    search_seconds: float
+    searches: int
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A query's answer as cached: immutable hits plus the query's signals."""
+
+    user: Hashable
+    hits: tuple
+    route: str | None
+    rule: str
+    mean: float
+    entropy: float
+    rounds: int
+
+    def materialise(self, cached: bool) -> Hits:
+        hits = [h if not h.metadata else replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
+        return Hits(hits, user_id=self.user, route=self.route, rule=self.rule, mean=self.mean,
+                    entropy=self.entropy, rounds=self.rounds, cached=cached)
+
+
+@dataclass(frozen=True)
+class _Query:
+    user: Hashable
+    text: str | None
+    vector: np.ndarray | None  # float32 [d] as given (the search normalises it)
+    k: int
+    mode: str
+    qkey: tuple = field(compare=False)
+
+
+# ---------------------------------------------------------------------- argument checks
+def _user_key(user: Any, name: str = "user_id") -> Hashable:
+    return _check_user(user, name)
+
+
+def _text_list(texts: Any, name: str = "texts") -> list[str] | None:
+    if texts is None:
+        return None
+    if isinstance(texts, str):
+        return [texts]
+    if isinstance(texts, bytes) or not hasattr(texts, "__iter__"):
+        raise TypeError(f"{name} must be a str or a sequence of str, got {type(texts).__name__}")
+    out = list(texts)
+    for i, t in enumerate(out):
+        if not isinstance(t, str):
+            raise TypeError(f"{name}[{i}] must be a str, got {type(t).__name__}")
+    return out
+
+
+def _id_list(ids: Any, name: str = "ids") -> list:
+    """A single id (str / int) or a sequence of distinct ids, as a non-empty list."""
+    if isinstance(ids, (str, int, np.integer, np.str_)) and not isinstance(ids, (bool, np.bool_)):
+        ids = [ids]
+    out = _check_id_list(ids, name)
+    if not out:
+        raise ValueError(f"{name} must hold at least one item id")
+    return out
+
+
+def _metadata_list(metadata: Any, m: int) -> list | None:
+    """None, one dict for every item, or m dicts / None."""
+    if metadata is None:
+        return None
+    if isinstance(metadata, dict):
+        return [metadata] * m  # the bank stores a copy per item
+    if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
+        raise TypeError(f"metadata must be a dict, a sequence of dicts (or None) or None, got {type(metadata).__name__}")
+    out = list(metadata)
+    if len(out) != m:
+        raise ValueError(f"metadata has {len(out)} entries but there are {m} items")
+    for j, x in enumerate(out):
+        if x is not None and not isinstance(x, dict):
+            raise TypeError(f"metadata[{j}] must be a dict or None, got {type(x).__name__}")
+    return out
+
+
+def _check_k(k: Any) -> None:
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
+
+
+# ---------------------------------------------------------------------- the facade
+class Memory:
+    """Per-user text memory with RF-Mem retrieval, micro-batching, a cache and a WAL.
+
+    Args:
+        path: a directory to keep the memory in (created if absent; reopened with
+            every acknowledged write when it holds one), or None for an in-memory one.
+        encoder: None (default) for the offline all-MiniLM-L6-v2, loaded on first use;
+            any object with ``encode(list[str]) -> float array [n, d]`` (and ideally a
+            ``dim`` attribute); or False for a vectors-only memory.
+        config: RFMemConfig (default: the spec's defaults); ``k`` in :meth:`search`
+            overrides its ``out_k`` per call.
+        backend, device: as :func:`rfmem_fast.search` ("auto": native on a CPU).
+        dim: vector dimension of a new memory (default: ``encoder.dim``, else 384).
+        batching: gather concurrent searches into batches (default True); False runs
+            each search on its own in the caller's thread.
+        max_batch: the most queries per batch (int >= 1, default 64).
+        max_wait_ms: how long a batch waits for more queries after its first (ms,
+            default 2.0).
+        max_queue: the most searches waiting (default 1024); beyond it a search raises
+            :class:`~rfmem_fast.serving.QueueFullError`.
+        timeout: seconds a search waits for its batch (default 30.0; None: no limit);
+            beyond it :class:`~rfmem_fast.serving.RequestTimeoutError`.
+        cache_size: entries of the hot-query caches (default 4096; 0 disables them).
+        fsync: fsync each log append (default True; see
+            :class:`~rfmem_fast.serving.wal.WriteAheadLog`).
+        checkpoint_bytes: checkpoint automatically once the log exceeds this many
+            bytes (default 64 MiB; None: only on :meth:`save` / :meth:`close`).
+
+    Raises:
+        ValueError: ``path`` is a file or a non-empty directory that is not a Memory,
+            a dimension mismatch between ``dim`` / the encoder / the stored memory, or
+            an option out of range. StoreError: a corrupt store or log.
+        TypeError: an option of the wrong type.
+
+    Thread-safe: any number of threads (and asyncio tasks) may search and write.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        encoder: Any = None,
+        config: RFMemConfig | None = None,
+        backend: str = "auto",
+        device: str | None = None,
+        *,
+        dim: int | None = None,
+        batching: bool = True,
+        max_batch: int = 64,
+        max_wait_ms: float = 2.0,
+        max_queue: int = 1024,
+        timeout: float | None = 30.0,
+        cache_size: int = 4096,
+        fsync: bool = True,
+        checkpoint_bytes: int | None = 64 << 20,
+    ) -> None:
+        if config is None:
+            config = RFMemConfig()
+        if not isinstance(config, RFMemConfig):
+            raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
+        if encoder is not None and encoder is not False and not callable(getattr(encoder, "encode", None)):
+            raise TypeError("encoder must have an encode(list[str]) method, or be None (default) or False")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        if checkpoint_bytes is not None and (isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 1):
+            raise ValueError(f"checkpoint_bytes must be an int >= 1 or None, got {checkpoint_bytes!r}")
+        self._config = config
+        self._configs: dict[int, RFMemConfig] = {config.out_k: config}
+        self._backend = backend
+        self._device = device
+        self._encoder = encoder if encoder is not False else None
+        self._has_encoder = encoder is not False
+        self._encoder_lock = threading.Lock()
+        self._rw = RWLock()
+        self._wmutex = threading.RLock()
+        self._uver: dict[Hashable, int] = {}
+        self._cache = QueryCache(cache_size)
+        self._listeners: list[Callable[[BatchEvent], None]] = []
+        self._stats_lock = threading.Lock()
+        self._counters = dict(runs=0, queries=0, encode_calls=0, encoded=0, encode_seconds=0.0,
+                              searches=0, search_seconds=0.0, writes=0, replayed=0, replay_skipped=0,
+                              checkpoints=0)
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._checkpoint_bytes = checkpoint_bytes
+        self._seq = 0
+        self._wal: WriteAheadLog | None = None
+        self._path: Path | None = None
+        self._lock_file: Any = None
+        self._store_gen = 0
+        enc_dim = getattr(self._encoder, "dim", None) if self._encoder is not None else None
+        if path is None:
+            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
+        else:
+            try:
+                self._open(Path(os.fspath(path)), dim, enc_dim, fsync)
+            except BaseException:
+                if self._lock_file is not None:
+                    self._lock_file.close()
+                raise
+        self._batcher: MicroBatcher | None = None
+        if batching:
+            self._batcher = MicroBatcher(self._run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                         max_queue=max_queue, timeout=timeout)
+        elif timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout must be a number > 0 (seconds) or None, got {timeout!r}")
+
+    # ------------------------------------------------------------------ opening
+    @staticmethod
+    def _resolve_dim(dim: int | None, enc_dim: Any, stored: int | None) -> int:
+        """The memory's dimension from the stored memory, ``dim`` and the encoder's."""
+        for name, val in (("dim", dim), ("encoder.dim", enc_dim)):
+            if val is not None and stored is not None and int(val) != stored:
+                raise ValueError(f"{name}={val} does not match the stored memory's dimension {stored}")
+        if dim is not None and enc_dim is not None and int(enc_dim) != dim:
+            raise ValueError(f"dim={dim} does not match encoder.dim={enc_dim}")
+        if stored is not None:
+            return stored
+        return int(dim if dim is not None else enc_dim if enc_dim is not None else DEFAULT_DIM)
+
+    def _open(self, path: Path, dim: int | None, enc_dim: Any, fsync: bool) -> None:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"path {str(path)!r} is a file, expected a Memory directory")
+        meta_path = path / META_FILE
+        self._path = path
+        if meta_path.is_file():
+            self._take_lock(path)
+            meta = self._read_meta(meta_path)
+            stored_dim = meta["dim"]
+            self._resolve_dim(dim, enc_dim, stored_dim)
+            store = meta["store"]
+            self.bank = MemoryBank.load(path / store) if store else MemoryBank(stored_dim)
+            if self.bank.dim != stored_dim:
+                raise StoreError(path / store, f"holds dimension {self.bank.dim}, {META_FILE} says {stored_dim}")
+            self._store_gen = int(store[len(_STORE_PREFIX):]) if store else 0
+            self._seq = meta["wal_seq"]
+        else:
+            if path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir()):
+                raise ValueError(
+                    f"path {str(path)!r} is a non-empty directory without {META_FILE} (not a Memory); "
+                    "use an empty or new directory"
+                )
+            path.mkdir(parents=True, exist_ok=True)
+            self._take_lock(path)
+            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
+            self._write_meta(None)
+            store = None
+        for entry in path.iterdir():  # leftovers of an interrupted checkpoint
+            if entry.name.startswith(_STORE_PREFIX) and entry.name != store and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith(f".{META_FILE}.tmp-"):
+                entry.unlink(missing_ok=True)
+        self._wal = WriteAheadLog(path / WAL_FILE, fsync=fsync)
+        self._replay(self._seq)
+
+    def _take_lock(self, path: Path) -> None:
+        """Hold ``path/LOCK`` (an exclusive flock) while open: a second process (or a
+        second Memory in this one) on the same directory would interleave log appends.
+
+        Raises:
+            RuntimeError: the directory is open elsewhere.
+        """
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on POSIX: no cross-process guard
+            return
+        f = open(path / LOCK_FILE, "a+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise RuntimeError(
+                f"the memory at {str(path)!r} is open in another process or Memory (its {LOCK_FILE} is held); "
+                "close that one first"
+            ) from None
+        self._lock_file = f
+
+    def _read_meta(self, meta_path: Path) -> dict[str, Any]:
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StoreError(meta_path, f"cannot be read: {exc}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            raise StoreError(meta_path, f"is not an {FORMAT_NAME} file")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise StoreError(meta_path, f"format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}")
+        d, store, seq = meta.get("dim"), meta.get("store"), meta.get("wal_seq")
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise StoreError(meta_path, f"dim must be an int >= 1, got {d!r}")
+        if store is not None and (not isinstance(store, str) or not store.startswith(_STORE_PREFIX) or "/" in store):
+            raise StoreError(meta_path, f"invalid store name {store!r}")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise StoreError(meta_path, f"wal_seq must be an int >= 0, got {seq!r}")
+        return meta
+
+    def _write_meta(self, store: str | None) -> None:
+        """Replace memory.json atomically (temp file, fsync, rename, fsync dir)."""
+        assert self._path is not None
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dim": self.bank.dim,
+               "store": store, "wal_seq": self._seq}
+        tmp = self._path / f".{META_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path / META_FILE)
+        _fsync_dir(self._path)
+
+    def _replay(self, done_seq: int) -> None:
+        """Apply the log's records with seq > done_seq that were not aborted."""
+        assert self._wal is not None
+        records = list(self._wal.replay())
+        aborted = {r["seq"] for r in records if r["op"] == "abort"}
+        for rec in records:
+            seq = rec["seq"]
+            self._seq = max(self._seq, seq)
+            if rec["op"] == "abort" or seq <= done_seq or seq in aborted:
+                continue
+            try:
+                self._apply(rec)
+                self._counters["replayed"] += 1
+            except (ValueError, TypeError, KeyError) as exc:  # it failed the same way when logged
+                self._counters["replay_skipped"] += 1
+                log.warning("skipping logged write seq=%s that does not apply: %s", seq, exc)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dim(self) -> int:
+        """Vector dimension d."""
+        return self.bank.dim
+
+    @property
+    def config(self) -> RFMemConfig:
+        """The RFMemConfig searches use (``out_k`` replaced by ``k`` per call)."""
+        return self._config
+
+    @property
+    def path(self) -> Path | None:
+        """The memory's directory (None for an in-memory one)."""
+        return self._path
+
+    @property
+    def batching(self) -> bool:
+        """Whether concurrent searches are micro-batched."""
+        return self._batcher is not None
+
+    @property
+    def encoder(self) -> Any:
+        """The text encoder (loaded now if it is the default one); None for a vectors-only memory."""
+        return self._get_encoder() if self._has_encoder else None
+
+    def __repr__(self) -> str:
+        return (f"Memory(path={str(self._path) if self._path else None!r}, users={self.bank.num_users}, "
+                f"items={self.bank.num_items}, dim={self.dim}, batching={self.batching})")
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ encoding
+    def _get_encoder(self) -> Any:
+        if not self._has_encoder:
+            raise ValueError("this Memory has no text encoder (encoder=False): pass vectors instead of text")
+        if self._encoder is None:
+            with self._encoder_lock:
+                if self._encoder is None:
+                    enc = _default_encoder()
+                    if getattr(enc, "dim", self.dim) != self.dim:
+                        raise ValueError(f"the default encoder's dimension {enc.dim} != this memory's {self.dim}")
+                    self._encoder = enc
+        return self._encoder
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """float32 [n, d] embeddings of ``texts`` (one encoder call)."""
+        enc = self._get_encoder()
+        t0 = time.perf_counter()
+        out = np.asarray(enc.encode(texts))
+        dt = time.perf_counter() - t0
+        if out.ndim != 2 or out.shape[0] != len(texts) or out.shape[1] != self.dim:
+            raise ValueError(f"the encoder returned shape {out.shape}, expected ({len(texts)}, {self.dim})")
+        with self._stats_lock:
+            c = self._counters
+            c["encode_calls"] += 1
+            c["encoded"] += len(texts)
+            c["encode_seconds"] += dt
+        return as_float_matrix(out, "encoder output", self.dim)
+
+    def _vectors(self, vectors: Any, name: str = "vectors") -> np.ndarray:
+        """float32 [m, d] from a [m, d] or [d] array (rows checked, not yet normalised)."""
+        arr = vectors
+        if isinstance(arr, (str, bytes)):
+            raise TypeError(f"{name} must be a float array, got {type(arr).__name__}")
+        if not (hasattr(arr, "detach") or isinstance(arr, np.ndarray)):
+            try:
+                arr = np.asarray(arr)
+            except (ValueError, TypeError) as exc:  # ragged nested lists
+                raise ValueError(f"{name} must be a [m, d] or [d] array of floats: {exc}") from None
+        if getattr(arr, "ndim", None) == 1:
+            arr = arr[None, :]
+        out = as_float_matrix(arr, name, self.dim)
+        l2_normalize_rows(out, name)  # refuses zero rows now, before anything is logged
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BatcherClosedError("this Memory is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"this Memory stopped accepting writes after a log failure: {self._broken}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """Log (durably), then apply one write; an apply that fails is logged as aborted."""
+        with self._wmutex:
+            self._check_open()
+            seq = self._seq + 1
+            rec = {"seq": seq, **record}
+            if self._wal is not None:
+                line = dict(rec)
+                if line.get("vectors") is not None:
+                    line["vectors"] = encode_array(line["vectors"])
+                try:
+                    self._wal.append(line)
+                except (TypeError, ValueError, RecursionError) as exc:  # not JSON: nothing was written
+                    raise ValueError(f"cannot log this write: {exc}") from None
+                except OSError as exc:  # a partial line may be on disk: stop writing
+                    self._broken = exc
+                    raise
+            self._seq = seq
+            try:
+                with self._rw.write():
+                    self._apply(rec)
+            except BaseException:
+                if self._wal is not None:
+                    try:
+                        self._wal.append({"seq": seq, "op": "abort"})
+                    except OSError as exc:  # replay re-fails the same write: still consistent
+                        self._broken = exc
+                raise
+            with self._stats_lock:
+                self._counters["writes"] += 1
+            if self._wal is not None and self._checkpoint_bytes is not None and self._wal.nbytes > self._checkpoint_bytes:
+                self._checkpoint_locked()
+
+    def _apply(self, rec: dict[str, Any]) -> None:
+        """Apply one logged write to the bank (live or replayed); bump the user's version."""
+        op, user = rec["op"], rec["user"]
+        vec = rec.get("vectors")
+        if isinstance(vec, dict):
+            vec = decode_array(vec)
+        if op == "add":
+            self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"])
+        elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
+            self.bank.set_metadata(user, rec["ids"], rec["metadata"])
+        elif op == "update":
+            self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
+        elif op == "delete":
+            self.bank.delete(user, rec["ids"])
+        else:
+            raise ValueError(f"unknown logged operation {op!r}")
+        self._uver[user] = self._uver.get(user, 0) + 1
+        self._cache.invalidate(user)
+
+    def add(
+        self,
+        texts: str | Sequence[str] | None,
+        user_id: Hashable,
+        ids: Sequence[Hashable] | Hashable | None = None,
+        metadata: dict | Sequence[dict | None] | None = None,
+        *,
+        vectors: Any = None,
+    ) -> list[Hashable]:
+        """Store memories for a user (created on first add); durable once it returns.
+
+        Args:
+            texts: one str or m str (the items' texts), or None when ``vectors`` is given.
+            user_id: the user (str or int).
+            ids: m unique item ids (str or int) or one id for one item; default: new
+                uuid4 hex strings.
+            metadata: one dict for every item, or m dicts / None: JSON objects stored
+                with the items (and saved / reloaded with them).
+            vectors: [m, d] (or [d]) floating array to store instead of encoding the
+                texts (for stacks that embed elsewhere); with texts, the texts are kept
+                as the items' texts.
+
+        Returns:
+            list of the m item ids.
+
+        Raises:
+            ValueError: neither texts nor vectors, mismatched lengths, a wrong
+                dimension, NaN / Inf / zero vectors, a duplicate id or one the user
+                already holds, metadata that is not JSON, no encoder for texts.
+            TypeError: arguments of the wrong type.
+            OSError: the log could not be written (nothing is acknowledged).
+        """
+        self._check_open()
+        user = _user_key(user_id)
+        tx = _text_list(texts)
+        vec = None if vectors is None else self._vectors(vectors)
+        if tx is None and vec is None:
+            raise ValueError("add needs texts or vectors")
+        m = len(tx) if tx is not None else vec.shape[0]
+        if vec is not None and tx is not None and vec.shape[0] != m:
+            raise ValueError(f"texts has {m} entries but vectors has {vec.shape[0]} rows")
+        if m == 0:
+            raise ValueError("add needs at least one item")
+        id_list = [uuid.uuid4().hex for _ in range(m)] if ids is None else _id_list(ids)
+        if len(id_list) != m:
+            raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
+        meta = _metadata_list(metadata, m)
+        if vec is None:
+            vec = self._encode(tx)
+        self._write({"op": "add", "user": user, "ids": id_list, "texts": tx if tx is not None else [None] * m,
+                     "vectors": vec, "metadata": meta})
+        return id_list
+
+    def update(
+        self,
+        ids: Sequence[Hashable] | Hashable,
+        user_id: Hashable,
+        texts: str | Sequence[str] | None = None,
+        *,
+        vectors: Any = None,
+        metadata: dict | Sequence[dict | None] | None = None,
+    ) -> None:
+        """Change existing items (keeping their ids); durable once it returns.
+
+        Args:
+            ids: one item id or m ids the user holds.
+            user_id: the user.
+            texts: new texts (re-encoded unless ``vectors`` is given), or None to keep.
+            vectors: new [m, d] vectors, or None (keep, or encode the new texts).
+            metadata: a dict for every item or m dicts (None clears one), or None to keep.
+
+        Raises:
+            KeyError: unknown user or item id (named).
+            ValueError / TypeError: as :meth:`add`, or nothing to change.
+        """
+        self._check_open()
+        user = _user_key(user_id)
+        id_list = _id_list(ids)
+        m = len(id_list)
+        tx = _text_list(texts)
+        vec = None if vectors is None else self._vectors(vectors)
+        for name, n in (("texts", None if tx is None else len(tx)), ("vectors", None if vec is None else vec.shape[0])):
+            if n is not None and n != m:
+                raise ValueError(f"{name} has {n} entries but ids has {m}")
+        meta = _metadata_list(metadata, m)
+        if tx is None and vec is None and meta is None:
+            raise ValueError("update needs texts, vectors or metadata")
+        if user not in self.bank:
+            raise KeyError(f"user_id: unknown user {user!r}")
+        if tx is not None and vec is None:
+            vec = self._encode(tx)
+        self._write({"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta})
+
+    def delete(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> None:
+        """Delete items of a user (never returned again); durable once it returns.
+
+        Raises:
+            KeyError: unknown user or item id (named); nothing is deleted then.
+            TypeError / ValueError: malformed ids.
+        """
+        self._check_open()
+        user = _user_key(user_id)
+        id_list = _id_list(ids)
+        if user not in self.bank:
+            raise KeyError(f"user_id: unknown user {user!r}")
+        self._write({"op": "delete", "user": user, "ids": id_list})
+
+    # ------------------------------------------------------------------ reads
+    def get_all(self, user_id: Hashable) -> list[Item]:
+        """Every live item of a user, in insertion order ([] for an unknown user)."""
+        user = _user_key(user_id)
+        with self._rw.read():
+            if user not in self.bank:
+                return []
+            ids = self.bank.item_ids_of(user)
+            texts = self.bank.texts_of(user)
+            metas = self.bank.get_metadata(user)
+        return [Item(i, t, m or {}) for i, t, m in zip(ids, texts, metas)]
+
+    def get(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> list[Item]:
+        """Some items of a user, in the order asked.
+
+        Raises:
+            KeyError: unknown user or item id (named).
+        """
+        user = _user_key(user_id)
+        id_list = _id_list(ids)
+        with self._rw.read():
+            if user not in self.bank:
+                raise KeyError(f"user_id: unknown user {user!r}")
+            metas = self.bank.get_metadata(user, id_list)
+            text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
+        return [Item(i, text_of[i], m or {}) for i, m in zip(id_list, metas)]
+
+    def users(self) -> list[Hashable]:
+        """Every user key ever written (users whose items were all deleted included)."""
+        return self.bank.users
+
+    # ------------------------------------------------------------------ search
+    def _config_for(self, k: int) -> RFMemConfig:
+        cfg = self._configs.get(k)
+        if cfg is None:
+            cfg = self._configs[k] = self._config.replace(out_k=int(k))
+        return cfg
+
+    def _prepare(self, query: Any, user_id: Any, k: Any, mode: Any, name: str = "query") -> _Query:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_k(k)
+        k = self._config.out_k if k is None else int(k)
+        user = _user_key(user_id)
+        if isinstance(query, str):
+            if not self._has_encoder:
+                raise ValueError(f"{name}: this Memory has no text encoder (encoder=False); pass a vector")
+            return _Query(user, query, None, k, mode, ("text", query))
+        if isinstance(query, bytes) or query is None:
+            raise TypeError(f"{name} must be a str or a 1-D vector of floats, got {type(query).__name__}")
+        arr = query if (hasattr(query, "detach") or isinstance(query, np.ndarray)) else np.asarray(query)
+        if getattr(arr, "ndim", None) != 1:
+            raise ValueError(f"{name} must be a str or a 1-D vector of {self.dim} floats, got shape {tuple(getattr(arr, 'shape', ()))}")
+        vec = self._vectors(arr, name)[0]
+        return _Query(user, None, vec, k, mode, vector_key(vec))
+
+    def _start(self, query: Any, user_id: Any, k: Any, mode: Any) -> tuple[_Query, Hits | None]:
+        """A checked query and its cached answer (None on a miss)."""
+        self._check_open()
+        q = self._prepare(query, user_id, k, mode)
+        hit = self._cached(q)
+        return q, (hit.materialise(cached=True) if hit is not None else None)
+
+    def _cached(self, q: _Query) -> _Answer | None:
+        key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, q.mode, q.k)
+        return self._cache.get_result(key)
+
+    def search(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
+               timeout: float | None | str = "default") -> Hits:
+        """RF-Mem retrieval of one query within one user's memory.
+
+        Args:
+            query: the query text, or a 1-D vector of d floats.
+            user_id: the user whose memory is searched (no other user's items can come back).
+            k: hits wanted (default ``config.out_k``).
+            mode: "rfmem" (probe, route, routed path), "dense" or "recollection".
+            timeout: seconds to wait for the micro-batch (default: the Memory's).
+
+        Returns:
+            Hits (a list of Hit, best first, at most k; [] for a user with no
+            memory) with the query's route / rule / mean / entropy / rounds.
+
+        Raises:
+            ValueError / TypeError: a bad query, user, k or mode (named).
+            QueueFullError, RequestTimeoutError: overload (batching on).
+        """
+        q, hits = self._start(query, user_id, k, mode)
+        if hits is not None:
+            return hits
+        if self._batcher is not None:
+            ans = self._batcher.call(q, timeout)
+        else:
+            ans = self._run_one(q)
+        return ans.materialise(cached=False)
+
+    async def asearch(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
+                      timeout: float | None | str = "default") -> Hits:
+        """Asyncio version of :meth:`search`: concurrent awaits share micro-batches."""
+        q, hits = self._start(query, user_id, k, mode)
+        if hits is not None:
+            return hits
+        if self._batcher is not None:
+            ans = await self._batcher.acall(q, timeout)
+        else:
+            ans = await asyncio.to_thread(self._run_one, q)
+        return ans.materialise(cached=False)
+
+    def _run_one(self, q: _Query) -> _Answer:
+        out = self._run_batch([q])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def search_batch(self, queries: Sequence[Any] | Any, user_ids: Hashable | Sequence[Hashable],
+                     k: int | None = None, mode: str = "rfmem") -> list[Hits]:
+        """Many queries at once (one encode, one search per mode), in the caller's thread.
+
+        Args:
+            queries: b query texts and / or 1-D vectors, or a [b, d] float array.
+            user_ids: one user for all, or b users (query i searches ``user_ids[i]``).
+            k, mode: as :meth:`search`, for every query.
+
+        Returns:
+            list of b Hits, in query order.
+
+        Raises:
+            ValueError / TypeError: a bad query (named by index), user, k or mode.
+        """
+        self._check_open()
+        if isinstance(queries, (str, bytes)):
+            raise TypeError("queries must be a sequence of queries (use search() for one)")
+        if isinstance(queries, np.ndarray) or hasattr(queries, "detach"):
+            if queries.ndim != 2:
+                raise ValueError(f"queries must be [b, d] when given as an array, got shape {tuple(queries.shape)}")
+        qs = list(queries)
+        if isinstance(user_ids, (str, int, np.integer, np.str_)) and not isinstance(user_ids, bool):
+            users = [user_ids] * len(qs)
+        else:
+            users = list(user_ids)
+            if len(users) != len(qs):
+                raise ValueError(f"user_ids has {len(users)} entries but queries has {len(qs)}")
+        prepared = [self._prepare(x, u, k, mode, name=f"queries[{i}]") for i, (x, u) in enumerate(zip(qs, users))]
+        out: list[Any] = [None] * len(prepared)
+        todo = []
+        for i, q in enumerate(prepared):
+            hit = self._cached(q)
+            if hit is not None:
+                out[i] = hit.materialise(cached=True)
+            else:
+                todo.append(i)
+        if todo:
+            answers = self._run_batch([prepared[i] for i in todo])
+            for i, a in zip(todo, answers):
+                if isinstance(a, BaseException):
+                    raise a
+                out[i] = a.materialise(cached=False)
+        return out
+
+    def _run_batch(self, queries: list[_Query]) -> list[_Answer | BaseException]:
+        """Answer a batch: one encode of the uncached texts, one search per (mode, k)."""
+        n = len(queries)
+        out: list[Any] = [None] * n
+        vecs: list[np.ndarray | None] = [q.vector for q in queries]
+        need: dict[str, list[int]] = {}
+        for i, q in enumerate(queries):
+            if q.vector is None:
+                v = self._cache.embeddings.get(q.text)
+                if v is not None:
+                    vecs[i] = v
+                else:
+                    need.setdefault(q.text, []).append(i)
+        encode_s = 0.0
+        if need:
+            t0 = time.perf_counter()
+            texts = list(need)
+            try:
+                rows: list[Any] = list(self._encode(texts))
+            except Exception as exc:
+                if len(texts) == 1:
+                    rows = [exc]
+                else:  # find the culprit: encode one by one, so only its callers fail
+                    rows = []
+                    for text in texts:
+                        try:
+                            rows.append(self._encode([text])[0])
+                        except Exception as exc1:
+                            rows.append(exc1)
+            for text, row in zip(texts, rows):
+                if not isinstance(row, BaseException):
+                    row = row.copy()
+                    self._cache.embeddings.put(text, row)
+                for i in need[text]:
+                    if isinstance(row, BaseException):
+                        out[i] = row
+                    else:
+                        vecs[i] = row
+            encode_s = time.perf_counter() - t0
+        search_s, searches = 0.0, 0
+        with self._rw.read():
+            snap = self.bank.snapshot()
+            known = {u: i for i, u in enumerate(snap.users)}
+            groups: dict[tuple[str, int], list[int]] = {}
+            for i, q in enumerate(queries):
+                if out[i] is not None:
+                    continue
+                if q.user not in known or snap.num_items == 0:
+                    rule = "unknown_user" if q.user not in known else "no_hits"
+                    out[i] = _Answer(q.user, (), None, rule, 0.0, 0.0, 0)
+                else:
+                    groups.setdefault((q.mode, q.k), []).append(i)
+            for (mode, k), idx in groups.items():
+                t0 = time.perf_counter()
+                try:
+                    res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
+                                 config=self._config_for(k), mode=mode, backend=self._backend, device=self._device)
+                except Exception as exc:
+                    for i in idx:
+                        out[i] = exc
+                    continue
+                finally:
+                    search_s += time.perf_counter() - t0
+                    searches += 1
+                texts = res.texts  # taken from the snapshot this search ran on
+                routes, rules = res.route_names, res.rule_names
+                for j, i in enumerate(idx):
+                    q = queries[i]
+                    try:
+                        out[i] = ans = self._answer(res, j, texts[j], q.user, routes[j], rules[j])
+                    except Exception as exc:  # pragma: no cover - defensive: fails this caller only
+                        out[i] = exc
+                        continue
+                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, k)
+                    self._cache.put_result(key, ans)
+        with self._stats_lock:
+            c = self._counters
+            c["runs"] += 1
+            c["queries"] += n
+            c["searches"] += searches
+            c["search_seconds"] += search_s
+        if self._listeners:
+            ev = BatchEvent(n, sum(len(v) for v in need.values()), encode_s, search_s, searches)
+            for fn in list(self._listeners):
+                try:
+                    fn(ev)
+                except Exception:  # a listener never breaks a search
+                    log.exception("batch listener failed")
+        return out
+
+    def _answer(self, res: SearchResult, j: int, texts: np.ndarray, user: Hashable, route: str,
+                rule: str) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata)."""
+        ok = res.rows[j] >= 0
+        ids = res.ids[j][ok].tolist()
+        scores = res.scores[j][ok].tolist()
+        txt = texts[ok].tolist()
+        metas = self.bank.get_metadata(user, ids) if ids else []
+        mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
+        hits = tuple(
+            Hit(i, t, s, m or {}, r, user, route, rule, mean, ent, rounds)
+            for r, (i, t, s, m) in enumerate(zip(ids, txt, scores, metas))
+        )
+        return _Answer(user, hits, route, rule, mean, ent, rounds)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self) -> None:
+        """Checkpoint: write the bank as a store in ``path`` and truncate the log.
+
+        Atomic: ``memory.json`` is replaced only after the new store is complete, and
+        names the last log record the store holds, so a crash at any point reopens
+        with every acknowledged write. Writes wait while it runs (O(N d)).
+
+        Raises:
+            ValueError: an in-memory Memory (no path). OSError: I/O failure (the
+                previous checkpoint and the log stay valid).
+        """
+        if self._path is None:
+            raise ValueError("this Memory has no path: pass path= to Memory() to persist it")
+        with self._wmutex:
+            self._check_open()
+            self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> None:
+        assert self._path is not None and self._wal is not None
+        gen = self._store_gen + 1
+        name = f"{_STORE_PREFIX}{gen:08d}"
+        self.bank.save(self._path / name)
+        self._write_meta(name)
+        self._wal.reset()
+        for entry in self._path.iterdir():
+            if entry.name.startswith(_STORE_PREFIX) and entry.name != name and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        self._store_gen = gen
+        with self._stats_lock:
+            self._counters["checkpoints"] += 1
+
+    def close(self) -> None:
+        """Finish queued searches, checkpoint (when there is a path and unsaved log
+        records), and refuse further calls. Idempotent."""
+        if self._closed:
+            return
+        if self._batcher is not None:
+            self._batcher.close()
+        with self._wmutex:
+            try:
+                if self._wal is not None:
+                    if self._wal.nbytes and self._broken is None:
+                        self._checkpoint_locked()
+                    self._wal.close()
+            finally:
+                self._closed = True
+                if self._lock_file is not None:
+                    self._lock_file.close()  # releases the flock
+                    self._lock_file = None
+
+    # ------------------------------------------------------------------ observability
+    def add_listener(self, fn: Callable[[BatchEvent], None]) -> None:
+        """Call ``fn(BatchEvent)`` after every batched run (used by the HTTP metrics)."""
+        if not callable(fn):
+            raise TypeError("fn must be callable")
+        self._listeners.append(fn)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: users, items, runs / queries / encode / search totals (seconds),
+        writes, cache hit rates ({"results", "embeddings"}), batcher ({"batches",
+        "mean_batch", "largest_batch", "queue_depth", ...}), log bytes."""
+        with self._stats_lock:
+            c = dict(self._counters)
+        c.update(users=self.bank.num_users, items=self.bank.num_items, cache=self._cache.stats(),
+                 batcher=self._batcher.stats() if self._batcher is not None else None,
+                 wal_bytes=self._wal.nbytes if self._wal is not None else 0)
+        return c

@@ -1,0 +1,391 @@
+"""rfmem_fast.Memory: the text facade, micro-batching, the hot-query cache, isolation.
+
+Uses vectors and a tiny deterministic encoder (tests/_serving_helpers.HashEncoder); the
+real MiniLM runs in tests/test_serving_text.py. Reference answers come from
+``rfmem_fast.search`` called directly, one query per call.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from _serving_helpers import HashEncoder, clustered_memory_data
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rfmem_fast import Memory, RFMemConfig, search
+from rfmem_fast.serving import QueueFullError, RequestTimeoutError
+from rfmem_fast.serving.batcher import MicroBatcher
+
+DIM = 16
+
+
+def new_memory(**kw) -> Memory:
+    kw.setdefault("encoder", HashEncoder(DIM))
+    return Memory(**kw)
+
+
+def reference(mem: Memory, vec, user, k, mode):
+    """The unbatched answer: one direct rfmem_fast.search call for this one query."""
+    res = search(mem.bank, np.asarray(vec, np.float32)[None], [user], config=mem.config.replace(out_k=k), mode=mode)
+    keep = res.rows[0] >= 0
+    text_of = dict(zip(mem.bank.item_ids_of(user), mem.bank.texts_of(user)))
+    ids = [i for i, ok in zip(res.ids[0], keep) if ok]
+    return dict(ids=ids, scores=res.scores[0][keep].tolist(), texts=[text_of[i] for i in ids],
+                route=res.route_names[0], rule=res.rule_names[0], mean=float(res.mean[0]),
+                entropy=float(res.entropy[0]), rounds=int(res.rounds[0]))
+
+
+def as_dict(hits):
+    return dict(ids=[h.id for h in hits], scores=[h.score for h in hits], texts=[h.text for h in hits],
+                route=hits.route, rule=hits.rule, mean=hits.mean, entropy=hits.entropy, rounds=hits.rounds)
+
+
+@pytest.fixture(scope="module")
+def clustered():
+    return clustered_memory_data()
+
+
+def fill(mem: Memory, items: dict) -> None:
+    for user, X in items.items():
+        mem.add([f"{user} item {i}" for i in range(len(X))], user, vectors=X,
+                ids=[f"{user}-{i}" for i in range(len(X))], metadata=[{"owner": user, "i": i} for i in range(len(X))])
+
+
+# ----------------------------------------------------------------------------- facade
+def test_text_add_search_matches_direct_search():
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, batching=False)
+    texts = [f"fact number {i}" for i in range(30)]
+    ids = mem.add(texts, "alice", metadata={"source": "chat"})
+    assert len(ids) == 30 and len(set(ids)) == 30 and all(isinstance(i, str) for i in ids)
+    for mode in ("rfmem", "dense", "recollection"):
+        hits = mem.search("fact number 7", "alice", k=5, mode=mode)
+        ref = reference(mem, enc.vector("fact number 7"), "alice", 5, mode)
+        assert as_dict(hits) == ref
+        assert all(h.metadata == {"source": "chat"} and h.user_id == "alice" for h in hits)
+        assert [h.rank for h in hits] == list(range(len(hits)))
+    top = mem.search("fact number 7", "alice", k=1, mode="dense")[0]
+    assert top.text == "fact number 7" and top.score == pytest.approx(1.0) and top.id == ids[7]
+
+
+def test_vectors_instead_of_text_and_vectors_only_memory(clustered):
+    items, queries = clustered
+    mem = Memory(encoder=False, dim=DIM, batching=False)
+    fill(mem, items)
+    user, q = queries[0]
+    assert as_dict(mem.search(q, user, k=4)) == reference(mem, q, user, 4, "rfmem")
+    assert as_dict(mem.search(q.tolist(), user, k=4)) == reference(mem, q, user, 4, "rfmem")  # plain list
+    with pytest.raises(ValueError, match="no text encoder"):
+        mem.search("a text", user)
+    with pytest.raises(ValueError, match="no text encoder"):
+        mem.add(["a text"], user)
+    batch = mem.search_batch(np.stack([q for _, q in queries[:6]]), [u for u, _ in queries[:6]], k=3)
+    for (u, q), hits in zip(queries[:6], batch):
+        assert as_dict(hits) == reference(mem, q, u, 3, "rfmem")
+
+
+def test_update_delete_get_all_get():
+    mem = new_memory(batching=False)
+    ids = mem.add(["a", "b", "c"], "u", ids=["1", "2", "3"], metadata=[{"m": 1}, None, {"m": 3}])
+    assert ids == ["1", "2", "3"]
+    assert [(i.id, i.text, i.metadata) for i in mem.get_all("u")] == [("1", "a", {"m": 1}), ("2", "b", {}), ("3", "c", {"m": 3})]
+    mem.update("2", "u", texts="b2", metadata={"m": 2})
+    assert mem.get(["2"], "u")[0].text == "b2" and mem.get("2", "u")[0].metadata == {"m": 2}
+    assert mem.search("b2", "u", k=1, mode="dense")[0].id == "2"  # re-encoded with the new text
+    mem.update(["3"], "u", metadata=[None])  # clears
+    assert mem.get("3", "u")[0].metadata == {}
+    mem.delete(["1", "3"], "u")
+    assert [i.id for i in mem.get_all("u")] == ["2"]
+    assert all(h.id == "2" for h in mem.search("a", "u", mode="recollection"))
+    assert mem.get_all("nobody") == [] and mem.users() == ["u"]
+    with pytest.raises(KeyError, match="'1'"):
+        mem.get("1", "u")
+    with pytest.raises(KeyError, match="holds no item id '9'"):
+        mem.delete("9", "u")
+    with pytest.raises(KeyError, match="unknown user"):
+        mem.update("2", "ghost", texts="x")
+
+
+def test_hit_metadata_is_the_callers_copy():
+    mem = new_memory()
+    mem.add(["x"], "u", metadata={"tags": ["a"]})
+    h1 = mem.search("x", "u")
+    h1[0].metadata["tags"].append("mutated")
+    h2 = mem.search("x", "u")  # served from the cache
+    assert h2.cached and h2[0].metadata == {"tags": ["a"]}
+    assert mem.get_all("u")[0].metadata == {"tags": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda m: m.search("q", "u", mode="fast"), ValueError, "mode must be one of"),
+        (lambda m: m.search("q", "u", k=0), ValueError, "k must be an int >= 1"),
+        (lambda m: m.search("q", "u", k=2.5), ValueError, "k must be an int >= 1"),
+        (lambda m: m.search("q", 1.5), TypeError, "user_id must be a str or an int"),
+        (lambda m: m.search(b"q", "u"), TypeError, "query must be a str or a 1-D vector"),
+        (lambda m: m.search(np.ones(3), "u"), ValueError, "query must have dimension 16"),
+        (lambda m: m.search(np.zeros(16), "u"), ValueError, "query row 0 has zero norm"),
+        (lambda m: m.search([[1.0] * 16], "u"), ValueError, "1-D vector"),
+        (lambda m: m.search_batch(["a", "b"], ["u"]), ValueError, "user_ids has 1 entries but queries has 2"),
+        (lambda m: m.search_batch(["a", 3], "u"), ValueError, r"queries\[1\] must be a str or a 1-D vector"),
+        (lambda m: m.add(None, "u"), ValueError, "needs texts or vectors"),
+        (lambda m: m.add(["a", "b"], "u", ids=["1"]), ValueError, "ids has 1 entries but there are 2 items"),
+        (lambda m: m.add(["a"], "u", vectors=np.ones((2, 16))), ValueError, "texts has 1 entries but vectors has 2"),
+        (lambda m: m.add(["a"], "u", vectors=np.full((1, 16), np.nan)), ValueError, "NaN or Inf"),
+        (lambda m: m.add(["a"], "u", metadata=[{"x": {1, 2}}]), ValueError, "cannot log this write|JSON"),
+        (lambda m: m.add(["a"], "u", metadata="tag"), TypeError, "metadata must be a dict"),
+        (lambda m: m.add([1], "u"), TypeError, r"texts\[0\] must be a str"),
+        (lambda m: m.add(["a", "b"], "u", ids=["x", "x"]), ValueError, "duplicate item id 'x'"),
+        (lambda m: m.add(["dup"], "u", ids=["taken"]), ValueError, "already holds item id 'taken'"),
+        (lambda m: m.update("taken", "u"), ValueError, "needs texts, vectors or metadata"),
+        (lambda m: m.delete([], "u"), ValueError, "at least one item id"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_writes_nothing(tmp_path, call, exc, match):
+    mem = new_memory(path=tmp_path / "m")
+    mem.add(["t"], "u", ids=["taken"])
+    before = (mem.bank.version, [(i.id, i.text, i.metadata) for i in mem.get_all("u")])
+    with pytest.raises(exc, match=match):
+        call(mem)
+    assert (mem.bank.version, [(i.id, i.text, i.metadata) for i in mem.get_all("u")]) == before
+    mem.close()
+    reopened = Memory(tmp_path / "m", encoder=False)
+    assert [(i.id, i.text) for i in reopened.get_all("u")] == [("taken", "t")]
+
+
+def test_unknown_user_and_empty_memory_answer_empty():
+    mem = new_memory()
+    hits = mem.search("q", "nobody")
+    assert hits == [] and hits.rule == "unknown_user" and hits.route is None
+    mem.add(["a"], "u", ids=["1"])
+    mem.delete("1", "u")
+    hits = mem.search("q", "u")
+    assert hits == [] and hits.rule == "no_hits"
+
+
+# ----------------------------------------------------------------------------- isolation
+@settings(max_examples=20)
+@given(st.lists(st.tuples(st.sampled_from(["ann", "bob", 3, 4]), st.integers(1, 5)), min_size=1, max_size=8),
+       st.integers(0, 2**31 - 1))
+def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
+    """Users with overlapping item ids and identical texts: every hit (batched, cached,
+    unbatched) is the query's user's own item."""
+    rng = np.random.default_rng(seed)
+    mem = new_memory(max_wait_ms=5.0)
+    owner = {}
+    for user, n in adds:
+        got = {i.id for i in mem.get_all(user)}
+        ids = [f"i{j}" for j in range(len(got), len(got) + n)]  # the same ids for every user
+        mem.add(["shared text"] * n, user, ids=ids, metadata={"owner": str(user)},
+                vectors=rng.normal(size=(n, DIM)))
+        owner[user] = owner.get(user, 0) + n
+    users = list(owner) + ["stranger"]
+    queries = ["shared text", "other"]
+    with ThreadPoolExecutor(8) as pool:
+        futs = [(u, mode, pool.submit(mem.search, q, u, 3, mode))
+                for u in users for q in queries * 2 for mode in ("rfmem", "dense")]
+        results = [(u, mode, f.result()) for u, mode, f in futs]
+    results += [(u, "rfmem", h) for u in users for h in mem.search_batch(queries, u, k=3)]
+    for user, mode, hits in results:
+        assert all(h.user_id == user and h.metadata == {"owner": str(user)} for h in hits)
+        # dense returns the top-k; recollection drops candidates under score_floor
+        assert len(hits) == min(3, owner.get(user, 0)) if mode == "dense" else len(hits) <= min(3, owner.get(user, 0))
+
+
+# ----------------------------------------------------------------------------- batching
+def test_threaded_callers_get_exactly_their_unbatched_results(clustered):
+    """120 concurrent callers across 5 users, 3 modes and 2 k values, text (through the
+    batched encoder) and vector queries: each answer equals one direct search call."""
+    items, queries = clustered
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_batch=32, max_wait_ms=30.0, cache_size=0)
+    fill(mem, items)
+    calls = []
+    for n, (user, vec) in enumerate(queries):
+        text = f"query {n}"
+        enc.overrides[text] = vec
+        for mode in ("rfmem", "dense", "recollection"):
+            calls.append((text if n % 2 else vec, user, 3 + 4 * (n % 2), mode, vec))
+    enc.calls.clear()
+    start = threading.Barrier(24, timeout=30)
+
+    def one(n):
+        query, user, k, mode, _ = calls[n]
+        if n < 24:
+            start.wait()  # the first 24 start together
+        return mem.search(query, user, k=k, mode=mode)
+
+    with ThreadPoolExecutor(24) as pool:
+        got = list(pool.map(one, range(len(calls))))
+    routes = set()
+    for (query, user, k, mode, vec), hits in zip(calls, got):
+        assert as_dict(hits) == reference(mem, vec, user, k, mode)
+        assert all(h.metadata["owner"] == user for h in hits)
+        routes.add(hits.route)
+    assert routes == {"familiarity", "recollection"}
+    st_ = mem.stats()["batcher"]
+    assert st_["requests"] == len(calls) and st_["largest_batch"] > 1 and st_["batches"] < len(calls)
+    texts = [c[0] for c in calls if isinstance(c[0], str)]
+    # batched encoder calls; a text asked twice in one batch is encoded once
+    assert max(enc.calls) > 1 and len(set(texts)) <= sum(enc.calls) <= len(texts)
+
+
+def test_asyncio_callers_get_exactly_their_unbatched_results(clustered):
+    items, queries = clustered
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_batch=64, max_wait_ms=20.0, cache_size=0)
+    fill(mem, items)
+    for n, (_, vec) in enumerate(queries):
+        enc.overrides[f"q{n}"] = vec
+    modes = ("rfmem", "dense", "recollection")
+
+    async def main():
+        return await asyncio.gather(*(mem.asearch(f"q{n}", u, k=5, mode=modes[n % 3]) for n, (u, _) in enumerate(queries)))
+
+    got = asyncio.run(main())
+    for n, ((user, vec), hits) in enumerate(zip(queries, got)):
+        assert as_dict(hits) == reference(mem, vec, user, 5, modes[n % 3])
+    assert mem.stats()["batcher"]["largest_batch"] > 1
+
+
+def test_one_bad_request_fails_alone():
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_wait_ms=50.0)
+    mem.add(["a", "b"], "u")
+    fails = {"on": True}
+    real = enc.encode
+
+    def flaky(texts):
+        if fails["on"] and "boom" in texts:
+            raise RuntimeError("encoder exploded")
+        return real(texts)
+
+    enc.encode = flaky
+    with ThreadPoolExecutor(3) as pool:
+        ok = pool.submit(mem.search, np.ones(DIM), "u", mode="dense")  # a vector: not encoded
+        ghost = pool.submit(mem.search, "a", "ghost")
+        bad = pool.submit(mem.search, "boom", "u", mode="dense")
+        assert len(ok.result()) == 2 and ghost.result().rule == "unknown_user"
+        with pytest.raises(RuntimeError, match="encoder exploded"):
+            bad.result()
+    fails["on"] = False
+    assert len(mem.search("boom", "u", mode="dense")) == 2  # the batcher keeps working
+
+
+def test_full_queue_and_timeout_raise_instead_of_hanging():
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_batch=1, max_queue=2, max_wait_ms=0.0, timeout=10.0, cache_size=0)
+    mem.add(None, "u", vectors=np.ones((1, DIM)))
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(mem.search, "q0", "u", mode="dense")  # blocks inside the encoder
+        assert enc.entered.wait(10)
+        queued = [pool.submit(mem.search, f"q{i}", "u", mode="dense") for i in (1, 2)]
+        deadline = 100
+        while mem.stats()["batcher"]["queue_depth"] < 2 and deadline:
+            threading.Event().wait(0.02)
+            deadline -= 1
+        with pytest.raises(QueueFullError, match="queue is full"):
+            mem.search("q3", "u")
+        with pytest.raises(QueueFullError):
+            asyncio.run(mem.asearch("q4", "u"))
+        enc.gate.set()
+        assert len(first.result(10)) == 1 and all(len(f.result(10)) == 1 for f in queued)
+    assert mem.stats()["batcher"]["rejected"] == 2
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        blocker = pool.submit(mem.search, "q5", "u", mode="dense")
+        assert enc.entered.wait(10)
+        with pytest.raises(RequestTimeoutError, match="timeout=0.2"):
+            mem.search("q6", "u", timeout=0.2)
+        with pytest.raises(RequestTimeoutError):
+            asyncio.run(mem.asearch("q7", "u", timeout=0.2))
+        enc.gate.set()
+        blocker.result(10)
+    assert mem.stats()["batcher"]["timeouts"] == 2
+
+
+def test_micro_batcher_contract():
+    seen = []
+
+    def run(items):
+        seen.append(list(items))
+        return [ValueError(f"bad {x}") if x < 0 else x * 10 for x in items]
+
+    b = MicroBatcher(run, max_batch=4, max_wait_ms=50.0)
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(b.call, x) for x in (1, 2, -3, 4, 5, 6)]
+        assert [f.result() for f in futs if not f.exception()] == [10, 20, 40, 50, 60]
+        with pytest.raises(ValueError, match="bad -3"):
+            futs[2].result()
+    assert max(len(s) for s in seen) <= 4 and sorted(x for s in seen for x in s) == [-3, 1, 2, 4, 5, 6]
+    b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.call(1)
+    for bad in ({"max_batch": 0}, {"max_queue": 0}, {"max_wait_ms": -1}, {"timeout": 0}):
+        with pytest.raises(ValueError):
+            MicroBatcher(run, **bad)
+
+
+# ----------------------------------------------------------------------------- cache
+def test_cache_hits_and_per_user_invalidation():
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc)
+    mem.add(["a1", "a2"], "alice")
+    mem.add(["b1"], "bob")
+    first = mem.search("question", "alice", k=2)
+    again = mem.search("question", "alice", k=2)
+    assert not first.cached and again.cached and as_dict(first) == as_dict(again)
+    assert not mem.search("question", "alice", k=1).cached  # k is part of the key
+    assert not mem.search("question", "alice", k=2, mode="dense").cached  # so is the mode
+    assert not mem.search("question", "bob", k=2).cached  # and the user
+    assert mem.search("question", "bob", k=2).cached
+    n_enc = sum(enc.calls)
+    mem.add(["question"], "alice", ids=["new"])  # a write to alice drops alice's answers only
+    fresh = mem.search("question", "alice", k=2)
+    assert not fresh.cached and fresh[0].id == "new"
+    assert mem.search("question", "bob", k=2).cached
+    assert sum(enc.calls) == n_enc + 1  # the query's embedding came from the cache ("question" item encoded)
+    st_ = mem.stats()["cache"]["results"]
+    assert st_["hits"] == 3 and st_["misses"] == 5 and st_["hit_rate"] == pytest.approx(3 / 8)
+    off = new_memory(cache_size=0)
+    off.add(["x"], "u")
+    assert not off.search("x", "u").cached and not off.search("x", "u").cached
+
+
+def test_repeated_question_workload_hit_rate():
+    mem = new_memory()
+    mem.add([f"m{i}" for i in range(20)], "u")
+    questions = [f"question {i}" for i in range(10)]
+    for _ in range(3):
+        for q in questions:
+            mem.search(q, "u")
+    assert mem.stats()["cache"]["results"]["hit_rate"] == pytest.approx(2 / 3)
+
+
+def test_search_vector_key_is_exact():
+    mem = new_memory(encoder=False, dim=DIM)
+    mem.add(None, "u", vectors=np.eye(DIM)[:4] + 0.1)
+    v = np.linspace(1, 2, DIM)
+    assert not mem.search(v, "u").cached and mem.search(v.copy(), "u").cached
+    assert not mem.search(v * 2, "u").cached  # another vector, another key (same answer)
+    assert as_dict(mem.search(v * 2, "u")) == as_dict(mem.search(v, "u"))
+
+
+def test_config_and_construction_errors(tmp_path):
+    with pytest.raises(TypeError, match="config must be an RFMemConfig"):
+        Memory(config={"out_k": 3})
+    with pytest.raises(TypeError, match="encode"):
+        Memory(encoder=object())
+    with pytest.raises(ValueError, match="dim=8 does not match encoder.dim=16"):
+        Memory(encoder=HashEncoder(16), dim=8)
+    with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
+        Memory(encoder=False, max_batch=0)
+    mem = Memory(encoder=False, dim=DIM, config=RFMemConfig(out_k=2))
+    mem.add(None, "u", vectors=np.eye(DIM)[:5] + 0.01)
+    assert len(mem.search(np.ones(DIM), "u")) == 2 and len(mem.search(np.ones(DIM), "u", k=4)) == 4

@@ -1,0 +1,51 @@
+"""The Memory facade with the real offline MiniLM encoder (loaded once per session)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _shared import shared_dir
+
+from rfmem_fast import Memory, search
+
+
+@pytest.fixture(scope="module")
+def pb_small():
+    """24 chunks of one PersonaBench user and the first 30 questions (texts only)."""
+    shared = shared_dir()
+    if shared is None:
+        pytest.skip("shared data absent")
+    from rfmem_fast.datasets import load_personabench
+
+    data = load_personabench(shared / "data" / "personabench" / "eval_data_v1", noise=0.0)
+    user = data.users[0]
+    return user, [q.question for q in data.questions[:30]]
+
+
+def test_batched_text_queries_match_one_text_encodes(pb_small, text_encoder):
+    """One batched encode + search of 30 PersonaBench questions against, per question,
+    a one-text encode and one search call: same ids and routes, scores within float32
+    rounding of the encoder (RFMEM_SPEC.md "Vectors and scores")."""
+    user, questions = pb_small
+    mem = Memory(encoder=text_encoder, cache_size=0)
+    mem.add(user.chunk_texts[:24], user.key, ids=user.chunk_ids[:24])
+    batched = mem.search_batch(questions, user.key, k=5)
+    worst = 0.0
+    for q, hits in zip(questions, batched):
+        v = text_encoder.encode([q])
+        ref = search(mem.bank, v, [user.key], config=mem.config.replace(out_k=5))
+        assert [h.id for h in hits] == ref.ids_list(0)
+        assert hits.route == ref.route_names[0] and hits.rule == ref.rule_names[0]
+        worst = max(worst, float(np.abs(np.array([h.score for h in hits]) - ref.scores[0][: len(hits)]).max(initial=0)))
+    assert worst < 1e-5
+    assert {h.route for h in batched} == {"familiarity", "recollection"}
+
+
+def test_text_memory_end_to_end(tmp_path, text_encoder):
+    mem = Memory(tmp_path / "m", encoder=text_encoder)
+    mem.add(["The dog is called Rex.", "I work as a baker in Nantes.", "My favourite colour is green."], "u1")
+    mem.add(["The cat is called Tom."], "u2")
+    assert mem.search("What is my job?", "u1", k=1)[0].text == "I work as a baker in Nantes."
+    assert mem.search("What is my dog's name?", "u2", k=3)[0].text == "The cat is called Tom."  # u2 only
+    mem.close()
+    again = Memory(tmp_path / "m", encoder=text_encoder)
+    assert again.search("Which colour do I like?", "u1", k=1)[0].text == "My favourite colour is green."
