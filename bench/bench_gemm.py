@@ -17,18 +17,22 @@ shared machine), best of ``--repeats``:
   query per random user, the scan path) on float32, float16 and bfloat16 copies: bytes
   of scan copy read per second, and the half / float32 speed-up.
 
+The cap applies to the GEMM micro-kernels and the half-precision scans; the float32 scan
+path has its own compile-time clones (``target_clones``, csrc/cpu/common.h), so its
+"level 0" figure is its AVX2 clone on an AVX2 machine.
+
 The JSON (``bench/results/gemm-<timestamp>.json`` or ``--out``) holds the machine, the
 versions, the load averages, the exact command and every figure.
 
 Usage::
 
     python bench/bench_gemm.py [--parts rates,crossover,bandwidth] [--rows 100000]
-        [--queries 1024] [--users 400] [--items 4096] [--levels 2,1,0] [--repeats 3] [--out FILE]
+        [--queries 1024] [--users 400] [--items 4096] [--crossover-rows 200000] [--levels 2,1,0]
+        [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,6 +44,7 @@ import torch
 
 import rfmem_fast
 from rfmem_fast import _native
+from rfmem_fast.bench.report import write_json
 from rfmem_fast.evaluate import machine_info
 from rfmem_fast.precision import to_scan_copy
 
@@ -156,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=1024, help="rates / bandwidth: queries")
     p.add_argument("--users", type=int, default=400, help="bandwidth: segments")
     p.add_argument("--items", type=int, default=4096, help="bandwidth: rows per segment")
+    p.add_argument("--crossover-rows", type=int, default=200_000, help="crossover: rows of each (L, nq) cell's bank")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--levels", default=None, help="SIMD levels (default: every level this CPU runs, highest first)")
     p.add_argument("--repeats", type=int, default=3)
@@ -181,13 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     if "rates" in parts:
         doc["rates"] = rates(levels, args.rows, args.queries, args.dim, args.repeats)
     if "crossover" in parts:
-        doc["crossover"] = crossover(levels, args.dim, args.repeats)
+        doc["crossover"] = crossover(levels, args.dim, args.repeats, args.crossover_rows)
     if "bandwidth" in parts:
         doc["bandwidth"] = bandwidth(levels, args.users, args.items, args.dim, args.queries, args.repeats)
     doc["loadavg_after"] = list(os.getloadavg())
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"gemm-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = write_json(doc, args.out or Path(__file__).with_name("results") / f"gemm-{stamp}.json")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

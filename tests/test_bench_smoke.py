@@ -177,3 +177,30 @@ def test_memory_guard_skips_materialising_cells():
     b = Bench(BenchSettings(backends=["torch"], faiss=False, reference=False), progress=False)
     assert "score matrix" in b._too_big(OursSystem("torch"), "rfmem", 1024, 10**9)
     assert b._too_big(OursSystem("torch"), "dense", 1, 1000) is None
+
+
+def test_bench_gemm_script_tiny(tmp_path):
+    """bench/bench_gemm.py at tiny sizes: every part writes its figures; the crossover
+    cells record the cost rule's choice; the half-precision scans are timed."""
+    pytest.importorskip("rfmem_fast._native")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gemm", ROOT / "bench" / "bench_gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "g.json"
+    args = ["--rows", "600", "--queries", "16", "--users", "4", "--items", "200", "--crossover-rows", "3000",
+            "--dim", "32", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    assert mod.main(args) == 0
+    doc = json.loads(out.read_text())
+    levels = list(range(doc["simd_level_supported"], -1, -1))
+    assert {(r["level"], r["path"], r["scan_type"]) for r in doc["rates"] if r["level"] is not None} == {
+        (lv, p, st) for lv in levels for p in ("scan", "gemm") for st in ("float32", "float16")
+    }
+    assert all(_finite(r["gmac_per_s"]) and r["gmac_per_s"] > 0 for r in doc["rates"])
+    from rfmem_fast import _native
+
+    for r in doc["crossover"]:
+        assert r["rule_takes_gemm"] == _native.gemm_pays(r["queries_per_segment"], r["seg_rows"], 32, r["level"])
+    assert {r["scan_type"] for r in doc["bandwidth"]} == {"float32", "float16", "bfloat16"}
+    assert all(_finite(r["speedup_over_float32"]) for r in doc["bandwidth"])
