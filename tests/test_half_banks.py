@@ -168,6 +168,28 @@ def test_search_after_writes_equals_float32_bank(dtype):
             np.testing.assert_array_equal(got.scores, want.scores)
 
 
+@pytest.mark.skipif(not NATIVE, reason="native backend not built")
+@pytest.mark.parametrize("dtype", HALF)
+def test_both_beam_drivers_scan_the_half_copy_exactly(dtype):
+    """The C++ beam driver's rounds and the Python driver's use the half copy (scan and
+    GEMM paths: a shared segment with many branches): same rows, scores and rounds as
+    the float32 bank."""
+    rng = np.random.default_rng(6)
+    X = rng.normal(size=(900, 48)).astype(np.float32)
+    bank32 = MemoryBank.from_arrays(X, [0, 700, 900])
+    bank = _as(bank32, dtype)
+    users = [0] * 24 + [1] * 3
+    Q = X[rng.integers(0, 700, size=27)] + 0.3 * rng.normal(size=(27, 48)).astype(np.float32)
+    cfg = RFMemConfig(out_k=12)
+    want = search(bank32, Q, users, cfg, mode="recollection", backend=NativeBackend(beam_driver="python"))
+    for be in (NativeBackend(), NativeBackend(beam_driver="python"), NativeBackend(topk_path="gemm"),
+               NativeBackend(beam_driver="python", topk_path="scan")):  # fmt: skip
+        got = search(bank, Q, users, cfg, mode="recollection", backend=be)
+        assert got.ids.tolist() == want.ids.tolist(), (be.beam_driver, be.topk_path)
+        np.testing.assert_array_equal(got.scores, want.scores)
+        np.testing.assert_array_equal(got.rounds, want.rounds)
+
+
 _PB_FLOAT32: dict = {}  # (backend, mode) -> the float32 bank's result
 
 
