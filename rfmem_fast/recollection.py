@@ -50,12 +50,18 @@ class RecollectionOutput:
         hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
             discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
             merges of :mod:`rfmem_fast.routing.merge` read it.
+        hit_scores: float64 [b, m] the score each hit was discovered with (as
+            ``scores``), -inf padding.
+        hit_rounds: int64 [b, m] the round (0-based) that discovered each hit, -1
+            padding.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
     hit_rows: torch.Tensor | None = None
+    hit_scores: torch.Tensor | None = None
+    hit_rounds: torch.Tensor | None = None
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
@@ -144,6 +150,9 @@ def recollect(
         rows=torch.cat([p.rows for p in parts]),
         scores=torch.cat([p.scores for p in parts]),
         rounds=torch.cat([p.rounds for p in parts]),
+        hit_rows=torch.cat([p.hit_rows for p in parts]),
+        hit_scores=torch.cat([p.hit_scores for p in parts]),
+        hit_rounds=torch.cat([p.hit_rounds for p in parts]),
     )
 
 
@@ -164,6 +173,7 @@ def _recollect_chunk(
     # column ``cap`` is a scratch slot: masked-out writes of a round go there (never read)
     res_rows = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
     res_sc = torch.full((b, cap + 1), float("-inf"), dtype=torch.float64, device=dev)
+    res_round = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
     res_len = torch.zeros(b, dtype=torch.int64, device=dev)
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     beam_q = torch.zeros((b, B, d), dtype=torch.float32, device=dev)
@@ -266,6 +276,7 @@ def _recollect_chunk(
         qi = act[:, None].expand(na, L)
         res_rows[qi, pos] = torch.where(keep, h_rows, torch.full_like(h_rows, -1))
         res_sc[qi, pos] = torch.where(keep, h_sc, torch.full_like(h_sc, float("-inf")))
+        res_round[qi, pos] = torch.where(keep, torch.full_like(h_rows, level), torch.full_like(h_rows, -1))
         res_len[act] += keep.sum(dim=1)
         rounds[act] += any_child.to(torch.int64)
         still = any_child & (res_len[act] < out_k) & (level + 1 < R)
@@ -277,4 +288,7 @@ def _recollect_chunk(
         pad = out_k - out_rows.shape[1]
         out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
         out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
-    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds, hit_rows=res_rows)
+    return RecollectionOutput(
+        rows=out_rows, scores=out_sc, rounds=rounds,
+        hit_rows=res_rows[:, :cap], hit_scores=res_sc[:, :cap], hit_rounds=res_round[:, :cap],
+    )  # fmt: skip
