@@ -337,10 +337,15 @@ def data_dir(pb_embedded):  # pb_embedded fills the session's embedding cache
     return str(shared_dir() / "data" / "personabench" / "eval_data_v1")
 
 
-def test_rerank_cv_never_fits_on_the_held_out_user(data_dir, pb_cache_dir, monkeypatch):
+def test_rerank_cv_never_fits_on_the_held_out_user(data_dir, pb_cache_dir, monkeypatch, tmp_path, capsys):
+    """``rfmem tune --grid rerank``: every fit inside outer fold u excludes u; the model file
+    written is the procedure's pick on all users, with its nested-CV figure in meta."""
+    import rfmem_fast.cli as cli
     import rfmem_fast.tuning as tuning
+    from rfmem_fast.cli import main
 
-    calls: list[tuple[str, list[str]]] = []
+    monkeypatch.setenv("RFMEM_CACHE", str(pb_cache_dir))
+    calls: list[tuple[int, list[str]]] = []
     folds: list[str] = []
     real = tuning._fit_spec
 
@@ -349,23 +354,65 @@ def test_rerank_cv_never_fits_on_the_held_out_user(data_dir, pb_cache_dir, monke
         return real(spec, data, train_users, depth, C)
 
     monkeypatch.setattr(tuning, "_fit_spec", spy)
-    res = tuning.rerank_cv_personabench(
-        data_dir, [("minilm", 0.0)], emb_cache=pb_cache_dir, timing=False, backend="torch",
-        progress=lambda s: folds.append(s.split("without ", 1)[1].split(":")[0] + ":" + s.split(":")[1]) if "without" in s else None,
-    )  # fmt: skip
-    users = res["users"]
-    assert len(users) == 6 and len(res["folds"]) == 6 and len(folds) == 6
+    monkeypatch.setattr(cli, "_say", lambda s: folds.append(s) if s.startswith("rerank cv: without") else None)
+    figs, model = tmp_path / "cv.json", tmp_path / "model.json"
+    rc = main(["tune", "personabench", "--data", data_dir, "--grid", "rerank", "--conditions", "minilm:0.0", "--no-timing",
+               "--backend", "torch", "--json", str(figs), "--model-out", str(model)])  # fmt: skip
+    assert rc == 0 and "Nested leave-one-user-out" in capsys.readouterr().out
+    res = json.loads(figs.read_text())
+    assert len(res["users"]) == 6 and len(res["folds"]) == 6 and len(folds) == 6
+    assert {f["chosen"] for f in res["folds"]} <= {s["name"] for s in res["specs"]}
     for fold_index, train in calls:
-        if fold_index < 6:  # inside outer fold `fold_index`: never the held-out user
+        if fold_index < 6:  # inside outer fold `fold_index`: never its held-out user
             held_out = res["folds"][fold_index]["held_out_user"]
             assert held_out not in train and len(train) in (4, 5)
-    assert any(fi == 6 and len(t) == 6 for fi, t in calls)  # the final procedure: all six users
+    assert any(fi == 6 and len(t) == 5 for fi, t in calls)  # the procedure on all users: inner fits on 5
     cv = res["cv"]["minilm noise 0.0"]
     assert cv["dense"] == pytest.approx(0.5385, abs=1e-3)
     # the pooled CV figure is the question-weighted mean of the held-out users' figures
-    n = np.array([sum(1 for q in _questions(data_dir) if q.user_key == f["held_out_user"] and q.is_evaluated) for f in res["folds"]])
+    qs = _questions(data_dir)
+    n = np.array([sum(1 for q in qs if q.user_key == f["held_out_user"] and q.is_evaluated) for f in res["folds"]])
     held = np.array([f["held_out_recall"]["minilm noise 0.0"] for f in res["folds"]])
     assert cv["tuned_cv"] == pytest.approx(float((held * n).sum() / n.sum()), abs=1e-9)
+    if res["model"] is not None:
+        m = load_reranker(model)
+        assert list(m.features) == res["model"]["features"]
+        assert m.meta["nested_cv_recall"]["minilm noise 0.0"]["nested_cv"] == pytest.approx(cv["tuned_cv"])
+        assert m.meta["fitted_on"]["users"] == res["users"]
+
+
+def test_calibrate_reranker_cli_on_custom_data(tmp_path, capsys):
+    from rfmem_fast.cli import main
+
+    rng = np.random.default_rng(1)
+    bank = MemoryBank(12)
+    for u in ("ann", "bob"):
+        bank.add(u, rng.normal(size=(40, 12)), [f"{u}{i}" for i in range(40)])
+    bank.save(tmp_path / "store")
+    snap = bank.snapshot()
+    queries, lines = [], []
+    for i in range(30):
+        u = ("ann", "bob")[i % 2]
+        rel = rng.choice(40, 2, replace=False)
+        a = snap.offsets[bank.user_index(u)]
+        queries.append(snap.vectors[a + rel].sum(0) + 0.3 * rng.normal(size=12))
+        lines.append(json.dumps({"user": u, "relevant": [f"{u}{j}" for j in rel]}))
+    np.save(tmp_path / "q.npy", np.array(queries))
+    (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "rr.json"
+    rc = main(["calibrate", "custom", "--store", str(tmp_path / "store"), "--queries", str(tmp_path / "q.npy"),
+               "--labels", str(tmp_path / "labels.jsonl"), "--kind", "reranker", "--features", "cos,support,recollected",
+               "--pool", "recollection", "--depth", "12", "--out", str(out), "--backend", "torch"])  # fmt: skip
+    assert rc == 0 and "wrote the re-ranker" in capsys.readouterr().out
+    m = load_reranker(out)
+    assert m.features == ("cos", "support", "recollected") and m.depth == 12 and m.weights[0] > 0
+    assert m.meta["pool_mode"] == "recollection" and m.meta["fitted_on"]["questions"] == 30
+    res = search(bank, np.array(queries), [json.loads(x)["user"] for x in lines], RFMemConfig(reranker=str(out), **ALWAYS))
+    assert (res.rows >= 0).all()
+    with pytest.raises(SystemExit):
+        main(["calibrate", "custom", "--store", str(tmp_path / "store"), "--queries", str(tmp_path / "q.npy"),
+              "--labels", str(tmp_path / "labels.jsonl"), "--kind", "reranker", "--features", "cos,bm25", "--out", str(out)])
+    assert "--features must be a comma list" in capsys.readouterr().err
 
 
 def _questions(data_dir):
