@@ -433,12 +433,19 @@ def test_tune_profile_grid_scores_each_user_with_a_weight_chosen_without_it(data
     gts = [q.gt_segment_ids for q in pb.data.questions]
     ev = np.array([q.is_evaluated for q in pb.data.questions])
     users = np.asarray(pb.users)
+    dense = question_recalls(search(pb.bank, pb.Q, pb.users, RFMemConfig(), mode="dense", backend="torch"), gts, 10)
+    held = np.zeros(len(users))
     for f in res.folds:
         w = f["chosen"].get("profile_weight", 0.0)
         assert f["chosen"]["theta_high"] == -1.0  # the profile grid never recollects
         sel = (users == f["held_out_user"]) & ev
         got = search(pb.bank, pb.Q, pb.users, RFMemConfig(profile_weight=w), mode="dense", backend="torch")
-        assert f["held_out_recall"]["minilm noise 0.0"] == pytest.approx(question_recalls(got, gts, 10)[sel].mean(), abs=1e-12)
+        held[sel] = question_recalls(got, gts, 10)[sel]
+        assert f["held_out_recall"]["minilm noise 0.0"] == pytest.approx(held[sel].mean(), abs=1e-12)
+    cv = res.cv["minilm noise 0.0"]
+    assert cv["tuned_cv"] == pytest.approx(held[ev].mean(), abs=1e-12)
+    diff = (held - dense)[ev]
+    assert cv["gain_se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(ev.sum()), rel=1e-9)
     from rfmem_fast.tuning import PROFILE_WEIGHTS
 
     assert res.recommended.profile_weight in PROFILE_WEIGHTS[1:]  # noise 0.0 alone: the prior helps (0.1)
