@@ -428,20 +428,8 @@ def tune_personabench(
         })  # fmt: skip
     cost: dict[str, dict[str, dict[str, float]]] = {}
     if timing:
-        for ci, c in enumerate(conds):
-            emb = data[ci].emb
-            cost[c.label] = {}
-            for name, cfg, mode in (("dense", paper, "dense"), ("paper_rfmem", paper, "rfmem"), ("recommended", rec_cfg, "rfmem")):
-                search(emb.bank, emb.Q[:8], emb.users[:8], cfg, mode=mode, backend=backend)  # warm-up
-                ts = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    res = search(emb.bank, emb.Q, emb.users, cfg, mode=mode, backend=backend)
-                    ts.append(time.perf_counter() - t0)
-                cost[c.label][name] = {
-                    "ms_per_query": 1e3 * float(np.median(ts)) / len(emb.users),
-                    "fraction_recollecting": float(np.mean(res.route == 1)),
-                }
+        runs = (("dense", paper, "dense"), ("paper_rfmem", paper, "rfmem"), ("recommended", rec_cfg, "rfmem"))
+        cost = {c.label: _time_configs(data[ci].emb, runs, backend) for ci, c in enumerate(conds)}
     return TuneResult(
         conditions=conds, users=users, k=k, grid=grid, space=space, n_candidates=int(obj.size), recommended=rec_cfg,
         recommended_in_sample=in_sample, cv=cv, folds=folds, top=top_list, cost=cost,
@@ -755,26 +743,31 @@ def _rerank_cost(data: list, conds: list, spec: dict[str, Any], model: Any, back
     import tempfile
 
     from .routing import save_reranker
-    from .search import search
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = save_reranker(model, Path(tmp) / "reranker.json") if model is not None else None
-        chosen = rerank_config(spec["name"], path)
+        runs = (("dense", RFMemConfig(), "dense"), ("paper_rfmem", RFMemConfig(), "rfmem"),
+                ("chosen", rerank_config(spec["name"], path), "rfmem"))  # fmt: skip
         for ci, c in enumerate(conds):
-            emb = data[ci].emb
-            out[c.label] = {}
-            for name, cfg, mode in (("dense", RFMemConfig(), "dense"), ("paper_rfmem", RFMemConfig(), "rfmem"), ("chosen", chosen, "rfmem")):
-                search(emb.bank, emb.Q[:8], emb.users[:8], cfg, mode=mode, backend=backend)  # warm-up
-                ts = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    res = search(emb.bank, emb.Q, emb.users, cfg, mode=mode, backend=backend)
-                    ts.append(time.perf_counter() - t0)
-                out[c.label][name] = {
-                    "ms_per_query": 1e3 * float(np.median(ts)) / len(emb.users),
-                    "fraction_recollecting": float(np.mean(res.route == 1)),
-                }
+            out[c.label] = _time_configs(data[ci].emb, runs, backend)
+    return out
+
+
+def _time_configs(emb: Any, runs: Sequence[tuple[str, RFMemConfig, str]], backend: str) -> dict[str, dict[str, float]]:
+    """{name: {"ms_per_query", "fraction_recollecting"}}: one whole-batch search of every question
+    per (name, config, mode), after a warm-up; median of 3."""
+    from .search import search
+
+    out = {}
+    for name, cfg, mode in runs:
+        search(emb.bank, emb.Q[:8], emb.users[:8], cfg, mode=mode, backend=backend)  # warm-up
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            res = search(emb.bank, emb.Q, emb.users, cfg, mode=mode, backend=backend)
+            ts.append(time.perf_counter() - t0)
+        out[name] = {"ms_per_query": 1e3 * float(np.median(ts)) / len(emb.users), "fraction_recollecting": float(np.mean(res.route == 1))}
     return out
 
 

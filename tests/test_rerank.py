@@ -384,21 +384,9 @@ def test_rerank_cv_never_fits_on_the_held_out_user(data_dir, pb_cache_dir, monke
 def test_calibrate_reranker_cli_on_custom_data(tmp_path, capsys):
     from rfmem_fast.cli import main
 
-    rng = np.random.default_rng(1)
-    bank = MemoryBank(12)
-    for u in ("ann", "bob"):
-        bank.add(u, rng.normal(size=(40, 12)), [f"{u}{i}" for i in range(40)])
-    bank.save(tmp_path / "store")
-    snap = bank.snapshot()
-    queries, lines = [], []
-    for i in range(30):
-        u = ("ann", "bob")[i % 2]
-        rel = rng.choice(40, 2, replace=False)
-        a = snap.offsets[bank.user_index(u)]
-        queries.append(snap.vectors[a + rel].sum(0) + 0.3 * rng.normal(size=12))
-        lines.append(json.dumps({"user": u, "relevant": [f"{u}{j}" for j in rel]}))
-    np.save(tmp_path / "q.npy", np.array(queries))
-    (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
+    from _shared import write_custom_questions
+
+    bank, queries, users, _ = write_custom_questions(tmp_path, seed=1, n=30, noise=0.3)
     out = tmp_path / "rr.json"
     rc = main(["calibrate", "custom", "--store", str(tmp_path / "store"), "--queries", str(tmp_path / "q.npy"),
                "--labels", str(tmp_path / "labels.jsonl"), "--kind", "reranker", "--features", "cos,support,recollected",
@@ -407,7 +395,7 @@ def test_calibrate_reranker_cli_on_custom_data(tmp_path, capsys):
     m = load_reranker(out)
     assert m.features == ("cos", "support", "recollected") and m.depth == 12 and m.weights[0] > 0
     assert m.meta["pool_mode"] == "recollection" and m.meta["fitted_on"]["questions"] == 30
-    res = search(bank, np.array(queries), [json.loads(x)["user"] for x in lines], RFMemConfig(reranker=str(out), **ALWAYS))
+    res = search(bank, queries, users, RFMemConfig(reranker=str(out), **ALWAYS))
     assert (res.rows >= 0).all()
     with pytest.raises(SystemExit):
         main(["calibrate", "custom", "--store", str(tmp_path / "store"), "--queries", str(tmp_path / "q.npy"),
