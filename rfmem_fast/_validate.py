@@ -45,7 +45,7 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
         arr = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged nested lists and the like
         raise ValueError(f"{name} must be a 2-D array [n, d] of floats: {exc}") from None
-    if arr.dtype == object or not np.issubdtype(arr.dtype, np.floating):
+    if arr.dtype.kind != "f":  # np.issubdtype(dtype, np.floating), without its overhead
         raise TypeError(
             f"{name} must hold floating-point values (float16/32/64), got dtype {arr.dtype}"
         )
@@ -56,8 +56,11 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     if dim is not None and arr.shape[1] != dim:
         raise ValueError(f"{name} must have dimension {dim}, got {arr.shape[1]}")
     src = arr
-    with np.errstate(over="ignore", invalid="ignore"):
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.dtype == np.float32:  # nothing to narrow: no overflow to silence
+        arr = np.ascontiguousarray(arr)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
     if arr.size and not np.isfinite(arr).all():
         bad_rows = ~np.isfinite(arr).all(axis=1)
         bad = int(np.flatnonzero(bad_rows)[0])
@@ -82,7 +85,8 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
     Raises:
         ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise).
     """
-    norms = np.linalg.norm(arr.astype(np.float64), axis=1)
+    a64 = arr.astype(np.float64)
+    norms = np.sqrt(np.add.reduce(a64 * a64, axis=1))  # np.linalg.norm(a64, axis=1), without its overhead
     if arr.shape[0] and (norms <= _NORM_EPS).any():
         bad = int(np.flatnonzero(norms <= _NORM_EPS)[0])
         raise ValueError(

@@ -12,8 +12,12 @@ Semantics kept from the authors' code:
   * a branch retrieves the top ``(B + level) * F`` of its query and THEN drops the
     items already returned (``seen``) and those scoring below ``score_floor``;
   * with ``mmr_lambda < 1`` a candidate's score becomes
-    ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone);
-    that score is what the hits carry and what the branch score accumulates;
+    ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>`` (0 when it is alone),
+    in float64, the maximum from the backend's :meth:`Backend.max_similarity
+    <rfmem_fast.backends.base.Backend.max_similarity>`; that score is what the hits
+    carry and what the branch score accumulates;
+  * a child's accumulated score is its parent's plus the sum of its members' scores,
+    summed in candidate order;
   * children are ordered (parent beam slot, cluster label); the next beam is the
     ``B`` children of largest accumulated score, stable on ties;
   * ``seen`` is updated only after the beam is chosen, in (slot, candidate) order, so
@@ -50,18 +54,19 @@ class RecollectionOutput:
         hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
             discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
             merges of :mod:`rfmem_fast.routing.merge` read it.
-        hit_scores: float64 [b, m] the score each hit was discovered with (as
-            ``scores``), -inf padding.
-        hit_rounds: int64 [b, m] the round (0-based) that discovered each hit, -1
-            padding.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
     hit_rows: torch.Tensor | None = None
-    hit_scores: torch.Tensor | None = None
-    hit_rounds: torch.Tensor | None = None
+
+
+def recollection_capacity(config: RFMemConfig) -> int:
+    """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
+    (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
+    B, F, R = config.beam_width, config.fanout, config.max_rounds
+    return config.out_k - 1 + B * (B + R - 1) * F
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
@@ -82,7 +87,7 @@ def round_bytes_per_query(config: RFMemConfig, d: int) -> int:
     """
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     K = (B + R - 1) * F
-    cap = config.out_k - 1 + B * (B + R - 1) * F
+    cap = recollection_capacity(config)
     per_branch = K * (cap + d * (4 + 8 + 4) + K * (8 + 1 + 1) + B * 9 + 64) + B * d * 4 * 4
     return int(B * per_branch + (B * K) ** 2 * 2 + 1024)
 
@@ -151,8 +156,6 @@ def recollect(
         scores=torch.cat([p.scores for p in parts]),
         rounds=torch.cat([p.rounds for p in parts]),
         hit_rows=torch.cat([p.hit_rows for p in parts]),
-        hit_scores=torch.cat([p.hit_scores for p in parts]),
-        hit_rounds=torch.cat([p.hit_rounds for p in parts]),
     )
 
 
@@ -169,11 +172,10 @@ def _recollect_chunk(
     X = view.X
     q0 = q0.to(dev, torch.float32)
     qseg = qseg.to(dev)
-    cap = out_k - 1 + B * (B + R - 1) * F
+    cap = recollection_capacity(config)
     # column ``cap`` is a scratch slot: masked-out writes of a round go there (never read)
     res_rows = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
     res_sc = torch.full((b, cap + 1), float("-inf"), dtype=torch.float64, device=dev)
-    res_round = torch.full((b, cap + 1), -1, dtype=torch.int64, device=dev)
     res_len = torch.zeros(b, dtype=torch.int64, device=dev)
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     beam_q = torch.zeros((b, B, d), dtype=torch.float32, device=dev)
@@ -218,12 +220,7 @@ def _recollect_chunk(
         V = X[c_rows.clamp(min=0)].to(torch.float32) * valid[:, :, None]  # [P, K, d]
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
-            V64 = V.to(torch.float64)  # float64: independent of the batch's kernel choice
-            G = torch.bmm(V64, V64.transpose(1, 2))
-            eye = torch.eye(K, dtype=torch.bool, device=dev)
-            other = valid[:, None, :] & ~eye[None]
-            G = G.masked_fill(~other, float("-inf"))
-            mx = G.max(dim=2).values
+            mx = backend.max_similarity(V, n_valid).to(dev)  # -inf for a candidate alone
             mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
             mmr = lam * s64 - (1.0 - lam) * mx
         else:
@@ -241,7 +238,9 @@ def _recollect_chunk(
         child_q[:, : mixed.shape[1]] = mixed
         member = labels[:, :, None] == ar_B[None, None, :]  # [P, K, B]
         csize = member.sum(dim=1)  # [P, B]
-        cgain = (member * mmr[:, :, None]).sum(dim=1)  # [P, B] float64
+        # each cluster's members' scores summed in candidate order (a sequential sum, as the
+        # spec's `sum of member scores` and the native driver): cumsum runs in order, sum() may not
+        cgain = torch.cumsum(member * mmr[:, :, None], dim=1)[:, -1]  # [P, B] float64
         child_ok = csize > 0
         child_acc = beam_acc[pq, pslot][:, None] + cgain
         # ---- children of each active query on a [na, B slots * B clusters] grid
@@ -276,7 +275,6 @@ def _recollect_chunk(
         qi = act[:, None].expand(na, L)
         res_rows[qi, pos] = torch.where(keep, h_rows, torch.full_like(h_rows, -1))
         res_sc[qi, pos] = torch.where(keep, h_sc, torch.full_like(h_sc, float("-inf")))
-        res_round[qi, pos] = torch.where(keep, torch.full_like(h_rows, level), torch.full_like(h_rows, -1))
         res_len[act] += keep.sum(dim=1)
         rounds[act] += any_child.to(torch.int64)
         still = any_child & (res_len[act] < out_k) & (level + 1 < R)
@@ -288,7 +286,4 @@ def _recollect_chunk(
         pad = out_k - out_rows.shape[1]
         out_rows = torch.nn.functional.pad(out_rows, (0, pad), value=-1)
         out_sc = torch.nn.functional.pad(out_sc, (0, pad), value=float("-inf"))
-    return RecollectionOutput(
-        rows=out_rows, scores=out_sc, rounds=rounds,
-        hit_rows=res_rows[:, :cap], hit_scores=res_sc[:, :cap], hit_rounds=res_round[:, :cap],
-    )  # fmt: skip
+    return RecollectionOutput(rows=out_rows, scores=out_sc, rounds=rounds, hit_rows=res_rows)

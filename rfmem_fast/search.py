@@ -8,8 +8,10 @@
 2. the router (section 2) in mode "rfmem"; mode "dense" sends every query to the
    Familiarity path and mode "recollection" every query to the Recollection path;
 3. the Familiarity path (the probe's first ``out_k``, section 3) and the Recollection
-   path (:func:`rfmem_fast.recollection.recollect`, section 4, whose first round reuses
-   the probe) for the queries routed there.
+   path (:meth:`Backend.recollect <rfmem_fast.backends.base.Backend.recollect>`: the
+   Python beam driver :func:`rfmem_fast.recollection.recollect`, or the native
+   backend's C++ driver; section 4, whose first round reuses the probe) for the
+   queries routed there.
 
 Every call works on ONE immutable bank snapshot (taken once, see
 :class:`rfmem_fast.bank.MemoryBank`), so concurrent writes never tear a search. A
@@ -41,7 +43,6 @@ from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .device import to_device
 from .expansion import fold_expansions
-from .recollection import recollect
 from .router import (
     FAMILIARITY,
     RECOLLECTION,
@@ -199,7 +200,7 @@ _TENSOR_FIELDS = ("rows", "scores", "route", "mean", "entropy", "rule", "rounds"
 def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.ndarray]:
     """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``)."""
     item_ids = snap.item_ids
-    texts = snap.texts if snap.texts is not None else np.full(item_ids.shape[0], None, dtype=object)
+    texts = snap.texts  # None when no item has a text
     rows, probe_rows = t["rows"], t["probe_rows"]
     return dict(
         ids=_lookup(item_ids, rows),
@@ -617,7 +618,7 @@ def _search_chunk(
     if mode != "dense":
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         reco = routes == RECOLLECTION
-        out = recollect(be, view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
+        out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
             scores = torch.where(reco[:, None], out.scores.to(dev), scores)
@@ -712,8 +713,11 @@ def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:
     return torch.nn.functional.pad(a, (0, width - a.shape[1]), value=value)
 
 
-def _lookup(item_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    out = np.empty(rows.shape, dtype=object)
-    ok = rows >= 0
-    out[ok] = item_ids[rows[ok]]
+def _lookup(item_ids: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """object [rows.shape]: ``item_ids[rows]`` where rows >= 0, None elsewhere (all None
+    when ``item_ids`` is None)."""
+    out = np.empty(rows.shape, dtype=object)  # an empty object array holds None
+    if item_ids is not None:
+        ok = rows >= 0
+        out[ok] = item_ids[rows[ok]]
     return out

@@ -41,6 +41,7 @@ is the score of that procedure.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -116,10 +117,12 @@ class SearchSpace:
 
 
 def _threshold_points() -> list[dict[str, float]]:
-    from sklearn.model_selection import ParameterGrid
-
+    # scikit-learn's ParameterGrid order (sorted keys, last key fastest) without importing
+    # sklearn.model_selection at import time (it pulls optional packages such as rich)
     grid = {"theta_high": [0.5, 0.6, 0.7], "theta_low": [0.1, 0.2, 0.3], "tau": [0.0, 0.15, 0.2, 0.22]}
-    return [dict(g) for g in ParameterGrid(grid) if g["theta_low"] <= g["theta_high"]] + [dict(ALWAYS), dict(NEVER)]
+    keys, values = zip(*sorted(grid.items()))
+    points = [dict(zip(keys, v)) for v in itertools.product(*values)]
+    return [g for g in points if g["theta_low"] <= g["theta_high"]] + [dict(ALWAYS), dict(NEVER)]
 
 
 #: the grids of ``rfmem tune --grid NAME``

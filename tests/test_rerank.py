@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from rfmem_fast import MemoryBank, RFMemConfig, available_backends, search, search_candidates
-from rfmem_fast.recollection import recollect
 from rfmem_fast.routing import (
     RERANK_FEATURES,
     LinearReranker,
@@ -210,31 +209,6 @@ def test_identical_on_every_backend(what, tmp_path):
             np.testing.assert_array_equal(res.scores, ref.scores, err_msg=name)
         else:
             np.testing.assert_allclose(res.scores, ref.scores, atol=1e-6, err_msg=name)
-
-
-def test_recollect_chunks_keep_the_hits():
-    """The memory budget cuts the batch into chunks: the hits (read by merges and pools) survive."""
-    import torch
-
-    from rfmem_fast import get_backend
-    from rfmem_fast.backends.torch_backend import TorchBackend
-    from rfmem_fast.recollection import round_bytes_per_query
-
-    bank, Q, users = _bank(d=256)
-    be = get_backend("torch")
-    view = be.view(bank)
-    seg = torch.from_numpy(bank.segments_for(users))
-    q = torch.from_numpy(_unit(Q).astype(np.float32))
-    cfg = RFMemConfig(max_rounds=3)
-    whole = recollect(be, view, q, seg, cfg)
-    small = TorchBackend("cpu", memory_budget=1 << 20)
-    assert (1 << 20) // round_bytes_per_query(cfg, 256) < len(users) / 2  # really chunked
-    parts = recollect(small, small.view(bank), q, seg, cfg)
-    for f in ("rows", "hit_rows", "hit_scores", "hit_rounds"):
-        np.testing.assert_array_equal(getattr(parts, f).numpy(), getattr(whole, f).numpy(), err_msg=f)
-    hr = whole.hit_rounds.numpy()
-    ok = whole.hit_rows.numpy() >= 0
-    assert ((hr >= 0) == ok).all() and (np.diff(np.where(ok, hr, 99), axis=1)[:, :3] >= 0).all()
 
 
 # ------------------------------------------------------------------ fitting

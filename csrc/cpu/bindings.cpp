@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "recollect.h"
 
 namespace py = pybind11;
 
@@ -236,6 +237,131 @@ py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroi
   return out;
 }
 
+py::array_t<double> py_max_similarity(const py::object& V_, const py::object& counts_, int num_threads) {
+  const char* fn = "max_similarity";
+  check_threads(fn, num_threads);
+  py::array V = checked<float>(V_, fn, "V", 3, "float32");
+  py::array counts = checked<int64_t>(counts_, fn, "counts", 1, "int64");
+  const int64_t m = V.shape(0), n = V.shape(1), d = V.shape(2);
+  if (counts.shape(0) != m)
+    throw py::value_error(std::string(fn) + ": counts must have one entry per set (" + std::to_string(m) +
+                          "), got shape " + shape_str(counts));
+  const int64_t* cnt = cptr<int64_t>(counts);
+  for (int64_t i = 0; i < m; ++i) {
+    if (cnt[i] < 0 || cnt[i] > n)
+      throw py::value_error(std::string(fn) + ": counts[" + std::to_string(i) + "] = " + std::to_string(cnt[i]) +
+                            " must be in [0, " + std::to_string(n) + "]");
+  }
+  py::array_t<double> out({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(n)});
+  double* po = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::max_similarity(cptr<float>(V), m, n, d, cnt, po, num_threads);
+  }
+  return out;
+}
+
+py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const py::object& Q0_,
+                       const py::object& qseg_, const py::object& level0_scores_, const py::object& level0_rows_,
+                       int64_t beam_width, int64_t fanout, int64_t max_rounds, int64_t out_k, double alpha,
+                       double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
+                       const py::object& draws_, int64_t width, int num_threads, double xnorm,
+                       int64_t memory_budget, const py::object& active_) {
+  const char* fn = "recollect";
+  check_threads(fn, num_threads);
+  auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi)
+      throw py::value_error(std::string(fn) + ": " + name + " must be in [" + std::to_string(lo) + ", " +
+                            std::to_string(hi) + "], got " + std::to_string(v));
+  };
+  check_range("beam_width", beam_width, 1, 64);
+  check_range("fanout", fanout, 1, 64);
+  check_range("max_rounds", max_rounds, 1, 64);
+  check_range("out_k", out_k, 1, int64_t{1} << 20);
+  check_range("kmeans_iters", kmeans_iters, 0, 1000);
+  if (!std::isfinite(alpha)) throw py::value_error(std::string(fn) + ": alpha must be finite");
+  if (!(mmr_lambda >= 0.0 && mmr_lambda <= 1.0))
+    throw py::value_error(std::string(fn) + ": mmr_lambda must be in [0, 1], got " + std::to_string(mmr_lambda));
+  if (!std::isfinite(score_floor)) throw py::value_error(std::string(fn) + ": score_floor must be finite");
+  if (!std::isfinite(kmeans_tol) || kmeans_tol < 0)
+    throw py::value_error(std::string(fn) + ": kmeans_tol must be finite and >= 0, got " +
+                          std::to_string(kmeans_tol));
+  if (memory_budget < 1)
+    throw py::value_error(std::string(fn) + ": memory_budget must be >= 1 byte, got " + std::to_string(memory_budget));
+  TopkInputs in = check_topk(fn, X_, offsets_, Q0_, qseg_, 1);
+  rfmem::RecollectConfig cfg;
+  cfg.beam_width = beam_width;
+  cfg.fanout = fanout;
+  cfg.max_rounds = max_rounds;
+  cfg.out_k = out_k;
+  cfg.alpha = alpha;
+  cfg.mmr_lambda = mmr_lambda;
+  cfg.score_floor = static_cast<float>(score_floor);  // the Python driver compares float32 scores in float32
+  cfg.kmeans_iters = kmeans_iters;
+  cfg.kmeans_tol = kmeans_tol;
+  py::array draws = checked<double>(draws_, fn, "draws", 2, "float64");
+  if (draws.shape(0) != beam_width + 1 || draws.shape(1) < rfmem::kmeanspp_draws(beam_width))
+    throw py::value_error(std::string(fn) + ": draws must be [beam_width + 1, >= " +
+                          std::to_string(rfmem::kmeanspp_draws(beam_width)) +
+                          "] (row k: scikit-learn's draws for k clusters), got shape " + shape_str(draws));
+  cfg.draws = cptr<double>(draws);
+  cfg.n_draws = draws.shape(1);
+  check_range("width", width, 1, int64_t{1} << 30);
+  const float* l0s = nullptr;
+  const int64_t* l0r = nullptr;
+  int64_t k0 = 0;
+  py::array l0_scores, l0_rows;
+  if (level0_scores_.is_none() != level0_rows_.is_none())
+    throw py::value_error(std::string(fn) + ": level0_scores and level0_rows must be given together");
+  if (!level0_scores_.is_none()) {
+    l0_scores = checked<float>(level0_scores_, fn, "level0_scores", 2, "float32");
+    l0_rows = checked<int64_t>(level0_rows_, fn, "level0_rows", 2, "int64");
+    k0 = l0_scores.shape(1);
+    if (l0_scores.shape(0) != in.b || l0_rows.shape(0) != in.b || l0_rows.shape(1) != k0)
+      throw py::value_error(std::string(fn) + ": level0_scores and level0_rows must both be [b, k0] with b = " +
+                            std::to_string(in.b) + ", got shapes " + shape_str(l0_scores) + " and " +
+                            shape_str(l0_rows));
+    if (k0 < beam_width * fanout)
+      throw py::value_error(std::string(fn) + ": level0 must hold at least beam_width * fanout = " +
+                            std::to_string(beam_width * fanout) + " columns, got " + std::to_string(k0));
+    l0s = cptr<float>(l0_scores);
+    l0r = cptr<int64_t>(l0_rows);
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    for (int64_t i = 0; i < in.b; ++i) {
+      for (int64_t j = 0; j < k0; ++j) {
+        const int64_t r = l0r[i * k0 + j];
+        if (r != -1 && (r < off[seg[i]] || r >= off[seg[i] + 1]))
+          throw py::value_error(std::string(fn) + ": level0_rows[" + std::to_string(i) + ", " + std::to_string(j) +
+                                "] = " + std::to_string(r) + " is neither -1 nor a row of the query's segment [" +
+                                std::to_string(off[seg[i]]) + ", " + std::to_string(off[seg[i] + 1]) + ")");
+      }
+    }
+  }
+  const uint8_t* act = nullptr;
+  py::array active;
+  if (!active_.is_none()) {
+    active = checked<bool>(active_, fn, "active", 1, "bool");
+    if (active.shape(0) != in.b)
+      throw py::value_error(std::string(fn) + ": active must have one entry per query (" + std::to_string(in.b) +
+                            "), got shape " + shape_str(active));
+    act = static_cast<const uint8_t*>(active.data());
+  }
+  const py::ssize_t b = static_cast<py::ssize_t>(in.b);
+  py::array_t<int64_t> rows({b, static_cast<py::ssize_t>(width)});
+  py::array_t<float> scores({b, static_cast<py::ssize_t>(width)});
+  py::array_t<int64_t> rounds(b);
+  int64_t* pr = rows.mutable_data();
+  float* ps = scores.mutable_data();
+  int64_t* pn = rounds.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
+                     cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
+                     memory_budget, act);
+  }
+  return py::make_tuple(rows, scores, rounds);
+}
 
 }  // namespace
 
@@ -355,6 +481,70 @@ Returns:
 
 Raises:
     TypeError: wrong type / dtype. ValueError: wrong rank / shape / contiguity, non-finite alpha.
+)doc");
+
+  mod.def("max_similarity", &py_max_similarity, py::arg("V"), py::arg("counts"), py::arg("num_threads") = 0,
+          R"doc(The MMR similarity of many point sets (spec section 4): each point's largest inner product with another point of its set.
+
+The function the native beam driver (recollect) uses, so that the Python driver over the
+native backend gives the same MMR scores bit for bit.
+
+Args:
+    V: float32 [m, n, d], C-contiguous; set i holds V[i, :counts[i]].
+    counts: int64 [m], 0 <= counts[i] <= n.
+    num_threads: most threads (0 = the machine's; fewer for small work).
+
+Returns:
+    float64 [m, n]: for j < counts[i] the largest <V[i, j], V[i, l]> over l < counts[i],
+    l != j (float64 sum of the exact products, in a fixed order), -inf when the point is
+    alone and for j >= counts[i].
+
+Raises:
+    TypeError: wrong type / dtype. ValueError: wrong rank / contiguity, counts out of range.
+)doc");
+
+  mod.def("recollect", &py_recollect, py::arg("X"), py::arg("offsets"), py::arg("Q0"), py::arg("qseg"),
+          py::arg("level0_scores"), py::arg("level0_rows"), py::arg("beam_width"), py::arg("fanout"),
+          py::arg("max_rounds"), py::arg("out_k"), py::arg("alpha"), py::arg("mmr_lambda"), py::arg("score_floor"),
+          py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
+          py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
+          py::arg("active") = py::none(),
+          R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
+
+The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
+and rounds. Each query runs all its rounds on one thread (its user's rows stay in cache);
+queries are spread over per-call threads.
+
+Args:
+    X, offsets: the bank, as segmented_topk.
+    Q0: float32 [b, d] original (unit) queries; qseg: int64 [b] segment of each query.
+    level0_scores, level0_rows: float32 / int64 [b, k0] (k0 >= beam_width * fanout) the
+        probe's top-k of Q0 (rows -1 or in the query's segment), reused as the first
+        round's candidates; or both None (searched here).
+    beam_width, fanout, max_rounds (1..64), out_k (>= 1), alpha (finite), mmr_lambda
+        ([0, 1]), score_floor (finite; compared with the float32 scores in float32),
+        kmeans_iters (0..1000), kmeans_tol (>= 0): RFMemConfig's fields.
+    draws: float64 [beam_width + 1, W]: row k holds scikit-learn's uniforms for k clusters
+        (rfmem_fast.kmeans.sklearn_draws), W >= kmeanspp_draws(beam_width).
+    width: result columns (>= 1): out_k for the result; out_k - 1 + B (B + R - 1) F (or
+        more, padding) for every item the beam discovered, in discovery order.
+    num_threads: most threads (0 = the machine's; fewer for small work; a single query
+        runs on the calling thread).
+    xnorm: an upper bound of the row norms of X (< 0: computed here).
+    memory_budget: bytes for the per-thread workspaces (threads are capped so that they
+        fit; one thread at least).
+    active: bool [b] or None (all): queries with False are not recollected (padding rows,
+        -inf scores, 0 rounds, no work).
+
+Returns:
+    (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the
+     (MMR-adjusted) score each item was discovered with, -inf padding; rounds int64 [b],
+     rounds that produced a beam).
+
+Raises:
+    TypeError: wrong type / dtype. ValueError: wrong shape / contiguity, malformed
+    offsets, qseg or level0 rows out of range, a setting out of its range, a draws table
+    too small. MemoryError: a workspace could not be allocated.
 )doc");
 
   mod.def(

@@ -33,41 +33,145 @@ int64_t kmeanspp_draws(int64_t k) { return 1 + (k - 1) * kmeanspp_trials(k); }
 
 namespace {
 
-inline double dot64(const float* a, const float* b, int64_t d) {
-  double s = 0.0;
-  for (int64_t j = 0; j < d; ++j) s += static_cast<double>(a[j]) * static_cast<double>(b[j]);
-  return s;
+// Every inner product below is the float64 sum, in order of the dimension t from 0, of
+// the (exact) float64 products of its two operands, exactly as kmeans.py's formulas
+// read with one accumulator per product: s = 0; for t: s += a[t] * b[t]. The loops
+// run over blocks of kBlock POINTS in the innermost position (points stored transposed
+// and zero-padded, Pt[t][j], row stride pad_points(cnt)), so that the block's
+// accumulators stay in vector registers while every lane keeps that order: the results
+// do not depend on the vector width (bit-identical AVX2 / baseline clones).
+constexpr int64_t kBlock = 16;
+
+inline int64_t pad_points(int64_t cnt) { return (cnt + kBlock - 1) / kBlock * kBlock; }
+
+// P64 = P as float64 [cnt, d]; Pt[t * pad_points(cnt) + j] = P[j][t] as float64, 0 for
+// the padding points
+RFMEM_MULTIVERSION
+void to_float64(const float* P, int64_t cnt, int64_t d, double* P64, double* Pt) {
+  const int64_t cp = pad_points(cnt);
+  for (int64_t q = 0; q < cnt * d; ++q) P64[q] = static_cast<double>(P[q]);
+  for (int64_t t = 0; t < d; ++t) {
+    double* row = Pt + t * cp;
+    for (int64_t j = 0; j < cnt; ++j) row[j] = P64[j * d + t];
+    for (int64_t j = cnt; j < cp; ++j) row[j] = 0.0;
+  }
 }
 
-// ||c||^2 of each of the kc centres
+#if defined(__GNUC__)
+// kBlock float64 lanes as four 4-lane vectors (GCC vector extension; the baseline clone
+// splits them into SSE2 halves, same IEEE operations per lane)
+typedef double v4d __attribute__((vector_size(32)));
+typedef double v4du __attribute__((vector_size(32), aligned(8), may_alias));
+inline v4d ld4d(const double* p) { return *reinterpret_cast<const v4du*>(p); }
+inline void st4d(double* p, v4d v) { *reinterpret_cast<v4du*>(p) = v; }
+
+// out[j] = <a, P_j> for j < pad_points(cnt) (a: float64 [d]; out has that many slots)
+RFMEM_MULTIVERSION
+void dots_to_points(const double* a, const double* Pt, int64_t cnt, int64_t d, double* out) {
+  const int64_t cp = pad_points(cnt);
+  for (int64_t j0 = 0; j0 < cp; j0 += kBlock) {
+    v4d s0 = {0, 0, 0, 0}, s1 = s0, s2 = s0, s3 = s0;
+    const double* row = Pt + j0;
+    for (int64_t t = 0; t < d; ++t, row += cp) {
+      const double at = a[t];
+      const v4d av = {at, at, at, at};
+      s0 += av * ld4d(row);
+      s1 += av * ld4d(row + 4);
+      s2 += av * ld4d(row + 8);
+      s3 += av * ld4d(row + 12);
+    }
+    st4d(out + j0, s0);
+    st4d(out + j0 + 4, s1);
+    st4d(out + j0 + 8, s2);
+    st4d(out + j0 + 12, s3);
+  }
+}
+
+// sq[j] = <P_j, P_j> for j < pad_points(cnt)
+RFMEM_MULTIVERSION
+void point_norms(const double* Pt, int64_t cnt, int64_t d, double* sq) {
+  const int64_t cp = pad_points(cnt);
+  for (int64_t j0 = 0; j0 < cp; j0 += kBlock) {
+    v4d s0 = {0, 0, 0, 0}, s1 = s0, s2 = s0, s3 = s0;
+    const double* row = Pt + j0;
+    for (int64_t t = 0; t < d; ++t, row += cp) {
+      const v4d x0 = ld4d(row), x1 = ld4d(row + 4), x2 = ld4d(row + 8), x3 = ld4d(row + 12);
+      s0 += x0 * x0;
+      s1 += x1 * x1;
+      s2 += x2 * x2;
+      s3 += x3 * x3;
+    }
+    st4d(sq + j0, s0);
+    st4d(sq + j0 + 4, s1);
+    st4d(sq + j0 + 8, s2);
+    st4d(sq + j0 + 12, s3);
+  }
+}
+#else
+void dots_to_points(const double* a, const double* Pt, int64_t cnt, int64_t d, double* out) {
+  const int64_t cp = pad_points(cnt);
+  std::fill(out, out + cp, 0.0);
+  for (int64_t t = 0; t < d; ++t)
+    for (int64_t j = 0; j < cp; ++j) out[j] += a[t] * Pt[t * cp + j];
+}
+
+void point_norms(const double* Pt, int64_t cnt, int64_t d, double* sq) {
+  const int64_t cp = pad_points(cnt);
+  std::fill(sq, sq + cp, 0.0);
+  for (int64_t t = 0; t < d; ++t)
+    for (int64_t j = 0; j < cp; ++j) sq[j] += Pt[t * cp + j] * Pt[t * cp + j];
+}
+#endif
+
+// ||c||^2 of each of the kc centres (each summed in order of t; the centres' sums are
+// interleaved, four at a time, so that their additions overlap)
 inline void centre_norms(const double* C, int64_t kc, int64_t d, double* cc) {
-  for (int64_t c = 0; c < kc; ++c) {
+  int64_t c = 0;
+  for (; c + 4 <= kc; c += 4) {
+    const double *c0 = C + c * d, *c1 = c0 + d, *c2 = c1 + d, *c3 = c2 + d;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    for (int64_t t = 0; t < d; ++t) {
+      s0 += c0[t] * c0[t];
+      s1 += c1[t] * c1[t];
+      s2 += c2[t] * c2[t];
+      s3 += c3[t] * c3[t];
+    }
+    cc[c] = s0;
+    cc[c + 1] = s1;
+    cc[c + 2] = s2;
+    cc[c + 3] = s3;
+  }
+  for (; c < kc; ++c) {
     double s = 0.0;
-    for (int64_t j = 0; j < d; ++j) s += C[c * d + j] * C[c * d + j];
+    for (int64_t t = 0; t < d; ++t) s += C[c * d + t] * C[c * d + t];
     cc[c] = s;
   }
 }
 
-// argmin over the kc centres of ||c||^2 - 2 <v, c> (the squared distance less the
-// constant ||v||^2, as kmeans.py computes it), ties to the smaller index
-inline int64_t nearest(const float* v, const double* C, const double* cc, int64_t kc, int64_t d) {
-  int64_t best = 0;
-  double bd = std::numeric_limits<double>::infinity();
-  for (int64_t c = 0; c < kc; ++c) {
-    const double* cv = C + c * d;
-    double dot = 0.0;
-    for (int64_t j = 0; j < d; ++j) dot += static_cast<double>(v[j]) * cv[j];
-    const double dc = cc[c] - 2.0 * dot;
-    if (dc < bd || c == 0) {
-      bd = dc;
-      best = c;
+// lab[j] = argmin over the kc centres of ||c||^2 - 2 <v_j, c> (the squared distance
+// less the constant ||v_j||^2, as kmeans.py computes it), ties to the smaller index.
+// D: scratch of kc * pad_points(cnt).
+void assign(const double* Pt, int64_t cnt, const double* C, const double* cc, int64_t kc, int64_t d, double* D,
+            int64_t* lab) {
+  const int64_t cp = pad_points(cnt);
+  for (int64_t c = 0; c < kc; ++c) dots_to_points(C + c * d, Pt, cnt, d, D + c * cp);
+  for (int64_t j = 0; j < cnt; ++j) {
+    int64_t best = 0;
+    double bd = std::numeric_limits<double>::infinity();
+    for (int64_t c = 0; c < kc; ++c) {
+      const double dc = cc[c] - 2.0 * D[c * cp + j];
+      if (dc < bd || c == 0) {
+        bd = dc;
+        best = c;
+      }
     }
+    lab[j] = best;
   }
-  return best;
 }
 
 // Member means under ``lab`` into ``out`` (kc x d); an empty cluster gets ``keep``'s
 // row when keep is non-null, else zeros. ``csize`` is scratch of kc entries.
+RFMEM_MULTIVERSION
 void member_means(const float* P, int64_t cnt, int64_t d, const int64_t* lab, int64_t kc,
                   const double* keep, double* out, int64_t* csize) {
   std::fill(out, out + kc * d, 0.0);
@@ -90,31 +194,59 @@ void member_means(const float* P, int64_t cnt, int64_t d, const int64_t* lab, in
 }
 
 struct Scratch {
-  std::vector<double> C, Cn, cc, sq, closest, cum, dc, best_dc;
+  std::vector<double> C, Cn, cc, sq, closest, cum, dc, best_dc, P64, Pt, D, mu, var;
   std::vector<int64_t> lab, prev, csize;
   void reserve(int64_t n, int64_t c, int64_t d) {
+    const int64_t np = pad_points(n);  // the point buffers hold the padding points too
     C.resize(static_cast<size_t>(c * d));
     Cn.resize(static_cast<size_t>(c * d));
     cc.resize(static_cast<size_t>(c));
-    sq.resize(static_cast<size_t>(n));
-    closest.resize(static_cast<size_t>(n));
+    sq.resize(static_cast<size_t>(np));
+    closest.resize(static_cast<size_t>(np));
     cum.resize(static_cast<size_t>(n));
-    dc.resize(static_cast<size_t>(n));
+    dc.resize(static_cast<size_t>(np));
     best_dc.resize(static_cast<size_t>(n));
+    P64.resize(static_cast<size_t>(n * d));
+    Pt.resize(static_cast<size_t>(np * d));
+    D.resize(static_cast<size_t>(c * np));
+    mu.resize(static_cast<size_t>(d));
+    var.resize(static_cast<size_t>(d));
     lab.resize(static_cast<size_t>(n));
     prev.resize(static_cast<size_t>(n));
     csize.resize(static_cast<size_t>(c));
   }
 };
 
-// d2[j] = max(||p||^2 + ||v_j||^2 - 2 <p, v_j>, 0) for j < cnt (float64, as kmeans.py)
-inline void d2_to(const float* P, int64_t cnt, int64_t d, const double* sq, int64_t p, double* d2) {
-  const float* pv = P + p * d;
+// d2[j] = max(||p||^2 + ||v_j||^2 - 2 <p, v_j>, 0) for j < cnt (float64, as kmeans.py;
+// d2 has pad_points(cnt) slots)
+inline void d2_to(const double* P64, const double* Pt, int64_t cnt, int64_t d, const double* sq, int64_t p,
+                  double* d2) {
+  dots_to_points(P64 + p * d, Pt, cnt, d, d2);
   const double pp = sq[p];
   for (int64_t j = 0; j < cnt; ++j) {
-    const double v = (pp + sq[j]) - 2.0 * dot64(pv, P + j * d, d);
+    const double v = (pp + sq[j]) - 2.0 * d2[j];
     d2[j] = v < 0.0 ? 0.0 : v;
   }
+}
+
+// tol * mean over the dimensions of the points' variance (per dimension: the mean, then
+// the mean squared deviation, each summed over the points in order)
+RFMEM_MULTIVERSION
+double scaled_tol(const float* P, int64_t cnt, int64_t d, double tol, double* mu, double* var) {
+  std::fill(mu, mu + d, 0.0);
+  std::fill(var, var + d, 0.0);
+  for (int64_t j = 0; j < cnt; ++j)
+    for (int64_t q = 0; q < d; ++q) mu[q] += static_cast<double>(P[j * d + q]);
+  for (int64_t q = 0; q < d; ++q) mu[q] /= static_cast<double>(cnt);
+  for (int64_t j = 0; j < cnt; ++j) {
+    for (int64_t q = 0; q < d; ++q) {
+      const double t = static_cast<double>(P[j * d + q]) - mu[q];
+      var[q] += t * t;
+    }
+  }
+  double var_sum = 0.0;
+  for (int64_t q = 0; q < d; ++q) var_sum += var[q] / static_cast<double>(cnt);
+  return tol * (var_sum / static_cast<double>(d));
 }
 
 void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, int64_t iters,
@@ -128,12 +260,16 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
   double* cum = s.cum.data();
   double* dc = s.dc.data();
   double* best_dc = s.best_dc.data();
+  double* Pt = s.Pt.data();
+  double* D = s.D.data();
+  double* P64 = s.P64.data();
   int64_t* lab = s.lab.data();
   int64_t* prev = s.prev.data();
   int64_t* csize = s.csize.data();
 
   // ---- greedy k-means++ seeding with the given draws
-  for (int64_t j = 0; j < cnt; ++j) sq[j] = dot64(P + j * d, P + j * d, d);
+  to_float64(P, cnt, d, P64, Pt);
+  point_norms(Pt, cnt, d, sq);
   // first centre: searchsorted(cumsum(1/cnt) / last, u_0, right=True)
   {
     const double w = 1.0 / static_cast<double>(cnt);
@@ -152,7 +288,7 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
     }
     first = std::min(first, std::min(n, cnt) - 1);
     for (int64_t t = 0; t < d; ++t) C[t] = static_cast<double>(P[first * d + t]);
-    d2_to(P, cnt, d, sq, first, closest);
+    d2_to(P64, Pt, cnt, d, sq, first, closest);
   }
   double pot = 0.0;
   for (int64_t j = 0; j < cnt; ++j) pot += closest[j];
@@ -171,7 +307,7 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
       int64_t cand = 0;
       while (cand < cnt && cum[cand] < rnd) ++cand;
       cand = std::min(cand, cnt - 1);
-      d2_to(P, cnt, d, sq, cand, dc);
+      d2_to(P64, Pt, cnt, d, sq, cand, dc);
       double cp = 0.0;
       for (int64_t j = 0; j < cnt; ++j) {
         dc[j] = std::min(closest[j], dc[j]);
@@ -195,50 +331,44 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
   }
 
   // ---- per-problem tolerance: tol * mean variance of the points
-  double var_sum = 0.0;
-  for (int64_t q = 0; q < d; ++q) {
-    double mu = 0.0;
-    for (int64_t j = 0; j < cnt; ++j) mu += static_cast<double>(P[j * d + q]);
-    mu /= static_cast<double>(cnt);
-    double v = 0.0;
-    for (int64_t j = 0; j < cnt; ++j) {
-      const double t = static_cast<double>(P[j * d + q]) - mu;
-      v += t * t;
-    }
-    var_sum += v / static_cast<double>(cnt);
-  }
-  const double tol_m = tol * (var_sum / static_cast<double>(d));
+  const double tol_m = scaled_tol(P, cnt, d, tol, s.mu.data(), s.var.data());
 
   // ---- Lloyd iterations (scikit-learn's loop: strict convergence or centre shift)
   bool strict = false;
   std::fill(prev, prev + cnt, int64_t{-1});
   for (int64_t it = 0; it < iters; ++it) {
-    bool same = true;
     centre_norms(C, kc, d, cc);
-    for (int64_t j = 0; j < cnt; ++j) {
-      lab[j] = nearest(P + j * d, C, cc, kc, d);
-      same = same && lab[j] == prev[j];
-    }
+    assign(Pt, cnt, C, cc, kc, d, D, lab);
+    bool same = true;
+    for (int64_t j = 0; j < cnt; ++j) same = same && lab[j] == prev[j];
     member_means(P, cnt, d, lab, kc, C, Cn, csize);
-    double shift = 0.0;
-    for (int64_t q = 0; q < kc * d; ++q) {
-      const double t = Cn[q] - C[q];
-      shift += t * t;
-    }
     std::swap(C, Cn);
     std::copy(lab, lab + cnt, prev);
     if (same) {
       strict = true;
       break;
     }
+    // squared centre shift, summed in order; its partial sums never decrease, so the
+    // sum stops as soon as it exceeds tol_m (the comparison is then decided)
+    double shift = 0.0;
+    for (int64_t q = 0; q < kc * d && shift <= tol_m; ++q) {
+      const double t = C[q] - Cn[q];
+      shift += t * t;
+    }
     if (shift <= tol_m) break;
   }
-  // labels: the last assignment on strict convergence, else one more E-step
-  if (!strict) {
+  // labels: the last assignment on strict convergence, else one more E-step; centroids:
+  // the member means under those labels (on strict convergence, the centres of the last
+  // step are those means, but for an empty cluster, which gets 0 here)
+  if (strict) {
+    std::copy(C, C + kc * d, Cn);
+    for (int64_t c = 0; c < kc; ++c)
+      if (csize[c] == 0) std::fill(Cn + c * d, Cn + (c + 1) * d, 0.0);
+  } else {
     centre_norms(C, kc, d, cc);
-    for (int64_t j = 0; j < cnt; ++j) prev[j] = nearest(P + j * d, C, cc, kc, d);
+    assign(Pt, cnt, C, cc, kc, d, D, prev);
+    member_means(P, cnt, d, prev, kc, nullptr, Cn, csize);
   }
-  member_means(P, cnt, d, prev, kc, nullptr, Cn, csize);
   for (int64_t j = 0; j < n; ++j) labels_out[j] = j < cnt ? prev[j] : -1;
   for (int64_t q = 0; q < c_max * d; ++q)
     cent_out[q] = q < kc * d ? static_cast<float>(Cn[q]) : 0.0f;

@@ -7,12 +7,17 @@ file that subclasses :class:`Backend`, plus its parity test against the referenc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..signals import familiarity_signals
+
+if TYPE_CHECKING:  # imported lazily at run time (recollection imports this module)
+    from ..config import RFMemConfig
+    from ..recollection import RecollectionOutput
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
 #: gathered rows, float64 re-scoring and the beam driver's per-round tensors are cut
@@ -84,7 +89,9 @@ class Backend:
     Subclasses set ``name`` and ``device`` and implement :meth:`segmented_topk`,
     :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
     composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
-    and may be overridden by a fused kernel.
+    and may be overridden by a fused kernel; :meth:`max_similarity` (MMR) has a
+    batched-product default; :meth:`recollect` runs the Python beam driver over the
+    primitives and may be overridden by a fused driver.
 
     ``memory_budget`` (bytes, default :data:`DEFAULT_MEMORY_BUDGET`) bounds the
     temporaries of one primitive call and of the beam driver's rounds; every backend
@@ -197,6 +204,69 @@ class Backend:
             float32 [m, c, d].
         """
         raise NotImplementedError
+
+    def max_similarity(self, V: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each point's largest inner product with another point of its set (MMR, spec section 4).
+
+        The similarity term of the beam driver's MMR score
+        ``lam * s - (1 - lam) * max_{other candidate j} <v, v_j>``. The default takes
+        the float64 Gram matrices with one batched product (any summation order; no
+        host synchronisation); the native backend computes it in C++ with the function
+        its C++ beam driver uses, so that both of its drivers agree bit for bit.
+
+        Args:
+            V: float32 [m, n, d]; set ``i`` holds the points ``V[i, :counts[i]]``.
+            counts: int64 [m], 0 <= counts[i] <= n.
+
+        Returns:
+            float64 [m, n] on the backend's device: for j < counts[i], the largest
+            ``<V[i, j], V[i, l]>`` over l < counts[i], l != j (``-inf`` when the point is
+            alone); unspecified for j >= counts[i].
+        """
+        m, n, _ = V.shape
+        V64 = V.to(torch.float64)
+        G = torch.bmm(V64, V64.transpose(1, 2))
+        valid = torch.arange(n, device=V.device)[None, :] < counts.to(V.device)[:, None]
+        eye = torch.eye(n, dtype=torch.bool, device=V.device)
+        G = G.masked_fill(~(valid[:, None, :] & ~eye[None]), float("-inf"))
+        return G.max(dim=2).values if n else G.new_zeros((m, 0))
+
+    def recollect(
+        self,
+        view: BankView,
+        q0: torch.Tensor,
+        qseg: torch.Tensor,
+        config: "RFMemConfig",
+        level0: tuple[torch.Tensor, torch.Tensor] | None = None,
+        active: torch.Tensor | None = None,
+    ) -> "RecollectionOutput":
+        """The Recollection path (spec section 4) for a batch of queries.
+
+        The default runs the Python beam driver :func:`rfmem_fast.recollection.recollect`
+        over this backend's primitives; a backend may override it with a driver of its
+        own that returns the same rows, scores and rounds (the native backend's C++
+        driver).
+
+        Args:
+            view: the bank.
+            q0: float32 [b, d] original queries (unit norm).
+            qseg: int64 [b] segment (user) index of each query.
+            config: the RFMemConfig (alpha, beam_width, fanout, max_rounds, mmr_lambda,
+                score_floor, out_k, KMeans settings).
+            level0: optional (scores [b, k0], rows [b, k0]) top-k of ``q0`` already
+                computed (the probe), k0 >= beam_width * fanout.
+            active: optional bool [b] on the backend's device: the queries to recollect
+                (default all); the others get padding rows, ``-inf`` scores, 0 rounds.
+
+        Returns:
+            :class:`rfmem_fast.recollection.RecollectionOutput`.
+
+        Raises:
+            ValueError: ``active`` not a bool tensor of shape [b].
+        """
+        from ..recollection import recollect
+
+        return recollect(self, view, q0, qseg, config, level0, active)
 
     def probe(
         self,

@@ -15,6 +15,16 @@
   per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
   without exact near-ties.
 * alpha-mix: per (branch, cluster) in float64, rounded to float32.
+* MMR similarity (:meth:`NativeBackend.max_similarity`): float64 inner products of each
+  candidate set, in the fixed order of csrc/cpu/recollect.cpp.
+* beam driver (:meth:`NativeBackend.recollect`): the whole Recollection path in ONE C++
+  call for the batch (``_native.recollect``, csrc/cpu/recollect.cpp): each query runs
+  all its rounds on one thread, back to back, while its user's rows are in cache (the
+  queries of one user in lockstep groups sharing each round's top-k call), with the
+  three primitives above; same rows, scores and rounds as the Python driver
+  :func:`rfmem_fast.recollection.recollect`, which stays the portable path and the
+  oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
+  ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver.
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
@@ -22,6 +32,9 @@ tensors); the kernels release the GIL and use at most ``num_threads`` threads
 work is too small to pay for them; the threads live for one call (no spinning pool).
 """
 from __future__ import annotations
+
+import os
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -31,9 +44,30 @@ from ..kmeans import draw_table
 from ..threads import get_num_threads
 from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
 
+#: beam drivers of the native backend: its C++ driver, or the portable Python one
+BEAM_DRIVERS = ("native", "python")
+#: environment variable read at each call when ``beam_driver`` was not given
+BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
+
+
+def _check_driver(value: object, name: str) -> str:
+    if value not in BEAM_DRIVERS:
+        raise ValueError(f"{name} must be one of {BEAM_DRIVERS}, got {value!r}")
+    return str(value)
+
+
+@lru_cache(maxsize=64)
+def _draws_by_clusters(seed: int, beam_width: int) -> np.ndarray:
+    """float64 [beam_width + 1, W], row k: scikit-learn's k-means++ draws for k clusters (row 0 unused)."""
+    table = draw_table(torch.arange(beam_width + 1), seed).numpy()
+    table.setflags(write=False)
+    return table
+
 
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """A C-contiguous CPU numpy view of ``t`` as ``dtype`` (copies only when needed)."""
+    if t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad and t.is_contiguous():
+        return t.numpy()  # the common case, without four dispatcher round trips
     return t.detach().to("cpu", dtype).contiguous().numpy()
 
 
@@ -44,29 +78,58 @@ class NativeBackend(Backend):
         num_threads: most threads per call; ``None`` (default) follows
             :func:`rfmem_fast.threads.get_num_threads` at each call. A call uses fewer
             when its work is small (a single query runs on the calling thread).
-        memory_budget: bytes for temporaries (default 256 MiB); the kernels never
-            come near it (O(b k) besides the outputs), it is kept for the beam driver.
+        memory_budget: bytes for temporaries (default 256 MiB); the top-k, KMeans and
+            alpha-mix kernels never come near it (O(b k) besides the outputs); the C++
+            beam driver uses at most ``memory_budget // workspace`` threads (a thread's
+            workspace: about 0.1 MiB per query of its group of up to 16 queries of one
+            user for the default config and d = 384; one thread at least, smaller
+            groups when one does not fit); the Python driver cuts its batch to fit it.
+        beam_driver: "native" (the C++ driver, csrc/cpu/recollect.cpp) or "python"
+            (:func:`rfmem_fast.recollection.recollect` over these kernels); ``None``
+            (default) reads ``RFMEM_BEAM_DRIVER`` at each call, "native" when unset.
 
     Raises:
-        ValueError: ``num_threads`` < 1; a budget < 1 MiB.
+        ValueError: ``num_threads`` < 1; a budget < 1 MiB; an unknown ``beam_driver``.
         TypeError: a budget that is not an int.
     """
 
     name = "native"
     device = torch.device("cpu")
 
-    def __init__(self, num_threads: int | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+    def __init__(
+        self,
+        num_threads: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        beam_driver: str | None = None,
+    ) -> None:
         if num_threads is not None and (isinstance(num_threads, bool) or int(num_threads) < 1):
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
         self.num_threads = None if num_threads is None else int(num_threads)
         self.memory_budget = check_memory_budget(memory_budget)
+        self.beam_driver = None if beam_driver is None else _check_driver(beam_driver, "beam_driver")
 
     def _threads(self) -> int:
         return self.num_threads if self.num_threads is not None else get_num_threads()
 
+    def _driver(self) -> str:
+        """The beam driver in effect: ``beam_driver``, else ``RFMEM_BEAM_DRIVER``, else "native".
+
+        Raises:
+            ValueError: ``RFMEM_BEAM_DRIVER`` holds an unknown name.
+        """
+        if self.beam_driver is not None:
+            return self.beam_driver
+        env = os.environ.get(BEAM_DRIVER_ENV, "").strip()
+        return _check_driver(env, BEAM_DRIVER_ENV) if env else "native"
+
     @staticmethod
     def _bank(view: BankView) -> tuple[np.ndarray, np.ndarray]:
-        return _np(view.X, torch.float32), _np(view.offsets_cpu, torch.int64)
+        """The view's rows (float32 [n, d]) and offsets (int64 [U + 1]) as numpy arrays (cached on the view)."""
+        memo = view._memo
+        arrays = memo.get("native_arrays")
+        if arrays is None:
+            arrays = memo["native_arrays"] = (_np(view.X, torch.float32), _np(view.offsets_cpu, torch.int64))
+        return arrays
 
     # ---------------------------------------------------------------- top-k
     def segmented_topk(self, view: BankView, Q, qseg, k):
@@ -141,3 +204,79 @@ class NativeBackend(Backend):
             self._threads(),
         )
         return torch.from_numpy(out)
+
+    # ---------------------------------------------------------------- MMR
+    def max_similarity(self, V, counts):
+        """See :meth:`Backend.max_similarity` (C++ kernel ``_native.max_similarity``, the
+        function the C++ beam driver uses: both drivers get the same MMR scores)."""
+        out = _native.max_similarity(_np(V, torch.float32), _np(counts, torch.int64), self._threads())
+        return torch.from_numpy(out)
+
+    # ---------------------------------------------------------------- beam driver
+    def recollect(self, view, q0, qseg, config, level0=None, active=None):
+        """See :meth:`Backend.recollect`: the C++ beam driver (``_native.recollect``).
+
+        One call for the whole batch; rows, scores and rounds equal those of the Python
+        driver :func:`rfmem_fast.recollection.recollect` over this backend's kernels,
+        which runs instead when the driver in effect (``beam_driver`` /
+        ``RFMEM_BEAM_DRIVER``) is "python".
+
+        Raises:
+            ValueError: ``level0`` narrower than ``beam_width * fanout`` or holding a
+                row outside its query's segment; ``active`` not a bool tensor of shape
+                [b]; an unknown ``RFMEM_BEAM_DRIVER``.
+        """
+        if self._driver() == "python":
+            return super().recollect(view, q0, qseg, config, level0, active)
+        from ..recollection import RecollectionOutput, recollection_capacity  # (it imports the backends)
+
+        b = int(q0.shape[0])
+        if active is not None and (
+            not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
+        ):
+            raise ValueError(f"active must be a bool tensor of shape [{b}]")
+        # every discovered item (hit_rows, the merges' input), as wide as the Python
+        # driver's: the result slots and one spare column
+        width = recollection_capacity(config) + 1
+        act = None if active is None else _np(active, torch.bool)
+        if act is not None and not act.any():  # e.g. a familiar query in mode "rfmem": nothing to do
+            return RecollectionOutput(
+                rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
+                scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
+                rounds=torch.zeros(b, dtype=torch.int64),
+                hit_rows=torch.full((b, width), -1, dtype=torch.int64),
+            )
+        X, off = self._bank(view)
+        l0s = l0r = None
+        if level0 is not None:
+            l0s, l0r = _np(level0[0], torch.float32), _np(level0[1], torch.int64)
+        rows, scores, rounds = _native.recollect(
+            X,
+            off,
+            _np(q0, torch.float32),
+            _np(qseg, torch.int64),
+            l0s,
+            l0r,
+            config.beam_width,
+            config.fanout,
+            config.max_rounds,
+            config.out_k,
+            float(config.alpha),
+            float(config.mmr_lambda),
+            float(config.score_floor),
+            config.kmeans_iters,
+            float(config.kmeans_tol),
+            _draws_by_clusters(int(config.kmeans_seed), int(config.beam_width)),
+            width,
+            self._threads(),
+            view.row_norm_max,
+            self.memory_budget,
+            act,
+        )
+        hits = torch.from_numpy(rows)
+        return RecollectionOutput(
+            rows=hits[:, : config.out_k],
+            scores=torch.from_numpy(scores[:, : config.out_k]),
+            rounds=torch.from_numpy(rounds),
+            hit_rows=hits,
+        )

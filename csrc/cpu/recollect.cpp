@@ -1,0 +1,405 @@
+// The native beam driver (recollect.h): rfmem_fast/recollection.py, query by query.
+//
+// Work items are groups of at most kMaxGroup queries of ONE segment (consecutive in
+// the order of the segments); a group runs all its rounds back to back on one thread,
+// its queries in lockstep, so that the segment stays in cache from round to round
+// (DESIGN.md "Cost model") and, when several queries share a user (a shared bank),
+// one top-k call per round serves all their branches (the kernel shares each tile of
+// the segment among them). Each query keeps its own state; the results of a query do
+// not depend on its group (the exact top-k is batch-invariant).
+//
+// Per query, per round (level = 0 .. R-1), exactly as the Python driver:
+//   1. candidates: the top (B + level) * F of every live branch query within the
+//      query's segment (segmented_topk); level 0 reuses the probe's top-k when given;
+//   2. per branch, in beam-slot order: keep the candidates with a row, a float32 score
+//      >= score_floor and not yet returned, in their top-k order; with mmr_lambda < 1 a
+//      candidate's score becomes lam * s - (1 - lam) * max_{other kept j} <v, v_j>
+//      (float64, max_similarity_set; 0 when alone); KMeans of the kept vectors into
+//      min(B, kept) clusters (batched_kmeans: scikit-learn's seeding replayed); the
+//      child of cluster c is alpha_mix(branch query, centroid c, q0) with accumulated
+//      score branch acc + (sum of its members' scores in candidate order, from 0); a
+//      cluster without members yields no child;
+//   3. the next beam: the B children of largest accumulated score over the
+//      (slot, cluster) grid, stable (ties to the smaller slot * B + cluster);
+//   4. the hits of the new beam in (beam slot, candidate) order, first occurrences
+//      only, are appended to the result (discovery order); then stop if no child was
+//      made, once out_k items are found, or after R rounds.
+// "Not yet returned" is one bit per (row of the segment, query of the group), set when
+// an item is appended and cleared when the group ends, so its cost does not grow with
+// out_k.
+#include "recollect.h"
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace rfmem {
+namespace {
+
+// <a, b> of two float32 vectors in float64: exact products, summed on 4 partial sums
+// (j mod 4) in order of j, then (s0 + s1) + (s2 + s3)
+inline double dot64(const float* a, const float* b, int64_t d) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+  int64_t j = 0;
+  for (; j + 4 <= d; j += 4) {
+    s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
+    s1 += static_cast<double>(a[j + 1]) * static_cast<double>(b[j + 1]);
+    s2 += static_cast<double>(a[j + 2]) * static_cast<double>(b[j + 2]);
+    s3 += static_cast<double>(a[j + 3]) * static_cast<double>(b[j + 3]);
+  }
+  for (; j < d; ++j) s0 += static_cast<double>(a[j]) * static_cast<double>(b[j]);
+  return (s0 + s1) + (s2 + s3);
+}
+
+struct Child {
+  double acc;
+  int64_t flat;  // slot * B + cluster
+};
+
+constexpr int64_t kMaxGroup = 16;  // queries of one group (one bit each in the seen masks)
+
+// One thread's buffers for a group of G queries, sized for the largest round
+// (K = (B + R - 1) * F candidates per branch, G * B branches).
+struct Workspace {
+  // per query: beam queries [G, B, d] (and the next beam), beam scores [G, B], results [G, cap]
+  std::vector<float> bq, nbq;
+  std::vector<double> bacc, res_sc;
+  std::vector<int64_t> res_rows;
+  // per branch of a round: its query [GB, d], candidates [GB, K], kept candidates and
+  // their scores / labels [GB, K], children [GB, B, d] and their sizes / gains [GB, B]
+  std::vector<float> qbuf, c_sc, child_q;
+  std::vector<int64_t> segs, c_rows, rows, lab, nvalid, kc, csize;
+  std::vector<double> mmr, cgain;
+  // scratch of one branch / one query
+  std::vector<float> V, cent;
+  std::vector<double> mx;
+  std::vector<Child> children;
+  std::vector<uint16_t> seen;  // bit g: returned to query g of the group; one per row of the segment
+
+  void allocate(int64_t G, int64_t B, int64_t Kmax, int64_t d, int64_t cap, int64_t max_len) {
+    const size_t g = static_cast<size_t>(G), b = static_cast<size_t>(B), k = static_cast<size_t>(Kmax),
+                 dd = static_cast<size_t>(d);
+    bq.resize(g * b * dd);
+    nbq.resize(g * b * dd);
+    bacc.resize(g * b);
+    res_sc.resize(g * static_cast<size_t>(cap));
+    res_rows.resize(g * static_cast<size_t>(cap));
+    qbuf.resize(g * b * dd);
+    c_sc.resize(g * b * k);
+    child_q.resize(g * b * b * dd);
+    segs.resize(g * b);
+    c_rows.resize(g * b * k);
+    rows.resize(g * b * k);
+    lab.resize(g * b * k);
+    nvalid.resize(g * b);
+    kc.resize(g * b);
+    csize.resize(g * b * b);
+    mmr.resize(g * b * k);
+    cgain.resize(g * b * b);
+    V.resize(k * dd);
+    cent.resize(b * dd);
+    mx.resize(k);
+    children.resize(b * b);
+    seen.assign(static_cast<size_t>(max_len), 0);
+  }
+};
+
+struct Batch {
+  const float* X;
+  int64_t n, d;
+  const int64_t* offsets;
+  int64_t U;
+  const float* Q0;
+  const int64_t* qseg;
+  const float* l0_s;
+  const int64_t* l0_r;
+  int64_t k0;
+  double xnorm;
+  int64_t width;
+  int64_t* out_rows;
+  float* out_scores;
+  int64_t* out_rounds;
+};
+
+// One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
+// MMR, KMeans, the children (alpha-mix with its query bq and the original q0) and their
+// gains. Writes the kept rows / scores / labels, nvalid, kc, child_q, csize, cgain of p.
+void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p, int64_t K, const float* bq,
+            const float* q0, int64_t a, uint16_t bit) {
+  const int64_t B = cfg.beam_width, d = bt.d;
+  const float* cs = w.c_sc.data() + p * K;
+  const int64_t* cr = w.c_rows.data() + p * K;
+  int64_t* rows = w.rows.data() + p * K;
+  double* mmr = w.mmr.data() + p * K;
+  int64_t* lab = w.lab.data() + p * K;
+  int64_t nv = 0;
+  for (int64_t t = 0; t < K; ++t) {
+    if (cr[t] >= 0 && cs[t] >= cfg.score_floor && !(w.seen[cr[t] - a] & bit)) {
+      rows[nv] = cr[t];
+      mmr[nv] = static_cast<double>(cs[t]);
+      ++nv;
+    }
+  }
+  w.nvalid[p] = nv;
+  w.kc[p] = 0;
+  if (nv == 0) return;
+  float* V = w.V.data();
+  for (int64_t j = 0; j < nv; ++j) std::copy(bt.X + rows[j] * d, bt.X + (rows[j] + 1) * d, V + j * d);
+  const double lam = cfg.mmr_lambda;
+  if (lam < 1.0) {
+    double* mx = w.mx.data();
+    max_similarity_set(V, nv, d, mx);
+    for (int64_t i = 0; i < nv; ++i) {
+      const double m = std::isfinite(mx[i]) ? mx[i] : 0.0;
+      mmr[i] = lam * mmr[i] - (1.0 - lam) * m;
+    }
+  }
+  const int64_t kc = std::min(nv, B);
+  w.kc[p] = kc;
+  batched_kmeans(V, 1, nv, d, &nv, &kc, kc, cfg.kmeans_iters, cfg.kmeans_tol, cfg.draws + kc * cfg.n_draws,
+                 cfg.n_draws, lab, w.cent.data(), 1);
+  alpha_mix(bq, w.cent.data(), q0, 1, kc, d, cfg.alpha, w.child_q.data() + p * B * d, 1);
+  int64_t* csize = w.csize.data() + p * B;
+  double* cgain = w.cgain.data() + p * B;
+  std::fill(csize, csize + kc, int64_t{0});
+  std::fill(cgain, cgain + kc, 0.0);
+  for (int64_t j = 0; j < nv; ++j) {  // members' scores summed in candidate order
+    ++csize[lab[j]];
+    cgain[lab[j]] += mmr[j];
+  }
+}
+
+// All rounds of the queries idx[0 : G] (one segment), in lockstep.
+void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t* idx, int64_t G, Workspace& w,
+                     int inner_threads) {
+  const int64_t B = cfg.beam_width, F = cfg.fanout, R = cfg.max_rounds, d = bt.d;
+  const int64_t cap = recollect_capacity(cfg);
+  const int64_t seg = bt.qseg[idx[0]];
+  const int64_t a = bt.offsets[seg];
+  int64_t nlive[kMaxGroup], res_len[kMaxGroup], rounds[kMaxGroup], p0[kMaxGroup];
+  bool active[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q0 = bt.Q0 + idx[g] * d;
+    std::copy(q0, q0 + d, w.bq.data() + g * B * d);
+    w.bacc[g * B] = 0.0;
+    nlive[g] = 1;
+    res_len[g] = 0;
+    rounds[g] = 0;
+    active[g] = true;
+  }
+  std::fill(w.segs.begin(), w.segs.end(), seg);
+
+  for (int64_t level = 0; level < R; ++level) {
+    const int64_t K = (B + level) * F;
+    // ---- 1. candidates of every live branch of the active queries: [nb, K]
+    int64_t nb = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (!active[g]) continue;
+      p0[g] = nb;
+      nb += nlive[g];
+    }
+    if (nb == 0) break;
+    if (level == 0 && bt.l0_s != nullptr) {
+      for (int64_t g = 0; g < G; ++g) {  // one branch each: the probe's first K
+        if (!active[g]) continue;
+        const int64_t o = idx[g] * bt.k0;
+        std::copy(bt.l0_s + o, bt.l0_s + o + K, w.c_sc.data() + p0[g] * K);
+        std::copy(bt.l0_r + o, bt.l0_r + o + K, w.c_rows.data() + p0[g] * K);
+      }
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        if (!active[g]) continue;
+        std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, w.qbuf.data() + p0[g] * d);
+      }
+      segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
+                     w.c_rows.data(), inner_threads, bt.xnorm);
+    }
+    // ---- 2. per branch: filter, MMR, KMeans, children
+    for (int64_t g = 0; g < G; ++g) {
+      if (!active[g]) continue;
+      for (int64_t s = 0; s < nlive[g]; ++s)
+        branch(bt, cfg, w, p0[g] + s, K, w.bq.data() + (g * B + s) * d, bt.Q0 + idx[g] * d, a,
+               static_cast<uint16_t>(1u << g));
+    }
+    // ---- 3, 4. per query: the next beam (the B best children, stable on ties) and its hits
+    for (int64_t g = 0; g < G; ++g) {
+      if (!active[g]) continue;
+      const uint16_t bit = static_cast<uint16_t>(1u << g);
+      int64_t nc = 0;
+      for (int64_t s = 0; s < nlive[g]; ++s) {
+        const int64_t p = p0[g] + s;
+        for (int64_t c = 0; c < w.kc[p]; ++c)
+          if (w.csize[p * B + c] > 0) w.children[nc++] = Child{w.bacc[g * B + s] + w.cgain[p * B + c], s * B + c};
+      }
+      if (nc == 0) {  // no child: the query stops
+        active[g] = false;
+        continue;
+      }
+      std::stable_sort(w.children.begin(), w.children.begin() + nc,
+                       [](const Child& x, const Child& y) { return x.acc > y.acc; });
+      const int64_t nsel = std::min(nc, B);
+      int64_t* rr = w.res_rows.data() + g * cap;
+      double* rs = w.res_sc.data() + g * cap;
+      float* nbq = w.nbq.data() + g * B * d;
+      for (int64_t j = 0; j < nsel; ++j) {
+        const int64_t s = w.children[j].flat / B, c = w.children[j].flat % B, p = p0[g] + s;
+        const int64_t* rows = w.rows.data() + p * K;
+        const double* mmr = w.mmr.data() + p * K;
+        const int64_t* lab = w.lab.data() + p * K;
+        for (int64_t t = 0; t < w.nvalid[p]; ++t) {
+          if (lab[t] != c || (w.seen[rows[t] - a] & bit)) continue;
+          w.seen[rows[t] - a] |= bit;
+          rr[res_len[g]] = rows[t];
+          rs[res_len[g]] = mmr[t];
+          ++res_len[g];
+        }
+        const float* cq = w.child_q.data() + (p * B + c) * d;
+        std::copy(cq, cq + d, nbq + j * d);
+      }
+      std::copy(nbq, nbq + nsel * d, w.bq.data() + g * B * d);
+      for (int64_t j = 0; j < nsel; ++j) w.bacc[g * B + j] = w.children[j].acc;
+      nlive[g] = nsel;
+      ++rounds[g];
+      if (res_len[g] >= cfg.out_k) active[g] = false;
+    }
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t qi = idx[g];
+    const int64_t* rr = w.res_rows.data() + g * cap;
+    const double* rs = w.res_sc.data() + g * cap;
+    int64_t* orow = bt.out_rows + qi * bt.width;
+    float* osc = bt.out_scores + qi * bt.width;
+    for (int64_t t = 0; t < bt.width; ++t) {
+      orow[t] = t < res_len[g] ? rr[t] : -1;
+      osc[t] = t < res_len[g] ? static_cast<float>(rs[t]) : -std::numeric_limits<float>::infinity();
+    }
+    bt.out_rounds[qi] = rounds[g];
+    for (int64_t t = 0; t < res_len[g]; ++t) w.seen[rr[t] - a] = 0;
+  }
+}
+
+}  // namespace
+
+void max_similarity_set(const float* V, int64_t cnt, int64_t d, double* mx) {
+  std::fill(mx, mx + cnt, -std::numeric_limits<double>::infinity());
+  for (int64_t i = 1; i < cnt; ++i) {
+    for (int64_t j = 0; j < i; ++j) {  // <v_i, v_j> == <v_j, v_i> bit for bit: computed once
+      const double g = dot64(V + i * d, V + j * d, d);
+      mx[i] = std::max(mx[i], g);
+      mx[j] = std::max(mx[j], g);
+    }
+  }
+}
+
+void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts, double* out,
+                    int num_threads) {
+  double work = 0.0;
+  for (int64_t i = 0; i < m; ++i) work += 0.5 * static_cast<double>(counts[i] * counts[i]) * static_cast<double>(d);
+  parallel_for(m, threads_for(num_threads, work, m), [&](int64_t i, int) {
+    double* o = out + i * n;
+    max_similarity_set(V + i * n * d, counts[i], d, o);
+    std::fill(o + counts[i], o + n, -std::numeric_limits<double>::infinity());
+  });
+}
+
+int64_t recollect_capacity(const RecollectConfig& cfg) {
+  return cfg.out_k - 1 + cfg.beam_width * (cfg.beam_width + cfg.max_rounds - 1) * cfg.fanout;
+}
+
+size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t max_len, int64_t group) {
+  const size_t G = static_cast<size_t>(std::max<int64_t>(group, 1)), B = static_cast<size_t>(cfg.beam_width),
+               dd = static_cast<size_t>(d);
+  const size_t K = static_cast<size_t>((cfg.beam_width + cfg.max_rounds - 1) * cfg.fanout);
+  const size_t cap = static_cast<size_t>(recollect_capacity(cfg));
+  // per query: beams and results; per branch: its query, candidates, kept candidates,
+  // children; per thread: one branch's vectors and what batched_kmeans allocates for one
+  // problem (float64 points, transposed points, centres), the seen masks
+  const size_t per_query = (3 * B * dd + B * B * dd) * sizeof(float) + B * K * (4 + 8 + 8 + 8 + 8) +
+                           B * (8 * 3 + B * 24) + cap * 16;
+  return G * per_query + K * dd * (4 + 8 + 8) + K * 8 + B * dd * 12 + B * B * 16 +
+         static_cast<size_t>(max_len) * sizeof(uint16_t) + 4096;
+}
+
+void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
+               const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
+               int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
+               int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
+               const uint8_t* active) {
+  if (b == 0) return;
+  // the queries to recollect, by segment (stable); the others get padding at once
+  std::vector<int64_t> todo;
+  todo.reserve(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    if (active == nullptr || active[i]) {
+      todo.push_back(i);
+      continue;
+    }
+    std::fill(out_rows + i * width, out_rows + (i + 1) * width, int64_t{-1});
+    std::fill(out_scores + i * width, out_scores + (i + 1) * width, -std::numeric_limits<float>::infinity());
+    out_rounds[i] = 0;
+  }
+  const int64_t nq = static_cast<int64_t>(todo.size());
+  if (nq == 0) return;
+  std::stable_sort(todo.begin(), todo.end(), [qseg](int64_t x, int64_t y) { return qseg[x] < qseg[y]; });
+  if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
+  const int64_t B = cfg.beam_width;
+  const int64_t Kmax = (cfg.beam_width + cfg.max_rounds - 1) * cfg.fanout;
+  const int64_t cap = recollect_capacity(cfg);
+  int64_t max_len = 0;
+  double work = 0.0;  // multiply-adds: a probe's worth plus B branches over ~3 more rounds
+  const double rounds_est = static_cast<double>(1 + B * std::min<int64_t>(cfg.max_rounds - 1, 3));
+  for (const int64_t i : todo) {
+    const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]];
+    max_len = std::max(max_len, len);
+    work += static_cast<double>(len) * static_cast<double>(d) * rounds_est;
+  }
+  // groups: up to G queries of one segment, G such that a round's top-k call holds about
+  // 64 branch queries (the kernel shares each tile among up to 16), and at least as many
+  // groups as threads when the batch allows it
+  int nthreads = threads_for(num_threads, work, nq);
+  int64_t G = std::max<int64_t>(1, std::min<int64_t>(kMaxGroup, 64 / B));
+  G = std::max<int64_t>(1, std::min<int64_t>(G, nq / nthreads));
+  const double by_budget =
+      static_cast<double>(memory_budget) / static_cast<double>(recollect_workspace_bytes(cfg, d, max_len, G));
+  if (by_budget < static_cast<double>(nthreads)) nthreads = std::max(1, static_cast<int>(by_budget));
+  while (G > 1 && static_cast<double>(recollect_workspace_bytes(cfg, d, max_len, G)) > static_cast<double>(memory_budget))
+    G /= 2;  // one thread whose group does not fit: smaller groups
+  std::vector<int64_t> group_start;
+  for (int64_t i = 0; i < nq;) {
+    int64_t j = i + 1;
+    while (j < nq && j - i < G && qseg[todo[j]] == qseg[todo[i]]) ++j;
+    group_start.push_back(i);
+    i = j;
+  }
+  const int64_t ngroups = static_cast<int64_t>(group_start.size());
+  group_start.push_back(nq);
+  nthreads = static_cast<int>(std::min<int64_t>(nthreads, ngroups));
+  // a single worker lets its top-k calls use the threads their own work pays for
+  const int inner_threads = nthreads == 1 ? num_threads : 1;
+
+  std::vector<Workspace> ws(static_cast<size_t>(nthreads));
+  for (Workspace& w : ws) w.allocate(G, B, Kmax, d, cap, max_len);
+  const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
+                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds};
+  std::exception_ptr error;
+  std::mutex error_lock;
+  parallel_for(ngroups, nthreads, [&](int64_t t, int tid) {
+    try {
+      const int64_t g0 = group_start[static_cast<size_t>(t)], g1 = group_start[static_cast<size_t>(t) + 1];
+      recollect_group(bt, cfg, todo.data() + g0, g1 - g0, ws[static_cast<size_t>(tid)], inner_threads);
+    } catch (...) {  // bad_alloc inside a primitive: reported after the join
+      std::lock_guard<std::mutex> g(error_lock);
+      if (!error) error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace rfmem
