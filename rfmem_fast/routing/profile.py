@@ -16,7 +16,9 @@ consumers:
 Profiles are computed once per bank snapshot (memoised on the backend's
 :class:`~rfmem_fast.backends.base.BankView`), by segment sums in float64 over blocks of
 rows (memory bounded by the block, never a float64 copy of the bank), where the bank
-lives.
+lives. That is one pass over the whole bank (O(n d)) on the first search after each
+write: cheap for a read-mostly memory, a cost to watch for a very large bank written
+between searches.
 """
 from __future__ import annotations
 
