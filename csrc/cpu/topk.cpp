@@ -7,13 +7,12 @@
 //        in tiles of rows small enough to stay in L1/L2 while every query of the group
 //        scores them (4 rows per kernel call, inner loop over d on 16 float lanes);
 //      * GEMM path (many queries of one long segment: a shared bank, a few large users):
-//        units of up to a few hundred queries, packed into panels of NR queries
+//        units of up to ~160 queries (kGemmPanelBytes), packed into panels of NR queries
 //        (simd.h); each unit reads its segment once in tiles of rows that stay in L2
 //        while every panel scores them with a register-blocked micro-kernel (MR rows x NR
 //        queries of accumulators, fused multiply-adds where the CPU has them); every
 //        score is compared with its query's heap threshold straight from the MR x NR
 //        micro-tile, so no [b, n] (or even [unit, tile]) score matrix is ever written;
-//      no score matrix is written on either path;
 //   2. each query keeps a bounded min-heap of its k + kScanMargin best float32 scores
 //      (worst at the root); a score touches the heap only when it beats the current
 //      worst kept one;
@@ -21,7 +20,7 @@
 //      are also split into parts whose partial lists are merged exactly;
 //   4. exact re-scoring (rfmem_fast/backends/exact.py has the derivation): the float32
 //      scan score f of any row is within B(q) = (c R + a_in) ||q|| + (d + 2) 2^-149 of its
-//      exact score e = RN32(q.x), with c = (1 + u_in)^2 (1 + gamma_n(2^-24)) - 1 + 2^-24
+//      exact score e = RN32(q.x), with c = (1 + u_in) (1 + gamma_n(2^-24)) - 1 + 2^-24
 //      and n the depth of the kernel (roundings a product term goes through):
 //        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
 //                   products in order, then a 4-level tree; no FMA contraction for
