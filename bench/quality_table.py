@@ -6,8 +6,10 @@ For every (encoder, noise level) whose embeddings are cached or can be encoded, 
 * dense, the paper's Recollection path and RF-Mem (``RFMemConfig.paper()``) and the
   oracle router over the paper's two paths;
 * RF-Mem with the paper's router and ``merge="interleave"``;
-* ``RFMemConfig.recommended(encoder)`` (fixed, nothing fitted here: its CV score is the
-  one of the tuning procedure that chose it, see ``rfmem tune --grid merge``);
+* ``RFMemConfig.recommended(encoder)`` (fixed, nothing fitted here: the profile prior
+  with weight 0.3 on the Familiarity path; its honest score is the nested-CV score of
+  the procedure that chose it, ``rfmem tune --grid profile``) and the previous pick of
+  ``rfmem tune --grid merge`` (recollect every query, ``merge="rescore"``);
 * learned routers (logistic regression, MLP) fitted leave-one-user-out on the paper's
   two paths, and the logistic router with the interleave and rescore merges;
 
@@ -17,8 +19,8 @@ and writes one JSON (figures, machine, command) plus a markdown table on stdout:
 
 The cost table times one whole-batch search of the 263 questions (``--backend``,
 median of 5, the configurations alternated so that they share the
-machine's load, which is recorded), for dense, paper RF-Mem, recommended(encoder) and
-RF-Mem + interleave.
+machine's load, which is recorded), for dense, paper RF-Mem, recommended(encoder), the
+previous merge-grid pick and RF-Mem + interleave.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from rfmem_fast import RFMemConfig
 from rfmem_fast.evaluate import machine_info, run_personabench
 
 NOISE_LEVELS = (0.0, 0.3, 0.5, 0.7)
+#: what ``rfmem tune --grid merge`` picks for MiniLM (the previous recommended())
+MERGE_PICK = RFMemConfig(merge="rescore", rescore_weight=0.5, theta_high=1.0, theta_low=1.0, tau=0.0)
 
 
 def rows_for(data: str, encoder: str, noise: float, backend: str) -> dict[str, dict[str, float]]:
@@ -57,6 +61,7 @@ def rows_for(data: str, encoder: str, noise: float, backend: str) -> dict[str, d
     out["oracle (paper paths)"] = {"recall": paper.oracle["Overall"]["recall"], "ndcg": paper.oracle["Overall"]["ndcg"]}
     add("RF-Mem + interleave", run_personabench(data, config=RFMemConfig.paper(merge="interleave"), modes=["rfmem"], **kw), "rfmem")
     add("recommended(encoder)", run_personabench(data, config=rec, modes=["rfmem"], **kw), "rfmem")
+    add("recollect all + rescore 0.5 (merge grid)", run_personabench(data, config=MERGE_PICK, modes=["rfmem"], **kw), "rfmem")
     for kind in ("logistic", "mlp"):
         rep = run_personabench(data, config=RFMemConfig.paper(), modes=["rfmem"], cv="users", router_kind=kind, **kw)
         add(f"RF-Mem, {kind} router (LOO)", rep, "rfmem")
@@ -69,7 +74,8 @@ def rows_for(data: str, encoder: str, noise: float, backend: str) -> dict[str, d
 def cost_for(data: str, encoder: str, noise: float, backend: str, repeats: int = 5) -> dict[str, dict[str, float]]:
     """ms per query of one whole-batch search (median of ``repeats``, the three
     configurations alternated so that they share the machine's load) and the share of
-    questions recollecting, for dense, paper RF-Mem, recommended(encoder) and RF-Mem + interleave."""
+    questions recollecting, for dense, paper RF-Mem, recommended(encoder), the merge-grid pick and
+    RF-Mem + interleave."""
     import numpy as np
 
     from rfmem_fast import search
@@ -78,7 +84,8 @@ def cost_for(data: str, encoder: str, noise: float, backend: str, repeats: int =
     emb = personabench_embeddings(data, noise, encoder=encoder, cache_dir=default_embedding_cache_dir())
     rec = RFMemConfig.recommended("mpnet" if encoder == "mpnet" else "minilm")
     runs = {"dense": (RFMemConfig.paper(), "dense"), "RF-Mem (paper)": (RFMemConfig.paper(), "rfmem"),
-            "recommended(encoder)": (rec, "rfmem"), "RF-Mem + interleave": (RFMemConfig.paper(merge="interleave"), "rfmem")}  # fmt: skip
+            "recommended(encoder)": (rec, "rfmem"), "recollect all + rescore 0.5 (merge grid)": (MERGE_PICK, "rfmem"),
+            "RF-Mem + interleave": (RFMemConfig.paper(merge="interleave"), "rfmem")}  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in runs}
     frac = {}
     for name, (cfg, mode) in runs.items():  # warm-up

@@ -8,7 +8,9 @@ Primitives (DESIGN.md, "The primitives every backend provides"), each parametris
 ``rfmem_fast.available_backends()`` (the reference included):
 
 * ``segmented_topk``: b queries, each against a random user's segment of a multi-tenant
-  bank (U users x n items, d = 384), k = 10; and a batch against one shared segment;
+  bank (U users x n items, d = 384), k = 10, on the float32 bank and its float16 /
+  bfloat16 twins (half-precision scan copies); and a batch against one shared segment,
+  for the native backend also on each forced path (scan, GEMM tiles) and bank dtype;
 * ``probe``: the same top-k fused with the familiarity signals (probe_k 10, lam 20);
 * ``batched_kmeans``: m KMeans problems of up to (B + R - 1) * F candidate points,
   B = 4 clusters, scikit-learn's iteration cap and tolerance, seed 42;
@@ -36,6 +38,7 @@ SHARED_ITEMS, SHARED_QUERIES = (2000, 8) if SMOKE else (100_000, 64)
 PROBLEMS = 16 if SMOKE else 256
 CFG = RFMemConfig()
 BACKENDS = available_backends()
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _sync(dev: torch.device) -> None:
@@ -50,19 +53,33 @@ def backend(request):
 
 
 @pytest.fixture(scope="module")
-def tenants():
+def tenants_f32():
     """A seeded multi-tenant bank and queries (each to a random user)."""
     sb = synthetic_bank(USERS, ITEMS, SyntheticSpec(dim=D), seed=1)
     Q, qseg, _ = sb.queries(QUERIES, seed=2)
     return sb.bank, Q, qseg
 
 
+@pytest.fixture(scope="module", params=DTYPES)
+def tenants(request, tenants_f32):
+    """The multi-tenant bank as a float32, float16 and bfloat16 bank (same rows)."""
+    bank, Q, qseg = tenants_f32
+    return bank.astype(request.param), Q, qseg
+
+
 @pytest.fixture(scope="module")
-def shared():
+def shared_f32():
     """A seeded one-user bank of SHARED_ITEMS vectors and a batch of queries."""
     sb = synthetic_bank(1, SHARED_ITEMS, SyntheticSpec(dim=D), seed=3, clusters=max(8, SHARED_ITEMS // 512))
     Q, qseg, _ = sb.queries(SHARED_QUERIES, seed=4)
     return sb.bank, Q, qseg
+
+
+@pytest.fixture(scope="module", params=("float32", "float16"))
+def shared(request, shared_f32):
+    """The shared bank as a float32 and a float16 bank."""
+    bank, Q, qseg = shared_f32
+    return bank.astype(request.param), Q, qseg
 
 
 def _on(backend, Q, qseg):
@@ -96,6 +113,8 @@ def _bench_synced(benchmark, device, fn, *args):
 @pytest.mark.benchmark(group="segmented_topk multi-tenant")
 def test_segmented_topk_multitenant(benchmark, backend, tenants):
     bank, Q, qseg = tenants
+    if bank.dtype != "float32" and not backend.scans_half:
+        pytest.skip(f"{backend.name} scans the float32 rows of every bank")
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 
@@ -106,6 +125,8 @@ def test_segmented_topk_multitenant(benchmark, backend, tenants):
 @pytest.mark.benchmark(group="segmented_topk shared")
 def test_segmented_topk_shared(benchmark, backend, shared):
     bank, Q, qseg = shared
+    if bank.dtype != "float32" and not backend.scans_half:
+        pytest.skip(f"{backend.name} scans the float32 rows of every bank")
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 
@@ -113,9 +134,26 @@ def test_segmented_topk_shared(benchmark, backend, shared):
     assert tuple(rows.shape) == (SHARED_QUERIES, CFG.out_k)
 
 
+@pytest.mark.skipif("native" not in BACKENDS, reason="native backend not built")
+@pytest.mark.parametrize("path", ["scan", "gemm"])
+@pytest.mark.benchmark(group="segmented_topk shared, native paths")
+def test_segmented_topk_shared_native_path(benchmark, path, shared):
+    """The native kernel on each forced path (the cost rule picks GEMM for this batch)."""
+    from rfmem_fast.backends.native import NativeBackend
+
+    bank, Q, qseg = shared
+    be = NativeBackend(topk_path=path)
+    view = be.view(bank)
+    q, s = _on(be, Q, qseg)
+
+    scores, rows = benchmark(be.segmented_topk, view, q, s, CFG.out_k)
+    auto = NativeBackend().segmented_topk(view, q, s, CFG.out_k)
+    assert torch.equal(rows, auto[1]) and torch.equal(scores, auto[0])
+
+
 @pytest.mark.benchmark(group="probe multi-tenant")
-def test_probe(benchmark, backend, tenants):
-    bank, Q, qseg = tenants
+def test_probe(benchmark, backend, tenants_f32):
+    bank, Q, qseg = tenants_f32
     view = backend.view(bank)
     q, s = _on(backend, Q, qseg)
 

@@ -25,7 +25,7 @@ from .backends import available as available_backends
 from .backends import get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
-from .search import MODES, SearchResult, search
+from .search import MODES, CandidatePools, SearchResult, search, search_candidates
 from .serving import Memory
 from .store import StoreError
 from .threads import get_num_threads, set_num_threads
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BankSnapshot",
+    "CandidatePools",
     "Memory",
     "MemoryBank",
     "MODES",
@@ -44,6 +45,7 @@ __all__ = [
     "get_backend",
     "get_num_threads",
     "search",
+    "search_candidates",
     "set_num_threads",
     "__version__",
 ]

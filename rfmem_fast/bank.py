@@ -5,7 +5,11 @@ What readers see
 A :class:`BankSnapshot` (``bank.snapshot()``): one float32 matrix ``vectors[n, d]``
 holding the LIVE rows of all users, user ``u`` owning the contiguous rows
 ``offsets[u] : offsets[u + 1]`` (CSR segments), the caller's item id and text of each
-row, the user keys, and the bank's write counter. Every row is L2-normalised on the
+row, the user keys, and the bank's write counter. A bank made with
+``dtype="float16"`` / ``"bfloat16"`` adds ``scan``: the same rows rounded to that type,
+which the fast backends scan instead of ``vectors`` (half the bytes per query), the
+float32 rows being read only to re-score the candidates exactly
+(:mod:`rfmem_fast.precision`; results are those of the float32 bank). Every row is L2-normalised on the
 way in, so the inner product is the cosine score. Deleted items are never in a
 snapshot, so no search mode or backend can return one. A snapshot is immutable: a
 search holding it is unaffected by later writes.
@@ -53,6 +57,7 @@ Persistence: :meth:`MemoryBank.save` / :meth:`MemoryBank.load` (see :mod:`rfmem_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -61,6 +66,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from ._validate import as_float_matrix, l2_normalize_rows
+from .precision import HALF_DTYPES, check_dtype, to_scan_copy
 
 ItemId = Hashable
 
@@ -83,6 +89,10 @@ class BankSnapshot:
         users: the U user keys in segment order (str or int).
         texts: object ndarray [n], the text (str or None) of each row; None when
             the snapshot was made by hand without texts.
+        scan: None for a float32 bank; for a float16 / bfloat16 bank the scan copy
+            [n, d] of ``vectors`` rounded to that type (numpy float16, or uint16
+            holding the bfloat16 bits; :mod:`rfmem_fast.precision`).
+        dtype: "float32", "float16" or "bfloat16": the type the rows are scanned in.
 
     Nothing here may be written: banks and searches share these arrays.
     """
@@ -93,6 +103,8 @@ class BankSnapshot:
     version: int
     users: tuple = ()
     texts: np.ndarray | None = None
+    scan: np.ndarray | None = None
+    dtype: str = "float32"
 
     @property
     def num_users(self) -> int:
@@ -108,6 +120,18 @@ class BankSnapshot:
     def segment_lengths(self) -> np.ndarray:
         """int64 [U]: rows per user."""
         return np.diff(self.offsets)
+
+    @property
+    def scan_vectors(self) -> np.ndarray:
+        """The rows a scan reads: ``scan`` for a half-precision bank, else ``vectors``."""
+        return self.scan if self.scan is not None else self.vectors
+
+    @property
+    def scan_nbytes(self) -> int:
+        """Bytes of :attr:`scan_vectors`: what a scan of every row reads, and what the
+        backends hold resident on their device for scanning (n d 4 for float32, n d 2
+        for a half-precision bank)."""
+        return int(self.scan_vectors.nbytes)
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -387,9 +411,18 @@ class MemoryBank:
 
     Args:
         dim: vector dimension d (int >= 1).
+        dtype: "float32" (default), "float16" or "bfloat16" (numpy / torch dtypes
+            accepted): the type the rows are scanned in. A half-precision bank keeps a
+            scan copy of its rows rounded to that type (half the bytes every query
+            reads, and what the backends keep resident on their device) next to the
+            float32 rows, which only the exact re-scoring of the candidates reads
+            (about k rows per query); results equal the float32 bank's
+            (:mod:`rfmem_fast.precision`, README "Half-precision banks"). In a bank
+            loaded with ``MemoryBank.load(path, mmap=True)`` the float32 rows stay in the
+            store file and only the re-scored rows' pages are read.
 
     Raises:
-        ValueError: ``dim`` < 1 or not an int.
+        ValueError: ``dim`` < 1 or not an int; an unknown ``dtype``.
 
     Writes: :meth:`add`, :meth:`update`, :meth:`delete` (per-user blocks, tombstones,
     no rebuild of the whole bank per write), :meth:`compact`. Reads: :meth:`snapshot`
@@ -401,10 +434,11 @@ class MemoryBank:
     copy-on-write snapshots).
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dtype: Any = "float32") -> None:
         if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         self._dim = int(dim)
+        self._dtype = check_dtype(dtype)
         self._lock = threading.RLock()
         self._users: list[Hashable] = []
         self._uindex: dict[Hashable, int] = {}
@@ -419,7 +453,7 @@ class MemoryBank:
         self._meta: dict[Hashable, dict[ItemId, dict]] = {}
 
     def __repr__(self) -> str:
-        """``MemoryBank(dim=384, users=2, items=79, version=5, dtype=float32[, store='...', mmap=True])``.
+        """``MemoryBank(dim=384, users=2, items=79, version=5, dtype=float16[, store='...', mmap=True])``.
 
         ``items`` counts live items (deleted ones excluded); ``store`` is the directory
         the bank was loaded from (:meth:`load`; absent otherwise), ``mmap`` whether its
@@ -427,7 +461,7 @@ class MemoryBank:
         """
         parts = [
             f"dim={self._dim}", f"users={len(self._users)}", f"items={self._n_live}",
-            f"version={self._version}", "dtype=float32",
+            f"version={self._version}", f"dtype={self._dtype}",
         ]  # fmt: skip
         if self._store is not None:
             parts.append(f"store={self._store[0]!r}")
@@ -445,6 +479,7 @@ class MemoryBank:
         users: Sequence[Hashable] | None = None,
         item_ids: Sequence[ItemId] | None = None,
         texts: Sequence[str | None] | None = None,
+        dtype: Any = "float32",
     ) -> "MemoryBank":
         """Build a bank from a CSR layout in one call.
 
@@ -457,12 +492,14 @@ class MemoryBank:
             item_ids: n item ids (str or int), unique within each user; default the
                 row's position inside its user's segment (0, 1, ...).
             texts: n optional texts.
+            dtype: the bank's scan type (see :class:`MemoryBank`).
 
         Returns:
             MemoryBank.
 
         Raises:
-            TypeError / ValueError: as :meth:`add`, or malformed ``offsets`` / ``users``.
+            TypeError / ValueError: as :meth:`add`, or malformed ``offsets`` / ``users``,
+                or an unknown ``dtype``.
         """
         vec = as_float_matrix(vectors, "vectors")
         off = np.asarray(offsets)
@@ -485,7 +522,7 @@ class MemoryBank:
             raise ValueError(f"item_ids has {len(item_ids)} entries but vectors has {vec.shape[0]} rows")
         if texts is not None and len(texts) != vec.shape[0]:
             raise ValueError(f"texts has {len(texts)} entries but vectors has {vec.shape[0]} rows")
-        bank = cls(vec.shape[1])
+        bank = cls(vec.shape[1], dtype=dtype)
         for u, user in enumerate(users):
             a, b = int(off[u]), int(off[u + 1])
             ids = list(item_ids[a:b]) if item_ids is not None else list(range(b - a))
@@ -771,15 +808,51 @@ class MemoryBank:
 
         return load_bank(path, mmap=mmap, verify=verify)
 
+    def astype(self, dtype: Any) -> "MemoryBank":
+        """A bank of another scan type holding this bank's current users, items and rows.
+
+        Args:
+            dtype: "float32", "float16" or "bfloat16" (see :class:`MemoryBank`).
+
+        Returns:
+            a new MemoryBank of ``dtype`` whose snapshot has this bank's float32 rows,
+            offsets, users, item ids, texts and version, and a copy of the items'
+            metadata. The float32 rows are SHARED with this bank's current snapshot (no
+            copy: snapshots are immutable and neither bank ever writes them); the scan
+            copy of a half type is computed here (O(n d)). Later writes to either bank do
+            not affect the other.
+
+        Raises:
+            ValueError: an unknown ``dtype``.
+        """
+        dtype = check_dtype(dtype)
+        with self._lock:
+            snap = self.snapshot()
+            meta = None
+            if self._meta:
+                meta = [None] * snap.num_items
+                for u, user in enumerate(snap.users):
+                    store = self._meta.get(user)
+                    if store:
+                        for r in range(int(snap.offsets[u]), int(snap.offsets[u + 1])):
+                            m = store.get(snap.item_ids[r])
+                            meta[r] = None if m is None else copy.deepcopy(m)
+        scan = to_scan_copy(snap.vectors, dtype) if dtype in HALF_DTYPES else None
+        out = MemoryBank(self._dim, dtype=dtype)
+        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype), meta)
+        return out
+
     def _install(self, snap: BankSnapshot, metadata: Sequence[dict | None] | None = None) -> None:
         """Make ``snap`` the bank's content (used by the store loader; no copy), with the
         rows' metadata (list [n] of dict / None) when given."""
+        if snap.dtype != self._dtype or (snap.scan is None) != (self._dtype not in HALF_DTYPES):
+            raise ValueError(f"snapshot of dtype {snap.dtype!r} cannot be installed in a {self._dtype} bank")
         with self._lock:
             self._users = list(snap.users)
             self._uindex = {u: i for i, u in enumerate(self._users)}
             texts = snap.texts if snap.texts is not None else np.full(snap.num_items, None, dtype=object)
             if snap.texts is None:
-                snap = BankSnapshot(snap.vectors, snap.offsets, snap.item_ids, snap.version, snap.users, texts)
+                snap = dataclasses.replace(snap, texts=texts)
             self._rows = []
             for u in range(snap.num_users):
                 a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
@@ -802,6 +875,11 @@ class MemoryBank:
     def dim(self) -> int:
         """Vector dimension d."""
         return self._dim
+
+    @property
+    def dtype(self) -> str:
+        """The type the rows are scanned in: "float32", "float16" or "bfloat16"."""
+        return self._dtype
 
     @property
     def version(self) -> int:
@@ -915,7 +993,8 @@ class MemoryBank:
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
             r.rebase(vectors[a:b], item_ids[a:b], texts[a:b])
-        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts)
+        scan = to_scan_copy(vectors, self._dtype) if self._dtype in HALF_DTYPES else None
+        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype)
 
     def texts_of(self, user: Hashable) -> list[str | None]:
         """The texts of ``user``'s live items in row order (None where none was given)."""

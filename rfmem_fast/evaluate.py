@@ -223,21 +223,25 @@ def _scores(res: SearchResult, questions: Sequence[Any], k: int) -> list[tuple[s
     ]
 
 
-def _router_in_sample(config: RFMemConfig, users: Sequence[str], noise: float) -> str | None:
-    """A warning when the config's router file says it was fitted on these users."""
-    if config.router is None:
-        return None
+def _router_in_sample(config: RFMemConfig, users: Sequence[str], noise: float) -> list[str]:
+    """Warnings when the config's router or re-ranker file says it was fitted on these users."""
     from .routing import load_router
 
-    _, meta = load_router(config.router, with_meta=True)
-    fitted = meta.get("fitted_on") or {}
-    overlap = sorted(set(fitted.get("users") or []) & set(users))
-    if fitted.get("dataset") == "personabench" and overlap:
-        return (
-            f"the router file {config.router} was fitted on PersonaBench users {overlap}, which are evaluated "
-            "here: its RF-Mem figures are in-sample (optimistic); use --router KIND --cv users instead"
-        )
-    return None
+    metas = []
+    if config.router is not None:
+        metas.append(("router", config.router, load_router(config.router, with_meta=True)[1]))
+    if config.reranker is not None:
+        metas.append(("re-ranker", config.reranker, config.resolved_reranker().meta))
+    out = []
+    for what, path, meta in metas:
+        fitted = meta.get("fitted_on") or {}
+        overlap = sorted(set(fitted.get("users") or []) & set(users)) if isinstance(fitted, dict) else []
+        if isinstance(fitted, dict) and fitted.get("dataset") == "personabench" and overlap:
+            out.append(
+                f"the {what} file {path} was fitted on PersonaBench users {overlap}, which are evaluated "
+                "here: its figures are in-sample (optimistic); judge it by nested CV (rfmem tune) instead"
+            )
+    return out
 
 
 def run_personabench(
@@ -365,9 +369,8 @@ def run_personabench(
     if router_kind is not None:
         n_other = len(set(users)) - 1
         router_desc = f"{router_kind}, fitted leave-one-user-out (each user routed by a router fitted on the other {n_other})"
-    elif "rfmem" in run_modes:
-        warn = _router_in_sample(config, users, noise)
-        if warn:
+    else:
+        for warn in _router_in_sample(config, users, noise):
             notes.append(warn)
             say("warning: " + warn)
     reports: dict[str, ModeReport] = {}

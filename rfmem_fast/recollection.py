@@ -169,7 +169,6 @@ def _recollect_chunk(
     out_k = config.out_k
     lam = float(config.mmr_lambda)
     b, d = q0.shape
-    X = view.X
     q0 = q0.to(dev, torch.float32)
     qseg = qseg.to(dev)
     cap = recollection_capacity(config)
@@ -217,7 +216,7 @@ def _recollect_chunk(
         c_sc = torch.gather(c_sc, 1, order)
         valid = torch.gather(valid, 1, order)
         n_valid = valid.sum(dim=1)
-        V = X[c_rows.clamp(min=0)].to(torch.float32) * valid[:, :, None]  # [P, K, d]
+        V = view.rows(c_rows.clamp(min=0)).to(torch.float32) * valid[:, :, None]  # [P, K, d] float32 rows (exact copy)
         s64 = c_sc.to(torch.float64)
         if lam < 1.0:
             mx = backend.max_similarity(V, n_valid).to(dev)  # -inf for a candidate alone

@@ -52,7 +52,9 @@ from .router import (
     RULE_NAMES,
     route_tensor,
 )
-from .routing import ProbeSignals, Router, merge_paths
+from .routing import ProbeSignals, Router, candidate_features, fold_profile, merge_paths, view_profiles
+from .routing.merge import select_top
+from .routing.profile import profiles_numpy
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
@@ -281,6 +283,117 @@ def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConf
     return config, int(max_batch)
 
 
+def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: Any, mode: str, backend: Any,
+             device: Any, max_batch: Any, expansions: Any, router: Any) -> tuple:  # fmt: skip
+    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router)."""
+    config, max_batch = check_search_args(mode, config, max_batch)
+    if not isinstance(bank, MemoryBank):
+        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
+    tensor_in = isinstance(queries, torch.Tensor)
+    q_np = None if tensor_in else _as_queries(queries, bank.dim)
+    if tensor_in and queries.ndim != 2:  # checked again, with the others, on the device
+        raise ValueError(f"queries must be 2-D [n, d], got shape {tuple(queries.shape)}")
+    b = int(queries.shape[0]) if tensor_in else int(q_np.shape[0])
+    if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
+        raise TypeError("users must be a sequence of user keys, one per query")
+    if len(users) != b:
+        raise ValueError(f"users has {len(users)} entries but queries has {b} rows")
+    router = _resolve_router(mode, config, router)
+    be = get_backend(backend, device)
+    dev = torch.device(be.device)
+    if tensor_in:
+        Q = _as_query_tensor(queries, bank.dim, dev)
+        if expansions is not None:
+            Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
+    else:
+        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
+    view = be.view(bank)  # one immutable snapshot for the whole call
+    snap = view.snapshot
+    if snap.vectors.shape[0] == 0:
+        raise ValueError("bank is empty: add items before searching")
+    seg = bank.segments_for(users, snapshot=snap)
+    lens = snap.offsets[seg + 1] - snap.offsets[seg]
+    qseg = to_device(seg, dev)
+    hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
+    return config, max_batch, be, view, Q, qseg, hints, router
+
+
+@dataclass
+class CandidatePools:
+    """The re-ranker's candidate pools of b queries (:func:`search_candidates`).
+
+    Attributes:
+        rows: int64 [b, L] snapshot rows of the pool (the probe's top ``depth``, then the
+            recollection's hits; -1 padding).
+        keep: bool [b, L] the first occurrence of each item (padding and repeats False).
+        features: float64 [b, L, 4] the features of :data:`rfmem_fast.routing.RERANK_FEATURES`.
+        route: int64 [b] the path each query took (1 = it recollected, so its hits are in
+            the pool).
+        ids: object [b, L] the caller's item ids of ``rows`` (None padding).
+    """
+
+    rows: np.ndarray
+    keep: np.ndarray
+    features: np.ndarray
+    route: np.ndarray
+    ids: np.ndarray
+
+
+def search_candidates(
+    bank: MemoryBank,
+    queries: Any,
+    users: Sequence[Hashable],
+    config: RFMemConfig | None = None,
+    mode: str = "rfmem",
+    depth: int = 20,
+    backend: str | Backend = "auto",
+    device: str | None = None,
+    expansions: Any = None,
+    router: Router | None = None,
+) -> CandidatePools:
+    """The candidate pools a re-ranker would see for these queries, with their features.
+
+    Runs :func:`search` (same arguments and semantics: routing, profile prior,
+    expansions) and returns, per query, the pool of :mod:`rfmem_fast.routing.rerank`:
+    the probe's top ``depth`` items plus, for a query that recollected, every
+    recollected hit. Used to fit a re-ranker (:func:`rfmem_fast.routing.fit_reranker`)
+    on labelled questions with exactly the features the search computes.
+
+    Args:
+        bank, queries, users, config, mode, backend, device, expansions, router: as
+            :func:`search` (``config.reranker`` must be None: pools are what a
+            re-ranker sees, before it).
+        depth: probe items in the pool (int >= 1).
+
+    Returns:
+        CandidatePools.
+
+    Raises:
+        ValueError: depth < 1, a config with a re-ranker, or as :func:`search`.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 1:
+        raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    if config is not None and getattr(config, "reranker", None) is not None:
+        raise ValueError("search_candidates needs a config without a reranker (the pools are the re-ranker's input)")
+    config, max_batch, be, view, Q, qseg, hints, router = _prepare(
+        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router
+    )
+    got: list = [int(depth)]
+    res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=True,
+                         router=router, pools=got)  # fmt: skip
+    parts = got[1:]
+    L = max(p[0].shape[1] for p in parts)
+
+    def cat(j: int, fill: Any) -> np.ndarray:
+        return np.concatenate([
+            np.pad(p[j], [(0, 0), (0, L - p[j].shape[1])] + [(0, 0)] * (p[j].ndim - 2), constant_values=fill) for p in parts
+        ])  # fmt: skip
+
+    rows, keep, feats = cat(0, -1), cat(1, False), cat(2, 0.0)
+    ids = _lookup(view.snapshot.item_ids, rows)
+    return CandidatePools(rows=rows, keep=keep, features=feats, route=res["route"], ids=ids)
+
+
 def search(
     bank: MemoryBank,
     queries: Any,
@@ -334,6 +447,13 @@ def search(
             the Recollection path ``config.merge`` combines the hits with the probe's
             top-k (:mod:`rfmem_fast.routing.merge`; on the host).
 
+    Beyond the paper (README "Retrieval quality"): with ``config.profile_weight > 0``
+    each query is folded with its user's profile before the probe (the profile prior,
+    :mod:`rfmem_fast.routing.profile`; on the backend's device); with
+    ``config.reranker`` every query's final list (in every mode) is the re-ranker's top
+    ``out_k`` of its candidate pool (:mod:`rfmem_fast.routing.rerank`; on the host,
+    float64 from the bank's vectors, so every backend returns identical lists).
+
     Returns:
         SearchResult (or TensorSearchResult with ``output="torch"``), whose ids, texts and probe texts come from the one snapshot the
         call used (``rows`` are relative to that snapshot). Padding (id None, text
@@ -364,37 +484,11 @@ def search(
         ValueError / TypeError: bad ``expansions`` (the message names the entry); a
             ``router`` that is not a Router or was made for another probe.
     """
-    config, max_batch = check_search_args(mode, config, max_batch)
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-    if not isinstance(bank, MemoryBank):
-        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
-    tensor_in = isinstance(queries, torch.Tensor)
-    q_np = None if tensor_in else _as_queries(queries, bank.dim)
-    if tensor_in and queries.ndim != 2:  # checked again, with the others, on the device
-        raise ValueError(f"queries must be 2-D [n, d], got shape {tuple(queries.shape)}")
-    b = int(queries.shape[0]) if tensor_in else int(q_np.shape[0])
-    if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
-        raise TypeError("users must be a sequence of user keys, one per query")
-    if len(users) != b:
-        raise ValueError(f"users has {len(users)} entries but queries has {b} rows")
-    router = _resolve_router(mode, config, router)
-    be = get_backend(backend, device)
-    dev = torch.device(be.device)
-    if tensor_in:
-        Q = _as_query_tensor(queries, bank.dim, dev)
-        if expansions is not None:
-            Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
-    else:
-        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
-    view = be.view(bank)  # one immutable snapshot for the whole call
-    snap = view.snapshot
-    if snap.vectors.shape[0] == 0:
-        raise ValueError("bank is empty: add items before searching")
-    seg = bank.segments_for(users, snapshot=snap)
-    lens = snap.offsets[seg + 1] - snap.offsets[seg]
-    qseg = to_device(seg, dev)
-    hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
+    config, max_batch, be, view, Q, qseg, hints, router = _prepare(
+        bank, queries, users, config, mode, backend, device, max_batch, expansions, router
+    )
     res = search_tensors(
         be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
         host_output=output == "numpy", router=router,
@@ -415,6 +509,7 @@ def search_tensors(
     chunk_hints: Sequence[tuple[int, float]] | None = None,
     host_output: bool = False,
     router: Router | None = None,
+    pools: list | None = None,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
 
@@ -441,10 +536,14 @@ def search_tensors(
         router: mode "rfmem" only: None routes by the spec's thresholds of ``config`` on
             the device (:func:`rfmem_fast.router.route_tensor`); a Router routes on the
             host from the probe's signals.
+        pools: internal (:func:`search_candidates`): a list ``[depth]`` to which every
+            chunk appends its re-ranker candidate pools ``(cand, keep, features)`` (host
+            arrays), built with the probe's top ``depth``.
 
     Returns:
         TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
     """
+    reranker = config.resolved_reranker()
     b = int(Q.shape[0])
     bank_max = 0
     if chunk_hints is None:  # offsets_cpu is a host tensor: no device synchronisation
@@ -456,7 +555,9 @@ def search_tensors(
         ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
         # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
         with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
-            part = _search_chunk(backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router)
+            part = _search_chunk(
+                backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools
+            )  # fmt: skip
         if not host_output:
             parts.append(part)
             continue
@@ -484,13 +585,18 @@ def _search_chunk(
     config: RFMemConfig,
     mode: str,
     router: Router | None = None,
+    reranker: Any = None,
+    pools: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device."""
     b = Q.shape[0]
     dev = Q.device
+    if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
+        Q = fold_profile(Q, qseg, view_profiles(view), config.profile_weight)
+    depth = reranker.depth if reranker is not None else (pools[0] if pools is not None else 0)
     # widths: never wider than the longest segment queried (a wider top-k is padding only)
     bf = config.beam_width * config.fanout
-    k0 = max(config.probe_k, config.out_k, bf)
+    k0 = max(config.probe_k, config.out_k, bf, depth)
     k0 = max(min(k0, max_len), bf)
     probe_k = min(config.probe_k, k0)
     out_k = min(config.out_k, k0)
@@ -519,6 +625,18 @@ def _search_chunk(
         else:
             rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
+    if reranker is not None or pools is not None:
+        hits = out.hit_rows.to(dev) if mode != "dense" else None
+        pool = _pools(view, Q, qseg, p_rows[:, : max(depth, 1)], hits, routes)
+        if pools is not None:
+            pools.append(pool)
+        if reranker is not None:
+            cand, keep, feats = pool
+            sc = reranker.score(feats)
+            order_key = np.broadcast_to(np.arange(cand.shape[1])[None, :], cand.shape)
+            r_rows, r_sc = select_top(sc, sc, keep, order_key, cand, out_k)
+            rows = torch.from_numpy(r_rows).to(dev)
+            scores = torch.from_numpy(r_sc).to(dev)
     return dict(
         rows=_pad_t(rows, config.out_k, -1),
         scores=_pad_t(scores, config.out_k, float("-inf")),
@@ -559,6 +677,20 @@ def _merged(
     rows[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_rows, dtype=np.int64)).to(dev)
     scores[idx.to(dev)] = torch.from_numpy(np.ascontiguousarray(m_sc, dtype=np.float32)).to(dev)
     return rows, scores
+
+
+def _pools(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_rows: torch.Tensor, hits: torch.Tensor | None,
+           routes: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The re-ranker's candidate pools of a chunk on the host (:func:`rfmem_fast.routing.candidate_features`):
+    the probe's rows ``p_rows`` plus the hits of the queries that recollected."""
+    vectors = view.snapshot.vectors if view.snapshot is not None else view.X.float().cpu().numpy()
+    if hits is None:
+        h = np.zeros((Q.shape[0], 0), dtype=np.int64)
+    else:
+        h = torch.where((routes == RECOLLECTION)[:, None], hits, torch.full_like(hits, -1)).cpu().numpy()
+        h = h[:, : int((h >= 0).sum(axis=1).max(initial=0))]  # hits are packed to the left
+    prof = profiles_numpy(view)[qseg.cpu().numpy()]
+    return candidate_features(p_rows.cpu().numpy(), h, Q.double().cpu().numpy(), prof, vectors)
 
 
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:

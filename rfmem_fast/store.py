@@ -14,6 +14,14 @@ Layout of a store directory ``PATH``::
                                        written only when some item has metadata, so a
                                        store without it, older ones included, loads as
                                        "no metadata"; covered by the manifest's checksums)
+    PATH/snap-00000007/scan.npy        float16 "<f2" / bfloat16 bits "<u2" [n, d]: the scan
+                                       copy of a half-precision bank (format 2 only)
+
+Versions: format 1 holds float32 banks (``dtype`` "float32", the five files above, plus
+the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
+``scan.npy``. A float32 bank is still written as format 1 (older rfmem_fast reads it), a
+half-precision bank as format 2; this code reads both, and refuses newer versions with
+a StoreError.
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -45,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap as mmap_module
 import os
 import re
 import shutil
@@ -57,15 +66,30 @@ from typing import Any, Callable
 import numpy as np
 
 from .bank import BankSnapshot, MemoryBank
+from .precision import BANK_DTYPES, HALF_DTYPES, storage_dtype, to_scan_copy
 
 FORMAT_NAME = "rfmem_fast.store"
-#: the newest format this code reads and the one it writes
-FORMAT_VERSION = 1
+#: the newest format this code reads. It writes version 1 for a float32 bank (readable by
+#: rfmem_fast before half-precision banks) and version 2 for a float16 / bfloat16 bank.
+FORMAT_VERSION = 2
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
 DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
-#: files a store may hold besides DATA_FILES (listed in the manifest when present)
+#: files a store may hold besides its data files (listed in the manifest when present)
 OPTIONAL_FILES = ("metadata.json",)
+#: the scan copy of a half-precision bank (format 2): float16 ``<f2``, or the bfloat16
+#: bits as ``<u2``, [n, d], the rounding of vectors.npy
+SCAN_FILE = "scan.npy"
+
+
+def data_files(dtype: str) -> tuple[str, ...]:
+    """The data files a store of a bank of ``dtype`` must hold (besides OPTIONAL_FILES)."""
+    return DATA_FILES + ((SCAN_FILE,) if dtype in HALF_DTYPES else ())
+
+
+def format_version_for(dtype: str) -> int:
+    """The format version a bank of ``dtype`` is written in: 1 for float32, 2 otherwise."""
+    return 2 if dtype in HALF_DTYPES else 1
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22  # bytes per read while hashing / verifying
@@ -226,6 +250,8 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
                 ("ids.json", _write_json(snap.item_ids.tolist())),
                 ("texts.json", _write_json(snap.texts.tolist() if snap.texts is not None else [None] * snap.num_items)),
             ]
+            if snap.scan is not None:
+                payload.append((SCAN_FILE, _write_array(snap.scan)))
             if metadata is not None:
                 payload.append(("metadata.json", _write_json(metadata)))
             for name, write in payload:
@@ -233,9 +259,9 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
                 _stage(f"file:{name}")
             manifest = {
                 "format": FORMAT_NAME,
-                "format_version": FORMAT_VERSION,
+                "format_version": format_version_for(snap.dtype),
                 "dim": int(bank.dim),
-                "dtype": "float32",
+                "dtype": snap.dtype,
                 "num_users": snap.num_users,
                 "num_items": snap.num_items,
                 "bank_version": int(snap.version),
@@ -346,57 +372,107 @@ def _npy_header(path: Path, dtype: np.dtype, shape: tuple) -> int:
     return offset
 
 
-def _read_vectors(path: Path, expect: dict, n: int, d: int, mmap: bool, verify: bool) -> np.ndarray:
-    """vectors.npy as float32 [n, d]: read (or map) it, hashing and checking rows in chunks.
+def _read_rows(
+    data_dir: Path, files: dict, n: int, d: int, dtype: str, mmap: bool, verify: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """vectors.npy as float32 [n, d] (and scan.npy for a half-precision bank): read (or map)
+    them, hashing and checking rows in chunks.
 
-    With ``verify`` every byte is hashed and every row checked (finite, unit norm) in
-    one streaming pass; under ``mmap`` that pass reads the file with ordinary reads into
-    a small buffer, so the mapping itself stays untouched (not resident).
+    With ``verify`` every byte is hashed, every row checked (finite, unit norm) and every
+    row of the scan copy checked to be the rounding of its float32 row, in one streaming
+    pass over both files; under ``mmap`` that pass reads the files with ordinary reads
+    into small buffers, so the mappings themselves stay untouched (not resident).
+
+    Returns:
+        (vectors, scan or None).
     """
-    dt = np.dtype("<f4")
-    offset = _npy_header(path, dt, (n, d))
-    out = None if mmap else np.empty((n, d), dtype=np.float32)
+    half = dtype in HALF_DTYPES
+    specs = [("vectors.npy", np.dtype("<f4"))] + ([("scan.npy", storage_dtype(dtype))] if half else [])
+    paths = [data_dir / name for name, _ in specs]
+    offsets = [_npy_header(path, dt, (n, d)) for path, (_, dt) in zip(paths, specs)]
+    outs = [None if mmap else np.empty((n, d), dtype=dt) for _, dt in specs]
     if verify or not mmap:
         rows_per = max(1, _CHUNK // max(1, d * 4))
-        buf = np.empty((rows_per, d), dtype=np.float32) if mmap else None
-        sha = hashlib.sha256()
-        bad_row: str | None = None
+        bufs = [np.empty((rows_per, d), dtype=dt) if mmap else None for _, dt in specs]
+        shas = [hashlib.sha256() for _ in specs]
+        bad: list[str | None] = [None] * len(specs)
+        handles = []
         try:
-            with open(path, "rb") as f:
-                sha.update(f.read(offset))
-                for a in range(0, n, rows_per):
-                    b = min(n, a + rows_per)
-                    block = buf[: b - a] if mmap else out[a:b]
+            for path, off, sha in zip(paths, offsets, shas):
+                f = open(path, "rb")
+                handles.append(f)
+                sha.update(f.read(off))
+            for a in range(0, n, rows_per):
+                b = min(n, a + rows_per)
+                blocks = []
+                for i, f in enumerate(handles):
+                    block = bufs[i][: b - a] if mmap else outs[i][a:b]
                     mv = memoryview(block).cast("B")
                     if f.readinto(mv) != mv.nbytes:
-                        raise StoreError(path, "ends early (truncated)")
+                        raise StoreError(paths[i], "ends early (truncated)")
                     if verify:
-                        sha.update(mv)
-                        if bad_row is None:
-                            with np.errstate(all="ignore"):
-                                norms = np.linalg.norm(block.astype(np.float64), axis=1)
-                            off = ~(np.abs(norms - 1.0) <= _NORM_TOL)  # NaN / Inf included
-                            if off.any():
-                                bad_row = f"row {a + int(np.flatnonzero(off)[0])} is not a finite unit vector"
-                if verify:
+                        shas[i].update(mv)
+                    blocks.append(block)
+                if verify and bad[0] is None:
+                    with np.errstate(all="ignore"):
+                        norms = np.linalg.norm(blocks[0].astype(np.float64), axis=1)
+                    off = ~(np.abs(norms - 1.0) <= _NORM_TOL)  # NaN / Inf included
+                    if off.any():
+                        bad[0] = f"row {a + int(np.flatnonzero(off)[0])} is not a finite unit vector"
+                if verify and half and bad[0] is None and bad[1] is None:
+                    same = (to_scan_copy(blocks[0], dtype).view(np.uint16) == blocks[1].view(np.uint16)).all(axis=1)
+                    if not same.all():
+                        bad[1] = f"row {a + int(np.flatnonzero(~same)[0])} is not the {dtype} rounding of its float32 row"
+            if verify:
+                for f, sha in zip(handles, shas):
                     sha.update(f.read())
         except OSError as exc:
-            raise StoreError(path, f"cannot be read: {exc}") from None
-        if verify and sha.hexdigest() != expect["sha256"]:
-            raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
-        if bad_row is not None:  # checksum fine: the store was written with bad rows
-            raise StoreError(path, bad_row)
-    if not mmap:
-        return out
-    if n == 0:
-        return np.zeros((0, d), dtype=np.float32)
+            raise StoreError(paths[len(handles) - 1 if handles else 0], f"cannot be read: {exc}") from None
+        finally:
+            for f in handles:
+                f.close()
+        if verify:
+            for path, (name, _), sha in zip(paths, specs, shas):
+                if sha.hexdigest() != files[name]["sha256"]:
+                    raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
+        for path, msg in zip(paths, bad):
+            if msg is not None:  # checksums fine: the store was written with bad rows
+                raise StoreError(path, msg)
+    if mmap:
+        for i, (path, (_, dt)) in enumerate(zip(paths, specs)):
+            if n == 0:
+                outs[i] = np.zeros((0, d), dtype=dt)
+                continue
+            try:
+                # copy-on-write map: writable in memory (torch wraps it without a copy or a
+                # warning), never written back to the file, pages read only when touched
+                mm = np.load(path, mmap_mode="c", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise StoreError(path, f"cannot be mapped: {exc}") from None
+            if half and i == 0:
+                _random_access(path, mm)
+            outs[i] = np.asarray(mm)
+    return outs[0], (outs[1] if half else None)
+
+
+def _random_access(path: Path, mm: np.memmap) -> None:
+    """Hints for the float32 rows of a half-precision bank, which searches read only for
+    the candidates they re-score (a few rows per query, at random): drop the file's
+    clean pages from the page cache (the verify pass read them) and map it for random
+    access (no read-ahead), so that a search makes resident only the pages of the rows
+    it reads. Best effort: silently skipped where the OS lacks these calls."""
     try:
-        # copy-on-write map: writable in memory (torch wraps it without a copy or a
-        # warning), never written back to the file, pages read only when touched
-        mm = np.load(path, mmap_mode="c", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise StoreError(path, f"cannot be mapped: {exc}") from None
-    return np.asarray(mm)
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        raw = getattr(mm, "_mmap", None)
+        if raw is not None and hasattr(raw, "madvise") and hasattr(mmap_module, "MADV_RANDOM"):
+            raw.madvise(mmap_module.MADV_RANDOM)
+    except (OSError, ValueError):
+        pass
 
 
 def _read_offsets(path: Path, expect: dict, u: int, n: int, verify: bool) -> np.ndarray:
@@ -467,15 +543,18 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise StoreError(mpath, f"{key} must be an int >= {lo}, got {v!r}")
         ints[key] = v
-    if man.get("dtype") != "float32":
-        raise StoreError(mpath, f"dtype must be 'float32', got {man.get('dtype')!r}")
+    dtype = man.get("dtype")
+    allowed = BANK_DTYPES if man["format_version"] >= 2 else ("float32",)
+    if dtype not in allowed:
+        raise StoreError(mpath, f"dtype must be one of {allowed} (format_version {man['format_version']}), got {dtype!r}")
+    names = data_files(dtype)
     files = man.get("files")
     if (
         not isinstance(files, dict)
-        or not set(DATA_FILES) <= set(files)
-        or not set(files) <= set(DATA_FILES) | set(OPTIONAL_FILES)
+        or not set(names) <= set(files)
+        or not set(files) <= set(names) | set(OPTIONAL_FILES)
     ):
-        raise StoreError(mpath, f"files must list exactly {list(DATA_FILES)}, plus optionally {list(OPTIONAL_FILES)}")
+        raise StoreError(mpath, f"files must list exactly {list(names)}, plus optionally {list(OPTIONAL_FILES)}")
     for fname, meta in files.items():
         if (
             not isinstance(meta, dict)
@@ -521,14 +600,14 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
         if not all(m is None or isinstance(m, dict) for m in metadata):
             raise StoreError(mdpath, "entries must be JSON objects or null")
 
-    vectors = _read_vectors(data_dir / "vectors.npy", files["vectors.npy"], n, d, mmap, verify)
+    vectors, scan = _read_rows(data_dir, files, n, d, dtype, mmap, verify)
     item_ids = np.empty(n, dtype=object)
     text_arr = np.empty(n, dtype=object)
     if n:
         item_ids[:] = ids
         text_arr[:] = texts
-    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr)
-    bank = MemoryBank(d)
+    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr, scan, dtype)
+    bank = MemoryBank(d, dtype=dtype)
     bank._install(snap, metadata)
     return bank
 
@@ -544,18 +623,24 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
             it without a copy or warning) but nothing is ever written back to the file.
             The first snapshot after a write to the loaded bank copies all rows into
             memory. Do not truncate or rewrite the mapped file in place while the bank
-            lives (``save`` never does: it writes a new directory).
+            lives (``save`` never does: it writes a new directory). A half-precision
+            bank maps ``scan.npy`` too; its ``vectors.npy`` is then only read for the
+            rows searches re-score, so it is mapped for random access and its pages are
+            dropped from the page cache after the verify pass: the process keeps
+            resident the scan copy (half the float32 bytes) plus the pages of the rows
+            it re-scored (README "Half-precision banks").
         verify: if True (default), every data file's sha256 is checked and every row
-            is checked to be finite and of unit norm, in one streaming pass over
-            ``vectors.npy`` (under ``mmap`` with ordinary reads, so the mapping is not
-            made resident). If False these checks are skipped (the manifest's own
+            is checked to be finite and of unit norm (and, for a half-precision bank,
+            every row of ``scan.npy`` to be the rounding of its float32 row), in one
+            streaming pass over the files (under ``mmap`` with ordinary reads, so the
+            mappings are not made resident). If False these checks are skipped (the manifest's own
             checksum, file sizes, headers, shapes, offsets, ids and texts are still
             checked): faster, but a flipped byte inside the data goes unnoticed.
 
     Returns:
         MemoryBank whose snapshot equals the saved one (users, item ids with their
-        str / int types, texts, vectors bit for bit, offsets, version), with the
-        items' metadata. Its first
+        str / int types, texts, vectors and scan copy bit for bit, dtype, offsets,
+        version), with the items' metadata. Its first
         snapshot is the loaded arrays themselves (no copy).
 
     Raises:

@@ -69,6 +69,25 @@ def set_num_threads(n: int | None) -> None:
         _SETTING[0] = value
 
 
+@contextmanager
+def using_num_threads(n: int | None) -> Iterator[None]:
+    """Run a block with :func:`set_num_threads` ``(n)`` and restore the previous setting
+    (explicit or unset) afterwards. Process-wide, like :func:`set_num_threads`.
+
+    Raises:
+        TypeError / ValueError: as :func:`set_num_threads`.
+    """
+    value = None if n is None else _check(n, "n")
+    with _LOCK:
+        prev = _SETTING[0]
+        _SETTING[0] = value
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _SETTING[0] = prev
+
+
 def get_num_threads() -> int:
     """The most threads one kernel call may use now (see the module docstring).
 
@@ -133,4 +152,5 @@ __all__ = [
     "limit_torch_threads",
     "set_num_threads",
     "threads_for_work",
+    "using_num_threads",
 ]

@@ -37,3 +37,32 @@ def paused_backend(base: type, device: str):
             return self._call("alpha_mix", *a)
 
     return Paused(device)
+
+
+def write_custom_questions(tmp_path: Path, seed: int, n: int, noise: float) -> tuple:
+    """A saved two-user bank (``tmp_path/store``), ``n`` question vectors (``q.npy``: the sum of
+    two of the user's items plus ``noise``) and their labels (``labels.jsonl``), the input of
+    ``rfmem calibrate custom``. Returns (bank, queries [n, 12], users, label lines)."""
+    import json
+
+    import numpy as np
+
+    from rfmem_fast import MemoryBank
+
+    rng = np.random.default_rng(seed)
+    bank = MemoryBank(12)
+    for u in ("ann", "bob"):
+        bank.add(u, rng.normal(size=(40, 12)), [f"{u}{i}" for i in range(40)])
+    bank.save(tmp_path / "store")
+    snap = bank.snapshot()
+    queries, users, lines = [], [], []
+    for i in range(n):
+        u = ("ann", "bob")[i % 2]
+        rel = rng.choice(40, 2, replace=False)
+        a = snap.offsets[bank.user_index(u)]
+        queries.append(snap.vectors[a + rel].sum(0) + noise * rng.normal(size=12))
+        users.append(u)
+        lines.append(json.dumps({"user": u, "relevant": [f"{u}{j}" for j in rel]}))
+    np.save(tmp_path / "q.npy", np.array(queries))
+    (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
+    return bank, np.array(queries), users, lines

@@ -102,6 +102,18 @@ def test_bench_cli_quick_tiny(tmp_path, capsys):
         assert _finite(rt[name]["value"]), name
     assert rt["rfmem_p50_over_dense_p50"]["paper"] == 1.42
     assert rt["rfmem_qps_over_faiss_dense_qps"]["batch_size"] == 8
+    # issue 11: dtype and thread-count variants side by side, the goals' ratios
+    assert doc["settings"]["dtypes"] == ["float32", "float16"] and doc["settings"]["thread_counts"] == [1, 2]
+    variants = {(r["system"], r["dtype"], r["threads"]) for r in mt if r["kind"] == "ours"}
+    assert variants == {(b, dt, t) for b in ours for dt in ("float32", "float16") for t in (1, 2)}
+    assert {r["threads"] for r in bat if r["kind"] == "faiss"} == {1, 2}
+    assert all(r["agree_reference"] == 1.0 for r in mt if r["dtype"] == "float16" and r.get("agree_reference") is not None)
+    for name, goal in (("shared_dense_qps_over_faiss_dense_qps", ">= 1"), ("multitenant_float16_dense_qps_over_float32", ">= 1.6"),
+                       ("multitenant_float16_rfmem_qps_over_float32", ">= 1.4")):  # fmt: skip
+        assert _finite(rt[name]["value"]) and rt[name]["goal"] == goal and rt[name]["threads"] == 2, name
+    assert set(rt["shared_dense_qps_over_faiss_dense_qps"]["per_threads"]) == {"1", "2"}  # JSON object keys
+    assert rt["rfmem_qps_over_faiss_dense_qps"]["goal"] == ">= 0.3"
+    assert all(_finite(v) for per in rt["thread_scaling"]["qps_ratio"].values() for v in per.values())
     assert _finite(rt["rfmem_speedup_vs_reference"]["single_query"]["value"])
     assert rt["route_split"]["familiarity_fraction"]
     assert w["personabench"].get("skipped")
@@ -165,3 +177,30 @@ def test_memory_guard_skips_materialising_cells():
     b = Bench(BenchSettings(backends=["torch"], faiss=False, reference=False), progress=False)
     assert "score matrix" in b._too_big(OursSystem("torch"), "rfmem", 1024, 10**9)
     assert b._too_big(OursSystem("torch"), "dense", 1, 1000) is None
+
+
+def test_bench_gemm_script_tiny(tmp_path):
+    """bench/bench_gemm.py at tiny sizes: every part writes its figures; the crossover
+    cells record the cost rule's choice; the half-precision scans are timed."""
+    pytest.importorskip("rfmem_fast._native")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gemm", ROOT / "bench" / "bench_gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "g.json"
+    args = ["--rows", "600", "--queries", "16", "--users", "4", "--items", "200", "--crossover-rows", "3000",
+            "--dim", "32", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    assert mod.main(args) == 0
+    doc = json.loads(out.read_text())
+    levels = list(range(doc["simd_level_supported"], -1, -1))
+    assert {(r["level"], r["path"], r["scan_type"]) for r in doc["rates"] if r["level"] is not None} == {
+        (lv, p, st) for lv in levels for p in ("scan", "gemm") for st in ("float32", "float16")
+    }
+    assert all(_finite(r["gmac_per_s"]) and r["gmac_per_s"] > 0 for r in doc["rates"])
+    from rfmem_fast import _native
+
+    for r in doc["crossover"]:
+        assert r["rule_takes_gemm"] == _native.gemm_pays(r["queries_per_segment"], r["seg_rows"], 32, r["level"])
+    assert {r["scan_type"] for r in doc["bandwidth"]} == {"float32", "float16", "bfloat16"}
+    assert all(_finite(r["speedup_over_float32"]) for r in doc["bandwidth"])

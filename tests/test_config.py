@@ -58,10 +58,11 @@ def test_frozen():
 def test_presets():
     assert RFMemConfig.paper() == RFMemConfig()
     r = RFMemConfig.recommended()
-    assert (r.merge, r.rescore_weight, r.theta_high, r.theta_low) == ("rescore", 0.5, 1.0, 1.0)
+    # the profile prior, never recollecting (README "Retrieval quality": the nested-CV choice)
+    assert (r.profile_weight, r.theta_high, r.theta_low, r.merge, r.reranker) == (0.3, -1.0, -1.0, "none", None)
     assert (r.alpha, r.beam_width, r.fanout, r.max_rounds, r.mmr_lambda) == (0.5, 4, 1, 10, 0.9)
-    m = RFMemConfig.recommended("mpnet")
-    assert m.theta_high == -1.0 and m.merge == "none"
+    assert RFMemConfig.recommended("mpnet") == r
+    assert RFMemConfig.paper().profile_weight == 0.0 and RFMemConfig.paper().reranker is None
     assert RFMemConfig.recommended(out_k=5).out_k == 5
     with pytest.raises(ValueError, match="encoder"):
         RFMemConfig.recommended("bert")

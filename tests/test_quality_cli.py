@@ -91,21 +91,9 @@ def test_calibrate_personabench_then_evaluate_flags_in_sample(data_dir, pb_cache
 
 
 def test_calibrate_custom_data(tmp_path, capsys):
-    rng = np.random.default_rng(0)
-    bank = MemoryBank(12)
-    for u in ("ann", "bob"):
-        bank.add(u, rng.normal(size=(40, 12)), [f"{u}{i}" for i in range(40)])
-    bank.save(tmp_path / "store")
-    snap = bank.snapshot()
-    queries, lines = [], []
-    for i in range(40):
-        u = ("ann", "bob")[i % 2]
-        rel = rng.choice(40, 2, replace=False)
-        a = snap.offsets[bank.user_index(u)]
-        queries.append(snap.vectors[a + rel].sum(0) + 0.2 * rng.normal(size=12))
-        lines.append(json.dumps({"user": u, "relevant": [f"{u}{j}" for j in rel]}))
-    np.save(tmp_path / "q.npy", np.array(queries))
-    (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
+    from _shared import write_custom_questions
+
+    write_custom_questions(tmp_path, seed=0, n=40, noise=0.2)
     out = tmp_path / "r.json"
     rc = main(["calibrate", "custom", "--store", str(tmp_path / "store"), "--queries", str(tmp_path / "q.npy"),
                "--labels", str(tmp_path / "labels.jsonl"), "--kind", "threshold", "--out", str(out), "--backend", "torch"])  # fmt: skip

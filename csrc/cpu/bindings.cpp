@@ -111,11 +111,48 @@ TopkInputs check_topk(const char* fn, const py::object& X_, const py::object& of
   return in;
 }
 
+// The options of a top-k call: the scan copy (checked against X), its type, the path.
+struct ScanArg {
+  py::array arr;  // keeps the scan copy alive while the GIL is released
+  rfmem::TopkOptions opt;
+};
+
+ScanArg check_scan(const char* fn, const TopkInputs& in, const py::object& scan_, const std::string& scan_type,
+                   const std::string& path, int num_threads, double xnorm) {
+  ScanArg s;
+  s.opt.num_threads = num_threads;
+  s.opt.xnorm = xnorm;
+  if (path == "auto") s.opt.path = rfmem::TopkPath::kAuto;
+  else if (path == "scan") s.opt.path = rfmem::TopkPath::kScan;
+  else if (path == "gemm") s.opt.path = rfmem::TopkPath::kGemm;
+  else throw py::value_error(std::string(fn) + ": path must be one of ('auto', 'scan', 'gemm'), got '" + path + "'");
+  if (scan_type != "float32" && scan_type != "float16" && scan_type != "bfloat16")
+    throw py::value_error(std::string(fn) + ": scan_type must be one of ('float32', 'float16', 'bfloat16'), got '" +
+                          scan_type + "'");
+  if (scan_.is_none()) {
+    if (scan_type != "float32")
+      throw py::value_error(std::string(fn) + ": scan_type '" + scan_type + "' needs the scan copy (scan=None given)");
+    return s;
+  }
+  if (scan_type == "float32")
+    throw py::value_error(std::string(fn) + ": a scan copy was given but scan_type is 'float32' (say 'float16' or "
+                          "'bfloat16')");
+  s.arr = checked<uint16_t>(scan_, fn, "scan", 2, "uint16 (the float16 / bfloat16 bits)");
+  if (s.arr.shape(0) != in.n || s.arr.shape(1) != in.d)
+    throw py::value_error(std::string(fn) + ": scan must have X's shape (" + std::to_string(in.n) + ", " +
+                          std::to_string(in.d) + "), got " + shape_str(s.arr));
+  s.opt.scan = cptr<uint16_t>(s.arr);
+  s.opt.scan_type = scan_type == "float16" ? rfmem::ScanType::kF16 : rfmem::ScanType::kBF16;
+  return s;
+}
+
 py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
-                            const py::object& qseg_, int64_t k, int num_threads, double xnorm) {
+                            const py::object& qseg_, int64_t k, int num_threads, double xnorm, const py::object& scan_,
+                            const std::string& scan_type, const std::string& path) {
   const char* fn = "segmented_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
   py::array_t<float> scores({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
   py::array_t<int64_t> rows({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
   float* ps = scores.mutable_data();
@@ -123,7 +160,7 @@ py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, co
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads, xnorm);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, sa.opt);
   }
   return py::make_tuple(scores, rows);
 }
@@ -138,10 +175,11 @@ rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
 
 py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
                    int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
-                   double xnorm) {
+                   double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
   if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
   if (!std::isfinite(temperature))
     throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
@@ -159,7 +197,7 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, num_threads, xnorm);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, sa.opt);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
   return py::make_tuple(scores, rows, mean, ent, count);
@@ -266,7 +304,8 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        int64_t beam_width, int64_t fanout, int64_t max_rounds, int64_t out_k, double alpha,
                        double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
-                       int64_t memory_budget, const py::object& active_) {
+                       int64_t memory_budget, const py::object& active_, const py::object& scan_,
+                       const std::string& scan_type, const std::string& path) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -289,6 +328,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
   if (memory_budget < 1)
     throw py::value_error(std::string(fn) + ": memory_budget must be >= 1 byte, got " + std::to_string(memory_budget));
   TopkInputs in = check_topk(fn, X_, offsets_, Q0_, qseg_, 1);
+  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
   rfmem::RecollectConfig cfg;
   cfg.beam_width = beam_width;
   cfg.fanout = fanout;
@@ -358,7 +398,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget, act);
+                     memory_budget, act, &sa.opt);
   }
   return py::make_tuple(rows, scores, rounds);
 }
@@ -376,7 +416,8 @@ PYBIND11_MODULE(_native, mod) {
       "started for the call and joined before it returns (nothing spins between calls).";
 
   mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
-          py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0,
+          py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("scan") = py::none(),
+          py::arg("scan_type") = "float32", py::arg("path") = "auto",
           R"doc(Top-k inner products of each query within its own user's segment (spec "Vectors and scores").
 
 Args:
@@ -389,6 +430,14 @@ Args:
     num_threads: most threads to use (0 = the machine's; fewer for small work).
     xnorm: an upper bound of the row norms of X (the error bound of the scan uses it);
         < 0 (default): computed here, one O(n d) pass.
+    scan: None (default: the scan reads X), or a half-precision copy of X: uint16 [n, d]
+        C-contiguous holding the float16 or bfloat16 bits of X rounded to nearest even
+        (numpy ``X.astype(np.float16).view(np.uint16)``; torch ``.to(torch.bfloat16)``).
+        The scan then reads these 2-byte rows (half the bytes), and X is read only for
+        the candidates it re-scores exactly; the results are those of X.
+    scan_type: "float32" (no scan copy), "float16" or "bfloat16" (the type of ``scan``).
+    path: "auto" (default: per segment, the cheaper of the scan and GEMM paths by the
+        cost rule, see gemm_pays), "scan" or "gemm" (forced; results are the same).
 
 Returns:
     (scores float32 [b, k] descending, rows int64 [b, k] global row indices). A score is
@@ -402,16 +451,19 @@ Returns:
 
 Raises:
     TypeError: an argument is not a numpy array or has the wrong dtype.
-    ValueError: wrong rank, shape or contiguity; malformed offsets; qseg out of range; k < 1.
+    ValueError: wrong rank, shape or contiguity; malformed offsets; qseg out of range; k < 1;
+        an unknown path or scan_type, a scan copy of another shape than X, or a scan_type
+        that does not match whether ``scan`` is given.
 )doc");
 
   mod.def("probe", &py_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"), py::arg("k"),
           py::arg("probe_k"), py::arg("temperature"), py::arg("convention") = "mean", py::arg("num_threads") = 0,
-          py::arg("xnorm") = -1.0,
+          py::arg("xnorm") = -1.0, py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
+          py::arg("path") = "auto",
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
-    X, offsets, Q, qseg, k, num_threads, xnorm: as segmented_topk.
+    X, offsets, Q, qseg, k, num_threads, xnorm, scan, scan_type, path: as segmented_topk.
     probe_k: K of the signals (>= 1; capped at k).
     temperature: lam of the softmax (finite).
     convention: "mean" | "sum" | "normalized" (rfmem_fast.signals.familiarity_signals).
@@ -508,7 +560,8 @@ Raises:
           py::arg("max_rounds"), py::arg("out_k"), py::arg("alpha"), py::arg("mmr_lambda"), py::arg("score_floor"),
           py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
-          py::arg("active") = py::none(),
+          py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
+          py::arg("path") = "auto",
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -535,6 +588,8 @@ Args:
         fit; one thread at least).
     active: bool [b] or None (all): queries with False are not recollected (padding rows,
         -inf scores, 0 rounds, no work).
+    scan, scan_type, path: the rounds' top-k calls, as segmented_topk's (a half-precision
+        scan copy of X, its type, a forced path); the results do not depend on them.
 
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the
@@ -544,7 +599,8 @@ Returns:
 Raises:
     TypeError: wrong type / dtype. ValueError: wrong shape / contiguity, malformed
     offsets, qseg or level0 rows out of range, a setting out of its range, a draws table
-    too small. MemoryError: a workspace could not be allocated.
+    too small, bad scan / scan_type / path (as segmented_topk). MemoryError: a workspace
+    could not be allocated.
 )doc");
 
   mod.def(
@@ -566,4 +622,25 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  mod.def(
+      "simd_level", []() { return rfmem::simd_kernels().level; },
+      "SIMD level the top-k kernels use now: 2 AVX-512F, 1 AVX2 + FMA + F16C, 0 baseline (csrc/cpu/simd.h); the "
+      "highest this CPU supports unless capped by set_simd_cap.");
+  mod.def(
+      "set_simd_cap",
+      [](int cap) { return rfmem::set_simd_cap(cap); }, py::arg("cap"),
+      "Caps the SIMD level of later calls at ``cap`` (0, 1, 2; negative: no cap) and returns the level now in "
+      "use. For tests and benchmarks (every level's kernels on one machine); results never depend on it.");
+  mod.def(
+      "gemm_pays",
+      [](int64_t nq, int64_t seg_len, int64_t d, int level) {
+        if (level < 0) level = rfmem::simd_kernels().level;
+        return rfmem::gemm_pays(nq, seg_len, d, level);
+      },
+      py::arg("num_queries"), py::arg("seg_len"), py::arg("d"), py::arg("level") = -1,
+      "The cost rule of segmented_topk(path='auto'): True when num_queries queries of one segment of seg_len rows "
+      "(dimension d) take the GEMM path at SIMD level ``level`` (-1: the level in use). GEMM costs the queries "
+      "padded to whole panels (32 at level 2, 16 below) at the micro-kernel's rate, the scan path every query at "
+      "the lanes' rate (csrc/cpu/topk.cpp, measured rates); segments of fewer than 128 rows always scan.");
+  mod.attr("GEMM_KC") = rfmem::kGemmKc;
 }

@@ -21,9 +21,13 @@ constexpr double kTiny32 = 1.401298464324817e-45;  // 2^-149
 inline double gamma_n(double n, double u) { return n * u / (1.0 - n * u); }
 
 /// Relative coefficient c of |f - RN32(q.x)| <= c ||q|| ||x|| + abs_bound(d) for a float32
-/// scan whose product terms see at most ``depth`` roundings (exact.py scan_error_coef).
-inline double scan_coef(int64_t depth) {
-  const double scan = gamma_n(static_cast<double>(depth < 1 ? 1 : depth), kU32);
+/// scan whose product terms see at most ``depth`` roundings (exact.py scan_error_coef);
+/// ``u_in``: unit roundoff of the rounding of the rows in the scan copy (0: the scan reads
+/// the float32 rows; 2^-11 float16, 2^-8 bfloat16): (1 + u_in) (1 + gamma) - 1, the query
+/// being read in float32 (exact.py scan_error_coef(depth, U32, u_in, rounded_inputs=1)).
+inline double scan_coef(int64_t depth, double u_in = 0.0) {
+  const double g = gamma_n(static_cast<double>(depth < 1 ? 1 : depth), kU32);
+  const double scan = u_in == 0.0 ? g : (1.0 + u_in) * (1.0 + g) - 1.0;
   return (scan + kU32) * kSlack;
 }
 

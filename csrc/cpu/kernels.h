@@ -6,7 +6,36 @@
 
 #include <cstdint>
 
+#include "simd.h"
+
 namespace rfmem {
+
+/// Which kernel scores a segment's queries (segmented_topk): kAuto = the cost rule of
+/// gemm_pays per segment; kScan / kGemm force one path (tests, benchmarks).
+enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
+
+/// Options of segmented_topk beyond its arrays.
+struct TopkOptions {
+  /// A float16 / bfloat16 copy of X (uint16 [n, d], C-contiguous; element i of row r is
+  /// round(X[r, i]) to nearest even) that the scan reads instead of X; nullptr: scan X.
+  /// The exact re-scoring reads X either way, for the candidates only.
+  const uint16_t* scan = nullptr;
+  ScanType scan_type = ScanType::kF32;  ///< type of ``scan`` (kF16 or kBF16 when given)
+  TopkPath path = TopkPath::kAuto;
+  int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
+  double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))
+};
+
+/// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of
+/// ``seg_len`` rows cost less on the GEMM path than on the scan path at SIMD level
+/// ``level`` (simd.h). Scan: nq * seg_len * d multiply-adds at kScanRate[level]; GEMM:
+/// the queries padded to whole panels of NR (32 at level 2, 16 below) times seg_len * d
+/// at kGemmRate[level], plus a fixed cost of kGemmFixed queries (topk.cpp, measured
+/// rates): GEMM iff padded * scan_rate / gemm_rate + kGemmFixed < nq, i.e. from 12
+/// queries at level 2, 10 at level 1, never at level 0; never for segments of fewer than
+/// kGemmMinRows = 128 rows. Memory traffic is the same on both paths (each group / unit
+/// reads the segment once; a unit holds up to ~10 x more queries than a scan group).
+bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level);
 
 /// Top-k inner products of each query within its own CSR segment (spec "Vectors and
 /// scores"; DESIGN.md segmented_topk).
@@ -16,9 +45,10 @@ namespace rfmem {
 /// and rows [b, k] (global row indices); ties are broken by the smaller row, so the
 /// order equals a stable sort by descending score. Where a segment holds fewer than
 /// k rows (or a score is -inf / NaN) the tail is -inf / -1.
-/// One float32 pass over each segment per group of up to 16 queries of that segment,
-/// in row tiles that stay in cache while every query of the group scores them, keeps
-/// k + 8 candidates per query; every candidate whose float32 score can reach the k-th
+/// One float32 pass over each segment per group of queries of that segment (up to 16
+/// on the scan path; whole panels of a GEMM micro-kernel on the GEMM path, chosen per
+/// segment by gemm_pays), in row tiles that stay in cache while every query of the
+/// group scores them, keeps k + 8 candidates per query; every candidate whose float32 score can reach the k-th
 /// exact score within the proven error bound of the scan is re-scored exactly
 /// (e = RN32(q.x), exact.h), the segment being rescanned for the rare query whose
 /// kept list cannot prove it holds them all (topk.cpp, rfmem_fast/backends/exact.py).
@@ -27,6 +57,12 @@ namespace rfmem {
 void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
                     const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
                     int64_t* out_rows, int num_threads, double xnorm);
+
+/// segmented_topk with options: a half-precision scan copy, a forced path (see
+/// TopkOptions). Same results for every option: the exact top-k of the float32 rows X.
+void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
+                    const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
+                    int64_t* out_rows, const TopkOptions& opt);
 
 /// An upper bound of max_i ||X[i]|| (float64 sums, inflated by their error bound).
 double row_norm_bound(const float* X, int64_t n, int64_t d);

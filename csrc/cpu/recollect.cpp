@@ -125,6 +125,7 @@ struct Batch {
   int64_t* out_rows;
   float* out_scores;
   int64_t* out_rounds;
+  TopkOptions topk;  // scan copy, type and path of the rounds' top-k calls
 };
 
 // One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
@@ -217,8 +218,11 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         if (!active[g]) continue;
         std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, w.qbuf.data() + p0[g] * d);
       }
+      TopkOptions opt = bt.topk;
+      opt.num_threads = inner_threads;
+      opt.xnorm = bt.xnorm;
       segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
-                     w.c_rows.data(), inner_threads, bt.xnorm);
+                     w.c_rows.data(), opt);
     }
     // ---- 2. per branch: filter, MMR, KMeans, children
     for (int64_t g = 0; g < G; ++g) {
@@ -331,7 +335,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active) {
+               const uint8_t* active, const TopkOptions* topk) {
   if (b == 0) return;
   // the queries to recollect, by segment (stable); the others get padding at once
   std::vector<int64_t> todo;
@@ -387,7 +391,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
   for (Workspace& w : ws) w.allocate(G, B, Kmax, d, cap, max_len);
   const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
-                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds};
+                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{}};
   std::exception_ptr error;
   std::mutex error_lock;
   parallel_for(ngroups, nthreads, [&](int64_t t, int tid) {

@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels.h"
+
 namespace rfmem {
 
 /// Settings of the Recollection path (RFMemConfig's fields, spec section 4).
@@ -69,11 +71,14 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// the row norms of X.
 /// ``active``: uint8 [b] or null (all): a query with active[i] == 0 is not recollected
 /// (padding rows, -inf scores, 0 rounds, no work).
+/// ``topk``: null, or the scan options of every round's top-k call (a half-precision
+/// scan copy of X and its type, a forced path; TopkOptions' num_threads and xnorm are
+/// ignored: this call's are used). Results never depend on them.
 /// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active = nullptr);
+               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr);
 
 }  // namespace rfmem

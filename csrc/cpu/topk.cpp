@@ -1,33 +1,50 @@
 // Segmented top-k (one pass over each query's own segment) and the familiarity signals.
 //
 // Layout of the work:
-//   1. queries are stably sorted by segment and cut into groups of at most kGroup
-//      queries of one segment;
-//   2. each group scans its segment once, in tiles of rows small enough to stay in
-//      L1/L2 while every query of the group scores them (4 rows per kernel call,
-//      inner loop over d on 16 float lanes), so a tile loaded once serves the whole
-//      group and no [b, n] score matrix is ever written;
-//   3. each query keeps a bounded min-heap of its k + kScanMargin best float32
-//      scores (worst at the root); a score touches the heap only when it beats the
-//      current worst kept one;
-//   4. when there are fewer groups than threads (b = 1, or one user), each group's
-//      rows are also split into parts whose partial lists are merged exactly;
-//   5. exact re-scoring (rfmem_fast/backends/exact.py has the derivation): the float32
-//      scan score f of any row is within B = c ||q|| R + (d + 2) 2^-149 of its exact
-//      score e = RN32(q.x), with c = (1 + gamma_n(2^-24)) - 1 + 2^-24 for this kernel's
-//      depth n = ceil(d / 16) + 4 (each of the 16 lanes adds its ceil(d / 16) products
-//      in order, then a 4-level tree; one rounding per multiplication and per addition,
-//      no FMA contraction) and R the largest row norm. With t the k-th best scan score,
-//      every row of the exact top-k has f >= t - 2B: those candidates are re-scored
-//      exactly (exact_score) and the top k of (e desc, row asc) is the answer. When the
-//      heap was full and its worst kept score is still >= t - 2B, rows may have been
-//      dropped: the query's segment is rescanned and every row with f >= t - 2B is
-//      re-scored into a running exact top-k (rescan_query).
+//   1. queries are stably sorted by segment; the queries of one segment take one of two
+//      paths, by the cost rule of gemm_pays (kernels.h):
+//      * scan path: groups of at most kGroup queries; each group scans its segment once,
+//        in tiles of rows small enough to stay in L1/L2 while every query of the group
+//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes);
+//      * GEMM path (many queries of one long segment: a shared bank, a few large users):
+//        units of up to ~160 queries (kGemmPanelBytes), packed into panels of NR queries
+//        (simd.h); each unit reads its segment once in tiles of rows that stay in L2
+//        while every panel scores them with a register-blocked micro-kernel (MR rows x NR
+//        queries of accumulators, fused multiply-adds where the CPU has them); every
+//        score is compared with its query's heap threshold straight from the MR x NR
+//        micro-tile, so no [b, n] (or even [unit, tile]) score matrix is ever written;
+//   2. each query keeps a bounded min-heap of its k + kScanMargin best float32 scores
+//      (worst at the root); a score touches the heap only when it beats the current
+//      worst kept one;
+//   3. when there are fewer groups than threads (b = 1, or one user), each group's rows
+//      are also split into parts whose partial lists are merged exactly;
+//   4. exact re-scoring (rfmem_fast/backends/exact.py has the derivation): the float32
+//      scan score f of any row is within B(q) = (c R + a_in) ||q|| + (d + 2) 2^-149 of its
+//      exact score e = RN32(q.x), with c = (1 + u_in) (1 + gamma_n(2^-24)) - 1 + 2^-24
+//      and n the depth of the kernel (roundings a product term goes through):
+//        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
+//                   products in order, then a 4-level tree; no FMA contraction for
+//                   float32 rows, fused multiply-adds for half rows at SIMD levels 1, 2:
+//                   fewer roundings, the same bound),
+//        GEMM path  n = min(d, Kc) + ceil(d / Kc) - 1, Kc = kGemmKc = 64 (simd.h
+//                   gemm_depth: blocks of Kc terms summed from zero, then added to the
+//                   running sum),
+//      R the largest row norm of the float32 bank, and for a half-precision scan copy
+//      (ScanType kF16 / kBF16, the scan reading x' = round(x) instead of x) the input
+//      rounding u_in = 2^-11 / 2^-8 plus a_in = sqrt(d) 2^-25 (float16 subnormals) /
+//      sqrt(d) 2^-134 (bfloat16), scaled by (1 + gamma_n); u_in = a_in = 0 for float32.
+//      With t the k-th best scan score, every row of the exact top-k has f >= t - 2B:
+//      those candidates are re-scored exactly from the float32 rows (exact_score) and
+//      the top k of (e desc, row asc) is the answer. When the heap was full and its
+//      worst kept score is still >= t - 2B, rows may have been dropped: the query's
+//      segment is rescanned (scan kernel, its own bound B') and every row with
+//      f' >= t - B - B' is re-scored into a running exact top-k (rescan_query).
 //
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
 // stable sort by descending score. Determinism: the exact scores do not depend on the
 // order of any computation, so a query's result does not depend on the rest of its
-// batch, the thread count or the CPU, and a top-k is a prefix of every wider top-k.
+// batch, the path, the thread count, the scan copy's precision or the CPU, and a top-k
+// is a prefix of every wider top-k.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -35,86 +52,25 @@
 #include <vector>
 
 #include "common.h"
-#include "kernels.h"
 #include "exact.h"
+#include "heap.h"
+#include "kernels.h"
+#include "simd.h"
 
 namespace rfmem {
 namespace {
 
-constexpr int kGroup = 16;                 // queries of one segment scored per tile
-constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile
+constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
+constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
 constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
-// Extra float32 candidates kept beyond k (exact.py SCAN_MARGIN); the re-scored set is
-// decided by the error bound, not by this.
-constexpr int64_t kScanMargin = 8;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Entry {
-  float s;
-  int64_t r;
-};
-
-// e[0:m] into out_s / out_r, padded to k with -inf / -1.
-inline void write_padded(const Entry* e, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
-  for (int64_t j = 0; j < m; ++j) {
-    out_s[j] = e[j].s;
-    out_r[j] = e[j].r;
-  }
-  for (int64_t j = m; j < k; ++j) {
-    out_s[j] = kNegInf;
-    out_r[j] = -1;
-  }
-}
-
-// a ranks strictly below b (lower score, or equal score and larger row)
-inline bool worse(const Entry& a, const Entry& b) { return a.s < b.s || (a.s == b.s && a.r > b.r); }
-// a ranks strictly above b: the output order
-inline bool better(const Entry& a, const Entry& b) { return a.s > b.s || (a.s == b.s && a.r < b.r); }
-
-// Bounded min-heap of the k best entries seen (root = the worst kept one).
-struct Heap {
-  Entry* h = nullptr;
-  int64_t k = 0;
-  int64_t size = 0;
-
-  float threshold() const { return size < k ? kNegInf : h[0].s; }
-
-  // Rows arrive in increasing order, so a newcomer never wins a tie with a kept row.
-  void push(float s, int64_t r) {
-    if (!(s == s)) return;  // NaN is never kept
-    if (size < k) {
-      int64_t i = size++;
-      h[i] = Entry{s, r};
-      while (i > 0) {  // sift up: parent must be worse than or equal to child
-        int64_t p = (i - 1) >> 1;
-        if (worse(h[i], h[p])) {
-          std::swap(h[i], h[p]);
-          i = p;
-        } else {
-          break;
-        }
-      }
-    } else if (s > h[0].s) {
-      h[0] = Entry{s, r};
-      int64_t i = 0;
-      for (;;) {  // sift down
-        int64_t l = 2 * i + 1, rr = l + 1, w = i;
-        if (l < size && worse(h[l], h[w])) w = l;
-        if (rr < size && worse(h[rr], h[w])) w = rr;
-        if (w == i) break;
-        std::swap(h[i], h[w]);
-        i = w;
-      }
-    }
-  }
-
-  // The kept entries into out_s / out_r (heap order: the root, the worst, first),
-  // padded to k with -inf / -1.
-  void drain(float* out_s, int64_t* out_r) {
-    write_padded(h, size, k, out_s, out_r);
-    size = 0;
-  }
-};
+// Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
+// SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
+// holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
+// a cosine) and the segment is rarely rescanned; the re-scored set is decided by the
+// error bound, not by this.
+constexpr int64_t kScanMargin[3] = {8, 16, 32};
+constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
+constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
 #if defined(__GNUC__)
 typedef float v8 __attribute__((vector_size(32)));
@@ -133,7 +89,14 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
   const v8 z = {0, 0, 0, 0, 0, 0, 0, 0};
   v8 a0l = z, a0h = z, a1l = z, a1h = z, a2l = z, a2h = z, a3l = z, a3h = z;
   int64_t j = 0;
+  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
+  // per step (a prefetch never faults, past the end of the rows too)
+  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
   for (; j + 16 <= d; j += 16) {
+    __builtin_prefetch(next + j * 16);
+    __builtin_prefetch(next + j * 16 + 64);
+    __builtin_prefetch(next + j * 16 + 128);
+    __builtin_prefetch(next + j * 16 + 192);
     const v8 ql = ld8(q + j), qh = ld8(q + j + 8);
     a0l += ld8(x0 + j) * ql;
     a0h += ld8(x0 + j + 8) * qh;
@@ -213,16 +176,64 @@ void scan_rows(const float* X, int64_t d, int64_t r0, int64_t r1, const float* c
   }
 }
 
+// The copy of the bank a scan reads: the float32 rows, or their float16 / bfloat16 copy.
+struct ScanSrc {
+  const float* f32;
+  const uint16_t* half;  // nullptr: scan the float32 rows
+  ScanType type;
+};
+
+// Scan scores of 4 rows of the scan copy (the scan path's lanes, any precision).
+inline void scan4(const ScanSrc& src, const SimdKernels& K, const float* q, int64_t r, int64_t cnt, int64_t d,
+                  float* sc) {
+  const int64_t o1 = cnt > 1 ? d : 0, o2 = cnt > 2 ? 2 * d : 0, o3 = cnt > 3 ? 3 * d : 0;
+  if (src.half) {
+    const uint16_t* x0 = src.half + r * d;
+    K.dot4_half(q, x0, x0 + o1, x0 + o2, x0 + o3, d, src.type, sc);
+  } else {
+    const float* x0 = src.f32 + r * d;
+    dot4(q, x0, x0 + o1, x0 + o2, x0 + o3, d, sc);
+  }
+}
+
+// Error bound of one scan kernel: B(q) = (coef R + ain) ||q|| + abs (file comment, 4).
+struct Bound {
+  double coef;
+  double ain;
+};
+
+Bound make_bound(int64_t depth, ScanType t, int64_t d) {
+  double u_in = 0.0, a = 0.0;
+  if (t == ScanType::kF16) {
+    u_in = 4.8828125e-04;  // 2^-11
+    a = 2.9802322387695312e-08;  // 2^-25: half the spacing of float16 subnormals
+  } else if (t == ScanType::kBF16) {
+    u_in = 3.90625e-03;  // 2^-8
+    a = 4.591774807899561e-41;  // 2^-134
+  }
+  const double g = gamma_n(static_cast<double>(depth < 1 ? 1 : depth), kU32);
+  return Bound{scan_coef(depth, u_in), std::sqrt(static_cast<double>(d)) * a * (1.0 + g) * kSlack};
+}
+
 // What the exact re-scoring of one query needs.
 struct ExactCtx {
-  const float* X;
+  const float* X;  // float32 rows (the exact scores always read these)
   int64_t d;
   int64_t k;
-  double coef;  // scan_coef(ceil(d / 16) + 4)
+  Bound scan;    // scan path (and rescans)
+  Bound gemm;    // GEMM path
   double xnorm;  // upper bound of the row norms
-  double absb;  // abs_bound(d)
-  double g64;  // gamma_d(2^-53) * (1 + 2^-30), for exact_score
+  double absb;   // abs_bound(d)
+  double g64;    // gamma_d(2^-53) * (1 + 2^-30), for exact_score
+
+  double bound(const Bound& b, const float* q) const {
+    double qq = 0.0;
+    for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+    return (b.coef * xnorm + b.ain) * std::sqrt(qq) * kSlack + absb;
+  }
 };
+
+constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
 
 // Write the k best of cand[0:m] (exact scores) by (score desc, row asc), padded.
 void emit(Entry* cand, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
@@ -231,18 +242,18 @@ void emit(Entry* cand, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
   write_padded(cand, kk, k, out_s, out_r);
 }
 
-// The scan cut of query q: every row of its exact top-k has a scan score >= the cut.
-// t = the k-th best scan score of the candidates (reorders cand), B = c ||q|| R + abs.
-double scan_cut(const ExactCtx& c, const float* q, Entry* cand, int64_t nc) {
-  if (nc < c.k) return -std::numeric_limits<double>::infinity();
-  std::nth_element(cand, cand + (c.k - 1), cand + nc, [](const Entry& x, const Entry& y) { return x.s > y.s; });
-  const double t = cand[c.k - 1].s;
-  if (!(t > -std::numeric_limits<double>::infinity())) return -std::numeric_limits<double>::infinity();
-  double qq = 0.0;
-  for (int64_t j = 0; j < c.d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
-  const double B = c.coef * std::sqrt(qq) * kSlack * c.xnorm + c.absb;
-  return std::nextafter(t - 2.0 * B, -std::numeric_limits<double>::infinity());
+// Lower bound of the k-th exact score of a query: t - B with t the k-th best scan score
+// of its candidates (reorders cand); -inf when there are fewer than k finite ones.
+double kth_lower(Entry* cand, int64_t nc, int64_t k, double B) {
+  if (nc < k) return kNegInfD;
+  std::nth_element(cand, cand + (k - 1), cand + nc, [](const Entry& x, const Entry& y) { return x.s > y.s; });
+  const double t = cand[k - 1].s;
+  if (!(t > kNegInfD)) return kNegInfD;
+  return t - B;
 }
+
+// lower - B rounded down: the scan score every row of the exact top-k reaches
+inline double cut_below(double lower, double B) { return std::nextafter(lower - B, kNegInfD); }
 
 // Re-score exactly the candidates whose scan score reaches the cut; emit the top k.
 void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
@@ -256,11 +267,11 @@ void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double 
   emit(cand, m, c.k, out_s, out_r);
 }
 
-// Rescan rows [a, e) for one query: every row whose scan score reaches the cut is
-// re-scored exactly into a running top-k (heap of capacity k at store).
+// Rescan rows [a, e) for one query with the scan kernel: every row whose scan score
+// reaches the cut is re-scored exactly into a running top-k (heap of capacity k at store).
 RFMEM_MULTIVERSION
-void rescan_query(const ExactCtx& c, const float* q, int64_t a, int64_t e, double cut, Entry* store,
-                  float* out_s, int64_t* out_r) {
+void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, int64_t a,
+                  int64_t e, double cut, Entry* store, float* out_s, int64_t* out_r) {
   Heap hp;
   hp.h = store;
   hp.k = c.k;
@@ -269,11 +280,7 @@ void rescan_query(const ExactCtx& c, const float* q, int64_t a, int64_t e, doubl
   float sc[4];
   for (int64_t r = a; r < e; r += 4) {
     const int64_t cnt = std::min<int64_t>(4, e - r);
-    const float* x0 = c.X + r * d;
-    const float* x1 = cnt > 1 ? x0 + d : x0;
-    const float* x2 = cnt > 2 ? x0 + 2 * d : x0;
-    const float* x3 = cnt > 3 ? x0 + 3 * d : x0;
-    dot4(q, x0, x1, x2, x3, d, sc);
+    scan4(src, K, q, r, cnt, d, sc);
     for (int64_t i = 0; i < cnt; ++i) {
       if (static_cast<double>(sc[i]) >= cut) {
         const float ex = exact_score(q, c.X + (r + i) * d, d, c.g64);
@@ -284,48 +291,174 @@ void rescan_query(const ExactCtx& c, const float* q, int64_t a, int64_t e, doubl
   emit(hp.h, hp.size, c.k, out_s, out_r);
 }
 
+// The exact top-k of one query from its kept scan candidates (cand[0:nc], disjoint rows
+// of its segment [a, e)); ``dropped``(cut) says whether rows of scan score >= cut may
+// have been left out, in which case the segment is rescanned.
+template <class Dropped>
+void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
+                  Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
+                  const Dropped& dropped) {
+  const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
+  const double lower = kth_lower(cand, nc, c.k, Bp);
+  const double cut = cut_below(lower, Bp);
+  if (dropped(cut)) {
+    const double Bs = gemm ? c.bound(c.scan, q) : Bp;
+    rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r);
+  } else {
+    rescore(c, q, cand, nc, cut, out_s, out_r);
+  }
+}
+
 struct Group {
   int64_t seg;    // segment of every query of the group
   int64_t first;  // position of its first query in the sorted order
   int nq;         // number of queries
+  bool gemm;      // GEMM path (else scan path)
 };
+
+// Queries per GEMM unit: whole panels of K.nr whose packed copy fits kGemmPanelBytes.
+int64_t gemm_unit_queries(const SimdKernels& K, int64_t d) {
+  const int64_t panel = static_cast<int64_t>(K.nr) * d * 4;
+  return static_cast<int64_t>(K.nr) * std::max<int64_t>(1, kGemmPanelBytes / panel);
+}
+
+// Per-thread scratch of the GEMM path (floats): packed panels, a converted tile (half
+// copies only), one micro-tile and one threshold row.
+struct GemmScratch {
+  int64_t panels = 0, tile = 0, c = 0, thr = 0;
+  int64_t total() const { return panels + tile + c + thr; }
+};
+
+// Score rows [r0, r1) of the scan copy against the nq queries qs on the GEMM path.
+void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+               const float* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
+  const int NR = K.nr;
+  float* P = scratch;
+  float* tile = P + sz.panels;
+  float* cbuf = tile + sz.tile;
+  float* thr = cbuf + sz.c;
+  const int npan = (nq + NR - 1) / NR;
+  for (int p = 0; p < npan; ++p) {  // P[p][j][q] = query (p NR + q)'s element j, 0 past nq
+    float* Pp = P + static_cast<int64_t>(p) * d * NR;
+    for (int q = 0; q < NR; ++q) {
+      const int qi = p * NR + q;
+      if (qi < nq) {
+        const float* qv = qs[qi];
+        for (int64_t j = 0; j < d; ++j) Pp[j * NR + q] = qv[j];
+      } else {
+        for (int64_t j = 0; j < d; ++j) Pp[j * NR + q] = 0.0f;
+      }
+    }
+  }
+  const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
+  for (int64_t t0 = r0; t0 < r1; t0 += rt) {
+    const int64_t cnt = std::min(rt, r1 - t0);
+    const float* T = src.f32 + t0 * d;
+    if (src.half) {
+      K.to_f32(src.half + t0 * d, cnt * d, src.type, tile);
+      T = tile;
+    }
+    for (int p = 0; p < npan; ++p)
+      K.gemm_panel(T, cnt, d, P + static_cast<int64_t>(p) * d * NR, std::min(NR, nq - p * NR), t0,
+                   heaps + static_cast<int64_t>(p) * NR, cbuf, thr);
+  }
+}
 
 }  // namespace
 
-void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
-                    const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
-                    int64_t* out_rows, int num_threads, double xnorm) {
+// The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
+// bench/bench_gemm.py ("rates": one segment of 100,000 x 384 rows, 512 queries, Intel
+// Xeon of the Sapphire Rapids class, bench/results/gemm-indicative.json): the scan path
+// (16 lanes, groups of 16 queries per tile) ~15 GMAC/s at every level; the GEMM micro-
+// kernel 62 GMAC/s (AVX-512), 42 (AVX2 + FMA), 9 (baseline, below the scan: never taken).
+// A unit also has a fixed cost (packing its panels, per-micro-tile threshold checks,
+// partial tiles) of about kGemmFixed queries' worth of scan work, fitted to the measured
+// crossover ("crossover" in the same file: the GEMM path wins from about 12 queries per
+// segment at AVX-512 and 10 at AVX2, on segments of >= 128 rows).
+namespace {
+constexpr double kScanRate[3] = {15.0, 15.0, 15.0};
+constexpr double kGemmRate[3] = {9.0, 42.0, 62.0};
+constexpr int64_t kPanel[3] = {16, 16, 32};
+constexpr double kGemmFixed = 4.0;
+constexpr int64_t kGemmMinRows = 128;
+}  // namespace
+
+bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level) {
+  if (nq < 1 || seg_len < kGemmMinRows || d < 1) return false;
+  level = std::max(0, std::min(level, 2));
+  const int64_t nr = kPanel[level];
+  const double padded = static_cast<double>((nq + nr - 1) / nr * nr);
+  return padded * kScanRate[level] / kGemmRate[level] + kGemmFixed < static_cast<double>(nq);
+}
+
+void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q,
+                    const int64_t* qseg, int64_t b, int64_t k, float* out_scores, int64_t* out_rows,
+                    int num_threads, double xnorm) {
+  TopkOptions opt;
+  opt.num_threads = num_threads;
+  opt.xnorm = xnorm;
+  segmented_topk(X, n, d, offsets, U, Q, qseg, b, k, out_scores, out_rows, opt);
+}
+
+void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q,
+                    const int64_t* qseg, int64_t b, int64_t k, float* out_scores, int64_t* out_rows,
+                    const TopkOptions& opt) {
   (void)U;
   if (b == 0 || k == 0) return;
+  const SimdKernels& K = simd_kernels();
+  const ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
+  double xnorm = opt.xnorm;
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
-  const ExactCtx ctx{X, d, k, scan_coef((d + 15) / 16 + 4), xnorm, abs_bound(d),
+  const ExactCtx ctx{X,
+                     d,
+                     k,
+                     make_bound((d + 15) / 16 + 4, src.type, d),
+                     make_bound(gemm_depth(d), src.type, d),
+                     xnorm,
+                     abs_bound(d),
                      gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
 
-  // 1. queries sorted by segment (stable), cut into groups of one segment
+  // 1. queries sorted by segment (stable); each segment's queries take one path and are
+  //    cut into groups (scan: kGroup queries; GEMM: balanced units of whole panels)
   std::vector<int64_t> order(b);
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
+  std::stable_sort(order.begin(), order.end(), [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
   std::vector<Group> groups;
   double work = 0.0;  // multiply-adds of the scan
+  const int64_t unit_max = gemm_unit_queries(K, d);
+  int max_nq = 0, max_gemm_nq = 0;
   for (int64_t i = 0; i < b;) {
+    const int64_t seg = qseg[order[i]];
     int64_t j = i;
-    while (j < b && qseg[order[j]] == qseg[order[i]] && j - i < kGroup) ++j;
-    groups.push_back(Group{qseg[order[i]], i, static_cast<int>(j - i)});
-    work += static_cast<double>(j - i) * static_cast<double>(offsets[qseg[order[i]] + 1] - offsets[qseg[order[i]]]) *
-            static_cast<double>(d);
+    while (j < b && qseg[order[j]] == seg) ++j;
+    const int64_t g = j - i, len = offsets[seg + 1] - offsets[seg];
+    bool gemm = len > 0 && (opt.path == TopkPath::kGemm ||
+                            (opt.path == TopkPath::kAuto && gemm_pays(g, len, d, K.level)));
+    int64_t per = kGroup;
+    if (gemm) {
+      const int64_t units = (g + unit_max - 1) / unit_max;
+      per = ((g + units - 1) / units + K.nr - 1) / K.nr * K.nr;  // balanced, whole panels
+    }
+    for (int64_t f = i; f < j; f += per) {
+      const int nq = static_cast<int>(std::min(per, j - f));
+      groups.push_back(Group{seg, f, nq, gemm});
+      max_nq = std::max(max_nq, nq);
+      if (gemm) max_gemm_nq = std::max(max_gemm_nq, nq);
+    }
+    work += static_cast<double>(g) * static_cast<double>(len) * static_cast<double>(d);
     i = j;
   }
   const int64_t ng = static_cast<int64_t>(groups.size());
-  // schedule the longest segments first (the work counter then balances the tail)
+  // schedule the most work first (the work counter then balances the tail)
   std::vector<int64_t> gorder(ng);
   std::iota(gorder.begin(), gorder.end(), int64_t{0});
-  std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t x, int64_t y) {
-    return offsets[groups[x].seg + 1] - offsets[groups[x].seg] > offsets[groups[y].seg + 1] - offsets[groups[y].seg];
-  });
+  auto gwork = [&](int64_t x) {
+    return static_cast<double>(groups[x].nq) * static_cast<double>(offsets[groups[x].seg + 1] - offsets[groups[x].seg]);
+  };
+  std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t x, int64_t y) { return gwork(x) > gwork(y); });
 
   // 2. threads the work pays for; row parts per group when there are too few groups
-  int nthreads = threads_for(num_threads, work, std::numeric_limits<int64_t>::max());
+  int nthreads = threads_for(opt.num_threads, work, std::numeric_limits<int64_t>::max());
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
@@ -337,17 +470,31 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   const int64_t items = ng * parts;
   nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
-  const int64_t kw = k + kScanMargin;  // float32 candidates kept per query
-  // per-thread scratch, allocated before the threads start: kGroup heaps of capacity kw
-  // and one exact heap of capacity k (rescans)
-  const size_t per_thread = static_cast<size_t>(kGroup * kw + k);
+  const int64_t kw = k + kScanMargin[static_cast<int>(src.type)];  // float32 candidates kept per query
+  // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
+  // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
+  const size_t per_thread = static_cast<size_t>(max_nq * kw + k);
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
-  // partial lists [ng, parts, kGroup, kw] when the rows are split
+  std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
+  std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
+  GemmScratch gs;
+  if (max_gemm_nq > 0) {
+    const int64_t round = 16;  // floats: keeps each part 64-byte aligned
+    const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
+    gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
+    gs.tile = src.half ? (rt * d + round - 1) / round * round : 0;
+    gs.c = (static_cast<int64_t>(K.mr) * K.nr + round - 1) / round * round;
+    gs.thr = (K.nr + round - 1) / round * round;
+  }
+  std::vector<float> gemm_store(static_cast<size_t>(nthreads) * gs.total() + 16);
+  float* gemm_base = gemm_store.data();
+  while (reinterpret_cast<uintptr_t>(gemm_base) % 64) ++gemm_base;
+  // partial lists [b (sorted position), parts, kw] when the rows are split
   std::vector<float> part_s;
   std::vector<int64_t> part_r;
   if (parts > 1) {
-    part_s.resize(static_cast<size_t>(items) * kGroup * kw);
-    part_r.resize(static_cast<size_t>(items) * kGroup * kw);
+    part_s.resize(static_cast<size_t>(b) * parts * kw);
+    part_r.resize(static_cast<size_t>(b) * parts * kw);
   }
 
   parallel_for(items, nthreads, [&](int64_t it, int tid) {
@@ -358,8 +505,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t len = e - a;
     // part p covers rows [a + len*p/parts, a + len*(p+1)/parts)
     const int64_t r0 = a + len * p / parts, r1 = a + len * (p + 1) / parts;
-    Heap heaps[kGroup];
-    const float* qs[kGroup];
+    Heap* heaps = heap_objs.data() + static_cast<size_t>(tid) * max_nq;
+    const float** qs = qptrs.data() + static_cast<size_t>(tid) * max_nq;
     Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread;
     for (int i = 0; i < g.nq; ++i) {
       heaps[i].h = store + static_cast<size_t>(i) * kw;
@@ -367,23 +514,27 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].size = 0;
       qs[i] = Q + order[g.first + i] * d;
     }
-    if (r1 > r0) scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+    if (r1 > r0) {
+      if (g.gemm)
+        gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+      else if (src.half)
+        K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else
+        scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+    }
     for (int i = 0; i < g.nq; ++i) {
+      Heap& hp = heaps[i];
       if (parts == 1) {
         const int64_t qi = order[g.first + i];
-        Heap& hp = heaps[i];
         // rows were dropped only if the heap filled up; they all scored <= its root
         const bool filled = hp.size == kw && len > kw;
         const float worst = hp.size ? hp.h[0].s : kNegInf;
-        const double cut = scan_cut(ctx, qs[i], hp.h, hp.size);
-        if (filled && static_cast<double>(worst) >= cut)
-          rescan_query(ctx, qs[i], a, e, cut, store + kGroup * kw, out_scores + qi * k, out_rows + qi * k);
-        else
-          rescore(ctx, qs[i], hp.h, hp.size, cut, out_scores + qi * k, out_rows + qi * k);
+        finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
+                     out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
         hp.size = 0;
       } else {
-        const size_t off = ((static_cast<size_t>(gi) * parts + p) * kGroup + i) * kw;
-        heaps[i].drain(part_s.data() + off, part_r.data() + off);  // the root (worst) first
+        const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
+        hp.drain(part_s.data() + off, part_r.data() + off);  // the root (worst) first
       }
     }
   });
@@ -399,26 +550,23 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       std::vector<Entry>& cand = cands[static_cast<size_t>(tid)];
       for (int i = 0; i < g.nq; ++i) {
         cand.clear();
+        const size_t base = (static_cast<size_t>(g.first) + i) * parts * kw;
         for (int64_t p = 0; p < parts; ++p) {
-          const size_t off = ((static_cast<size_t>(gi) * parts + p) * kGroup + i) * kw;
-          for (int64_t j = 0; j < kw && part_r[off + j] >= 0; ++j)
-            cand.push_back(Entry{part_s[off + j], part_r[off + j]});
+          const size_t off = base + p * kw;
+          for (int64_t j = 0; j < kw && part_r[off + j] >= 0; ++j) cand.push_back(Entry{part_s[off + j], part_r[off + j]});
         }
         const int64_t qi = order[g.first + i];
-        const float* q = Q + qi * d;
-        const double cut = scan_cut(ctx, q, cand.data(), static_cast<int64_t>(cand.size()));
-        bool dropped = false;  // a part whose list filled up may have dropped rows >= cut
-        for (int64_t p = 0; p < parts && !dropped; ++p) {
-          const size_t off = ((static_cast<size_t>(gi) * parts + p) * kGroup + i) * kw;
-          const int64_t prows = len * (p + 1) / parts - len * p / parts;
-          dropped = part_r[off + kw - 1] >= 0 && prows > kw && static_cast<double>(part_s[off]) >= cut;
-        }
-        Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + kGroup * kw;
-        if (dropped)
-          rescan_query(ctx, q, a, e, cut, store, out_scores + qi * k, out_rows + qi * k);
-        else
-          rescore(ctx, q, cand.data(), static_cast<int64_t>(cand.size()), cut, out_scores + qi * k,
-                  out_rows + qi * k);
+        auto dropped = [&](double cut) {  // a part whose list filled up may have dropped rows >= cut
+          for (int64_t p = 0; p < parts; ++p) {
+            const size_t off = base + p * kw;
+            const int64_t prows = len * (p + 1) / parts - len * p / parts;
+            if (part_r[off + kw - 1] >= 0 && prows > kw && static_cast<double>(part_s[off]) >= cut) return true;
+          }
+          return false;
+        };
+        Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
+        finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
+                     out_scores + qi * k, out_rows + qi * k, dropped);
       }
     });
   }

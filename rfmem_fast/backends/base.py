@@ -46,33 +46,60 @@ class BankView:
     """A bank snapshot as one backend holds it.
 
     Attributes:
-        X: float32 [n, d] unit rows on the backend's device.
+        X: float32 [n, d] unit rows (the exact copy the scores are defined on), on the
+            backend's device; on the host (CPU) when ``Xs`` is a half-precision copy, so
+            that a GPU holds only the scan copy.
         offsets: int64 [U + 1] CSR offsets on the backend's device.
         offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
         snapshot: the bank snapshot it was made from (None for a view built from device
             tensors, :func:`rfmem_fast.device.view_from_tensors`).
+        Xs: the scan copy of a float16 / bfloat16 bank (``torch.float16`` /
+            ``torch.bfloat16`` [n, d] on the backend's device) for a backend that scans
+            it (``Backend.scans_half``); None: the backend scans ``X``.
     """
 
     X: torch.Tensor
     offsets: torch.Tensor
     offsets_cpu: torch.Tensor
     snapshot: BankSnapshot | None
+    Xs: torch.Tensor | None = None
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def scan(self) -> torch.Tensor:
+        """The rows a scan reads: ``Xs`` when set, else ``X`` (float32)."""
+        return self.X if self.Xs is None else self.Xs
+
+    @property
+    def scan_dtype(self) -> str:
+        """"float32", or the half type of ``Xs`` (:mod:`rfmem_fast.precision`)."""
+        return "float32" if self.Xs is None else self.snapshot.dtype
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``X[idx]`` on ``idx``'s device (the exact copy; [*idx.shape, d])."""
+        return self.X[idx.to(self.X.device)].to(idx.device)
+
+    @property
     def row_norm_max(self) -> float:
-        """An upper bound of the largest row norm of the bank (computed once, cached).
+        """An upper bound of the largest row norm of the float32 rows (computed once, cached).
 
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
-        A view without a snapshot (built from device tensors) computes it where X lives:
-        squared norms summed in float64 (relative error <= d 2^-53), inflated to stay an
-        upper bound.
+        For a half-precision bank it is computed from the scan copy
+        (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
+        memory-mapped from a store are not read. A view without a snapshot (built from
+        device tensors) computes it where X lives: squared norms summed in float64
+        (relative error <= d 2^-53), inflated to stay an upper bound.
         """
         if "xnorm" not in self._memo:
-            if self.snapshot is not None:
+            snap = self.snapshot
+            if snap is not None and snap.scan is not None:
+                from ..precision import row_norm_bound_from_scan
+
+                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
+            elif snap is not None:
                 from .exact import row_norm_max
 
-                self._memo["xnorm"] = row_norm_max(self.snapshot.vectors)
+                self._memo["xnorm"] = row_norm_max(snap.vectors)
             else:
                 m = 0.0
                 d = self.X.shape[1] if self.X.ndim == 2 else 1
@@ -101,6 +128,9 @@ class Backend:
     name: str = "base"
     device: torch.device = torch.device("cpu")
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    #: True for a backend whose scans read a half-precision bank's scan copy
+    #: (``BankView.Xs``); the others scan the float32 rows of every bank.
+    scans_half: bool = False
 
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
@@ -112,27 +142,34 @@ class Backend:
             bank: the memory bank.
 
         Returns:
-            BankView on ``self.device``.
+            BankView on ``self.device`` (a half-precision bank's float32 rows stay on the
+            host for a backend that scans its half copy: see :class:`BankView`).
 
         Raises:
-            DeviceMemoryError: the vectors and offsets would not fit in the device's free
+            DeviceMemoryError: the vectors (the scan copy, for a backend that scans a
+                half-precision bank's) and offsets would not fit in the device's free
                 memory (:func:`rfmem_fast.device.check_fits`; checked before copying).
         """
 
         def build() -> BankView:
             snap = bank.snapshot()
             n, d = snap.vectors.shape
+            half = self.scans_half and snap.scan is not None
+            on_device = snap.scan if half else snap.vectors
             _device.check_fits(
-                snap.vectors.nbytes + snap.offsets.nbytes, self.device,
-                f"the bank ({n:,} x {d} {snap.vectors.dtype}, {snap.num_users:,} users)",
+                on_device.nbytes + snap.offsets.nbytes, self.device,
+                f"the bank ({n:,} x {d} {snap.dtype if half else snap.vectors.dtype}, {snap.num_users:,} users)",
             )  # fmt: skip
             offsets_cpu = torch.from_numpy(snap.offsets)
-            return BankView(
-                X=torch.from_numpy(snap.vectors).to(self.device),
-                offsets=offsets_cpu.to(self.device),
-                offsets_cpu=offsets_cpu,
-                snapshot=snap,
-            )
+            X = torch.from_numpy(snap.vectors)
+            Xs = None
+            if half:
+                from ..precision import scan_tensor
+
+                Xs = scan_tensor(snap.scan, snap.dtype).to(self.device)  # the float32 rows stay on the host
+            else:
+                X = X.to(self.device)
+            return BankView(X=X, offsets=offsets_cpu.to(self.device), offsets_cpu=offsets_cpu, snapshot=snap, Xs=Xs)
 
         return bank.cached(("view", self.name, str(self.device)), build)
 

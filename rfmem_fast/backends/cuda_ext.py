@@ -132,6 +132,9 @@ class CudaBackend(TorchBackend):
     """
 
     name = "cuda"
+    #: the warp kernel scans float32 rows: a half-precision bank's float32 rows stay on
+    #: the device and its scan copy is not used (no memory saving on this backend)
+    scans_half = False
 
     def __init__(self, device: str | torch.device | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         dev = torch.device(device or "cuda")

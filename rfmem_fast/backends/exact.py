@@ -35,12 +35,35 @@ norm of the bank, for EVERY row of the bank
 float64 evaluation of the bound). The depth ``n`` per kernel:
 
 * torch / BLAS matmuls and Triton's ``tl.sum`` / ``tl.dot``: any order, ``n = d``;
-* the native kernel (csrc/cpu/topk.cpp): 16 SIMD lanes each accumulating
+* the native kernel's scan path (csrc/cpu/topk.cpp): 16 SIMD lanes each accumulating
   ``m = ceil(d / 16)`` products in order, then a 4-level tree, ``n = m + 4``;
+* the native kernel's GEMM path (csrc/cpu/simd_impl.inc): each score is accumulated
+  along d in blocks of ``Kc = 64`` terms, every block summed from zero (one rounding
+  per multiply-add, fused or not) and then added to the running sum, so a term goes
+  through at most ``Kc`` roundings in its block and one per later block:
+  ``n = min(d, Kc) + ceil(d / Kc) - 1`` (:func:`gemm_depth`; 69 for d = 384, where a
+  plain sequential sum over d would give 384);
 * float64 accumulation (Triton ``exact=True``, the CUDA warp kernel): ``n = d`` at
   ``u_acc = 2^-53``, plus the rounding of the sum to float32.
 
-For d = 384 and unit vectors: ``B`` = 2.3e-5 (BLAS), 1.7e-6 (native), 1.2e-7 (float64).
+For d = 384 and unit vectors: ``B`` = 2.3e-5 (BLAS), 1.7e-6 (native scan), 4.2e-6
+(native GEMM), 1.2e-7 (float64).
+
+**Half-precision scan copies** (:mod:`rfmem_fast.precision`). A float16 / bfloat16 bank
+is scanned in its rounded copy ``x'`` (``|x'_i - x_i| <= u_in |x_i| + a``: ``u_in =
+2^-11``, ``a = 2^-25`` for float16; ``2^-8``, ``2^-134`` for bfloat16; the conversion
+back to float32 is exact). With the matmul's own input rounding ``u_mm`` as above,
+
+    |f - q.x| <= [(1 + u_mm)^2 (1 + u_in) (1 + gamma_n) - 1] ||q|| R
+                 + (1 + u_mm)^2 (1 + gamma_n) sqrt(d) a ||q||  +  d 2^-150
+
+(``sum |q_i x'_i| <= ||q|| ||x'||``, ``||x' - x|| <= u_in ||x|| + sqrt(d) a``), i.e.
+:func:`scan_error_coef` with ``row_unit = u_in`` and the extra per-query term
+``row_abs ||q||`` of :func:`query_bounds` (:func:`scan_bound_terms`). ``R`` is still
+the float32 rows' largest norm, bounded from the scan copy as ``(max ||x'|| +
+sqrt(d) a) / (1 - u_in)``. For d = 384 and unit vectors ``B`` ~ 4.9e-4 (float16) and
+3.9e-3 (bfloat16): wider windows, so the scan keeps more candidates
+(:data:`SCAN_MARGINS`, the over-fetch) and the certified rule below stays unchanged.
 
 **The rule.** Let ``t`` be the k-th largest scan score of a query. The k rows of largest
 scan score each have ``e >= t - B``, so the k-th largest exact score ``T >= t - B``, and
@@ -73,6 +96,10 @@ U32 = 2.0**-24
 U64 = 2.0**-53
 #: extra scan candidates kept beyond k (the re-scored set is decided by the bound, not by this)
 SCAN_MARGIN = 8
+#: the same per scan-copy type (the over-fetch of half-precision scans, whose bound is wider)
+SCAN_MARGINS = {"float32": SCAN_MARGIN, "float16": 16, "bfloat16": 32}
+#: terms of d summed from zero per block on the native GEMM path (csrc/cpu/simd.h kGemmKc)
+GEMM_KC = 64
 #: input rounding unit of float32 matmuls under torch.get_float32_matmul_precision()
 _MATMUL_INPUT_UNIT = {"highest": 0.0, "high": 2.0**-11, "medium": 2.0**-8}
 
@@ -89,7 +116,13 @@ def gamma(n: int, u: float) -> float:
     return nu / (1.0 - nu)
 
 
-def scan_error_coef(depth: int, acc_unit: float = U32, input_unit: float = 0.0) -> float:
+def gemm_depth(d: int) -> int:
+    """Roundings a product term goes through on the native GEMM path (module docstring)."""
+    blocks = -(-int(d) // GEMM_KC)
+    return min(int(d), GEMM_KC) + max(blocks - 1, 0)
+
+
+def scan_error_coef(depth: int, acc_unit: float = U32, input_unit: float = 0.0, row_unit: float = 0.0) -> float:
     """Relative coefficient ``c`` of the bound ``|f - RN32(q.x)| <= c ||q|| ||x|| + abs_term``.
 
     Args:
@@ -97,12 +130,15 @@ def scan_error_coef(depth: int, acc_unit: float = U32, input_unit: float = 0.0) 
             (multiplication + additions on its summation path), see the module docstring.
         acc_unit: unit roundoff of the accumulation (:data:`U32` or :data:`U64`); with
             :data:`U64` the float64 sum is taken to be rounded to float32 afterwards.
-        input_unit: unit roundoff of an input conversion inside the kernel (0 for none).
+        input_unit: unit roundoff of an input conversion of both operands inside the
+            kernel (0 for none; TF32 / bfloat16 matmuls).
+        row_unit: unit roundoff of the rows' scan copy (0 for float32 rows; ``2^-11``
+            float16, ``2^-8`` bfloat16: :func:`rfmem_fast.precision.input_terms`).
 
     Returns:
         float ``c`` (already inflated by ``2^-30`` relative for its own evaluation).
     """
-    scan = (1.0 + input_unit) ** 2 * (1.0 + gamma(max(1, int(depth)), acc_unit)) - 1.0
+    scan = (1.0 + input_unit) ** 2 * (1.0 + row_unit) * (1.0 + gamma(max(1, int(depth)), acc_unit)) - 1.0
     if acc_unit < U32:  # the float64 sum is rounded to float32 by the kernel
         scan = scan + U32 * (1.0 + scan)
     return (scan + U32) * (1.0 + 2.0**-30)
@@ -161,10 +197,35 @@ def row_norm_max(X: np.ndarray, chunk: int = 1 << 16) -> float:
     return math.sqrt((m + abs_error_term(d)) / (1.0 - gamma(max(d, 1), U32))) * (1.0 + 2.0**-30)
 
 
-def query_bounds(Q: torch.Tensor, coef: float, xnorm: float) -> torch.Tensor:
-    """``B(q) = coef ||q|| R + abs_term`` for each query (float64 [b], Q's device)."""
+def query_bounds(Q: torch.Tensor, coef: float, xnorm: float, row_abs: float = 0.0) -> torch.Tensor:
+    """``B(q) = (coef R + row_abs) ||q|| + abs_term`` for each query (float64 [b], Q's device).
+
+    ``row_abs``: the absolute input-rounding term of a half-precision scan copy
+    (:func:`scan_bound_terms`; 0 for float32 rows).
+    """
     qn = Q.to(torch.float64).norm(dim=1) * (1.0 + 2.0**-30)
-    return coef * qn * xnorm + abs_error_term(Q.shape[1])
+    return (coef * xnorm + row_abs) * qn + abs_error_term(Q.shape[1])
+
+
+def scan_bound_terms(
+    depth: int, dtype: str, d: int, acc_unit: float = U32, input_unit: float = 0.0
+) -> tuple[float, float]:
+    """``(coef, row_abs)`` of a scan of depth ``depth`` over rows stored in ``dtype``.
+
+    Args:
+        depth: roundings per product term of the kernel (module docstring).
+        dtype: "float32", "float16" or "bfloat16": the copy of the rows the scan reads.
+        d: the dimension.
+        acc_unit, input_unit: as :func:`scan_error_coef`.
+
+    Returns:
+        (coef for :func:`query_bounds`, row_abs for :func:`query_bounds`).
+    """
+    from ..precision import input_terms
+
+    u_in, row_abs = input_terms(dtype, d)
+    coef = scan_error_coef(depth, acc_unit, input_unit, u_in)
+    return coef, row_abs * (1.0 + coef)
 
 
 # --------------------------------------------------------------------------- exact scores
@@ -224,35 +285,39 @@ def exact_pair_scores(
     pairs so that the float64 temporaries stay within ``memory_budget`` bytes.
 
     Args:
-        X: float32 [n, d] bank rows; Q: float32 [b, d] queries (same device).
-        qi: int64 [m] query index of each pair; rows: int64 [m] row of each pair.
+        X: float32 [n, d] bank rows (on Q's device, or on the host: the rows of the
+            pairs are gathered there and moved); Q: float32 [b, d] queries.
+        qi: int64 [m] query index of each pair; rows: int64 [m] row of each pair (Q's
+            device).
         memory_budget: bytes for the temporaries (>= 1).
 
     Returns:
-        float32 [m] on X's device.
+        float32 [m] on Q's device.
     """
     m, d = int(rows.shape[0]), int(X.shape[1])
-    out = torch.empty(m, dtype=torch.float32, device=X.device)
+    dev = Q.device
+    out = torch.empty(m, dtype=torch.float32, device=dev)
     if m == 0:
         return out
     g = gamma(max(d, 1), U64) * (1.0 + 2.0**-30)
     step = max(1, int(memory_budget) // max(1, 4 * 8 * d))  # ~4 float64 [step, d] temporaries
-    inf = -_neg_inf(X.device)
+    inf = -_neg_inf(dev)
     for a in range(0, m, step):
         r, qq = rows[a : a + step], qi[a : a + step]
-        p = X[r].to(torch.float64) * Q[qq].to(torch.float64)
+        xr = X[r.to(X.device)].to(dev)
+        p = xr.to(torch.float64) * Q[qq].to(torch.float64)
         s = p.sum(dim=1)
         e = g * p.abs().sum(dim=1)
         del p
-        lo = torch.nextafter(s - e, _neg_inf(X.device)).to(torch.float32)
+        lo = torch.nextafter(s - e, _neg_inf(dev)).to(torch.float32)
         hi = torch.nextafter(s + e, inf).to(torch.float32)
         out[a : a + r.shape[0]] = lo
         unsure = (lo != hi).nonzero().squeeze(1)
         if unsure.numel():
-            xs = X[r[unsure]].cpu().numpy()
+            xs = xr[unsure].cpu().numpy()
             qs = Q[qq[unsure]].to(torch.float32).cpu().numpy()
             fix = np.array([round32_exact(qs[j], xs[j]) for j in range(xs.shape[0])], dtype=np.float32)
-            out[a + unsure] = torch.from_numpy(fix).to(X.device)
+            out[a + unsure] = torch.from_numpy(fix).to(dev)
     return out
 
 
@@ -353,18 +418,22 @@ def refine(
 
 
 __all__ = [
+    "GEMM_KC",
     "SCAN_MARGIN",
+    "SCAN_MARGINS",
     "U32",
     "U64",
     "abs_error_term",
     "cut_scores",
     "exact_pair_scores",
     "gamma",
+    "gemm_depth",
     "matmul_input_unit",
     "order_by_score_row",
     "query_bounds",
     "refine",
     "round32_exact",
     "row_norm_max",
+    "scan_bound_terms",
     "scan_error_coef",
 ]

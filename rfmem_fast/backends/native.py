@@ -1,15 +1,23 @@
 """Native backend: the primitives as C++17 CPU kernels (``rfmem_fast._native``, csrc/cpu).
 
-* segmented top-k: one float32 pass over each query's own segment; the queries of one
-  user share each tile of its rows (up to 16 queries per tile, 4 rows per step, a
-  bounded heap per query touched only when a score beats the current worst kept one);
+* segmented top-k: one float32 pass over each query's own segment, on one of two paths
+  chosen per segment by a cost rule (``_native.gemm_pays``): the scan path, where the
+  queries of one user share each tile of its rows (up to 16 queries per tile, 4 rows
+  per step), or the GEMM path for many queries of one long segment (a shared bank, a
+  few large users): register-blocked matrix products (AVX-512 / AVX2+FMA micro-kernels
+  picked at run time, a baseline one elsewhere) over tiles of rows, each score compared
+  at once with its query's heap threshold, never a [b, n] matrix; both keep a bounded
+  heap per query touched only when a score beats the current worst kept one;
   then the exact re-scoring of :mod:`rfmem_fast.backends.exact` (every kept row whose
   float32 score can reach the k-th exact score within the kernel's proven error bound
   is re-scored exactly; the segment is rescanned when the kept list cannot prove it
   holds them all), so all backends give the same scores and ids; ties by the smaller
   row; no [b, n] score matrix, no temporaries beyond O(b k) (the memory budget is
   never approached). :meth:`probe` fuses the familiarity signals (float64, the three
-  conventions of :func:`rfmem_fast.signals.familiarity_signals`).
+  conventions of :func:`rfmem_fast.signals.familiarity_signals`). A float16 / bfloat16
+  bank is scanned in its half-precision copy (F16C conversion / a 16-bit shift to
+  float32, float32 accumulation), the float32 rows being read only to re-score the
+  candidates exactly (:mod:`rfmem_fast.precision`).
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
   the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
   per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
@@ -44,6 +52,8 @@ from ..kmeans import draw_table
 from ..threads import get_num_threads
 from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
 
+#: the values of ``NativeBackend(topk_path=...)``
+TOPK_PATHS = ("auto", "scan", "gemm")
 #: beam drivers of the native backend: its C++ driver, or the portable Python one
 BEAM_DRIVERS = ("native", "python")
 #: environment variable read at each call when ``beam_driver`` was not given
@@ -87,26 +97,35 @@ class NativeBackend(Backend):
         beam_driver: "native" (the C++ driver, csrc/cpu/recollect.cpp) or "python"
             (:func:`rfmem_fast.recollection.recollect` over these kernels); ``None``
             (default) reads ``RFMEM_BEAM_DRIVER`` at each call, "native" when unset.
+        topk_path: "auto" (default: the cost rule per segment), "scan" or "gemm"
+            (forced, for tests and benchmarks; both beam drivers' top-k calls follow
+            it); results never depend on it.
 
     Raises:
-        ValueError: ``num_threads`` < 1; a budget < 1 MiB; an unknown ``beam_driver``.
+        ValueError: ``num_threads`` < 1; a budget < 1 MiB; an unknown ``beam_driver``
+            or ``topk_path``.
         TypeError: a budget that is not an int.
     """
 
     name = "native"
     device = torch.device("cpu")
+    scans_half = True
 
     def __init__(
         self,
         num_threads: int | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         beam_driver: str | None = None,
+        topk_path: str = "auto",
     ) -> None:
         if num_threads is not None and (isinstance(num_threads, bool) or int(num_threads) < 1):
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        if topk_path not in TOPK_PATHS:
+            raise ValueError(f"topk_path must be one of {TOPK_PATHS}, got {topk_path!r}")
         self.num_threads = None if num_threads is None else int(num_threads)
         self.memory_budget = check_memory_budget(memory_budget)
         self.beam_driver = None if beam_driver is None else _check_driver(beam_driver, "beam_driver")
+        self.topk_path = topk_path
 
     def _threads(self) -> int:
         return self.num_threads if self.num_threads is not None else get_num_threads()
@@ -131,6 +150,13 @@ class NativeBackend(Backend):
             arrays = memo["native_arrays"] = (_np(view.X, torch.float32), _np(view.offsets_cpu, torch.int64))
         return arrays
 
+    def _scan_args(self, view: BankView) -> dict:
+        """The kernel's scan options: the half-precision copy (uint16 bits) when the view has one."""
+        snap = view.snapshot
+        if view.Xs is None or snap.scan is None:
+            return {"path": self.topk_path}
+        return {"scan": snap.scan.view(np.uint16), "scan_type": snap.dtype, "path": self.topk_path}
+
     # ---------------------------------------------------------------- top-k
     def segmented_topk(self, view: BankView, Q, qseg, k):
         """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``).
@@ -140,7 +166,8 @@ class NativeBackend(Backend):
         """
         X, off = self._bank(view)
         s, r = _native.segmented_topk(
-            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max,
+            **self._scan_args(view),
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
@@ -162,6 +189,7 @@ class NativeBackend(Backend):
             str(convention),
             self._threads(),
             view.row_norm_max,
+            **self._scan_args(view),
         )
         return (
             torch.from_numpy(s),
@@ -272,6 +300,7 @@ class NativeBackend(Backend):
             view.row_norm_max,
             self.memory_budget,
             act,
+            **self._scan_args(view),
         )
         hits = torch.from_numpy(rows)
         return RecollectionOutput(

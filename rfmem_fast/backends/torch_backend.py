@@ -11,6 +11,12 @@
   segment is one plain matmul. Both are cut into blocks of queries and rows whose
   temporaries fit ``memory_budget`` bytes, with a running top-k merged across the row
   blocks, so a long segment or a huge batch never builds a [b, n] score matrix.
+  A float16 / bfloat16 bank is scanned in its half-precision copy (``BankView.Xs``:
+  the only copy on a GPU), each block of rows converted to float32 (exactly) just
+  before its matmul; the scan keeps ``k + SCAN_MARGINS[dtype]`` candidates and the
+  error bound gets the copy's input rounding; the exact re-scoring reads the float32
+  rows (on the host when the backend runs on a GPU), so results are the float32
+  bank's.
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd`, scikit-learn's greedy k-means++
   seeding (the same random draws) and Lloyd steps for all problems at once.
 * alpha-mix: broadcast arithmetic and two normalisations.
@@ -46,6 +52,7 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    scans_half = True
 
     def __init__(
         self,
@@ -82,15 +89,22 @@ class TorchBackend(Backend):
         """
         Q = Q.to(self.device, torch.float32)
         qseg = qseg.to(self.device)
-        cand_s, cand_r = self._scan(view, Q, qseg, k + exact.SCAN_MARGIN)
-        return self.finish_topk(view, Q, qseg, k, cand_s, cand_r, self.scan_coef(Q.shape[1]))
+        cand_s, cand_r = self._scan(view, Q, qseg, k + exact.SCAN_MARGINS[view.scan_dtype])
+        return self.finish_topk(view, Q, qseg, k, cand_s, cand_r, *self.scan_terms(view))
 
     def scan_coef(self, d: int) -> float:
-        """Relative error coefficient of this backend's float32 matmul scan (any order,
-        depth d, the input rounding of the matmul precision settings on its device)."""
+        """Relative error coefficient of this backend's float32 matmul scan of float32 rows
+        (any order, depth d, the input rounding of the matmul precision settings on its
+        device)."""
         return exact.scan_error_coef(d, exact.U32, exact.matmul_input_unit(self.device))
 
-    def finish_topk(self, view: BankView, Q, qseg, k: int, cand_s, cand_r, coef: float):
+    def scan_terms(self, view: BankView) -> tuple[float, float]:
+        """(coef, row_abs) of this backend's matmul scan of ``view.scan`` (float32 rows,
+        or a half-precision copy: :func:`exact.scan_bound_terms`)."""
+        d = int(view.X.shape[1])
+        return exact.scan_bound_terms(d, view.scan_dtype, d, exact.U32, exact.matmul_input_unit(self.device))
+
+    def finish_topk(self, view: BankView, Q, qseg, k: int, cand_s, cand_r, coef: float, row_abs: float = 0.0):
         """Exact top-k from a scan's candidates (shared by the torch, triton and cuda backends).
 
         Args:
@@ -98,6 +112,8 @@ class TorchBackend(Backend):
             k: top-k width.
             cand_s, cand_r: float32 / int64 [b, w] the scan's candidates (w > k).
             coef: the scan's relative error coefficient (:func:`exact.scan_error_coef`).
+            row_abs: the scan's absolute input-rounding term (half-precision copies;
+                :func:`exact.scan_bound_terms`).
 
         Returns:
             (scores float32 [b, k], rows int64 [b, k]) exact (see :mod:`exact`).
@@ -105,7 +121,7 @@ class TorchBackend(Backend):
         Q = Q.to(self.device, torch.float32)
         qseg = qseg.to(self.device)
         X, off = view.X, view.offsets
-        bound = exact.query_bounds(Q, coef, view.row_norm_max)
+        bound = exact.query_bounds(Q, coef, view.row_norm_max, row_abs)
         seg_len = off[qseg + 1] - off[qseg]
         cand_s, cand_r = cand_s.to(self.device), cand_r.to(self.device)
         s, r, need, lower = exact.refine(X, Q, k, cand_s, cand_r, bound, self.memory_budget, seg_len)
@@ -134,7 +150,7 @@ class TorchBackend(Backend):
     def _scan(self, view: BankView, Q, qseg, kw: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The best ``kw`` rows of each query by float32 score (any tie order): float32 /
         int64 [b, kw], ``-inf`` / -1 padding."""
-        X, off = view.X, view.offsets
+        X, off = view.scan, view.offsets
         b, d = Q.shape
         cand_s = torch.full((b, kw), -math.inf, dtype=torch.float32, device=self.device)
         cand_r = torch.full((b, kw), -1, dtype=torch.int64, device=self.device)
@@ -148,7 +164,8 @@ class TorchBackend(Backend):
         per_user = self.topk_strategy == "per_user" or (
             self.topk_strategy == "auto" and (self.device.type == "cpu" or bool((qseg == qseg[0]).all()))
         )
-        per_query = L * (d + 4) * 4  # gathered rows + scores of one query
+        # gathered rows (+ their float32 conversion for a half-precision copy) and scores
+        per_query = L * (d + 4) * 4 if X.dtype == torch.float32 else L * (d * (X.element_size() + 4) + 16)
         if not per_user and per_query > self.memory_budget // 2:
             per_user = True  # one query's gathered block would not fit: score it in row blocks
         if per_user:
@@ -166,21 +183,30 @@ class TorchBackend(Backend):
             st, ln = start[c0:c1], lens[c0:c1]
             mask = ar[None, :] < ln[:, None]
             idx = torch.where(mask, st[:, None] + ar[None, :], torch.zeros_like(mask, dtype=torch.int64))
-            s = torch.bmm(X[idx], Q[c0:c1, :, None]).squeeze(2).masked_fill(~mask, -math.inf)
+            s = torch.bmm(X[idx].to(torch.float32), Q[c0:c1, :, None]).squeeze(2).masked_fill(~mask, -math.inf)
             del idx
             vals, cols = torch.topk(s, min(kw, L), dim=1)
             cand_s[c0:c1, : vals.shape[1]] = vals
             cand_r[c0:c1, : cols.shape[1]] = torch.where(vals > -math.inf, cols + st[:, None], -1)
         return cand_s, cand_r
 
+    def _row_block(self, X, L: int, rc: int) -> int:
+        """Rows per block: ``rc``, fewer when the float32 conversion of a half-precision
+        block (``rows * d * 4`` bytes) would take more than a quarter of the budget."""
+        if X.dtype == torch.float32:
+            return rc
+        return max(1, min(rc, self.memory_budget // (16 * X.shape[1])))
+
     def _scan_user(self, X, Qu, a: int, e: int, kw: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 top-``kw`` of the queries ``Qu`` [c, d] over rows [a, e), in blocks that
-        fit the budget, merged with a running top-k. Returns float32 / int64 [c, <= kw]."""
+        """Float32 top-``kw`` of the queries ``Qu`` [c, d] over rows [a, e) of ``X`` (float32,
+        or a half-precision copy converted block by block), in blocks that fit the budget,
+        merged with a running top-k. Returns float32 / int64 [c, <= kw]."""
         c, L = Qu.shape[0], e - a
         w = min(kw, L)
         qc, rc = self._blocks(c, L, 4 * 3)  # the score block and topk's temporaries
+        rc = self._row_block(X, L, rc)
         if qc >= c and rc >= L:
-            vals, cols = torch.topk(Qu @ X[a:e].T, w, dim=1)
+            vals, cols = torch.topk(Qu @ X[a:e].to(torch.float32).T, w, dim=1)
             return vals, cols + a
         out_s = torch.empty((c, w), dtype=torch.float32, device=self.device)
         out_r = torch.empty((c, w), dtype=torch.int64, device=self.device)
@@ -189,7 +215,7 @@ class TorchBackend(Backend):
             best_s = best_r = None
             for r0 in range(a, e, rc):
                 r1 = min(e, r0 + rc)
-                vals, cols = torch.topk(Qb @ X[r0:r1].T, min(w, r1 - r0), dim=1)
+                vals, cols = torch.topk(Qb @ X[r0:r1].to(torch.float32).T, min(w, r1 - r0), dim=1)
                 cols = cols + r0
                 if best_s is not None:
                     vals, cols = torch.cat([best_s, vals], 1), torch.cat([best_r, cols], 1)
@@ -203,9 +229,10 @@ class TorchBackend(Backend):
     def rescan_topk(self, view: BankView, Q, qseg, k: int, lower) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact top-k of queries whose candidate list could not prove completeness.
 
-        Rescans each query's segment in blocks (float32 matmul, this backend's bound
-        ``B'``), re-scores exactly every row of scan score ``>= lower - B'`` and merges
-        them into a running exact top-k (ties by the smaller row). Memory: one block.
+        Rescans each query's segment in blocks (float32 matmul of ``view.scan``, this
+        backend's bound ``B'``), re-scores exactly every row of scan score ``>= lower -
+        B'`` and merges them into a running exact top-k (ties by the smaller row).
+        Memory: one block.
 
         Args:
             view: the bank; Q: float32 [m, d]; qseg: int64 [m].
@@ -215,9 +242,10 @@ class TorchBackend(Backend):
         Returns:
             (scores float32 [m, k], rows int64 [m, k]).
         """
-        X, off = view.X, view.offsets
+        X, S, off = view.X, view.scan, view.offsets
         m, d = Q.shape
-        bound = exact.query_bounds(Q, self.scan_coef(d), view.row_norm_max)
+        coef, row_abs = self.scan_terms(view)
+        bound = exact.query_bounds(Q, coef, view.row_norm_max, row_abs)
         cut = exact.cut_scores(lower, torch.zeros_like(lower), bound)
         out_s = torch.full((m, k), -math.inf, dtype=torch.float32, device=self.device)
         out_r = torch.full((m, k), -1, dtype=torch.int64, device=self.device)
@@ -225,12 +253,13 @@ class TorchBackend(Backend):
             a, e = int(off[u]), int(off[u + 1])
             # block: scores, masks, float64 re-scores and the merge's sort keys
             qc, rc = self._blocks(idx.numel(), e - a, 4 * 12)
+            rc = self._row_block(S, e - a, rc)
             for q0 in range(0, idx.numel(), qc):
                 sub = idx[q0 : q0 + qc]
                 best_s, best_r = out_s[sub], out_r[sub]
                 for r0 in range(a, e, rc):
                     r1 = min(e, r0 + rc)
-                    sel = (Q[sub] @ X[r0:r1].T).to(torch.float64) >= cut[sub, None]
+                    sel = (Q[sub] @ S[r0:r1].to(torch.float32).T).to(torch.float64) >= cut[sub, None]
                     qi, ci = sel.nonzero(as_tuple=True)
                     if qi.numel() == 0:
                         continue

@@ -30,19 +30,22 @@ MODES = ("dense", "recollection", "rfmem")
 #: size flags per preset (the flag's dest -> value); explicit flags win.
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {
-        "scales": "32K,128K,1M", "shared_sizes": "100000", "batch_sizes": "1,64,1024",
+        "scales": "32K,128K,1M", "shared_sizes": "100000,1000000", "batch_sizes": "1,64,1024",
         "users": 1000, "items": 4096, "mt_batch": 1024, "latency_queries": 200, "min_queries": 32,
         "reference_queries": 64, "reference_budget": 10.0, "pb_users": 3, "warmup": 5,
+        "dtypes": "float32,float16", "thread_counts": "1,2",
     },
     "quick": {
         "scales": "32K,128K", "shared_sizes": "10000", "batch_sizes": "1,64",
         "users": 50, "items": 512, "mt_batch": 256, "latency_queries": 50, "min_queries": 32,
         "reference_queries": 8, "reference_budget": 2.0, "pb_users": 1, "warmup": 3,
+        "dtypes": "float32,float16", "thread_counts": "1,2",
     },
     "smoke": {
         "scales": "8K", "shared_sizes": "2000", "batch_sizes": "1,8",
         "users": 5, "items": 64, "mt_batch": 16, "latency_queries": 8, "min_queries": 8,
         "reference_queries": 2, "reference_budget": 0.5, "pb_users": 1, "warmup": 1, "personabench": "none",
+        "dtypes": "float32,float16", "thread_counts": "",
     },
 }  # fmt: skip
 
@@ -95,12 +98,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--scales", default=None, help="latency: memory scales in tokens, K=1024, M=1024^2 (full: 32K,128K,1M)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per memory chunk (chunks = tokens / this) (default %(default)s)")
     g.add_argument("--latency-queries", type=int, default=None, help="latency: timed queries per scale (full: 200)")
-    g.add_argument("--shared-sizes", default=None, help="batch: vectors of the shared bank, K=1e3, M=1e6 (full: 100000; 1e5,1e6 adds ~10 min on 2 cores)")
+    g.add_argument("--shared-sizes", default=None, help="batch: vectors of the shared bank, K=1e3, M=1e6 (full: 100000,1000000)")
     g.add_argument("--batch-sizes", default=None, help="batch: batch sizes (full: 1,64,1024)")
     g.add_argument("--min-queries", type=int, default=None, help="batch: a cell runs max(1, ceil(this / batch)) batches (full: 32)")
     g.add_argument("--users", type=int, default=None, help="multi-tenant: users U (full: 1000)")
     g.add_argument("--items", type=int, default=None, help="multi-tenant: items per user (full: 4096)")
     g.add_argument("--mt-batch", type=int, default=None, help="multi-tenant: queries per batch (full: 1024)")
+    g.add_argument("--dtypes", default=None, help="multi-tenant: bank dtypes our backends run on, of float32, float16, bfloat16 (full: float32,float16)")
+    g.add_argument(
+        "--thread-counts", default=None,
+        help="batch and multi-tenant: CPU thread counts, each of ours and faiss runs once per count ('' = only the "
+        "process's threads, see --threads) (full: 1,2)",
+    )  # fmt: skip
     g.add_argument("--dim", type=int, default=384, help="synthetic vector dimension d (default %(default)s)")
     g.add_argument("--clusters", type=int, default=8, help="synthetic centres per user (the shared bank: max(this, n/512)) (default %(default)s)")
     g.add_argument("--specific-frac", type=float, default=0.5, help="share of synthetic queries drawn near an item (the rest near a centre) (default %(default)s)")
@@ -171,6 +180,20 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         raise BenchError(str(e)) from None
     for name in ("users", "items", "mt_batch", "latency_queries", "min_queries", "reference_queries", "pb_users"):
         _positive("--" + name.replace("_", "-"), vals[name])
+    from ..precision import BANK_DTYPES
+
+    dtypes = _csv(vals["dtypes"])
+    if not dtypes or any(d not in BANK_DTYPES for d in dtypes):
+        raise BenchError(f"--dtypes must be a comma list of {','.join(BANK_DTYPES)}, got {vals['dtypes']!r}")
+    if "float32" not in dtypes:
+        dtypes.insert(0, "float32")  # the ratios compare with the float32 bank
+    try:
+        counts = [int(t) for t in _csv(vals["thread_counts"])]
+    except ValueError:
+        raise BenchError(f"--thread-counts must be a comma list of ints >= 1, got {vals['thread_counts']!r}") from None
+    if any(t < 1 for t in counts):
+        raise BenchError(f"--thread-counts must be a comma list of ints >= 1, got {vals['thread_counts']!r}")
+    thread_counts = sorted(set(counts)) or None
     _positive("--chunk-tokens", args.chunk_tokens)
     _positive("--dim", args.dim)
     _positive("--clusters", args.clusters)
@@ -227,6 +250,7 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         spec=spec, seed=args.seed, warmup=vals["warmup"], scales=scales, chunk_tokens=args.chunk_tokens,
         latency_queries=vals["latency_queries"], shared_sizes=shared, batch_sizes=bss,
         min_queries=vals["min_queries"], users=vals["users"], items=vals["items"], mt_batch=vals["mt_batch"],
+        dtypes=list(dict.fromkeys(dtypes)), thread_counts=thread_counts,
         reference_queries=vals["reference_queries"], reference_budget_s=float(vals["reference_budget"]),
         personabench=pb_dir, pb_users_per_community=vals["pb_users"], noise=args.noise, cache_dir=cache,
     )  # fmt: skip
@@ -235,7 +259,8 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         "faiss": st.faiss, "reference": st.reference, "modes": modes, "shared_modes": shared_modes,
         "scales_tokens": scales, "chunk_tokens": args.chunk_tokens, "latency_queries": st.latency_queries,
         "shared_sizes": shared, "batch_sizes": bss, "min_queries": st.min_queries, "users": st.users,
-        "items": st.items, "mt_batch": st.mt_batch, "warmup": st.warmup, "seed": st.seed,
+        "items": st.items, "mt_batch": st.mt_batch, "dtypes": st.dtypes, "thread_counts": st.thread_counts,
+        "warmup": st.warmup, "seed": st.seed,
         "reference_queries": st.reference_queries, "reference_budget_s": st.reference_budget_s,
         "personabench": str(pb_dir) if pb_dir else None, "pb_users_per_community": st.pb_users_per_community,
         "noise": st.noise, "synthetic": spec.to_dict(),

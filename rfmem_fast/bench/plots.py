@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+from .report import record_label
 from typing import Any
 
 _STYLE = {"dense": "-", "recollection": ":", "rfmem": "--"}
@@ -32,7 +34,16 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.8):
 
 
 def _label(rec: dict[str, Any]) -> str:
-    return rec.get("label") or {"faiss": "faiss IndexFlatIP", "reference": "reference loop"}.get(rec["kind"], rec["system"])
+    if rec["kind"] == "reference":
+        return "reference loop"
+    if "dtype" in rec or "threads" in rec:  # rfmem bench's records: the variant's name
+        return record_label(rec)
+    return rec.get("label") or {"faiss": "faiss IndexFlatIP"}.get(rec["kind"], rec["system"])
+
+
+def _key(rec: dict[str, Any]) -> str:
+    """The system variant a record belongs to (one line / bar group per variant)."""
+    return rec.get("label", rec["system"])
 
 
 def plot_latency(doc: dict[str, Any], path: str | Path) -> Path | None:
@@ -55,19 +66,19 @@ def plot_latency(doc: dict[str, Any], path: str | Path) -> Path | None:
         systems = []
         for s in scales:
             for r in s["results"]:
-                if r["mode"] == mode and (r["kind"], r["system"]) not in systems:
-                    systems.append((r["kind"], r["system"]))
-        for kind, system in systems:
+                if r["mode"] == mode and (r["kind"], _key(r)) not in [(k, _key(x)) for k, x in systems]:
+                    systems.append((r["kind"], r))
+        for kind, first in systems:
             xs, p50, p99 = [], [], []
             for s in scales:
-                r = next((r for r in s["results"] if r["system"] == system and r["mode"] == mode), None)
+                r = next((r for r in s["results"] if _key(r) == _key(first) and r["mode"] == mode), None)
                 if r and r.get("p50_ms"):
                     xs.append(s["tokens"])
                     p50.append(r["p50_ms"])
                     p99.append(r["p99_ms"])
             if not xs:
                 continue
-            line = ax.plot(xs, p50, marker=_MARK.get(kind, "o"), label=_label({"kind": kind, "system": system}))[0]
+            line = ax.plot(xs, p50, marker=_MARK.get(kind, "o"), label=_label(first))[0]
             ax.plot(xs, p99, ls=":", lw=1, color=line.get_color())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -106,14 +117,14 @@ def plot_throughput(doc: dict[str, Any], path: str | Path) -> Path | None:
     for ax, sz in zip(axes, sizes):
         keys = []
         for r in sz["results"]:
-            if (r["kind"], r["system"], r["mode"]) not in keys:
-                keys.append((r["kind"], r["system"], r["mode"]))
+            if (r["kind"], _key(r), r["mode"]) not in keys:
+                keys.append((r["kind"], _key(r), r["mode"]))
         bss = sorted(bat["batch_sizes"])
         for kind, system, mode in keys:
-            rs = [r for r in sz["results"] if r["system"] == system and r["mode"] == mode and r.get("qps")]
+            rs = [r for r in sz["results"] if _key(r) == system and r["mode"] == mode and r.get("qps")]
             if not rs:
                 continue
-            lab = f"{_label({'kind': kind, 'system': system})} {mode}"
+            lab = f"{_label(rs[0])} {mode}"
             if kind == "reference":
                 ax.axhline(rs[0]["qps"], ls="--", lw=1, color="grey" if mode == "dense" else "black", label=lab)
                 continue

@@ -13,8 +13,21 @@ The ratios (:func:`compute_ratios`) are computed only from figures of the same r
   per-query loop) / ours, on the multi-tenant batch (ours = batch time / batch size;
   the headline) and on single-query latency at the largest scale (ours = mean latency
   over the very queries the reference ran); goal >= 50.
+* ``shared_dense_qps_over_faiss_dense_qps``: dense queries per second of our backend /
+  faiss IndexFlatIP's on the shared bank at batch 1,024 (the largest batch run), per
+  size and thread count; the value is the smallest over the sizes; goal >= 1.0
+  (issue 11). ``rfmem_qps_over_faiss_dense_qps`` carries the goal >= 0.3 the same way.
+* ``multitenant_float16_dense_qps_over_float32`` / ``..._rfmem_...``: queries per second
+  of our backend on the float16 bank / on the float32 bank, multi-tenant batch, per
+  thread count; goals >= 1.6 (dense) and >= 1.4 (RF-Mem).
+* ``thread_scaling``: queries per second with the most threads / with the fewest, per
+  system variant and mode, for the workloads that ran several thread counts.
 * ``route_split``: the fraction of queries RF-Mem sent to the Familiarity path, per
   workload.
+
+With several thread counts, every ratio but ``thread_scaling`` takes its figures at the
+largest count (the headline; per-count values sit under ``per_threads``), and on the
+float32 bank.
 """
 from __future__ import annotations
 
@@ -27,7 +40,39 @@ from typing import Any, Iterable, Sequence
 PAPER_RFMEM_OVER_DENSE = 1.42
 GOAL_RFMEM_OVER_DENSE = 1.3
 GOAL_SPEEDUP_VS_REFERENCE = 50.0
+GOAL_SHARED_DENSE_OVER_FAISS = 1.0
+GOAL_SHARED_RFMEM_OVER_FAISS = 0.3
+GOAL_F16_DENSE = 1.6
+GOAL_F16_RFMEM = 1.4
 ONE_M_TOKENS = 1024 * 1024
+HALF = ("float16", "bfloat16")
+
+
+def record_label(rec: dict[str, Any]) -> str:
+    """A record's system variant as tables and plots name it."""
+    if rec["kind"] == "reference":
+        return "reference (per-query loop)"
+    base = "faiss IndexFlatIP" if rec["kind"] == "faiss" else rec["system"]
+    dtype, threads = rec.get("dtype", "float32"), rec.get("threads")
+    out = base if dtype == "float32" else f"{base} {dtype}"
+    if threads is not None:
+        out += f" [{threads} thread{'s' if threads != 1 else ''}]"
+    return out
+
+
+def _thread_counts(records: Iterable[dict[str, Any]]) -> list[int | None]:
+    ts = sorted({r.get("threads") for r in records if r.get("threads") is not None})
+    return ts or [None]
+
+
+def _headline(records: Sequence[dict[str, Any]], threads: int | None = None) -> list[dict[str, Any]]:
+    """The records of the headline variants: float32 banks, ``threads`` (default the
+    largest thread count run) for ours and faiss; the reference's records kept."""
+    t = _thread_counts(records)[-1] if threads is None else threads
+    return [
+        r for r in records
+        if r["kind"] == "reference" or (r.get("dtype", "float32") == "float32" and r.get("threads") == t)
+    ]  # fmt: skip
 
 
 def _find(records: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -35,6 +80,11 @@ def _find(records: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | N
         if all(r.get(k) == v for k, v in match.items()):
             return r
     return None
+
+
+def _min(values: Iterable[Any]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return min(vals) if vals else None
 
 
 def _div(a: Any, b: Any) -> float | None:
@@ -91,31 +141,72 @@ def compute_ratios(workloads: dict[str, Any], ours: Sequence[str]) -> dict[str, 
     bat = workloads.get("batch") or {}
     if bat.get("sizes"):
         big = max(bat["batch_sizes"])
-        per_size = {}
-        for sz in bat["sizes"]:
-            fa = _find(sz["results"], system="faiss", mode="dense", batch_size=big)
-            per_size[sz["size"]] = {
-                b: _div((_find(sz["results"], system=b, mode="rfmem", batch_size=big) or {}).get("qps"), (fa or {}).get("qps"))
-                for b in ours
-            }  # fmt: skip
+        counts = _thread_counts(r for sz in bat["sizes"] for r in sz["results"])
+
+        def over_faiss(mode: str) -> dict[str, Any]:  # {threads: {size: {backend: ratio}}}
+            table: dict[Any, Any] = {}
+            for t in counts:
+                for sz in bat["sizes"]:
+                    recs = _headline(sz["results"], t)
+                    fa = _find(recs, system="faiss", mode="dense", batch_size=big)
+                    table.setdefault(t, {})[sz["size"]] = {
+                        b: _div((_find(recs, system=b, mode=mode, batch_size=big) or {}).get("qps"), (fa or {}).get("qps"))
+                        for b in ours
+                    }  # fmt: skip
+            return table
+
+        rf_tab, de_tab = over_faiss("rfmem"), over_faiss("dense")
+        top = counts[-1]
+        per_size = rf_tab[top]
         largest = max(bat["sizes"], key=lambda s: s["n"])
+        recs = _headline(largest["results"])
         per = per_size[largest["size"]]
-        fa = _find(largest["results"], system="faiss", mode="dense", batch_size=big)
-        rf = _find(largest["results"], system=head, mode="rfmem", batch_size=big)
-        de = _find(largest["results"], system=head, mode="dense", batch_size=big)
+        fa = _find(recs, system="faiss", mode="dense", batch_size=big)
+        rf = _find(recs, system=head, mode="rfmem", batch_size=big)
+        de = _find(recs, system=head, mode="dense", batch_size=big)
+        worst_rf = _min([v.get(head) for v in per_size.values()])
         out["rfmem_qps_over_faiss_dense_qps"] = {
             "value": per.get(head), "backend": head, "batch_size": big, "shared_size": largest["size"],
-            "n": largest["n"], "rfmem_qps": (rf or {}).get("qps"), "faiss_dense_qps": (fa or {}).get("qps"),
+            "n": largest["n"], "threads": top, "rfmem_qps": (rf or {}).get("qps"), "faiss_dense_qps": (fa or {}).get("qps"),
             "dense_qps": (de or {}).get("qps"), "per_backend": per, "per_size": per_size,
-            "dense_qps_over_faiss_dense_qps": {
-                b: _div((_find(largest["results"], system=b, mode="dense", batch_size=big) or {}).get("qps"), (fa or {}).get("qps"))
-                for b in ours
+            "goal": f">= {GOAL_SHARED_RFMEM_OVER_FAISS:g}", "smallest_over_sizes": worst_rf,
+            "meets_goal": None if worst_rf is None else worst_rf >= GOAL_SHARED_RFMEM_OVER_FAISS,
+            "per_threads": rf_tab,
+            "dense_qps_over_faiss_dense_qps": de_tab[top][largest["size"]],
+        }  # fmt: skip
+        worst_de = _min([v.get(head) for v in de_tab[top].values()])
+        out["shared_dense_qps_over_faiss_dense_qps"] = {
+            "value": worst_de, "backend": head, "batch_size": big, "threads": top, "per_size": de_tab[top],
+            "goal": f">= {GOAL_SHARED_DENSE_OVER_FAISS:g}",
+            "meets_goal": None if worst_de is None else worst_de >= GOAL_SHARED_DENSE_OVER_FAISS,
+            "per_threads": de_tab,
+            "gflops": {
+                sz["size"]: {r["label"]: r.get("gflops") for r in sz["results"] if r.get("batch_size") == big and r.get("gflops")}
+                for sz in bat["sizes"]
             },
         }  # fmt: skip
     mt = workloads.get("multitenant") or {}
     if mt.get("results"):
-        fa = _find(mt["results"], system="faiss", mode="dense")
-        per = {b: _div((_find(mt["results"], system=b, mode="rfmem", per_query_loop=None) or {}).get("qps"), (fa or {}).get("qps")) for b in ours}
+        counts = _thread_counts(mt["results"])
+        for mode, goal in (("dense", GOAL_F16_DENSE), ("rfmem", GOAL_F16_RFMEM)):
+            tab: dict[Any, dict[str, Any]] = {}
+            for dt in [d for d in mt.get("dtypes", []) if d in HALF]:
+                for t in counts:
+                    for b in ours:
+                        half = _find(mt["results"], system=b, mode=mode, dtype=dt, threads=t)
+                        full = _find(mt["results"], system=b, mode=mode, dtype="float32", threads=t)
+                        tab.setdefault(dt, {}).setdefault(t, {})[b] = _div((half or {}).get("qps"), (full or {}).get("qps"))
+            if "float16" in tab:
+                val = tab["float16"][counts[-1]].get(head)
+                out[f"multitenant_float16_{mode}_qps_over_float32"] = {
+                    "value": val, "backend": head, "threads": counts[-1], "batch_size": mt["batch_size"],
+                    "goal": f">= {goal:g}", "meets_goal": None if val is None else val >= goal,
+                    "per_backend": tab["float16"][counts[-1]], "per_threads": tab["float16"],
+                    "per_dtype": tab,
+                }  # fmt: skip
+        mt_recs = _headline(mt["results"])
+        fa = _find(mt_recs, system="faiss", mode="dense")
+        per = {b: _div((_find(mt_recs, system=b, mode="rfmem", per_query_loop=None) or {}).get("qps"), (fa or {}).get("qps")) for b in ours}
         out["multitenant_rfmem_qps_over_faiss_dense_qps"] = {
             "value": per.get(head), "backend": head, "batch_size": mt["batch_size"], "users": mt["users"],
             "items": mt["items"], "per_backend": per,
@@ -124,7 +215,7 @@ def compute_ratios(workloads: dict[str, Any], ours: Sequence[str]) -> dict[str, 
         if ref:
             per_b = {}
             for b in ours:
-                rf = _find(mt["results"], system=b, mode="rfmem", per_query_loop=None)
+                rf = _find(mt_recs, system=b, mode="rfmem", per_query_loop=None)
                 per_b[b] = _div(ref["ms_per_query"], (rf or {}).get("ms_per_query"))
             out["_speedup_batched"] = {
                 "value": per_b.get(head), "batch_size": mt["batch_size"], "reference_mean_ms": ref["ms_per_query"],
@@ -139,6 +230,22 @@ def compute_ratios(workloads: dict[str, Any], ours: Sequence[str]) -> dict[str, 
             "meets_goal": None if head_val is None else head_val >= GOAL_SPEEDUP_VS_REFERENCE,
             "multitenant_batched": batched, "single_query": single,
         }  # fmt: skip
+    scaling: dict[str, Any] = {}
+    for name, parts in (("batch", (workloads.get("batch") or {}).get("sizes") or []), ("multitenant", [mt] if mt.get("results") else [])):
+        for part in parts:
+            counts = _thread_counts(part["results"])
+            if len(counts) < 2:
+                continue
+            big = max((r.get("batch_size") or 0) for r in part["results"])
+            where = f"{name} {part.get('size')}" if part.get("size") else name
+            for r in part["results"]:
+                if r.get("threads") != counts[-1] or r.get("batch_size") != big or not r.get("qps"):
+                    continue
+                low = _find(part["results"], system=r["system"], mode=r["mode"], dtype=r.get("dtype"), threads=counts[0], batch_size=big)
+                key = f"{record_label(dict(r, threads=None))} {r['mode']}"
+                scaling.setdefault(where, {})[key] = _div(r["qps"], (low or {}).get("qps"))
+    if scaling:
+        out["thread_scaling"] = {"threads": [counts[0], counts[-1]], "qps_ratio": scaling}
     splits: dict[str, Any] = {}
     for name, w in workloads.items():
         if not isinstance(w, dict):
@@ -207,22 +314,20 @@ def _f(x: Any, nd: int = 3) -> str:
     return str(x)
 
 
-def _label(rec: dict[str, Any]) -> str:
-    if rec["kind"] == "reference":
-        return "reference (per-query loop)"
-    if rec["kind"] == "faiss":
-        return "faiss IndexFlatIP"
-    return rec["system"]
-
-
 def _row_keys(records: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(kind, label, mode) of the table rows: ours, then faiss, then the reference, each in
+    the order of the records (variants by label)."""
     seen: list[tuple[str, str, str]] = []
     for r in records:
-        key = (r["kind"], r["system"], r["mode"])
+        key = (r["kind"], r.get("label", r["system"]), r["mode"])
         if key not in seen:
             seen.append(key)
     order = {"ours": 0, "faiss": 1, "reference": 2}
     return sorted(seen, key=lambda k: order.get(k[0], 3))
+
+
+def _by_label(records: Iterable[dict[str, Any]], label: str, **match: Any) -> dict[str, Any] | None:
+    return next((r for r in records if r.get("label", r["system"]) == label and all(r.get(k) == v for k, v in match.items())), None)
 
 
 Table = tuple[str, list[str], list[list[str]], list[str]]  # title, headers, rows, footnotes
@@ -241,7 +346,7 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         for kind, system, mode in _row_keys(recs):
             cells = []
             for s in scales:
-                r = _find(s["results"], system=system, mode=mode)
+                r = _by_label(s["results"], system, mode=mode)
                 if r is None:
                     cells.append("-")
                     continue
@@ -249,7 +354,8 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
                 if r.get("sampled"):
                     c += f" (n={r['n_queries']})"
                 cells.append(c)
-            rows.append([_label({"kind": kind, "system": system}), mode] + cells)
+            first = next(r for s in scales for r in s["results"] if r.get("label", r["system"]) == system)
+            rows.append([record_label(first), mode] + cells)
         notes.append(f"ms per query, one query per call, {lat['queries']} queries per scale (warm-up excluded).")
         if any(r.get("sampled") for r in recs):
             notes.append("reference: a seeded sample of the same queries (n = queries run; --reference-queries / --reference-budget).")
@@ -261,20 +367,20 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
     bat = w.get("batch") or {}
     for sz in bat.get("sizes") or []:
         bss = bat["batch_sizes"]
-        headers = ["system", "mode"] + [f"qps @ batch {b}" for b in bss] + [f"ms/query @ {max(bss)}"]
+        headers = ["system", "mode"] + [f"qps @ batch {b}" for b in bss] + [f"ms/query @ {max(bss)}", f"GFLOP/s @ {max(bss)}"]
         rows, notes = [], []
         for kind, system, mode in _row_keys(sz["results"]):
             if kind == "reference":
-                r = _find(sz["results"], system=system, mode=mode)
-                rows.append([_label(r), mode] + [f"{_f(r['qps'])} (loop, n={r['n_queries']})"] + ["-"] * (len(bss) - 1) + [_f(r["ms_per_query"])])
+                r = _by_label(sz["results"], system, mode=mode)
+                rows.append([record_label(r), mode] + [f"{_f(r['qps'])} (loop, n={r['n_queries']})"] + ["-"] * (len(bss) - 1) + [_f(r["ms_per_query"]), "-"])
                 continue
             cells = []
             for b in bss:
-                r = _find(sz["results"], system=system, mode=mode, batch_size=b)
+                r = _by_label(sz["results"], system, mode=mode, batch_size=b)
                 cells.append("skipped" if r and r.get("skipped") else _f(r.get("qps"), 1) if r else "-")
-            rb = _find(sz["results"], system=system, mode=mode, batch_size=max(bss))
-            rows.append([_label({"kind": kind, "system": system}), mode] + cells + [_f((rb or {}).get("ms_per_query"))])
-        notes.append(f"queries per second; each cell runs max(1, ceil({bat['min_queries']} / batch)) batches.")
+            rb = _by_label(sz["results"], system, mode=mode, batch_size=max(bss))
+            rows.append([record_label(rb), mode] + cells + [_f((rb or {}).get("ms_per_query")), _f((rb or {}).get("gflops"), 1)])
+        notes.append(f"queries per second; each cell runs max(1, ceil({bat['min_queries']} / batch)) batches; GFLOP/s = 2 n d x dense qps.")
         if sz.get("route_split"):
             notes.append(_split_note(f"batch {max(bss)}", sz["route_split"]))
         tables.append((f"Batch throughput: one shared bank of {sz['n']:,} vectors ({sz['bank_mib']:.0f} MiB)", headers, rows, notes))
@@ -282,16 +388,22 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         tables[-1][3].append(f"peak RSS of the process after the batch workload: {bat['peak_rss_gib']:.1f} GiB.")
     mt = w.get("multitenant") or {}
     if mt.get("results"):
-        headers = ["system", "mode", "qps", "ms/query", "agree w/ ref"]
+        headers = ["system", "mode", "qps", "ms/query", "scan GB/s", "agree w/ ref"]
         rows = []
         for kind, system, mode in _row_keys(mt["results"]):
-            r = _find(mt["results"], system=system, mode=mode)
+            r = _by_label(mt["results"], system, mode=mode)
             qps = _f(r["qps"], 1) + (f" (loop, n={r['n_queries']})" if r.get("per_query_loop") else "")
-            rows.append([_label(r), mode, qps, _f(r["ms_per_query"]), _f(r.get("agree_reference"), 2)])
+            rows.append([record_label(r), mode, qps, _f(r["ms_per_query"]), _f(r.get("scan_gb_per_s"), 1), _f(r.get("agree_reference"), 2)])
         notes = [
             f"{mt['users']} users x {mt['items']} items ({mt['bank_mib']:.0f} MiB), batch {mt['batch_size']} x {mt['n_batches']}, "
             f"{mt['queried_users']} users queried; faiss: one IndexFlatIP per user, queries grouped per user."
         ]
+        if mt.get("scan_mib") and len(mt["scan_mib"]) > 1:
+            notes.append(
+                "banks: " + ", ".join(f"{dt} scan copy {v:.0f} MiB" for dt, v in mt["scan_mib"].items())
+                + " (a half-precision bank also keeps the float32 rows, read only to re-score candidates; scan GB/s = "
+                "bytes of the queried user's scan copy x dense qps)."
+            )
         if mt.get("route_split"):
             notes.append(_split_note("multitenant", mt["route_split"]))
         notes.append(f"bank built in {mt['build_s']:.1f} s; peak RSS of the process so far: {mt['peak_rss_gib']:.1f} GiB.")
@@ -301,10 +413,10 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         headers = ["system", "mode", "p50 ms", "p99 ms", "mean ms", f"batch ms/q ({pb['questions']})", "agree w/ ref"]
         rows = []
         for kind, system, mode in _row_keys(pb["results"]):
-            r = _find(pb["results"], system=system, mode=mode)
-            br = _find(pb.get("batch", []), system=system, mode=mode)
+            r = _by_label(pb["results"], system, mode=mode)
+            br = _find(pb.get("batch", []), system=r["system"], mode=mode)
             p50 = _f(r["p50_ms"]) + (f" (n={r['n_queries']})" if r.get("sampled") else "")
-            rows.append([_label(r), mode, p50, _f(r["p99_ms"]), _f(r["mean_ms"]), _f((br or {}).get("ms_per_query")), _f(r.get("agree_reference"), 2)])
+            rows.append([record_label(r), mode, p50, _f(r["p99_ms"]), _f(r["mean_ms"]), _f((br or {}).get("ms_per_query")), _f(r.get("agree_reference"), 2)])
         src = "cache" if pb["embeddings_cached"] else "encoded now"
         notes = [
             f"{pb['users']} users, {pb['chunks']} chunks, {pb['questions']} questions (MiniLM, {src}: "
@@ -322,9 +434,26 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         r = rt.get("rfmem_p50_over_dense_p50")
         if r:
             rows.append([f"RF-Mem p50 / dense p50 @ {r['scale']} tokens", _f(r["value"], 2), f"{r['goal']} (paper {r['paper']})", _per(r["per_backend"])])
+        r = rt.get("shared_dense_qps_over_faiss_dense_qps")
+        if r:
+            for t, sizes in r["per_threads"].items():
+                for size, per in sizes.items():
+                    rows.append([f"dense qps / faiss dense qps @ batch {r['batch_size']}, {size} shared{_threads_txt(t)}", _f(per.get(r["backend"]), 2), r["goal"], _per(per)])
         r = rt.get("rfmem_qps_over_faiss_dense_qps")
         if r:
-            rows.append([f"RF-Mem qps / faiss dense qps @ batch {r['batch_size']}, {r['shared_size']} shared", _f(r["value"], 3), "-", _per(r["per_backend"])])
+            for t, sizes in r["per_threads"].items():
+                for size, per in sizes.items():
+                    rows.append([f"RF-Mem qps / faiss dense qps @ batch {r['batch_size']}, {size} shared{_threads_txt(t)}", _f(per.get(r["backend"]), 3), r["goal"], _per(per)])
+        for mode in ("dense", "rfmem"):
+            r = rt.get(f"multitenant_float16_{mode}_qps_over_float32")
+            if r:
+                for t, per in r["per_threads"].items():
+                    name = "dense" if mode == "dense" else "RF-Mem"
+                    rows.append([f"float16 / float32 bank, {name} qps, multi-tenant batch {r['batch_size']}{_threads_txt(t)}", _f(per.get(r["backend"]), 2), r["goal"], _per(per)])
+        r = rt.get("thread_scaling")
+        if r:
+            for where, per in r["qps_ratio"].items():
+                rows.append([f"qps {r['threads'][1]} threads / {r['threads'][0]} thread(s), {where}", "", "", _per(per)])
         r = rt.get("multitenant_rfmem_qps_over_faiss_dense_qps")
         if r:
             rows.append([f"RF-Mem qps / faiss dense qps, multi-tenant batch {r['batch_size']}", _f(r["value"], 3), "-", _per(r["per_backend"])])
@@ -340,6 +469,10 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
             rows.append(["route split: familiarity fraction", "", "", ", ".join(f"{k}: {v:.2f}" for k, v in r["familiarity_fraction"].items())])
         tables.append((f"Ratios (headline backend: {doc.get('headline_backend')})", ["ratio", "value", "goal", "per backend / detail"], rows, []))
     return tables
+
+
+def _threads_txt(t: Any) -> str:
+    return "" if t in (None, "None", "null") else f", {t} thread{'s' if str(t) != '1' else ''}"
 
 
 def _per(d: dict[str, Any] | None, nd: int = 2) -> str:

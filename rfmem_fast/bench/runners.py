@@ -3,8 +3,12 @@
 * ``latency``: one user's memory of each token scale (32K / 128K / 1M tokens = 128 /
   512 / 4,096 chunks of 256 tokens), one query per call; p50 / p99 per system and mode.
 * ``batch``: one shared bank of 10^5 .. 10^6 vectors (a single user), batches of 1, 64,
-  1,024 queries; queries per second per system, mode and batch size.
-* ``multitenant``: U users x n items, a batch of queries each against a random user.
+  1,024 queries; queries per second per system, mode and batch size (the native
+  backend's GEMM path against faiss IndexFlatIP's BLAS), at each thread count of
+  ``thread_counts``.
+* ``multitenant``: U users x n items, a batch of queries each against a random user;
+  our backends on the bank of each dtype of ``dtypes`` (float32 and float16 by default:
+  the half-precision scan against the float32 one, same ids), at each thread count.
 * ``personabench``: the real MiniLM embeddings of PersonaBench's chunks and questions;
   per-question latency per system and mode, and one whole-batch run.
 
@@ -12,6 +16,9 @@ Every workload runs the same seeded queries on the same bank through our backend
 (:class:`~rfmem_fast.bench.systems.OursSystem`), faiss ``IndexFlatIP`` (dense) and the
 reference backend one query at a time (on a seeded sample of the queries, bounded by a
 count and a time budget). Warm-up calls run before each timed series and are excluded.
+The batch and multi-tenant workloads run each of ours and faiss once per thread count
+(variants pinned with :func:`~rfmem_fast.bench.systems.thread_scope`), so that scaling
+shows side by side; the latency and PersonaBench workloads run at the process's threads.
 Each workload returns a JSON-ready dict: its sizes, ``results`` (one record per system,
 mode and size), ``route_split`` and notes.
 """
@@ -77,6 +84,10 @@ class BenchSettings:
         min_queries: each batch-size cell runs ``max(1, ceil(min_queries / bs))``
             batches.
         users, items, mt_batch: the multi-tenant bank and batch size.
+        dtypes: bank dtypes of the multi-tenant workload (our backends run on each;
+            the float32 bank is built, the others are :meth:`MemoryBank.astype` twins).
+        thread_counts: CPU thread counts of the batch and multi-tenant workloads (each
+            of ours and faiss runs once per count); None: the process's setting only.
         reference_queries: at most this many queries per reference cell (a seeded
             sample); reference_budget_s: and at most this many seconds.
         personabench: PersonaBench folder (None: skip that workload).
@@ -105,6 +116,8 @@ class BenchSettings:
     users: int = 1000
     items: int = 4096
     mt_batch: int = 1024
+    dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    thread_counts: list[int] | None = None
     reference_queries: int = 64
     reference_budget_s: float = 10.0
     personabench: Path | None = None
@@ -144,6 +157,7 @@ class Bench:
         self.progress = progress
         self.say = say or (lambda msg: None)
         self.notes: list[str] = []
+        self._twins: dict[tuple[int, str], Any] = {}
         self.ours: list[OursSystem] = [OursSystem(b, settings.device) for b in settings.backends]
         self.reference = ReferenceSystem() if settings.reference else None
         self.faiss_ok = settings.faiss
@@ -169,14 +183,35 @@ class Bench:
 
         return tqdm(total=total, desc=desc, unit="vec", unit_scale=True, leave=False, dynamic_ncols=True)
 
-    def _systems(self, modes: list[str]) -> list[tuple[System, str]]:
-        """(system, mode) pairs of a workload: ours x modes, faiss dense, reference x modes."""
-        pairs: list[tuple[System, str]] = [(o, m) for o in self.ours for m in modes]
+    def _systems(self, modes: list[str], variants: bool = False, dtypes: list[str] | None = None) -> list[tuple[System, str]]:
+        """(system, mode) pairs of a workload: ours x modes, faiss dense, reference x modes.
+
+        With ``variants``, ours (x ``dtypes``) and faiss once per thread count of the
+        settings; the float32 variants come first, then by thread count.
+        """
+        counts: list[int | None] = list(self.s.thread_counts or [None]) if variants else [None]
+        ours: list[System] = list(self.ours)
+        if variants:
+            ours = [
+                OursSystem(o.backend.name, self.s.device, threads=t, dtype=dt)
+                for dt in (dtypes or ["float32"]) for o in self.ours for t in counts
+            ]  # fmt: skip
+        pairs: list[tuple[System, str]] = [(o, m) for o in ours for m in modes]
         if self.faiss_ok and "dense" in modes:
-            pairs.append((FaissSystem(), "dense"))
+            pairs += [(FaissSystem(threads=t), "dense") for t in counts]
         if self.reference is not None:
             pairs += [(self.reference, m) for m in modes]
         return pairs
+
+    def _bank_for(self, bank: Any, system: System) -> Any:
+        """``bank`` in the dtype ``system`` searches (an :meth:`MemoryBank.astype` twin, made once)."""
+        if system.dtype == bank.dtype:
+            return bank
+        key = (id(bank), system.dtype)
+        if key not in self._twins:
+            self.say(f"converting the bank to {system.dtype}")
+            self._twins[key] = bank.astype(system.dtype)
+        return self._twins[key]
 
     def _ref_sample(self, lo: int, hi: int, salt: int) -> np.ndarray:
         """The reference's seeded sample of pool indices in [lo, hi)."""
@@ -197,7 +232,10 @@ class Bench:
         return None
 
     def _record(self, system: System, mode: str, **fields: Any) -> dict[str, Any]:
-        rec = {"system": system.name, "kind": system.kind, "mode": mode}
+        rec = {
+            "system": system.name, "kind": system.kind, "mode": mode, "label": system.label,
+            "dtype": system.dtype, "threads": system.threads,
+        }  # fmt: skip
         rec.update(fields)
         gpu = self._gpu_peak(system)
         if gpu is not None:
@@ -244,19 +282,19 @@ class Bench:
                     system, mode, **extra, **_lat(st), sampled=True, of_queries=len(timed),
                     sample=[int(i) - n_warm for i in list(k)],
                 )  # fmt: skip
-                times_of[(system.name, mode)] = dict(zip(k, t))
+                times_of[(system.label, mode)] = dict(zip(k, t))
             else:
                 warm = [(i, i + 1) for i in range(n_warm)] * max(1, math.ceil(s.warmup / max(1, n_warm)))
                 time_batches(system, Q, qseg, warm[: s.warmup], mode, cfg)
                 t, k, facts = time_batches(system, Q, qseg, timed, mode, cfg, keep=sample)
                 st = stats_ms(t)
                 rec = self._record(system, mode, **extra, **_lat(st), sampled=False)
-                times_of[(system.name, mode)] = {i: t[i - n_warm] for i in range(n_warm, N)}
+                times_of[(system.label, mode)] = {i: t[i - n_warm] for i in range(n_warm, N)}
                 if mode == "rfmem" and split is None and system.kind == "ours":
                     split = route_summary(facts, None if specific is None else specific[n_warm:])
                     if split is not None:
                         split["backend"] = system.name
-            kept[(system.name, mode)] = k
+            kept[(system.label, mode)] = k
             records.append(rec)
             system.release()
             bar.update(1)
@@ -276,9 +314,9 @@ class Bench:
             ref = kept.get(("reference", rec["mode"]))
             if ref is None:
                 continue
-            rec["agree_reference"] = agreement(kept.get((rec["system"], rec["mode"]), {}), ref)
-            if times_of is not None and (rec["system"], rec["mode"]) in times_of:
-                mine = times_of[(rec["system"], rec["mode"])]
+            rec["agree_reference"] = agreement(kept.get((rec["label"], rec["mode"]), {}), ref)
+            if times_of is not None and (rec["label"], rec["mode"]) in times_of:
+                mine = times_of[(rec["label"], rec["mode"])]
                 common = [i for i in ref if i in mine]
                 if common:
                     rec["mean_ms_on_reference_sample"] = 1e3 * float(np.mean([mine[i] for i in common]))
@@ -299,11 +337,14 @@ class Bench:
         salt: int,
         specific: np.ndarray | None = None,
         segment_rows: int | None = None,
+        dtypes: list[str] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-        """Throughput of every (system, mode, batch size) on the pool after ``n_warm`` rows.
+        """Throughput of every (system variant, mode, batch size) on the pool after ``n_warm`` rows.
 
         ``segment_rows``: rows of the one segment every query hits (the shared bank),
-        which enables the memory guard :meth:`_too_big`.
+        which enables the memory guard :meth:`_too_big`. ``dtypes``: bank dtypes our
+        backends run on (default float32 only). Each of ours and faiss runs once per
+        thread count of the settings.
         """
         s, cfg = self.s, self.s.config
         plan = {bs: max(1, math.ceil(s.min_queries / bs)) for bs in batch_sizes}
@@ -313,8 +354,8 @@ class Bench:
         records: list[dict[str, Any]] = []
         kept: dict[tuple[str, str], dict[int, np.ndarray]] = {}
         split = None
-        for system, mode in self._systems(modes):
-            system.prepare(bank, users, qseg)
+        for system, mode in self._systems(modes, variants=True, dtypes=dtypes):
+            system.prepare(self._bank_for(bank, system), users, qseg)
             self._gpu_reset(system)
             if system.kind == "reference":
                 bar.set_postfix_str(f"{label} reference {mode}")
@@ -329,18 +370,18 @@ class Bench:
                         of_queries=plan[big] * big,
                     )
                 )  # fmt: skip
-                kept[(system.name, mode)] = k
+                kept[(system.label, mode)] = k
                 bar.update(1)
                 system.release()
                 continue
             warm_rows = max(1, min(8, n_warm))
             time_batches(system, Q, qseg, [(0, warm_rows)] * s.warmup, mode, cfg)
             for bs in batch_sizes:
-                bar.set_postfix_str(f"{label} {system.name} {mode} batch {bs}")
+                bar.set_postfix_str(f"{label} {system.label} {mode} batch {bs}")
                 why = self._too_big(system, mode, bs, segment_rows) if segment_rows else None
                 if why:
                     records.append(self._record(system, mode, **extra, batch_size=bs, skipped=why))
-                    self.notes.append(f"{label}: {system.name} {mode} batch {bs} skipped: {why}")
+                    self.notes.append(f"{label}: {system.label} {mode} batch {bs} skipped: {why}")
                     bar.update(1)
                     continue
                 batches = [(n_warm + j * bs, n_warm + (j + 1) * bs) for j in range(plan[bs])]
@@ -358,7 +399,7 @@ class Bench:
                     )
                 )  # fmt: skip
                 if bs == big:
-                    kept[(system.name, mode)] = k
+                    kept[(system.label, mode)] = k
                     if mode == "rfmem" and split is None and system.kind == "ours":
                         sp = None if specific is None else specific[n_warm : n_warm + nq]
                         split = route_summary(facts, sp)
@@ -368,6 +409,7 @@ class Bench:
                 bar.update(1)
             system.release()
         self._annotate([r for r in records if r.get("batch_size") == big or r.get("per_query_loop")], kept)
+        self._twins.clear()
         return records, split
 
     def _too_big(self, system: System, mode: str, bs: int, n: int) -> str | None:
@@ -400,9 +442,10 @@ class Bench:
             )
         return None
 
-    def _n_cells_batch(self, modes: list[str], n_bs: int) -> int:
-        n = len(self.ours) * len(modes) * n_bs
-        n += n_bs if (self.faiss_ok and "dense" in modes) else 0
+    def _n_cells_batch(self, modes: list[str], n_bs: int, n_dtypes: int = 1) -> int:
+        nt = len(self.s.thread_counts or [None])
+        n = len(self.ours) * len(modes) * n_bs * nt * n_dtypes
+        n += n_bs * nt if (self.faiss_ok and "dense" in modes) else 0
         n += len(modes) if self.reference is not None else 0
         return n
 
@@ -464,6 +507,9 @@ class Bench:
                 sb.bank, sb.users, Q, qseg, n_warm, s.batch_sizes, s.shared_modes, extra, bar, label, 100 + si, specific,
                 segment_rows=n,
             )
+            for r in recs:  # arithmetic rate of a dense scan: 2 n d flops per query
+                if r["mode"] == "dense" and r.get("qps") and not r.get("per_query_loop"):
+                    r["gflops"] = r["qps"] * 2 * n * s.spec.dim / 1e9
             out["sizes"].append(
                 {"n": n, "size": format_count(n), "clusters": clusters, "bank_mib": sb.nbytes / 2**20,
                  "build_s": sb.build_s, "results": recs, "route_split": split}
@@ -490,15 +536,22 @@ class Bench:
         sb = synthetic_bank(s.users, s.items, s.spec, seed=s.seed + 2003, progress=rb.update)
         rb.close()
         Q, qseg, specific = sb.queries(n_warm + pool, seed=s.seed + 29, user_index=seg)
-        bar = self._bar(self._n_cells_batch(s.modes, 1), "multitenant")
+        bar = self._bar(self._n_cells_batch(s.modes, 1, len(s.dtypes)), "multitenant")
         extra = {"users": s.users, "items": s.items}
         recs, split = self._batch_series(
-            sb.bank, sb.users, Q, qseg, n_warm, [s.mt_batch], s.modes, extra, bar, "multitenant", 200, specific
-        )
+            sb.bank, sb.users, Q, qseg, n_warm, [s.mt_batch], s.modes, extra, bar, "multitenant", 200, specific,
+            dtypes=s.dtypes,
+        )  # fmt: skip
         bar.close()
+        row_bytes = s.spec.dim * 4
+        for r in recs:  # bytes a dense query's scan reads from its user's bank, per second
+            if r["kind"] == "ours" and r["mode"] == "dense" and r.get("qps"):
+                r["scan_gb_per_s"] = r["qps"] * s.items * s.spec.dim * (2 if r["dtype"] in ("float16", "bfloat16") else 4) / 1e9
         out = {
             "users": s.users, "items": s.items, "batch_size": s.mt_batch, "n_batches": nb,
             "queried_users": int(queried), "bank_mib": sb.nbytes / 2**20, "build_s": sb.build_s,
+            "dtypes": list(s.dtypes),
+            "scan_mib": {dt: s.users * s.items * row_bytes / (2 if dt != "float32" else 1) / 2**20 for dt in s.dtypes},
             "results": recs, "route_split": split,
         }  # fmt: skip
         del sb, Q

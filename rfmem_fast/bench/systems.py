@@ -12,14 +12,21 @@ All systems take the same inputs (float32 unit queries and the users' segment in
 and return global bank rows (int64 [b, k], -1 padding), so that results can be compared.
 Times are wall-clock seconds from :func:`time.perf_counter`; on a CUDA device every
 timed call ends with a synchronisation.
+
+Variants: a system may be pinned to a number of CPU threads (``threads``: every call runs
+inside :func:`thread_scope`, which sets rfmem_fast's, torch's and faiss's threads and
+restores them), and one of ours to a bank dtype (``dtype``: the workload hands it the
+bank converted with :meth:`MemoryBank.astype`). Its ``label`` names the variant in
+tables, plots and JSON records.
 """
 from __future__ import annotations
 
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +66,46 @@ def peak_rss_bytes() -> int:
     return int(r) if sys.platform == "darwin" else int(r) * 1024
 
 
+@contextmanager
+def thread_scope(n: int | None) -> Iterator[None]:
+    """Run a block with ``n`` CPU threads for rfmem_fast's kernels, torch and faiss.
+
+    Sets :func:`rfmem_fast.set_num_threads`, ``torch.set_num_threads`` and faiss's
+    OpenMP threads to ``n`` and restores the previous settings on exit; ``None``
+    changes nothing.
+    """
+    if n is None:
+        yield
+        return
+    from ..threads import using_num_threads
+
+    prev_torch = torch.get_num_threads()
+    faiss = None
+    try:
+        import faiss as _faiss
+
+        faiss, prev_faiss = _faiss, _faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(n)
+    except ImportError:
+        pass
+    torch.set_num_threads(n)
+    try:
+        with using_num_threads(n):
+            yield
+    finally:
+        torch.set_num_threads(prev_torch)
+        if faiss is not None:
+            faiss.omp_set_num_threads(prev_faiss)
+
+
+def variant_label(name: str, dtype: str = "float32", threads: int | None = None) -> str:
+    """Label of a system variant: ``native``, ``native float16``, ``native [2 threads]``..."""
+    out = name if dtype == "float32" else f"{name} {dtype}"
+    if threads is not None:
+        out += f" [{threads} thread{'s' if threads != 1 else ''}]"
+    return out
+
+
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -89,11 +136,13 @@ class System:
     """Base class: a named retrieval system over a prepared bank.
 
     Attributes:
-        name: label in tables and JSON (e.g. "native", "faiss", "reference").
+        name: the system in JSON records (e.g. "native", "faiss", "reference").
         kind: "ours", "faiss" or "reference".
         modes: the modes it can run ("dense" only for faiss).
         per_query: True when the system serves one query per call (the reference).
         device: torch device it computes on (None: not torch-based).
+        threads: CPU threads its calls run with (None: the process's setting).
+        dtype: the bank dtype it searches ("float32" unless a variant of ours).
     """
 
     name = "system"
@@ -101,6 +150,13 @@ class System:
     modes: tuple[str, ...] = ("dense", "recollection", "rfmem")
     per_query = False
     device: torch.device | None = None
+    threads: int | None = None
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        """The variant's name in tables and plots (:func:`variant_label`)."""
+        return variant_label(self.name, self.dtype, self.threads)
 
     def prepare(self, bank: MemoryBank, users: Sequence[str], qseg: np.ndarray | None = None) -> None:
         """Build what the system needs for ``bank`` (untimed).
@@ -138,6 +194,8 @@ class OursSystem(System):
     Args:
         backend: backend name ("native", "torch", "triton", "cuda", ...).
         device: optional torch device for device-capable backends.
+        threads: CPU threads per call (None: the process's setting).
+        dtype: the bank dtype this variant searches (the workload converts the bank).
 
     Raises:
         ValueError: unknown backend (from :func:`rfmem_fast.get_backend`).
@@ -145,16 +203,19 @@ class OursSystem(System):
 
     kind = "ours"
 
-    def __init__(self, backend: str, device: str | None = None) -> None:
+    def __init__(self, backend: str, device: str | None = None, threads: int | None = None, dtype: str = "float32") -> None:
         self.backend: Backend = get_backend(backend, device)
         self.name = self.backend.name
         self.device = torch.device(self.backend.device)
+        self.threads = threads
+        self.dtype = dtype
 
     def run(self, Q, qseg, mode, config):
         """See :meth:`System.run` (one :func:`rfmem_fast.search` call for the batch)."""
         users = [self._users[i] for i in qseg]
-        res = search(self._bank, Q, users, config, mode=mode, backend=self.backend)
-        _sync(self.device)
+        with thread_scope(self.threads):
+            res = search(self._bank, Q, users, config, mode=mode, backend=self.backend)
+            _sync(self.device)
         return _from_result(res)
 
 
@@ -181,6 +242,9 @@ class FaissSystem(System):
     ``index.search`` call; the returned rows are global bank rows (local + offset).
     Index construction happens in :meth:`prepare` and is not timed (``build_s``).
 
+    Args:
+        threads: faiss OpenMP threads per call (None: the process's setting).
+
     Raises:
         ImportError: faiss is not installed (at construction).
     """
@@ -189,10 +253,11 @@ class FaissSystem(System):
     kind = "faiss"
     modes = ("dense",)
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         import faiss  # noqa: F401  (fail early when absent)
 
         self._faiss = faiss
+        self.threads = threads
         self.indexes: dict[int, Any] = {}
         self.build_s = 0.0
 
@@ -216,7 +281,10 @@ class FaissSystem(System):
         """See :meth:`System.run`: dense only (``mode`` must be "dense")."""
         if mode != "dense":
             raise ValueError(f"faiss runs mode 'dense' only, got {mode!r}")
-        k = config.out_k
+        with thread_scope(self.threads):
+            return self._run(Q, qseg, config.out_k)
+
+    def _run(self, Q: np.ndarray, qseg: np.ndarray, k: int) -> RunOutput:
         rows = np.full((Q.shape[0], k), -1, dtype=np.int64)
         qseg = np.asarray(qseg)
         if Q.shape[0] == 1:  # the single-query path: no grouping work

@@ -192,8 +192,8 @@ class SyntheticBank:
         return int(self.bank.num_items) * self.bank.dim * 4
 
     def queries(
-        self, nq: int, seed: int, user_index: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self, nq: int, seed: int, user_index: np.ndarray | None = None, labels: bool = False
+    ) -> tuple[np.ndarray, ...]:
         """Seeded queries near the users' items (specific) or centres (vague).
 
         Args:
@@ -201,9 +201,13 @@ class SyntheticBank:
             seed: seed of this query set (independent of the bank's seed).
             user_index: optional int [nq] segment index of each query; default: a
                 uniformly random user per query.
+            labels: also return what generated each query (the same queries either way).
 
         Returns:
-            (Q float32 [nq, d] unit rows, user_index int64 [nq], specific bool [nq]).
+            (Q float32 [nq, d] unit rows, user_index int64 [nq], specific bool [nq]), plus
+            with ``labels`` (item int64 [nq]: the bank row a specific query was drawn
+            around, centre int64 [nq]: the centre index a vague query was drawn around;
+            both are drawn for every query, only the one of its kind is used).
         """
         rng = np.random.default_rng([seed, 0x51E5])
         snap = self.bank.snapshot()
@@ -223,6 +227,8 @@ class SyntheticBank:
         base = np.where(specific[:, None], snap.vectors[item], self.centres[user_index, cen])
         g = rng.standard_normal((nq, d), dtype=np.float32) * (t[:, None] / np.float32(np.sqrt(d)))
         Q = _normalise_rows((base + g).astype(np.float32))
+        if labels:
+            return np.ascontiguousarray(Q, dtype=np.float32), user_index, specific, item, cen
         return np.ascontiguousarray(Q, dtype=np.float32), user_index, specific
 
 

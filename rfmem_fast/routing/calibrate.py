@@ -40,6 +40,8 @@ __all__ = [
     "fit_threshold_router",
     "Calibration",
     "calibrate",
+    "reranker_pools",
+    "calibrate_reranker",
 ]
 
 #: router kinds :func:`fit_router` can fit
@@ -265,3 +267,77 @@ def calibrate(
     router = fit_router(kind, signals, d, r, probe, seed)
     labels, weights = path_labels(d, r)
     return Calibration(router, signals, d, r, labels, weights, k)
+
+
+def reranker_pools(
+    bank: Any,
+    queries: Any,
+    users: Sequence[Hashable],
+    relevant: Sequence[Any],
+    config: Any = None,
+    depth: int = 20,
+    mode: str = "dense",
+    backend: str = "auto",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Labelled candidate pools of questions, the training data of :func:`rfmem_fast.routing.fit_reranker`.
+
+    Args:
+        bank, queries, users: as :func:`rfmem_fast.search`.
+        relevant: n entries, each a list of relevant item ids or a mapping
+            ``{alternative: [ids]}``.
+        config: RFMemConfig (without a re-ranker) the pools are built with.
+        depth: probe items per pool.
+        mode: the search mode the pools are built with: "dense" (no recollection),
+            "recollection" (every query recollects) or "rfmem" (the config's router);
+            use the re-ranker with a config that routes the same way.
+        backend: search backend.
+
+    Returns:
+        (features float64 [n, L, 4], keep bool [n, L], labels int64 [n, L]).
+
+    Raises:
+        ValueError / TypeError / KeyError: as :func:`rfmem_fast.search_candidates` and
+            :func:`rfmem_fast.routing.candidate_labels`.
+    """
+    from ..search import search_candidates
+    from .rerank import candidate_labels
+
+    pools = search_candidates(bank, queries, users, config, mode=mode, depth=depth, backend=backend)
+    return pools.features, pools.keep, candidate_labels(pools.ids, pools.keep, relevant)
+
+
+def calibrate_reranker(
+    bank: Any,
+    queries: Any,
+    users: Sequence[Hashable],
+    relevant: Sequence[Any],
+    config: Any = None,
+    features: Sequence[str] = ("cos", "profile"),
+    depth: int = 20,
+    mode: str = "dense",
+    C: float = 1.0,
+    backend: str = "auto",
+    meta: dict[str, Any] | None = None,
+) -> Any:
+    """Fit a linear re-ranker on one's own labelled questions (in-sample; judge it on other users).
+
+    :func:`reranker_pools` then :func:`rfmem_fast.routing.fit_reranker` (pairwise
+    logistic regression).
+
+    Args:
+        bank, queries, users, relevant, config, depth, mode, backend: as :func:`reranker_pools`.
+        features: names from :data:`rfmem_fast.routing.RERANK_FEATURES`.
+        C: inverse regularisation strength.
+        meta: stored with the model (``pool_mode`` and ``depth`` are added).
+
+    Returns:
+        :class:`rfmem_fast.routing.LinearReranker`; save it with
+        :func:`rfmem_fast.routing.save_reranker` and use it as ``RFMemConfig(reranker=path)``.
+
+    Raises:
+        ValueError: as :func:`reranker_pools` and :func:`rfmem_fast.routing.fit_reranker`.
+    """
+    from .rerank import fit_reranker
+
+    F, K, Y = reranker_pools(bank, queries, users, relevant, config, depth, mode, backend)
+    return fit_reranker(F, K, Y, features, depth, C, meta={**(meta or {}), "pool_mode": mode, "depth": depth})

@@ -1,4 +1,4 @@
-"""Router files: a fitted router as a small versioned JSON document.
+"""Router and re-ranker files: a fitted router or re-ranker as a small versioned JSON document.
 
 Layout (``ROUTER_FORMAT``, version ``ROUTER_VERSION``)::
 
@@ -10,6 +10,20 @@ Layout (``ROUTER_FORMAT``, version ``ROUTER_VERSION``)::
       "params": {...},                # the router's own parameters (Router.params())
       "meta": {...}                   # free-form: what it was fitted on, CV scores, ...
     }
+
+A re-ranker file (:mod:`rfmem_fast.routing.rerank`, ``RERANKER_FORMAT``, version
+``RERANKER_VERSION``)::
+
+    {
+      "format": "rfmem_fast.reranker",
+      "version": 1,
+      "kind": "linear",
+      "params": {"features": ["cos", "profile"], "weights": [...], "depth": 20},
+      "meta": {...}
+    }
+
+``RFMemConfig(reranker="file.json")`` loads it with :func:`load_reranker` (errors:
+:class:`RerankerFileError`, as for routers).
 
 ``RFMemConfig(router="file.json")`` and ``search(..., router=...)`` load it with
 :func:`load_router`; a file that is not JSON, lacks a key, has another format tag, a
@@ -27,11 +41,16 @@ from typing import Any
 
 from .base import ROUTER_KINDS, ProbeSettings, Router
 
-__all__ = ["ROUTER_FORMAT", "ROUTER_VERSION", "RouterFileError", "save_router", "load_router", "router_document"]
+__all__ = [
+    "ROUTER_FORMAT", "ROUTER_VERSION", "RouterFileError", "save_router", "load_router", "router_document",
+    "RERANKER_FORMAT", "RERANKER_VERSION", "RerankerFileError", "save_reranker", "load_reranker",
+]  # fmt: skip
 
 ROUTER_FORMAT = "rfmem_fast.router"
 ROUTER_VERSION = 1
-_cache: dict[tuple[str, int, int], tuple[Router, dict[str, Any]]] = {}
+RERANKER_FORMAT = "rfmem_fast.reranker"
+RERANKER_VERSION = 1
+_cache: dict[tuple[str, str, int, int], Any] = {}
 _lock = threading.Lock()
 
 
@@ -68,7 +87,11 @@ def save_router(router: Router, path: str | os.PathLike[str], meta: dict[str, An
         TypeError: not a Router, or ``meta`` not JSON-serialisable.
         OSError: the file cannot be written.
     """
-    doc = router_document(router, meta)
+    return _write_atomic(router_document(router, meta), path)
+
+
+def _write_atomic(doc: dict[str, Any], path: str | os.PathLike[str]) -> str:
+    """Write a JSON document to ``path`` atomically (temporary file + rename); returns the path."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -81,21 +104,24 @@ def save_router(router: Router, path: str | os.PathLike[str], meta: dict[str, An
     return str(path)
 
 
-def _parse(doc: Any, where: str) -> tuple[Router, dict[str, Any]]:
+def _check_header(doc: Any, where: str, fmt: str, version_max: int, what: str, keys: tuple[str, ...], err: type) -> None:
+    """Raise ``err`` unless ``doc`` is an object of format ``fmt``, a version in [1, version_max] and has ``keys``."""
     if not isinstance(doc, dict):
-        raise RouterFileError(f"{where}: expected a JSON object, got {type(doc).__name__}")
-    if doc.get("format") != ROUTER_FORMAT:
-        raise RouterFileError(f"{where}: not a router file (format {doc.get('format')!r}, expected {ROUTER_FORMAT!r})")
+        raise err(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != fmt:
+        raise err(f"{where}: not a {what} file (format {doc.get('format')!r}, expected {fmt!r})")
     version = doc.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise RouterFileError(f"{where}: bad version {version!r}")
-    if version > ROUTER_VERSION:
-        raise RouterFileError(
-            f"{where}: router file version {version} is newer than this rfmem_fast reads ({ROUTER_VERSION}); upgrade rfmem_fast"
-        )
-    for key in ("kind", "probe", "params"):
+        raise err(f"{where}: bad version {version!r}")
+    if version > version_max:
+        raise err(f"{where}: {what} file version {version} is newer than this rfmem_fast reads ({version_max}); upgrade rfmem_fast")
+    for key in keys:
         if key not in doc:
-            raise RouterFileError(f"{where}: missing key {key!r}")
+            raise err(f"{where}: missing key {key!r}")
+
+
+def _parse(doc: Any, where: str) -> tuple[Router, dict[str, Any]]:
+    _check_header(doc, where, ROUTER_FORMAT, ROUTER_VERSION, "router", ("kind", "probe", "params"), RouterFileError)
     kind = doc["kind"]
     if kind not in ROUTER_KINDS:
         raise RouterFileError(f"{where}: unknown router kind {kind!r} (known: {sorted(ROUTER_KINDS)})")
@@ -133,19 +159,93 @@ def load_router(path: str | os.PathLike[str], with_meta: bool = False) -> Any:
         RouterFileError: (a ValueError) corrupt, other format, newer version, unknown
             kind, malformed parameters; the message names the file.
     """
+    hit = _load_cached(path, "router", _parse, RouterFileError)
+    return hit if with_meta else hit[0]
+
+
+def _load_cached(path: str | os.PathLike[str], what: str, parse: Any, err: type) -> Any:
+    """``parse(json document, description)`` of a file, cached per (kind, path, mtime, size)."""
     p = Path(os.fspath(path)).expanduser().resolve()
     if not p.is_file():
-        raise FileNotFoundError(f"router file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
     st = p.stat()
-    key = (str(p), st.st_mtime_ns, st.st_size)
+    key = (what, str(p), st.st_mtime_ns, st.st_size)
     with _lock:
         hit = _cache.get(key)
     if hit is None:
         try:
             doc = json.loads(p.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RouterFileError(f"router file {str(p)!r} is not valid JSON: {e}") from None
-        hit = _parse(doc, f"router file {str(p)!r}")
+            raise err(f"{what} file {str(p)!r} is not valid JSON: {e}") from None
+        hit = parse(doc, f"{what} file {str(p)!r}")
         with _lock:
             _cache[key] = hit
-    return hit if with_meta else hit[0]
+    return hit
+
+
+# ------------------------------------------------------------------ re-ranker files
+
+
+class RerankerFileError(ValueError):
+    """A re-ranker file is unreadable, corrupt, of another format or version, or malformed."""
+
+
+def save_reranker(reranker: Any, path: str | os.PathLike[str], meta: dict[str, Any] | None = None) -> str:
+    """Write a re-ranker file atomically (layout in the module docstring).
+
+    Args:
+        reranker: a :class:`~rfmem_fast.routing.rerank.LinearReranker`.
+        path: the JSON file to write (its folder must exist).
+        meta: JSON-serialisable facts (default: the re-ranker's own ``meta``).
+
+    Returns:
+        the path written (str).
+
+    Raises:
+        TypeError: not a LinearReranker, or ``meta`` not JSON-serialisable.
+        OSError: the file cannot be written.
+    """
+    from .rerank import LinearReranker
+
+    if not isinstance(reranker, LinearReranker):
+        raise TypeError(f"reranker must be a rfmem_fast.routing.LinearReranker, got {type(reranker).__name__}")
+    doc = {
+        "format": RERANKER_FORMAT,
+        "version": RERANKER_VERSION,
+        "kind": reranker.kind,
+        "params": reranker.params(),
+        "meta": dict(reranker.meta if meta is None else meta),
+    }
+    return _write_atomic(doc, path)
+
+
+def _parse_reranker(doc: Any, where: str) -> Any:
+    from .rerank import LinearReranker
+
+    _check_header(doc, where, RERANKER_FORMAT, RERANKER_VERSION, "reranker", ("kind", "params"), RerankerFileError)
+    if doc["kind"] != LinearReranker.kind:
+        raise RerankerFileError(f"{where}: unknown reranker kind {doc['kind']!r} (known: {[LinearReranker.kind]})")
+    if not isinstance(doc["params"], dict):
+        raise RerankerFileError(f"{where}: 'params' must be an object")
+    meta = doc.get("meta") or {}
+    try:
+        return LinearReranker.from_params(doc["params"], meta if isinstance(meta, dict) else {})
+    except (TypeError, ValueError) as e:
+        raise RerankerFileError(f"{where}: malformed linear parameters: {e}") from None
+
+
+def load_reranker(path: str | os.PathLike[str]) -> Any:
+    """Read a re-ranker file (cached per path, modification time and size).
+
+    Args:
+        path: the JSON file.
+
+    Returns:
+        the :class:`~rfmem_fast.routing.rerank.LinearReranker` (its ``meta`` holds the file's).
+
+    Raises:
+        FileNotFoundError: no such file.
+        RerankerFileError: (a ValueError) not JSON, another format, a newer version, an
+            unknown kind, malformed parameters; the message names the file.
+    """
+    return _load_cached(path, "reranker", _parse_reranker, RerankerFileError)

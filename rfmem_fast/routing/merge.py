@@ -30,11 +30,13 @@ in float64 from the bank's float32 vectors, so every backend gives identical lis
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..config import MERGE_MODES
 
-__all__ = ["MERGE_MODES", "merge_paths"]
+__all__ = ["MERGE_MODES", "merge_paths", "first_occurrences", "select_top", "in_blocks", "unit_mean"]
 
 
 def merge_paths(
@@ -77,16 +79,71 @@ def merge_paths(
             f"probe_rows {probe_rows.shape}, hit_rows {hit_rows.shape} and queries {queries.shape} "
             "must be 2-D and share their first dimension"
         )
-    # blocks of queries bound the [block, kp + m, d] float64 gather to ~128 MiB
-    r = probe_rows.shape[0]
-    step = max(1, (1 << 24) // max(1, (probe_rows.shape[1] + hit_rows.shape[1]) * vectors.shape[1]))
-    if r > step:
-        parts = [
-            _merge_block(merge, probe_rows[i : i + step], hit_rows[i : i + step], queries[i : i + step], vectors, out_k, rrf_k, rescore_weight)
-            for i in range(0, r, step)
-        ]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    return _merge_block(merge, probe_rows, hit_rows, queries, vectors, out_k, rrf_k, rescore_weight)
+    return in_blocks(
+        lambda sl: _merge_block(merge, probe_rows[sl], hit_rows[sl], queries[sl], vectors, out_k, rrf_k, rescore_weight),
+        probe_rows.shape[0], probe_rows.shape[1] + hit_rows.shape[1], vectors.shape[1],
+    )  # fmt: skip
+
+
+def in_blocks(fn: Any, r: int, width: int, d: int) -> tuple[np.ndarray, ...]:
+    """Run ``fn(slice)`` over blocks of the r queries and concatenate its array outputs.
+
+    A block holds at most ``2**24 // (width * d)`` queries, so the [block, width, d]
+    float64 gather of the candidates' vectors stays near 128 MiB.
+    """
+    step = max(1, (1 << 24) // max(1, width * d))
+    if r <= step:
+        return fn(slice(0, r))
+    parts = [fn(slice(i, i + step)) for i in range(0, r, step)]
+    return tuple(np.concatenate([p[j] for p in parts]) for j in range(len(parts[0])))
+
+
+def unit_mean(V: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``normalise(sum of the masked rows)`` per query: float64 [r, d] from V [r, m, d] and
+    mask bool [r, m] (zero where nothing is masked in)."""
+    c = (V * mask[:, :, None]).sum(axis=1)
+    return c / (np.linalg.norm(c, axis=1, keepdims=True) + 1e-12)
+
+
+def first_occurrences(cand: np.ndarray, valid: np.ndarray, order_key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which candidates are the first occurrence of their row (by ``order_key``), batched.
+
+    Args:
+        cand: int64 [r, L] rows; valid: bool [r, L]; order_key: int64 [r, L] (smaller =
+            earlier; unique within a query).
+
+    Returns:
+        (keep bool [r, L]: valid and first of its row; o int64 [r, L]: the sort
+        permutation grouping equal rows, earliest first; first bool [r, L] in that order).
+    """
+    grp = np.where(valid, cand, np.iinfo(np.int64).max)
+    o = np.lexsort((order_key, grp), axis=1)
+    g_sorted = np.take_along_axis(grp, o, 1)
+    first = np.ones(cand.shape, dtype=bool)
+    first[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
+    keep = np.empty(cand.shape, dtype=bool)
+    np.put_along_axis(keep, o, first, 1)
+    return keep & valid, o, first
+
+
+def select_top(primary: np.ndarray, score: np.ndarray, keep: np.ndarray, order_key: np.ndarray, cand: np.ndarray,
+               out_k: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The ``out_k`` kept candidates of largest ``primary`` (ties: smaller ``order_key``), batched.
+
+    Returns:
+        (rows int64 [r, out_k] with -1 padding, ``score`` of them as float32 [r, out_k]
+        with -inf padding).
+    """
+    prim = np.where(keep, primary, -np.inf)
+    key2 = np.where(keep, order_key, np.iinfo(np.int64).max)
+    fin = np.lexsort((key2, -prim), axis=1)[:, :out_k]
+    rows = np.take_along_axis(np.where(keep, cand, -1), fin, 1)
+    sc = np.take_along_axis(np.where(keep, score, -np.inf), fin, 1).astype(np.float32)
+    if rows.shape[1] < out_k:
+        pad = out_k - rows.shape[1]
+        rows = np.pad(rows, ((0, 0), (0, pad)), constant_values=-1)
+        sc = np.pad(sc, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return rows, sc
 
 
 def _merge_block(merge: str, probe_rows: np.ndarray, hit_rows: np.ndarray, queries: np.ndarray, vectors: np.ndarray,
@@ -112,18 +169,11 @@ def _merge_block(merge: str, probe_rows: np.ndarray, hit_rows: np.ndarray, queri
         primary = 1.0 / (float(rrf_k) + rank + 1.0)
         score = primary
     else:  # rescore
-        hv = valid[:, kp:, None]
-        c = (V[:, kp:] * hv).sum(axis=1)
-        c /= np.linalg.norm(c, axis=1, keepdims=True) + 1e-12
+        c = unit_mean(V[:, kp:], valid[:, kp:])
         primary = cos + float(rescore_weight) * np.einsum("rld,rd->rl", V, c)
         score = primary
 
-    # duplicates: group equal rows (invalid ones last), earliest interleave position first
-    grp = np.where(valid, cand, np.iinfo(np.int64).max)
-    o = np.lexsort((order_key, grp), axis=1)
-    g_sorted = np.take_along_axis(grp, o, 1)
-    first = np.ones((r, L), dtype=bool)
-    first[:, 1:] = g_sorted[:, 1:] != g_sorted[:, :-1]
+    keep, o, first = first_occurrences(cand, valid, order_key)
     if merge == "rrf":  # an item is in both lists at most once each: add the partner's share
         p_sorted = np.take_along_axis(primary, o, 1)
         partner = np.zeros((r, L))
@@ -132,18 +182,5 @@ def _merge_block(merge: str, probe_rows: np.ndarray, hit_rows: np.ndarray, queri
         primary = np.empty_like(primary)
         np.put_along_axis(primary, o, p_sorted, 1)
         score = primary
-    keep = np.empty((r, L), dtype=bool)
-    np.put_along_axis(keep, o, first, 1)
-    keep &= valid
-
     # final order: primary descending, then interleave position
-    prim = np.where(keep, primary, -np.inf)
-    key2 = np.where(keep, order_key, np.iinfo(np.int64).max)
-    fin = np.lexsort((key2, -prim), axis=1)[:, :out_k]
-    rows = np.take_along_axis(np.where(keep, cand, -1), fin, 1)
-    sc = np.take_along_axis(np.where(keep, score, -np.inf), fin, 1).astype(np.float32)
-    if rows.shape[1] < out_k:
-        pad = out_k - rows.shape[1]
-        rows = np.pad(rows, ((0, 0), (0, pad)), constant_values=-1)
-        sc = np.pad(sc, ((0, 0), (0, pad)), constant_values=-np.inf)
-    return rows, sc
+    return select_top(primary, score, keep, order_key, cand, out_k)

@@ -1,0 +1,81 @@
+// Candidate lists of the segmented top-k: (score, row) entries and the bounded min-heap
+// each query keeps while a kernel scans its segment (topk.cpp; the SIMD kernels of
+// simd_impl.inc push into it too).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+namespace rfmem {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Entry {
+  float s;
+  int64_t r;
+};
+
+// e[0:m] into out_s / out_r, padded to k with -inf / -1.
+inline void write_padded(const Entry* e, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
+  for (int64_t j = 0; j < m; ++j) {
+    out_s[j] = e[j].s;
+    out_r[j] = e[j].r;
+  }
+  for (int64_t j = m; j < k; ++j) {
+    out_s[j] = kNegInf;
+    out_r[j] = -1;
+  }
+}
+
+// a ranks strictly below b (lower score, or equal score and larger row)
+inline bool worse(const Entry& a, const Entry& b) { return a.s < b.s || (a.s == b.s && a.r > b.r); }
+// a ranks strictly above b: the output order
+inline bool better(const Entry& a, const Entry& b) { return a.s > b.s || (a.s == b.s && a.r < b.r); }
+
+// Bounded min-heap of the k best entries seen (root = the worst kept one).
+struct Heap {
+  Entry* h = nullptr;
+  int64_t k = 0;
+  int64_t size = 0;
+
+  float threshold() const { return size < k ? kNegInf : h[0].s; }
+
+  // Rows arrive in increasing order, so a newcomer never wins a tie with a kept row.
+  void push(float s, int64_t r) {
+    if (!(s == s)) return;  // NaN is never kept
+    if (size < k) {
+      int64_t i = size++;
+      h[i] = Entry{s, r};
+      while (i > 0) {  // sift up: parent must be worse than or equal to child
+        int64_t p = (i - 1) >> 1;
+        if (worse(h[i], h[p])) {
+          std::swap(h[i], h[p]);
+          i = p;
+        } else {
+          break;
+        }
+      }
+    } else if (s > h[0].s) {
+      h[0] = Entry{s, r};
+      int64_t i = 0;
+      for (;;) {  // sift down
+        int64_t l = 2 * i + 1, rr = l + 1, w = i;
+        if (l < size && worse(h[l], h[w])) w = l;
+        if (rr < size && worse(h[rr], h[w])) w = rr;
+        if (w == i) break;
+        std::swap(h[i], h[w]);
+        i = w;
+      }
+    }
+  }
+
+  // The kept entries into out_s / out_r (heap order: the root, the worst, first),
+  // padded to k with -inf / -1.
+  void drain(float* out_s, int64_t* out_r) {
+    write_padded(h, size, k, out_s, out_r);
+    size = 0;
+  }
+};
+
+}  // namespace rfmem

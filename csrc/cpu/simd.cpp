@@ -1,0 +1,102 @@
+// The SIMD kernels of simd.h: simd_impl.inc compiled once per instruction-set level,
+// each in its own namespace, and the run-time choice of the level (CPUID through the
+// compiler's __builtin_cpu_supports, which also checks that the OS saves the vector
+// registers). Levels 1 and 2 exist on x86 with GCC or Clang; elsewhere only level 0.
+#include "simd.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(RFMEM_NO_MULTIVERSION)
+#define RFMEM_SIMD_X86 1
+#include <immintrin.h>
+#else
+#define RFMEM_SIMD_X86 0
+#endif
+
+namespace rfmem {
+
+namespace simd_l0 {
+#define RFMEM_LEVEL 0
+#include "simd_impl.inc"
+#undef RFMEM_LEVEL
+}  // namespace simd_l0
+
+#if RFMEM_SIMD_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace simd_l1 {
+#define RFMEM_LEVEL 1
+#include "simd_impl.inc"
+#undef RFMEM_LEVEL
+}  // namespace simd_l1
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
+namespace simd_l2 {
+#define RFMEM_LEVEL 2
+#include "simd_impl.inc"
+#undef RFMEM_LEVEL
+}  // namespace simd_l2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // RFMEM_SIMD_X86
+
+namespace {
+
+const SimdKernels kLevels[] = {
+    {0, "baseline", simd_l0::MR, simd_l0::NR, &simd_l0::gemm_panel, &simd_l0::to_f32, &simd_l0::dot4_half,
+     &simd_l0::scan_rows_half},
+#if RFMEM_SIMD_X86
+    {1, "avx2", simd_l1::MR, simd_l1::NR, &simd_l1::gemm_panel, &simd_l1::to_f32, &simd_l1::dot4_half,
+     &simd_l1::scan_rows_half},
+    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l2::dot4_half,
+     &simd_l2::scan_rows_half},
+#endif
+};
+
+std::atomic<int> g_cap{std::numeric_limits<int>::max()};
+
+int detect_level() {
+#if RFMEM_SIMD_X86
+  __builtin_cpu_init();
+  const bool l1 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (l1 && __builtin_cpu_supports("avx512f")) return 2;
+  if (l1) return 1;
+#endif
+  return 0;
+}
+
+}  // namespace
+
+int simd_level_supported() {
+  static const int level = detect_level();
+  return level;
+}
+
+const SimdKernels& simd_kernels() {
+  const int level = std::min(simd_level_supported(), g_cap.load(std::memory_order_relaxed));
+  return kLevels[std::max(0, level)];
+}
+
+int set_simd_cap(int cap) {
+  g_cap.store(cap < 0 ? std::numeric_limits<int>::max() : cap, std::memory_order_relaxed);
+  return simd_kernels().level;
+}
+
+}  // namespace rfmem

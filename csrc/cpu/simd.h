@@ -1,0 +1,85 @@
+// Instruction-set specific kernels of the segmented top-k, compiled three times
+// (simd.cpp includes simd_impl.inc once per level) and picked at run time:
+//
+//   level 2  AVX-512F (+ AVX2, FMA, F16C)   GEMM micro-tile 12 rows x 32 queries
+//   level 1  AVX2 + FMA + F16C              GEMM micro-tile  6 rows x 16 queries
+//   level 0  baseline (any CPU, plain C++)  GEMM micro-tile  4 rows x 16 queries
+//
+// What they compute:
+//   * gemm_panel: the float32 scores of a tile of bank rows against a packed panel of
+//     NR queries, register-blocked (MR rows x NR queries of accumulators, one broadcast
+//     of a row element per MR x NR / W fused multiply-adds), the reduction over d cut
+//     into blocks of kGemmKc terms, each summed from zero in the accumulators and then
+//     added to the running sums; every score is compared at once with its query's heap
+//     threshold, so no score matrix is written beyond one MR x NR micro-tile. Depth of
+//     a product term (roundings it goes through, exact.py): kGemmKc + ceil(d / kGemmKc)
+//     - 1 at most (gemm_depth), whether the multiply-add is fused (levels 1, 2) or not
+//     (level 0).
+//   * dot4_half / scan_rows_half: the scan path over float16 / bfloat16 rows, converted
+//     exactly to float32 (F16C / a 16-bit shift) and reduced on the same 16 lanes as the
+//     float32 scan of topk.cpp (lane j % 16 accumulates in order of j, then a balanced
+//     4-level tree), so its depth is at most ceil(d / 16) + 4. Levels 1 and 2 fuse each
+//     multiply-add (one rounding per term instead of two; level 2 scans 8 rows per step)
+//     and prefetch the rows ahead, level 0 multiplies then adds: their scan scores may
+//     differ in the last bits, the exact results never do.
+//   * to_f32: float16 / bfloat16 -> float32, exact.
+#pragma once
+
+#include <cstdint>
+
+#include "heap.h"
+
+namespace rfmem {
+
+/// Element type of the bank copy a scan reads (the exact re-scoring always reads float32).
+enum class ScanType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+/// Terms of d summed from zero before they are added to the running sum (GEMM path).
+constexpr int64_t kGemmKc = 64;
+
+/// Roundings a product term goes through in the GEMM path: at most kGemmKc within its
+/// block (one per multiply-add; the first multiply-add of a block rounds the product)
+/// plus one per later block added to the running sum.
+inline int64_t gemm_depth(int64_t d) {
+  const int64_t blocks = (d + kGemmKc - 1) / kGemmKc;
+  return (d < kGemmKc ? d : kGemmKc) + (blocks > 0 ? blocks - 1 : 0);
+}
+
+struct SimdKernels {
+  int level;         // 0 baseline, 1 AVX2/FMA/F16C, 2 AVX-512F
+  const char* name;  // "baseline", "avx2", "avx512"
+  int mr;            // rows per GEMM micro-tile
+  int nr;            // queries per packed panel
+
+  /// Scores of rows T[0:nrows] (float32, row-major, stride d; global row of T[0] is
+  /// row0) against the packed panel P (P[j * nr + q] = query q's element j, queries
+  /// nq..nr-1 zero); each score of query q < nq above its heap's threshold is pushed
+  /// into heaps[q]. ``c`` is scratch of mr * nr floats, ``thr`` of nr floats.
+  void (*gemm_panel)(const float* T, int64_t nrows, int64_t d, const float* P, int nq, int64_t row0,
+                     Heap* heaps, float* c, float* thr);
+
+  /// dst[0:count] = src[0:count] as float32 (exact).
+  void (*to_f32)(const uint16_t* src, int64_t count, ScanType t, float* dst);
+
+  /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
+  void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,
+                    const uint16_t* x3, int64_t d, ScanType t, float* out);
+
+  /// The scan path over half-precision rows [r0, r1) of X: heaps[i] collects query i's
+  /// best scores (rows in increasing order), tiles of tile_rows rows shared by the nq
+  /// queries (as scan_rows of topk.cpp).
+  void (*scan_rows_half)(const uint16_t* X, ScanType t, int64_t d, int64_t r0, int64_t r1,
+                         const float* const* qs, int nq, Heap* heaps, int64_t tile_rows);
+};
+
+/// Highest level this CPU (and its OS) supports.
+int simd_level_supported();
+
+/// Kernels of min(supported level, cap) (cap: set_simd_cap, default no cap).
+const SimdKernels& simd_kernels();
+
+/// Caps the level used by later calls (tests run every level on one machine); a
+/// negative cap removes the cap. Returns the level now in use.
+int set_simd_cap(int cap);
+
+}  // namespace rfmem
