@@ -11,7 +11,13 @@ This benchmark measures, in ONE run, the latency of single-query ``search`` call
   package's defaults, nothing set) and ``1`` (one thread: ``NativeBackend(num_threads=1)``
   and ``torch.set_num_threads(1)``), the known-safe reference;
 * quiet, then with ``--competitors`` CPU-bound processes (default 2: one per core of a
-  2-core machine) that this script starts and stops itself.
+  2-core machine) that this script starts and stops itself;
+* per ``--gap-ms`` (default ``0,2``): the idle time between two calls. ``0`` is a
+  closed loop (the measuring process is itself CPU-bound, so with two competitors on
+  two cores it is preempted about once per scheduler tick, and its p99 holds one
+  tick's wait whatever the search costs); ``2`` models a server that waits for its
+  next request (the kernel's scheduler places a waking task ahead of the ones that
+  ran meanwhile, so an idle-then-busy search is rarely made to wait).
 
 The goal (issue 8): p99 under contention <= 3 x p99 quiet with the default threads.
 The JSON (``bench/results/contention-<timestamp>.json`` or ``--out``) holds the
@@ -70,9 +76,11 @@ def backend_for(name: str, threads: str) -> Any:
     return NativeBackend(num_threads=1)
 
 
-def measure(wl: Any, Q: np.ndarray, users: list[str], mode: str, backend: str, threads: str, warmup: int) -> dict:
+def measure(wl: Any, Q: np.ndarray, users: list[str], mode: str, backend: str, threads: str, warmup: int,
+            gap_ms: float = 0.0) -> dict:
     """Latencies of single-query searches: the first ``warmup`` queries warm up, each
-    of the others is one measured call."""
+    of the others is one measured call, with ``gap_ms`` milliseconds of sleep before
+    each call (0: back to back)."""
     saved = torch.get_num_threads()
     if threads == "1":
         torch.set_num_threads(1)
@@ -83,6 +91,8 @@ def measure(wl: Any, Q: np.ndarray, users: list[str], mode: str, backend: str, t
             search(wl.bank, Q[i : i + 1], users[i : i + 1], cfg, mode=mode, backend=be)
         ms = []
         for i in range(warmup, Q.shape[0]):
+            if gap_ms > 0:
+                time.sleep(gap_ms / 1e3)
             t = time.perf_counter()
             search(wl.bank, Q[i : i + 1], users[i : i + 1], cfg, mode=mode, backend=be)
             ms.append((time.perf_counter() - t) * 1e3)
@@ -120,9 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=",".join(b for b in ("native", "torch") if b in rfmem_fast.available_backends()))
     p.add_argument("--threads", default="default,1", help="thread settings: default and/or 1")
     p.add_argument("--competitors", type=int, default=2, help="CPU-bound processes in the contended condition")
+    p.add_argument("--gap-ms", default="0,2",
+                   help="comma list of idle milliseconds between two calls (0: back to back; >0: a server between requests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    try:
+        gaps = [float(g) for g in args.gap_ms.split(",") if g.strip()]
+    except ValueError:
+        p.error(f"--gap-ms: expected a comma list of numbers, got {args.gap_ms!r}")
+    if not gaps or any(g < 0 for g in gaps):
+        p.error(f"--gap-ms: expected non-negative numbers, got {args.gap_ms!r}")
     scales = [s.strip() for s in args.scales.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -143,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                      "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads()},
         "environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "RFMEM_NUM_THREADS")},
         "workload": {"scales": {s: {"users": SCALES[s][0], "items": SCALES[s][1], "dim": 384} for s in scales},
-                     "queries": args.queries, "warmup": args.warmup, "competitors": args.competitors},
+                     "queries": args.queries, "warmup": args.warmup, "competitors": args.competitors,
+                     "gap_ms": gaps},
         "conditions": {},
     }  # fmt: skip
     work = {}
@@ -160,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes:
                     for be in backends:
                         for th in threads:
-                            key = f"{s}/{mode}/{be}/threads={th}"
-                            r = measure(wl, Q, users, mode, be, th, args.warmup)
-                            res["cells"][key] = r
-                            print(f"{cond:10s} {key:40s} p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms", file=sys.stderr)
+                            for gap in gaps:
+                                key = f"{s}/{mode}/{be}/threads={th}/gap={gap:g}ms"
+                                r = measure(wl, Q, users, mode, be, th, args.warmup, gap)
+                                res["cells"][key] = r
+                                print(f"{cond:10s} {key:48s} p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms",
+                                      file=sys.stderr)
             res["loadavg_after"] = list(os.getloadavg())
         finally:
             stop(procs)
@@ -179,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}", file=sys.stderr)
     for key, r in ratios.items():
-        print(f"{key:40s} p99 contention / quiet = {r['p99']:.2f}", file=sys.stderr)
+        print(f"{key:48s} p99 contention / quiet = {r['p99']:.2f}", file=sys.stderr)
     return 0
 
 

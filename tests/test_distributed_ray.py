@@ -36,7 +36,7 @@ def compared_fields(res) -> list[str]:
     assert set(REQUIRED) <= set(names)
     return names
 #: the reference backend (one query at a time) runs on every REF_STRIDE-th query only
-REF_STRIDE = 4
+REF_STRIDE = 8
 SHARD_OPTS = dict(num_cpus=0, ready_timeout_s=120)
 
 

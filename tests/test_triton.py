@@ -141,12 +141,12 @@ LENS = [0, 1, 5, 37, 70]  # an empty user, one item, fewer items than k, longer 
 QSEG = [4, 0, 1, 2, 3, 4, 4, 3, 2, 1, 4]
 
 
-@pytest.mark.parametrize("d", [3, 37, 72])
+@pytest.mark.parametrize("d", [3, 72])
 def test_segmented_topk_matches_torch_and_reference(d):
     bank, off, g = _bank(d, LENS, seed=d)
     Q, qseg = _queries(bank, off, QSEG, g, d)
     tb, rb, ref = _triton(), _torch(), ReferenceBackend()
-    for k in ((1, 7, 40) if d == 37 else (1, 40)):
+    for k in ((1, 7, 40) if d == 72 else (1, 40)):
         s, r = _cpu(tb.segmented_topk(tb.view(bank), Q, qseg, k))
         s2, r2 = _cpu(rb.segmented_topk(rb.view(bank), Q, qseg, k))
         s3, r3 = _cpu(ref.segmented_topk(ref.view(bank), Q, qseg, k))
