@@ -50,6 +50,7 @@ from .router import (
     RULE_FORCED_DENSE,
     RULE_FORCED_RECOLLECTION,
     RULE_NAMES,
+    route,
     route_tensor,
 )
 from .routing import ProbeSignals, Router, candidate_features, fold_profile, merge_paths, view_profiles
@@ -556,7 +557,8 @@ def search_tensors(
         # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
         with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
             part = _search_chunk(
-                backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools
+                backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
+                host=host_output and Q.device.type == "cpu",
             )  # fmt: skip
         if not host_output:
             parts.append(part)
@@ -587,8 +589,15 @@ def _search_chunk(
     router: Router | None = None,
     reranker: Any = None,
     pools: list | None = None,
+    host: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device."""
+    """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device.
+
+    ``host``: the chunk lives in host memory and its results go to the host anyway
+    (``search(..., output="numpy")`` on the CPU), so host reads are free: the spec's
+    thresholds route with numpy (torch's per-operation dispatch costs ~0.1 ms on a
+    one-query batch) and a chunk where no query recollects skips the beam driver. Else
+    (device-resident batches) nothing here reads a device value on the host."""
     b = Q.shape[0]
     dev = Q.device
     if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
@@ -606,6 +615,8 @@ def _search_chunk(
     if mode == "rfmem" and router is not None:  # a router object / file: on the host
         sig = ProbeSignals.from_arrays(p_sc[:, :probe_k], mean, ent, count)
         routes, rule = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev) for a in router.route(sig))
+    elif mode == "rfmem" and host:  # numpy: a few us, where torch's dispatches cost ~0.1 ms
+        routes, rule = (torch.from_numpy(a) for a in route(mean.numpy(), ent.numpy(), count.numpy(), config))
     elif mode == "rfmem":
         routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     else:
@@ -615,9 +626,13 @@ def _search_chunk(
     rows = p_rows[:, :out_k]
     scores = p_sc[:, :out_k].to(torch.float32)
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
-    if mode != "dense":
+    reco = routes == RECOLLECTION
+    out = None
+    # a host chunk where no query recollects skips the beam driver's set-up (a device
+    # chunk would need a host synchronisation to know: it calls the driver, which stops
+    # at its first round's check)
+    if mode != "dense" and (not host or bool(reco.any())):
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        reco = routes == RECOLLECTION
         out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
@@ -626,7 +641,7 @@ def _search_chunk(
             rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
     if reranker is not None or pools is not None:
-        hits = out.hit_rows.to(dev) if mode != "dense" else None
+        hits = out.hit_rows.to(dev) if out is not None else None
         pool = _pools(view, Q, qseg, p_rows[:, : max(depth, 1)], hits, routes)
         if pools is not None:
             pools.append(pool)
