@@ -5,6 +5,12 @@ import json
 import os
 from dataclasses import dataclass
 
+# One intra-op thread unless the caller chose (set before numpy / torch load, inherited by
+# the subprocesses tests start): most tests run many small ops, which OpenMP threads make
+# slower on 2 shared cores (the suite: 341 s with the default threads, ~310 s with one);
+# tests of threading set their threads explicitly (tests/test_threads.py and others).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 from _shared import shared_dir
