@@ -204,3 +204,17 @@ def test_bench_gemm_script_tiny(tmp_path):
         assert r["rule_takes_gemm"] == _native.gemm_pays(r["queries_per_segment"], r["seg_rows"], 32, r["level"])
     assert {r["scan_type"] for r in doc["bandwidth"]} == {"float32", "float16", "bfloat16"}
     assert all(_finite(r["speedup_over_float32"]) for r in doc["bandwidth"])
+
+
+def test_to_markdown_renders_a_report_of_an_older_version():
+    """bench/to_markdown.py renders a committed report written before the per-thread
+    ratios existed (main before issue 11)."""
+    name = "bench-before-issue11-20261201.json"
+    root = Path(__file__).resolve().parents[1]
+    path = root / "bench" / "results" / name
+    if not path.is_file():
+        pytest.skip(f"{path} is not in this checkout")
+    res = subprocess.run([sys.executable, str(root / "bench" / "to_markdown.py"), str(path)], capture_output=True,
+                         text=True, timeout=120, cwd=root)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "**Ratios (headline backend: native)**" in res.stdout and "RF-Mem qps / faiss dense qps" in res.stdout

@@ -435,18 +435,21 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         if r:
             rows.append([f"RF-Mem p50 / dense p50 @ {r['scale']} tokens", _f(r["value"], 2), f"{r['goal']} (paper {r['paper']})", _per(r["per_backend"])])
         r = rt.get("shared_dense_qps_over_faiss_dense_qps")
-        if r:
+        if r and "per_threads" in r:  # reports written before thread counts: no such ratio
             for t, sizes in r["per_threads"].items():
                 for size, per in sizes.items():
                     rows.append([f"dense qps / faiss dense qps @ batch {r['batch_size']}, {size} shared{_threads_txt(t)}", _f(per.get(r["backend"]), 2), r["goal"], _per(per)])
         r = rt.get("rfmem_qps_over_faiss_dense_qps")
-        if r:
+        if r and "per_threads" not in r:  # a report written before thread counts
+            rows.append([f"RF-Mem qps / faiss dense qps @ batch {r['batch_size']}, {r.get('shared_size', '')} shared",
+                         _f(r["value"], 3), r.get("goal", "-"), _per(r["per_backend"])])  # fmt: skip
+        elif r:
             for t, sizes in r["per_threads"].items():
                 for size, per in sizes.items():
                     rows.append([f"RF-Mem qps / faiss dense qps @ batch {r['batch_size']}, {size} shared{_threads_txt(t)}", _f(per.get(r["backend"]), 3), r["goal"], _per(per)])
         for mode in ("dense", "rfmem"):
             r = rt.get(f"multitenant_float16_{mode}_qps_over_float32")
-            if r:
+            if r and "per_threads" in r:
                 for t, per in r["per_threads"].items():
                     name = "dense" if mode == "dense" else "RF-Mem"
                     rows.append([f"float16 / float32 bank, {name} qps, multi-tenant batch {r['batch_size']}{_threads_txt(t)}", _f(per.get(r["backend"]), 2), r["goal"], _per(per)])
