@@ -224,20 +224,30 @@ async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int
     async def worker(http: Any) -> None:
         for u, body in it:
             t0 = time.perf_counter()
-            try:
-                key = await one(http, u, body)
-            except transport_errors as e:
-                key = type(e).__name__
-            if key == "200":
-                lat.append(time.perf_counter() - t0)
-            else:
-                errors[key] = errors.get(key, 0) + 1
+            key = await _ask(one, http, u, body, transport_errors)
+            _record(key, time.perf_counter() - t0, lat, errors)
 
     async with session as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return _latency_summary(lat, errors, wall)
+
+
+async def _ask(one: Any, http: Any, u: str, body: bytes, transport_errors: tuple) -> str:
+    """One request: its HTTP status as a string, or the name of the transport error."""
+    try:
+        return await one(http, u, body)
+    except transport_errors as e:
+        return type(e).__name__
+
+
+def _record(key: str, seconds: float, lat: list[float], errors: dict[str, int]) -> None:
+    """Count one answer: its latency when it is a 200, else one more error of its kind."""
+    if key == "200":
+        lat.append(seconds)
+    else:
+        errors[key] = errors.get(key, 0) + 1
 
 
 def poisson_schedule(n: int, rate: float, seed: int) -> np.ndarray:
@@ -269,14 +279,8 @@ async def drive_open(base: str, work: list[tuple[str, str]], rate: float, k: int
         if delay > 0:
             await asyncio.sleep(delay)
         lag.append(loop.time() - due)
-        try:
-            key = await one(http, u, body)
-        except transport_errors as e:
-            key = type(e).__name__
-        if key == "200":
-            lat.append(loop.time() - due)
-        else:
-            errors[key] = errors.get(key, 0) + 1
+        key = await _ask(one, http, u, body, transport_errors)
+        _record(key, loop.time() - due, lat, errors)
 
     async with session as http:
         t0 = loop.time() + 0.05
