@@ -926,7 +926,7 @@ class MemoryBank:
             key = _check_user(user)
             return self._uindex[key]
         except (KeyError, TypeError):
-            raise KeyError(f"users: unknown user {user!r}") from None
+            raise KeyError(f"user: unknown user {user!r}") from None
 
     def segments_for(self, users: Iterable[Hashable], snapshot: BankSnapshot | None = None) -> np.ndarray:
         """int64 [b]: the segment index of each user key.

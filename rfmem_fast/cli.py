@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .backends import BACKEND_NAMES
 from .config import RFMemConfig
@@ -94,6 +94,21 @@ def _parse_features(text: str) -> list[str]:
     if not feats or any(f not in RERANK_FEATURES for f in feats):
         raise argparse.ArgumentTypeError(f"--features must be a comma list of {RERANK_FEATURES}, got {text!r}")
     return feats
+
+
+def _positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse type: an int >= 1, the error naming ``flag``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}")
+        return v
+
+    return parse
 
 
 def _parse_ks(text: str) -> list[int]:
@@ -172,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--out", help="write one JSON line per question (the golden file's keys) here (one file per noise level)")
     pb.add_argument("--json", dest="json_out", help="write the figures (metrics, route quality, latency, machine) as JSON here")
     pb.add_argument("--no-latency", action="store_true", help="skip the single-query latency loop")
+    pb.add_argument("--latency-questions", type=_positive_int("--latency-questions"), default=None,
+                    help="time only the first N questions in the latency loop (default all 263)")  # fmt: skip
 
     cal = sub.add_parser("calibrate", help="fit a router (or a re-ranker) on labelled questions and save it as a file")
     calsub = cal.add_subparsers(dest="source", required=True)
@@ -271,6 +288,7 @@ def _eval(args: argparse.Namespace, command: str) -> int:
             args.data, noise=noise, modes=args.modes, backend=args.backend, config=config,
             latency=not args.no_latency, encoder=args.encoder, progress=_say, ks=args.k,
             cache_dir=_cache_arg(args), cv=args.cv, router_kind=args.router,
+            latency_questions=args.latency_questions,
         )  # fmt: skip
         reports.append(rep)
         print(format_report(rep))

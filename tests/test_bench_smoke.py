@@ -55,6 +55,11 @@ def test_presets_resolve():
     assert st.users == 7 and st.items == PRESETS["quick"]["items"]  # explicit flags override the preset
     st, _, _ = resolve(p.parse_args(["bench"]))
     assert st.scales == [32768, 131072, 1048576] and st.batch_sizes == [1, 64, 1024] and (st.users, st.items) == (1000, 4096)
+    assert st.thread_counts == [1, 2]
+    st, _, _ = resolve(p.parse_args(["bench", "--quick", "--threads", "1"]))
+    assert st.thread_counts == [1]  # --threads alone: no cell at another count
+    st, _, _ = resolve(p.parse_args(["bench", "--quick", "--threads", "1", "--thread-counts", "1,2"]))
+    assert st.thread_counts == [1, 2]
 
 
 def test_bad_flags_exit_2(capsys):

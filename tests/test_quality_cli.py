@@ -22,6 +22,32 @@ def data_dir(pb_embedded):  # pb_embedded fills the session's embedding cache
     return str(shared_dir() / "data" / "personabench" / "eval_data_v1")
 
 
+def test_eval_with_the_latency_loop_and_the_default_encoder_name(data_dir, pb_cache_dir, pb_embedded, tmp_path, capsys):
+    """The README's main job runs the single-query latency loop with ``--encoder`` at its
+    default ("minilm", a str: it has an ``encode`` method too and once crashed the loop);
+    ``--latency-questions`` times the first few questions only. Without the loop, no
+    latency columns are printed."""
+    figs = tmp_path / "lat.json"
+    rc = main(["eval", "personabench", "--data", data_dir, "--cache-dir", str(pb_cache_dir),
+               "--latency-questions", "3", "--json", str(figs)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "search p50" in text and "nan" not in text
+    doc = json.loads(figs.read_text())
+    for m in ("dense", "recollection", "rfmem"):
+        lat = doc["modes"][m]
+        assert lat["search_ms"]["p50"] > 0 and lat["encode_search_ms"]["p50"] >= lat["search_ms"]["p50"]
+    rc = main(["eval", "personabench", "--data", data_dir, "--cache-dir", str(pb_cache_dir), "--no-latency",
+               "--modes", "dense"])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "search p50" not in text and "nan" not in text
+    with pytest.raises(SystemExit):
+        main(["eval", "personabench", "--data", data_dir, "--latency-questions", "0"])
+    with pytest.raises(ValueError, match="latency_questions"):
+        run_personabench(data_dir, latency_questions=0)
+
+
 def test_eval_k_list_route_quality_and_loo_router(data_dir, pb_cache_dir, pb_embedded, tmp_path, capsys):
     figs = tmp_path / "q.json"
     rc = main(["eval", "personabench", "--data", data_dir, "--cache-dir", str(pb_cache_dir), "--no-latency",

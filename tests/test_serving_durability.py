@@ -151,10 +151,17 @@ def test_opening_errors(tmp_path):
         Memory(encoder=False, dim=DIM).save()
 
 
-def test_one_open_memory_per_directory(tmp_path):
+def test_one_open_memory_per_directory(tmp_path, capsys):
+    from rfmem_fast.cli import main
+    from rfmem_fast.serving import MemoryLockedError
+
     mem = Memory(tmp_path / "m", encoder=False, dim=DIM)
-    with pytest.raises(RuntimeError, match="open in another process or Memory"):
+    with pytest.raises(MemoryLockedError, match="open in another process or Memory"):
         Memory(tmp_path / "m", encoder=False)
+    # `rfmem serve` on the locked directory: a one-line error and exit code 2, no traceback
+    assert main(["serve", "--path", str(tmp_path / "m"), "--encoder", "none", "--keep-omp-wait-policy"]) == 2
+    err = capsys.readouterr().err
+    assert "rfmem serve: error:" in err and "LOCK" in err and "Traceback" not in err
     mem.close()
     Memory(tmp_path / "m", encoder=False).close()  # free again once closed
 

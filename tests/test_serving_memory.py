@@ -386,6 +386,8 @@ def test_config_and_construction_errors(tmp_path):
         Memory(encoder=HashEncoder(16), dim=8)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         Memory(encoder=False, max_batch=0)
+    with pytest.raises(ValueError, match="backend 'gpu' is not a backend name"):
+        Memory(encoder=False, dim=DIM, backend="gpu")  # at construction, not at the first search
     mem = Memory(encoder=False, dim=DIM, config=RFMemConfig(out_k=2))
     mem.add(None, "u", vectors=np.eye(DIM)[:5] + 0.01)
     assert len(mem.search(np.ones(DIM), "u")) == 2 and len(mem.search(np.ones(DIM), "u", k=4)) == 4

@@ -4,7 +4,7 @@
 ``add_parser(subparsers)``; the sub-command's ``func`` (:func:`run`) returns the exit
 code. ``bench/run_bench.py`` and ``python -m rfmem_fast.bench`` call :func:`main`.
 
-Presets: the default (full) run, ``--quick`` (about 15 s with ``--threads 1`` on 2 CPU
+Presets: the default (full) run, ``--quick`` (about 25 s with ``--threads 1`` on 2 CPU
 cores, plus about 25 s the first time to embed PersonaBench; README "Benchmarks") and
 ``--smoke`` (seconds; for tests). A size flag given explicitly overrides its preset.
 """
@@ -79,7 +79,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("presets")
     x = g.add_mutually_exclusive_group()
-    x.add_argument("--quick", action="store_true", help="small sizes, ~15 s with --threads 1 on 2 CPU cores (+~25 s once to embed PersonaBench): " + _preset_text("quick"))
+    x.add_argument("--quick", action="store_true", help="small sizes, ~25 s with --threads 1 on 2 CPU cores (+~25 s once to embed PersonaBench): " + _preset_text("quick"))
     x.add_argument("--smoke", action="store_true", help="tiny sizes for tests (seconds): " + _preset_text("smoke"))
     g = p.add_argument_group("what to run")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS) + " (default: all)")
@@ -128,7 +128,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     g.add_argument("--plain", action="store_true", help="plain-text tables instead of rich")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads of torch / our kernels / faiss (default: as configured)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads of torch / our kernels / faiss (default: as configured); "
+                   "without --thread-counts, every cell runs at this count only")
     p.set_defaults(func=run)
     return p
 
@@ -171,6 +172,8 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
     for k in list(vals):
         if getattr(args, k, None) is not None:
             vals[k] = getattr(args, k)
+    if getattr(args, "threads", None) is not None and getattr(args, "thread_counts", None) is None:
+        vals["thread_counts"] = str(args.threads)  # --threads N: every cell at N threads, not the preset's counts
     notes: list[str] = []
     try:
         scales = parse_size_list(vals["scales"], binary=True)

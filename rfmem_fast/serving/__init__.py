@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .batcher import BatcherClosedError, MicroBatcher, QueueFullError, RequestTimeoutError
 from .cache import LRUCache, QueryCache
-from .memory import BatchEvent, Hit, Hits, Item, Memory
+from .memory import BatchEvent, Hit, Hits, Item, Memory, MemoryLockedError
 from .wal import WriteAheadLog
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Item",
     "LRUCache",
     "Memory",
+    "MemoryLockedError",
     "MicroBatcher",
     "QueryCache",
     "QueueFullError",

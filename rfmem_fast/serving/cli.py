@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"rfmem serve: {exc}", file=sys.stderr)
         return 2
+    from .memory import MemoryLockedError
+
     try:
         serve(
             args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder,
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
             cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
         )
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem serve: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -107,6 +107,11 @@ def _default_encoder(**kwargs: Any) -> Any:
     return TextEncoder(batch_size=ENCODE_BATCH_SIZE, show_progress=False, **kwargs)
 
 
+class MemoryLockedError(RuntimeError):
+    """A Memory directory already open in another process or Memory (its lock file is
+    held): one open Memory per directory."""
+
+
 # ---------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class Hit:
@@ -329,7 +334,9 @@ class Memory:
     Raises:
         ValueError: ``path`` is a file or a non-empty directory that is not a Memory,
             a dimension mismatch between ``dim`` / the encoder / the stored memory,
-            ``encoder_dtype`` with an ``encoder`` given, or an option out of range. StoreError: a corrupt store or log.
+            ``encoder_dtype`` with an ``encoder`` given, an unknown or unbuilt ``backend``
+            name (checked here, not at the first search), or an option out of range.
+            StoreError: a corrupt store or log.
         TypeError: an option of the wrong type.
 
     Thread-safe: any number of threads (and asyncio tasks) may search and write.
@@ -374,6 +381,10 @@ class Memory:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         if checkpoint_bytes is not None and (isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 1):
             raise ValueError(f"checkpoint_bytes must be an int >= 1 or None, got {checkpoint_bytes!r}")
+        if isinstance(backend, str):
+            from ..backends import get_backend
+
+            get_backend(backend, device)  # an unknown or unbuilt backend fails here, not at the first search
         self._config = config
         self._configs: dict[int, RFMemConfig] = {config.out_k: config}
         self._backend = backend
@@ -469,7 +480,7 @@ class Memory:
         second Memory in this one) on the same directory would interleave log appends.
 
         Raises:
-            RuntimeError: the directory is open elsewhere.
+            MemoryLockedError (a RuntimeError): the directory is open elsewhere.
         """
         try:
             import fcntl
@@ -480,7 +491,7 @@ class Memory:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.close()
-            raise RuntimeError(
+            raise MemoryLockedError(
                 f"the memory at {str(path)!r} is open in another process or Memory (its {LOCK_FILE} is held); "
                 "close that one first"
             ) from None
