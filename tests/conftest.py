@@ -98,3 +98,53 @@ def text_encoder():
     from rfmem_fast.serving.memory import _default_encoder
 
     return _default_encoder()
+
+
+# ---------------------------------------------------------------------------- early subprocess suites
+#: Self-contained suites that run in their own interpreter, started as soon as collection
+#: is done so that they use the second core while this process runs the rest (the suite is
+#: single-threaded: OMP_NUM_THREADS above). name -> (Popen, output file).
+EARLY: dict = {}
+TRITON_CHILD_ENV = "RFMEM_TRITON_TEST_CHILD"
+
+
+def _triton_child_wanted(items) -> bool:
+    """tests/test_triton.py must run in a fresh interpreter on a CPU-only machine (Triton binds
+    to its interpreter only at its first import, and sentence-transformers imports it
+    compiled): True when its runner test is selected and this is not that child."""
+    import importlib.util
+
+    if os.environ.get(TRITON_CHILD_ENV) == "1" or importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    if torch.cuda.is_available():  # compiled kernels on the GPU: the module runs in process
+        return False
+    return any(it.nodeid.endswith("test_triton.py::test_module_in_a_fresh_interpreter") for it in items)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if _triton_child_wanted(items) and "triton" not in EARLY:
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        here = Path(__file__).resolve().parent
+        out = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, TRITON_INTERPRET="1", **{TRITON_CHILD_ENV: "1"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_triton.py")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=here.parent,
+        )  # fmt: skip
+        EARLY["triton"] = (proc, out)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc, out in EARLY.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+    EARLY.clear()
+

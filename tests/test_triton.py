@@ -5,10 +5,11 @@ On a machine without CUDA the kernels run in Triton's CPU interpreter: a module-
 fixture sets ``TRITON_INTERPRET=1`` (restored afterwards, so that other test modules
 see the machine as it is) and the backend reads it at call time. Triton binds its own
 library to the interpreter or to the compiler at the FIRST ``import triton`` of a
-process; when an earlier test already imported it compiled (sentence-transformers
-does), this module reruns itself in a fresh subprocess
-(``test_module_in_a_fresh_interpreter``) and its in-process tests skip with that
-reason. The interpreter runs each program in Python, hence the small shapes (about
+process, and sentence-transformers imports it compiled: on a CPU-only machine this
+module therefore runs in a fresh subprocess that tests/conftest.py starts right after
+collection (it uses the second core while the rest of the suite runs);
+``test_module_in_a_fresh_interpreter`` collects its verdict and the in-process tests
+skip with that reason. The interpreter runs each program in Python, hence the small shapes (about
 30 s of CPU in all). With CUDA the same tests run the compiled kernels on the GPU. The
 real compiler is exercised here without a GPU too: the kernels are compiled down to
 sm_90 cubins in a fresh subprocess (``test_kernels_compile_for_sm90_without_a_gpu``).
@@ -59,7 +60,9 @@ CHILD = os.environ.get("RFMEM_TRITON_TEST_CHILD") == "1"
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """TRITON_INTERPRET=1 for this module only (CPU machines); skip when it cannot run."""
-    STATE["subprocess"] = _compiled_triton_already_imported() and not CHILD
+    from conftest import EARLY
+
+    STATE["subprocess"] = ("triton" in EARLY or _compiled_triton_already_imported()) and not CHILD
     if STATE["subprocess"]:
         yield
         return
@@ -83,22 +86,37 @@ def interpreter():
 @pytest.fixture(autouse=True)
 def _in_process_only(request, interpreter):
     if STATE["subprocess"] and request.node.name != "test_module_in_a_fresh_interpreter":
-        pytest.skip("triton was imported compiled earlier in this session: run by test_module_in_a_fresh_interpreter")
+        pytest.skip("run in a fresh interpreter by test_module_in_a_fresh_interpreter (Triton interprets only there)")
 
 
 def test_module_in_a_fresh_interpreter():
     """Triton binds its library to the compiler or the interpreter at its first import;
-    when another test module imported it compiled, rerun this module in a fresh process."""
+    on a CPU-only machine this module runs in a fresh process: the one conftest started
+    right after collection (it runs on the second core meanwhile), or one started here
+    when another module imported triton compiled and no early run exists."""
+    from conftest import EARLY
+
     if not STATE["subprocess"]:
         pytest.skip("the tests of this module run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", RFMEM_TRITON_TEST_CHILD="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    assert " passed" in res.stdout and " failed" not in res.stdout
+    if "triton" in EARLY:
+        proc, out = EARLY["triton"]
+        try:
+            rc = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        out.seek(0)
+        text = out.read()
+    else:
+        env = dict(os.environ, TRITON_INTERPRET="1", RFMEM_TRITON_TEST_CHILD="1")
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env, capture_output=True, text=True, timeout=900,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )  # fmt: skip
+        rc, text = res.returncode, res.stdout + res.stderr
+    assert rc == 0, text[-8000:]
+    assert " passed" in text and " failed" not in text
 
 
 def _triton(**kw):
