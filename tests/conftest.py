@@ -123,28 +123,69 @@ def _triton_child_wanted(items) -> bool:
     return any(it.nodeid.endswith("test_triton.py::test_module_in_a_fresh_interpreter") for it in items)
 
 
-def pytest_collection_modifyitems(session, config, items):
-    if _triton_child_wanted(items) and "triton" not in EARLY:
-        import subprocess
-        import sys
-        import tempfile
-        from pathlib import Path
+def _start_early(name: str, argv: list, env: dict, cwd) -> None:
+    """Start ``argv`` now, its stdout and stderr into a temporary file: EARLY[name]."""
+    import subprocess
+    import tempfile
 
-        here = Path(__file__).resolve().parent
-        out = tempfile.TemporaryFile(mode="w+")
+    out = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    EARLY[name] = (proc, out)
+
+
+def early_result(name: str, timeout: float = 900) -> tuple[int, str] | None:
+    """(exit code, output) of the early job ``name`` (waiting for it), or None when none was started."""
+    if name not in EARLY:
+        return None
+    import subprocess
+
+    proc, out = EARLY[name]
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out.seek(0)
+    return rc, out.read()
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only jobs of selected tests start
+def pytest_collection_modifyitems(session, config, items):
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if _triton_child_wanted(items) and "triton" not in EARLY:
         env = dict(os.environ, TRITON_INTERPRET="1", **{TRITON_CHILD_ENV: "1"})
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_triton.py")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=here.parent,
-        )  # fmt: skip
-        EARLY["triton"] = (proc, out)
+        _start_early("triton", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_triton.py")],
+                     env, here.parent)  # fmt: skip
+    dry = "test_gpu_check_dryrun.py::test_gpu_check_dry_run_runs_every_stage"
+    if any(it.nodeid.endswith(dry) for it in items) and "gpu_dry_run" not in EARLY and os.environ.get(TRITON_CHILD_ENV) != "1":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is not None:
+            out_dir = tempfile.mkdtemp(prefix="rfmem-gpu-dry-")
+            env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RFMEM_PB_PACK")}
+            _start_early("gpu_dry_run", [sys.executable, str(here.parent / "bench" / "gpu_check.py"), "--dry-run", "--out", out_dir],
+                         env, here.parent)  # fmt: skip
+            EARLY_DIRS["gpu_dry_run"] = out_dir
+
+
+#: output folders of early jobs (removed at the end of the session)
+EARLY_DIRS: dict = {}
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
     for proc, out in EARLY.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         out.close()
     EARLY.clear()
+    for d in EARLY_DIRS.values():
+        shutil.rmtree(d, ignore_errors=True)
+    EARLY_DIRS.clear()
 

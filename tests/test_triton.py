@@ -94,19 +94,13 @@ def test_module_in_a_fresh_interpreter():
     on a CPU-only machine this module runs in a fresh process: the one conftest started
     right after collection (it runs on the second core meanwhile), or one started here
     when another module imported triton compiled and no early run exists."""
-    from conftest import EARLY
+    from conftest import early_result
 
     if not STATE["subprocess"]:
         pytest.skip("the tests of this module run in this process")
-    if "triton" in EARLY:
-        proc, out = EARLY["triton"]
-        try:
-            rc = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        out.seek(0)
-        text = out.read()
+    early = early_result("triton")
+    if early is not None:
+        rc, text = early
     else:
         env = dict(os.environ, TRITON_INTERPRET="1", RFMEM_TRITON_TEST_CHILD="1")
         res = subprocess.run(
