@@ -295,7 +295,7 @@ def run_personabench(
 
     Raises:
         ValueError: unknown mode / cv / router kind; a router kind without
-            ``cv="users"``; a k < 1. FileNotFoundError: missing data or encoder.
+            ``cv="users"``; a k < 1; ``latency_questions`` not an int >= 1. FileNotFoundError: missing data or encoder.
     """
     from .routing import ROUTER_FIT_KINDS, ProbeSettings, ProbeSignals, fit_router, question_recalls
 

@@ -128,15 +128,13 @@ class TorchBackend(Backend):
         # a zero query (e.g. a beam slot without a branch in the recollection driver)
         # scores exactly 0 against every row: its exact top-k is the segment's first k
         # rows (ties by the smaller row), known without the rescan a full tie would need
+        # (tensor selects, no host read: the one below, for the rescan, stays the only sync)
         zero = ~(Q != 0).any(dim=1)
-        if bool(zero.any()):
-            ar = torch.arange(k, device=self.device)[None, :]
-            inside = ar < seg_len[:, None]
-            zr = torch.where(inside, off[qseg][:, None] + ar, torch.full_like(r, -1))
-            zs = torch.where(inside, torch.zeros_like(s), torch.full_like(s, -math.inf))
-            r = torch.where(zero[:, None], zr, r)
-            s = torch.where(zero[:, None], zs, s)
-            need = need & ~zero
+        ar = torch.arange(k, device=self.device)[None, :]
+        inside = ar < seg_len[:, None]
+        r = torch.where(zero[:, None], torch.where(inside, off[qseg][:, None] + ar, -1), r)
+        s = torch.where(zero[:, None], torch.where(inside, 0.0, -math.inf), s)
+        need = need & ~zero
         if bool(need.any()):
             idx = need.nonzero().squeeze(1)
             s2, r2 = self.rescan_topk(view, Q[idx], qseg[idx], k, lower[idx])
