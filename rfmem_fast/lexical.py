@@ -1,0 +1,398 @@
+"""The lexical channel: bm25s-compatible tokenisation and per-user BM25 ("lucene") postings.
+
+Sits at the bank level: :mod:`rfmem_fast.bank`, :mod:`rfmem_fast.store` and
+:mod:`rfmem_fast.search` import it; it imports only numpy (and PyStemmer when a stemmer
+is asked for).
+
+Tokenisation (exactly ``bm25s.tokenize(texts, lower=True, stopwords="en", stemmer=...)``
+of bm25s 0.3.16): the text is lowercased (``str.lower``), split with the regex
+:data:`TOKEN_PATTERN` ``(?u)\\b\\w\\w+\\b`` (scikit-learn's CountVectorizer pattern: runs
+of two or more word characters), tokens in :data:`STOPWORDS_EN` (bm25s's English list,
+copied here so the core install needs no bm25s) are dropped, and, with the stemmer
+"english", every remaining token is replaced by its PyStemmer (Snowball) English stem.
+Stopwords are removed before stemming, as bm25s does.
+
+Scoring (bm25s ``BM25(method="lucene", k1=1.5, b=0.75)``). Each user's memory is its OWN
+corpus: for user ``u``, the documents are its live items that have a text (an item
+added with ``text=None`` is no document: it counts neither in ``N`` nor in ``avgdl``
+and never has a lexical score or hit; an item whose text is ``""`` or only stopwords is
+a document of length 0). With ``N`` the number of documents, ``df_t`` the number of
+documents holding token ``t``, ``dl_d`` the token count of document ``d`` (after
+stopword removal) and ``avgdl = sum(dl) / N``::
+
+    idf_t     = log(1 + (N - df_t + 0.5) / (df_t + 0.5))
+    w(t, d)   = idf_t * (tf_{t,d} / (k1 * ((1 - b) + b * dl_d / avgdl) + tf_{t,d}))
+    bm25(q,d) = sum over the DISTINCT known tokens t of q, in order of first
+                occurrence in q, of  qtf_t * w(t, d)
+
+(bm25s's "lucene" term frequency part is ``tf / (k1 (1 - b + b dl / avgdl) + tf)``,
+without the ``(k1 + 1)`` factor; a query token repeated ``qtf`` times counts ``qtf``
+times, as bm25s adds its score once per occurrence; a query token unknown to the
+user's corpus contributes nothing, as bm25s drops it). Everything is float64 (bm25s
+stores float32: its scores agree to ~1e-7 relative); the sum runs in the stated order
+(``np.bincount`` accumulates in input order), so the score of a document depends only
+on the query and on the user's own texts: **tenant isolation** (no other user's text
+changes ``N``, ``df``, ``avgdl`` or the summation order; token ids are shared across the
+bank only as names). Every ``w(t, d) > 0``, so "the document contains a query token"
+(a lexical *hit*) is exactly ``bm25 > 0``.
+
+Index layout, per bank snapshot (:class:`LexicalIndex`): a forward index in CSR form
+(``ptr`` int64 [n + 1]; ``terms`` int32 / ``tf`` int32 [nnz]: each row's distinct token
+ids, ascending, and their counts; ``has_text`` bool [n]) beside the snapshot's vectors,
+and, built lazily the first time a user is queried, that user's inverted index
+(:class:`UserPostings`: sorted term ids, CSR pointers, local rows and the precomputed
+``w(t, d)`` of every posting). Postings use rows LOCAL to the user's segment, so a
+user unchanged between two snapshots keeps its postings (the bank carries them over);
+the bank caches each item's token ids when the item is added or its text updated, so a
+write to one user never re-tokenises another user's texts.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+#: the token regex of bm25s (and scikit-learn's CountVectorizer): two or more word characters
+TOKEN_PATTERN = r"(?u)\b\w\w+\b"
+#: bm25s's English stopword list (``bm25s.stopwords.STOPWORDS_EN``, from NLTK), 33 words
+STOPWORDS_EN = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it",
+    "no", "not", "of", "on", "or", "such", "that", "the", "their", "then", "there", "these",
+    "they", "this", "to", "was", "will", "with",
+))  # fmt: skip
+#: BM25 "lucene" constants (bm25s defaults)
+K1 = 1.5
+B = 0.75
+#: the stemmers a bank's lexical index accepts (None: no stemming)
+STEMMERS = (None, "english")
+#: the extra that installs PyStemmer
+STEMMER_EXTRA = "lexical"
+
+_TOKEN_RE = re.compile(TOKEN_PATTERN)
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+
+__all__ = [
+    "B", "K1", "STEMMERS", "STOPWORDS_EN", "TOKEN_PATTERN", "Analyzer", "LexicalIndex", "UserPostings",
+    "Vocabulary", "check_stemmer",
+]  # fmt: skip
+
+
+def check_stemmer(stemmer: Any) -> str | None:
+    """``stemmer`` as a bank option: None or "english".
+
+    Raises:
+        ValueError: another value (the message names ``lexical_stemmer``).
+    """
+    if stemmer not in STEMMERS:
+        raise ValueError(f"lexical_stemmer must be one of {STEMMERS}, got {stemmer!r}")
+    return stemmer
+
+
+class Analyzer:
+    """bm25s's tokenizer (module docstring): lowercase, :data:`TOKEN_PATTERN`, English stopwords, optional stemmer.
+
+    Args:
+        stemmer: None or "english" (PyStemmer's Snowball English stemmer).
+
+    Raises:
+        ValueError: an unknown stemmer.
+        ImportError: "english" without PyStemmer installed (names the extra ``lexical``).
+    """
+
+    def __init__(self, stemmer: str | None = None) -> None:
+        self.stemmer = check_stemmer(stemmer)
+        self._stem = None
+        self._cache: dict[str, str] = {}
+        if stemmer == "english":
+            try:
+                import Stemmer  # PyStemmer
+            except ImportError as exc:
+                raise ImportError(
+                    "lexical_stemmer='english' needs the optional package 'PyStemmer', which cannot be imported "
+                    f'({exc}); install it with: pip install "rfmem_fast[{STEMMER_EXTRA}]"',
+                    name="Stemmer",
+                ) from exc
+            self._stem = Stemmer.Stemmer("english")
+            self._lock = threading.Lock()  # PyStemmer objects are not thread-safe
+
+    def tokens(self, text: str) -> list[str]:
+        """The tokens of one text (list of str; empty for "" or a text of stopwords only)."""
+        toks = [t for t in _TOKEN_RE.findall(text.lower()) if t not in STOPWORDS_EN]
+        if self._stem is None or not toks:
+            return toks
+        cache = self._cache
+        new = [t for t in toks if t not in cache]
+        if new:
+            with self._lock:
+                for t, s in zip(new, self._stem.stemWords(new)):
+                    cache[t] = s
+        return [cache[t] for t in toks]
+
+    def __repr__(self) -> str:
+        return f"Analyzer(stemmer={self.stemmer!r})"
+
+
+class Vocabulary:
+    """Token -> int32 id of one bank (append-only; ids are names, never part of a score).
+
+    Writes happen under the bank's lock; reads (query lookups) need none (a dict read).
+    """
+
+    def __init__(self, tokens: Sequence[str] = ()) -> None:
+        self.tokens: list[str] = list(tokens)
+        self.ids: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}
+        if len(self.ids) != len(self.tokens):
+            raise ValueError("vocabulary tokens must be distinct")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def copy(self) -> "Vocabulary":
+        """An independent copy (same ids)."""
+        out = Vocabulary.__new__(Vocabulary)
+        out.tokens, out.ids = list(self.tokens), dict(self.ids)
+        return out
+
+    def encode_doc(self, tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(terms int32 [T] ascending distinct ids, tf int32 [T]) of a document's tokens, adding new tokens."""
+        if not tokens:
+            return _EMPTY_I32, _EMPTY_I32
+        ids, toks = self.ids, self.tokens
+        out = []
+        for t in tokens:
+            i = ids.get(t)
+            if i is None:
+                i = ids[t] = len(toks)
+                toks.append(t)
+            out.append(i)
+        terms, tf = np.unique(np.asarray(out, dtype=np.int32), return_counts=True)
+        return terms.astype(np.int32, copy=False), tf.astype(np.int32)
+
+    def encode_query(self, tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(term ids int32 [T], counts float64 [T]) of a query: its distinct KNOWN tokens in
+        order of first occurrence and how often each occurs (unknown tokens dropped)."""
+        ids = self.ids
+        counts: dict[int, int] = {}
+        for t in tokens:
+            i = ids.get(t)
+            if i is not None:
+                counts[i] = counts.get(i, 0) + 1
+        if not counts:
+            return _EMPTY_I32, np.zeros(0, dtype=np.float64)
+        return np.fromiter(counts.keys(), np.int32, len(counts)), np.fromiter(counts.values(), np.float64, len(counts))
+
+
+@dataclass(frozen=True)
+class UserPostings:
+    """One user's inverted index (rows local to its segment; built by :meth:`LexicalIndex.postings`).
+
+    Attributes:
+        n_rows: rows of the user's segment.
+        n_docs: ``N``, rows with a text; avgdl: average token count of those (0 when N = 0).
+        terms: int32 [T] distinct token ids of the user's documents, ascending.
+        ptr: int64 [T + 1] CSR pointers into rows / weight.
+        rows: int32 [P] local rows of each posting (ascending within a term).
+        weight: float64 [P] ``w(t, d)`` of each posting (module docstring).
+    """
+
+    n_rows: int
+    n_docs: int
+    avgdl: float
+    terms: np.ndarray
+    ptr: np.ndarray
+    rows: np.ndarray
+    weight: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays."""
+        return int(self.terms.nbytes + self.ptr.nbytes + self.rows.nbytes + self.weight.nbytes)
+
+    def scores(self, q_terms: np.ndarray, q_counts: np.ndarray) -> np.ndarray | None:
+        """BM25 of every local row for a query (module docstring), or None when no row is a hit.
+
+        Args:
+            q_terms: int32 [T] the query's distinct known token ids (first-occurrence order).
+            q_counts: float64 [T] their counts in the query.
+
+        Returns:
+            float64 [n_rows] (0 where no query token occurs), or None (no hit at all).
+        """
+        T = self.terms.shape[0]
+        if T == 0 or q_terms.shape[0] == 0:
+            return None
+        idx = np.searchsorted(self.terms, q_terms)
+        ok = idx < T
+        ok[ok] = self.terms[idx[ok]] == q_terms[ok]
+        if not ok.any():
+            return None
+        idx, cnt = idx[ok], q_counts[ok]
+        starts, ends = self.ptr[idx], self.ptr[idx + 1]
+        lens = ends - starts
+        total = int(lens.sum())
+        # the postings of the query's terms, concatenated in query-term order
+        sel = np.arange(total, dtype=np.int64) + np.repeat(starts - np.cumsum(lens) + lens, lens)
+        w = self.weight[sel]
+        if (cnt != 1.0).any():
+            w = w * np.repeat(cnt, lens)
+        return np.bincount(self.rows[sel], weights=w, minlength=self.n_rows)
+
+
+def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text: np.ndarray) -> UserPostings:
+    """One user's :class:`UserPostings` from its slice of a forward index.
+
+    Args:
+        terms, tf: int32 [m] the user's forward entries (rows in order, terms ascending per row).
+        ptr: int64 [n_u + 1] the user's forward pointers, starting at 0.
+        has_text: bool [n_u].
+
+    Returns:
+        UserPostings (weights by the module docstring's formulas, float64).
+    """
+    n_u = int(ptr.shape[0] - 1)
+    lens = np.diff(ptr)
+    local = np.repeat(np.arange(n_u, dtype=np.int32), lens)
+    dl = np.bincount(local, weights=tf, minlength=n_u) if n_u else np.zeros(0)
+    n_docs = int(np.count_nonzero(has_text))
+    avgdl = float(dl[has_text].sum() / n_docs) if n_docs else 0.0
+    if terms.shape[0] == 0:
+        z = np.zeros(0, dtype=np.int32)
+        return UserPostings(n_u, n_docs, avgdl, z, np.zeros(1, dtype=np.int64), z, np.zeros(0))
+    order = np.argsort(terms, kind="stable")  # rows stay ascending within a term
+    ts = terms[order]
+    uniq, start, df = np.unique(ts, return_index=True, return_counts=True)
+    N = float(n_docs)
+    dff = df.astype(np.float64)
+    idf = np.log(1.0 + (N - dff + 0.5) / (dff + 0.5))
+    rows = local[order]
+    f = tf[order].astype(np.float64)
+    d = dl[rows]
+    w = np.repeat(idf, df) * (f / (K1 * ((1.0 - B) + B * d / avgdl) + f))
+    p = np.zeros(uniq.shape[0] + 1, dtype=np.int64)
+    np.cumsum(df, out=p[1:])
+    return UserPostings(n_u, n_docs, avgdl, uniq.astype(np.int32), p, rows.astype(np.int32), w)
+
+
+class LexicalIndex:
+    """The lexical index of one bank snapshot (module docstring): forward CSR + lazy per-user postings.
+
+    Args:
+        offsets: int64 [U + 1] the snapshot's CSR offsets.
+        ptr: int64 [n + 1]; terms: int32 [nnz]; tf: int32 [nnz]; has_text: bool [n]
+            (module docstring; may be memory-mapped).
+        vocab: the bank's :class:`Vocabulary`; analyzer: its :class:`Analyzer`.
+        carried: optional {user index: UserPostings} reused from an older snapshot (users
+            whose rows did not change).
+
+    Thread safety: postings are built on first use without a lock (the build is
+    idempotent: a race builds the same value twice).
+    """
+
+    def __init__(self, offsets: np.ndarray, ptr: np.ndarray, terms: np.ndarray, tf: np.ndarray,
+                 has_text: np.ndarray, vocab: Vocabulary, analyzer: Analyzer,
+                 carried: dict[int, UserPostings] | None = None) -> None:  # fmt: skip
+        self.offsets = offsets
+        self.ptr, self.terms, self.tf, self.has_text = ptr, terms, tf, has_text
+        self.vocab, self.analyzer = vocab, analyzer
+        self._postings: dict[int, UserPostings] = dict(carried or {})
+
+    @classmethod
+    def from_docs(cls, offsets: np.ndarray, docs: Sequence[tuple[np.ndarray, np.ndarray] | None], vocab: Vocabulary,
+                  analyzer: Analyzer) -> "LexicalIndex":  # fmt: skip
+        """An index from per-row encoded documents ((terms, tf) or None for a row without text)."""
+        ptr, terms, tf, has = _concat_docs(docs)
+        return cls(offsets, ptr, terms, tf, has, vocab, analyzer)
+
+    @classmethod
+    def from_texts(cls, offsets: np.ndarray, texts: Iterable[str | None], vocab: Vocabulary,
+                   analyzer: Analyzer) -> "LexicalIndex":  # fmt: skip
+        """An index tokenising ``texts`` (object [n], str or None) into ``vocab``."""
+        docs = [None if t is None else vocab.encode_doc(analyzer.tokens(t)) for t in texts]
+        return cls.from_docs(offsets, docs, vocab, analyzer)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows n."""
+        return int(self.has_text.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the forward index plus the postings built so far."""
+        fwd = self.ptr.nbytes + self.terms.nbytes + self.tf.nbytes + self.has_text.nbytes
+        return int(fwd + sum(p.nbytes for p in list(self._postings.values())))
+
+    def docs(self, a: int, b: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Per-row (terms, tf) views (None without text) of rows ``a:b``."""
+        p, t, f, h = self.ptr, self.terms, self.tf, self.has_text
+        return [(t[p[r] : p[r + 1]], f[p[r] : p[r + 1]]) if h[r] else None for r in range(a, b)]
+
+    def segment(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(ptr rebased to 0 [b - a + 1], terms, tf, has_text) of rows ``a:b``."""
+        p0, p1 = int(self.ptr[a]), int(self.ptr[b])
+        return self.ptr[a : b + 1] - p0, self.terms[p0:p1], self.tf[p0:p1], self.has_text[a:b]
+
+    def postings(self, u: int) -> UserPostings:
+        """User ``u``'s inverted index (built on first use, then cached for this and later snapshots)."""
+        got = self._postings.get(u)
+        if got is None:
+            a, b = int(self.offsets[u]), int(self.offsets[u + 1])
+            ptr, terms, tf, has = self.segment(a, b)
+            got = self._postings[u] = build_postings(np.asarray(terms), np.asarray(tf), np.asarray(ptr), np.asarray(has))
+        return got
+
+    def built_postings(self) -> dict[int, UserPostings]:
+        """The postings built so far ({user index: UserPostings}; a copy of the dict)."""
+        return dict(self._postings)
+
+    def encode_query(self, text: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """A query text as (distinct known token ids int32, counts float64) (empty for None)."""
+        if text is None:
+            return _EMPTY_I32, np.zeros(0, dtype=np.float64)
+        return self.vocab.encode_query(self.analyzer.tokens(text))
+
+    def scores(self, u: int, text: str | None) -> np.ndarray | None:
+        """float64 [n_u] BM25 of user ``u``'s rows for a query text, or None when no row is a hit."""
+        t, c = self.encode_query(text)
+        if t.shape[0] == 0:
+            return None
+        return self.postings(u).scores(t, c)
+
+
+def _concat_docs(docs: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> tuple[np.ndarray, ...]:
+    """Forward CSR arrays (ptr int64 [n + 1], terms int32, tf int32, has_text bool [n]) of per-row docs."""
+    n = len(docs)
+    lens = np.fromiter((0 if d is None else d[0].shape[0] for d in docs), np.int64, n)
+    has = np.fromiter((d is not None for d in docs), np.bool_, n)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    present = [d for d in docs if d is not None and d[0].shape[0]]
+    if present:
+        terms = np.concatenate([d[0] for d in present]).astype(np.int32, copy=False)
+        tf = np.concatenate([d[1] for d in present]).astype(np.int32, copy=False)
+    else:
+        terms, tf = _EMPTY_I32, _EMPTY_I32
+    return ptr, terms, tf, has
+
+
+def concat_segments(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """Forward CSR arrays of consecutive segments, each (ptr from 0, terms, tf, has_text)."""
+    n = sum(int(p[3].shape[0]) for p in parts)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    pos, base = 0, 0
+    for p, t, _, h in parts:
+        m = int(h.shape[0])
+        ptr[pos + 1 : pos + m + 1] = p[1:] + base
+        pos += m
+        base += int(t.shape[0])
+    terms = np.concatenate([np.asarray(p[1]) for p in parts]).astype(np.int32, copy=False) if parts else _EMPTY_I32
+    tf = np.concatenate([np.asarray(p[2]) for p in parts]).astype(np.int32, copy=False) if parts else _EMPTY_I32
+    has = np.concatenate([np.asarray(p[3]) for p in parts]).astype(np.bool_, copy=False) if parts else np.zeros(0, np.bool_)
+    return ptr, terms, tf, has
+
+
+def docs_segment(docs: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> tuple[np.ndarray, ...]:
+    """(ptr from 0, terms, tf, has_text) of per-row docs (a segment for :func:`concat_segments`)."""
+    return _concat_docs(docs)
