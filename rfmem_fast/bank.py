@@ -66,6 +66,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from ._validate import as_float_matrix, l2_normalize_rows
+from .lexical import Analyzer, LexicalIndex, Vocabulary, concat_segments, docs_segment
 from .precision import HALF_DTYPES, check_dtype, to_scan_copy
 
 ItemId = Hashable
@@ -93,6 +94,9 @@ class BankSnapshot:
             [n, d] of ``vectors`` rounded to that type (numpy float16, or uint16
             holding the bfloat16 bits; :mod:`rfmem_fast.precision`).
         dtype: "float32", "float16" or "bfloat16": the type the rows are scanned in.
+        lexical: the snapshot's :class:`rfmem_fast.lexical.LexicalIndex` (forward CSR
+            of every row's token ids and, built on demand, per-user BM25 postings);
+            None for a snapshot made by hand (no lexical channel).
 
     Nothing here may be written: banks and searches share these arrays.
     """
@@ -105,6 +109,7 @@ class BankSnapshot:
     texts: np.ndarray | None = None
     scan: np.ndarray | None = None
     dtype: str = "float32"
+    lexical: Any = None
 
     @property
     def num_users(self) -> int:
@@ -252,15 +257,17 @@ class _UserRows:
     """Row storage of one user; every method runs under the bank's lock.
 
     Slots ``0 .. nb-1`` live in ``base`` (shared, never written), slots ``nb ..`` in
-    ``tail[:n_tail]`` (owned). ``ids`` / ``texts`` / ``alive`` are per slot and exist
+    ``tail[:n_tail]`` (owned). ``ids`` / ``texts`` / ``toks`` / ``alive`` are per slot and exist
     only while the user is ``dirty`` (changed since the last snapshot); a clean user
     is described by ``base`` plus ``ids_arr`` / ``texts_arr``, views into the last
-    snapshot.
+    snapshot, and ``lex_src`` = (that snapshot's LexicalIndex, first row, end row).
+    ``toks`` holds each slot's encoded text ((terms, tf) int32 arrays, or None for an
+    item without text: :mod:`rfmem_fast.lexical`), computed once when the text is written.
     """
 
     __slots__ = (
         "base", "tail", "n_tail", "ids", "texts", "alive", "n_dead", "patches",
-        "slot_of", "dirty", "ids_arr", "texts_arr",
+        "slot_of", "dirty", "ids_arr", "texts_arr", "toks", "lex_src",
     )
 
     def __init__(self, dim: int) -> None:
@@ -276,6 +283,8 @@ class _UserRows:
         self.dirty = True
         self.ids_arr: np.ndarray | None = None
         self.texts_arr: np.ndarray | None = None
+        self.toks: list = []
+        self.lex_src: tuple | None = None
 
     # ---------------------------------------------------------------- reading
     @property
@@ -298,6 +307,22 @@ class _UserRows:
     def live_texts(self) -> list:
         """Texts of the live rows (None where none was given), in row order."""
         return self._live(self.texts, self.texts_arr)
+
+    def live_toks(self) -> list:
+        """Encoded texts ((terms, tf) or None) of the live rows, in row order."""
+        if not self.dirty:
+            if self.lex_src is None:
+                return [None] * int(self.base.shape[0])
+            index, a, b = self.lex_src
+            return index.docs(a, b)
+        return self._live(self.toks, None)
+
+    def lex_segment(self) -> tuple:
+        """The live rows' forward lexical CSR (ptr from 0, terms, tf, has_text)."""
+        if not self.dirty and self.lex_src is not None:
+            index, a, b = self.lex_src
+            return index.segment(a, b)
+        return docs_segment(self.live_toks())
 
     def slots(self) -> dict:
         """{live item id: slot}, built on demand."""
@@ -342,6 +367,7 @@ class _UserRows:
         n = int(self.base.shape[0])
         self.ids = list(self.ids_arr)
         self.texts = list(self.texts_arr)
+        self.toks = self.live_toks()
         self.alive = bytearray(b"\x01") * n
         self.n_dead = 0
         self.patches = {}
@@ -349,7 +375,7 @@ class _UserRows:
         self.n_tail = 0
         self.dirty = True
 
-    def append(self, vec: np.ndarray, ids: list, texts: list) -> None:
+    def append(self, vec: np.ndarray, ids: list, texts: list, toks: list) -> None:
         m = vec.shape[0]
         if self.tail is None:
             self.tail, self.n_tail = vec, m  # vec is a fresh array owned by the bank
@@ -367,6 +393,7 @@ class _UserRows:
             slots[i] = s0 + j
         self.ids.extend(ids)
         self.texts.extend(texts)
+        self.toks.extend(toks)
         self.alive.extend(b"\x01" * m)
 
     def set_row(self, slot: int, row: np.ndarray) -> None:
@@ -385,7 +412,7 @@ class _UserRows:
         """Drop tombstones and patches into one owned buffer: O(n_u d)."""
         out = np.empty((self.n_live, dim), dtype=np.float32)
         self.fill(out)
-        self.ids, self.texts = self.live_ids(), self.live_texts()
+        self.ids, self.texts, self.toks = self.live_ids(), self.live_texts(), self.live_toks()
         self.base = np.zeros((0, dim), dtype=np.float32)
         self.tail, self.n_tail = out, out.shape[0]
         self.alive = bytearray(b"\x01") * out.shape[0]
@@ -393,14 +420,16 @@ class _UserRows:
         self.patches = {}
         self.slot_of = None
 
-    def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray) -> None:
-        """Point a user at its segment of a new snapshot (drops tail, tombstones, patches)."""
+    def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray, lex_src: tuple | None = None) -> None:
+        """Point a user at its segment of a new snapshot (drops tail, tombstones, patches);
+        ``lex_src`` = (the snapshot's LexicalIndex, first row, end row) of the segment."""
         if self.dirty and self.n_dead:
             self.slot_of = None  # slots shifted
         self.base = vectors
         self.ids_arr, self.texts_arr = item_ids, texts
+        self.lex_src = lex_src
         self.tail, self.n_tail = None, 0
-        self.ids, self.texts, self.alive = [], [], bytearray()
+        self.ids, self.texts, self.toks, self.alive = [], [], [], bytearray()
         self.n_dead = 0
         self.patches = {}
         self.dirty = False
@@ -421,8 +450,13 @@ class MemoryBank:
             loaded with ``MemoryBank.load(path, mmap=True)`` the float32 rows stay in the
             store file and only the re-scored rows' pages are read.
 
+        lexical_stemmer: None (default) or "english": the stemmer of the bank's lexical
+            (BM25) index (:mod:`rfmem_fast.lexical`; "english" needs PyStemmer, the
+            ``lexical`` extra). Every item's text is tokenised once when it is written.
+
     Raises:
-        ValueError: ``dim`` < 1 or not an int; an unknown ``dtype``.
+        ValueError: ``dim`` < 1 or not an int; an unknown ``dtype`` or ``lexical_stemmer``.
+        ImportError: ``lexical_stemmer="english"`` without PyStemmer.
 
     Writes: :meth:`add`, :meth:`update`, :meth:`delete` (per-user blocks, tombstones,
     no rebuild of the whole bank per write), :meth:`compact`. Reads: :meth:`snapshot`
@@ -434,11 +468,13 @@ class MemoryBank:
     copy-on-write snapshots).
     """
 
-    def __init__(self, dim: int, dtype: Any = "float32") -> None:
+    def __init__(self, dim: int, dtype: Any = "float32", lexical_stemmer: str | None = None) -> None:
         if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         self._dim = int(dim)
         self._dtype = check_dtype(dtype)
+        self._analyzer = Analyzer(lexical_stemmer)
+        self._vocab = Vocabulary()
         self._lock = threading.RLock()
         self._users: list[Hashable] = []
         self._uindex: dict[Hashable, int] = {}
@@ -480,6 +516,7 @@ class MemoryBank:
         item_ids: Sequence[ItemId] | None = None,
         texts: Sequence[str | None] | None = None,
         dtype: Any = "float32",
+        lexical_stemmer: str | None = None,
     ) -> "MemoryBank":
         """Build a bank from a CSR layout in one call.
 
@@ -493,6 +530,7 @@ class MemoryBank:
                 row's position inside its user's segment (0, 1, ...).
             texts: n optional texts.
             dtype: the bank's scan type (see :class:`MemoryBank`).
+            lexical_stemmer: the lexical index's stemmer (see :class:`MemoryBank`).
 
         Returns:
             MemoryBank.
@@ -522,7 +560,7 @@ class MemoryBank:
             raise ValueError(f"item_ids has {len(item_ids)} entries but vectors has {vec.shape[0]} rows")
         if texts is not None and len(texts) != vec.shape[0]:
             raise ValueError(f"texts has {len(texts)} entries but vectors has {vec.shape[0]} rows")
-        bank = cls(vec.shape[1], dtype=dtype)
+        bank = cls(vec.shape[1], dtype=dtype, lexical_stemmer=lexical_stemmer)
         for u, user in enumerate(users):
             a, b = int(off[u]), int(off[u + 1])
             ids = list(item_ids[a:b]) if item_ids is not None else list(range(b - a))
@@ -586,12 +624,23 @@ class MemoryBank:
             self._users.append(user)
             self._uindex[user] = u
         if vec.shape[0]:
+            toks = self._encode(tx)
             r = self._rows[u]
             r.begin_write()
-            r.append(vec, id_list, tx)
+            r.append(vec, id_list, tx, toks)
             self._n_live += vec.shape[0]
             self._set_metadata(user, id_list, meta)
         self._touch()
+
+    def _encode(self, texts: list) -> list:
+        """Each text tokenised and encoded ((terms, tf) int32 arrays; None for no text), under the lock."""
+        an, voc = self._analyzer, self._vocab
+        return [None if t is None else voc.encode_doc(an.tokens(t)) for t in texts]
+
+    @property
+    def lexical_stemmer(self) -> str | None:
+        """The stemmer of the lexical index: None or "english"."""
+        return self._analyzer.stemmer
 
     def _set_metadata(self, user: Hashable, ids: list, meta: list) -> None:
         """Store (dict) or clear (None) the metadata of ``ids`` (under the lock)."""
@@ -712,11 +761,13 @@ class MemoryBank:
             tx = None if texts is None else _check_texts(texts, vec.shape[0])
             meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
             r, slots = self._writable_slots(u, id_list)
+            enc = self._encode(tx) if tx is not None else None
             for j, i in enumerate(id_list):
                 s = slots[i]
                 r.set_row(s, vec[j])
                 if tx is not None:
                     r.texts[s] = tx[j]
+                    r.toks[s] = enc[j]
             if meta is not None:
                 self._set_metadata(self._users[u], id_list, meta)
             self._touch()
@@ -838,7 +889,7 @@ class MemoryBank:
                             m = store.get(snap.item_ids[r])
                             meta[r] = None if m is None else copy.deepcopy(m)
         scan = to_scan_copy(snap.vectors, dtype) if dtype in HALF_DTYPES else None
-        out = MemoryBank(self._dim, dtype=dtype)
+        out = MemoryBank(self._dim, dtype=dtype, lexical_stemmer=self.lexical_stemmer)
         out._install(dataclasses.replace(snap, scan=scan, dtype=dtype), meta)
         return out
 
@@ -853,12 +904,21 @@ class MemoryBank:
             texts = snap.texts if snap.texts is not None else np.full(snap.num_items, None, dtype=object)
             if snap.texts is None:
                 snap = dataclasses.replace(snap, texts=texts)
+            lex = snap.lexical
+            if lex is None or lex.analyzer.stemmer != self.lexical_stemmer:  # (re)build from the texts
+                self._vocab = Vocabulary()
+                lex = LexicalIndex.from_texts(snap.offsets, texts, self._vocab, self._analyzer)
+            else:  # adopt the index with a vocabulary of our own (later writes must not share it)
+                self._vocab = lex.vocab.copy()
+                lex = LexicalIndex(snap.offsets, lex.ptr, lex.terms, lex.tf, lex.has_text, self._vocab,
+                                   self._analyzer, lex.built_postings())  # fmt: skip
+            snap = dataclasses.replace(snap, lexical=lex)
             self._rows = []
             for u in range(snap.num_users):
                 a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
                 r = _UserRows(self._dim)
                 r.slot_of = None
-                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b])
+                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b], (lex, a, b))
                 self._rows.append(r)
             self._n_live = snap.num_items
             self._version = int(snap.version)
@@ -990,11 +1050,22 @@ class MemoryBank:
             else:
                 item_ids[a:b] = r.ids_arr
                 texts[a:b] = r.texts_arr
+        # the lexical forward index: clean users' segments are sliced from their last
+        # snapshot's index (no re-tokenising), dirty users' from their cached per-item
+        # encodings; clean users keep the postings built for them (rows are segment-local)
+        carried = {}
+        for u, r in enumerate(rows):
+            if not r.dirty and r.lex_src is not None:
+                got = r.lex_src[0]._postings.get(u)
+                if got is not None:
+                    carried[u] = got
+        ptr, terms, tf, has = concat_segments([r.lex_segment() for r in rows])
+        lex = LexicalIndex(offsets, ptr, terms, tf, has, self._vocab, self._analyzer, carried)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
-            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b])
+            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b))
         scan = to_scan_copy(vectors, self._dtype) if self._dtype in HALF_DTYPES else None
-        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype)
+        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype, lex)
 
     def texts_of(self, user: Hashable) -> list[str | None]:
         """The texts of ``user``'s live items in row order (None where none was given)."""

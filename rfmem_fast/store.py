@@ -15,13 +15,20 @@ Layout of a store directory ``PATH``::
                                        store without it, older ones included, loads as
                                        "no metadata"; covered by the manifest's checksums)
     PATH/snap-00000007/scan.npy        float16 "<f2" / bfloat16 bits "<u2" [n, d]: the scan
-                                       copy of a half-precision bank (format 2 only)
+                                       copy of a half-precision bank (format >= 2)
+    PATH/snap-00000007/lex_ptr.npy     int64 [n + 1]  } the lexical forward index
+    PATH/snap-00000007/lex_terms.npy   int32 [nnz]    } (rfmem_fast.lexical): each row's
+    PATH/snap-00000007/lex_tf.npy      int32 [nnz]    } distinct token ids and counts
+    PATH/snap-00000007/lex_vocab.json  [V tokens]     (format 3; manifest "lexical":
+                                       {"stemmer": null | "english", "tokenizer"})
 
 Versions: format 1 holds float32 banks (``dtype`` "float32", the five files above, plus
 the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
-``scan.npy``. A float32 bank is still written as format 1 (older rfmem_fast reads it), a
-half-precision bank as format 2; this code reads both, and refuses newer versions with
-a StoreError.
+``scan.npy``; format 3 adds the lexical index (the four ``lex_*`` files: the token ids
+of every item, so a load does not re-tokenise; the per-user postings are rebuilt from
+them on first use). Every bank is written as format 3; this code reads all three (a
+format 1 / 2 store builds its lexical index from its texts at load, with no stemmer),
+and refuses newer versions with a StoreError.
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -71,7 +78,11 @@ from .precision import BANK_DTYPES, HALF_DTYPES, storage_dtype, to_scan_copy
 FORMAT_NAME = "rfmem_fast.store"
 #: the newest format this code reads. It writes version 1 for a float32 bank (readable by
 #: rfmem_fast before half-precision banks) and version 2 for a float16 / bfloat16 bank.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: the lexical index's files (format 3)
+LEXICAL_FILES = ("lex_ptr.npy", "lex_terms.npy", "lex_tf.npy", "lex_vocab.json")
+#: what the manifest's "lexical" entry names as the tokenizer (rfmem_fast.lexical)
+LEXICAL_TOKENIZER = "bm25s-en"
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
 DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
@@ -82,14 +93,14 @@ OPTIONAL_FILES = ("metadata.json",)
 SCAN_FILE = "scan.npy"
 
 
-def data_files(dtype: str) -> tuple[str, ...]:
-    """The data files a store of a bank of ``dtype`` must hold (besides OPTIONAL_FILES)."""
-    return DATA_FILES + ((SCAN_FILE,) if dtype in HALF_DTYPES else ())
+def data_files(dtype: str, version: int = FORMAT_VERSION) -> tuple[str, ...]:
+    """The data files a store of a bank of ``dtype`` in format ``version`` must hold (besides OPTIONAL_FILES)."""
+    return DATA_FILES + ((SCAN_FILE,) if dtype in HALF_DTYPES else ()) + (LEXICAL_FILES if version >= 3 else ())
 
 
 def format_version_for(dtype: str) -> int:
-    """The format version a bank of ``dtype`` is written in: 1 for float32, 2 otherwise."""
-    return 2 if dtype in HALF_DTYPES else 1
+    """The format version a bank of ``dtype`` is written in: 3 (every dtype; the lexical index)."""
+    return FORMAT_VERSION
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22  # bytes per read while hashing / verifying
@@ -252,6 +263,19 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
             ]
             if snap.scan is not None:
                 payload.append((SCAN_FILE, _write_array(snap.scan)))
+            lex = snap.lexical
+            if lex is None:  # a hand-made snapshot: index its texts
+                from .lexical import Analyzer, LexicalIndex, Vocabulary
+
+                texts = snap.texts if snap.texts is not None else [None] * snap.num_items
+                lex = LexicalIndex.from_texts(snap.offsets, texts, Vocabulary(), Analyzer(bank.lexical_stemmer))
+            vocab = list(lex.vocab.tokens)  # append-only: a prefix covers every id of the snapshot
+            payload += [
+                ("lex_ptr.npy", _write_array(np.asarray(lex.ptr, dtype=np.int64))),
+                ("lex_terms.npy", _write_array(np.asarray(lex.terms, dtype=np.int32))),
+                ("lex_tf.npy", _write_array(np.asarray(lex.tf, dtype=np.int32))),
+                ("lex_vocab.json", _write_json(vocab)),
+            ]
             if metadata is not None:
                 payload.append(("metadata.json", _write_json(metadata)))
             for name, write in payload:
@@ -265,6 +289,7 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
                 "num_users": snap.num_users,
                 "num_items": snap.num_items,
                 "bank_version": int(snap.version),
+                "lexical": {"stemmer": lex.analyzer.stemmer, "tokenizer": LEXICAL_TOKENIZER},
                 "files": files,
             }
             mf = _write_file(tmp / MANIFEST, _write_json(manifest))
@@ -547,7 +572,8 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
     allowed = BANK_DTYPES if man["format_version"] >= 2 else ("float32",)
     if dtype not in allowed:
         raise StoreError(mpath, f"dtype must be one of {allowed} (format_version {man['format_version']}), got {dtype!r}")
-    names = data_files(dtype)
+    fv = man["format_version"]
+    names = data_files(dtype, fv)
     files = man.get("files")
     if (
         not isinstance(files, dict)
@@ -606,10 +632,70 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
     if n:
         item_ids[:] = ids
         text_arr[:] = texts
-    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr, scan, dtype)
-    bank = MemoryBank(d, dtype=dtype)
-    bank._install(snap, metadata)
+    stemmer, lex = None, None
+    if fv >= 3:
+        stemmer, lex = _read_lexical(mpath, man, data_dir, files, offsets, text_arr, mmap, verify)
+    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr, scan, dtype, lex)
+    bank = MemoryBank(d, dtype=dtype, lexical_stemmer=stemmer)
+    bank._install(snap, metadata)  # a store without a lexical index (format 1 / 2) is indexed here
     return bank
+
+
+def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: bool) -> np.ndarray:
+    """A 1-D .npy of ``dtype`` (read, or mapped read-only), its checksum checked when ``verify``."""
+    if mmap:
+        if verify:
+            sha = hashlib.sha256()
+            try:
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(_CHUNK), b""):
+                        sha.update(block)
+            except OSError as exc:
+                raise StoreError(path, f"cannot be read: {exc}") from None
+            if sha.hexdigest() != expect["sha256"]:
+                raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as exc:
+            raise StoreError(path, f"cannot be mapped: {type(exc).__name__}: {exc}") from None
+    else:
+        data = _read_small(path, expect, verify)
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except Exception as exc:
+            raise StoreError(path, f"bad .npy file: {type(exc).__name__}: {exc}") from None
+    if arr.dtype != dtype or arr.ndim != 1:
+        raise StoreError(path, f"holds {arr.dtype} {arr.shape}, expected 1-D {dtype}")
+    return arr
+
+
+def _read_lexical(mpath: Path, man: dict, data_dir: Path, files: dict, offsets: np.ndarray, texts: np.ndarray,
+                  mmap: bool, verify: bool) -> tuple:  # fmt: skip
+    """(stemmer, LexicalIndex) of a format-3 store, checked (shapes, ranges, rows without text empty)."""
+    from .lexical import STEMMERS, Analyzer, LexicalIndex, Vocabulary
+
+    meta = man.get("lexical")
+    if not isinstance(meta, dict) or meta.get("stemmer") not in STEMMERS or meta.get("tokenizer") != LEXICAL_TOKENIZER:
+        raise StoreError(mpath, f"lexical must be {{'stemmer': one of {STEMMERS}, 'tokenizer': {LEXICAL_TOKENIZER!r}}}, got {meta!r}")
+    stemmer = meta["stemmer"]
+    vpath = data_dir / "lex_vocab.json"
+    vocab = _parse_json(vpath, _read_small(vpath, files["lex_vocab.json"], verify))
+    if not isinstance(vocab, list) or not all(isinstance(t, str) for t in vocab) or len(set(vocab)) != len(vocab):
+        raise StoreError(vpath, "must be a JSON list of distinct strings")
+    n = int(texts.shape[0])
+    ptr = _read_npy(data_dir / "lex_ptr.npy", files["lex_ptr.npy"], np.dtype("<i8"), mmap, verify)
+    terms = _read_npy(data_dir / "lex_terms.npy", files["lex_terms.npy"], np.dtype("<i4"), mmap, verify)
+    tf = _read_npy(data_dir / "lex_tf.npy", files["lex_tf.npy"], np.dtype("<i4"), mmap, verify)
+    pp = data_dir / "lex_ptr.npy"
+    if ptr.shape[0] != n + 1 or ptr[0] != 0 or ptr[-1] != terms.shape[0] or (np.diff(ptr) < 0).any():
+        raise StoreError(pp, f"must be non-decreasing int64 [{n + 1}] from 0 to the number of lex_terms")
+    if tf.shape[0] != terms.shape[0] or (terms.shape[0] and (int(terms.min()) < 0 or int(terms.max()) >= len(vocab) or int(tf.min()) < 1)):
+        raise StoreError(data_dir / "lex_terms.npy", "token ids must lie in the vocabulary and counts be >= 1, one count per id")
+    has = np.fromiter((t is not None for t in texts), np.bool_, n)
+    if (np.diff(ptr)[~has] != 0).any():
+        raise StoreError(pp, "a row without text has lexical entries")
+    analyzer = Analyzer(stemmer)
+    return stemmer, LexicalIndex(offsets, ptr, terms, tf, has, Vocabulary(vocab), analyzer)
 
 
 def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:

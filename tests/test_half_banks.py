@@ -230,7 +230,7 @@ def test_store_round_trip(tmp_path, dtype):
     bank.add(3, rng.normal(size=(9, 24)), ids=list(range(9)))
     bank.save(tmp_path / "s")
     man = json.loads((_snapdir(tmp_path / "s") / "manifest.json").read_text())
-    assert man["dtype"] == dtype and man["format_version"] == (1 if dtype == "float32" else 2)
+    assert man["dtype"] == dtype and man["format_version"] == 3
     assert ("scan.npy" in man["files"]) == (dtype != "float32")
     q = rng.normal(size=(4, 24))
     want = search(bank, q, ["u", "u", 3, "u"], RFMemConfig(out_k=5, probe_k=5), mode="rfmem", backend="torch")
@@ -278,7 +278,7 @@ def test_store_refuses_a_scan_copy_that_is_not_the_rounding(tmp_path):
 def test_store_written_before_half_banks_still_loads(tmp_path):
     """tests/data/store_v1_float32 was written by rfmem_fast before this change (format 1):
     it loads (read and mmap) with its users, ids, texts, version and vectors, searches,
-    and saves again as format 1."""
+    and saves again in the current format (3)."""
     exp = json.loads((DATA / "store_v1_float32.expected.json").read_text())
     for mmap in (False, True):
         bank = MemoryBank.load(DATA / "store_v1_float32", mmap=mmap)
@@ -290,7 +290,7 @@ def test_store_written_before_half_banks_still_loads(tmp_path):
         res = search(bank, s.vectors[[0, 6]], ["alice", 42], RFMemConfig(out_k=3, probe_k=3), mode="dense", backend="torch")
         assert res.ids_list(0)[0] == "a0" and res.ids_list(1)[0] == 100
     bank.save(tmp_path / "again")
-    assert json.loads((_snapdir(tmp_path / "again") / "manifest.json").read_text())["format_version"] == 1
+    assert json.loads((_snapdir(tmp_path / "again") / "manifest.json").read_text())["format_version"] == 3
     half = _as(bank, "bfloat16")
     half.save(tmp_path / "half")
     assert MemoryBank.load(tmp_path / "half").snapshot().scan.tobytes() == half.snapshot().scan.tobytes()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
-from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, MANIFEST, StoreError, load_bank
+from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, LEXICAL_FILES, MANIFEST, StoreError, load_bank
 
 CPU_BACKENDS = [b for b in rfmem_fast.available_backends() if b in ("reference", "torch", "native")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +84,10 @@ def test_manifest_lists_checksums_of_every_file(tmp_path):
     bank.save(tmp_path / "s")
     d = data_dir(tmp_path / "s")
     man = json.loads((d / MANIFEST).read_text())
-    # a float32 bank is written in format 1 (readable by rfmem_fast before half-precision banks)
-    assert man["format_version"] == 1 and man["dim"] == 8 and man["dtype"] == "float32"
+    # every bank is written in format 3 (the lexical index's token ids: rfmem_fast.lexical)
+    assert man["format_version"] == 3 and man["dim"] == 8 and man["dtype"] == "float32"
     assert man["num_users"] == 4 and man["num_items"] == bank.num_items and man["bank_version"] == bank.version
-    assert sorted(man["files"]) == sorted(DATA_FILES) == sorted(p.name for p in d.iterdir() if p.name != MANIFEST)
+    assert sorted(man["files"]) == sorted(DATA_FILES + LEXICAL_FILES) == sorted(p.name for p in d.iterdir() if p.name != MANIFEST)
     for name, meta in man["files"].items():
         data = (d / name).read_bytes()
         assert meta == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -180,7 +180,7 @@ def _flip(p: Path, pos: int) -> None:
     p.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", list(DATA_FILES) + [MANIFEST])
+@pytest.mark.parametrize("name", list(DATA_FILES) + list(LEXICAL_FILES) + [MANIFEST])
 def test_changed_byte_deleted_or_truncated_file_is_refused(tmp_path, name):
     make_bank().save(tmp_path / "s")
     d = data_dir(tmp_path / "s")
@@ -222,7 +222,7 @@ def _rewrite_manifest(path: Path, **changes) -> None:
         ({"dim": 9}, "vectors.npy"),
         ({"num_items": 3}, "offsets.npy|ids.json"),
         ({"num_users": 2}, "offsets.npy"),
-        ({"dtype": "float16"}, "dtype"),
+        ({"dtype": "float16"}, "dtype|scan\\.npy"),  # format 3 allows float16, then scan.npy is missing
         ({"format": "other"}, "manifest"),
         ({"files": {}}, "files"),
         ({"bank_version": -1}, "bank_version"),
