@@ -15,6 +15,10 @@ from typing import Any
 ENTROPY_CONVENTIONS = ("mean", "sum", "normalized")
 #: RFMemConfig.merge values (rfmem_fast.routing.merge documents them)
 MERGE_MODES = ("none", "interleave", "rrf", "rescore")
+#: RFMemConfig.fusion values (rfmem_fast.fusion documents them)
+FUSION_MODES = ("convex", "rrf", "adaptive")
+#: RFMemConfig.lexical_norm values
+LEXICAL_NORMS = ("raw", "max")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -83,6 +87,24 @@ class RFMemConfig:
       (:mod:`rfmem_fast.routing.rerank`, made by ``rfmem calibrate --kind reranker``),
       loaded on construction; it replaces the merge, so ``merge`` must be "none".
 
+    The lexical (BM25) channel (:mod:`rfmem_fast.lexical`, :mod:`rfmem_fast.fusion`,
+    README "Hybrid retrieval"); ``lexical_weight=0`` keeps today's dense behaviour exactly:
+
+    * ``lexical_weight`` (float in [0, 1e6], default 0.0): weight ``w`` of the lexical
+      channel; > 0 turns it on (``search`` then needs ``query_texts``).
+    * ``fusion`` ("convex" | "rrf" | "adaptive", default "convex"): "convex" ranks by
+      ``cosine + w * f``; "rrf" by ``1/(lexical_rrf_k + dense rank) + 1/(lexical_rrf_k +
+      lexical rank)`` (each list cut at ``lexical_depth``; ``w`` only switches it on);
+      "adaptive" by ``cosine + w * c(q) * bm25 / max bm25``, ``c(q)`` the lexical
+      channel's confidence (sharpness, :func:`rfmem_fast.fusion.sharpness`).
+    * ``lexical_norm`` ("raw" | "max", default "max"): convex's ``f``: raw BM25, or BM25
+      divided by the query's largest BM25 over the user's items.
+    * ``lexical_rrf_k`` (float in (0, 1e6], default 10.0): the rank constant of fusion "rrf".
+    * ``lexical_depth`` (int in [1, 2^20], default 100): fusion "rrf" cuts each channel's
+      ranked list at ``max(lexical_depth, out_k, probe_k)``.
+
+    The lexical channel does not combine with ``reranker`` (ValueError).
+
     Raises:
         TypeError: a field has the wrong type (the message names the field).
         ValueError: a field is outside its allowed range (the message names the field
@@ -112,6 +134,11 @@ class RFMemConfig:
     expansion_weight: float = 1.0
     profile_weight: float = 0.0
     reranker: str | None = None
+    lexical_weight: float = 0.0
+    fusion: str = "convex"
+    lexical_norm: str = "max"
+    lexical_rrf_k: float = 10.0
+    lexical_depth: int = 100
 
     def __post_init__(self) -> None:
         _check_int("probe_k", self.probe_k, 1, 1 << 20)
@@ -144,6 +171,15 @@ class RFMemConfig:
         _check_float("rescore_weight", self.rescore_weight, 0.0, 100.0)
         _check_float("expansion_weight", self.expansion_weight, 0.0, 1e3)
         _check_float("profile_weight", self.profile_weight, 0.0, 100.0)
+        _check_float("lexical_weight", self.lexical_weight, 0.0, 1e6)
+        if self.fusion not in FUSION_MODES:
+            raise ValueError(f"RFMemConfig.fusion must be one of {FUSION_MODES}, got {self.fusion!r}")
+        if self.lexical_norm not in LEXICAL_NORMS:
+            raise ValueError(f"RFMemConfig.lexical_norm must be one of {LEXICAL_NORMS}, got {self.lexical_norm!r}")
+        _check_float("lexical_rrf_k", self.lexical_rrf_k, 0.0, 1e6, lo_open=True)
+        _check_int("lexical_depth", self.lexical_depth, 1, 1 << 20)
+        if self.lexical_weight > 0 and self.reranker is not None:
+            raise ValueError("RFMemConfig.lexical_weight > 0 does not combine with a reranker (set one of them off)")
         if self.reranker is not None:
             if isinstance(self.reranker, os.PathLike):
                 object.__setattr__(self, "reranker", os.fspath(self.reranker))

@@ -42,7 +42,9 @@ from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .device import to_device
+from .backends.exact import exact_pair_scores
 from .expansion import fold_expansions
+from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row
 from .router import (
     FAMILIARITY,
     RECOLLECTION,
@@ -86,8 +88,10 @@ class SearchResult:
             padding): SNAPSHOT-RELATIVE, valid for that snapshot only (a later write
             moves rows); not stable handles.
         scores: float32 ndarray [b, out_k]: inner-product scores on the Familiarity
-            path; on the Recollection path the (MMR-adjusted when mmr_lambda < 1) score
-            each item was discovered with, in discovery order; ``-inf`` padding.
+            path (with the lexical channel on, ``config.lexical_weight > 0``: the fused
+            score of :mod:`rfmem_fast.fusion`, rounded to float32); on the Recollection
+            path the (MMR-adjusted when mmr_lambda < 1) score each item was discovered
+            with, in discovery order; ``-inf`` padding.
         route: int64 ndarray [b], 0 = familiarity, 1 = recollection (``route_names``).
         mean: float64 ndarray [b], mean probe score (0 for an empty bank).
         entropy: float64 ndarray [b], probe entropy in the config's convention.
@@ -97,6 +101,15 @@ class SearchResult:
         probe_texts: object ndarray [b, probe_k], the probe's texts from the same
             snapshot (None padding, or an item without text).
         probe_scores: float32 ndarray [b, probe_k], the probe's scores (-inf padding).
+            With the lexical channel on, the probe's list is the FUSED top ``probe_k``
+            (ids, texts and scores), while ``mean`` / ``entropy`` (and the routing) stay
+            those of the dense cosine probe.
+        dense_scores: float32 ndarray [b, out_k], each hit's exact cosine score
+            ``RN32(q . x)`` (q the query as searched: after expansions / the profile
+            prior); NaN for padding.
+        lexical_scores: float32 ndarray [b, out_k], each hit's BM25 score within its
+            user's memory (0 for an item that is no lexical hit or has no text); NaN
+            for padding and when no ``query_texts`` were given.
         mode, backend: how the batch was run.
     """
 
@@ -115,6 +128,8 @@ class SearchResult:
     mode: str = "rfmem"
     backend: str = ""
     config: RFMemConfig = field(default_factory=RFMemConfig)
+    dense_scores: np.ndarray | None = None
+    lexical_scores: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -154,6 +169,9 @@ class TensorSearchResult:
         rule: int64 [b] index into ``rfmem_fast.router.RULE_NAMES``.
         rounds: int64 [b] recollection rounds (0 on the Familiarity path).
         probe_rows: int64 [b, probe_k]; probe_scores: float32 [b, probe_k].
+        dense_scores, lexical_scores: float32 [b, out_k], as :class:`SearchResult`; on
+            a device-resident batch without the lexical channel the dense scores of
+            recollected hits are NaN (computing them would synchronise with the host).
         snapshot: the BankSnapshot the rows index (None for a view built from device
             tensors, :func:`rfmem_fast.device.view_from_tensors`: no ids to look up).
         mode, backend, config: how the batch was run.
@@ -168,6 +186,8 @@ class TensorSearchResult:
     rounds: torch.Tensor
     probe_rows: torch.Tensor
     probe_scores: torch.Tensor
+    dense_scores: torch.Tensor
+    lexical_scores: torch.Tensor
     snapshot: BankSnapshot | None = None
     mode: str = "rfmem"
     backend: str = ""
@@ -195,7 +215,10 @@ class TensorSearchResult:
 
 
 #: the tensor fields of a chunk of :func:`search_tensors`, in the order of TensorSearchResult
-_TENSOR_FIELDS = ("rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_rows", "probe_scores")
+_TENSOR_FIELDS = (
+    "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_rows", "probe_scores", "dense_scores",
+    "lexical_scores",
+)  # fmt: skip
 
 
 def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.ndarray]:
@@ -216,6 +239,8 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.n
         probe_ids=_lookup(item_ids, probe_rows),
         probe_texts=_lookup(texts, probe_rows),
         probe_scores=t["probe_scores"].astype(np.float32, copy=False),
+        dense_scores=t["dense_scores"].astype(np.float32, copy=False),
+        lexical_scores=t["lexical_scores"].astype(np.float32, copy=False),
     )
 
 
@@ -284,9 +309,34 @@ def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConf
     return config, int(max_batch)
 
 
+def check_query_texts(query_texts: Any, b: int, config: RFMemConfig) -> list | None:
+    """:func:`search`'s ``query_texts`` as a list of b str / None (None when not given).
+
+    Raises:
+        ValueError: ``config.lexical_weight > 0`` without ``query_texts``, or a length other than b.
+        TypeError: not a sequence of str / None.
+    """
+    if query_texts is None:
+        if config.lexical_weight > 0:
+            raise ValueError(
+                "query_texts is required when config.lexical_weight > 0 (the lexical channel scores the query's text): "
+                "pass one str (or None) per query"
+            )
+        return None
+    if isinstance(query_texts, (str, bytes)) or not hasattr(query_texts, "__len__"):
+        raise TypeError("query_texts must be a sequence of str (or None), one per query")
+    out = list(query_texts)
+    if len(out) != b:
+        raise ValueError(f"query_texts has {len(out)} entries but queries has {b} rows")
+    for j, t in enumerate(out):
+        if t is not None and not isinstance(t, str):
+            raise TypeError(f"query_texts[{j}] must be a str or None, got {type(t).__name__}")
+    return out
+
+
 def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: Any, mode: str, backend: Any,
-             device: Any, max_batch: Any, expansions: Any, router: Any) -> tuple:  # fmt: skip
-    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router)."""
+             device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None) -> tuple:  # fmt: skip
+    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts)."""
     config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -299,6 +349,7 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
         raise TypeError("users must be a sequence of user keys, one per query")
     if len(users) != b:
         raise ValueError(f"users has {len(users)} entries but queries has {b} rows")
+    texts = check_query_texts(query_texts, b, config)
     router = _resolve_router(mode, config, router)
     be = get_backend(backend, device)
     dev = torch.device(be.device)
@@ -316,7 +367,7 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     qseg = to_device(seg, dev)
     hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
-    return config, max_batch, be, view, Q, qseg, hints, router
+    return config, max_batch, be, view, Q, qseg, hints, router, texts
 
 
 @dataclass
@@ -351,6 +402,7 @@ def search_candidates(
     device: str | None = None,
     expansions: Any = None,
     router: Router | None = None,
+    query_texts: Sequence[str | None] | None = None,
 ) -> CandidatePools:
     """The candidate pools a re-ranker would see for these queries, with their features.
 
@@ -361,9 +413,9 @@ def search_candidates(
     on labelled questions with exactly the features the search computes.
 
     Args:
-        bank, queries, users, config, mode, backend, device, expansions, router: as
-            :func:`search` (``config.reranker`` must be None: pools are what a
-            re-ranker sees, before it).
+        bank, queries, users, config, mode, backend, device, expansions, router,
+            query_texts: as :func:`search` (``config.reranker`` must be None: pools are
+            what a re-ranker sees, before it; the pools are built from the DENSE probe).
         depth: probe items in the pool (int >= 1).
 
     Returns:
@@ -376,12 +428,12 @@ def search_candidates(
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
     if config is not None and getattr(config, "reranker", None) is not None:
         raise ValueError("search_candidates needs a config without a reranker (the pools are the re-ranker's input)")
-    config, max_batch, be, view, Q, qseg, hints, router = _prepare(
-        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router
+    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
+        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router, query_texts
     )
     got: list = [int(depth)]
     res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=True,
-                         router=router, pools=got)  # fmt: skip
+                         router=router, pools=got, query_texts=texts)  # fmt: skip
     parts = got[1:]
     L = max(p[0].shape[1] for p in parts)
 
@@ -407,6 +459,7 @@ def search(
     output: str = "numpy",
     expansions: Any = None,
     router: Router | None = None,
+    query_texts: Sequence[str | None] | None = None,
 ) -> SearchResult | TensorSearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -447,6 +500,17 @@ def search(
             routes on the host from the probe's signals (one device-to-host copy). On
             the Recollection path ``config.merge`` combines the hits with the probe's
             top-k (:mod:`rfmem_fast.routing.merge`; on the host).
+        query_texts: b query texts (str, or None for a query without text), required
+            when ``config.lexical_weight > 0``: the lexical (BM25) channel
+            (:mod:`rfmem_fast.lexical`) scores each against its user's item texts, and
+            the Familiarity path returns the fused top ``out_k``
+            (:mod:`rfmem_fast.fusion`: exact on every backend, see its docstring). The
+            probe's list (``probe_ids`` / ``probe_scores``) is fused too; the familiarity
+            signals (``mean``, ``entropy``) and so the routing stay those of the DENSE
+            probe (the thresholds keep their cosine meaning); the Recollection path
+            scores its mixed queries densely and returns what it returns today. A query
+            with no token known to its user's memory gets the dense result. With weight
+            0, given texts only fill ``lexical_scores``.
 
     Beyond the paper (README "Retrieval quality"): with ``config.profile_weight > 0``
     each query is folded with its user's profile before the probe (the profile prior,
@@ -476,7 +540,8 @@ def search(
         ValueError: unknown mode, output or backend name (the message lists
             ``BACKEND_NAMES``); an empty bank (no live item in the snapshot);
             queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
-            ``users`` not of length b; ``max_batch`` < 1.
+            ``users`` not of length b; ``max_batch`` < 1; ``config.lexical_weight > 0``
+            without ``query_texts``, or ``query_texts`` not of length b.
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
             user key that is not a str / int.
         KeyError: an unknown user (the message names it and its position).
@@ -487,12 +552,12 @@ def search(
     """
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-    config, max_batch, be, view, Q, qseg, hints, router = _prepare(
-        bank, queries, users, config, mode, backend, device, max_batch, expansions, router
+    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
+        bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts
     )
     res = search_tensors(
         be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
-        host_output=output == "numpy", router=router,
+        host_output=output == "numpy", router=router, query_texts=texts,
     )  # fmt: skip
     if output == "torch":
         return res
@@ -511,6 +576,7 @@ def search_tensors(
     host_output: bool = False,
     router: Router | None = None,
     pools: list | None = None,
+    query_texts: Sequence[str | None] | None = None,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
 
@@ -540,12 +606,21 @@ def search_tensors(
         pools: internal (:func:`search_candidates`): a list ``[depth]`` to which every
             chunk appends its re-ranker candidate pools ``(cand, keep, features)`` (host
             arrays), built with the probe's top ``depth``.
+        query_texts: optional b query texts (str / None) for the lexical channel
+            (required when ``config.lexical_weight > 0``; needs ``view.snapshot``).
 
     Returns:
         TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
+
+    Raises:
+        ValueError: ``config.lexical_weight > 0`` without ``query_texts``, or on a view
+            without a bank snapshot (no texts to score).
     """
     reranker = config.resolved_reranker()
     b = int(Q.shape[0])
+    query_texts = check_query_texts(query_texts, b, config)
+    if query_texts is not None and (view.snapshot is None or view.snapshot.lexical is None):
+        raise ValueError("query_texts needs a view of a bank snapshot with a lexical index (this view has none)")
     bank_max = 0
     if chunk_hints is None:  # offsets_cpu is a host tensor: no device synchronisation
         off = view.offsets_cpu
@@ -559,6 +634,7 @@ def search_tensors(
             part = _search_chunk(
                 backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
                 host=host_output and Q.device.type == "cpu",
+                texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
             )  # fmt: skip
         if not host_output:
             parts.append(part)
@@ -590,6 +666,7 @@ def _search_chunk(
     reranker: Any = None,
     pools: list | None = None,
     host: bool = False,
+    texts: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device.
 
@@ -597,7 +674,8 @@ def _search_chunk(
     (``search(..., output="numpy")`` on the CPU), so host reads are free: the spec's
     thresholds route with numpy (torch's per-operation dispatch costs ~0.1 ms on a
     one-query batch) and a chunk where no query recollects skips the beam driver. Else
-    (device-resident batches) nothing here reads a device value on the host."""
+    (device-resident batches) nothing here reads a device value on the host (except
+    with query texts: the lexical channel runs on the host, :func:`_hybrid`)."""
     b = Q.shape[0]
     dev = Q.device
     if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
@@ -609,9 +687,17 @@ def _search_chunk(
     k0 = max(min(k0, max_len), bf)
     probe_k = min(config.probe_k, k0)
     out_k = min(config.out_k, k0)
+    lexical = texts is not None and config.lexical_weight > 0
+    k_scan = k0
+    if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
+        D = max(config.lexical_depth, config.out_k, config.probe_k)
+        k_scan = max(k0, min(D, max_len))
     p_sc, p_rows, mean, ent, count = be.probe(
-        view, Q, qseg, k0, probe_k, config.temperature, config.entropy
+        view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
     )
+    p_sc_all, p_rows_all = p_sc, p_rows
+    if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
+        p_sc, p_rows = p_sc[:, :k0].contiguous(), p_rows[:, :k0].contiguous()
     if mode == "rfmem" and router is not None:  # a router object / file: on the host
         sig = ProbeSignals.from_arrays(p_sc[:, :probe_k], mean, ent, count)
         routes, rule = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev) for a in router.route(sig))
@@ -625,6 +711,17 @@ def _search_chunk(
         rule = torch.full((b,), forced[1], dtype=torch.int64, device=dev)
     rows = p_rows[:, :out_k]
     scores = p_sc[:, :out_k].to(torch.float32)
+    hyb, hits = None, None
+    if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
+        k_f = max(probe_k, out_k)
+        kd = min(D, k_scan) if config.fusion == "rrf" else k_f
+        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
+        hits = hyb.hits
+        rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
+        scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
+    elif texts is not None:  # weight 0: the texts only fill lexical_scores
+        hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts)
+    fam_rows, fam_dense = rows, (scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev))
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
     out = None
@@ -640,6 +737,7 @@ def _search_chunk(
         else:
             rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
+    fam_ok = ~reco if out is not None else torch.ones(b, dtype=torch.bool, device=dev)
     if reranker is not None or pools is not None:
         hits = out.hit_rows.to(dev) if out is not None else None
         pool = _pools(view, Q, qseg, p_rows[:, : max(depth, 1)], hits, routes)
@@ -652,6 +750,16 @@ def _search_chunk(
             r_rows, r_sc = select_top(sc, sc, keep, order_key, cand, out_k)
             rows = torch.from_numpy(r_rows).to(dev)
             scores = torch.from_numpy(r_sc).to(dev)
+            fam_ok = torch.zeros(b, dtype=torch.bool, device=dev)
+    # exact re-scoring of hits whose dense score is not known yet (recollected, re-ranked,
+    # rrf's lexical-only ones): on the host path, or whenever the lexical channel ran
+    rescore = (host or hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
+    dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, hits, rescore, be.memory_budget)
+    if hyb is not None:
+        probe_rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :probe_k])).to(dev)
+        probe_scores = torch.from_numpy(hyb.fused[:, :probe_k].astype(np.float32)).to(dev)
+    else:
+        probe_rows, probe_scores = p_rows[:, :probe_k], p_sc[:, :probe_k].to(torch.float32)
     return dict(
         rows=_pad_t(rows, config.out_k, -1),
         scores=_pad_t(scores, config.out_k, float("-inf")),
@@ -660,9 +768,174 @@ def _search_chunk(
         entropy=ent.to(torch.float64),
         rule=rule,
         rounds=rounds,
-        probe_rows=_pad_t(p_rows[:, :probe_k], config.probe_k, -1),
-        probe_scores=_pad_t(p_sc[:, :probe_k].to(torch.float32), config.probe_k, float("-inf")),
+        probe_rows=_pad_t(probe_rows, config.probe_k, -1),
+        probe_scores=_pad_t(probe_scores, config.probe_k, float("-inf")),
+        dense_scores=_pad_t(dense_sc, config.out_k, float("nan")),
+        lexical_scores=_pad_t(lex_sc, config.out_k, float("nan")),
     )
+
+
+@dataclass
+class _Hybrid:
+    """The fused top ``k_f`` of a chunk (host arrays [b, k_f]; -1 / -inf / NaN padding) and
+    the per-query lexical scores (:func:`_lexical_hits`)."""
+
+    rows: np.ndarray
+    fused: np.ndarray
+    dense: np.ndarray
+    lex: np.ndarray
+    hits: list
+
+
+def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
+    """Per query: None (no lexical hit) or (first row of its user, float64 [n_u] BM25 of the
+    user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`."""
+    lex, off = snap.lexical, snap.offsets
+    out: list = []
+    for i, t in enumerate(texts):
+        qt, qc = lex.encode_query(t)
+        if qt.shape[0] == 0:
+            out.append(None)
+            continue
+        u = int(seg[i])
+        P = lex.postings(u)
+        vec = P.scores(qt, qc)
+        out.append(None if vec is None else (int(off[u]), vec, P.n_docs))
+    return out
+
+
+def _pad_lists(parts: list, b: int, fill: Any, dtype: Any) -> np.ndarray:
+    """[b, max len] array of b 1-D arrays, right-padded with ``fill``."""
+    lens = np.fromiter((p.shape[0] for p in parts), np.int64, b)
+    E = int(lens.max(initial=0))
+    out = np.full((b, E), fill, dtype=dtype)
+    if E:
+        qi = np.repeat(np.arange(b), lens)
+        col = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        out[qi, col] = np.concatenate(parts)
+    return out
+
+
+def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
+            config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+    """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
+
+    Candidates: the backend's exact dense top ``kd`` (``p_sc`` / ``p_rows``, the probe)
+    plus the query's lexical hits outside it that can still enter (convex / adaptive:
+    ``fl(s_kd + boost) >= tau``, re-scored exactly with
+    :func:`rfmem_fast.backends.exact.exact_pair_scores`; rrf: the lexical top D, whose
+    dense rank is "absent"). Host numpy; one loop over the queries for their postings."""
+    snap = view.snapshot
+    seg = qseg.cpu().numpy()
+    b = len(texts)
+    info = _lexical_hits(snap, seg, texts)
+    ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
+    pr = p_rows[:, :kd].cpu().numpy()
+    valid = pr >= 0
+    rrf_mode = config.fusion == "rrf"
+    D = max(config.lexical_depth, config.out_k, config.probe_k)
+    lex_d = np.zeros((b, kd))
+    lrank_d = np.zeros((b, kd), dtype=np.int64)
+    lex_max, top, n_docs = np.zeros(b), np.zeros((b, TOP_LEXICAL)), np.zeros(b, dtype=np.int64)
+    empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0)
+    ex_rows, ex_lex, ex_rank = [empty_i] * b, [empty_f] * b, [empty_i] * b
+    for i in range(b):
+        h = info[i]
+        if h is None:
+            continue
+        a, vec, n_docs[i] = h
+        loc = pr[i, valid[i]] - a  # the valid entries are a prefix
+        lex_d[i, : loc.shape[0]] = vec[loc]
+        hit = np.flatnonzero(vec)
+        hs = vec[hit]
+        lex_max[i] = hs.max()
+        t = hs if hs.shape[0] <= TOP_LEXICAL else np.partition(hs, hs.shape[0] - TOP_LEXICAL)[-TOP_LEXICAL:]
+        t = np.sort(t)[::-1]
+        top[i, : t.shape[0]] = t
+        mark = np.zeros(vec.shape[0], dtype=np.bool_)
+        mark[loc] = True
+        if rrf_mode:
+            ranked = hit[np.lexsort((hit, -hs))[:D]]  # BM25 descending, ties by the smaller row
+            rank = np.zeros(vec.shape[0], dtype=np.int64)
+            rank[ranked] = np.arange(1, ranked.shape[0] + 1)
+            lrank_d[i, : loc.shape[0]] = rank[loc]
+            e = ranked[~mark[ranked]]
+            ex_rank[i] = rank[e]
+        else:
+            e = hit[~mark[hit]]
+        ex_rows[i], ex_lex[i] = e + a, vec[e]
+    erows = _pad_lists(ex_rows, b, -1, np.int64)
+    elex = _pad_lists(ex_lex, b, 0.0, np.float64)
+    evalid = erows >= 0
+    dense_d = np.where(valid, ps, np.nan)
+    dense_e = np.full(erows.shape, np.nan)
+    if rrf_mode:
+        drank = np.where(valid, np.arange(1, kd + 1)[None, :], 0)
+        fd = np.where(valid, rrf(drank, lrank_d, config.lexical_rrf_k), -np.inf)
+        erank = _pad_lists(ex_rank, b, 0, np.int64)
+        fe = np.where(evalid, rrf(np.zeros_like(erank), erank, config.lexical_rrf_k), -np.inf)
+    else:
+        stats = LexicalStats(lex_max, top, n_docs)
+        boost = BOOSTS[config.fusion]
+        fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
+        xe = boost(elex, stats, config)
+        tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
+        s_last = np.where(valid[:, -1], ps[:, -1], -np.inf) if kd else np.full(b, -np.inf)
+        keep = evalid & (s_last[:, None] + xe >= tau[:, None])  # the bound of the fusion docstring
+        qi, ci = np.nonzero(keep)
+        if qi.shape[0]:
+            dev = Q.device
+            r = torch.from_numpy(erows[qi, ci]).to(dev)
+            ex = exact_pair_scores(view.X, Q, torch.from_numpy(qi).to(dev), r, memory_budget)
+            dense_e[qi, ci] = ex.cpu().numpy().astype(np.float64)
+        fe = np.where(keep, dense_e + xe, -np.inf)
+        erows = np.where(keep, erows, -1)
+    rows = np.concatenate([pr, erows], axis=1)
+    fused = np.concatenate([fd, fe], axis=1)
+    dense = np.concatenate([dense_d, dense_e], axis=1)
+    lexc = np.concatenate([lex_d, elex], axis=1)
+    sel = top_by_score_row(fused, rows, k_f)
+
+    def take(A: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(A, sel, axis=1)
+
+    f_sel, r_sel = take(fused), take(rows)
+    ok = (r_sel >= 0) & (f_sel > -np.inf)
+    return _Hybrid(
+        rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf), dense=np.where(ok, take(dense), np.nan),
+        lex=np.where(ok, take(lexc), np.nan), hits=info,
+    )  # fmt: skip
+
+
+def _hit_scores(view: Any, Q: torch.Tensor, rows: torch.Tensor, fam_ok: torch.Tensor, fam_dense: torch.Tensor,
+                hits: list | None, host: bool, memory_budget: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dense_scores, lexical_scores) float32 [b, w] of the final hits ``rows`` (NaN padding).
+
+    A query on the untouched Familiarity path (``fam_ok``) has its hits' dense scores in
+    ``fam_dense`` (NaN where unknown); the others (and unknown ones) are re-scored exactly,
+    on the host path (``host``); on the device path without texts they stay NaN (no host
+    synchronisation). Lexical scores come from ``hits`` (:func:`_lexical_hits`; NaN without)."""
+    dev = rows.device
+    valid = rows >= 0
+    nan = torch.tensor(float("nan"), dtype=torch.float32, device=dev)
+    dense = torch.where(valid & fam_ok[:, None], fam_dense.to(torch.float32), nan)
+    if host:
+        need = (valid & torch.isnan(dense)).nonzero()
+        if need.shape[0]:
+            qi, ci = need[:, 0], need[:, 1]
+            dense = dense.clone()
+            dense[qi, ci] = exact_pair_scores(view.X, Q, qi, rows[qi, ci], memory_budget)
+    if hits is None:
+        return dense, torch.full(rows.shape, float("nan"), dtype=torch.float32, device=dev)
+    r = rows.cpu().numpy()
+    lex = np.full(r.shape, np.nan, dtype=np.float32)
+    ok = r >= 0
+    lex[ok] = 0.0
+    for i, h in enumerate(hits):
+        if h is not None and ok[i].any():
+            a, vec, _ = h
+            lex[i, ok[i]] = vec[r[i, ok[i]] - a]
+    return dense, torch.from_numpy(lex).to(dev)
 
 
 def _merged(

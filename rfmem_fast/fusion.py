@@ -1,0 +1,176 @@
+"""Fusion of the dense and lexical channels (``RFMemConfig.fusion``), on batched candidate arrays.
+
+Every rule here is a small numpy function over arrays [b, c] of b queries' candidates
+(float64; the dense score of a candidate is its exact float32 cosine ``RN32(q . x)``
+widened to float64, its lexical score its float64 BM25 of :mod:`rfmem_fast.lexical`, 0
+for an item that is no lexical hit or has no text). Adding a fusion mode is one
+function in :data:`BOOSTS` (score-based) or next to :func:`rrf`; adding a confidence
+for "adaptive" is one function in :data:`CONFIDENCES`.
+
+Modes (``w = config.lexical_weight > 0``):
+
+* ``convex``: ``fused = dense + w * f``, ``f = bm25`` (``lexical_norm="raw"``) or
+  ``bm25 / max_bm25(q)`` (``"max"``: the query's largest BM25 over the user's items;
+  ``f = 0`` when the query has no lexical hit);
+* ``adaptive``: ``fused = dense + (w * c(q)) * bm25 / max_bm25(q)`` with ``c(q)`` the
+  lexical channel's confidence, :func:`sharpness` by default;
+* ``rrf``: ``fused = [1 / (k + r_dense) if ranked] + [1 / (k + r_lex) if ranked]``
+  (``k = lexical_rrf_k``, ranks from 1) over the dense top-``D`` and the lexical
+  top-``D`` (BM25 > 0, ties by the smaller row), ``D = max(lexical_depth, out_k,
+  probe_k)``; an item in neither list scores 0.
+
+All are computed in float64, in the order written (``dense + boost``, the boost
+computed first), and the fused top-k is the k largest fused scores, ties broken by the
+smaller row (the spec's rule), :func:`top_by_score_row`.
+
+Why two exact channels give the exact fused top-k (what :func:`rfmem_fast.search.search`
+does on every backend). Let ``K`` be the fused width, ``S`` the backend's exact dense
+top-``K`` of the query in its user's segment (ties by row; ``S`` is the whole segment
+when it has at most ``K`` rows), ``s_K`` the dense score of the last item of ``S``, and
+``tau`` the ``K``-th largest fused score among ``S``. For convex / adaptive the boost
+``x_i = w_q f_i`` is >= 0, and 0 for an item without a lexical hit. Take an item ``i``
+outside ``S``: its dense score ``d_i <= s_K`` (and ``d_i = d_j`` for ``j`` in ``S``
+implies ``row_j < row_i``).
+
+1. No lexical hit: ``fused_i = d_i``. Every ``j`` in ``S`` has ``fused_j = fl(d_j + x_j)
+   >= d_j >= d_i`` (rounding is monotone and ``x_j >= 0``), with equality only when
+   ``d_j = d_i``, where ``row_j < row_i`` wins the tie. So the ``K`` items of ``S`` all
+   rank before ``i``: ``i`` is not in the fused top-``K``.
+2. A lexical hit with ``fl(s_K + x_i) < tau``: ``fused_i = fl(d_i + x_i) <= fl(s_K +
+   x_i) < tau``, and ``K`` items of ``S`` score ``>= tau``: ``i`` is not in the top-``K``.
+
+Hence the fused top-``K`` lies in ``S`` plus the lexical hits with ``fl(s_K + x_i) >=
+tau``, and only those hits need an exact dense score (computed with
+:func:`rfmem_fast.backends.exact.exact_pair_scores`: the same float32 value the dense
+scan gives, so an item gets one dense score whichever channel found it). For rrf every
+item of either list scores > 0 and every other item 0; a list of ``D >= K`` items (or
+the whole segment) guarantees the top-``K`` lies in the union of the two lists, and
+ranks need no dense score at all. The backends only provide the exact dense top-k they
+already provide; nothing here depends on which backend computed it, so every backend
+returns the same ids as the float64 full-scan oracle (tests/test_lexical.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+#: how many of a query's largest BM25 scores :class:`LexicalStats` keeps (sharpness uses ranks 1..10)
+TOP_LEXICAL = 10
+
+__all__ = [
+    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
+    "rrf", "sharpness", "top_by_score_row",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LexicalStats:
+    """Per-query statistics of the lexical channel over the query's user's items.
+
+    Attributes:
+        lex_max: float64 [b] the largest BM25 (0: no lexical hit).
+        top: float64 [b, TOP_LEXICAL] the largest BM25 scores over the user's
+            documents (items with text), descending, 0 where fewer hits.
+        n_docs: int64 [b] the user's documents ``N``.
+    """
+
+    lex_max: np.ndarray
+    top: np.ndarray
+    n_docs: np.ndarray
+
+
+def sharpness(stats: LexicalStats) -> np.ndarray:
+    """The lexical channel's confidence ``c(q) = (top1 - mean of BM25 ranks 2..10) / top1``.
+
+    Ranks over the user's documents (items with text), so a user with ``N < 10``
+    documents averages ranks ``2..N`` (``c = 1`` for ``N = 1`` with a hit); ``c = 0``
+    when the query has no lexical hit. The mean is summed left to right (rank 2 first)
+    in float64. Range [0, 1].
+
+    Args:
+        stats: LexicalStats of b queries.
+
+    Returns:
+        float64 [b].
+    """
+    top = stats.top
+    m = np.minimum(stats.n_docs, TOP_LEXICAL)
+    s = np.zeros(top.shape[0])
+    for j in range(1, TOP_LEXICAL):
+        s = s + np.where(j < m, top[:, j], 0.0)
+    cnt = (m - 1).astype(np.float64)
+    mean = np.divide(s, cnt, out=np.zeros_like(s), where=cnt > 0)
+    top1 = top[:, 0]
+    return np.divide(top1 - mean, top1, out=np.zeros_like(s), where=top1 > 0)
+
+
+#: confidence functions of fusion "adaptive" (name -> f(LexicalStats) -> float64 [b] in [0, 1])
+CONFIDENCES: dict[str, Callable[[LexicalStats], np.ndarray]] = {"sharpness": sharpness}
+
+
+def max_normalised(lex: np.ndarray, stats: LexicalStats) -> np.ndarray:
+    """``lex / lex_max`` per query (float64 [b, c]); 0 for a query without a lexical hit."""
+    den = stats.lex_max[:, None]
+    return np.divide(lex, den, out=np.zeros(np.broadcast_shapes(lex.shape, den.shape)), where=den > 0)
+
+
+def convex_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarray:
+    """Fusion "convex": ``w * f`` with ``f`` raw BM25 or :func:`max_normalised` (``config.lexical_norm``).
+
+    Args:
+        lex: float64 [b, c] BM25 of the candidates (0: no hit); stats: the queries' LexicalStats;
+        config: the RFMemConfig (``lexical_weight``, ``lexical_norm``).
+
+    Returns:
+        float64 [b, c] >= 0, added to the dense score.
+    """
+    f = lex if config.lexical_norm == "raw" else max_normalised(lex, stats)
+    return float(config.lexical_weight) * f
+
+
+def adaptive_boost(lex: np.ndarray, stats: LexicalStats, config: Any, confidence: str = "sharpness") -> np.ndarray:
+    """Fusion "adaptive": ``(w * c(q)) * bm25 / max_bm25(q)``, ``c`` from :data:`CONFIDENCES`.
+
+    Returns:
+        float64 [b, c] >= 0, added to the dense score.
+    """
+    wq = float(config.lexical_weight) * CONFIDENCES[confidence](stats)
+    return wq[:, None] * max_normalised(lex, stats)
+
+
+#: score-based fusion modes: name -> boost(lex [b, c], LexicalStats, config) -> float64 [b, c] >= 0
+BOOSTS: dict[str, Callable[..., np.ndarray]] = {"convex": convex_boost, "adaptive": adaptive_boost}
+
+
+def rrf(dense_rank: np.ndarray, lex_rank: np.ndarray, k: float) -> np.ndarray:
+    """Reciprocal-rank fusion ``[1/(k + r_dense)] + [1/(k + r_lex)]``; a rank 0 means "not in that list".
+
+    Args:
+        dense_rank, lex_rank: int64 [b, c] ranks from 1 (0: absent).
+        k: the rank constant (> 0).
+
+    Returns:
+        float64 [b, c] (0 for a candidate in neither list).
+    """
+    d = np.where(dense_rank > 0, 1.0 / (k + dense_rank.astype(np.float64)), 0.0)
+    lx = np.where(lex_rank > 0, 1.0 / (k + lex_rank.astype(np.float64)), 0.0)
+    return d + lx
+
+
+def top_by_score_row(scores: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """Column indices of each row's k best candidates by (score descending, row ascending).
+
+    Args:
+        scores: float64 [b, c] (``-inf``: no candidate); rows: int64 [b, c] (-1: no candidate).
+        k: width (<= c).
+
+    Returns:
+        int64 [b, k] indices into the columns (padding candidates sort last).
+    """
+    big = np.iinfo(np.int64).max
+    ok = (rows >= 0) & (scores > -np.inf)
+    key = np.where(ok, rows, big)
+    neg = np.where(ok, -scores, np.inf)
+    return np.lexsort((key, neg), axis=-1)[:, :k]
