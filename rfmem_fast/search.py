@@ -711,16 +711,16 @@ def _search_chunk(
         rule = torch.full((b,), forced[1], dtype=torch.int64, device=dev)
     rows = p_rows[:, :out_k]
     scores = p_sc[:, :out_k].to(torch.float32)
-    hyb, hits = None, None
+    hyb, lex_hits = None, None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_f
         hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
-        hits = hyb.hits
+        lex_hits = hyb.hits
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
-        hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts)
+        lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts)
     fam_rows, fam_dense = rows, (scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev))
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
@@ -753,8 +753,8 @@ def _search_chunk(
             fam_ok = torch.zeros(b, dtype=torch.bool, device=dev)
     # exact re-scoring of hits whose dense score is not known yet (recollected, re-ranked,
     # rrf's lexical-only ones): on the host path, or whenever the lexical channel ran
-    rescore = (host or hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
-    dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, hits, rescore, be.memory_budget)
+    rescore = (host or lex_hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
+    dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, lex_hits, rescore, be.memory_budget)
     if hyb is not None:
         probe_rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :probe_k])).to(dev)
         probe_scores = torch.from_numpy(hyb.fused[:, :probe_k].astype(np.float32)).to(dev)
@@ -917,8 +917,7 @@ def _hit_scores(view: Any, Q: torch.Tensor, rows: torch.Tensor, fam_ok: torch.Te
     synchronisation). Lexical scores come from ``hits`` (:func:`_lexical_hits`; NaN without)."""
     dev = rows.device
     valid = rows >= 0
-    nan = torch.tensor(float("nan"), dtype=torch.float32, device=dev)
-    dense = torch.where(valid & fam_ok[:, None], fam_dense.to(torch.float32), nan)
+    dense = fam_dense.to(torch.float32).masked_fill(~(valid & fam_ok[:, None]), float("nan"))
     if host:
         need = (valid & torch.isnan(dense)).nonzero()
         if need.shape[0]:
