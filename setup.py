@@ -217,11 +217,15 @@ EXTRAS: dict[str, list[str]] = {
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
     "llamaindex": ["llama-index-core"],
+    # the lexical channel's optional English stemmer (MemoryBank(lexical_stemmer="english"));
+    # tokenizer and BM25 are the package's own numpy code (rfmem_fast.lexical)
+    "lexical": ["PyStemmer"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
 GPU_ONLY = frozenset({"gpu"})
 #: Test runners, added to every CPU extra for [test].
-TEST_TOOLS = ["pytest", "hypothesis"]
+#: bm25s: the lexical channel's test oracle (tests/_lexical_oracle.py), never imported by the package
+TEST_TOOLS = ["pytest", "hypothesis", "bm25s"]
 
 
 def extras_require() -> dict[str, list[str]]:

@@ -42,7 +42,7 @@ from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .device import to_device
-from .backends.exact import exact_pair_scores
+from .backends.exact import exact_pair_scores, exact_pair_scores_np, query_bounds, scan_error_coef
 from .expansion import fold_expansions
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row
 from .router import (
@@ -65,6 +65,11 @@ MODES = ("rfmem", "dense", "recollection")
 OUTPUTS = ("numpy", "torch")
 #: default number of queries per internal chunk of :func:`search`
 DEFAULT_MAX_BATCH = 8192
+#: exact dense candidates per query of the convex / adaptive fusions (at least the fused
+#: width): the wider the dense list, the lower its last score ``s_K`` and the fewer
+#: lexical hits pass the bound of :mod:`rfmem_fast.fusion` and need an exact re-score;
+#: results do not depend on it
+HYBRID_DENSE_DEPTH = 64
 
 
 @dataclass
@@ -689,9 +694,11 @@ def _search_chunk(
     out_k = min(config.out_k, k0)
     lexical = texts is not None and config.lexical_weight > 0
     k_scan = k0
+    D = max(config.lexical_depth, config.out_k, config.probe_k)
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
-        D = max(config.lexical_depth, config.out_k, config.probe_k)
         k_scan = max(k0, min(D, max_len))
+    elif lexical:  # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
+        k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
     p_sc, p_rows, mean, ent, count = be.probe(
         view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
     )
@@ -714,7 +721,7 @@ def _search_chunk(
     hyb, lex_hits = None, None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
-        kd = min(D, k_scan) if config.fusion == "rrf" else k_f
+        kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
         hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
         lex_hits = hyb.hits
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
@@ -884,10 +891,19 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
         keep = evalid & (s_last[:, None] + xe >= tau[:, None])  # the bound of the fusion docstring
         qi, ci = np.nonzero(keep)
         if qi.shape[0]:
-            dev = Q.device
-            r = torch.from_numpy(erows[qi, ci]).to(dev)
-            ex = exact_pair_scores(view.X, Q, torch.from_numpy(qi).to(dev), r, memory_budget)
-            dense_e[qi, ci] = ex.cpu().numpy().astype(np.float64)
+            # screen with float32 scores f and their bound |f - RN32(q.x)| <= B(q) (any
+            # summation order: depth d, rfmem_fast.backends.exact): a hit whose fused
+            # score cannot reach tau even at f + B is dropped without its exact score
+            r = erows[qi, ci]
+            Qh = Q.detach().to(torch.float32).cpu().numpy()
+            f = np.einsum("ij,ij->i", snap.vectors[r], Qh[qi]).astype(np.float64)
+            Bq = query_bounds(torch.from_numpy(Qh), scan_error_coef(Qh.shape[1]), view.row_norm_max).numpy()
+            ub = np.nextafter(f + Bq[qi], np.inf)
+            near = ub + xe[qi, ci] >= tau[qi]
+            keep[qi[~near], ci[~near]] = False
+            qi, ci, r = qi[near], ci[near], r[near]
+            if qi.shape[0]:
+                dense_e[qi, ci] = exact_pair_scores_np(snap.vectors, Qh, qi, r).astype(np.float64)
         fe = np.where(keep, dense_e + xe, -np.inf)
         erows = np.where(keep, erows, -1)
     rows = np.concatenate([pr, erows], axis=1)

@@ -321,6 +321,31 @@ def exact_pair_scores(
     return out
 
 
+def exact_pair_scores_np(X: np.ndarray, Q: np.ndarray, qi: np.ndarray, rows: np.ndarray, step: int = 4096) -> np.ndarray:
+    """:func:`exact_pair_scores` on host numpy arrays (the same certified float64 sums, the
+    same exact fallback): ``RN32(Q[qi[j]] . X[rows[j]])`` of m pairs, float32 [m].
+
+    Args:
+        X: float32 [n, d] rows (may be memory-mapped: only the pairs' rows are read);
+        Q: float32 [b, d]; qi, rows: int64 [m]; step: pairs per chunk.
+    """
+    m, d = int(rows.shape[0]), int(X.shape[1])
+    out = np.empty(m, dtype=np.float32)
+    g = gamma(max(d, 1), U64) * (1.0 + 2.0**-30)
+    for a in range(0, m, step):
+        r, qq = rows[a : a + step], qi[a : a + step]
+        xr = X[r]
+        p = xr.astype(np.float64) * Q[qq].astype(np.float64)
+        s = p.sum(axis=1)
+        e = g * np.abs(p).sum(axis=1)
+        lo = np.nextafter(s - e, -np.inf).astype(np.float32)
+        hi = np.nextafter(s + e, np.inf).astype(np.float32)
+        out[a : a + r.shape[0]] = lo
+        for j in np.flatnonzero(lo != hi):
+            out[a + j] = round32_exact(Q[qq[j]].astype(np.float32), xr[j].astype(np.float32))
+    return out
+
+
 def order_by_score_row(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first k of each row of (scores, rows) by (score descending, row ascending).
 
@@ -426,6 +451,7 @@ __all__ = [
     "abs_error_term",
     "cut_scores",
     "exact_pair_scores",
+    "exact_pair_scores_np",
     "gamma",
     "gemm_depth",
     "matmul_input_unit",

@@ -1,0 +1,264 @@
+"""Cost of the lexical (BM25) channel (issue 18 cost goals), native backend, CPU.
+
+Workload: ``rfmem bench``'s synthetic clustered vectors (d = 384, 8 centres per user)
+with a synthetic text per item: ``--words`` (60) words drawn from a Zipf(``--zipf``
+1.07) vocabulary of ``--vocab`` (30,000) pseudo-words whose 33 most frequent ranks are
+bm25s's English stopwords (removed by the tokenizer, as real function words are). A
+query text is 3 words of a random item's text plus 5 Zipf draws. Cells:
+
+* ``single``: one user of ``--chunks`` (4,096) items, i.e. 1M tokens at 256 tokens
+  per chunk (the ``bench_single_query.py`` workload), one query per call, ``--queries``
+  calls after a warm-up, p50 ms: ``search(mode="dense")`` without the lexical channel
+  against the same call with ``lexical_weight > 0`` for each fusion (the hybrid dense
+  path), and the lexical scoring alone (tokenise + postings). Goal: hybrid p50 <= 1.3x dense.
+* ``batch``: ``--users`` users x ``--chunks`` items (default 200 x 4,096: the issue's
+  1,000 users x 4,096 x 384 float32 is 6.3 GB of vectors plus 250M words of text, more
+  than this machine holds next to other work; ``--users 1000`` runs it where it fits),
+  ``--batch`` queries on random users per call, best of ``--reps`` calls, q/s. Goal:
+  hybrid q/s >= 0.6x dense.
+* ``index``: bytes of the lexical index per token (forward CSR + every user's postings)
+  and build time per million tokens (tokenising + encoding at add time, the snapshot's
+  forward index, the postings of every user).
+
+Usage::
+
+    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/hybrid-<time>.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import rfmem_fast
+from rfmem_fast import MemoryBank, RFMemConfig, search
+from rfmem_fast.backends import get_backend
+from rfmem_fast.bench.report import write_json
+from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank
+from rfmem_fast.evaluate import machine_info
+from rfmem_fast.lexical import STOPWORDS_EN
+
+#: the fusions timed (lexical_weight as the issue's table used them)
+FUSIONS = {
+    "convex_max": dict(lexical_weight=0.2, fusion="convex", lexical_norm="max"),
+    "convex_raw": dict(lexical_weight=0.02, fusion="convex", lexical_norm="raw"),
+    "adaptive": dict(lexical_weight=0.2, fusion="adaptive"),
+    "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
+}
+
+
+def _vocab(n: int) -> np.ndarray:
+    """``n`` pseudo-words (rank order): bm25s's stopwords first, then letter strings."""
+    stop = sorted(STOPWORDS_EN)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = []
+    for i in range(n - len(stop)):
+        s, x = "", i + 26
+        while x:
+            x, r = divmod(x, 26)
+            s = letters[r] + s
+        words.append("q" + s)
+    return np.array(stop + words, dtype=object)
+
+
+def zipf_texts(n: int, words: int, vocab: np.ndarray, s: float, rng: np.random.Generator) -> list[str]:
+    """``n`` texts of ``words`` Zipf(s) draws from ``vocab`` (rank order)."""
+    p = 1.0 / np.arange(1, vocab.shape[0] + 1) ** s
+    p /= p.sum()
+    out: list[str] = []
+    for a in range(0, n, 65536):
+        idx = rng.choice(vocab.shape[0], size=(min(n, a + 65536) - a, words), p=p)
+        out += [" ".join(row) for row in vocab[idx]]
+    return out
+
+
+def query_texts(texts: list[str], n: int, vocab: np.ndarray, s: float, rng: np.random.Generator) -> list[str]:
+    """3 words of a random item's text + 5 Zipf draws, per query."""
+    extra = zipf_texts(n, 5, vocab, s, rng)
+    out = []
+    for i in range(n):
+        w = texts[int(rng.integers(len(texts)))].split()
+        pick = rng.choice(len(w), 3, replace=False)
+        out.append(" ".join([w[j] for j in pick]) + " " + extra[i])
+    return out
+
+
+def with_texts(wl, texts: list[str] | None) -> MemoryBank:
+    """The workload's bank rebuilt with ``texts`` (same vectors, offsets, users, ids)."""
+    s = wl.bank.snapshot()
+    return MemoryBank.from_arrays(s.vectors, s.offsets, list(s.users), list(s.item_ids), texts)
+
+
+def _p50(fn, n: int) -> float:
+    for i in range(5):
+        fn(i % n)
+    ts = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def index_cost(bank: MemoryBank, t_encode: float) -> dict:
+    """Bytes per token and build time per million tokens of ``bank``'s lexical index."""
+    snap = bank.snapshot()
+    lex = snap.lexical
+    tokens = int(np.asarray(lex.tf, dtype=np.int64).sum())
+    fwd = int(lex.ptr.nbytes + lex.terms.nbytes + lex.tf.nbytes + lex.has_text.nbytes)
+    t = time.perf_counter()
+    post = 0
+    for u in range(snap.num_users):
+        post += lex.postings(u).nbytes
+    t_post = time.perf_counter() - t
+    return {
+        "tokens": tokens,
+        "items": snap.num_items,
+        "vocabulary": len(lex.vocab),
+        "forward_bytes": fwd,
+        "postings_bytes": post,
+        "bytes_per_token": (fwd + post) / tokens,
+        "forward_bytes_per_token": fwd / tokens,
+        "postings_bytes_per_token": post / tokens,
+        "encode_s": t_encode,
+        "postings_s": t_post,
+        "build_s_per_million_tokens": (t_encode + t_post) / tokens * 1e6,
+        "encode_s_per_million_tokens": t_encode / tokens * 1e6,
+        "postings_s_per_million_tokens": t_post / tokens * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cells; returns the exit code."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--chunks", type=int, default=4096)
+    p.add_argument("--users", type=int, default=200)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--words", type=int, default=60)
+    p.add_argument("--vocab", type=int, default=30000)
+    p.add_argument("--zipf", type=float, default=1.07)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if "native" not in rfmem_fast.available_backends():
+        p.error("the native backend is not built")
+    be = get_backend("native")
+    rng = np.random.default_rng(0)
+    vocab = _vocab(args.vocab)
+
+    # ---------------------------------------------------------------- single query, 1M tokens
+    wl = synthetic_bank(1, args.chunks, SyntheticSpec(dim=384), seed=0)
+    texts = zipf_texts(args.chunks, args.words, vocab, args.zipf, rng)
+    t = time.perf_counter()
+    with_texts(wl, None).snapshot()
+    t_plain = time.perf_counter() - t
+    t = time.perf_counter()
+    bank = with_texts(wl, texts)
+    bank.snapshot()
+    t_encode1 = max(time.perf_counter() - t - t_plain, 0.0)
+    Q, _, _ = wl.queries(args.queries, seed=1)
+    qt = query_texts(texts, args.queries, vocab, args.zipf, rng)
+    user = [wl.users[0]]
+    n = args.queries
+    cfg = RFMemConfig()
+    lex = bank.snapshot().lexical
+    single = {
+        "dense": _p50(lambda i: search(bank, Q[i : i + 1], user, cfg, mode="dense", backend=be), n),
+        "lexical_scoring_only": _p50(lambda i: lex.scores(0, qt[i]), n),
+    }
+    for name, fz in FUSIONS.items():
+        c = RFMemConfig(**fz)
+        single[name] = _p50(
+            lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be, query_texts=qt[i : i + 1]), n
+        )
+    hits = [0 if (v := lex.scores(0, q)) is None else int(np.count_nonzero(v)) for q in qt]
+    index1 = index_cost(with_texts(wl, texts), t_encode1)
+    del bank, wl, lex
+    gc.collect()
+
+    # ---------------------------------------------------------------- multi-tenant batch
+    wlb = synthetic_bank(args.users, args.chunks, SyntheticSpec(dim=384), seed=2)
+    tx = zipf_texts(args.users * args.chunks, args.words, vocab, args.zipf, rng)
+    t = time.perf_counter()
+    with_texts(wlb, None).snapshot()
+    t_plain_b = time.perf_counter() - t
+    gc.collect()
+    t = time.perf_counter()
+    bankb = with_texts(wlb, tx)
+    bankb.snapshot()
+    t_encode_b = max(time.perf_counter() - t - t_plain_b, 0.0)
+    del wlb
+    gc.collect()
+    indexb = index_cost(bankb, t_encode_b)  # every user's postings built here, before the searches
+    users = list(bankb.users)
+    qu = [users[int(j)] for j in rng.integers(len(users), size=args.batch)]
+    snapb = bankb.snapshot()
+    rows = np.array([snapb.offsets[bankb.user_index(u)] for u in qu]) + rng.integers(args.chunks, size=args.batch)
+    Qb = snapb.vectors[rows] + 0.05 * rng.normal(size=(args.batch, 384)).astype(np.float32)
+    qtb = [" ".join(tx[int(r)].split()[:3]) + " " + e for r, e in zip(rows, zipf_texts(args.batch, 5, vocab, args.zipf, rng))]
+    batch = {"dense": args.batch / _best(lambda: search(bankb, Qb, qu, cfg, mode="dense", backend=be), args.reps)}
+    for name in ("convex_max", "adaptive", "rrf"):
+        c = RFMemConfig(**FUSIONS[name])
+        batch[name] = args.batch / _best(
+            lambda c=c: search(bankb, Qb, qu, c, mode="dense", backend=be, query_texts=qtb), args.reps
+        )
+
+    try:
+        up = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        up = None
+    import bm25s
+
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "machine": machine_info(),
+        "loadavg": list(os.getloadavg()),
+        "uptime": up,
+        "versions": {"rfmem_fast": rfmem_fast.__version__, "torch": torch.__version__, "numpy": np.__version__,
+                     "bm25s": getattr(bm25s, "__version__", None)},  # fmt: skip
+        "workload": {"chunks": args.chunks, "dim": 384, "words_per_text": args.words, "vocab": args.vocab,
+                     "zipf": args.zipf, "queries": n, "batch_users": args.users, "batch": args.batch,
+                     "mean_lexical_hits_single": float(np.mean(hits)), "fusions": FUSIONS},  # fmt: skip
+        "single_p50_ms": single,
+        "single_ratio_over_dense": {k: v / single["dense"] for k, v in single.items() if k in FUSIONS},
+        "batch_qps": batch,
+        "batch_ratio_over_dense": {k: v / batch["dense"] for k, v in batch.items() if k != "dense"},
+        "index_single_user": index1,
+        "index_batch_bank": indexb,
+        "goals": {
+            "single_hybrid_over_dense_p50_max": 1.3,
+            "batch_hybrid_over_dense_qps_min": 0.6,
+            "single_met": {k: v / single["dense"] <= 1.3 for k, v in single.items() if k in FUSIONS},
+            "batch_met": {k: v / batch["dense"] >= 0.6 for k, v in batch.items() if k != "dense"},
+        },
+    }
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(doc, out)
+    print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "batch_qps",
+                                          "batch_ratio_over_dense")}, indent=1))  # fmt: skip
+    print(f"index: {index1['bytes_per_token']:.2f} B/token, build {index1['build_s_per_million_tokens']:.2f} s/M tokens "
+          f"(single user); batch bank {indexb['bytes_per_token']:.2f} B/token; wrote {out}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
