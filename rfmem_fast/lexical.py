@@ -221,6 +221,15 @@ class UserPostings:
         Returns:
             float64 [n_rows] (0 where no query token occurs), or None (no hit at all).
         """
+        got = self.postings_for(q_terms, q_counts)
+        if got is None:
+            return None
+        return np.bincount(got[0], weights=got[1], minlength=self.n_rows)
+
+    def postings_for(self, q_terms: np.ndarray, q_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The postings of a query's terms, concatenated in query-term order: (local rows
+        int32 [m], ``qtf * w(t, d)`` float64 [m]), or None when no query term occurs.
+        Summing the weights per row in this order (``np.bincount``) gives :meth:`scores`."""
         T = self.terms.shape[0]
         if T == 0 or q_terms.shape[0] == 0:
             return None
@@ -238,7 +247,7 @@ class UserPostings:
         w = self.weight[sel]
         if (cnt != 1.0).any():
             w = w * np.repeat(cnt, lens)
-        return np.bincount(self.rows[sel], weights=w, minlength=self.n_rows)
+        return self.rows[sel], w
 
 
 def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text: np.ndarray) -> UserPostings:

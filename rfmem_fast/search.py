@@ -42,7 +42,7 @@ from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
 from .device import to_device
-from .backends.exact import exact_pair_scores, exact_pair_scores_np, query_bounds, scan_error_coef
+from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row
 from .router import (
@@ -823,9 +823,124 @@ def _pad_lists(parts: list, b: int, fill: Any, dtype: Any) -> np.ndarray:
     return out
 
 
+#: entries of the [queries, user rows] BM25 matrix of one step of :func:`_hybrid` (bounds its memory)
+HYBRID_MATRIX_ENTRIES = 1 << 22
+
+
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
             config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
+
+    rrf: :func:`_hybrid_loop`. convex / adaptive: batched over the queries, in steps of
+    at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users' rows)."""
+    if config.fusion == "rrf":
+        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, memory_budget)
+    snap = view.snapshot
+    off = snap.offsets
+    seg = qseg.cpu().numpy()
+    lens = off[seg + 1] - off[seg]
+    b = len(texts)
+    parts, a = [], 0
+    while a < b:
+        c = a + 1
+        while c < b and (c + 1 - a) * int(lens[a : c + 1].max()) <= HYBRID_MATRIX_ENTRIES:
+            c += 1
+        parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd))
+        a = c
+    if len(parts) == 1:
+        return parts[0]
+    return _Hybrid(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("rows", "fused", "dense", "lex")),
+                   hits=[h for p in parts for h in p.hits])  # fmt: skip
+
+
+def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
+                    config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
+    """convex / adaptive fusion of b queries with one BM25 matrix V [b, longest user] (see :func:`_hybrid_loop`)."""
+    snap = view.snapshot
+    lex, off = snap.lexical, snap.offsets
+    b = len(texts)
+    a_q = off[seg]
+    n_q = off[seg + 1] - a_q
+    W = max(int(n_q.max(initial=0)), 1)
+    n_docs = np.zeros(b, dtype=np.int64)
+    flat, wts = [], []
+    for i, t in enumerate(texts):
+        qt, qc = lex.encode_query(t)
+        if qt.shape[0] == 0:
+            continue
+        P = lex.postings(int(seg[i]))
+        got = P.postings_for(qt, qc)
+        if got is not None:
+            n_docs[i] = P.n_docs
+            flat.append(got[0] + i * W)
+            wts.append(got[1])
+    if flat:  # per entry, the weights are summed in query-term order (as UserPostings.scores)
+        V = np.bincount(np.concatenate(flat), weights=np.concatenate(wts), minlength=b * W).reshape(b, W)
+    else:
+        V = np.zeros((b, W))
+    lex_max = V.max(axis=1)
+    hits = [(int(a_q[i]), V[i, : n_q[i]], int(n_docs[i])) if lex_max[i] > 0 else None for i in range(b)]
+    ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
+    pr = p_rows[:, :kd].cpu().numpy()
+    valid = pr >= 0
+    loc = np.where(valid, pr - a_q[:, None], 0)
+    lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
+    top = np.zeros((b, TOP_LEXICAL))
+    if config.fusion == "adaptive":
+        m = min(TOP_LEXICAL, W)
+        t = -np.partition(-V, m - 1, axis=1)[:, :m] if W > m else V.copy()
+        top[:, :m] = -np.sort(-t, axis=1)[:, :m]
+    stats = LexicalStats(lex_max, top, n_docs)
+    boost = BOOSTS[config.fusion]
+    fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
+    tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
+    s_last = np.where(valid[:, -1], ps[:, -1], -np.inf)
+    M = V > 0
+    qv, cv = np.nonzero(valid)
+    M[qv, loc[qv, cv]] = False  # the dense list's rows: not extras
+    qe, le = np.nonzero(M)  # lexical hits outside the dense list, by query then row
+    lexe = V[qe, le]
+    xe = boost(lexe[:, None], LexicalStats(lex_max[qe], top[qe], n_docs[qe]), config)[:, 0]
+    keep = s_last[qe] + xe >= tau[qe]  # the bound of the fusion docstring
+    qe, le, lexe, xe = qe[keep], le[keep], lexe[keep], xe[keep]
+    re = le + a_q[qe]
+    de = np.zeros(qe.shape[0])
+    if qe.shape[0]:
+        # screen with float32 scores f and their bound |f - RN32(q.x)| <= B(q) (any
+        # summation order: depth d, rfmem_fast.backends.exact): a hit whose fused score
+        # cannot reach tau even at f + B is dropped without its exact score
+        Qh = Q.detach().to(torch.float32).cpu().numpy()
+        f = np.einsum("ij,ij->i", snap.vectors[re], Qh[qe]).astype(np.float64)
+        q64 = Qh.astype(np.float64)
+        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64)) * (1.0 + 2.0**-30)
+        Bq = (scan_error_coef(Qh.shape[1]) * view.row_norm_max) * qn + abs_error_term(Qh.shape[1])
+        near = np.nextafter(f + Bq[qe], np.inf) + xe >= tau[qe]
+        qe, re, lexe, xe = qe[near], re[near], lexe[near], xe[near]
+        de = exact_pair_scores_np(snap.vectors, Qh, qe, re).astype(np.float64)
+    fe = de + xe
+    cnt = np.bincount(qe, minlength=b)
+    E = int(cnt.max(initial=0))
+    col = np.arange(qe.shape[0]) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    erows = np.full((b, E), -1, dtype=np.int64)
+    efused = np.full((b, E), -np.inf)
+    edense = np.full((b, E), np.nan)
+    elex = np.zeros((b, E))
+    erows[qe, col], efused[qe, col], edense[qe, col], elex[qe, col] = re, fe, de, lexe
+    rows = np.concatenate([pr, erows], axis=1)
+    fused = np.concatenate([fd, efused], axis=1)
+    dense = np.concatenate([np.where(valid, ps, np.nan), edense], axis=1)
+    lexc = np.concatenate([lex_d, elex], axis=1)
+    sel = top_by_score_row(fused, rows, k_f)
+    ri = np.arange(b)[:, None]
+    f_sel, r_sel = fused[ri, sel], rows[ri, sel]
+    ok = (r_sel >= 0) & (f_sel > -np.inf)
+    return _Hybrid(rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf),
+                   dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits)  # fmt: skip
+
+
+def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
+                 config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+    """The fused top ``k_f`` of every query, one query at a time (fusion "rrf"; any fusion).
 
     Candidates: the backend's exact dense top ``kd`` (``p_sc`` / ``p_rows``, the probe)
     plus the query's lexical hits outside it that can still enter (convex / adaptive:
@@ -897,7 +1012,9 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
             r = erows[qi, ci]
             Qh = Q.detach().to(torch.float32).cpu().numpy()
             f = np.einsum("ij,ij->i", snap.vectors[r], Qh[qi]).astype(np.float64)
-            Bq = query_bounds(torch.from_numpy(Qh), scan_error_coef(Qh.shape[1]), view.row_norm_max).numpy()
+            # B(q) of rfmem_fast.backends.exact.query_bounds, in numpy
+            qn = np.sqrt(np.einsum("ij,ij->i", Qh.astype(np.float64), Qh.astype(np.float64))) * (1.0 + 2.0**-30)
+            Bq = (scan_error_coef(Qh.shape[1]) * view.row_norm_max) * qn + abs_error_term(Qh.shape[1])
             ub = np.nextafter(f + Bq[qi], np.inf)
             near = ub + xe[qi, ci] >= tau[qi]
             keep[qi[~near], ci[~near]] = False

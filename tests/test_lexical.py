@@ -234,6 +234,18 @@ def test_fused_search_batch_invariant_and_prefix_consistent(fz):
     chunked = search(bank, Q, users, RFMemConfig(out_k=9, probe_k=9, **fz), mode="dense", backend="torch",
                      query_texts=texts, max_batch=2)  # fmt: skip
     assert chunked.rows.tolist() == wide.rows.tolist()
+    import rfmem_fast.search as _s  # noqa: F401  (the module, not the function)
+
+    mod = sys.modules["rfmem_fast.search"]
+    old = mod.HYBRID_MATRIX_ENTRIES
+    try:  # the batched fusion in steps of one or two queries
+        mod.HYBRID_MATRIX_ENTRIES = 60
+        stepped = search(bank, Q, users, RFMemConfig(out_k=9, probe_k=9, **fz), mode="dense", backend="torch",
+                         query_texts=texts)  # fmt: skip
+    finally:
+        mod.HYBRID_MATRIX_ENTRIES = old
+    assert stepped.rows.tolist() == wide.rows.tolist()
+    np.testing.assert_array_equal(stepped.scores, wide.scores)
     if fz["fusion"] != "rrf":  # rrf's ranked lists are cut at max(depth, out_k): its prefix rule is per depth
         narrow = search(bank, Q, users, RFMemConfig(out_k=4, probe_k=4, **fz), mode="dense", backend="torch",
                         query_texts=texts)  # fmt: skip
