@@ -21,6 +21,12 @@ call per query since the backends are batch-invariant). Top-k widths are capped 
 the longest user segment in the chunk, so a huge ``out_k`` / ``probe_k`` over a small
 bank costs only its padded output, not an absurd intermediate.
 
+The lexical channel (``config.lexical_weight > 0`` with ``query_texts``, README "Hybrid
+retrieval"): after the probe, each query's BM25 over its user's items
+(:mod:`rfmem_fast.lexical`) is fused with the probe's exact dense list on the host
+(:func:`_hybrid`, rules and exactness proof in :mod:`rfmem_fast.fusion`); the probe's
+familiarity signals, the routing and the Recollection path stay dense.
+
 Device-resident batches (README "GPU"): with ``output="torch"`` the results are tensors
 on the backend's device (:class:`TensorSearchResult`); torch queries are validated and
 normalised where they live (one host synchronisation), the router runs on the device
