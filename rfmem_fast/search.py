@@ -750,7 +750,7 @@ def _search_chunk(
         else:
             rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
-    fam_ok = ~reco if out is not None else torch.ones(b, dtype=torch.bool, device=dev)
+    fam_ok = ~reco if out is not None else None  # None: every query kept the Familiarity path
     if reranker is not None or pools is not None:
         hits = out.hit_rows.to(dev) if out is not None else None
         pool = _pools(view, Q, qseg, p_rows[:, : max(depth, 1)], hits, routes)
@@ -1061,7 +1061,8 @@ def _hit_scores(view: Any, Q: torch.Tensor, rows: torch.Tensor, fam_ok: torch.Te
     if on_host and dev.type == "cpu" and view.snapshot is not None:  # numpy: ~1 us per operation where torch takes ~5
         r = rows.numpy()
         ok = r >= 0
-        dense_np = np.where(ok & fam_ok.numpy()[:, None], fam_dense.numpy(), np.nan).astype(np.float32)
+        keep = ok if fam_ok is None else ok & fam_ok.numpy()[:, None]
+        dense_np = np.where(keep, fam_dense.numpy(), np.nan).astype(np.float32)
         if host:
             qi, ci = np.nonzero(ok & np.isnan(dense_np))
             if qi.shape[0]:
@@ -1075,7 +1076,8 @@ def _hit_scores(view: Any, Q: torch.Tensor, rows: torch.Tensor, fam_ok: torch.Te
                     lex[i, ok[i]] = h[1][r[i, ok[i]] - h[0]]
         return torch.from_numpy(dense_np), torch.from_numpy(lex)
     valid = rows >= 0
-    dense = fam_dense.to(torch.float32).masked_fill(~(valid & fam_ok[:, None]), float("nan"))
+    keep_t = valid if fam_ok is None else valid & fam_ok[:, None]
+    dense = fam_dense.to(torch.float32).masked_fill(~keep_t, float("nan"))
     if host:
         need = (valid & torch.isnan(dense)).nonzero()
         if need.shape[0]:
