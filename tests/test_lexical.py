@@ -355,3 +355,23 @@ def test_store_written_before_the_lexical_index_builds_it_from_texts():
         texts = list(snap.texts[snap.offsets[u] : snap.offsets[u + 1]])
         q = next((t for t in texts if t), "nothing")
         np.testing.assert_array_equal(_user_scores(bank, user, q), bm25_scores(texts, q))
+
+
+def test_bench_hybrid_script_tiny(tmp_path):
+    """bench/bench_hybrid.py at tiny sizes writes every figure (so the script cannot rot)."""
+    import importlib.util
+    from pathlib import Path
+
+    if "native" not in available_backends():
+        pytest.skip("the native backend is not built")
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_hybrid.py"
+    spec = importlib.util.spec_from_file_location("bench_hybrid", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "h.json"
+    args = ["--users", "2", "--chunks", "64", "--queries", "5", "--batch", "16", "--reps", "1", "--words", "12",
+            "--vocab", "300", "--out", str(out)]  # fmt: skip
+    assert mod.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["single_p50_ms"]) >= {"dense", "convex_max", "adaptive", "rrf"}
+    assert doc["index_batch_bank"]["bytes_per_token"] > 0 and doc["loadavg"] and doc["machine"]["cores"] >= 1
