@@ -40,9 +40,14 @@ implies ``row_j < row_i``).
    x_i) < tau``, and ``K`` items of ``S`` score ``>= tau``: ``i`` is not in the top-``K``.
 
 Hence the fused top-``K`` lies in ``S`` plus the lexical hits with ``fl(s_K + x_i) >=
-tau``, and only those hits need an exact dense score (computed with
-:func:`rfmem_fast.backends.exact.exact_pair_scores`: the same float32 value the dense
-scan gives, so an item gets one dense score whichever channel found it). For rrf every
+tau``. Those are screened with a float32 dot product ``f_i`` and its certified bound
+``|f_i - d_i| <= B(q)`` (:mod:`rfmem_fast.backends.exact`, any summation order): a hit
+with ``fl(up(f_i + B) + x_i) < tau`` cannot enter (same argument, ``d_i <= up(f_i +
+B)``); only the rest get an exact dense score
+(:func:`rfmem_fast.backends.exact.exact_pair_scores_np`: the same float32 value the
+dense scan gives, so an item gets one dense score whichever channel found it).
+(``search`` takes ``S`` :data:`rfmem_fast.search.HYBRID_DENSE_DEPTH` deep, at least
+``K``: a lower ``s_K`` lets fewer hits through; results do not depend on it.) For rrf every
 item of either list scores > 0 and every other item 0; a list of ``D >= K`` items (or
 the whole segment) guarantees the top-``K`` lies in the union of the two lists, and
 ranks need no dense score at all. The backends only provide the exact dense top-k they
