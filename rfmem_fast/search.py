@@ -917,7 +917,7 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         # summation order: depth d, rfmem_fast.backends.exact): a hit whose fused score
         # cannot reach tau even at f + B is dropped without its exact score
         Qh = Q.detach().to(torch.float32).cpu().numpy()
-        f = np.einsum("ij,ij->i", snap.vectors[re], Qh[qe]).astype(np.float64)
+        f = _screen_scores(snap.vectors, off, Qh, seg, qe, re)
         q64 = Qh.astype(np.float64)
         qn = np.sqrt(np.einsum("ij,ij->i", q64, q64)) * (1.0 + 2.0**-30)
         Bq = (scan_error_coef(Qh.shape[1]) * view.row_norm_max) * qn + abs_error_term(Qh.shape[1])
@@ -943,6 +943,33 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     ok = (r_sel >= 0) & (f_sel > -np.inf)
     return _Hybrid(rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf),
                    dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits)  # fmt: skip
+
+
+def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarray, qe: np.ndarray,
+                   re: np.ndarray) -> np.ndarray:  # fmt: skip
+    """float32 scores (as float64 [m]) of the pairs (query ``qe``, row ``re``), any summation
+    order (the bound of :func:`_hybrid_batched` covers it): gathered rows, or, for a user
+    with at least half its segment's rows to score, one float32 matrix product of its
+    queries with its segment (reads each row once instead of gathering many)."""
+    m = qe.shape[0]
+    us = seg[qe]
+    cnt = np.bincount(us, minlength=int(us.max()) + 1)
+    lens = off[1:][: cnt.shape[0]] - off[: cnt.shape[0]]
+    big = np.flatnonzero(2 * cnt >= np.maximum(lens, 1) * 1)
+    if big.shape[0] == 0:
+        return np.einsum("ij,ij->i", X[re], Qh[qe]).astype(np.float64)
+    f = np.empty(m)
+    in_big = np.isin(us, big)
+    small = np.flatnonzero(~in_big)
+    if small.shape[0]:
+        f[small] = np.einsum("ij,ij->i", X[re[small]], Qh[qe[small]])
+    for u in big:
+        idx = np.flatnonzero(us == u)
+        a, b = int(off[u]), int(off[u + 1])
+        qs = np.unique(qe[idx])
+        S = Qh[qs] @ X[a:b].T
+        f[idx] = S[np.searchsorted(qs, qe[idx]), re[idx] - a]
+    return f
 
 
 def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
