@@ -375,3 +375,35 @@ def test_bench_hybrid_script_tiny(tmp_path):
     doc = json.loads(out.read_text())
     assert set(doc["single_p50_ms"]) >= {"dense", "convex_max", "adaptive", "rrf"}
     assert doc["index_batch_bank"]["bytes_per_token"] > 0 and doc["loadavg"] and doc["machine"]["cores"] >= 1
+
+
+def test_hybrid_searches_of_one_user_are_stable_while_another_user_is_written():
+    """Concurrent writes to b (new vocabulary, deletions, snapshot rebuilds) never change a's fused results."""
+    import threading
+
+    bank, rng = _bank(11)
+    Q = rng.normal(size=(3, 16))
+    cfg = RFMemConfig(lexical_weight=0.5, fusion="adaptive", out_k=6)
+    texts = ["apple dog", "paris running", "piano night"]
+    want = search(bank, Q, ["a"] * 3, cfg, mode="dense", backend="torch", query_texts=texts)
+    stop = threading.Event()
+
+    def writer():
+        j = 0
+        while not stop.is_set():
+            bank.add("b", rng.normal(size=(2, 16)), ids=[f"w{j}", f"w{j + 1}"], texts=[f"apple dog {j}", "paris piano"])
+            bank.delete("b", [f"w{j}"])
+            j += 2
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(30):
+            got = search(bank, Q, ["a"] * 3, cfg, mode="dense", backend="torch", query_texts=texts)
+            assert got.ids.tolist() == want.ids.tolist()
+            np.testing.assert_array_equal(got.scores, want.scores)
+    finally:
+        stop.set()
+        t.join()
+    texts_b = bank.texts_of("b")
+    np.testing.assert_array_equal(_user_scores(bank, "b", "apple dog"), bm25_scores(texts_b, "apple dog"))
