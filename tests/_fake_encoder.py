@@ -15,7 +15,7 @@ class BagOfWords:
 
     model_name = "test-bag-of-words"
 
-    def __init__(self, dim: int = 256) -> None:
+    def __init__(self, dim: int = 4096) -> None:
         self.dim = dim
 
     def encode(self, texts):
