@@ -358,7 +358,7 @@ def format_dataset_report(rep: DatasetReport) -> str:
         if rep.oracle_at:
             table["oracle"] = rep.oracle_at[kk]
         any_t = next(iter(table.values()))
-        cats = [c for c in any_t if c != OVERALL] + [OVERALL]
+        cats = sorted(c for c in any_t if c != OVERALL) + [OVERALL]
         heads = [f"{c} {m}@{kk}" for c in cols for m in shown]
         w = max(14, max(len(h) for h in heads) + 2)
         lines += ["", f"{'category':<28}{'n':>5}" + "".join(f"{h:>{w}}" for h in heads)]
