@@ -289,3 +289,21 @@ def test_cli_eval_locomo_real_data_dense(tmp_path, capsys):
     if not doc["embeddings_cached"]:
         pytest.skip("the cache held no MiniLM LoCoMo embeddings (encoded now)")
     assert doc["modes"]["dense"]["metrics"]["Overall"]["recall"] == pytest.approx(0.5401, abs=5e-4)
+
+
+def test_personabench_through_the_generic_evaluation(pb_embedded, pb_cache_dir):
+    """PersonaBench via the loader interface: the same cache file as personabench_embeddings
+    and the figures of `rfmem eval personabench` (dense Recall@10 0.5385, 230 scored)."""
+    from rfmem_fast.datasets import load_personabench
+
+    shared = shared_dir()
+    path = shared / "data" / "personabench" / "eval_data_v1" if shared else None
+    if path is None or not (path / "synthetic_data").is_dir():
+        pytest.skip("PersonaBench data absent")
+    pb = load_personabench(path)
+    emb = dataset_embeddings(pb, encoder=None, cache_dir=pb_cache_dir)
+    assert emb.cached and Path(emb.cache_file).name.startswith("personabench-")
+    assert np.array_equal(emb.Q, pb_embedded.queries)
+    s = evaluate_dataset(pb, emb, RFMemConfig(), mode="dense", k=10)
+    assert len(s.recall) == 230 and s.recall.mean() == pytest.approx(0.5385, abs=5e-5)
+    assert set(s.categories) >= {"Preference_hard", "Basic_information_easy"}

@@ -234,7 +234,7 @@ def dataset_embeddings(
     encoder: Any = None,
     cache_dir: str | os.PathLike[str] | None = None,
     say: Callable[[str], None] | None = None,
-    dedup: bool = True,
+    dedup: bool | None = None,
 ) -> DatasetEmbeddings:
     """Embed a dataset's items and questions (cached) and build its memory bank.
 
@@ -248,7 +248,9 @@ def dataset_embeddings(
             hash over the encoder identity and every text); None disables the cache.
         say: optional callable receiving status lines.
         dedup: encode each distinct text once (LongMemEval haystacks share sessions);
-            the vectors of a text are those of its first occurrence.
+            None (default): True except for PersonaBench, whose cache files
+            (``personabench-<hash>.npz``, the same key as :func:`personabench_embeddings`)
+            hold the vectors of one encoding of every text in order.
 
     Returns:
         DatasetEmbeddings (X rows in user order, item order within a user).
@@ -268,8 +270,10 @@ def dataset_embeddings(
             raise ValueError(f"dataset {dataset.name!r}: user {u.key!r} has no items")
     texts = [t for u in dataset.users for t in u.item_texts]
     qtexts = [q.text for q in dataset.questions]
+    if dedup is None:
+        dedup = dataset.name != "personabench"
     X, Q, enc_c, enc_q, cached, cache_file, model, model_id = _embed_cached(
-        str(dataset.name), texts, qtexts, encoder, cache_dir, say, dedup
+        str(dataset.name), texts, qtexts, encoder, cache_dir, say, bool(dedup)
     )
     bank = _build_bank(dataset.users, X)
     return DatasetEmbeddings(
