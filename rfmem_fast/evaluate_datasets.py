@@ -359,12 +359,16 @@ def format_dataset_report(rep: DatasetReport) -> str:
             table["oracle"] = rep.oracle_at[kk]
         any_t = next(iter(table.values()))
         cats = sorted(c for c in any_t if c != OVERALL) + [OVERALL]
-        heads = [f"{c} {m}@{kk}" for c in cols for m in shown]
-        w = max(14, max(len(h) for h in heads) + 2)
-        lines += ["", f"{'category':<28}{'n':>5}" + "".join(f"{h:>{w}}" for h in heads)]
-        for cat in cats:
-            cells = "".join(f"{table[c][cat][m]:>{w}.4f}" for c in cols for m in shown)
-            lines.append(f"{cat:<28}{int(any_t[cat]['count']):>5}{cells}")
+        # two metrics: one table with every mode side by side; more: one table per mode
+        groups = [cols] if len(shown) <= 2 else [[c] for c in cols]
+        for group in groups:
+            heads = [(f"{c} " if len(group) > 1 else "") + f"{m}@{kk}" for c in group for m in shown]
+            w = max(12, max(len(h) for h in heads) + 2)
+            title = "" if len(group) > 1 else f"{group[0]}: "
+            lines += ["", f"{title + 'category':<28}{'n':>5}" + "".join(f"{h:>{w}}" for h in heads)]
+            for cat in cats:
+                cells = "".join(f"{table[c][cat][m]:>{w}.4f}" for c in group for m in shown)
+                lines.append(f"{cat:<28}{int(any_t[cat]['count']):>5}{cells}")
     lines.append("")
     if "rfmem" in rep.routes:
         r = rep.routes["rfmem"]

@@ -175,7 +175,7 @@ def test_cli_eval_longmemeval(tmp_path, capsys, monkeypatch):
     assert rc == 0
     text = capsys.readouterr().out
     assert "longmemeval: 3 users, 10 items, 3 questions (2 scored)" in text
-    assert "dense recall_all@1" in text and "dense session_ndcg_any@2" in text
+    assert "dense: category" in text and "recall_all@1" in text and "session_ndcg_any@2" in text
     doc = json.loads(figs.read_text())
     m = doc["modes"]["dense"]["metrics_at"]["2"]["Overall"]
     assert m["count"] == 2 and m["recall_all"] == 1.0 and m["recall"] == m["recall_all"]
