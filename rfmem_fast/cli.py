@@ -22,6 +22,9 @@
 * ``rfmem bench ...``: the benchmark suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra).
 * ``rfmem serve --path DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]``: a
   :class:`rfmem_fast.Memory` over HTTP (:mod:`rfmem_fast.serving.cli`; the ``serve`` extra).
+* ``rfmem mcp --data-dir DIR --transport stdio --user USER`` or ``--transport http
+  [--host 127.0.0.1] [--port 8765] --tokens FILE``: the memory as a Model Context Protocol
+  server (:mod:`rfmem_fast.serving.mcp_server`; the ``mcp`` extra).
 * ``rfmem --version`` prints the version.
 
 ``eval``, ``calibrate`` and ``tune`` need the ``text`` extra for the encoder.
@@ -172,7 +175,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve``, ``mcp`` and, when present, ``bench``)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
@@ -272,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .serving import cli as serve_cli  # the HTTP service (FastAPI imported only when run)
 
     serve_cli.add_parser(sub)
+    serve_cli.add_mcp_parser(sub)  # `rfmem mcp` (the mcp SDK imported only when run)
     return p
 
 
