@@ -357,3 +357,26 @@ def test_rfmem_mcp_configuration_errors_exit_2(tmp_path, capsys):
                        "--tokens", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()  # refused before the memory is opened
+
+
+def test_readme_mcp_section_commands_and_client_configs_parse():
+    import re
+    import shlex
+
+    from rfmem_fast.cli import build_parser
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## MCP server\n.*?(?=^## )", text, re.S | re.M).group(0)
+    assert "```python" not in section  # (tests/test_readme.py would run it)
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert documented == TOOLS
+    commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
+                if ln.startswith("rfmem mcp")]
+    assert len(commands) == 2
+    for line in commands:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        assert args.command == "mcp" and args.func.__name__ == "run_mcp"
+    configs = [json.loads(b)["mcpServers"]["rfmem"] for b in re.findall(r"```json\n(.*?)```", section, re.S)]
+    stdio, http = configs
+    assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
+    assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
