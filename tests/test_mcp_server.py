@@ -317,10 +317,13 @@ def test_mcp_http_session_is_bound_to_its_token(two_users):
     assert r.status_code == 200
     sid = r.headers["mcp-session-id"]
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "list_memories", "arguments": {}}}
-    r = httpx2.post(url, json=call, headers=dict(hdr, Authorization=f"Bearer {BOB_TOKEN}", **{"mcp-session-id": sid}),
-                    timeout=10)
+    session = dict(hdr, **{"mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"})
+    r = httpx2.post(url, json=call, headers=dict(session, Authorization=f"Bearer {BOB_TOKEN}"), timeout=10)
     assert r.status_code in (401, 403, 404), r.text
     assert "bob:" not in r.text and "alice:" not in r.text
+    # the same request with the session's own token is answered (alice's memories only)
+    r = httpx2.post(url, json=call, headers=dict(session, Authorization=f"Bearer {ALICE_TOKEN}"), timeout=10)
+    assert r.status_code == 200 and "alice: I live in Lyon" in r.text and "bob:" not in r.text, r.text
 
 
 # ----------------------------------------------------------------------------- configuration

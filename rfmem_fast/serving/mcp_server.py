@@ -68,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         name=exc.name,
     ) from exc
 
+from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
 from .memory import Hits, Item, Memory
 
 __all__ = [
@@ -432,6 +433,10 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode)
         except (ValueError, TypeError) as exc:
             raise ToolError(str(exc)) from None
+        except (QueueFullError, RequestTimeoutError) as exc:
+            raise ToolError(f"the memory is overloaded ({exc}); retry in a moment") from None
+        except BatcherClosedError:
+            raise ToolError("the memory server is shutting down") from None
         return {
             "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank}
                      for h in hits],
