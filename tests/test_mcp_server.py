@@ -125,6 +125,8 @@ async def _crud_session(session: ClientSession) -> dict:
     assert "mode" in _err(await session.call_tool("search_memories", {"query": "x", "mode": "fuzzy"}))
     assert "query" in _err(await session.call_tool("search_memories", {"k": 3}))
     assert "texts" in _err(await session.call_tool("add_memories", {"texts": []}))
+    assert "texts[1]" in _err(await session.call_tool("add_memories", {"texts": ["ok", "   "]}))
+    assert "query" in _err(await session.call_tool("search_memories", {"query": " \n"}))
     assert "metadata" in _err(await session.call_tool("add_memories", {"texts": ["a", "b"], "metadata": [{}]}))
     assert "text / metadata" in _err(await session.call_tool("update_memory", {"id": lyon}))
     assert "limit" in _err(await session.call_tool("list_memories", {"limit": 1000}))
@@ -297,6 +299,10 @@ def test_mcp_scope_alice_cannot_read_list_search_change_or_delete_bobs_memories(
                     assert _snapshot(mem) == state
                 listed = [str(r.uri) for r in (await alice.list_resources()).resources]
                 assert listed == ["memory://alice/memories"]
+                own = json.loads((await alice.read_resource(listed[0])).contents[0].text)
+                assert own == state["alice"]
+                own = json.loads((await alice.read_resource("memory://alice/memories/a1")).contents[0].text)
+                assert own == state["alice"][0]
                 # bob, connected at the same time, sees his own memories only
                 got = _ok(await bob.call_tool("list_memories", {}))
                 assert [m["id"] for m in got["memories"]] == ["b1", "b2", "same"]
@@ -383,3 +389,19 @@ def test_readme_mcp_section_commands_and_client_configs_parse():
     stdio, http = configs
     assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
     assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
+
+
+def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):
+    from rfmem_fast.serving.cli import open_memory
+
+    mem = Memory(tmp_path / "m", encoder=False, dim=16)
+    try:
+        assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--user", "u", "--encoder", "none",
+                           "--keep-omp-wait-policy"]) == 2
+        err = capsys.readouterr().err
+        assert "rfmem mcp: error:" in err and "LOCK" in err and "Traceback" not in err
+    finally:
+        mem.close()
+    with pytest.raises(ValueError, match="encoder_dtype must be one of"):
+        open_memory(str(tmp_path / "n"), encoder_dtype="fp8")
+    assert not (tmp_path / "n").exists()

@@ -320,6 +320,11 @@ def _not_found(item_id: Any) -> ToolError:
     return ToolError(f"id: no memory with id {item_id!r} (list_memories or search_memories show the ids)")
 
 
+def _check_blank(text: str, name: str) -> None:
+    if not text.strip():
+        raise ToolError(f"{name}: must hold some non-space text")
+
+
 def _tool_errors(fn: Callable[[], T], item_id: Any = None) -> T:
     """Run a Memory call, its refusals turned into tool errors naming the argument."""
     try:
@@ -416,6 +421,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         tx = [texts] if isinstance(texts, str) else list(texts)
         if not tx or len(tx) > MAX_TEXTS:
             raise ToolError(f"texts: give 1 to {MAX_TEXTS} texts, got {len(tx)}")
+        for i, t in enumerate(tx):
+            _check_blank(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
         if isinstance(metadata, list) and len(metadata) != len(tx):
             raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
         ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
@@ -429,6 +436,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             description='"rfmem" (routed, default), "dense" or "recollection"')] = "rfmem",
     ) -> dict[str, Any]:
         user = user_of()
+        _check_blank(query, "query")
         try:
             hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode)
         except (ValueError, TypeError) as exc:
@@ -454,6 +462,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         user = user_of()
         if text is None and metadata is None:
             raise ToolError("text / metadata: give a new text, new metadata, or both")
+        if text is not None:
+            _check_blank(text, "text")
 
         def write() -> Item:
             lookup(id, user)  # another user's id is "not found", like a missing one
