@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -214,6 +214,26 @@ def test_mcp_http_bearer_session_and_sigkill_keeps_acknowledged_writes(tmp_path)
 
 
 # ----------------------------------------------------------------------------- user scope
+@contextmanager
+def _serve_in_thread(mem: Memory, scope: McpScope):
+    """The streamable HTTP app of ``create_server(mem, scope)`` under uvicorn in a thread, on a
+    free loopback port; yields the endpoint URL, stops the server on exit."""
+    port = _free_port()
+    app = create_http_app(create_server(mem, scope, url=f"http://127.0.0.1:{port}"), "127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the MCP server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 @pytest.fixture
 def two_users(tmp_path):
     """An in-process HTTP MCP server over a durable Memory holding alice's and bob's memories."""
@@ -222,20 +242,10 @@ def two_users(tmp_path):
     mem.add(["bob: my bank PIN is 4321", "bob: I live in Oslo", "bob: shared id"], user_id="bob",
             ids=["b1", "b2", "same"], metadata={"secret": True})
     scope = McpScope(tokens=TokenMap([(hash_token(ALICE_TOKEN), "alice"), (hash_token(BOB_TOKEN), "bob")]))
-    port = _free_port()
-    app = create_http_app(create_server(mem, scope, url=f"http://127.0.0.1:{port}"), "127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the MCP server did not start"
-        time.sleep(0.05)
     try:
-        yield mem, f"http://127.0.0.1:{port}/mcp"
+        with _serve_in_thread(mem, scope) as url:
+            yield mem, url
     finally:
-        server.should_exit = True
-        thread.join(30)
         mem.close()
 
 
@@ -405,3 +415,24 @@ def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys
     with pytest.raises(ValueError, match="encoder_dtype must be one of"):
         open_memory(str(tmp_path / "n"), encoder_dtype="fp8")
     assert not (tmp_path / "n").exists()
+
+
+def test_mcp_http_with_a_fixed_user_needs_no_token(tmp_path):
+    """``--user`` over HTTP (loopback only): every client is that user, no bearer token."""
+    mem = Memory(tmp_path / "mem", encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["bob: secret"], user_id="bob")
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:
+                        ids = _ok(await session.call_tool("add_memories", {"texts": ["alice: hi"]}))["ids"]
+                        got = _ok(await session.call_tool("list_memories", {}))
+                        assert [m["id"] for m in got["memories"]] == ids
+
+            anyio.run(run)
+        assert [i.text for i in mem.get_all("alice")] == ["alice: hi"]
+        assert [i.text for i in mem.get_all("bob")] == ["bob: secret"]
+    finally:
+        mem.close()

@@ -38,14 +38,14 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
                    help="precision of the text encoder's matmuls: 'auto' (default) = bfloat16 where the CPU "
                    "multiplies it natively (AVX512-BF16 / AMX: ~2x less encoder CPU per query, embeddings at "
-                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics")
+                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics of rfmem serve")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
-    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting before 503 (default 1024)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait before 504 (default 30)")
+    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
     p.add_argument(
         "--keep-omp-wait-policy", action="store_true",

@@ -565,14 +565,15 @@ def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: s
     Raises:
         ValueError: an unknown transport.
     """
-    server = create_server(memory, scope, url=f"http://{host}:{port}")
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+    server = create_server(memory, scope, url=f"http://{netloc}")
     if transport == "stdio":
         server.run("stdio")
     elif transport == "http":
         import uvicorn
 
         app = create_http_app(server, host)
-        print(f"rfmem mcp: serving http://{host}:{port}/mcp", file=sys.stderr, flush=True)
+        print(f"rfmem mcp: serving http://{netloc}/mcp", file=sys.stderr, flush=True)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     else:
         raise ValueError(f"transport must be 'stdio' or 'http', got {transport!r}")
