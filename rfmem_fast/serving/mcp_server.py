@@ -46,7 +46,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Hashable, Literal, Mapping, TypeVar
+from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar
 from urllib.parse import quote
 
 try:
