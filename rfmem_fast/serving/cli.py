@@ -1,4 +1,6 @@
-"""``rfmem serve``: the HTTP service (arguments here; the app in :mod:`rfmem_fast.serving.app`)."""
+"""``rfmem serve`` (the HTTP service; the app in :mod:`rfmem_fast.serving.app`) and ``rfmem mcp``
+(the MCP server; in :mod:`rfmem_fast.serving.mcp_server`): their arguments, and
+:func:`open_memory`, the durable Memory a server opens from them."""
 from __future__ import annotations
 
 import argparse
