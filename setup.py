@@ -9,8 +9,8 @@ the same sources. The package itself is pure Python and works without the extens
 Dependencies: the core (``pip install .``) needs only numpy, torch and scikit-learn;
 the encoder, benchmarks, Triton kernels and GPU baselines are extras (``EXTRAS``
 below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``, ``".[mcp]"``,
-``".[all]"`` for every extra that installs on a CPU machine, ``".[test]"`` for the
-test suite).
+``".[docs]"`` for the documentation site, ``".[all]"`` for every extra that installs on
+a CPU machine, ``".[test]"`` for the test suite).
 
 Environment variables:
     RFMEM_NO_NATIVE=1      skip the compiled extension entirely (pure-Python install).
@@ -221,6 +221,9 @@ EXTRAS: dict[str, list[str]] = {
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
     "llamaindex": ["llama-index-core"],
+    # the documentation site (mkdocs.yml, docs/): `mkdocs build --strict`, also run by the
+    # test suite (tests/test_docs_build.py), hence part of [test]
+    "docs": ["mkdocs", "mkdocs-material", "mkdocstrings-python"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
 GPU_ONLY = frozenset({"gpu"})

@@ -71,6 +71,7 @@ def test_setup_core_and_extras():
         assert ex[name] <= ex["all"] <= ex["test"], name
     assert not ex["gpu"] & ex["all"], "GPU-only packages must not be in [all]"
     assert {"pytest", "hypothesis"} <= ex["test"]
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings-python"} <= ex["docs"] <= ex["test"]  # the strict docs build
     assert "triton" in kw["extras_require"]["triton"][0] and "platform_machine" in kw["extras_require"]["triton"][0]
 
 

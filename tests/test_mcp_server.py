@@ -378,27 +378,32 @@ def test_rfmem_mcp_configuration_errors_exit_2(tmp_path, capsys):
     assert not (tmp_path / "m").exists()  # refused before the memory is opened
 
 
-def test_readme_mcp_section_commands_and_client_configs_parse():
+def test_mcp_docs_commands_and_client_configs_parse():
+    """The README's "MCP server" section and docs/guides/mcp.md: their ``rfmem mcp`` commands
+    parse, their ``mcpServers`` configurations are JSON whose stdio args parse, every tool is named."""
     import re
     import shlex
 
     from rfmem_fast.cli import build_parser
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^## MCP server\n.*?(?=^## )", text, re.S | re.M).group(0)
-    assert "```python" not in section  # (tests/test_readme.py would run it)
-    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
-    assert documented == TOOLS
-    commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
-                if ln.startswith("rfmem mcp")]
-    assert len(commands) == 2
-    for line in commands:
-        args = build_parser().parse_args(shlex.split(line)[1:])
-        assert args.command == "mcp" and args.func.__name__ == "run_mcp"
-    configs = [json.loads(b)["mcpServers"]["rfmem"] for b in re.findall(r"```json\n(.*?)```", section, re.S)]
-    stdio, http = configs
-    assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
-    assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
+    readme = re.search(r"^## MCP server\n.*?(?=^## )", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    guide = (ROOT / "docs" / "guides" / "mcp.md").read_text(encoding="utf-8")
+    assert readme, "README.md has no '## MCP server' section"
+    assert set(re.findall(r"^\| `(\w+)` \|", guide, re.M)) == TOOLS  # the guide's tool table
+    for section in (readme.group(0), guide):
+        assert "```python" not in section  # (tests/test_readme.py would run it)
+        assert all(f"`{t}" in section for t in TOOLS)
+        commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
+                    if ln.startswith("rfmem mcp")]
+        assert len(commands) == 2
+        for line in commands:
+            args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
+            assert args.command == "mcp" and args.func.__name__ == "run_mcp"
+            assert (args.user is None) != (args.tokens is None)
+        configs = [json.loads(b)["mcpServers"]["rfmem"] for b in re.findall(r"```json\n(.*?)```", section, re.S)]
+        stdio, http = configs
+        assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
+        assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
 
 
 def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):
