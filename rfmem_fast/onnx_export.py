@@ -199,6 +199,9 @@ def _build_atomically(root: Path, key: str, build: Any) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}.tmp-"))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         info = build(tmp)
         (tmp / "info.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
         if final.exists() and not (final / "model.onnx").is_file():  # a folder left incomplete by hand
