@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from ..encoders import DTYPES
+from ..encoders import BACKENDS, ENCODER_DTYPES
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,10 +24,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="bearer token required on /v1 routes (default: $RFMEM_API_KEY; neither: no auth)")
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
-    p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = bfloat16 where the CPU "
-                   "multiplies it natively (AVX512-BF16 / AMX: ~2x less encoder CPU per query, embeddings at "
-                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics")
+    p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
+                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
+                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
+                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
+                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
+    p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
+                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
+                   "elsewhere; 'torch' or 'onnx' to force one")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
@@ -78,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(
             args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder,
-            encoder_dtype=args.encoder_dtype, dim=args.dim,
+            encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
             backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
             cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
