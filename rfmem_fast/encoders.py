@@ -395,6 +395,7 @@ class TextEncoder:
             raise TypeError(f"device must be a str such as 'cpu', got {device!r}")
         if show_progress is not None and not isinstance(show_progress, bool):
             raise TypeError(f"show_progress must be a bool or None, got {show_progress!r}")
+        run_backend, run_dtype = resolve_backend(backend, dtype, device)  # bad pairs fail before loading
 
         if model is None:
             path = default_model_path()
@@ -427,7 +428,7 @@ class TextEncoder:
         if dim is None:  # pragma: no cover - models without a fixed output size
             dim = int(self._model.encode(["x"], convert_to_numpy=True).shape[1])
         self._dim: int = int(dim)
-        self._backend, self._dtype = resolve_backend(backend, dtype, device)
+        self._backend, self._dtype = run_backend, run_dtype
         self._autocast: Any = None
         self._onnx: _OnnxRunner | None = None
         if self._backend == "onnx":
