@@ -24,8 +24,11 @@ text embedded alone and in a batch).
 Backend (``backend``): "torch" (default; the reference, with the precisions above),
 "onnx" (ONNX Runtime on the CPU, :mod:`rfmem_fast.onnx_export`: the same model exported
 locally from its own weights, once, into a cache keyed by the model fingerprint;
-``dtype`` "float32" -- cosine >= 0.99999 to the torch float32 encoder -- or "int8",
-dynamic int8 quantisation: cosine >= 0.99 on PersonaBench, so only on request), or
+``dtype`` "float32" -- cosine >= 0.99999 to the torch float32 encoder, the same
+PersonaBench retrieval -- or "int8", dynamic int8 quantisation: cosine >= 0.99 on
+PersonaBench, RF-Mem routes as float32's on 98.5 % of its questions, and embeddings that
+depend on the pass they are computed in (activations are scaled per pass), so only on
+request), or
 "auto" (:func:`resolve_backend`: a static rule, "onnx" float32 on a CPU where
 onnxruntime and onnx import, the torch rule of ``dtype="auto"`` elsewhere; the
 measurement behind it is ``bench/bench_encoder_backends.py``, README "Encoder
@@ -400,6 +403,9 @@ class TextEncoder:
         if show_progress is not None and not isinstance(show_progress, bool):
             raise TypeError(f"show_progress must be a bool or None, got {show_progress!r}")
         run_backend, run_dtype = resolve_backend(backend, dtype, device)  # bad pairs fail before loading
+        if run_backend == "onnx":  # a missing runtime fails before loading too
+            require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
+            require("onnx", "onnx", "TextEncoder(backend='onnx')")
 
         if model is None:
             path = default_model_path()
