@@ -448,3 +448,25 @@ def test_onnx_export_offline(tmp_path: Path) -> None:
     assert res.stderr == "", res.stderr
     assert res.stdout.strip() == "RESULT [] []", res.stdout
     assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir()) == ["float32", "int8"]
+
+
+def test_onnx_backend_without_onnxruntime_names_the_extra(monkeypatch) -> None:
+    import sys
+
+    import sentence_transformers
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the runtime was checked")
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", no_load)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(ImportError, match=r'onnxruntime.*pip install "rfmem_fast\[onnx\]"'):
+        TextEncoder(backend="onnx")
+
+
+def test_onnx_int8_depends_on_its_pass_within_the_floor(enc_int8: TextEncoder) -> None:
+    """int8 activations are scaled per pass: a text alone and in a batch differ more
+    than in float32, still above the documented floor."""
+    batched = enc_int8.encode(PROBE_TEXTS)
+    single = np.stack([enc_int8.encode([t])[0] for t in PROBE_TEXTS])
+    assert (batched * single).sum(axis=1).min() >= INT8_COS_FLOOR
