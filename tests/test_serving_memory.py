@@ -428,3 +428,31 @@ def test_encoder_dtype_option(monkeypatch):
         Memory(encoder=HashEncoder(DIM), encoder_dtype="bfloat16")
     with pytest.raises(ValueError, match="encoder_dtype needs a text encoder"):
         Memory(encoder=False, dim=DIM, encoder_dtype="float32")
+
+
+def test_encoder_backend_option(monkeypatch):
+    """encoder_backend reaches the default encoder with encoder_dtype; bad pairs and
+    misuse are refused at construction, naming the argument."""
+    import rfmem_fast.serving.memory as memory_module
+
+    made = []
+
+    def fake_default(**kwargs):
+        made.append(kwargs)
+        return HashEncoder(DIM)
+
+    monkeypatch.setattr(memory_module, "_default_encoder", fake_default)
+    Memory(dim=DIM, encoder_backend="onnx", encoder_dtype="int8").add(["a text"], "u")
+    assert made == [{"dtype": "int8", "backend": "onnx"}]
+    Memory(dim=DIM, encoder_backend="auto").add(["a text"], "u")
+    assert made[-1] == {"backend": "auto"}
+    with pytest.raises(ValueError, match="encoder_dtype must be one of .* with encoder_backend='torch'"):
+        Memory(dim=DIM, encoder_dtype="int8")
+    with pytest.raises(ValueError, match="encoder_dtype must be one of .* with encoder_backend='onnx'"):
+        Memory(dim=DIM, encoder_backend="onnx", encoder_dtype="bfloat16")
+    with pytest.raises(ValueError, match="encoder_backend must be one of"):
+        Memory(dim=DIM, encoder_backend="tpu")
+    with pytest.raises(ValueError, match="encoder_backend applies to the default encoder only"):
+        Memory(encoder=HashEncoder(DIM), encoder_backend="onnx")
+    with pytest.raises(ValueError, match="encoder_backend needs a text encoder"):
+        Memory(encoder=False, dim=DIM, encoder_backend="onnx")

@@ -441,6 +441,7 @@ def serve(
     api_key: str | None = None,
     encoder: str = "default",
     encoder_dtype: str = "auto",
+    encoder_backend: str = "auto",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -464,7 +465,11 @@ def serve(
         encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
             "auto" (default: bfloat16 where the CPU has native bfloat16 matmul, e.g.
             AVX512-BF16 / AMX, float32 elsewhere), "float32", "bfloat16" or "float16".
-            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``).
+            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``). "int8" with an
+            ``encoder_backend`` of "onnx" / "auto" only.
+        encoder_backend: runtime of the text encoder (:func:`rfmem_fast.encoders.resolve_backend`):
+            "auto" (default: ONNX Runtime float32 where onnxruntime / onnx are installed,
+            torch elsewhere), "torch" or "onnx".
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -475,22 +480,25 @@ def serve(
     """
     import uvicorn
 
-    from ..encoders import check_dtype
+    from ..encoders import check_backend
 
-    check_dtype(encoder_dtype, "encoder_dtype")
+    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
     dtype: str | None = encoder_dtype
+    enc_backend: str | None = encoder_backend
     if encoder == "none":
         enc: Any = False
-        dtype = None
+        dtype = enc_backend = None
     elif encoder == "default":
         enc = None
     else:
         from ..encoders import TextEncoder
         from .memory import ENCODE_BATCH_SIZE
 
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype)
-        dtype = None
-    memory = Memory(path, encoder=enc, encoder_dtype=dtype, backend=backend, dim=dim, batching=batching,
+        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
+                          backend=encoder_backend)
+        dtype = enc_backend = None
+    memory = Memory(path, encoder=enc, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim,
+                    batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
                     cache_size=cache_size)
     if enc is not False:
