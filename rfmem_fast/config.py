@@ -16,7 +16,7 @@ ENTROPY_CONVENTIONS = ("mean", "sum", "normalized")
 #: RFMemConfig.merge values (rfmem_fast.routing.merge documents them)
 MERGE_MODES = ("none", "interleave", "rrf", "rescore")
 #: RFMemConfig.fusion values (rfmem_fast.fusion documents them)
-FUSION_MODES = ("convex", "rrf", "adaptive")
+FUSION_MODES = ("convex", "rrf", "adaptive", "zscore")
 #: RFMemConfig.lexical_norm values
 LEXICAL_NORMS = ("raw", "max")
 
@@ -92,11 +92,14 @@ class RFMemConfig:
 
     * ``lexical_weight`` (float in [0, 1e6], default 0.0): weight ``w`` of the lexical
       channel; > 0 turns it on (``search`` then needs ``query_texts``).
-    * ``fusion`` ("convex" | "rrf" | "adaptive", default "convex"): "convex" ranks by
+    * ``fusion`` ("convex" | "rrf" | "adaptive" | "zscore", default "convex"): "convex" ranks by
       ``cosine + w * f``; "rrf" by ``1/(lexical_rrf_k + dense rank) + 1/(lexical_rrf_k +
       lexical rank)`` (each list cut at ``lexical_depth``; ``w`` only switches it on);
       "adaptive" by ``cosine + w * c(q) * bm25 / max bm25``, ``c(q)`` the lexical
-      channel's confidence (sharpness, :func:`rfmem_fast.fusion.sharpness`).
+      channel's confidence (sharpness, :func:`rfmem_fast.fusion.sharpness`); "zscore" by
+      ``cosine + w * g(q) / sigma(q) * bm25``, the channels on one scale (``sigma`` the
+      query's BM25 standard deviation over the user's items, ``g`` the dense top-1 score
+      minus the mean dense score over them: :func:`rfmem_fast.fusion.zscore_boost`).
     * ``lexical_norm`` ("raw" | "max", default "max"): convex's ``f``: raw BM25, or BM25
       divided by the query's largest BM25 over the user's items.
     * ``lexical_rrf_k`` (float in (0, 1e6], default 10.0): the rank constant of fusion "rrf".

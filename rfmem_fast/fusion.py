@@ -14,6 +14,17 @@ Modes (``w = config.lexical_weight > 0``):
   ``f = 0`` when the query has no lexical hit);
 * ``adaptive``: ``fused = dense + (w * c(q)) * bm25 / max_bm25(q)`` with ``c(q)`` the
   lexical channel's confidence, :func:`sharpness` by default;
+* ``zscore``: ``fused = dense + (w * g(q) / sigma(q)) * bm25``, the two channels on one
+  scale (distribution-based score fusion): ``sigma(q)`` the standard deviation of the
+  query's BM25 over its user's items (items without text or hit count as 0) and
+  ``g(q) = max(0, top-1 dense score - mean dense score over the user's items)``, the
+  dense channel's spread at the top (the mean is ``q . mean_u``, ``mean_u`` the user's
+  mean vector in float64, :func:`user_means`). So one lexical standard deviation weighs
+  ``w`` times the dense top gap, whatever the corpus's BM25 scale or the encoder's cosine
+  scale; a query without a lexical hit gets 0. Ranking by ``zd + w' * zl`` with both
+  channels standardised is the same ranking with ``sigma_dense`` in place of ``g``
+  (shifts do not change a ranking); the top gap is used because it needs no second pass
+  over the user's rows;
 * ``rrf``: ``fused = [1 / (k + r_dense) if ranked] + [1 / (k + r_lex) if ranked]``
   (``k = lexical_rrf_k``, ranks from 1) over the dense top-``D`` and the lexical
   top-``D`` (BM25 > 0, ties by the smaller row), ``D = max(lexical_depth, out_k,
@@ -66,7 +77,7 @@ TOP_LEXICAL = 10
 
 __all__ = [
     "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
-    "rrf", "sharpness", "top_by_score_row",
+    "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost",
 ]  # fmt: skip
 
 
@@ -79,11 +90,21 @@ class LexicalStats:
         top: float64 [b, TOP_LEXICAL] the largest BM25 scores over the user's
             documents (items with text), descending, 0 where fewer hits.
         n_docs: int64 [b] the user's documents ``N``.
+        lex_std: float64 [b] or None: the population standard deviation of the query's
+            BM25 over all its user's items (0 for items without a hit); fusion "zscore".
+        dense_gap: float64 [b] or None: ``max(0, top-1 dense score - q . mean_u)``; fusion "zscore".
     """
 
     lex_max: np.ndarray
     top: np.ndarray
     n_docs: np.ndarray
+    lex_std: np.ndarray | None = None
+    dense_gap: np.ndarray | None = None
+
+    def take(self, idx: np.ndarray) -> "LexicalStats":
+        """The statistics of the queries ``idx`` (int [m]), in that order."""
+        opt = {k: None if getattr(self, k) is None else getattr(self, k)[idx] for k in ("lex_std", "dense_gap")}
+        return LexicalStats(self.lex_max[idx], self.top[idx], self.n_docs[idx], **opt)
 
 
 def sharpness(stats: LexicalStats) -> np.ndarray:
@@ -145,8 +166,54 @@ def adaptive_boost(lex: np.ndarray, stats: LexicalStats, config: Any, confidence
     return wq[:, None] * max_normalised(lex, stats)
 
 
+def zscore_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarray:
+    """Fusion "zscore": ``(w * dense_gap(q) / lex_std(q)) * bm25`` (module docstring).
+
+    Args:
+        lex: float64 [b, c] BM25 of the candidates (0: no hit); stats: LexicalStats with
+            ``lex_std`` and ``dense_gap`` set; config: the RFMemConfig (``lexical_weight``).
+
+    Returns:
+        float64 [b, c] >= 0 (0 for a query whose BM25 is 0 everywhere).
+
+    Raises:
+        ValueError: ``stats`` lacks ``lex_std`` / ``dense_gap``.
+    """
+    if stats.lex_std is None or stats.dense_gap is None:
+        raise ValueError("fusion 'zscore' needs LexicalStats.lex_std and .dense_gap")
+    sd = stats.lex_std
+    wq = np.divide(float(config.lexical_weight) * np.maximum(stats.dense_gap, 0.0), sd,
+                   out=np.zeros(sd.shape[0]), where=sd > 0)  # fmt: skip
+    return wq[:, None] * lex
+
+
+def user_means(view: Any, users: np.ndarray) -> np.ndarray:
+    """float64 [m, d] mean vectors of the segments ``users`` of a bank view's snapshot.
+
+    Summed in float64 from the snapshot's host vectors, once per (snapshot, user) and
+    memoised on the view, so every backend gets the same values. An empty segment has a
+    zero mean.
+
+    Args:
+        view: a :class:`~rfmem_fast.backends.base.BankView` with a snapshot.
+        users: int [m] segment indices.
+    """
+    memo = view._memo.setdefault("user_means", {})
+    snap = view.snapshot
+    off = snap.offsets
+    out = np.zeros((len(users), snap.vectors.shape[1]))
+    for j, u in enumerate(np.asarray(users, dtype=np.int64).tolist()):
+        m = memo.get(u)
+        if m is None:
+            a, b = int(off[u]), int(off[u + 1])
+            m = snap.vectors[a:b].astype(np.float64).mean(axis=0) if b > a else np.zeros(snap.vectors.shape[1])
+            memo[u] = m
+        out[j] = m
+    return out
+
+
 #: score-based fusion modes: name -> boost(lex [b, c], LexicalStats, config) -> float64 [b, c] >= 0
-BOOSTS: dict[str, Callable[..., np.ndarray]] = {"convex": convex_boost, "adaptive": adaptive_boost}
+BOOSTS: dict[str, Callable[..., np.ndarray]] = {"convex": convex_boost, "adaptive": adaptive_boost, "zscore": zscore_boost}
 
 
 def rrf(dense_rank: np.ndarray, lex_rank: np.ndarray, k: float) -> np.ndarray:

@@ -50,7 +50,7 @@ from .config import RFMemConfig
 from .device import to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
-from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row
+from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means
 from .router import (
     FAMILIARITY,
     RECOLLECTION,
@@ -897,7 +897,14 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         m = min(TOP_LEXICAL, W)
         t = -np.partition(-V, m - 1, axis=1)[:, :m] if W > m else V.copy()
         top[:, :m] = -np.sort(-t, axis=1)[:, :m]
-    stats = LexicalStats(lex_max, top, n_docs)
+    lex_std = dense_gap = None
+    if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
+        n = np.maximum(n_q, 1).astype(np.float64)
+        mu = V.sum(axis=1) / n
+        lex_std = np.sqrt(np.maximum((V * V).sum(axis=1) / n - mu * mu, 0.0))
+        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+        dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
+    stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
     fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
     tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
@@ -907,7 +914,7 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     M[qv, loc[qv, cv]] = False  # the dense list's rows: not extras
     qe, le = np.nonzero(M)  # lexical hits outside the dense list, by query then row
     lexe = V[qe, le]
-    xe = boost(lexe[:, None], LexicalStats(lex_max[qe], top[qe], n_docs[qe]), config)[:, 0]
+    xe = boost(lexe[:, None], stats.take(qe), config)[:, 0]
     keep = s_last[qe] + xe >= tau[qe]  # the bound of the fusion docstring
     qe, le, lexe, xe = qe[keep], le[keep], lexe[keep], xe[keep]
     re = le + a_q[qe]

@@ -133,6 +133,13 @@ def fused_topk(bank, queries, users, texts, config, k, stemmer=None):
             f = lex / mx if mx > 0 else np.zeros_like(lex)
             if config.fusion == "convex":
                 x = w * (lex if config.lexical_norm == "raw" else f)
+            elif config.fusion == "zscore":  # the documented formula, in the engine's float64 order
+                n = float(b - a)
+                mu = lex.sum() / n
+                sd = np.sqrt(max((lex * lex).sum() / n - mu * mu, 0.0))
+                mean_d = float(Q[i].astype(np.float64) @ snap.vectors[a:b].astype(np.float64).mean(axis=0))
+                gap = max(float(dense.max()) - mean_d, 0.0)
+                x = (w * gap / sd) * lex if sd > 0 else np.zeros_like(lex)
             else:
                 x = (w * sharpness(list(lex[has]))) * f
             fused = dense + x

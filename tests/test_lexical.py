@@ -183,6 +183,8 @@ FUSIONS = [
     dict(fusion="convex", lexical_norm="max", lexical_weight=50.0),  # lexical dominates: deep lexical-only hits
     dict(fusion="adaptive", lexical_weight=0.5),
     dict(fusion="rrf", lexical_weight=1.0, lexical_depth=12, lexical_rrf_k=10.0),
+    dict(fusion="zscore", lexical_weight=0.1),
+    dict(fusion="zscore", lexical_weight=20.0),  # lexical dominates
     dict(fusion="rrf", lexical_weight=1.0, lexical_depth=3, lexical_rrf_k=1.0),
 ]
 
@@ -220,7 +222,7 @@ def test_fused_ids_equal_the_oracle(backend, fz):
                 assert res.lexical_scores[i, j] == np.float32(lex[r - snap.offsets[u]])
 
 
-@pytest.mark.parametrize("fz", FUSIONS[:1] + FUSIONS[3:5], ids=["convex", "adaptive", "rrf"])
+@pytest.mark.parametrize("fz", FUSIONS[:1] + FUSIONS[3:6], ids=["convex", "adaptive", "rrf", "zscore"])
 def test_fused_search_batch_invariant_and_prefix_consistent(fz):
     bank, rng = _bank(6)
     users = ["a", "b", 7, "a", "notext", "b"]
