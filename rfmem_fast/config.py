@@ -256,28 +256,32 @@ class RFMemConfig:
 
     @classmethod
     def recommended(cls, encoder: str = "minilm", **overrides: Any) -> "RFMemConfig":
-        """The configuration chosen by nested leave-one-user-out CV on PersonaBench (README "Retrieval quality").
+        """The configuration chosen by nested leave-one-user-out CV across datasets (docs "Hybrid retrieval").
 
-        What ``rfmem tune personabench --grid profile`` picks on all six users, per
-        encoder, over its measured noise levels (protocol, objective and the nested-CV
-        scores of every procedure compared: :mod:`rfmem_fast.tuning` and the README).
-        For both encoders (MiniLM: noise 0.0 / 0.3 / 0.5 / 0.7, MPNet: 0.0 / 0.3 / 0.5;
-        the folds agree, but for one MiniLM fold that picks 0.15) it is the **profile
-        prior** with ``profile_weight=0.3`` and never recollecting (theta_high =
-        theta_low = -1: every query takes the Familiarity path): each query ``q`` of user
-        ``u`` is searched as ``normalise(q + 0.3 * p_u)``, ``p_u`` the unit mean of the
-        user's memory vectors (:mod:`rfmem_fast.routing.profile`). It costs what dense
-        costs (plus the profiles, once per bank snapshot).
+        What ``rfmem tune hybrid`` (:func:`rfmem_fast.tuning_datasets.tune_hybrid`)
+        picks on all users of PersonaBench (noise 0.0 / 0.3 / 0.5 / 0.7) and the five
+        development LoCoMo conversations, per encoder, with the objective "mean gain +
+        gain on the worst dataset / noise level": **hybrid dense + lexical retrieval**,
+        ``fusion="convex"``, ``lexical_norm="raw"``, ``lexical_weight=0.03`` (each item
+        scores ``cosine + 0.03 * BM25``), never recollecting (theta_high = theta_low =
+        -1: every query takes the Familiarity path, the fused top-k). It was tuned on
+        banks whose lexical index stems with PyStemmer's English stemmer
+        (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory` and
+        the evaluations build); ``search`` then needs the query texts (``query_texts=``).
 
-        Honest figures (nested CV, Recall@10 gain over dense): MiniLM +0.42 / +0.87 /
-        +4.88 / +3.91 points at noise 0.0 / 0.3 / 0.5 / 0.7, MPNet +5.64 / +6.09 / +4.76
-        at 0.0 / 0.3 / 0.5. The profile prior encodes what PersonaBench rewards (items
-        typical of the user's memory); on other data calibrate ``profile_weight`` on your
-        own labelled questions (0 turns it off).
+        Honest figures (MiniLM, Recall@10 gain over dense in points, nested CV of the
+        whole procedure; a PersonaBench user is one fold at every noise level, a LoCoMo
+        conversation one fold): PersonaBench +0.04 / +1.76 / +1.75 / +4.27 at noise 0.0 /
+        0.3 / 0.5 / 0.7, LoCoMo +10.34 (leave one conversation out); the pick itself on
+        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. The previous
+        recommendation (the profile prior, ``profile_weight=0.3``) is -4.4 points on
+        LoCoMo and stays available as a field. Other encoders: the same pick (MPNet's
+        figures are in the docs).
 
         Args:
             encoder: "minilm" (the package's default encoder) or "mpnet".
-            overrides: RFMemConfig fields to change on top.
+            overrides: RFMemConfig fields to change on top (``lexical_weight=0`` gives
+                the dense-only variant for vector-only searches).
 
         Returns:
             RFMemConfig.
@@ -286,8 +290,9 @@ class RFMemConfig:
             ValueError: an unknown encoder (the message lists the known ones), or an
                 invalid override.
         """
-        profile = {"profile_weight": 0.3, "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
-        picks: dict[str, dict[str, Any]] = {"minilm": profile, "mpnet": profile}
+        hybrid = {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
+                  "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}  # fmt: skip
+        picks: dict[str, dict[str, Any]] = {"minilm": hybrid, "mpnet": hybrid}
         if encoder not in picks:
             raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
         return cls(**{**picks[encoder], **overrides})

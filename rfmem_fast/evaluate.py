@@ -99,6 +99,13 @@ class EvalReport:
     notes: list[str] = field(default_factory=list)
 
 
+def query_texts_kw(config: RFMemConfig, texts: Sequence[str]) -> dict[str, Any]:
+    """``{"query_texts": texts}`` when ``config`` has a lexical channel (``lexical_weight > 0``),
+    else ``{}``: the keyword arguments that make :func:`rfmem_fast.search.search` hybrid
+    exactly when the configuration asks for it."""
+    return {"query_texts": list(texts)} if config.lexical_weight > 0 else {}
+
+
 def _pct(xs: Sequence[float]) -> dict[str, float]:
     if not xs:
         return {}
@@ -331,6 +338,7 @@ def run_personabench(
     evaluated = np.array([q.is_evaluated for q in questions])
     gts = [q.gt_segment_ids for q in questions]
     uarr = np.asarray(users)
+    all_texts = [q.question for q in questions]
 
     def run_modes_with(cfg: RFMemConfig) -> tuple[dict[str, SearchResult], dict[str, float], Any]:
         """Every mode on the whole batch; RF-Mem per held-out user when a router is fitted."""
@@ -339,9 +347,9 @@ def run_personabench(
         for mode in run_modes:
             if mode == "rfmem" and router_kind is not None:
                 continue  # fitted per fold below
-            search(bank, Q[:1], users[:1], cfg, mode=mode, backend=backend)  # warm-up
+            search(bank, Q[:1], users[:1], cfg, mode=mode, backend=backend, **query_texts_kw(cfg, all_texts[:1]))  # warm-up
             t0 = time.perf_counter()
-            res[mode] = search(bank, Q, users, cfg, mode=mode, backend=backend)
+            res[mode] = search(bank, Q, users, cfg, mode=mode, backend=backend, **query_texts_kw(cfg, all_texts))
             secs[mode] = time.perf_counter() - t0
         last = None
         if "rfmem" in run_modes and router_kind is not None:
@@ -355,7 +363,8 @@ def run_personabench(
                 train = np.flatnonzero((uarr != u) & evaluated)
                 last = fit_router(router_kind, signals.take(train), d_all[train], r_all[train], ProbeSettings.of(cfg))
                 t0 = time.perf_counter()
-                part = search(bank, Q[test], [users[i] for i in test], cfg, mode="rfmem", backend=backend, router=last)
+                part = search(bank, Q[test], [users[i] for i in test], cfg, mode="rfmem", backend=backend, router=last,
+                              **query_texts_kw(cfg, [all_texts[i] for i in test]))  # fmt: skip
                 t_fold += time.perf_counter() - t0
                 parts.append((test, part))
             res["rfmem"] = stitch_results(parts, len(questions))
@@ -408,7 +417,8 @@ def run_personabench(
                 t0 = time.perf_counter()
                 qv = enc_obj.encode([qtexts[i]])
                 t1 = time.perf_counter()
-                search(bank, qv, [users[i]], config, mode=mode, backend=backend, router=rt)
+                search(bank, qv, [users[i]], config, mode=mode, backend=backend, router=rt,
+                       **query_texts_kw(config, qtexts[i : i + 1]))  # fmt: skip
                 t2 = time.perf_counter()
                 s_t.append(t2 - t1)
                 e_t.append(t2 - t0)

@@ -28,6 +28,7 @@ import numpy as np
 
 from .config import RFMemConfig
 from .datasets.embedded import DatasetEmbeddings, dataset_embeddings, default_embedding_cache_dir
+from .evaluate import query_texts_kw
 from .metrics import OVERALL
 from .search import MODES, SearchResult, search
 
@@ -102,9 +103,7 @@ def search_dataset(
     """
     rows = np.asarray(rows, dtype=np.int64)
     qs = emb.dataset.questions
-    kwargs: dict[str, Any] = {}
-    if getattr(config, "lexical_weight", 0.0) > 0:
-        kwargs["query_texts"] = [qs[i].text for i in rows]
+    kwargs = query_texts_kw(config, [qs[i].text for i in rows])
     return search(emb.bank, emb.Q[rows], [emb.users[i] for i in rows], config, mode=mode, backend=backend, **kwargs)
 
 

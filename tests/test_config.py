@@ -58,8 +58,9 @@ def test_frozen():
 def test_presets():
     assert RFMemConfig.paper() == RFMemConfig()
     r = RFMemConfig.recommended()
-    # the profile prior, never recollecting (README "Retrieval quality": the nested-CV choice)
-    assert (r.profile_weight, r.theta_high, r.theta_low, r.merge, r.reranker) == (0.3, -1.0, -1.0, "none", None)
+    # hybrid dense + BM25, never recollecting (docs "Hybrid retrieval": the cross-dataset nested-CV choice)
+    assert (r.profile_weight, r.theta_high, r.theta_low, r.merge, r.reranker) == (0.0, -1.0, -1.0, "none", None)
+    assert (r.fusion, r.lexical_norm, r.lexical_weight) == ("convex", "raw", 0.03)
     assert (r.alpha, r.beam_width, r.fanout, r.max_rounds, r.mmr_lambda) == (0.5, 4, 1, 10, 0.9)
     assert RFMemConfig.recommended("mpnet") == r
     assert RFMemConfig.paper().profile_weight == 0.0 and RFMemConfig.paper().reranker is None
