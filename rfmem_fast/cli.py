@@ -35,7 +35,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .backends import BACKEND_NAMES
 from .config import RFMemConfig
@@ -260,6 +260,24 @@ def build_parser() -> argparse.ArgumentParser:
     tpb.add_argument("--no-timing", action="store_true", help="skip the ms-per-query measurements")
     tpb.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
+    thy = tusub.add_parser("hybrid", help="the dense + lexical fusion, nested leave-one-user-out across datasets")
+    thy.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
+    thy.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
+                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
+    thy.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+    thy.add_argument("--longmemeval", default=None, help="a LongMemEval JSON file (longmemeval_s / _m / oracle format)")
+    thy.add_argument("--granularity", choices=["session", "turn"], default="session",
+                     help="LongMemEval memory items: sessions or turns (default session)")  # fmt: skip
+    thy.add_argument("--encoders", default="minilm", help="comma list of encoders, each tuned on its own (default minilm)")
+    thy.add_argument("--families", default=None,
+                     help="comma list of candidate families (default all: dense, profile prior, convex raw, "
+                          "convex max, adaptive, rrf, zscore)")  # fmt: skip
+    thy.add_argument("--objective", choices=["mean+min", "shortfall"], default="mean+min",
+                     help="selection objective: mean gain + worst condition's gain (default), or shortfall below dense")  # fmt: skip
+    thy.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    _add_backend_arg(thy)
+    thy.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
     mo = sub.add_parser("models", help="the offline encoders")
     mosub = mo.add_subparsers(dest="action", required=True)
     mosub.add_parser("list", help="encoders usable here")
@@ -454,9 +472,38 @@ def _calibrate_reranker(args: argparse.Namespace, config: RFMemConfig, command: 
     return 0
 
 
+def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
+    from .datasets import load_locomo, load_longmemeval, load_personabench
+    from .tuning_datasets import DatasetCondition, format_hybrid_tune, hybrid_tune_json, tune_hybrid
+
+    if not (args.personabench or args.locomo or args.longmemeval):
+        print("rfmem tune hybrid: give at least one of --personabench, --locomo, --longmemeval", file=sys.stderr)
+        return 2
+    data: list[tuple[str, Any, str]] = []
+    if args.personabench:
+        data += [(f"pb {n}", load_personabench(args.personabench, noise=n), "pb:") for n in args.noise]
+    if args.locomo:
+        data.append(("locomo", load_locomo(args.locomo), "locomo:"))
+    if args.longmemeval:
+        data.append(("longmemeval", load_longmemeval(args.longmemeval, granularity=args.granularity), "lme:"))
+    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    out: dict[str, Any] = {}
+    for enc in [e.strip() for e in args.encoders.split(",") if e.strip()]:
+        conds = [DatasetCondition(label, ds, enc, group) for label, ds, group in data]
+        res = tune_hybrid(conds, families=families, k=args.k, backend=args.backend, progress=_say, objective=args.objective)
+        print(f"encoder {enc}:")
+        print(format_hybrid_tune(res))
+        out[enc] = hybrid_tune_json(res)
+    if args.json_out:
+        _write_json(out, args.json_out, command)
+    return 0
+
+
 def _tune(args: argparse.Namespace, command: str) -> int:
     from .tuning import format_tune, tune_json, tune_personabench
 
+    if args.dataset == "hybrid":
+        return _tune_hybrid(args, command)
     if args.grid == "rerank":
         return _tune_rerank(args, command)
 
