@@ -14,6 +14,9 @@
   fit a router on labelled questions and save it (:mod:`rfmem_fast.routing.calibrate`);
   ``--kind reranker [--features cos,profile] [--depth 20] [--pool dense]`` fits a learned
   re-ranker instead (:mod:`rfmem_fast.routing.rerank`).
+* ``rfmem tune hybrid [--personabench DIR] [--locomo DIR] [--longmemeval FILE]``: the
+  dense + lexical fusion by nested leave-one-user-out CV across datasets
+  (:mod:`rfmem_fast.tuning_datasets`).
 * ``rfmem tune personabench --data DIR [--encoders minilm,mpnet] [--noise all]``: grid
   search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`); ``--grid rerank
   [--model-out FILE]``: the learned re-ranker procedure under the same nested CV.
