@@ -124,8 +124,32 @@ def test_hit_metadata_is_the_callers_copy():
     "call, exc, match",
     [
         (lambda m: m.search("q", "u", mode="fast"), ValueError, "mode must be one of"),
-        (lambda m: m.search("q", "u", k=0), ValueError, "k must be an int >= 1"),
-        (lambda m: m.search("q", "u", k=2.5), ValueError, "k must be an int >= 1"),
+        (lambda m: m.search("q", "u", k=0), ValueError, r"k must be an int in \[1, 1000\]"),
+        (lambda m: m.search("q", "u", k=2.5), ValueError, r"k must be an int in \[1, 1000\]"),
+        (lambda m: m.search("q", "u", k=10**9), ValueError, r"^k must be an int in \[1, 1000\] or None, got 1000000000"),
+        (lambda m: m.search("q", "u", k="2"), ValueError, r"k must be an int"),
+        (lambda m: m.search(["a", "b"], "u"), TypeError, "use Memory.search_batch"),
+        (lambda m: m.search("", "u"), ValueError, "query is empty or whitespace only"),
+        (lambda m: m.search(" \t\n", "u"), ValueError, "query is empty or whitespace only"),
+        (lambda m: m.search("bad \ud800", "u"), ValueError, "query holds a lone surrogate"),
+        (lambda m: m.search_batch(["ok", "bad \udfff"], "u"), ValueError, r"queries\[1\] holds a lone surrogate"),
+        (lambda m: m.search("q", "u\ud800"), ValueError, "user_id holds a lone surrogate"),
+        (lambda m: m.search("q", ""), ValueError, "user_id must be a non-empty str"),
+        (lambda m: m.add(["bad \ud800 text"], "u"), ValueError, r"texts\[0\] holds a lone surrogate"),
+        (lambda m: m.add(["ok", "bad \ud800"], "u", vectors=np.ones((2, 16))), ValueError, r"texts\[1\] holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", metadata={"k": "v\udfff"}), ValueError, r"metadata\[0\] \(as JSON\) holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", metadata=[{"v\udfff": 1}]), ValueError, r"metadata\[0\] \(as JSON\) holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", ids=["i\ud800"]), ValueError, r"ids\[0\] holds a lone surrogate"),
+        (lambda m: m.add([""], "u"), ValueError, r"texts\[0\] is empty or whitespace only"),
+        (lambda m: m.add(["ok", "  \n"], "u"), ValueError, r"texts\[1\] is empty or whitespace only"),
+        (lambda m: m.add([" "], "u", vectors=np.ones((1, 16))), ValueError, r"texts\[0\] is empty"),
+        (lambda m: m.update("taken", "u", texts="\t"), ValueError, r"^texts is empty or whitespace only"),
+        (lambda m: m.add(["a", "b"], "u", ids=[1, "1"]), ValueError, "duplicate item id '1'"),
+        (lambda m: m.add(["a"], "u", ids=[""]), ValueError, r"ids\[0\] must be a non-empty str"),
+        (lambda m: m.add(["a"], "u", ids=["x" * 257]), ValueError, r"ids\[0\] is 257 characters long"),
+        (lambda m: m.add(["a" * 100_001], "u"), ValueError, r"texts\[0\] is 100001 characters long"),
+        (lambda m: m.get_all("u", offset=-1), ValueError, "offset must be an int >= 0"),
+        (lambda m: m.get_all("u", limit=0), ValueError, "limit must be an int >= 1"),
         (lambda m: m.search("q", 1.5), TypeError, "user_id must be a str or an int"),
         (lambda m: m.search(b"q", "u"), TypeError, "query must be a str or a 1-D vector"),
         (lambda m: m.search(np.ones(3), "u"), ValueError, "query must have dimension 16"),
@@ -137,7 +161,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.add(["a", "b"], "u", ids=["1"]), ValueError, "ids has 1 entries but there are 2 items"),
         (lambda m: m.add(["a"], "u", vectors=np.ones((2, 16))), ValueError, "texts has 1 entries but vectors has 2"),
         (lambda m: m.add(["a"], "u", vectors=np.full((1, 16), np.nan)), ValueError, "NaN or Inf"),
-        (lambda m: m.add(["a"], "u", metadata=[{"x": {1, 2}}]), ValueError, "cannot log this write|JSON"),
+        (lambda m: m.add(["a"], "u", metadata=[{"x": {1, 2}}]), ValueError, r"^metadata\[0\] is not JSON-serialisable"),
         (lambda m: m.add(["a"], "u", metadata="tag"), TypeError, "metadata must be a dict"),
         (lambda m: m.add([1], "u"), TypeError, r"texts\[0\] must be a str"),
         (lambda m: m.add(["a", "b"], "u", ids=["x", "x"]), ValueError, "duplicate item id 'x'"),
@@ -170,11 +194,12 @@ def test_unknown_user_and_empty_memory_answer_empty():
 
 # ----------------------------------------------------------------------------- isolation
 @settings(max_examples=20)
-@given(st.lists(st.tuples(st.sampled_from(["ann", "bob", 3, 4]), st.integers(1, 5)), min_size=1, max_size=8),
+@given(st.lists(st.tuples(st.sampled_from(["ann", "bob", 3, 4, "3"]), st.integers(1, 5)), min_size=1, max_size=8),
        st.integers(0, 2**31 - 1))
 def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
     """Users with overlapping item ids and identical texts: every hit (batched, cached,
-    unbatched) is the query's user's own item."""
+    unbatched) is the query's user's own item. Int user ids are their decimal str (the
+    id model): 3 and "3" are one user."""
     rng = np.random.default_rng(seed)
     mem = new_memory(max_wait_ms=5.0)
     owner = {}
@@ -183,8 +208,8 @@ def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
         ids = [f"i{j}" for j in range(len(got), len(got) + n)]  # the same ids for every user
         mem.add(["shared text"] * n, user, ids=ids, metadata={"owner": str(user)},
                 vectors=rng.normal(size=(n, DIM)))
-        owner[user] = owner.get(user, 0) + n
-    users = list(owner) + ["stranger"]
+        owner[str(user)] = owner.get(str(user), 0) + n
+    users = list(owner) + ["stranger", 4]
     queries = ["shared text", "other"]
     with ThreadPoolExecutor(8) as pool:
         futs = [(u, mode, pool.submit(mem.search, q, u, 3, mode))
@@ -192,7 +217,9 @@ def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
         results = [(u, mode, f.result()) for u, mode, f in futs]
     results += [(u, "rfmem", h) for u in users for h in mem.search_batch(queries, u, k=3)]
     for user, mode, hits in results:
-        assert all(h.user_id == user and h.metadata == {"owner": str(user)} for h in hits)
+        user = str(user)
+        assert hits.user_id == user and all(h.user_id == user for h in hits)
+        assert all(h.metadata == {"owner": user} for h in hits)
         # dense returns the top-k; recollection drops candidates under score_floor
         assert len(hits) == min(3, owner.get(user, 0)) if mode == "dense" else len(hits) <= min(3, owner.get(user, 0))
 

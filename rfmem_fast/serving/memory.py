@@ -66,7 +66,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import MemoryBank, _check_id_list, _check_user
+from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -75,12 +75,19 @@ from .batcher import BatcherClosedError, MicroBatcher
 from .cache import QueryCache, vector_key
 from .wal import WriteAheadLog, decode_array, encode_array
 
-__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM"]
+__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS"]
 
 log = logging.getLogger("rfmem_fast.serving")
 
 #: dimension of the default encoder (all-MiniLM-L6-v2)
 DEFAULT_DIM = 384
+#: the most hits one query may ask for (``k``), in Python and over HTTP
+MAX_K = 1000
+#: the longest user id / item id (characters)
+MAX_ID_LENGTH = 256
+#: the longest text of a memory or a query (characters); a memory must also fit the
+#: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
+MAX_TEXT_CHARS = 100_000
 META_FILE = "memory.json"
 WAL_FILE = "wal.jsonl"
 LOCK_FILE = "LOCK"
@@ -227,7 +234,9 @@ class _Answer:
     rounds: int
 
     def materialise(self, cached: bool) -> Hits:
-        hits = [h if not h.metadata else replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
+        # every caller gets its own metadata dicts (an empty one included): a caller
+        # mutating its hits never changes the cached answer or another caller's hits
+        hits = [replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
         return Hits(hits, user_id=self.user, route=self.route, rule=self.rule, mean=self.mean,
                     entropy=self.entropy, rounds=self.rounds, cached=cached)
 
@@ -243,56 +252,92 @@ class _Query:
 
 
 # ---------------------------------------------------------------------- argument checks
-def _user_key(user: Any, name: str = "user_id") -> Hashable:
-    return _check_user(user, name)
+# The id model (the same in Python and over HTTP): user ids and item ids are non-empty
+# str of at most MAX_ID_LENGTH characters of valid Unicode; a Python int (or numpy
+# integer) is converted to its decimal str, so ``7`` and ``"7"`` name the same user /
+# item (and ``add(ids=[1, "1"])`` is a duplicate). Every id a Memory returns is a str.
+def _canon_id(x: Any, name: str) -> str:
+    """One user / item id as stored: a str (ints converted), checked (module id model)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a str or an int, got {type(x).__name__}")
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    if not isinstance(x, str):
+        raise TypeError(f"{name} must be a str or an int, got {type(x).__name__}")
+    x = str(x)
+    if not x:
+        raise ValueError(f"{name} must be a non-empty str")
+    if len(x) > MAX_ID_LENGTH:
+        raise ValueError(f"{name} is {len(x)} characters long; ids hold at most {MAX_ID_LENGTH}")
+    return _check_unicode(x, name)
+
+
+def _user_key(user: Any, name: str = "user_id") -> str:
+    return _canon_id(user, name)
+
+
+def _check_text(t: Any, name: str, *, what: str = "text") -> str:
+    """A memory text or a query text: a non-blank str of valid Unicode, at most
+    MAX_TEXT_CHARS characters."""
+    if not isinstance(t, str):
+        raise TypeError(f"{name} must be a str, got {type(t).__name__}")
+    _check_unicode(t, name)
+    if not t.strip():
+        raise ValueError(f"{name} is empty or whitespace only: a {what} needs some words")
+    if len(t) > MAX_TEXT_CHARS:
+        raise ValueError(f"{name} is {len(t)} characters long; at most {MAX_TEXT_CHARS}")
+    return str(t)
 
 
 def _text_list(texts: Any, name: str = "texts") -> list[str] | None:
     if texts is None:
         return None
     if isinstance(texts, str):
-        return [texts]
+        return [_check_text(texts, name)]
     if isinstance(texts, bytes) or not hasattr(texts, "__iter__"):
         raise TypeError(f"{name} must be a str or a sequence of str, got {type(texts).__name__}")
     out = list(texts)
     for i, t in enumerate(out):
         if not isinstance(t, str):
             raise TypeError(f"{name}[{i}] must be a str, got {type(t).__name__}")
+        out[i] = _check_text(t, f"{name}[{i}]")
     return out
 
 
-def _id_list(ids: Any, name: str = "ids") -> list:
-    """A single id (str / int) or a sequence of distinct ids, as a non-empty list."""
+def _id_list(ids: Any, name: str = "ids") -> list[str]:
+    """A single id (str / int) or a sequence of distinct ids, as a non-empty list of str."""
     if isinstance(ids, (str, int, np.integer, np.str_)) and not isinstance(ids, (bool, np.bool_)):
         ids = [ids]
-    out = _check_id_list(ids, name)
+    if isinstance(ids, (bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be an id or a sequence of str or int item ids, got {type(ids).__name__}")
+    out = [_canon_id(x, f"{name}[{i}]") for i, x in enumerate(ids)]
+    out = _check_id_list(out, name)  # duplicates (after int -> str)
     if not out:
         raise ValueError(f"{name} must hold at least one item id")
     return out
 
 
 def _metadata_list(metadata: Any, m: int) -> list | None:
-    """None, one dict for every item, or m dicts / None."""
+    """None, one dict for every item, or m dicts / None; checked as stored (JSON objects
+    of valid Unicode: :func:`rfmem_fast.bank._check_metadata`), before anything is logged,
+    so the in-memory and the durable Memory refuse the same values with the same message."""
     if metadata is None:
         return None
     if isinstance(metadata, dict):
-        return [metadata] * m  # the bank stores a copy per item
+        return _check_metadata([metadata], 1) * m  # the bank stores a copy per item
     if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
         raise TypeError(f"metadata must be a dict, a sequence of dicts (or None) or None, got {type(metadata).__name__}")
     out = list(metadata)
     if len(out) != m:
         raise ValueError(f"metadata has {len(out)} entries but there are {m} items")
-    for j, x in enumerate(out):
-        if x is not None and not isinstance(x, dict):
-            raise TypeError(f"metadata[{j}] must be a dict or None, got {type(x).__name__}")
-    return out
+    return _check_metadata(out, m)
 
 
 def _check_k(k: Any) -> None:
     if k is None:
         return
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an int in [1, {MAX_K}] or None, got {k!r}")
 
 
 # ---------------------------------------------------------------------- the facade
@@ -615,20 +660,67 @@ class Memory:
                     self._encoder = enc
         return self._encoder
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
-        """float32 [n, d] embeddings of ``texts`` (one encoder call)."""
+    def _encode_rows(self, texts: list[str], name: str) -> list[np.ndarray | ValueError]:
+        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
+        ValueError naming ``name[i]`` (or the query text) when the encoder returned a
+        zero or non-finite row for it. Raises what the encoder call raises."""
         enc = self._get_encoder()
         t0 = time.perf_counter()
-        out = np.asarray(enc.encode(texts))
+        raw = enc.encode(texts)
         dt = time.perf_counter() - t0
+        if hasattr(raw, "detach"):
+            raw = raw.detach().cpu().float().numpy()
+        out = np.asarray(raw)
         if out.ndim != 2 or out.shape[0] != len(texts) or out.shape[1] != self.dim:
             raise ValueError(f"the encoder returned shape {out.shape}, expected ({len(texts)}, {self.dim})")
+        if not np.issubdtype(out.dtype, np.floating):
+            raise TypeError(f"the encoder returned {out.dtype} values, expected floats")
         with self._stats_lock:
             c = self._counters
             c["encode_calls"] += 1
             c["encoded"] += len(texts)
             c["encode_seconds"] += dt
-        return as_float_matrix(out, "encoder output", self.dim)
+        with np.errstate(over="ignore", invalid="ignore"):
+            rows64 = out.astype(np.float64)
+            norms = np.sqrt(np.einsum("ij,ij->i", rows64, rows64))
+        rows: list[Any] = []
+        for i, text in enumerate(texts):
+            label = f"{name}[{i}]" if name != "query" else "query"
+            if not np.isfinite(rows64[i]).all() or not np.isfinite(norms[i]) or norms[i] <= 1e-12 \
+                    or np.abs(rows64[i]).max() > np.finfo(np.float32).max:
+                rows.append(ValueError(
+                    f"{label} {text[:60]!r}: the encoder returned a zero or non-finite embedding for this text, "
+                    "so it cannot be searched or stored"))
+            else:
+                rows.append(out[i].astype(np.float32))
+        return rows
+
+    def _encode(self, texts: list[str], name: str = "texts") -> np.ndarray:
+        """float32 [n, d] embeddings of ``texts`` (one encoder call).
+
+        Raises:
+            ValueError: the encoder's row for ``name[i]`` is zero or not finite (named)."""
+        rows = self._encode_rows(texts, name)
+        for r in rows:
+            if isinstance(r, BaseException):
+                raise r
+        return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
+
+    def _check_window(self, texts: list[str], name: str = "texts") -> None:
+        """Refuse memory texts longer than the encoder's window (``max_tokens``; the
+        encoder would silently ignore their end): ValueError naming ``name[i]``. Only
+        for encoders that tell their window (``max_tokens`` and ``count_tokens``, as
+        :class:`rfmem_fast.encoders.TextEncoder`)."""
+        enc = self._get_encoder()
+        limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
+        if limit is None or not callable(count):
+            return
+        for i, n in enumerate(count(texts)):
+            if n > limit:
+                raise ValueError(
+                    f"{name}[{i}] is {n} tokens long, but the encoder reads at most {limit} tokens "
+                    f"(special tokens included) and would silently ignore the rest: split it into "
+                    f"memories of at most {limit} tokens (about {int(limit * 0.7)} English words)")
 
     def _vectors(self, vectors: Any, name: str = "vectors") -> np.ndarray:
         """float32 [m, d] from a [m, d] or [d] array (rows checked, not yet normalised)."""
@@ -689,6 +781,10 @@ class Memory:
     def _apply(self, rec: dict[str, Any]) -> None:
         """Apply one logged write to the bank (live or replayed); bump the user's version."""
         op, user = rec["op"], rec["user"]
+        if isinstance(user, int):  # a record of an older version (int keys): the id model's str
+            user = str(user)
+        if rec.get("ids") is not None and any(isinstance(i, int) for i in rec["ids"]):
+            rec = dict(rec, ids=[str(i) if isinstance(i, int) else i for i in rec["ids"]])
         vec = rec.get("vectors")
         if isinstance(vec, dict):
             vec = decode_array(vec)
@@ -700,6 +796,9 @@ class Memory:
             self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
         elif op == "delete":
             self.bank.delete(user, rec["ids"])
+        elif op == "delete_user":  # every live item of the user ("forget me")
+            if user in self.bank and self.bank.user_size(user):
+                self.bank.delete(user, self.bank.item_ids_of(user))
         else:
             raise ValueError(f"unknown logged operation {op!r}")
         self._uver[user] = self._uver.get(user, 0) + 1
@@ -753,6 +852,7 @@ class Memory:
             raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
         meta = _metadata_list(metadata, m)
         if vec is None:
+            self._check_window(tx)
             vec = self._encode(tx)
         self._write({"op": "add", "user": user, "ids": id_list, "texts": tx if tx is not None else [None] * m,
                      "vectors": vec, "metadata": meta})
@@ -795,6 +895,7 @@ class Memory:
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
         if tx is not None and vec is None:
+            self._check_window(tx)
             vec = self._encode(tx)
         self._write({"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta})
 
@@ -812,17 +913,57 @@ class Memory:
             raise KeyError(f"user_id: unknown user {user!r}")
         self._write({"op": "delete", "user": user, "ids": id_list})
 
-    # ------------------------------------------------------------------ reads
-    def get_all(self, user_id: Hashable) -> list[Item]:
-        """Every live item of a user, in insertion order ([] for an unknown user)."""
+    def delete_user(self, user_id: Hashable) -> int:
+        """Delete every memory of a user ("forget me"); durable once it returns.
+
+        Idempotent: a user without items (or never seen) deletes nothing and returns 0.
+
+        Returns:
+            int, the number of items deleted.
+
+        Raises:
+            TypeError / ValueError: a malformed user id. OSError: the log could not be written.
+        """
+        self._check_open()
         user = _user_key(user_id)
+        with self._wmutex:
+            n = self.bank.user_size(user) if user in self.bank else 0
+            if n:
+                self._write({"op": "delete_user", "user": user})
+        return n
+
+    # ------------------------------------------------------------------ reads
+    def count(self, user_id: Hashable) -> int:
+        """Live items of a user (0 for an unknown user)."""
+        user = _user_key(user_id)
+        return self.bank.user_size(user) if user in self.bank else 0
+
+    def get_all(self, user_id: Hashable, offset: int = 0, limit: int | None = None) -> list[Item]:
+        """The live items of a user in insertion order ([] for an unknown user).
+
+        Args:
+            user_id: the user.
+            offset: items to skip (int >= 0; default 0).
+            limit: the most items returned (int >= 1, or None for all).
+
+        Raises:
+            ValueError: a bad offset / limit (named).
+        """
+        user = _user_key(user_id)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+            raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
+        stop = None if limit is None else int(offset) + int(limit)
         with self._rw.read():
             if user not in self.bank:
                 return []
-            ids = self.bank.item_ids_of(user)
-            texts = self.bank.texts_of(user)
-            metas = self.bank.get_metadata(user)
-        return [Item(i, t, m or {}) for i, t, m in zip(ids, texts, metas)]
+            ids = self.bank.item_ids_of(user)[offset:stop]
+            if not ids:
+                return []
+            text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
+            metas = self.bank.get_metadata(user, ids)
+        return [Item(i, text_of[i], m or {}) for i, m in zip(ids, metas)]
 
     def get(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> list[Item]:
         """Some items of a user, in the order asked.
@@ -859,9 +1000,13 @@ class Memory:
         if isinstance(query, str):
             if not self._has_encoder:
                 raise ValueError(f"{name}: this Memory has no text encoder (encoder=False); pass a vector")
+            query = _check_text(query, name, what="query")
             return _Query(user, query, None, k, mode, ("text", query))
         if isinstance(query, bytes) or query is None:
             raise TypeError(f"{name} must be a str or a 1-D vector of floats, got {type(query).__name__}")
+        if name == "query" and isinstance(query, (list, tuple)) and query and isinstance(query[0], str):
+            raise TypeError("query must be one str or one 1-D vector; for several queries use "
+                            "Memory.search_batch(queries, user_ids)")
         arr = query if (hasattr(query, "detach") or isinstance(query, np.ndarray)) else np.asarray(query)
         if getattr(arr, "ndim", None) != 1:
             raise ValueError(f"{name} must be a str or a 1-D vector of {self.dim} floats, got shape {tuple(getattr(arr, 'shape', ()))}")
@@ -987,8 +1132,8 @@ class Memory:
         if need:
             t0 = time.perf_counter()
             texts = list(need)
-            try:
-                rows: list[Any] = list(self._encode(texts))
+            try:  # a bad row (zero / non-finite) fails its own callers only
+                rows: list[Any] = self._encode_rows(texts, "query")
             except Exception as exc:
                 if len(texts) == 1:
                     rows = [exc]
@@ -996,7 +1141,7 @@ class Memory:
                     rows = []
                     for text in texts:
                         try:
-                            rows.append(self._encode([text])[0])
+                            rows.append(self._encode_rows([text], "query")[0])
                         except Exception as exc1:
                             rows.append(exc1)
             for text, row in zip(texts, rows):
@@ -1022,14 +1167,18 @@ class Memory:
                     out[i] = _Answer(q.user, (), None, rule, 0.0, 0.0, 0)
                 else:
                     groups.setdefault((q.mode, q.k), []).append(i)
-            for (mode, k), idx in groups.items():
+            todo = list(groups.items())
+            while todo:
+                (mode, k), idx = todo.pop(0)
                 t0 = time.perf_counter()
                 try:
                     res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
                                  config=self._config_for(k), mode=mode, backend=self._backend, device=self._device)
                 except Exception as exc:
-                    for i in idx:
-                        out[i] = exc
+                    if len(idx) > 1:  # find the culprit: search one by one, so only it fails
+                        todo[:0] = [((mode, k), [i]) for i in idx]
+                    else:
+                        out[idx[0]] = exc
                     continue
                 finally:
                     search_s += time.perf_counter() - t0
