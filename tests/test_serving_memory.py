@@ -455,3 +455,206 @@ def test_encoder_dtype_option(monkeypatch):
         Memory(encoder=HashEncoder(DIM), encoder_dtype="bfloat16")
     with pytest.raises(ValueError, match="encoder_dtype needs a text encoder"):
         Memory(encoder=False, dim=DIM, encoder_dtype="float32")
+
+
+# ----------------------------------------------------------------------------- issue 17
+class ZeroForBlank(HashEncoder):
+    """An encoder wrapper as many are: a zero row for a text with no words."""
+
+    def vector(self, text):
+        return np.zeros(self.dim, np.float32) if not text.strip() or text == "empty-ish" else super().vector(text)
+
+
+def test_a_bad_query_fails_alone_with_an_error_naming_it():
+    """Item 5: 8 callers share a batch; the encoder gives ONE of them a zero row: only
+    that caller fails, and its error names its own query (no internal batch row)."""
+    enc = ZeroForBlank(DIM)
+    mem = new_memory(encoder=enc, max_batch=8, max_wait_ms=200.0, cache_size=0)
+    mem.add(["alpha", "beta"], "u", ids=["a", "b"])
+    enc.entered.clear()
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(9) as pool:
+        blocker = pool.submit(mem.search, "warm", "u")
+        assert enc.entered.wait(10)
+        texts = [f"q{i}" for i in range(7)] + ["empty-ish"]
+        futs = [pool.submit(mem.search, t, "u", 2, "dense") for t in texts]
+        for _ in range(1000):
+            if mem.stats()["batcher"]["queue_depth"] == 8:
+                break
+            threading.Event().wait(0.01)
+        enc.gate.set()
+        blocker.result(10)
+        assert all(len(f.result(10)) == 2 for f in futs[:7])
+        with pytest.raises(ValueError) as err:
+            futs[7].result(10)
+    assert "'empty-ish'" in str(err.value) and "row" not in str(err.value)
+    assert mem.stats()["batcher"]["largest_batch"] == 8  # they did share one batch
+    with pytest.raises(ValueError, match=r"texts\[1\] 'empty-ish': the encoder returned a zero"):
+        mem.add(["fine", "empty-ish"], "u")
+
+
+def test_timed_out_and_cancelled_requests_free_their_queue_slots():
+    """Item 6: max_queue=4, worker blocked: 4 waiters time out (threads) or are
+    cancelled (asyncio); a new search is queued (no QueueFullError) and answered."""
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_batch=1, max_queue=4, max_wait_ms=0.0, cache_size=0)
+    mem.add(["x"], "u")
+    enc.entered.clear()
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(6) as pool:
+        blocker = pool.submit(mem.search, "block", "u")
+        assert enc.entered.wait(10)
+        waiters = [pool.submit(mem.search, f"t{i}", "u", timeout=0.2) for i in range(4)]
+        for w in waiters:
+            with pytest.raises(RequestTimeoutError):
+                w.result(10)
+        assert mem.stats()["batcher"]["queue_depth"] == 0
+
+        async def cancelled():
+            tasks = [asyncio.ensure_future(mem.asearch(f"c{i}", "u", timeout=None)) for i in range(4)]
+            await asyncio.sleep(0.05)
+            assert mem.stats()["batcher"]["queue_depth"] == 4
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return mem.stats()["batcher"]["queue_depth"]
+
+        assert asyncio.run(cancelled()) == 0
+        late = pool.submit(mem.search, "late", "u")  # queued: the slots were freed
+        threading.Event().wait(0.05)
+        assert not late.done()
+        enc.gate.set()
+        assert len(late.result(10)) == 1 and len(blocker.result(10)) == 1
+    assert enc.calls == [1, 1, 1]  # add, block, late: the timed-out / cancelled requests never ran
+    mem.close()
+
+
+def test_search_racing_close_gets_batcher_closed_error_at_once():
+    """Item 7: searches (threads and asyncio, timeout=None) racing close() either finish
+    or raise BatcherClosedError at once; none waits forever."""
+    from rfmem_fast.serving import BatcherClosedError
+
+    for _ in range(20):
+        mem = new_memory(max_wait_ms=0.5, timeout=None, cache_size=0)
+        mem.add(["x"], "u")
+        go = threading.Barrier(5)
+
+        def one(i):
+            go.wait()
+            try:
+                return len(mem.search(f"q{i}", "u"))
+            except BatcherClosedError:
+                return "closed"
+
+        with ThreadPoolExecutor(5) as pool:
+            futs = [pool.submit(one, i) for i in range(4)]
+            go.wait()
+            mem.close()
+            outs = [f.result(5) for f in futs]  # a lost request would time out here
+        assert set(outs) <= {1, "closed"}
+        with pytest.raises(BatcherClosedError):
+            mem.search("after", "u")
+        with pytest.raises(BatcherClosedError):
+            asyncio.run(mem.asearch("after", "u", timeout=None))
+    b = MicroBatcher(lambda items: items, max_wait_ms=0.0, timeout=None)
+    b.close()
+    with pytest.raises(BatcherClosedError):
+        b.call(1)
+
+
+def test_every_caller_gets_its_own_copy_of_cached_hits():
+    """Item 8: mutating returned hits (metadata, an item stored without metadata
+    included) never changes a later (cached) answer or a concurrent caller's."""
+    mem = new_memory(max_wait_ms=20.0)
+    mem.add(["plain", "tagged"], "u", ids=["p", "t"], metadata=[None, {"tag": ["x"]}])
+    first = mem.search("plain", "u", k=2, mode="dense")
+    for h in first:
+        h.metadata["x"] = 1
+        h.metadata.get("tag", []).append("y")
+    again = mem.search("plain", "u", k=2, mode="dense")
+    assert again.cached and {h.id: h.metadata for h in again} == {"p": {}, "t": {"tag": ["x"]}}
+    with ThreadPoolExecutor(2) as pool:
+        a, b = [f.result() for f in [pool.submit(mem.search, "tagged", "u", 2, "dense") for _ in range(2)]]
+    assert all(x.metadata is not y.metadata for x, y in zip(a, b))
+    batch = mem.search_batch(["plain", "plain"], "u", k=2, mode="dense")
+    assert batch[0][0].metadata is not batch[1][0].metadata
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_one_metadata_validation_for_the_in_memory_and_the_durable_memory(tmp_path, durable):
+    """Item 10: the same value gets the same message naming metadata[i], before anything
+    is logged, whether the Memory has a path or not."""
+    import datetime
+    import decimal
+    import uuid as uuid_mod
+
+    mem = new_memory(path=tmp_path / "m" if durable else None)
+    mem.add(["ok"], "u", ids=["ok"])
+    bad = [datetime.datetime(2024, 1, 1), datetime.date(2024, 1, 1), decimal.Decimal("1.5"), uuid_mod.uuid4(),
+           {1, 2}, b"bytes", object(), 1 + 2j, float("nan"), float("inf"), (1, 2), np.float32(1.0), np.arange(2)]
+    for v in bad:
+        with pytest.raises(ValueError, match=r"^metadata\[1\] (is not JSON-serialisable|does not survive)") as err:
+            mem.add(["a", "b"], "u", metadata=[None, {"k": v}])
+        assert "cannot log" not in str(err.value)
+    assert [i.id for i in mem.get_all("u")] == ["ok"] and mem.stats()["writes"] == 1
+    mem.close()
+
+
+def test_memory_texts_longer_than_the_encoders_window_are_refused():
+    """Item 12 (the rule): an encoder that tells its window (max_tokens / count_tokens,
+    as TextEncoder) gets no text it would truncate; the error names the text and the
+    limit. Vectors given by the caller are stored with any text."""
+
+    class Windowed(HashEncoder):
+        max_tokens = 8
+
+        def count_tokens(self, texts):
+            return [len(t.split()) + 2 for t in texts]
+
+    mem = new_memory(encoder=Windowed(DIM))
+    mem.add(["one two three four five six"], "u", ids=["fits"])
+    with pytest.raises(ValueError, match=r"texts\[1\] is 9 tokens long, but the encoder reads at most 8 tokens"):
+        mem.add(["short", "one two three four five six seven"], "u")
+    with pytest.raises(ValueError, match=r"texts is 9 tokens long|texts\[0\] is 9 tokens"):
+        mem.update("fits", "u", texts="one two three four five six seven")
+    mem.add(["one two three four five six seven"], "u", vectors=np.ones(DIM), ids=["own"])
+    assert [i.id for i in mem.get_all("u")] == ["fits", "own"]
+
+
+def test_id_model_ints_are_their_decimal_str():
+    """Item 13: user ids and item ids are str; ints are converted (7 and "7" are one id)."""
+    mem = new_memory()
+    assert mem.add(["seven"], 7, ids=[7]) == ["7"]
+    assert [i.id for i in mem.get("7", "7")] == ["7"] and mem.get(7, 7)[0].text == "seven"
+    hits = mem.search("seven", "7")
+    assert hits.user_id == "7" and hits[0].id == "7"
+    with pytest.raises(ValueError, match="already holds item id '7'"):
+        mem.add(["again"], "7", ids=["7"])
+    mem.update(7, "7", texts="seven!")
+    mem.delete("7", 7)
+    assert mem.get_all(7) == []
+
+
+def test_delete_user_forgets_every_memory_durably(tmp_path):
+    """Item 13: delete_user removes all of a user's items, survives a crash and a
+    checkpoint; other users stay; an unknown user deletes nothing (idempotent)."""
+    mem = new_memory(path=tmp_path / "m")
+    mem.add(["a", "b", "c"], "gone", ids=["1", "2", "3"])
+    mem.add(["a"], "kept", ids=["1"])
+    assert mem.delete_user("gone") == 3 and mem.delete_user("gone") == 0 and mem.delete_user("never") == 0
+    assert mem.get_all("gone") == [] and mem.search("a", "gone") == []
+    mem._lock_file.close()  # crash: only the log holds it
+    again = new_memory(path=tmp_path / "m")
+    assert again.get_all("gone") == [] and [i.id for i in again.get_all("kept")] == ["1"]
+    again.close()
+    third = new_memory(path=tmp_path / "m")
+    assert third.count("gone") == 0 and third.count("kept") == 1
+    third.close()
+
+
+def test_get_all_pages():
+    mem = new_memory()
+    mem.add([f"t{i}" for i in range(7)], "u", ids=[f"i{i}" for i in range(7)])
+    pages = [[it.id for it in mem.get_all("u", offset=o, limit=3)] for o in (0, 3, 6, 9)]
+    assert pages == [["i0", "i1", "i2"], ["i3", "i4", "i5"], ["i6"], []]
+    assert [it.text for it in mem.get_all("u", offset=5)] == ["t5", "t6"]
