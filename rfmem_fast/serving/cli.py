@@ -21,7 +21,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
-                   help="bearer token required on /v1 routes (default: $RFMEM_API_KEY; neither: no auth)")
+                   help="the admin bearer token, required on /v1 routes (default: $RFMEM_API_KEY); it mints "
+                   "per-user tokens at POST /v1/admin/tokens. An empty key is refused")
+    p.add_argument("--no-auth", action="store_true",
+                   help="serve without authentication (prints a warning); needed when no key is given")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body in bytes; bigger ones get 413 before they are read (default 4 MiB)")
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
             cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
+            no_auth=args.no_auth, max_body_bytes=args.max_body_bytes,
         )
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem serve: error: {exc}", file=sys.stderr)
