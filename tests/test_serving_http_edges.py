@@ -62,10 +62,11 @@ def _routes(user: str, item: str):
     yield "delete", f"/v1/users/{u}", None
 
 
-def test_every_route_changes_or_reads_only_the_user_it_names(app_mem):
+def test_every_route_changes_or_reads_only_the_user_it_names():
     """User ids and item ids holding '/', '%2F', '..', 'memories': every route, for every
     (user, item), changes only the named user (a whole-memory diff) and reads only it."""
-    c, mem = app_mem
+    mem = Memory(encoder=HashEncoder(DIM), batching=False)
+    c = TestClient(create_app(mem, api_key=ADMIN))
     for user in ADVERSARIAL_USERS:
         for item in ADVERSARIAL_ITEMS:
             mem.add([f"t {user} {item}"], user, ids=[item], metadata={"owner": user})
@@ -278,8 +279,9 @@ def test_a_real_server_refuses_a_streamed_body_early(tmp_path):
         try:
             r = httpx.post(f"http://127.0.0.1:{port}/v1/users/u/memories", content=gen(), headers=A, timeout=30)
             status = r.status_code
-        except httpx.HTTPError:  # the server closed the connection while the client was still writing
-            status = 413
+        except httpx.HTTPError as exc:  # the server closed the connection while the client was still writing
+            status = 413 if "reset" in str(exc).lower() or "broken" in str(exc).lower() or "closed" in str(exc).lower() \
+                else repr(exc)
         assert status == 413
         assert sent[0] < 128 << 20  # the client stopped far before 256 MiB
         grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
