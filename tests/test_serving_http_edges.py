@@ -351,3 +351,35 @@ def test_lone_surrogates_sent_as_json_escapes_are_refused_and_the_user_stays_rea
     assert c.get("/v1/users/u/memories", headers=A).status_code == 200
     assert c.post("/v1/users/u/search", headers=A, json={"query": "fine"}).status_code == 200
     assert [i.id for i in mem.get_all("u")] == ["ok"]
+
+
+def test_requests_that_timed_out_over_http_free_their_slots(tmp_path):
+    """Item 6 over HTTP: queue of 2, worker blocked: 2 searches time out (504); the next
+    one is queued (not 503) and answered once the worker is free."""
+    import threading
+
+    enc = HashEncoder(DIM)
+    mem = Memory(encoder=enc, max_batch=1, max_queue=2, max_wait_ms=0.0, cache_size=0, timeout=0.3)
+    mem.add(["x"], "u")
+    enc.entered.clear()
+    enc.gate = threading.Event()
+    app = create_app(mem, api_key=ADMIN)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=A, timeout=30) as client:
+            def post(q):
+                return asyncio.create_task(client.post("/v1/users/u/search", json={"query": q}))
+
+            first = post("block")
+            while not enc.entered.is_set():
+                await asyncio.sleep(0.01)
+            timed_out = await asyncio.gather(post("t1"), post("t2"))
+            late = post("late")
+            await asyncio.sleep(0.05)
+            enc.gate.set()
+            return [r.status_code for r in timed_out], (await late).status_code, (await first).status_code
+
+    timed_out, late, first = asyncio.run(main())
+    assert timed_out == [504, 504] and late == 200 and first in (200, 504)
+    mem.close()
