@@ -361,6 +361,26 @@ class TextEncoder:
         enc = self._model.tokenizer(items, add_special_tokens=True, truncation=False, verbose=False)
         return [len(ids) for ids in enc["input_ids"]]
 
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        """Per text, the (start, end) character span of each of its tokens, special
+        tokens excluded (the model's tokenizer, no truncation): what
+        :class:`rfmem_fast.Memory` cuts long texts into chunks with.
+
+        Raises:
+            TypeError: as :meth:`count_tokens`.
+        """
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a sequence of str, not a single str/bytes")
+        items = list(texts)
+        for i, t in enumerate(items):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not items:
+            return []
+        enc = self._model.tokenizer(items, add_special_tokens=False, truncation=False, verbose=False,
+                                    return_offsets_mapping=True)
+        return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
+
     def __repr__(self) -> str:
         return (
             f"TextEncoder(model={self._model_path!r}, device={self._device!r}, "

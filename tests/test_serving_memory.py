@@ -600,25 +600,82 @@ def test_one_metadata_validation_for_the_in_memory_and_the_durable_memory(tmp_pa
     mem.close()
 
 
-def test_memory_texts_longer_than_the_encoders_window_are_refused():
-    """Item 12 (the rule): an encoder that tells its window (max_tokens / count_tokens,
-    as TextEncoder) gets no text it would truncate; the error names the text and the
-    limit. Vectors given by the caller are stored with any text."""
+class Windowed(HashEncoder):
+    """An encoder with a window of 8 tokens (2 special): tokens are the words."""
 
-    class Windowed(HashEncoder):
-        max_tokens = 8
+    max_tokens = 8
 
-        def count_tokens(self, texts):
-            return [len(t.split()) + 2 for t in texts]
+    def count_tokens(self, texts):
+        return [len(t.split()) + 2 for t in texts]
 
+
+class Chunkable(Windowed):
+    """... that also tells each token's span, so long texts are chunked."""
+
+    def token_spans(self, texts):
+        import re
+
+        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
+
+
+def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
+    """Item 12: an encoder that tells its window but not its token spans gets no text
+    it would truncate; the error names the text and the limit."""
     mem = new_memory(encoder=Windowed(DIM))
     mem.add(["one two three four five six"], "u", ids=["fits"])
     with pytest.raises(ValueError, match=r"texts\[1\] is 9 tokens long, but the encoder reads at most 8 tokens"):
         mem.add(["short", "one two three four five six seven"], "u")
-    with pytest.raises(ValueError, match=r"texts is 9 tokens long|texts\[0\] is 9 tokens"):
+    with pytest.raises(ValueError, match=r"texts\[0\] is 9 tokens"):
         mem.update("fits", "u", texts="one two three four five six seven")
-    mem.add(["one two three four five six seven"], "u", vectors=np.ones(DIM), ids=["own"])
+    mem.add(["one two three four five six seven"], "u", vectors=np.ones(DIM), ids=["own"])  # own vectors: kept
     assert [i.id for i in mem.get_all("u")] == ["fits", "own"]
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable):
+    """Item 12: a text over the window becomes overlapping chunks (6 text tokens each,
+    overlap 2), each a row of its item; a query matching ANY chunk finds the item (its
+    whole text, its metadata, once); get / get_all / count see items only; update and
+    delete of the item replace / remove all its chunks; all of it survives a reopen."""
+    enc = Chunkable(DIM)
+    path = tmp_path / "m" if durable else None
+    mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+    words = [f"w{i}" for i in range(14)]
+    long_text = " ".join(words)  # 14 tokens: chunks w0-w5, w4-w9, w8-w13
+    chunks = [" ".join(words[0:6]), " ".join(words[4:10]), " ".join(words[8:14])]
+    assert mem._split([long_text]) == [chunks]
+    mem.add([long_text, "short one"], "u", ids=["long", "s"], metadata=[{"m": 1}, None])
+    assert mem.bank.user_size("u") == 4 and mem.count("u") == 2
+    assert [(i.id, i.text, i.metadata) for i in mem.get_all("u")] == [("long", long_text, {"m": 1}), ("s", "short one", {})]
+    for c in chunks:  # the query equal to a chunk's text scores 1.0 on that chunk's row
+        hits = mem.search(c, "u", k=2, mode="dense")
+        assert [h.id for h in hits] == ["long", "s"] and hits[0].text == long_text and hits[0].metadata == {"m": 1}
+        assert hits[0].score == pytest.approx(1.0)
+    assert [h.id for h in mem.search(chunks[2], "u", k=10, mode="dense")] == ["long", "s"]  # one hit per item
+    with pytest.raises(ValueError, match="U\\+001F"):
+        mem.add(["x"], "u", ids=["long\x1f1"])
+    if durable:
+        mem._lock_file.close()  # crash: replay rebuilds the chunks from the log
+        mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+        assert mem.count("u") == 2 and mem.search(chunks[1], "u", k=1, mode="dense")[0].id == "long"
+    new_text = " ".join(f"v{i}" for i in range(10))  # 2 chunks now
+    mem.update("long", "u", texts=new_text)
+    assert mem.bank.user_size("u") == 3 and mem.get("long", "u")[0].text == new_text
+    assert mem.search(chunks[2], "u", k=1, mode="dense")[0].score < 0.9  # the old chunks are gone
+    assert mem.search(" ".join(f"v{i}" for i in range(4, 10)), "u", k=1, mode="dense")[0].score == pytest.approx(1.0)
+    if durable:
+        mem.close()  # checkpoint: the store holds the chunk rows, the map is rebuilt from it
+        mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+        assert mem.count("u") == 2 and mem._chunks["u"] == {"long": 1}
+    mem.delete("long", "u")
+    assert mem.bank.user_size("u") == 1 and [i.id for i in mem.get_all("u")] == ["s"]
+    mem.add([long_text], "u", ids=["long"])  # the id (and its chunk rows' ids) can be used again
+    assert mem.delete_user("u") == 2 and mem.bank.user_size("u") == 0
+    mem.close()
+    with pytest.raises(ValueError, match="chunk_overlap"):
+        Memory(encoder=enc, chunk_overlap=-1)
+    with pytest.raises(ValueError, match="leaves no room"):
+        Memory(encoder=enc, chunk_overlap=6).add([long_text], "u")
 
 
 def test_id_model_ints_are_their_decimal_str():

@@ -88,6 +88,11 @@ MAX_ID_LENGTH = 256
 #: the longest text of a memory or a query (characters); a memory must also fit the
 #: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
 MAX_TEXT_CHARS = 100_000
+#: separates a parent item id from a chunk number in the bank's row ids of a long text's
+#: extra chunks (``"<parent>\x1f<j>"``, j >= 1); refused in user-given ids
+CHUNK_SEP = "\x1f"
+#: tokens shared by consecutive chunks of a long text (default of ``chunk_overlap``)
+DEFAULT_CHUNK_OVERLAP = 32
 META_FILE = "memory.json"
 WAL_FILE = "wal.jsonl"
 LOCK_FILE = "LOCK"
@@ -267,6 +272,8 @@ def _canon_id(x: Any, name: str) -> str:
     x = str(x)
     if not x:
         raise ValueError(f"{name} must be a non-empty str")
+    if CHUNK_SEP in x:
+        raise ValueError(f"{name} holds the character U+001F, reserved for the chunks of long texts")
     if len(x) > MAX_ID_LENGTH:
         raise ValueError(f"{name} is {len(x)} characters long; ids hold at most {MAX_ID_LENGTH}")
     return _check_unicode(x, name)
@@ -405,6 +412,7 @@ class Memory:
         cache_size: int = 4096,
         fsync: bool = True,
         checkpoint_bytes: int | None = 64 << 20,
+        chunk_overlap: int = DEFAULT_CHUNK_OVERLAP,
     ) -> None:
         if config is None:
             config = RFMemConfig()
@@ -424,6 +432,11 @@ class Memory:
                 )
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        if isinstance(chunk_overlap, bool) or not isinstance(chunk_overlap, int) or chunk_overlap < 0:
+            raise ValueError(f"chunk_overlap must be an int >= 0 (tokens), got {chunk_overlap!r}")
+        self._chunk_overlap = chunk_overlap
+        # {user: {parent item id: number of extra chunk rows}} (long texts only)
+        self._chunks: dict[str, dict[str, int]] = {}
         if checkpoint_bytes is not None and (isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 1):
             raise ValueError(f"checkpoint_bytes must be an int >= 1 or None, got {checkpoint_bytes!r}")
         if isinstance(backend, str):
@@ -517,6 +530,7 @@ class Memory:
                 shutil.rmtree(entry, ignore_errors=True)
             elif entry.name.startswith(f".{META_FILE}.tmp-"):
                 entry.unlink(missing_ok=True)
+        self._index_chunks()
         self._wal = WriteAheadLog(path / WAL_FILE, fsync=fsync)
         self._replay(self._seq)
 
@@ -706,22 +720,6 @@ class Memory:
                 raise r
         return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
 
-    def _check_window(self, texts: list[str], name: str = "texts") -> None:
-        """Refuse memory texts longer than the encoder's window (``max_tokens``; the
-        encoder would silently ignore their end): ValueError naming ``name[i]``. Only
-        for encoders that tell their window (``max_tokens`` and ``count_tokens``, as
-        :class:`rfmem_fast.encoders.TextEncoder`)."""
-        enc = self._get_encoder()
-        limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
-        if limit is None or not callable(count):
-            return
-        for i, n in enumerate(count(texts)):
-            if n > limit:
-                raise ValueError(
-                    f"{name}[{i}] is {n} tokens long, but the encoder reads at most {limit} tokens "
-                    f"(special tokens included) and would silently ignore the rest: split it into "
-                    f"memories of at most {limit} tokens (about {int(limit * 0.7)} English words)")
-
     def _vectors(self, vectors: Any, name: str = "vectors") -> np.ndarray:
         """float32 [m, d] from a [m, d] or [d] array (rows checked, not yet normalised)."""
         arr = vectors
@@ -755,6 +753,8 @@ class Memory:
                 line = dict(rec)
                 if line.get("vectors") is not None:
                     line["vectors"] = encode_array(line["vectors"])
+                if line.get("extra_vectors") is not None:
+                    line["extra_vectors"] = encode_array(line["extra_vectors"])
                 try:
                     self._wal.append(line)
                 except (TypeError, ValueError, RecursionError) as exc:  # not JSON: nothing was written
@@ -788,21 +788,126 @@ class Memory:
         vec = rec.get("vectors")
         if isinstance(vec, dict):
             vec = decode_array(vec)
+        chunks = self._chunks.setdefault(user, {})
         if op == "add":
             self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"])
+            self._note_chunks(chunks, rec["ids"])
         elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
             self.bank.set_metadata(user, rec["ids"], rec["metadata"])
         elif op == "update":
+            drop, extra = rec.get("drop") or [], rec.get("extra_ids") or []
+            if drop or extra:  # check first: the update must not fail after its old chunks went
+                held = set(self.bank.item_ids_of(user)) if user in self.bank else set()
+                missing = [i for i in rec["ids"] if i not in held]
+                if missing:
+                    raise KeyError(f"ids: user {user!r} holds no item id {missing[0]!r}")
+            if drop:
+                self.bank.delete(user, drop)
             self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
+            for i in rec["ids"]:
+                chunks.pop(i, None)
+            if extra:
+                ev = rec["extra_vectors"]
+                self.bank.add(user, decode_array(ev) if isinstance(ev, dict) else ev, extra)
+                self._note_chunks(chunks, extra)
         elif op == "delete":
             self.bank.delete(user, rec["ids"])
+            for i in rec["ids"]:
+                if CHUNK_SEP not in i:
+                    chunks.pop(i, None)
         elif op == "delete_user":  # every live item of the user ("forget me")
             if user in self.bank and self.bank.user_size(user):
                 self.bank.delete(user, self.bank.item_ids_of(user))
+            chunks.clear()
         else:
             raise ValueError(f"unknown logged operation {op!r}")
         self._uver[user] = self._uver.get(user, 0) + 1
         self._cache.invalidate(user)
+
+    # ------------------------------------------------------------------ long texts
+    @staticmethod
+    def _note_chunks(chunks: dict[str, int], ids: list) -> None:
+        for i in ids:
+            if isinstance(i, str) and CHUNK_SEP in i:
+                parent, _, j = i.rpartition(CHUNK_SEP)
+                chunks[parent] = max(chunks.get(parent, 0), int(j))
+
+    def _index_chunks(self) -> None:
+        """Rebuild the chunk map from the bank's row ids (on open, before the replay)."""
+        self._chunks = {}
+        for user in self.bank.users:
+            ids = [i for i in self.bank.item_ids_of(user) if isinstance(i, str) and CHUNK_SEP in i]
+            if ids:
+                self._note_chunks(self._chunks.setdefault(user, {}), ids)
+
+    def _extra_rows(self, user: Hashable) -> int:
+        """Bank rows of ``user`` that are extra chunks of long texts (not items)."""
+        c = self._chunks.get(user)
+        return sum(c.values()) if c else 0
+
+    def _chunk_ids_of(self, user: Hashable, ids: list) -> list[str]:
+        """The extra chunk rows of the items ``ids`` of ``user``."""
+        c = self._chunks.get(user) or {}
+        return [f"{p}{CHUNK_SEP}{j}" for p in ids for j in range(1, c.get(p, 0) + 1)]
+
+    def _split(self, texts: list[str], name: str = "texts") -> list[list[str]]:
+        """Per text, its chunks: ``[text]`` when it fits the encoder's window (or the
+        encoder does not tell one), else overlapping windows of the text itself.
+
+        Raises:
+            ValueError: a text over the window of an encoder that tells its window
+                (``max_tokens``, ``count_tokens``) but cannot cut (no ``token_spans``).
+
+        A chunk holds at most ``max_tokens`` minus the special tokens of the encoder's
+        tokenizer (254 for all-MiniLM-L6-v2), consecutive chunks share
+        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span."""
+        enc = self._get_encoder()
+        limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
+        spans_of = getattr(enc, "token_spans", None)
+        if limit is None or not callable(count):
+            return [[t] for t in texts]
+        counts = count(texts)
+        long = [i for i, n in enumerate(counts) if n > limit]
+        out = [[t] for t in texts]
+        if not long:
+            return out
+        if not callable(spans_of):  # a window but no way to cut: refuse rather than truncate
+            i = long[0]
+            raise ValueError(
+                f"{name}[{i}] is {counts[i]} tokens long, but the encoder reads at most {limit} tokens "
+                f"(special tokens included) and would silently ignore the rest; this encoder has no "
+                f"token_spans() to chunk it: split it into memories of at most {limit} tokens")
+        size = int(limit) - int(count([""])[0])  # room for the text's own tokens
+        step = size - self._chunk_overlap
+        if step < 1:
+            raise ValueError(f"chunk_overlap={self._chunk_overlap} leaves no room in the encoder's window of "
+                             f"{size} text tokens: use a smaller chunk_overlap")
+        for i, spans in zip(long, spans_of([texts[i] for i in long])):
+            t, parts = texts[i], []
+            for a in range(0, len(spans), step):
+                win = spans[a:a + size]
+                parts.append(t[win[0][0]:win[-1][1]])
+                if a + size >= len(spans):
+                    break
+            out[i] = parts
+        return out
+
+    def _encode_items(self, tx: list[str], id_list: list[str]) -> tuple[np.ndarray, list[str], np.ndarray | None]:
+        """Embeddings of items' texts, long ones chunked: (one row per item: its first
+        chunk; the extra chunks' row ids; their rows, or None)."""
+        parts = self._split(tx)
+        flat = [c for p in parts for c in p]
+        rows = self._encode(flat)
+        if len(flat) == len(tx):
+            return rows, [], None
+        first, extra_ids, extra_rows, r = [], [], [], 0
+        for pid, p in zip(id_list, parts):
+            first.append(rows[r])
+            for j in range(1, len(p)):
+                extra_ids.append(f"{pid}{CHUNK_SEP}{j}")
+                extra_rows.append(rows[r + j])
+            r += len(p)
+        return np.stack(first), extra_ids, np.stack(extra_rows)
 
     def add(
         self,
@@ -851,10 +956,15 @@ class Memory:
         if len(id_list) != m:
             raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
         meta = _metadata_list(metadata, m)
+        extra_ids: list[str] = []
         if vec is None:
-            self._check_window(tx)
-            vec = self._encode(tx)
-        self._write({"op": "add", "user": user, "ids": id_list, "texts": tx if tx is not None else [None] * m,
+            vec, extra_ids, extra = self._encode_items(tx, id_list)
+        texts_out = tx if tx is not None else [None] * m
+        if extra_ids:  # a long text: its extra chunks are rows of their own, after the items
+            vec = np.concatenate([vec, extra])
+            texts_out = texts_out + [None] * len(extra_ids)
+            meta = None if meta is None else meta + [None] * len(extra_ids)
+        self._write({"op": "add", "user": user, "ids": id_list + extra_ids, "texts": texts_out,
                      "vectors": vec, "metadata": meta})
         return id_list
 
@@ -894,10 +1004,19 @@ class Memory:
             raise ValueError("update needs texts, vectors or metadata")
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
+        extra_ids: list[str] = []
+        extra = None
         if tx is not None and vec is None:
-            self._check_window(tx)
-            vec = self._encode(tx)
-        self._write({"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta})
+            vec, extra_ids, extra = self._encode_items(tx, id_list)
+        rec = {"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta}
+        if vec is not None:  # a new text / vector replaces the item's chunks
+            with self._wmutex:
+                drop = self._chunk_ids_of(user, id_list)
+                if drop or extra_ids:
+                    rec.update(drop=drop, extra_ids=extra_ids, extra_vectors=extra)
+                self._write(rec)
+            return
+        self._write(rec)
 
     def delete(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> None:
         """Delete items of a user (never returned again); durable once it returns.
@@ -911,7 +1030,8 @@ class Memory:
         id_list = _id_list(ids)
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
-        self._write({"op": "delete", "user": user, "ids": id_list})
+        with self._wmutex:  # an item's chunks go with it (an unknown id: the bank's KeyError names it)
+            self._write({"op": "delete", "user": user, "ids": id_list + self._chunk_ids_of(user, id_list)})
 
     def delete_user(self, user_id: Hashable) -> int:
         """Delete every memory of a user ("forget me"); durable once it returns.
@@ -927,8 +1047,8 @@ class Memory:
         self._check_open()
         user = _user_key(user_id)
         with self._wmutex:
-            n = self.bank.user_size(user) if user in self.bank else 0
-            if n:
+            n = self.count(user)
+            if user in self.bank and self.bank.user_size(user):
                 self._write({"op": "delete_user", "user": user})
         return n
 
@@ -936,7 +1056,7 @@ class Memory:
     def count(self, user_id: Hashable) -> int:
         """Live items of a user (0 for an unknown user)."""
         user = _user_key(user_id)
-        return self.bank.user_size(user) if user in self.bank else 0
+        return self.bank.user_size(user) - self._extra_rows(user) if user in self.bank else 0
 
     def get_all(self, user_id: Hashable, offset: int = 0, limit: int | None = None) -> list[Item]:
         """The live items of a user in insertion order ([] for an unknown user).
@@ -958,7 +1078,10 @@ class Memory:
         with self._rw.read():
             if user not in self.bank:
                 return []
-            ids = self.bank.item_ids_of(user)[offset:stop]
+            ids = self.bank.item_ids_of(user)
+            if self._chunks.get(user):
+                ids = [i for i in ids if not (isinstance(i, str) and CHUNK_SEP in i)]
+            ids = ids[offset:stop]
             if not ids:
                 return []
             text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
@@ -988,6 +1111,8 @@ class Memory:
     def _config_for(self, k: int) -> RFMemConfig:
         cfg = self._configs.get(k)
         if cfg is None:
+            if len(self._configs) > 1024:  # k + a user's chunk rows: many values over time
+                self._configs = {self._config.out_k: self._config}
             cfg = self._configs[k] = self._config.replace(out_k=int(k))
         return cfg
 
@@ -1166,7 +1291,9 @@ class Memory:
                     rule = "unknown_user" if q.user not in known else "no_hits"
                     out[i] = _Answer(q.user, (), None, rule, 0.0, 0.0, 0)
                 else:
-                    groups.setdefault((q.mode, q.k), []).append(i)
+                    # a user holding long texts: fetch enough rows to collapse to k items
+                    k_rows = min(q.k + self._extra_rows(q.user), 1 << 20)
+                    groups.setdefault((q.mode, k_rows), []).append(i)
             todo = list(groups.items())
             while todo:
                 (mode, k), idx = todo.pop(0)
@@ -1185,17 +1312,25 @@ class Memory:
                     searches += 1
                 texts = res.texts  # taken from the snapshot this search ran on
                 routes, rules = res.route_names, res.rule_names
-                hit_ids = [res.ids[j][res.rows[j] >= 0].tolist() for j in range(len(idx))]
-                metas = self._metadata_of([queries[i].user for i in idx], hit_ids)
+                rows = [self._collapse(res, j, texts[j], queries[i].k) for j, i in enumerate(idx)]
+                metas = self._metadata_of([queries[i].user for i in idx], [r[0] for r in rows])
+                parent_texts: dict[Hashable, dict] = {}
                 for j, i in enumerate(idx):
                     q = queries[i]
                     try:
-                        out[i] = ans = self._answer(res, j, texts[j], q.user, routes[j], rules[j], hit_ids[j],
+                        ids, scores, txt, from_chunk = rows[j]
+                        if any(from_chunk):  # a chunk's hit shows its item's whole text
+                            pt = parent_texts.get(q.user)
+                            if pt is None:
+                                pt = parent_texts[q.user] = dict(zip(self.bank.item_ids_of(q.user),
+                                                                     self.bank.texts_of(q.user)))
+                            txt = [pt[x] if f else t for x, t, f in zip(ids, txt, from_chunk)]
+                        out[i] = ans = self._answer(res, j, q.user, routes[j], rules[j], ids, scores, txt,
                                                     metas[q.user])
                     except Exception as exc:  # pragma: no cover - defensive: fails this caller only
                         out[i] = exc
                         continue
-                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, k)
+                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, q.k)
                     self._cache.put_result(key, ans)
         with self._stats_lock:
             c = self._counters
@@ -1220,13 +1355,36 @@ class Memory:
             wanted.setdefault(user, {}).update(dict.fromkeys(ids))
         return {u: dict(zip(ids, self.bank.get_metadata(u, list(ids)))) if ids else {} for u, ids in wanted.items()}
 
-    def _answer(self, res: SearchResult, j: int, texts: np.ndarray, user: Hashable, route: str,
-                rule: str, ids: list, metas: dict) -> _Answer:
-        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
-        ``ids`` its hits' ids, ``metas`` {id: metadata} of its user (:meth:`_metadata_of`)."""
+    @staticmethod
+    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int) -> tuple[list, list, list, list]:
+        """Query ``j``'s hit rows collapsed to items: a long text's chunk rows count as
+        their item (its best-ranked row; the first k items). Returns (ids, scores,
+        texts, from_chunk): from_chunk[r] when item r's best row was an extra chunk
+        (its text is then looked up)."""
         ok = res.rows[j] >= 0
-        scores = res.scores[j][ok].tolist()
-        txt = texts[ok].tolist()
+        ids, scores, txt = res.ids[j][ok].tolist(), res.scores[j][ok].tolist(), texts[ok].tolist()
+        if not any(isinstance(i, str) and CHUNK_SEP in i for i in ids):
+            return ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids))
+        out_ids, out_s, out_t, out_f, seen = [], [], [], [], set()
+        for i, sc, t in zip(ids, scores, txt):
+            chunk = isinstance(i, str) and CHUNK_SEP in i
+            parent = i.rpartition(CHUNK_SEP)[0] if chunk else i
+            if parent in seen:
+                continue
+            seen.add(parent)
+            out_ids.append(parent)
+            out_s.append(sc)
+            out_t.append(None if chunk else t)
+            out_f.append(chunk)
+            if len(out_ids) == k:
+                break
+        return out_ids, out_s, out_t, out_f
+
+    def _answer(self, res: SearchResult, j: int, user: Hashable, route: str, rule: str, ids: list,
+                scores: list, txt: list, metas: dict) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
+        ``ids`` / ``scores`` / ``txt`` its hits (:meth:`_collapse`), ``metas`` {id:
+        metadata} of its user (:meth:`_metadata_of`)."""
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
             Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds)
