@@ -42,8 +42,9 @@ idempotent (200, ``{"deleted": 0}`` for an unknown user).
 
 Limits: a request body of at most ``max_body_bytes`` (default 4 MiB; 413 before the
 body is buffered, with a Content-Length or chunked), 1024 items per add / delete, 1024
-queries per batch search, k in [1, 1000], 100,000 characters per text (and at most the
-encoder's window: 256 tokens for all-MiniLM-L6-v2), ids of 1-256 characters.
+queries per batch search, k in [1, 1000], 100,000 characters per text (texts over the
+encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), ids of
+1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
 field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python); a

@@ -27,6 +27,8 @@ What it adds to the engine
   embedded in a batch; an encoder may round a text's embedding differently in a batch
   than alone (sentence-transformers: at most a few float32 ulps), which can only swap
   exact near-ties.
+* Long texts (over the encoder's window) are chunked; hits collapse to the item
+  (``chunk_overlap`` in :class:`Memory`).
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
   whole answers by (user, that user's write version, query, mode, k); any write to a
   user invalidates that user's answers.
@@ -382,6 +384,18 @@ class Memory:
             :class:`~rfmem_fast.serving.wal.WriteAheadLog`).
         checkpoint_bytes: checkpoint automatically once the log exceeds this many
             bytes (default 64 MiB; None: only on :meth:`save` / :meth:`close`).
+        chunk_overlap: tokens shared by consecutive chunks of a long text (int >= 0,
+            default 32). A text longer than the encoder's window (``max_tokens``, 256
+            for all-MiniLM-L6-v2, special tokens included) is cut into chunks of the
+            window less the special tokens (254), each exactly a substring of the
+            text and each a bank row of its item (row ids ``"<item>\x1f<j>"``, j >= 1
+            for the extra ones); hits are collapsed to the item (its best chunk's
+            score, whole text and metadata), reads show items, and update / delete
+            of the item replace / remove all its chunks.
+
+    Ids: user ids and item ids are str (1-256 characters, valid Unicode, no U+001F);
+    an int is converted to its decimal str (``7`` and ``"7"`` are one id), the same
+    model as the HTTP service.
 
     Raises:
         ValueError: ``path`` is a file or a non-empty directory that is not a Memory,
