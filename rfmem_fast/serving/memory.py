@@ -132,7 +132,7 @@ class Hit:
     """One retrieved memory item.
 
     Attributes:
-        id: the item id (str or int).
+        id: the item id (str; an int given at add time is its decimal str).
         text: the item's text (None when it was added as a vector without text).
         score: float; the inner product (cosine) on the Familiarity path, the
             (MMR-adjusted) discovery score on the Recollection path (RFMEM_SPEC.md 3-4).
@@ -935,9 +935,11 @@ class Memory:
         """Store memories for a user (created on first add); durable once it returns.
 
         Args:
-            texts: one str or m str (the items' texts), or None when ``vectors`` is given.
-            user_id: the user (str or int).
-            ids: m unique item ids (str or int) or one id for one item; default: new
+            texts: one str or m str (the items' texts: valid Unicode, not blank, at most
+                MAX_TEXT_CHARS characters; one longer than the encoder's window is
+                chunked, :class:`Memory` ``chunk_overlap``), or None when ``vectors`` is given.
+            user_id: the user (str, or an int: its decimal str).
+            ids: m unique item ids (str, or int: converted to str) or one id for one item; default: new
                 uuid4 hex strings.
             metadata: one dict for every item, or m dicts / None: JSON objects stored
                 with the items (and saved / reloaded with them).
@@ -946,12 +948,14 @@ class Memory:
                 as the items' texts.
 
         Returns:
-            list of the m item ids.
+            list of the m item ids (str).
 
         Raises:
             ValueError: neither texts nor vectors, mismatched lengths, a wrong
-                dimension, NaN / Inf / zero vectors, a duplicate id or one the user
-                already holds, metadata that is not JSON, no encoder for texts.
+                dimension, NaN / Inf / zero vectors (a text the encoder embeds as one:
+                ``texts[i]`` named), a duplicate id or one the user already holds,
+                metadata that is not JSON (``metadata[i]`` named), an empty / blank
+                text or one with a lone surrogate (``texts[i]``), no encoder for texts.
             TypeError: arguments of the wrong type.
             OSError: the log could not be written (nothing is acknowledged).
         """
@@ -1179,8 +1183,12 @@ class Memory:
             memory) with the query's route / rule / mean / entropy / rounds.
 
         Raises:
-            ValueError / TypeError: a bad query, user, k or mode (named).
+            ValueError / TypeError: a bad query (empty / blank text, lone surrogate, a
+                list: use :meth:`search_batch`), user, k (an int in [1, MAX_K]) or mode
+                (named); a query the encoder embeds as a zero / non-finite vector (it
+                fails alone, never the other requests of its micro-batch).
             QueueFullError, RequestTimeoutError: overload (batching on).
+            BatcherClosedError: the Memory is closed (or closing).
         """
         q, hits = self._start(query, user_id, k, mode)
         if hits is not None:
