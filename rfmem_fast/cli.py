@@ -5,6 +5,11 @@
   [--router threshold|logistic|mlp --cv users] [--backend auto] [--out FILE] [--json FILE]
   [--no-latency] [--no-cache] [--set FIELD=VALUE ...]``: the PersonaBench evaluation
   (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`).
+* ``rfmem eval locomo --data DIR [--conversations 26,30]`` and ``rfmem eval longmemeval
+  --data FILE [--granularity session|turn] [--limit N]`` (both: ``--encoder``, ``--k``,
+  ``--modes``, ``--preset``, ``--set``, ``--backend``, ``--out``, ``--json``,
+  ``--cache-dir``, ``--no-cache``): any dataset of the loader interface
+  (:mod:`rfmem_fast.datasets.base`, :mod:`rfmem_fast.evaluate_datasets`).
 * ``rfmem calibrate personabench|custom ... --kind threshold|logistic|mlp --out router.json``:
   fit a router on labelled questions and save it (:mod:`rfmem_fast.routing.calibrate`);
   ``--kind reranker [--features cos,profile] [--depth 20] [--pool dense]`` fits a learned
@@ -17,6 +22,9 @@
 * ``rfmem bench ...``: the benchmark suite (:mod:`rfmem_fast.bench.cli`; the ``bench`` extra).
 * ``rfmem serve --path DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]``: a
   :class:`rfmem_fast.Memory` over HTTP (:mod:`rfmem_fast.serving.cli`; the ``serve`` extra).
+* ``rfmem mcp --data-dir DIR --transport stdio --user USER`` or ``--transport http
+  [--host 127.0.0.1] [--port 8765] --tokens FILE``: the memory as a Model Context Protocol
+  server (:mod:`rfmem_fast.serving.mcp_server`; the ``mcp`` extra).
 * ``rfmem --version`` prints the version.
 
 ``eval``, ``calibrate`` and ``tune`` need the ``text`` extra for the encoder.
@@ -167,7 +175,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve``, ``mcp`` and, when present, ``bench``)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
@@ -189,6 +197,26 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--no-latency", action="store_true", help="skip the single-query latency loop")
     pb.add_argument("--latency-questions", type=_positive_int("--latency-questions"), default=None,
                     help="time only the first N questions in the latency loop (default all 263)")  # fmt: skip
+
+    lo = evsub.add_parser("locomo", help="LoCoMo conversations, turn-level retrieval (shared/data/locomo/SOURCE.md)")
+    lo.add_argument("--data", required=True, help="folder of LoCoMo conversation files *.json (e.g. shared/data/locomo)")
+    lo.add_argument("--conversations", default=None, help="comma list of file stems to load (default every *.json)")
+    lm = evsub.add_parser("longmemeval", help="LongMemEval (longmemeval_s.json / _m / _oracle), its retrieval protocol")
+    lm.add_argument("--data", required=True, help="a LongMemEval JSON file, e.g. longmemeval_s.json")
+    lm.add_argument("--granularity", choices=["session", "turn"], default="session",
+                    help="one item per session (default) or per user turn")  # fmt: skip
+    lm.add_argument("--limit", type=_positive_int("--limit"), default=None, help="load only the first N questions")
+    for d in (lo, lm):
+        d.add_argument("--encoder", default="minilm", help="minilm (default), mpnet, or a local sentence-transformers folder")
+        d.add_argument("--cache-dir", default=None, help="embedding cache folder (default ~/.cache/rfmem_fast/embeddings)")
+        d.add_argument("--no-cache", action="store_true", help="do not read or write the embedding cache")
+        _add_backend_arg(d)
+        d.add_argument("--modes", type=_parse_modes, default=list(MODES), help="comma list of dense,recollection,rfmem")
+        d.add_argument("--k", type=_parse_ks, default=None,
+                       help="cut-offs, e.g. 10 or 5,10,30 (default out_k; the first is the primary one)")  # fmt: skip
+        _add_config_args(d)
+        d.add_argument("--out", help="write one JSON line per scored question (ids and metrics per mode) here")
+        d.add_argument("--json", dest="json_out", help="write the figures as JSON here")
 
     cal = sub.add_parser("calibrate", help="fit a router (or a re-ranker) on labelled questions and save it as a file")
     calsub = cal.add_subparsers(dest="source", required=True)
@@ -247,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .serving import cli as serve_cli  # the HTTP service (FastAPI imported only when run)
 
     serve_cli.add_parser(sub)
+    serve_cli.add_mcp_parser(sub)  # `rfmem mcp` (the mcp SDK imported only when run)
     return p
 
 
@@ -276,8 +305,37 @@ def _write_json(doc: dict, path: str, command: str) -> None:
     print(f"wrote figures to {path}")
 
 
+def _eval_dataset(args: argparse.Namespace, command: str) -> int:
+    """``rfmem eval locomo`` / ``rfmem eval longmemeval``."""
+    from .evaluate_datasets import dataset_records, dataset_report_json, format_dataset_report, run_dataset, write_dataset_records
+
+    config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    if args.dataset == "locomo":
+        from .datasets.locomo import load_locomo
+
+        convs = [c.strip() for c in args.conversations.split(",") if c.strip()] if args.conversations else None
+        data = load_locomo(args.data, conversations=convs)
+    else:
+        from .datasets.longmemeval import load_longmemeval
+
+        data = load_longmemeval(args.data, granularity=args.granularity, limit=args.limit)
+    rep = run_dataset(data, modes=args.modes, config=config, ks=args.k, encoder=args.encoder, backend=args.backend,
+                      cache_dir=_cache_arg(args), progress=_say)  # fmt: skip
+    print(format_dataset_report(rep))
+    if args.out:
+        recs = dataset_records(rep, data)
+        write_dataset_records(recs, args.out)
+        print(f"wrote {len(recs)} records to {args.out}")
+    if args.json_out:
+        _write_json(dataset_report_json(rep), args.json_out, command)
+    return 0
+
+
 def _eval(args: argparse.Namespace, command: str) -> int:
     from pathlib import Path
+
+    if args.dataset != "personabench":
+        return _eval_dataset(args, command)
 
     from .evaluate import format_noise_summary, format_report, report_json, run_personabench, write_records
 

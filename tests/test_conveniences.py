@@ -5,9 +5,9 @@
 * ``rfmem --version``; ``repr(MemoryBank)``;
 * a store path that cannot be created raises StoreError (the OS error chained);
 * ``MemoryBank.delete(..., missing_ok=...)``;
-* README claims: padding on the Recollection path for a large user, the set-up
-  commands (the test command is what .ci/run runs; the main job installs the extra
-  the encoder needs).
+* documentation claims (README.md and the site under docs/): the backend names, padding
+  on the Recollection path for a large user, the README's set-up commands (the test
+  command is what .ci/run runs; the main job installs the extra the encoder needs).
 """
 from __future__ import annotations
 
@@ -22,8 +22,11 @@ from rfmem_fast import MemoryBank, RFMemConfig, StoreError, get_backend, search
 from rfmem_fast.backends import BACKEND_NAMES
 from rfmem_fast.cli import build_parser, main
 
+from _doc_blocks import all_docs_text
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = all_docs_text()  # README.md and every page of the site
 
 
 def _help(argv: list[str], capsys) -> str:
@@ -50,7 +53,7 @@ def test_backend_names_one_source(capsys):
         assert quoted in get_backend.__doc__, name
         assert name in eval_help, name
         assert name in msg, name
-        assert f"`{name}`" in README, name
+        assert f"`{name}`" in DOCS, name
         if name != "auto":
             assert name in bench_help and name in bench_err, name
     assert "'fast' is not a backend name" in msg
@@ -140,9 +143,9 @@ def test_delete_missing_ok():
     assert res.ids_list(0) == ["c"]
 
 
-# ---------------------------------------------------------------- README claims
+# ---------------------------------------------------------------- documentation claims
 def test_recollection_pads_large_users_as_documented():
-    """README / search(): the Recollection path can return fewer than out_k items even
+    """The docs / search(): the Recollection path can return fewer than out_k items even
     for a user holding far more; the tail is padding (None, -1, -inf, None)."""
     rng = np.random.default_rng(0)
     bank = MemoryBank(32)
@@ -159,7 +162,7 @@ def test_recollection_pads_large_users_as_documented():
         assert np.isneginf(reco.scores[i, n:]).all()
         assert len(reco.ids_list(i)) == n
     assert (dense.rows >= 0).all()  # the Familiarity path fills every slot here
-    assert "fewer than `out_k`" in README and "fewer than ``out_k``" in search.__doc__
+    assert "fewer than `out_k`" in DOCS and "fewer than ``out_k``" in search.__doc__
 
 
 def _bash_blocks() -> list[str]:

@@ -348,12 +348,11 @@ def test_in_memory_shards_cannot_restart_or_checkpoint(sharded):
 def test_readme_sharded_example_runs(ray_cluster, tmp_path, monkeypatch):
     import re
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("## Scale-out") :]
-    block = re.search(r"```py\n(.*?)```", section, re.S).group(1)
+    guide = Path(__file__).resolve().parents[1] / "docs" / "guides" / "ray.md"
+    block = re.search(r"```py\n(.*?)```", guide.read_text(encoding="utf-8"), re.S).group(1)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(block, "README.md (Scale-out)", "exec"), scope)
+    exec(compile(block, str(guide), "exec"), scope)
     res = scope["res"]
     assert res.ids.shape == (3, 10) and res.route_names[0] in ("familiarity", "recollection")
     assert all(str(x).startswith("a") and x != "a2" for x in res.ids_list(0))

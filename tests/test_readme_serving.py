@@ -1,6 +1,6 @@
-"""The README's "Serving" section runs as written: its Python blocks (each commented
-print checked against its output) with the real MiniLM encoder, and its curl commands
-against a live HTTP server started with the README's ``rfmem serve`` flags."""
+"""The HTTP guide (docs/guides/http.md) runs as written: its curl commands against a live
+HTTP server started with the guide's ``rfmem serve`` flags. (The serving guides' Python
+examples, each commented print checked against its output, run in tests/test_readme.py.)"""
 from __future__ import annotations
 
 import json
@@ -10,40 +10,16 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from _doc_blocks import DOCS, fenced
 
-
-def section() -> str:
-    text = README.read_text(encoding="utf-8")
-    m = re.search(r"^## Serving\n.*?(?=^## )", text, re.S | re.M)
-    assert m, "README has no '## Serving' section"
-    return m.group(0)
+HTTP_GUIDE = DOCS / "guides" / "http.md"
 
 
 def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", section(), re.S)
-
-
-def test_serving_python_examples_run_and_print_what_they_say(tmp_path, monkeypatch, capsys, text_encoder):
-    pytest.importorskip("langchain_core")
-    pytest.importorskip("llama_index.core")
-    import rfmem_fast.serving.memory as memory_module
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(memory_module, "_default_encoder", lambda: text_encoder)  # loaded once per session
-    code = "\n".join(blocks("python"))
-    expected = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s+# (.*)$", code, re.M)]
-    assert len(expected) >= 6
-    scope: dict = {}
-    exec(compile(code, str(README), "exec"), scope)
-    printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
-    assert printed == expected
-    assert scope["stats"]["requests"] == 3 and scope["stats"]["batches"] <= 3
-    assert (tmp_path / "memdir" / "memory.json").is_file()
+    return fenced(HTTP_GUIDE.read_text(encoding="utf-8"), lang)
 
 
 def _free_port() -> int:
@@ -63,7 +39,7 @@ def test_serving_http_examples_run(tmp_path, text_encoder):
     serve_block = next(b for b in bash if "rfmem serve" in b)
     key = re.search(r"^export RFMEM_API_KEY=(\S+)", serve_block, re.M).group(1)
     line = next(ln for ln in serve_block.splitlines() if ln.startswith("rfmem serve"))
-    args = build_parser().parse_args(shlex.split(line)[1:])  # the README's flags parse
+    args = build_parser().parse_args(shlex.split(line)[1:])  # the guide's flags parse
     assert args.command == "serve" and args.port == 8000
     port = _free_port()
     mem = Memory(tmp_path / args.path, encoder=text_encoder)

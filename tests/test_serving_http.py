@@ -306,8 +306,13 @@ def test_serve_refuses_a_bad_encoder_dtype(tmp_path, capsys):
     from rfmem_fast.serving.app import serve
 
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--path", str(tmp_path / "m"), "--encoder-dtype", "int8"])
+        main(["serve", "--path", str(tmp_path / "m"), "--encoder-dtype", "fp8"])
     assert exc.value.code == 2 and "--encoder-dtype" in capsys.readouterr().err
     with pytest.raises(ValueError, match="encoder_dtype must be one of"):
         serve(str(tmp_path / "m"), encoder_dtype="fp8")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--path", str(tmp_path / "m"), "--encoder-backend", "tpu"])
+    assert exc.value.code == 2 and "--encoder-backend" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="encoder_dtype must be one of .* with encoder_backend='torch'"):
+        serve(str(tmp_path / "m"), encoder_backend="torch", encoder_dtype="int8")
     assert not (tmp_path / "m").exists()  # refused before anything was opened

@@ -715,3 +715,31 @@ def test_get_all_pages():
     pages = [[it.id for it in mem.get_all("u", offset=o, limit=3)] for o in (0, 3, 6, 9)]
     assert pages == [["i0", "i1", "i2"], ["i3", "i4", "i5"], ["i6"], []]
     assert [it.text for it in mem.get_all("u", offset=5)] == ["t5", "t6"]
+
+
+def test_encoder_backend_option(monkeypatch):
+    """encoder_backend reaches the default encoder with encoder_dtype; bad pairs and
+    misuse are refused at construction, naming the argument."""
+    import rfmem_fast.serving.memory as memory_module
+
+    made = []
+
+    def fake_default(**kwargs):
+        made.append(kwargs)
+        return HashEncoder(DIM)
+
+    monkeypatch.setattr(memory_module, "_default_encoder", fake_default)
+    Memory(dim=DIM, encoder_backend="onnx", encoder_dtype="int8").add(["a text"], "u")
+    assert made == [{"dtype": "int8", "backend": "onnx"}]
+    Memory(dim=DIM, encoder_backend="auto").add(["a text"], "u")
+    assert made[-1] == {"backend": "auto"}
+    with pytest.raises(ValueError, match="encoder_dtype must be one of .* with encoder_backend='torch'"):
+        Memory(dim=DIM, encoder_dtype="int8")
+    with pytest.raises(ValueError, match="encoder_dtype must be one of .* with encoder_backend='onnx'"):
+        Memory(dim=DIM, encoder_backend="onnx", encoder_dtype="bfloat16")
+    with pytest.raises(ValueError, match="encoder_backend must be one of"):
+        Memory(dim=DIM, encoder_backend="tpu")
+    with pytest.raises(ValueError, match="encoder_backend applies to the default encoder only"):
+        Memory(encoder=HashEncoder(DIM), encoder_backend="onnx")
+    with pytest.raises(ValueError, match="encoder_backend needs a text encoder"):
+        Memory(encoder=False, dim=DIM, encoder_backend="onnx")

@@ -1,7 +1,9 @@
-"""PersonaBench embedded with a sentence encoder, cached on disk (RFMEM_SPEC.md section 6).
+"""Datasets embedded with a sentence encoder, cached on disk (RFMEM_SPEC.md section 6).
 
-:func:`personabench_embeddings` loads a PersonaBench split, embeds its chunks and
-questions and builds the memory bank. The embeddings are cached as one ``.npz`` per
+:func:`dataset_embeddings` embeds the items and questions of any dataset of the loader
+interface (:mod:`rfmem_fast.datasets.base`: PersonaBench, LoCoMo, LongMemEval) and
+builds its memory bank; :func:`personabench_embeddings` loads a PersonaBench split and
+does the same (its cache files are those of earlier versions: ``personabench-<hash>.npz``). The embeddings are cached as one ``.npz`` per
 (encoder, data) pair: the file name is a hash of the encoder's identity (the
 :func:`rfmem_fast.models.model_fingerprint` of its folder: content of its config
 files and sizes of its weights) and of every chunk and question text, so a second run
@@ -24,7 +26,10 @@ import numpy as np
 from ..bank import MemoryBank
 from .personabench import PersonaBench, load_personabench
 
-__all__ = ["PersonaBenchEmbeddings", "personabench_embeddings", "default_embedding_cache_dir", "encoder_identity"]
+__all__ = [
+    "PersonaBenchEmbeddings", "personabench_embeddings", "DatasetEmbeddings", "dataset_embeddings",
+    "default_embedding_cache_dir", "encoder_identity",
+]  # fmt: skip
 
 
 def default_embedding_cache_dir() -> Path:
@@ -113,6 +118,172 @@ def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
     return name, name, encoder
 
 
+@dataclass
+class DatasetEmbeddings:
+    """Any dataset (:mod:`rfmem_fast.datasets.base`) embedded with one encoder, its bank built.
+
+    Attributes:
+        bank: MemoryBank, one tenant per dataset user (``user.key``), item ids and texts
+            as the dataset lists them.
+        Q: float32 [nq, d] unit question embeddings, one row per ``dataset.questions``
+            entry (unscored ones too), same order.
+        users: nq user keys, ``users[i] == dataset.questions[i].user_key``.
+        dataset: the dataset.
+        n_users, n_items: sizes.
+        encode_items_s / encode_questions_s: seconds spent encoding (when encoded,
+            possibly by an earlier run whose cache was reused).
+        cached: True when the embeddings came from the cache.
+        cache_file: the cache file used or written (None without a cache).
+        model / model_id: the encoder's folder or name, and the identity the cache is keyed by.
+    """
+
+    bank: MemoryBank
+    Q: np.ndarray
+    users: list[str]
+    dataset: Any
+    n_users: int
+    n_items: int
+    encode_items_s: float
+    encode_questions_s: float
+    cached: bool
+    cache_file: str | None
+    model: str
+    model_id: str = ""
+
+
+def _embed_cached(
+    prefix: str,
+    texts: Sequence[str],
+    qtexts: Sequence[str],
+    encoder: Any,
+    cache_dir: str | os.PathLike[str] | None,
+    say: Callable[[str], None],
+    dedup: bool,
+) -> tuple[np.ndarray, np.ndarray, float, float, bool, Path | None, str, str]:
+    """(X, Q, encode_items_s, encode_questions_s, cached, cache_file, model, model_id).
+
+    The cache file is ``{prefix}-{hash}.npz``, the hash over the encoder identity and
+    every item and question text (in order). With ``dedup`` each distinct text is
+    encoded once (items and questions separately).
+    """
+    model, model_id, enc = encoder_identity(encoder)
+    key = _cache_key(texts, qtexts, model_id)
+    cache_file = Path(cache_dir) / f"{prefix}-{key}.npz" if cache_dir is not None else None
+    X = Q = None
+    enc_c = enc_q = float("nan")
+    cached = False
+    if cache_file is not None and cache_file.is_file():
+        try:
+            with np.load(cache_file) as z:
+                X, Q = z["X"], z["Q"]
+                meta = json.loads(str(z["meta"]))
+            if X.shape[0] != len(texts) or Q.shape[0] != len(qtexts):
+                raise ValueError("cache shape mismatch")
+            enc_c, enc_q = float(meta["encode_chunks_s"]), float(meta["encode_questions_s"])
+            cached = True
+            say(f"{prefix}: embeddings from cache {cache_file}")
+        except (OSError, KeyError, ValueError):
+            X = Q = None
+    if X is None or Q is None:
+        if enc is None:
+            from ..encoders import TextEncoder
+
+            say(f"{prefix}: loading the encoder {model}")
+            enc = TextEncoder(model)
+
+        def run(items: Sequence[str]) -> np.ndarray:
+            if not dedup:
+                return np.asarray(enc.encode(list(items)), dtype=np.float32)
+            uniq = list(dict.fromkeys(items))
+            pos = {t: i for i, t in enumerate(uniq)}
+            E = np.asarray(enc.encode(uniq), dtype=np.float32)
+            return E[np.fromiter((pos[t] for t in items), dtype=np.int64, count=len(items))]
+
+        say(f"{prefix}: encoding {len(texts)} items and {len(qtexts)} questions with {model}")
+        t0 = time.perf_counter()
+        X = run(texts)
+        enc_c = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        Q = run(qtexts)
+        enc_q = time.perf_counter() - t0
+        if cache_file is not None:
+            try:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp.npz")
+                meta = {"encode_chunks_s": enc_c, "encode_questions_s": enc_q, "model": model, "model_id": model_id}
+                np.savez(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
+                os.replace(tmp, cache_file)
+            except OSError as e:  # a read-only cache is not an error
+                say(f"{prefix}: cannot write the cache ({e})")
+    return X, Q, enc_c, enc_q, cached, cache_file, model, model_id
+
+
+def _build_bank(users: Sequence[Any], X: np.ndarray) -> MemoryBank:
+    bank = MemoryBank(X.shape[1])
+    pos = 0
+    for u in users:
+        n = len(u.item_ids)
+        bank.add(u.key, X[pos : pos + n], list(u.item_ids), texts=list(u.item_texts))
+        pos += n
+    bank.snapshot()
+    return bank
+
+
+def dataset_embeddings(
+    dataset: Any,
+    encoder: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    say: Callable[[str], None] | None = None,
+    dedup: bool | None = None,
+) -> DatasetEmbeddings:
+    """Embed a dataset's items and questions (cached) and build its memory bank.
+
+    Args:
+        dataset: a dataset of the loader interface (:class:`rfmem_fast.datasets.base.MemoryDataset`:
+            ``name``, ``users`` with ``key`` / ``item_ids`` / ``item_texts``,
+            ``questions`` with ``text`` / ``user_key``).
+        encoder: see :func:`encoder_identity` (default: the offline MiniLM, loaded
+            only when the cache misses).
+        cache_dir: folder of the embedding cache (``{dataset.name}-<hash>.npz``, the
+            hash over the encoder identity and every text); None disables the cache.
+        say: optional callable receiving status lines.
+        dedup: encode each distinct text once (LongMemEval haystacks share sessions);
+            None (default): True except for PersonaBench, whose cache files
+            (``personabench-<hash>.npz``, the same key as :func:`personabench_embeddings`)
+            hold the vectors of one encoding of every text in order.
+
+    Returns:
+        DatasetEmbeddings (X rows in user order, item order within a user).
+
+    Raises:
+        TypeError / ValueError: ``dataset`` does not follow the interface
+            (:func:`rfmem_fast.datasets.base.check_dataset`); a user without items
+            (the bank refuses an empty add).
+        FileNotFoundError: as :func:`encoder_identity`.
+    """
+    from .base import check_dataset
+
+    check_dataset(dataset)
+    say = say or (lambda s: None)
+    for u in dataset.users:
+        if len(u.item_ids) == 0:
+            raise ValueError(f"dataset {dataset.name!r}: user {u.key!r} has no items")
+    texts = [t for u in dataset.users for t in u.item_texts]
+    qtexts = [q.text for q in dataset.questions]
+    if dedup is None:
+        dedup = dataset.name != "personabench"
+    X, Q, enc_c, enc_q, cached, cache_file, model, model_id = _embed_cached(
+        str(dataset.name), texts, qtexts, encoder, cache_dir, say, bool(dedup)
+    )
+    bank = _build_bank(dataset.users, X)
+    return DatasetEmbeddings(
+        bank=bank, Q=np.ascontiguousarray(Q, dtype=np.float32), users=[q.user_key for q in dataset.questions],
+        dataset=dataset, n_users=len(dataset.users), n_items=len(texts), encode_items_s=enc_c,
+        encode_questions_s=enc_q, cached=cached, cache_file=str(cache_file) if cache_file is not None else None,
+        model=model, model_id=model_id,
+    )  # fmt: skip
+
+
 def personabench_embeddings(
     data_dir: str | os.PathLike[str],
     noise: float = 0.0,
@@ -144,52 +315,11 @@ def personabench_embeddings(
     data = load_personabench(data_dir, noise=noise, users_per_community=users_per_community)
     texts = [t for u in data.users for t in u.chunk_texts]
     qtexts = [q.question for q in data.questions]
-    model, model_id, enc = encoder_identity(encoder)
-    key = _cache_key(texts, qtexts, model_id)
-    cache_file = Path(cache_dir) / f"personabench-{key}.npz" if cache_dir is not None else None
-    X = Q = None
-    enc_c = enc_q = float("nan")
-    cached = False
-    if cache_file is not None and cache_file.is_file():
-        try:
-            with np.load(cache_file) as z:
-                X, Q = z["X"], z["Q"]
-                meta = json.loads(str(z["meta"]))
-            if X.shape[0] != len(texts) or Q.shape[0] != len(qtexts):
-                raise ValueError("cache shape mismatch")
-            enc_c, enc_q = float(meta["encode_chunks_s"]), float(meta["encode_questions_s"])
-            cached = True
-            say(f"personabench: embeddings from cache {cache_file}")
-        except (OSError, KeyError, ValueError):
-            X = Q = None
-    if X is None or Q is None:
-        if enc is None:
-            from ..encoders import TextEncoder
-
-            say(f"personabench: loading the encoder {model}")
-            enc = TextEncoder(model)
-        say(f"personabench: encoding {len(texts)} chunks and {len(qtexts)} questions (noise {noise})")
-        t0 = time.perf_counter()
-        X = np.asarray(enc.encode(texts), dtype=np.float32)
-        enc_c = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        Q = np.asarray(enc.encode(qtexts), dtype=np.float32)
-        enc_q = time.perf_counter() - t0
-        if cache_file is not None:
-            try:
-                cache_file.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp.npz")
-                meta = {"encode_chunks_s": enc_c, "encode_questions_s": enc_q, "model": model, "model_id": model_id}
-                np.savez(tmp, X=X, Q=Q, meta=np.array(json.dumps(meta)))
-                os.replace(tmp, cache_file)
-            except OSError as e:  # a read-only cache is not an error
-                say(f"personabench: cannot write the cache ({e})")
-    bank = MemoryBank(X.shape[1])
-    pos = 0
-    for u in data.users:
-        bank.add(u.key, X[pos : pos + len(u)], u.chunk_ids, texts=u.chunk_texts)
-        pos += len(u)
-    bank.snapshot()
+    # the same cache files as before the loader interface: prefix "personabench", no dedup
+    X, Q, enc_c, enc_q, cached, cache_file, model, model_id = _embed_cached(
+        "personabench", texts, qtexts, encoder, cache_dir, say, dedup=False
+    )
+    bank = _build_bank(data.users, X)
     return PersonaBenchEmbeddings(
         bank=bank,
         Q=np.ascontiguousarray(Q, dtype=np.float32),

@@ -84,6 +84,17 @@ class PBUser:
         """Number of chunks n."""
         return len(self.chunk_ids)
 
+    # the loader interface of rfmem_fast.datasets.base (MemoryUser)
+    @property
+    def item_ids(self) -> list[str]:
+        """The chunk ids (``chunk_ids``; :class:`rfmem_fast.datasets.base.MemoryUser`)."""
+        return self.chunk_ids
+
+    @property
+    def item_texts(self) -> list[str]:
+        """The chunk texts (``chunk_texts``; :class:`rfmem_fast.datasets.base.MemoryUser`)."""
+        return self.chunk_texts
+
 
 @dataclass(frozen=True)
 class PBQuestion:
@@ -128,6 +139,27 @@ class PBQuestion:
 
         return question_category(self.type, self.difficulty)
 
+    # the loader interface of rfmem_fast.datasets.base (MemoryQuestion)
+    @property
+    def qid(self) -> str:
+        """Question id unique across communities: ``f"{community}/{q_id}"``."""
+        return f"{self.community}/{self.q_id}"
+
+    @property
+    def text(self) -> str:
+        """The question text (``question``)."""
+        return self.question
+
+    @property
+    def ground_truth(self) -> dict[str, list[str]]:
+        """``gt_segment_ids``: ``{answer alternative: [segment ids]}``."""
+        return self.gt_segment_ids
+
+    @property
+    def scored(self) -> bool:
+        """``is_evaluated``: False for type "Subjective"."""
+        return self.is_evaluated
+
 
 @dataclass(frozen=True)
 class PersonaBench:
@@ -151,6 +183,37 @@ class PersonaBench:
                 raise ValueError(f"duplicate user key {u.key!r}")
             by_key[u.key] = u
         object.__setattr__(self, "_by_key", by_key)
+
+    # the loader interface of rfmem_fast.datasets.base (MemoryDataset)
+    @property
+    def name(self) -> str:
+        """Dataset name "personabench" (also the prefix of its embedding cache files)."""
+        return "personabench"
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """("recall", "ndcg"): what :meth:`score` returns."""
+        return ("recall", "ndcg")
+
+    def score(self, question: PBQuestion, retrieved: Sequence[str], k: int) -> dict[str, float]:
+        """Recall@k and NDCG@k of one question, best over ground-truth combinations
+        (:func:`rfmem_fast.metrics.recall_ndcg_at_k`).
+
+        Args:
+            question: a :class:`PBQuestion` (its ``gt_segment_ids``).
+            retrieved: ranked segment ids (best first), list[str].
+            k: cut-off, int >= 1.
+
+        Returns:
+            ``{"recall": float, "ndcg": float}``.
+
+        Raises:
+            ValueError / TypeError: ``k`` not an int >= 1.
+        """
+        from rfmem_fast.metrics import recall_ndcg_at_k
+
+        r, n = recall_ndcg_at_k([str(x) for x in retrieved], question.gt_segment_ids, k)
+        return {"recall": r, "ndcg": n}
 
     @property
     def evaluated(self) -> list[PBQuestion]:

@@ -703,6 +703,7 @@ def serve(
     api_key: str | None = None,
     encoder: str = "default",
     encoder_dtype: str = "auto",
+    encoder_backend: str = "auto",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -732,7 +733,11 @@ def serve(
         encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
             "auto" (default: bfloat16 where the CPU has native bfloat16 matmul, e.g.
             AVX512-BF16 / AMX, float32 elsewhere), "float32", "bfloat16" or "float16".
-            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``).
+            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``). "int8" with an
+            ``encoder_backend`` of "onnx" / "auto" only.
+        encoder_backend: runtime of the text encoder (:func:`rfmem_fast.encoders.resolve_backend`):
+            "auto" (default: ONNX Runtime float32 where onnxruntime / onnx are installed,
+            torch elsewhere), "torch" or "onnx".
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -743,27 +748,12 @@ def serve(
     """
     import uvicorn
 
-    from ..encoders import check_dtype
+    from .cli import open_memory
 
-    check_dtype(encoder_dtype, "encoder_dtype")
-    key = _resolve_api_key(api_key, no_auth)
-    dtype: str | None = encoder_dtype
-    if encoder == "none":
-        enc: Any = False
-        dtype = None
-    elif encoder == "default":
-        enc = None
-    else:
-        from ..encoders import TextEncoder
-        from .memory import ENCODE_BATCH_SIZE
-
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype)
-        dtype = None
-    memory = Memory(path, encoder=enc, encoder_dtype=dtype, backend=backend, dim=dim, batching=batching,
-                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
-                    cache_size=cache_size)
-    if enc is not False:
-        memory.encoder  # load the model now, not on the first request
+    key = _resolve_api_key(api_key, no_auth)  # refused before anything opens
+    memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
+                         dim=dim, backend=backend, batching=batching, max_batch=max_batch,
+                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
     try:
         app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes)
     except BaseException:

@@ -1,4 +1,6 @@
-"""``rfmem serve``: the HTTP service (arguments here; the app in :mod:`rfmem_fast.serving.app`)."""
+"""``rfmem serve`` (the HTTP service; the app in :mod:`rfmem_fast.serving.app`) and ``rfmem mcp``
+(the MCP server; in :mod:`rfmem_fast.serving.mcp_server`): their arguments, and
+:func:`open_memory`, the durable Memory a server opens from them."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ..encoders import DTYPES
+from ..encoders import BACKENDS, ENCODER_DTYPES
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,29 +29,122 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="serve without authentication (prints a warning); needed when no key is given")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="largest request body in bytes; bigger ones get 413 before they are read (default 4 MiB)")
+    add_memory_args(p)
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """Add the options of the served Memory (encoder, backend, batching, cache, OpenMP
+    policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp``; :func:`open_memory`
+    takes the parsed values (:func:`memory_kwargs`)."""
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
-    p.add_argument("--encoder-dtype", default="auto", choices=DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = bfloat16 where the CPU "
-                   "multiplies it natively (AVX512-BF16 / AMX: ~2x less encoder CPU per query, embeddings at "
-                   "cosine >= 0.99997 to float32), float32 elsewhere; shown in /health and /metrics")
+    p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
+                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
+                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
+                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
+                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
+    p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
+                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
+                   "elsewhere; 'torch' or 'onnx' to force one")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
-    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting before 503 (default 1024)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait before 504 (default 30)")
+    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
-    p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument(
         "--keep-omp-wait-policy", action="store_true",
         help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
         "when it is unset: spinning OpenMP threads starve the event loop and the batcher thread)",
     )
-    p.set_defaults(func=run)
-    return p
+
+
+def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`open_memory` from options added by :func:`add_memory_args`."""
+    return dict(
+        encoder=args.encoder, encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
+        backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
+    )
+
+
+def open_memory(
+    path: str,
+    encoder: str = "default",
+    encoder_dtype: str = "auto",
+    encoder_backend: str = "auto",
+    dim: int | None = None,
+    backend: str = "auto",
+    batching: bool = True,
+    max_batch: int = 64,
+    max_wait_ms: float = 2.0,
+    max_queue: int = 1024,
+    timeout: float | None = 30.0,
+    cache_size: int = 4096,
+) -> Any:
+    """Open (or create) the durable :class:`~rfmem_fast.serving.Memory` a server serves,
+    its encoder loaded before the first request.
+
+    The Memory has a write-ahead log in ``path`` (fsynced per write), so a write is
+    acknowledged only once it is durable. The encoder options mean what they mean for
+    ``rfmem serve`` (:func:`rfmem_fast.serving.app.serve` opens its Memory with this
+    function) and ``rfmem mcp``.
+
+    Args:
+        path: the Memory directory (created if absent).
+        encoder: "default" (the offline all-MiniLM-L6-v2), "none" (vectors only) or a
+            local sentence-transformers directory.
+        encoder_dtype: "auto" | "float32" | "bfloat16" | "float16" | "int8"
+            (:func:`rfmem_fast.encoders.resolve_dtype`; "int8" with an ONNX backend only);
+            ignored with encoder "none".
+        encoder_backend: "auto" | "torch" | "onnx" (:func:`rfmem_fast.encoders.resolve_backend`);
+            ignored with encoder "none".
+        dim: vector dimension of a new vectors-only memory.
+        backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
+            as :class:`rfmem_fast.Memory`.
+
+    Returns:
+        the open Memory (the caller closes it).
+
+    Raises:
+        ValueError: a bad dtype, option, or a directory that is not a Memory.
+        FileNotFoundError: an encoder directory that does not exist.
+        rfmem_fast.serving.memory.MemoryLockedError: the directory is open in another process.
+    """
+    from ..encoders import check_backend
+    from .memory import ENCODE_BATCH_SIZE, Memory
+
+    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
+    dtype: str | None = encoder_dtype
+    enc_backend: str | None = encoder_backend
+    if encoder == "none":
+        enc: Any = False
+        dtype = enc_backend = None
+    elif encoder == "default":
+        enc = None
+    else:
+        from ..encoders import TextEncoder
+
+        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
+                          backend=encoder_backend)
+        dtype = enc_backend = None
+    memory = Memory(path, encoder=enc, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
+                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
+                    cache_size=cache_size)
+    if enc is not False:
+        try:
+            memory.encoder  # load the model now, not on the first request
+        except BaseException:
+            memory.close()
+            raise
+    return memory
 
 
 def _passive_omp(args: argparse.Namespace) -> None:
@@ -82,14 +177,74 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         serve(
-            args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder,
-            encoder_dtype=args.encoder_dtype, dim=args.dim,
-            backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
-            max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
-            cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
+            args.path, host=args.host, port=args.port, api_key=args.api_key, **memory_kwargs(args),
+            log_level=args.log_level, access_log=args.access_log,
             no_auth=args.no_auth, max_body_bytes=args.max_body_bytes,
         )
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem serve: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+# ---------------------------------------------------------------------- rfmem mcp
+def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``mcp`` on the ``rfmem`` sub-command parser (the server is
+    :mod:`rfmem_fast.serving.mcp_server`; the ``mcp`` SDK is imported only when run)."""
+    p = subparsers.add_parser(
+        "mcp",
+        help="serve a memory as a Model Context Protocol server (stdio or streamable HTTP; the 'mcp' extra)",
+        description="Serve a rfmem_fast.Memory to MCP clients (Claude Desktop, Cursor, agent frameworks): "
+        "tools add_memories / search_memories / update_memory / delete_memory / list_memories / get_memory "
+        "and memory:// resources, scoped to ONE user per client: --user (fixed by this server) or, over HTTP, "
+        "the user of the client's bearer token (--tokens). Writes are durable (write-ahead log) once "
+        "acknowledged, as with `rfmem serve`.",
+    )
+    p.add_argument("--data-dir", "--path", dest="path", required=True, help="memory directory (created if absent)")
+    p.add_argument("--transport", choices=("stdio", "http"), default="stdio",
+                   help="stdio (default: one client, the process that started this one) or http (streamable HTTP "
+                   "at http://HOST:PORT/mcp)")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--user", default=None,
+                       help="the one user every client of this server reads and writes (required with stdio; "
+                       "over HTTP: no authentication, loopback --host only)")
+    scope.add_argument("--tokens", default=None,
+                       help="HTTP only: JSON file mapping sha256 hashes of bearer tokens to users "
+                       '({"tokens": [{"user": "alice", "sha256": "<hex>"}]}); default $RFMEM_MCP_TOKENS '
+                       "(that file's path, or the JSON itself)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP: interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="HTTP: port (default 8765)")
+    p.add_argument("--log-level", default="warning", help="log level of the server on stderr (default warning)")
+    add_memory_args(p)
+    p.set_defaults(func=run_mcp)
+    return p
+
+
+def run_mcp(args: argparse.Namespace) -> int:
+    """Run ``rfmem mcp`` from parsed arguments until the client disconnects (stdio) or
+    SIGINT / SIGTERM (HTTP); returns the exit code (2 on a configuration error, printed
+    to stderr: stdout belongs to the MCP protocol on stdio)."""
+    try:
+        from . import mcp_server
+    except ImportError as exc:
+        print(f"rfmem mcp: {exc}", file=sys.stderr)
+        return 2
+    from .memory import MemoryLockedError
+
+    try:
+        scope = mcp_server.scope_from_options(args.transport, user=args.user, tokens=args.tokens, host=args.host)
+    except (ValueError, OSError) as exc:
+        print(f"rfmem mcp: error: {exc}", file=sys.stderr)
+        return 2
+    _passive_omp(args)
+    try:
+        memory = open_memory(args.path, **memory_kwargs(args))
+    except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
+        print(f"rfmem mcp: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        mcp_server.serve_mcp(memory, scope, transport=args.transport, host=args.host, port=args.port,
+                             log_level=args.log_level)
+    finally:
+        memory.close()
     return 0

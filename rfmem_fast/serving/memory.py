@@ -365,7 +365,12 @@ class Memory:
             bfloat16 embedding has cosine >= 0.99997 to the float32 one (MiniLM,
             PersonaBench) at ~2x less encoder CPU in batches; hits can differ from
             float32 ones on near-ties only. Only for the default encoder: pass
-            ``TextEncoder(dtype=...)`` as ``encoder`` otherwise.
+            ``TextEncoder(dtype=...)`` as ``encoder`` otherwise. "int8" with
+            ``encoder_backend`` "onnx" / "auto" only.
+        encoder_backend: runtime of the default encoder, "torch" (None, the
+            default), "onnx" (ONNX Runtime, extra ``onnx``) or "auto"
+            (:func:`rfmem_fast.encoders.resolve_backend`: ONNX float32 where it is
+            installed). Only for the default encoder, like ``encoder_dtype``.
         config: RFMemConfig (default: the spec's defaults); ``k`` in :meth:`search`
             overrides its ``out_k`` per call.
         backend, device: as :func:`rfmem_fast.search` ("auto": native on a CPU).
@@ -400,7 +405,8 @@ class Memory:
     Raises:
         ValueError: ``path`` is a file or a non-empty directory that is not a Memory,
             a dimension mismatch between ``dim`` / the encoder / the stored memory,
-            ``encoder_dtype`` with an ``encoder`` given, an unknown or unbuilt ``backend``
+            ``encoder_dtype`` / ``encoder_backend`` with an ``encoder`` given or a pair
+            :func:`rfmem_fast.encoders.check_backend` refuses, an unknown or unbuilt ``backend``
             name (checked here, not at the first search), or an option out of range.
             StoreError: a corrupt store or log.
         TypeError: an option of the wrong type.
@@ -417,6 +423,7 @@ class Memory:
         device: str | None = None,
         *,
         encoder_dtype: str | None = None,
+        encoder_backend: str | None = None,
         dim: int | None = None,
         batching: bool = True,
         max_batch: int = 64,
@@ -434,15 +441,17 @@ class Memory:
             raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
         if encoder is not None and encoder is not False and not callable(getattr(encoder, "encode", None)):
             raise TypeError("encoder must have an encode(list[str]) method, or be None (default) or False")
-        if encoder_dtype is not None:
-            from ..encoders import check_dtype
+        for opt, value in (("encoder_dtype", encoder_dtype), ("encoder_backend", encoder_backend)):
+            if value is None:
+                continue
+            from ..encoders import check_backend
 
-            check_dtype(encoder_dtype, "encoder_dtype")
+            check_backend(encoder_backend or "torch", encoder_dtype or "float32", "encoder_backend", "encoder_dtype")
             if encoder is not None:
                 raise ValueError(
-                    "encoder_dtype applies to the default encoder only; with encoder= given, build it with "
-                    "the precision wanted (TextEncoder(dtype=...))" if encoder is not False else
-                    "encoder_dtype needs a text encoder; this Memory has encoder=False (vectors only)"
+                    f"{opt} applies to the default encoder only; with encoder= given, build it with "
+                    "the precision / backend wanted (TextEncoder(dtype=..., backend=...))" if encoder is not False else
+                    f"{opt} needs a text encoder; this Memory has encoder=False (vectors only)"
                 )
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
@@ -465,6 +474,8 @@ class Memory:
         self._has_encoder = encoder is not False
         self._encoder_lock = threading.Lock()
         self._encoder_kwargs: dict[str, Any] = {} if encoder_dtype is None else {"dtype": encoder_dtype}
+        if encoder_backend is not None:
+            self._encoder_kwargs["backend"] = encoder_backend
         self._rw = RWLock()
         self._wmutex = threading.RLock()
         self._uver: dict[Hashable, int] = {}

@@ -1,0 +1,231 @@
+"""Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench (issue 21, item 1).
+
+Side by side in one run, for each option (``--options``, default
+``torch:float32,torch:bfloat16,onnx:float32,onnx:int8``; ``backend:dtype`` of
+:class:`rfmem_fast.encoders.TextEncoder`):
+
+1. speed: milliseconds per text of ``TextEncoder.encode`` called on B PersonaBench
+   questions at a time (``--calls``, default 1, 8, 64), and on B = 64 chunks (longer
+   texts: what ingestion encodes); the encoder's pass is 64 texts. CPU time
+   (``time.process_time``) of this process, best of ``--reps``, with torch and ONNX
+   Runtime on ``--threads`` threads (default 1; the ONNX session takes torch's
+   thread count): less sensitive to the other jobs of a shared machine than wall
+   time, which is reported too. Texts per second = 1000 / CPU ms per text (one core);
+2. agreement with the first option (the reference, torch float32): cosine of every
+   question's and chunk's embedding, min and mean;
+3. retrieval: :func:`rfmem_fast.evaluate.run_personabench` (noise 0.0, the paper
+   config, items and questions embedded by the option): Recall@10 / NDCG@10 of dense,
+   recollection and RF-Mem, and against the reference, per question, the fraction of
+   identical RF-Mem routes and of identical RF-Mem top-10 lists.
+
+The JSON (``--out``, default ``bench/results/encoder-backends.json``) holds the CPU model
+and SIMD flags, versions (torch, onnxruntime, onnx, ...), the load average before and
+after, and the exact command; the markdown table and the goal check (>= 2x texts / s
+over torch bfloat16 at batch 1 and 64, Recall@10 within 0.2 points, routes identical
+on >= 99 % of questions) are printed.
+
+    python bench/bench_encoder_backends.py            # ~2-4 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
+from rfmem_fast.bench.workloads import default_personabench_dir  # noqa: E402
+from rfmem_fast.evaluate import machine_info  # noqa: E402
+
+SIMD = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "fma")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of :data:`SIMD` that /proc/cpuinfo lists (empty list elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in SIMD if x in have]
+    except OSError:
+        pass
+    return []
+
+
+def ms_per_text(encoder: Any, texts: list[str], call: int, reps: int) -> tuple[float, float]:
+    """(CPU ms, wall ms) per text of encoding ``texts`` in calls of ``call`` texts, best of ``reps``."""
+    best_cpu = best_wall = float("inf")
+    for _ in range(reps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for i in range(0, len(texts), call):
+            encoder.encode(texts[i:i + call])
+        best_cpu = min(best_cpu, time.process_time() - c0)
+        best_wall = min(best_wall, time.perf_counter() - w0)
+    return 1000 * best_cpu / len(texts), 1000 * best_wall / len(texts)
+
+
+class Precomputed:
+    """An encoder answering from embeddings already computed (same texts, same vectors),
+    falling back to the real encoder: run_personabench then measures retrieval with
+    exactly the vectors whose agreement is reported, without encoding twice."""
+
+    def __init__(self, enc: Any, table: dict[str, np.ndarray]) -> None:
+        self._enc, self._table, self.dim = enc, table, enc.dim
+        self.model_name = f"bench-{enc.backend}-{enc.dtype}"
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        missing = [t for t in texts if t not in self._table]
+        if missing:
+            for t, v in zip(missing, self._enc.encode(missing)):
+                self._table[t] = v
+        return np.stack([self._table[t] for t in texts]).astype(np.float32) if texts else np.zeros((0, self.dim), np.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from rfmem_fast.datasets import load_personabench
+    from rfmem_fast.encoders import TextEncoder, check_backend
+    from rfmem_fast.evaluate import run_personabench
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
+    p.add_argument("--options", default="torch:float32,torch:bfloat16,onnx:float32,onnx:int8",
+                   help="comma list of backend:dtype; the first is the reference")
+    p.add_argument("--calls", default="1,8,64", help="texts per encode call")
+    p.add_argument("--questions", type=int, default=128, help="questions timed per cell")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per cell (the best is kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch / ONNX Runtime threads (default 1)")
+    p.add_argument("--no-quality", action="store_true", help="skip the PersonaBench retrieval")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "encoder-backends.json"))
+    args = p.parse_args(argv)
+    options = []
+    for item in args.options.split(","):
+        backend, _, dtype = item.strip().partition(":")
+        try:
+            check_backend(backend, dtype or "float32", "--options backend", "--options dtype")
+        except (TypeError, ValueError) as e:
+            p.error(str(e))
+        options.append((backend, dtype or "float32"))
+    calls = [int(x) for x in args.calls.split(",")]
+    data_dir = Path(args.data) if args.data else default_personabench_dir()
+    if data_dir is None:
+        print("PersonaBench not found: pass --data", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    data = load_personabench(data_dir, noise=0.0)
+    questions = [q.question for q in data.questions]
+    chunks = [t for u in data.users for t in u.chunk_texts]
+    rng = random.Random(0)
+    timed = rng.sample(questions, min(args.questions, len(questions)))
+    timed_chunks = rng.sample(chunks, min(128, len(chunks)))
+    vers = versions()
+    for mod in ("onnxruntime", "onnx", "sentence_transformers", "transformers"):
+        try:
+            vers[mod] = __import__(mod).__version__
+        except ImportError:
+            vers[mod] = None
+    doc: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": {**machine_info(), "simd": cpu_flags()}, "versions": vers,
+        "load": {"loadavg_start": _loadavg()},
+        "settings": {"options": [f"{b}:{d}" for b, d in options], "calls": calls, "questions": len(timed),
+                     "chunks_timed": len(timed_chunks), "pass": 64, "reps": args.reps, "threads": args.threads,
+                     "data": str(data_dir), "noise": 0.0,
+                     "timing": "CPU ms per text (process_time), best of reps; wall ms too"},
+        "speed": [], "agreement": {}, "quality": {},
+    }
+    ref: dict[str, Any] = {}
+    for backend, dtype in options:
+        label = f"{backend}:{dtype}"
+        t0 = time.perf_counter()
+        enc = TextEncoder(show_progress=False, dtype=dtype, backend=backend, batch_size=64)
+        load_s = time.perf_counter() - t0
+        say(f"{label} (runs as {enc.backend}:{enc.dtype}; loaded in {load_s:.1f} s)")
+        enc.encode(timed[:16])  # warm-up
+        for what, texts, cs in (("questions", timed, calls), ("chunks", timed_chunks, [64])):
+            for call in cs:
+                cpu, wall = ms_per_text(enc, texts, call, args.reps)
+                doc["speed"].append({"option": label, "texts": what, "call": call, "cpu_ms_per_text": cpu,
+                                     "wall_ms_per_text": wall, "texts_per_s_cpu": 1000 / cpu})
+                say(f"  {what:9s} call {call:3d}: {cpu:6.2f} ms CPU / text ({wall:.2f} wall)")
+        q, x = enc.encode(questions), enc.encode(chunks)
+        if not ref:
+            ref = {"questions": q, "chunks": x, "option": label}
+        cos_q, cos_x = (q * ref["questions"]).sum(1), (x * ref["chunks"]).sum(1)
+        doc["agreement"][label] = {
+            "against": ref["option"], "load_s": load_s, "onnx_file": enc.onnx_file,
+            "questions_cos_min": float(cos_q.min()), "questions_cos_mean": float(cos_q.mean()),
+            "chunks_cos_min": float(cos_x.min()), "chunks_cos_mean": float(cos_x.mean()),
+        }
+        if not args.no_quality:
+            say(f"  quality on PersonaBench ({label})")
+            table = {**dict(zip(questions, q)), **dict(zip(chunks, x))}
+            rep = run_personabench(data_dir, encoder=Precomputed(enc, table), latency=False, cache_dir=None, ks=[10])
+            recs = {(r["community"], r["user"], r["q_id"]): r for r in rep.records}
+            cell: dict[str, Any] = {
+                mode: {"routes": mr.routes, "recall@10": mr.metrics_at[10]["Overall"]["recall"],
+                       "ndcg@10": mr.metrics_at[10]["Overall"]["ndcg"]}
+                for mode, mr in rep.modes.items()
+            }
+            if "records" not in ref:
+                ref["records"] = recs
+            same_route = [recs[key]["route"] == r0["route"] for key, r0 in ref["records"].items()]
+            same_ids = [list(recs[key]["rfmem_ids"]) == list(r0["rfmem_ids"]) for key, r0 in ref["records"].items()]
+            cell["identical_routes"] = float(np.mean(same_route))
+            cell["identical_rfmem_top10"] = float(np.mean(same_ids))
+            cell["questions"] = len(same_route)
+            doc["quality"][label] = cell
+            say(f"  RF-Mem Recall@10 {cell['rfmem']['recall@10']:.4f}; routes identical {cell['identical_routes']:.4f}")
+        del enc
+    doc["load"]["loadavg_end"] = _loadavg()
+
+    by = {(r["option"], r["texts"], r["call"]): r["cpu_ms_per_text"] for r in doc["speed"]}
+    base = "torch:bfloat16"
+    goals: dict[str, Any] = {}
+    if any(o == base for o in doc["settings"]["options"]):
+        ref_label = doc["settings"]["options"][0]
+        for label in doc["settings"]["options"]:
+            if label == base:
+                continue
+            sp = {f"questions_call{c}": by[(base, "questions", c)] / by[(label, "questions", c)] for c in calls}
+            sp["chunks_call64"] = by[(base, "chunks", 64)] / by[(label, "chunks", 64)]
+            g: dict[str, Any] = {"speedup_vs_torch_bfloat16": sp}
+            if doc["quality"]:
+                dr = 100 * (doc["quality"][label]["rfmem"]["recall@10"] - doc["quality"][ref_label]["rfmem"]["recall@10"])
+                g["rfmem_recall10_delta_points"] = dr
+                g["met"] = bool(sp.get("questions_call1", 0) >= 2 and sp.get("questions_call64", 0) >= 2
+                                and abs(dr) <= 0.2 and doc["quality"][label]["identical_routes"] >= 0.99)
+            goals[label] = g
+    doc["goals"] = goals
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    head = " | ".join(f"b{c} ms (texts/s)" for c in calls)
+    print(f"| option | {head} | chunks b64 ms | cos min q / chunks | cos mean | RF-Mem R@10 | routes = | top-10 = |")
+    print("|---" * (len(calls) + 7) + "|")
+    for label in doc["settings"]["options"]:
+        cells = " | ".join(f"{by[(label, 'questions', c)]:.2f} ({1000 / by[(label, 'questions', c)]:.0f})" for c in calls)
+        a = doc["agreement"][label]
+        qd = doc["quality"].get(label)
+        qs = (f"{qd['rfmem']['recall@10']:.4f} | {qd['identical_routes']:.4f} | {qd['identical_rfmem_top10']:.4f}"
+              if qd else "- | - | -")
+        print(f"| {label} | {cells} | {by[(label, 'chunks', 64)]:.2f} | {a['questions_cos_min']:.5f} / "
+              f"{a['chunks_cos_min']:.5f} | {min(a['questions_cos_mean'], a['chunks_cos_mean']):.6f} | {qs} |")
+    print(json.dumps({"load": doc["load"], "goals": goals}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

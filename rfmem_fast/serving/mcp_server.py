@@ -1,0 +1,579 @@
+"""``rfmem mcp``: a :class:`rfmem_fast.Memory` as a Model Context Protocol server.
+
+Built on the official ``mcp`` Python SDK (``pip install 'rfmem_fast[mcp]'``), over the
+public :class:`~rfmem_fast.serving.Memory` API only, so that writes take the same durable
+path as ``rfmem serve``: each is in the fsynced write-ahead log before the tool answers.
+
+Transports: stdio (``rfmem mcp --transport stdio --user alice --data-dir DIR``; the client
+starts the server as a subprocess) and streamable HTTP (``--transport http --host
+127.0.0.1 --port 8765 --tokens tokens.json``; endpoint ``http://HOST:PORT/mcp``).
+
+Tools (no tool has a user argument)::
+
+    add_memories(texts, metadata?)            -> {"ids", "count"}
+    search_memories(query, k=10, mode="rfmem") -> {"hits": [{"id", "text", "score", "metadata", "rank"}],
+                                                  "route", "mode", "k"}
+    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata"}
+    delete_memory(id)                         -> {"id", "deleted"}
+    list_memories(offset=0, limit=50)         -> {"memories", "total", "offset", "next_offset"}
+    get_memory(id)                            -> {"id", "text", "metadata"}
+
+Resources: ``memory://{user}/memories`` (every memory of the user, JSON) and
+``memory://{user}/memories/{id}`` (one memory), readable for the scoped user only;
+``resources/list`` shows the scoped user's listing.
+
+User scope: every call acts for ONE user, fixed by the server, never by the call:
+
+* ``--user USER``: every client of this process is that user (stdio: one user per
+  server process; HTTP: no authentication, so only on a loopback host).
+* ``--tokens FILE`` (HTTP; default ``$RFMEM_MCP_TOKENS``): a bearer token -> user map
+  kept as sha256 hashes (:func:`hash_token`); a request without a known token gets 401
+  from the SDK's bearer middleware, and a known token's user is the scope of every
+  call it carries (the SDK also binds an HTTP session to the token that opened it).
+  Token digests are compared with :func:`hmac.compare_digest`, against every entry.
+
+Another user's memories are unreachable: searches run within the scoped user's segment
+of the bank, ids are looked up among that user's items only (another user's id is
+"not found", exactly like an id that does not exist), and a resource URI naming another
+user is refused the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar
+from urllib.parse import quote
+
+try:
+    import anyio
+    from mcp.server.auth.middleware.auth_context import get_access_token
+    from mcp.server.auth.provider import AccessToken
+    from mcp.server.auth.settings import AuthSettings
+    from mcp.server.mcpserver import MCPServer, ResourceSecurity
+    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+    from mcp.types import Resource as MCPResource
+    from mcp.types import ToolAnnotations
+    from pydantic import Field
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    from .._optional import install_hint
+
+    raise ImportError(
+        f"the MCP server (rfmem mcp) needs the official mcp SDK (2.x), which cannot be imported ({exc}); "
+        f"install it with: {install_hint('mcp')}",
+        name=exc.name,
+    ) from exc
+
+from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
+from .memory import Hits, Item, Memory
+
+__all__ = [
+    "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
+    "create_http_app", "serve_mcp",
+]
+
+#: environment variable read for the token map when ``--tokens`` is not given
+TOKENS_ENV = "RFMEM_MCP_TOKENS"
+MAX_TEXTS = 256  # texts per add_memories call
+MAX_TEXT = 100_000  # characters per text / query
+MAX_K = 100
+MAX_PAGE = 200
+MAX_ID = 256
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------- tokens
+def hash_token(token: str) -> str:
+    """The sha256 hex digest a token map stores for ``token``.
+
+    Args:
+        token: the bearer token (str, non-empty).
+
+    Returns:
+        64 lowercase hex characters.
+
+    Raises:
+        ValueError: an empty or non-str token.
+    """
+    if not isinstance(token, str) or not token:
+        raise ValueError("token must be a non-empty str")
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class TokenMap:
+    """Bearer token -> user, kept as sha256 digests of the tokens (never the tokens).
+
+    Also the SDK's ``TokenVerifier``: :meth:`verify_token` gives an ``AccessToken`` whose
+    ``client_id`` is the user.
+
+    Args:
+        entries: (sha256 hex digest, user) pairs; a user may have several tokens.
+
+    Raises:
+        ValueError: a digest that is not 64 hex characters, an empty user, a digest
+            listed twice, or no entries.
+    """
+
+    def __init__(self, entries: list[tuple[str, str]]) -> None:
+        seen: set[str] = set()
+        out: list[tuple[bytes, str]] = []
+        for i, (digest, user) in enumerate(entries):
+            d = str(digest).strip().lower().removeprefix("sha256:")
+            if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
+                raise ValueError(f"tokens[{i}].sha256 must be 64 hex characters (hash_token / sha256sum of the token)")
+            if not isinstance(user, str) or not user:
+                raise ValueError(f"tokens[{i}].user must be a non-empty str")
+            if d in seen:
+                raise ValueError(f"tokens[{i}]: this token hash is listed twice")
+            seen.add(d)
+            out.append((d.encode("ascii"), user))
+        if not out:
+            raise ValueError("the token map holds no tokens")
+        self._entries = out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "TokenMap":
+        """A map from parsed JSON: ``{"tokens": [{"user": U, "sha256": HEX}, ...]}`` (or the list alone).
+
+        Raises:
+            ValueError: any other shape (the bad part named).
+        """
+        items = obj.get("tokens") if isinstance(obj, dict) else obj
+        if not isinstance(items, list):
+            raise ValueError('the token map must be {"tokens": [{"user": ..., "sha256": ...}, ...]}')
+        entries = []
+        for i, e in enumerate(items):
+            if not isinstance(e, dict) or set(e) != {"user", "sha256"}:
+                raise ValueError(f'tokens[{i}] must be an object with exactly the keys "user" and "sha256"')
+            entries.append((e["sha256"], e["user"]))
+        return cls(entries)
+
+    @classmethod
+    def load(cls, spec: str) -> "TokenMap":
+        """A map from a JSON file's path, or from the JSON text itself (``spec`` starting with ``{`` or ``[``).
+
+        Raises:
+            OSError: the file cannot be read. ValueError: not JSON, or a bad map.
+        """
+        text = spec if spec.lstrip()[:1] in ("{", "[") else Path(spec).read_text(encoding="utf-8")
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the token map is not JSON: {exc}") from None
+        return cls.from_json(obj)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def user_for(self, token: str) -> str | None:
+        """The user of ``token``, or None when it is not in the map.
+
+        Every entry is compared (with :func:`hmac.compare_digest`), so the time taken does
+        not depend on which entry matched, or how much of a digest did.
+        """
+        if not isinstance(token, str) or not token:
+            return None
+        digest = hashlib.sha256(token.encode("utf-8")).hexdigest().encode("ascii")
+        found = None
+        for d, user in self._entries:
+            if hmac.compare_digest(digest, d) and found is None:
+                found = user
+        return found
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        """The SDK's ``TokenVerifier`` hook: an ``AccessToken`` (``client_id`` = the user) or None."""
+        user = self.user_for(token)
+        return None if user is None else AccessToken(token=token, client_id=user, scopes=[])
+
+
+@dataclass(frozen=True)
+class McpScope:
+    """Whose memories a server's clients reach: a fixed ``user``, or the user of each
+    client's bearer token in ``tokens`` (exactly one of the two)."""
+
+    user: str | None = None
+    tokens: TokenMap | None = None
+
+    def __post_init__(self) -> None:
+        if (self.user is None) == (self.tokens is None):
+            raise ValueError("give exactly one of user (a fixed user) or tokens (bearer token -> user)")
+        if self.user is not None and (not isinstance(self.user, str) or not self.user):
+            raise ValueError("user must be a non-empty str")
+
+
+def scope_from_options(transport: str, user: str | None = None, tokens: str | None = None,
+                       host: str = "127.0.0.1", environ: Mapping[str, str] | None = None) -> McpScope:
+    """The scope of ``rfmem mcp`` from its options.
+
+    Args:
+        transport: "stdio" or "http".
+        user: ``--user`` (a fixed user), or None.
+        tokens: ``--tokens`` (a token map file, or its JSON), or None: then
+            ``$RFMEM_MCP_TOKENS`` over HTTP when no user is given.
+        host: ``--host`` (a fixed user over HTTP has no authentication: loopback only).
+        environ: the environment (default ``os.environ``).
+
+    Returns:
+        the McpScope.
+
+    Raises:
+        ValueError: stdio without --user, stdio with --tokens, HTTP with neither a
+            user nor tokens, HTTP with --user on a non-loopback host, both given, or a
+            bad token map. OSError: an unreadable token file.
+    """
+    env = os.environ if environ is None else environ
+    if user is not None and tokens is not None:
+        raise ValueError("--user and --tokens exclude each other")
+    if transport == "stdio":
+        if tokens is not None:
+            raise ValueError("--tokens is for --transport http; a stdio server serves one --user")
+        if not user:
+            raise ValueError("--transport stdio needs --user USER (the one user this server process serves)")
+        return McpScope(user=user)
+    if transport != "http":
+        raise ValueError(f"--transport must be 'stdio' or 'http', got {transport!r}")
+    if user is not None:
+        if host not in _LOOPBACK:
+            raise ValueError(f"--user over HTTP serves without authentication; only on a loopback --host "
+                             f"({', '.join(_LOOPBACK)}), not {host!r}: use --tokens")
+        return McpScope(user=user)
+    spec = tokens if tokens is not None else (env.get(TOKENS_ENV) or None)
+    if spec is None:
+        raise ValueError(f"--transport http needs --tokens FILE (or ${TOKENS_ENV}) or a fixed --user")
+    return McpScope(tokens=TokenMap.load(spec))
+
+
+# ---------------------------------------------------------------------- the server
+_ADD = """Store one or more new memories (facts, preferences, events) of the current user, to be found later
+with search_memories. Each text is stored and embedded as one memory; keep each one self-contained (one fact per
+text reads best). The write is durable when this returns.
+
+Arguments:
+- texts: one string, or a list of 1 to 256 strings (each 1 to 100000 characters).
+- metadata: optional JSON object stored with every text (e.g. {"source": "chat"}), or a list of one object (or
+  null) per text.
+
+Returns {"ids": [one new id per text, in order], "count": number stored}."""
+
+_SEARCH = """Find the current user's memories most relevant to a query (RF-Mem retrieval: a quick familiarity probe
+decides between a plain similarity search and a recollection search that gathers related memories in rounds).
+
+Arguments:
+- query: what to look for, in natural language (1 to 100000 characters).
+- k: how many memories to return at most (1 to 100, default 10).
+- mode: "rfmem" (default, routed), "dense" (plain similarity) or "recollection" (always the multi-round search).
+
+Returns {"hits": [{"id", "text", "score", "metadata", "rank"}, ...] best first (fewer than k when the user has fewer
+memories; [] when none), "route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
+
+_UPDATE = """Change one existing memory of the current user, keeping its id: a new text (re-embedded) and / or new
+metadata. The write is durable when this returns.
+
+Arguments:
+- id: the memory's id (from add_memories, search_memories or list_memories).
+- text: the new text (1 to 100000 characters), or omit to keep it.
+- metadata: a JSON object that REPLACES the memory's metadata ({} clears it), or omit to keep it.
+At least one of text and metadata is required.
+
+Returns the memory as stored now: {"id", "text", "metadata"}. Error when no memory has that id."""
+
+_DELETE = """Delete one memory of the current user, for good (it is never returned again). The deletion is durable
+when this returns.
+
+Arguments:
+- id: the memory's id (from add_memories, search_memories or list_memories).
+
+Returns {"id", "deleted": true}. Error when no memory has that id."""
+
+_LIST = """List the current user's memories in the order they were added, one page at a time.
+
+Arguments:
+- offset: memories to skip (integer >= 0, default 0).
+- limit: the most memories in this page (1 to 200, default 50).
+
+Returns {"memories": [{"id", "text", "metadata"}, ...], "total": the user's number of memories, "offset",
+"next_offset": the offset of the next page, or null after the last page}."""
+
+_GET = """Read one memory of the current user by its id.
+
+Arguments:
+- id: the memory's id (from add_memories, search_memories or list_memories).
+
+Returns {"id", "text", "metadata"}. Error when no memory has that id."""
+
+TextArg = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+IdArg = Annotated[str, Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
+Meta = dict[str, Any]
+
+
+def _item_json(item: Item) -> dict[str, Any]:
+    return {"id": item.id, "text": item.text, "metadata": item.metadata}
+
+
+def _not_found(item_id: Any) -> ToolError:
+    return ToolError(f"id: no memory with id {item_id!r} (list_memories or search_memories show the ids)")
+
+
+def _check_blank(text: str, name: str) -> None:
+    if not text.strip():
+        raise ToolError(f"{name}: must hold some non-space text")
+
+
+def _tool_errors(fn: Callable[[], T], item_id: Any = None) -> T:
+    """Run a Memory call, its refusals turned into tool errors naming the argument."""
+    try:
+        return fn()
+    except KeyError as exc:
+        if item_id is not None:
+            raise _not_found(item_id) from None
+        raise ToolError(str(exc.args[0]) if exc.args else "not found") from None
+    except (ValueError, TypeError) as exc:
+        raise ToolError(str(exc)) from None
+
+
+class _RFMemMCP(MCPServer):
+    """MCPServer whose ``resources/list`` shows the scoped user's memory listing."""
+
+    _user_of: Callable[[], str]
+
+    async def list_resources(self) -> list[MCPResource]:
+        out = await super().list_resources()
+        try:
+            user = self._user_of()
+        except ToolError:
+            return out
+        out.append(MCPResource(
+            uri=f"memory://{quote(user, safe='')}/memories", name="memories",
+            title="Your memories", mime_type="application/json",
+            description="Every memory of the current user (id, text, metadata), in the order added.",
+        ))
+        return out
+
+
+def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0.1:8765",
+                  name: str = "rfmem") -> MCPServer:
+    """An MCP server (the SDK's ``MCPServer``) over ``memory``, every call scoped to one user.
+
+    Args:
+        memory: an open :class:`~rfmem_fast.serving.Memory` (the caller closes it).
+        scope: the fixed user, or the token map that gives each HTTP client its user.
+        url: the server's base URL (the issuer / resource URL of the SDK's auth settings
+            when ``scope`` has tokens).
+        name: the server name shown to clients.
+
+    Returns:
+        the MCPServer: ``.run("stdio")``, or :func:`create_http_app` for HTTP.
+
+    Raises:
+        TypeError: ``memory`` is not a Memory, ``scope`` not an McpScope.
+    """
+    if not isinstance(memory, Memory):
+        raise TypeError(f"memory must be a rfmem_fast.Memory, got {type(memory).__name__}")
+    if not isinstance(scope, McpScope):
+        raise TypeError(f"scope must be an McpScope, got {type(scope).__name__}")
+    kwargs: dict[str, Any] = {}
+    if scope.tokens is not None:
+        kwargs = dict(token_verifier=scope.tokens,
+                      auth=AuthSettings(issuer_url=url, resource_server_url=None))
+    from .. import __version__
+
+    server = _RFMemMCP(
+        name, title="rfmem memory", version=__version__,
+        instructions="Long-term memory of the current user: store facts with add_memories, recall them with "
+        "search_memories before answering questions about the user, fix or remove them with update_memory / "
+        "delete_memory. Every tool acts on the current user's memories only.",
+        log_level="WARNING", **kwargs,
+    )
+
+    def user_of() -> str:
+        if scope.user is not None:
+            return scope.user
+        tok = get_access_token()  # set by the SDK's bearer middleware for this request
+        if tok is None:
+            raise ToolError("not authenticated: send Authorization: Bearer <token>")
+        return tok.client_id
+
+    server._user_of = user_of
+
+    def lookup(item_id: str, user: str) -> Item:
+        return _tool_errors(lambda: memory.get([item_id], user)[0], item_id)
+
+    async def in_thread(fn: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(fn)
+
+    read_only = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+
+    @server.tool(description=_ADD, annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
+                                                                 idempotent_hint=False, open_world_hint=False))
+    async def add_memories(
+        texts: Annotated[TextArg | list[TextArg], Field(
+            description="one text, or a list of 1 to 256 texts: each becomes one memory")],
+        metadata: Annotated[Meta | list[Meta | None] | None, Field(
+            description="optional JSON object stored with every text, or one object (or null) per text")] = None,
+    ) -> dict[str, Any]:
+        user = user_of()
+        tx = [texts] if isinstance(texts, str) else list(texts)
+        if not tx or len(tx) > MAX_TEXTS:
+            raise ToolError(f"texts: give 1 to {MAX_TEXTS} texts, got {len(tx)}")
+        for i, t in enumerate(tx):
+            _check_blank(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
+        if isinstance(metadata, list) and len(metadata) != len(tx):
+            raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
+        ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
+        return {"ids": ids, "count": len(ids)}
+
+    @server.tool(description=_SEARCH, annotations=read_only)
+    async def search_memories(
+        query: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, description="what to look for")],
+        k: Annotated[int, Field(ge=1, le=MAX_K, description=f"the most memories returned (1 to {MAX_K})")] = 10,
+        mode: Annotated[Literal["rfmem", "dense", "recollection"], Field(
+            description='"rfmem" (routed, default), "dense" or "recollection"')] = "rfmem",
+    ) -> dict[str, Any]:
+        user = user_of()
+        _check_blank(query, "query")
+        try:
+            hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode)
+        except (ValueError, TypeError) as exc:
+            raise ToolError(str(exc)) from None
+        except (QueueFullError, RequestTimeoutError) as exc:
+            raise ToolError(f"the memory is overloaded ({exc}); retry in a moment") from None
+        except BatcherClosedError:
+            raise ToolError("the memory server is shutting down") from None
+        return {
+            "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank}
+                     for h in hits],
+            "route": hits.route, "mode": mode, "k": k,
+        }
+
+    @server.tool(description=_UPDATE, annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True,
+                                                                    idempotent_hint=True, open_world_hint=False))
+    async def update_memory(
+        id: IdArg,
+        text: Annotated[str | None, Field(min_length=1, max_length=MAX_TEXT,
+                                          description="the new text, or omit to keep")] = None,
+        metadata: Annotated[Meta | None, Field(description="metadata replacing the old ({} clears), or omit")] = None,
+    ) -> dict[str, Any]:
+        user = user_of()
+        if text is None and metadata is None:
+            raise ToolError("text / metadata: give a new text, new metadata, or both")
+        if text is not None:
+            _check_blank(text, "text")
+
+        def write() -> Item:
+            lookup(id, user)  # another user's id is "not found", like a missing one
+            _tool_errors(lambda: memory.update([id], user_id=user, texts=None if text is None else [text],
+                                               metadata=None if metadata is None else [metadata]), id)
+            return lookup(id, user)
+
+        return _item_json(await in_thread(write))
+
+    @server.tool(description=_DELETE, annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True,
+                                                                    idempotent_hint=False, open_world_hint=False))
+    async def delete_memory(id: IdArg) -> dict[str, Any]:
+        user = user_of()
+
+        def write() -> None:
+            lookup(id, user)
+            _tool_errors(lambda: memory.delete([id], user_id=user), id)
+
+        await in_thread(write)
+        return {"id": id, "deleted": True}
+
+    @server.tool(description=_LIST, annotations=read_only)
+    async def list_memories(
+        offset: Annotated[int, Field(ge=0, description="memories to skip (>= 0)")] = 0,
+        limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
+    ) -> dict[str, Any]:
+        user = user_of()
+        items = await in_thread(lambda: memory.get_all(user))
+        page = items[offset:offset + limit]
+        nxt = offset + limit if offset + limit < len(items) else None
+        return {"memories": [_item_json(i) for i in page], "total": len(items), "offset": offset, "next_offset": nxt}
+
+    @server.tool(description=_GET, annotations=read_only)
+    async def get_memory(id: IdArg) -> dict[str, Any]:
+        user = user_of()
+        return _item_json(await in_thread(lambda: lookup(id, user)))
+
+    security = ResourceSecurity(exempt_params={"user", "id"})  # not paths: compared / looked up, never opened
+
+    def own(user: str) -> str:
+        try:
+            me = user_of()
+        except ToolError as exc:
+            raise ResourceNotFoundError(str(exc)) from None
+        if not hmac.compare_digest(user.encode("utf-8"), me.encode("utf-8")):
+            raise ResourceNotFoundError("no such resource: this client reads only its own user's memories")
+        return me
+
+    @server.resource("memory://{user}/memories", name="memories", title="A user's memories",
+                     mime_type="application/json", security=security,
+                     description="Every memory of the user (JSON list of {id, text, metadata}, in the order added); "
+                     "only the current user's.")
+    def memories_resource(user: str) -> str:
+        me = own(user)
+        return json.dumps([_item_json(i) for i in memory.get_all(me)], ensure_ascii=False)
+
+    @server.resource("memory://{user}/memories/{id}", name="memory", title="One memory",
+                     mime_type="application/json", security=security,
+                     description="One memory of the user (JSON {id, text, metadata}); only the current user's.")
+    def memory_resource(user: str, id: str) -> str:
+        me = own(user)
+        try:
+            item = memory.get([id], me)[0]
+        except (KeyError, ValueError, TypeError):
+            raise ResourceNotFoundError(f"no memory with id {id!r}") from None
+        return json.dumps(_item_json(item), ensure_ascii=False)
+
+    return server
+
+
+def create_http_app(server: MCPServer, host: str = "127.0.0.1") -> Any:
+    """The Starlette app of the streamable HTTP transport (endpoint ``/mcp``).
+
+    Args:
+        server: from :func:`create_server` (its token map, if any, guards ``/mcp``: 401
+            without a known bearer token).
+        host: the interface it will listen on (a loopback host turns on the SDK's DNS
+            rebinding protection).
+
+    Returns:
+        an ASGI app (run it with uvicorn; its lifespan runs the SDK's session manager).
+    """
+    return server.streamable_http_app(host=host)
+
+
+def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: str = "127.0.0.1",
+              port: int = 8765, log_level: str = "warning") -> None:
+    """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP).
+
+    The caller closes ``memory`` afterwards (which checkpoints it).
+
+    Args:
+        memory: an open Memory (:func:`rfmem_fast.serving.cli.open_memory`).
+        scope: from :func:`scope_from_options`.
+        transport: "stdio" or "http".
+        host, port: where the HTTP transport listens.
+        log_level: uvicorn's log level (HTTP), on stderr.
+
+    Raises:
+        ValueError: an unknown transport.
+    """
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+    server = create_server(memory, scope, url=f"http://{netloc}")
+    if transport == "stdio":
+        server.run("stdio")
+    elif transport == "http":
+        import uvicorn
+
+        app = create_http_app(server, host)
+        print(f"rfmem mcp: serving http://{netloc}/mcp", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    else:
+        raise ValueError(f"transport must be 'stdio' or 'http', got {transport!r}")

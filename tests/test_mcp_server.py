@@ -1,0 +1,443 @@
+"""``rfmem mcp`` (rfmem_fast.serving.mcp_server), end to end with the mcp SDK's own client:
+
+* over stdio: ``python -m rfmem_fast.cli mcp --transport stdio --user alice`` spawned by the
+  SDK's ``stdio_client`` (the real offline MiniLM encoder), a session that adds, searches,
+  updates, deletes, reads resources; the store reopened afterwards holds the writes;
+* over streamable HTTP: ``rfmem mcp --transport http --tokens FILE`` as a subprocess, the
+  SDK's ``streamable_http_client`` with a bearer token; 401 without / with a wrong token;
+  SIGKILL after acknowledged writes loses none of them (the write-ahead log);
+* user scope: an in-process HTTP server (a tiny deterministic encoder) with users alice and
+  bob both seeded; alice's client tries to read, list, search, change and delete bob's
+  memories through every tool and resource, and the whole memory is compared after every call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import pytest
+from _serving_helpers import HashEncoder
+
+pytest.importorskip("mcp")
+uvicorn = pytest.importorskip("uvicorn")
+import anyio  # noqa: E402
+import httpx2  # noqa: E402
+from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+from mcp.shared.exceptions import MCPError  # noqa: E402
+
+from rfmem_fast import Memory  # noqa: E402
+from rfmem_fast.cli import main as rfmem_main  # noqa: E402
+from rfmem_fast.serving.mcp_server import (  # noqa: E402
+    McpScope, TokenMap, create_http_app, create_server, hash_token, scope_from_options,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = {"add_memories", "search_memories", "update_memory", "delete_memory", "list_memories", "get_memory"}
+ALICE_TOKEN, BOB_TOKEN = "alice-token-0123456789", "bob-token-9876543210"
+TIMEOUT = 60  # seconds any one client step may take
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {"PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _tokens_file(tmp_path: Path) -> Path:
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tokens": [{"user": "alice", "sha256": hash_token(ALICE_TOKEN)},
+                                        {"user": "bob", "sha256": hash_token(BOB_TOKEN)}]}))
+    return f
+
+
+def _ok(result) -> dict:
+    """The structured answer of a successful tool call."""
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+def _err(result) -> str:
+    """The message of a tool call that must fail (a tool error, not a protocol crash)."""
+    assert result.is_error, result.structured_content
+    return result.content[0].text
+
+
+@asynccontextmanager
+async def _http_session(url: str, token: str | None):
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(TIMEOUT)) as http:
+        async with streamable_http_client(url, http_client=http) as (read, write):
+            async with ClientSession(read, write, read_timeout_seconds=TIMEOUT) as session:
+                await session.initialize()
+                yield session
+
+
+async def _crud_session(session: ClientSession) -> dict:
+    """add / search / update / get / list / delete through one client session; returns the ids."""
+    tools = (await session.list_tools()).tools
+    assert {t.name for t in tools} == TOOLS
+    for t in tools:
+        assert len(t.description) > 150, t.name  # written for a model: arguments, limits, result
+        assert not any("user" in p for p in t.input_schema.get("properties", {})), t.name
+
+    added = _ok(await session.call_tool("add_memories", {
+        "texts": ["I moved to Lyon in 2021", "My sister is called Ana", "I am allergic to peanuts"],
+        "metadata": {"source": "chat"}}))
+    assert added["count"] == 3 and len(set(added["ids"])) == 3
+    lyon, ana, peanuts = added["ids"]
+    one = _ok(await session.call_tool("add_memories", {"texts": "I play the cello"}))
+    assert one["count"] == 1
+
+    found = _ok(await session.call_tool("search_memories", {"query": "Where do I live?", "k": 2, "mode": "dense"}))
+    assert found["hits"][0]["id"] == lyon and found["hits"][0]["metadata"] == {"source": "chat"}
+    assert len(found["hits"]) == 2 and found["mode"] == "dense" and found["k"] == 2
+    routed = _ok(await session.call_tool("search_memories", {"query": "What is my sister's name?"}))
+    assert routed["route"] in ("familiarity", "recollection")
+
+    upd = _ok(await session.call_tool("update_memory", {"id": ana, "text": "My sister is called Ines",
+                                                        "metadata": {"source": "correction"}}))
+    assert upd == {"id": ana, "text": "My sister is called Ines", "metadata": {"source": "correction"}}
+    assert _ok(await session.call_tool("get_memory", {"id": ana})) == upd
+    assert _ok(await session.call_tool("delete_memory", {"id": peanuts})) == {"id": peanuts, "deleted": True}
+    assert "no memory with id" in _err(await session.call_tool("get_memory", {"id": peanuts}))
+
+    page = _ok(await session.call_tool("list_memories", {"limit": 2}))
+    assert page["total"] == 3 and [m["id"] for m in page["memories"]] == [lyon, ana] and page["next_offset"] == 2
+    last = _ok(await session.call_tool("list_memories", {"offset": 2, "limit": 2}))
+    assert [m["id"] for m in last["memories"]] == [one["ids"][0]] and last["next_offset"] is None
+
+    # bad input: a tool error naming the argument, never a crash of the session
+    assert "k" in _err(await session.call_tool("search_memories", {"query": "x", "k": 0}))
+    assert "mode" in _err(await session.call_tool("search_memories", {"query": "x", "mode": "fuzzy"}))
+    assert "query" in _err(await session.call_tool("search_memories", {"k": 3}))
+    assert "texts" in _err(await session.call_tool("add_memories", {"texts": []}))
+    assert "texts[1]" in _err(await session.call_tool("add_memories", {"texts": ["ok", "   "]}))
+    assert "query" in _err(await session.call_tool("search_memories", {"query": " \n"}))
+    assert "metadata" in _err(await session.call_tool("add_memories", {"texts": ["a", "b"], "metadata": [{}]}))
+    assert "text / metadata" in _err(await session.call_tool("update_memory", {"id": lyon}))
+    assert "limit" in _err(await session.call_tool("list_memories", {"limit": 1000}))
+    return {"lyon": lyon, "ana": ana, "peanuts": peanuts, "cello": one["ids"][0]}
+
+
+# ----------------------------------------------------------------------------- stdio
+def test_mcp_stdio_session_adds_searches_updates_deletes_and_persists(tmp_path):
+    data = tmp_path / "mem"
+    params = StdioServerParameters(
+        command=sys.executable, cwd=str(ROOT), env=_env(),
+        args=["-m", "rfmem_fast.cli", "mcp", "--transport", "stdio", "--user", "alice", "--data-dir", str(data)],
+    )
+
+    async def session_run() -> dict:
+        with anyio.fail_after(180):
+            async with stdio_client(params) as (read, write):
+                async with ClientSession(read, write, read_timeout_seconds=TIMEOUT) as session:
+                    await session.initialize()
+                    ids = await _crud_session(session)
+                    listed = (await session.list_resources()).resources
+                    assert [str(r.uri) for r in listed] == ["memory://alice/memories"]
+                    body = json.loads((await session.read_resource("memory://alice/memories")).contents[0].text)
+                    assert [m["id"] for m in body] == [ids["lyon"], ids["ana"], ids["cello"]]
+                    one = json.loads((await session.read_resource(f"memory://alice/memories/{ids['ana']}")).contents[0].text)
+                    assert one["text"] == "My sister is called Ines"
+                    with pytest.raises(MCPError):
+                        await session.read_resource("memory://bob/memories")
+                    return ids
+
+    ids = anyio.run(session_run)
+    # the server process exited when the client closed; every write is in the store
+    with Memory(data, encoder=False) as mem:
+        items = {i.id: i for i in mem.get_all("alice")}
+        assert set(items) == {ids["lyon"], ids["ana"], ids["cello"]}
+        assert items[ids["ana"]].text == "My sister is called Ines"
+        assert mem.users() == ["alice"]
+
+
+# ----------------------------------------------------------------------------- HTTP (the CLI process)
+def _start_http(data: Path, port: int, tokens: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rfmem_fast.cli", "mcp", "--transport", "http", "--host", "127.0.0.1",
+           "--port", str(port), "--data-dir", str(data), "--tokens", str(tokens)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"rfmem mcp exited: {proc.stdout.read().decode()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("rfmem mcp --transport http did not listen")
+
+
+def test_mcp_http_bearer_session_and_sigkill_keeps_acknowledged_writes(tmp_path):
+    data, port = tmp_path / "mem", _free_port()
+    proc = _start_http(data, port, _tokens_file(tmp_path))
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+        hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        assert httpx2.post(url, json=init, headers=hdr, timeout=10).status_code == 401
+        bad = dict(hdr, Authorization="Bearer not-a-token")
+        assert httpx2.post(url, json=init, headers=bad, timeout=10).status_code == 401
+
+        async def run() -> dict:
+            with anyio.fail_after(180):
+                async with _http_session(url, ALICE_TOKEN) as session:
+                    return await _crud_session(session)
+
+        ids = anyio.run(run)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no checkpoint: the write-ahead log must hold every write
+        proc.wait(30)
+        proc.stdout.close()
+    with Memory(data, encoder=False) as mem:
+        items = {i.id: i for i in mem.get_all("alice")}
+        assert set(items) == {ids["lyon"], ids["ana"], ids["cello"]}
+        assert items[ids["ana"]].metadata == {"source": "correction"}
+
+
+# ----------------------------------------------------------------------------- user scope
+@contextmanager
+def _serve_in_thread(mem: Memory, scope: McpScope):
+    """The streamable HTTP app of ``create_server(mem, scope)`` under uvicorn in a thread, on a
+    free loopback port; yields the endpoint URL, stops the server on exit."""
+    port = _free_port()
+    app = create_http_app(create_server(mem, scope, url=f"http://127.0.0.1:{port}"), "127.0.0.1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the MCP server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture
+def two_users(tmp_path):
+    """An in-process HTTP MCP server over a durable Memory holding alice's and bob's memories."""
+    mem = Memory(tmp_path / "mem", encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["alice: I live in Lyon", "alice: shared id"], user_id="alice", ids=["a1", "same"])
+    mem.add(["bob: my bank PIN is 4321", "bob: I live in Oslo", "bob: shared id"], user_id="bob",
+            ids=["b1", "b2", "same"], metadata={"secret": True})
+    scope = McpScope(tokens=TokenMap([(hash_token(ALICE_TOKEN), "alice"), (hash_token(BOB_TOKEN), "bob")]))
+    try:
+        with _serve_in_thread(mem, scope) as url:
+            yield mem, url
+    finally:
+        mem.close()
+
+
+def _snapshot(mem: Memory) -> dict:
+    return {u: [i.to_dict() for i in mem.get_all(u)] for u in sorted(mem.users())}
+
+
+def test_mcp_scope_alice_cannot_read_list_search_change_or_delete_bobs_memories(two_users):
+    mem, url = two_users
+    bob_before = _snapshot(mem)["bob"]
+    bob_texts = {i["text"] for i in bob_before}
+
+    async def run() -> None:
+        with anyio.fail_after(120):
+            async with _http_session(url, ALICE_TOKEN) as alice, _http_session(url, BOB_TOKEN) as bob:
+                state = _snapshot(mem)
+
+                async def call(tool: str, args: dict, fails: bool = False) -> dict | str:
+                    """alice calls a tool; afterwards bob's memories are exactly as seeded, and alice's
+                    changed only where the call says (the caller updates ``state``)."""
+                    res = await alice.call_tool(tool, args)
+                    out = _err(res) if fails else _ok(res)
+                    assert json.dumps(out, default=str).find("bob:") < 0, (tool, out)
+                    now = _snapshot(mem)
+                    assert now["bob"] == bob_before, (tool, args)
+                    return out, now
+
+                # reads: nothing of bob's comes back, nothing changes
+                for mode in ("rfmem", "dense", "recollection"):
+                    for q in sorted(bob_texts):
+                        out, now = await call("search_memories", {"query": q, "k": 100, "mode": mode})
+                        assert {h["id"] for h in out["hits"]} <= {"a1", "same"} and now == state
+                out, now = await call("list_memories", {"limit": 200})
+                assert [m["id"] for m in out["memories"]] == ["a1", "same"] and out["total"] == 2 and now == state
+                for bid in ("b1", "b2"):
+                    for tool, args in (("get_memory", {"id": bid}), ("delete_memory", {"id": bid}),
+                                       ("update_memory", {"id": bid, "text": "pwned", "metadata": {}})):
+                        msg, now = await call(tool, args, fails=True)
+                        assert "no memory with id" in msg and now == state
+                # a user argument is not part of any tool: it is ignored, the scope stays alice
+                msg, now = await call("get_memory", {"id": "b1", "user_id": "bob", "user": "bob"}, fails=True)
+                assert now == state
+                # the same id held by both users: alice reaches only her own item
+                out, now = await call("get_memory", {"id": "same"})
+                assert out["text"] == "alice: shared id" and now == state
+                out, now = await call("update_memory", {"id": "same", "text": "alice: edited"})
+                assert out["text"] == "alice: edited"
+                assert [i["text"] for i in now["alice"]] == ["alice: I live in Lyon", "alice: edited"]
+                state = now
+                out, now = await call("delete_memory", {"id": "same"})
+                assert [i["id"] for i in now["alice"]] == ["a1"]
+                state = now
+                out, now = await call("add_memories", {"texts": ["alice: tea, not coffee"]})
+                assert [i["id"] for i in now["alice"]] == ["a1", out["ids"][0]]
+                state = now
+                # resources: bob's listing and items are refused, as is bob's id under alice
+                for uri in ("memory://bob/memories", "memory://bob/memories/b1", "memory://alice/memories/b1",
+                            "memory://bob/memories/same"):
+                    with pytest.raises(MCPError):
+                        await alice.read_resource(uri)
+                    assert _snapshot(mem) == state
+                listed = [str(r.uri) for r in (await alice.list_resources()).resources]
+                assert listed == ["memory://alice/memories"]
+                own = json.loads((await alice.read_resource(listed[0])).contents[0].text)
+                assert own == state["alice"]
+                own = json.loads((await alice.read_resource("memory://alice/memories/a1")).contents[0].text)
+                assert own == state["alice"][0]
+                # bob, connected at the same time, sees his own memories only
+                got = _ok(await bob.call_tool("list_memories", {}))
+                assert [m["id"] for m in got["memories"]] == ["b1", "b2", "same"]
+                hits = _ok(await bob.call_tool("search_memories", {"query": "alice: I live in Lyon", "k": 10}))
+                assert {h["id"] for h in hits["hits"]} <= {"b1", "b2", "same"}
+                assert _snapshot(mem) == state
+
+    anyio.run(run)
+
+
+def test_mcp_http_session_is_bound_to_its_token(two_users):
+    """Bob's token on alice's HTTP session id is refused (the SDK binds a session to its principal)."""
+    _mem, url = two_users
+    hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+    r = httpx2.post(url, json=init, headers=dict(hdr, Authorization=f"Bearer {ALICE_TOKEN}"), timeout=10)
+    assert r.status_code == 200
+    sid = r.headers["mcp-session-id"]
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "list_memories", "arguments": {}}}
+    session = dict(hdr, **{"mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"})
+    r = httpx2.post(url, json=call, headers=dict(session, Authorization=f"Bearer {BOB_TOKEN}"), timeout=10)
+    assert r.status_code in (401, 403, 404), r.text
+    assert "bob:" not in r.text and "alice:" not in r.text
+    # the same request with the session's own token is answered (alice's memories only)
+    r = httpx2.post(url, json=call, headers=dict(session, Authorization=f"Bearer {ALICE_TOKEN}"), timeout=10)
+    assert r.status_code == 200 and "alice: I live in Lyon" in r.text and "bob:" not in r.text, r.text
+
+
+# ----------------------------------------------------------------------------- configuration
+def test_token_map_hashes_and_compares_every_entry(tmp_path):
+    tm = TokenMap.load(str(_tokens_file(tmp_path)))
+    assert len(tm) == 2 and tm.user_for(ALICE_TOKEN) == "alice" and tm.user_for(BOB_TOKEN) == "bob"
+    assert tm.user_for("alice") is None and tm.user_for("") is None
+    assert TokenMap.load(json.dumps([{"user": "u", "sha256": "sha256:" + hash_token("t").upper()}])).user_for("t") == "u"
+    for bad, part in (([], "no tokens"), ([{"user": "u", "sha256": "abc"}], "tokens[0].sha256"),
+                      ([{"user": "", "sha256": hash_token("t")}], "tokens[0].user"),
+                      ([{"user": "u", "token": "t"}], "tokens[0]"),
+                      ([{"user": "u", "sha256": hash_token("t")}, {"user": "v", "sha256": hash_token("t")}], "tokens[1]")):
+        with pytest.raises(ValueError, match=part.replace("[", r"\[").replace("]", r"\]")):
+            TokenMap.from_json(bad)
+
+
+def test_scope_options(tmp_path):
+    tokens = str(_tokens_file(tmp_path))
+    assert scope_from_options("stdio", user="alice").user == "alice"
+    assert scope_from_options("http", user="alice", host="127.0.0.1").user == "alice"
+    assert scope_from_options("http", tokens=tokens).tokens.user_for(BOB_TOKEN) == "bob"
+    assert scope_from_options("http", environ={"RFMEM_MCP_TOKENS": tokens}).tokens is not None
+    for kwargs, msg in ((dict(transport="stdio"), "--user"), (dict(transport="stdio", tokens=tokens), "--tokens"),
+                        (dict(transport="http", environ={}), "--tokens"),
+                        (dict(transport="http", user="a", host="0.0.0.0"), "loopback")):
+        with pytest.raises(ValueError, match=msg):
+            scope_from_options(**kwargs)
+
+
+def test_rfmem_mcp_configuration_errors_exit_2(tmp_path, capsys):
+    assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--transport", "stdio"]) == 2
+    assert "--user" in capsys.readouterr().err
+    assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--transport", "http",
+                       "--tokens", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # refused before the memory is opened
+
+
+def test_mcp_docs_commands_and_client_configs_parse():
+    """The README's "MCP server" section and docs/guides/mcp.md: their ``rfmem mcp`` commands
+    parse, their ``mcpServers`` configurations are JSON whose stdio args parse, every tool is named."""
+    import re
+    import shlex
+
+    from rfmem_fast.cli import build_parser
+
+    readme = re.search(r"^## MCP server\n.*?(?=^## )", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    guide = (ROOT / "docs" / "guides" / "mcp.md").read_text(encoding="utf-8")
+    assert readme, "README.md has no '## MCP server' section"
+    assert set(re.findall(r"^\| `(\w+)` \|", guide, re.M)) == TOOLS  # the guide's tool table
+    for section in (readme.group(0), guide):
+        assert "```python" not in section  # (tests/test_readme.py would run it)
+        assert all(f"`{t}" in section for t in TOOLS)
+        commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
+                    if ln.startswith("rfmem mcp")]
+        assert len(commands) == 2
+        for line in commands:
+            args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
+            assert args.command == "mcp" and args.func.__name__ == "run_mcp"
+            assert (args.user is None) != (args.tokens is None)
+        configs = [json.loads(b)["mcpServers"]["rfmem"] for b in re.findall(r"```json\n(.*?)```", section, re.S)]
+        stdio, http = configs
+        assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
+        assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
+
+
+def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):
+    from rfmem_fast.serving.cli import open_memory
+
+    mem = Memory(tmp_path / "m", encoder=False, dim=16)
+    try:
+        assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--user", "u", "--encoder", "none",
+                           "--keep-omp-wait-policy"]) == 2
+        err = capsys.readouterr().err
+        assert "rfmem mcp: error:" in err and "LOCK" in err and "Traceback" not in err
+    finally:
+        mem.close()
+    with pytest.raises(ValueError, match="encoder_dtype must be one of"):
+        open_memory(str(tmp_path / "n"), encoder_dtype="fp8")
+    assert not (tmp_path / "n").exists()
+
+
+def test_mcp_http_with_a_fixed_user_needs_no_token(tmp_path):
+    """``--user`` over HTTP (loopback only): every client is that user, no bearer token."""
+    mem = Memory(tmp_path / "mem", encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["bob: secret"], user_id="bob")
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:
+                        ids = _ok(await session.call_tool("add_memories", {"texts": ["alice: hi"]}))["ids"]
+                        got = _ok(await session.call_tool("list_memories", {}))
+                        assert [m["id"] for m in got["memories"]] == ids
+
+            anyio.run(run)
+        assert [i.text for i in mem.get_all("alice")] == ["alice: hi"]
+        assert [i.text for i in mem.get_all("bob")] == ["bob: secret"]
+    finally:
+        mem.close()
