@@ -748,9 +748,11 @@ def serve(
     """
     import uvicorn
 
+    from ..encoders import check_backend
     from .cli import open_memory
 
-    key = _resolve_api_key(api_key, no_auth)  # refused before anything opens
+    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")  # bad options first,
+    key = _resolve_api_key(api_key, no_auth)  # then the key: both refused before anything opens
     memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
                          dim=dim, backend=backend, batching=batching, max_batch=max_batch,
                          max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
