@@ -136,11 +136,12 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
                "--cache-size", str(cache_size), "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
-               "--encoder-dtype", dtype]
+               "--encoder-dtype", dtype, "--no-auth"]  # a loopback benchmark: no tokens to send
         cmd += CONFIGS[config](args)
         self.cmd = cmd
         self.health: dict[str, Any] = {}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = {k: v for k, v in os.environ.items() if k != "RFMEM_API_KEY"}  # --no-auth refuses a key
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Wait for /health (kept in ``self.health``: the encoder's precision among others)."""

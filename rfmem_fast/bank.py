@@ -176,6 +176,19 @@ def _check_ids(ids: Any, n: int, name: str = "ids") -> list[ItemId]:
     return out
 
 
+def _check_unicode(text: str, name: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8), else ValueError naming
+    ``name`` and the index of the first lone surrogate (U+D800..U+DFFF), which no
+    tokenizer, JSON writer or HTTP response can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} holds a lone surrogate {text[exc.start]!r} at index {exc.start}: not valid Unicode text"
+        ) from None
+    return text
+
+
 def _check_texts(texts: Any, n: int) -> list[str | None]:
     if texts is None:
         return [None] * n
@@ -186,9 +199,11 @@ def _check_texts(texts: Any, n: int) -> list[str | None]:
     out = list(texts)
     if len(out) != n:
         raise ValueError(f"texts has {len(out)} entries but vectors has {n} rows")
-    for t in out:
+    for i, t in enumerate(out):
         if t is not None and not isinstance(t, str):
             raise TypeError(f"texts must hold str or None, got {type(t).__name__}")
+        if t is not None:
+            _check_unicode(t, f"texts[{i}]")
     return [None if t is None else str(t) for t in out]
 
 
@@ -233,9 +248,11 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
         if _nesting_depth(m) > MAX_METADATA_DEPTH:
             raise ValueError(f"metadata[{j}] nests deeper than {MAX_METADATA_DEPTH} levels")
         try:
-            copied = json.loads(json.dumps(m, allow_nan=False))
+            dumped = json.dumps(m, allow_nan=False, ensure_ascii=False)
+            copied = json.loads(dumped)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"metadata[{j}] is not JSON-serialisable: {exc}") from None
+        _check_unicode(dumped, f"metadata[{j}] (as JSON)")
         if copied != m:
             raise ValueError(
                 f"metadata[{j}] does not survive a JSON round trip unchanged "

@@ -478,6 +478,51 @@ class TextEncoder:
         return self._dtype
 
     @property
+    def max_tokens(self) -> int:
+        """The model's window: the most tokens of a text it reads, special tokens
+        included (int; 256 for all-MiniLM-L6-v2). :meth:`encode` silently ignores the
+        tokens beyond it; :class:`rfmem_fast.Memory` cuts longer memories into chunks."""
+        return int(self._model.max_seq_length)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text as the model's tokenizer splits it, special tokens
+        included, before any truncation (list of n ints; compare with :attr:`max_tokens`).
+
+        Raises:
+            TypeError: as :meth:`encode` (a single str, a non-str element).
+        """
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a sequence of str, not a single str/bytes")
+        items = list(texts)
+        for i, t in enumerate(items):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not items:
+            return []
+        enc = self._model.tokenizer(items, add_special_tokens=True, truncation=False, verbose=False)
+        return [len(ids) for ids in enc["input_ids"]]
+
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        """Per text, the (start, end) character span of each of its tokens, special
+        tokens excluded (the model's tokenizer, no truncation): what
+        :class:`rfmem_fast.Memory` cuts long texts into chunks with.
+
+        Raises:
+            TypeError: as :meth:`count_tokens`.
+        """
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a sequence of str, not a single str/bytes")
+        items = list(texts)
+        for i, t in enumerate(items):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        if not items:
+            return []
+        enc = self._model.tokenizer(items, add_special_tokens=False, truncation=False, verbose=False,
+                                    return_offsets_mapping=True)
+        return [[(int(a), int(b)) for a, b in offs] for offs in enc["offset_mapping"]]
+
+    @property
     def backend(self) -> str:
         """Runtime in use: "torch" or "onnx" ("auto" resolved, :func:`resolve_backend`)."""
         return self._backend

@@ -359,3 +359,28 @@ def test_readme_sharded_example_runs(ray_cluster, tmp_path, monkeypatch):
     store = tmp_path / "sharded-store"  # a relative path: resolved by the driver, not by each actor
     assert (store / "rfmem_sharded.json").is_file()
     assert all((store / f"shard-000{i}" / "store" / "CURRENT").is_file() for i in range(2))
+
+
+def test_closed_memory_and_impossible_resources_fail_at_once(ray_cluster):
+    """Issue 17 item 16: every call after close() raises ShardedMemoryClosedError (not
+    an AttributeError on None); shards the cluster can never hold (3 x 1 CPU on this
+    2-CPU cluster) fail at once with the numbers, not after ready_timeout_s."""
+    from rfmem_fast.distributed import ShardedMemoryClosedError
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"can never hold 3 shard actors of num_cpus=1: they need 3 CPU .* has 2"):
+        ShardedMemory(3, 8, num_cpus=1, ready_timeout_s=300)
+    with pytest.raises(ValueError, match="num_gpus=1"):
+        ShardedMemory(1, 8, num_cpus=0, num_gpus=1, ready_timeout_s=300)
+    assert time.monotonic() - t0 < 30
+    mem = ShardedMemory(2, 8, **SHARD_OPTS)
+    mem.add("u", np.ones((1, 8)), ["a"])
+    assert mem.num_items == 1
+    mem.close()
+    mem.close()  # idempotent
+    calls = [lambda: mem.add("u", np.ones((1, 8)), ["b"]), lambda: mem.delete("u", ["a"]),
+             lambda: mem.search(np.ones((1, 8)), ["u"]), lambda: mem.num_items, lambda: mem.users,
+             lambda: mem.stats(), lambda: mem.item_ids_of("u"), lambda: mem.restart_shard(0), lambda: "u" in mem]
+    for call in calls:
+        with pytest.raises(ShardedMemoryClosedError, match="closed"):
+            call()

@@ -69,18 +69,83 @@ def test_llamaindex_retriever(memory):
     nodes = r.retrieve("gamma fact")
     ref = memory.search("gamma fact", "alice", k=2, mode="dense")
     assert all(isinstance(n, NodeWithScore) for n in nodes)
-    assert [n.node.node_id for n in nodes] == [h.id for h in ref] and nodes[0].node.get_content() == "gamma fact"
+    assert [n.node.node_id for n in nodes] == [f"alice/{h.id}" for h in ref] and nodes[0].node.get_content() == "gamma fact"
+    assert [n.node.metadata["rfmem"]["id"] for n in nodes] == [h.id for h in ref]
     assert [n.score for n in nodes] == [h.score for h in ref] and nodes[0].node.metadata["n"] == 3
     assert nodes[0].node.metadata["rfmem"]["rule"] == "forced_dense"
     async_nodes = asyncio.run(r.aretrieve("beta fact"))
-    assert async_nodes[0].node.node_id == "b"
+    assert async_nodes[0].node.node_id == "alice/b"
     vec = HashEncoder(DIM).vector("alpha fact")  # a bundle with its own embedding is searched by vector
     by_vec = r.retrieve(QueryBundle(query_str="ignored", embedding=vec.tolist()))
-    assert by_vec[0].node.node_id == "a" and by_vec[0].score == pytest.approx(1.0)
-    assert [n.node.node_id for n in RFMemRetriever(memory, user_id="bob", mode="dense").retrieve("x")] == ["x"]
+    assert by_vec[0].node.node_id == "alice/a" and by_vec[0].score == pytest.approx(1.0)
+    assert [n.node.node_id for n in RFMemRetriever(memory, user_id="bob", mode="dense").retrieve("x")] == ["bob/x"]
     with pytest.raises(TypeError, match="memory must be a rfmem_fast.Memory"):
         RFMemRetriever(object(), user_id="alice")
     with pytest.raises(ValueError, match="mode"):
         RFMemRetriever(memory, user_id="alice", mode="fast")
     with pytest.raises(ValueError, match="k must be"):
         RFMemRetriever(memory, user_id="alice", k=np.int64(0))
+
+
+# ----------------------------------------------------------------------------- issue 17
+def test_langchain_per_call_k_search_kwargs_and_strict_validation(memory):
+    """Item 14: invoke / ainvoke(q, k=2), search_kwargs={"k": 2} give 2 documents; a bad
+    k (True, "3", 0, 10**9) is a validation error, at construction or per call."""
+    pytest.importorskip("langchain_core")
+    from pydantic import ValidationError
+
+    from rfmem_fast.integrations.langchain import RFMemRetriever
+
+    r = RFMemRetriever(memory=memory, user_id="alice", mode="dense")
+    assert len(r.invoke("alpha fact")) == 3
+    assert len(r.invoke("alpha fact", k=2)) == 2
+    assert len(asyncio.run(r.ainvoke("alpha fact", k=1))) == 1
+    assert [d.id for d in r.invoke("alpha fact", k=1, mode="dense")] == ["a"]
+    sk = RFMemRetriever(memory=memory, user_id="alice", mode="dense", search_kwargs={"k": 2})
+    assert len(sk.invoke("alpha fact")) == 2 and len(asyncio.run(sk.ainvoke("alpha fact"))) == 2
+    assert len(sk.invoke("alpha fact", k=1)) == 1  # per call beats search_kwargs
+    assert len(sk.batch(["alpha fact", "beta fact"])[1]) == 2
+    for bad in (True, "3", 0, 2.0, 10**9):
+        with pytest.raises(ValidationError):
+            RFMemRetriever(memory=memory, user_id="alice", k=bad)
+        with pytest.raises(ValueError, match="k must be an int"):
+            r.invoke("alpha fact", k=bad)
+        with pytest.raises(ValidationError, match="k must be an int"):
+            RFMemRetriever(memory=memory, user_id="alice", search_kwargs={"k": bad})
+    with pytest.raises(ValidationError, match="search_kwargs may hold 'k' and 'mode' only"):
+        RFMemRetriever(memory=memory, user_id="alice", search_kwargs={"score_threshold": 0.5})
+    with pytest.raises(ValueError, match="unknown keyword"):
+        r.invoke("alpha fact", top_k=2)
+    with pytest.raises(ValidationError):
+        RFMemRetriever(memory=memory, user_id=True)
+    with pytest.raises(ValidationError):
+        r.k = "3"  # assignments are validated too
+
+
+def test_llamaindex_content_without_bookkeeping_and_unique_node_ids(memory):
+    """Item 15: LLM / EMBED content holds the text and the item's own metadata, never
+    score / rfmem; node ids are unique per (user, item)."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import MetadataMode
+
+    from rfmem_fast.integrations.llamaindex import RFMemRetriever
+
+    node = RFMemRetriever(memory, user_id="alice", k=1, mode="dense").retrieve("alpha fact")[0].node
+    for mode in (MetadataMode.LLM, MetadataMode.EMBED):
+        content = node.get_content(mode)
+        assert "alpha fact" in content and "greek" in content
+        assert "rfmem" not in content and "entropy" not in content and "alice" not in content
+        assert "user value" not in content  # the item's own "score" key is replaced, then hidden
+    assert "rfmem" in node.get_content(MetadataMode.ALL)
+    memory.add(["alpha fact"], "1", ids=["1"])
+    memory.add(["alpha fact"], "2", ids=["1"])
+    ids = {RFMemRetriever(memory, user_id=u, k=1, mode="dense").retrieve("alpha fact")[0].node.node_id
+           for u in ("1", "2", "bob")}
+    assert ids == {"1/1", "2/1", "bob/x"}
+    odd = memory.add(["alpha fact"], "a/b", ids=["c/d"])
+    n = RFMemRetriever(memory, user_id="a/b", k=1).retrieve("alpha fact")[0].node
+    assert n.node_id == "a%2Fb/c%2Fd" and n.metadata["rfmem"]["id"] == odd[0]
+    with pytest.raises(ValueError, match="k must be an int"):
+        RFMemRetriever(memory, user_id="alice", k="3")
+    with pytest.raises(ValueError, match="k must be an int"):
+        RFMemRetriever(memory, user_id="alice", k=True)

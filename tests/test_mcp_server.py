@@ -441,3 +441,42 @@ def test_mcp_http_with_a_fixed_user_needs_no_token(tmp_path):
         assert [i.text for i in mem.get_all("bob")] == ["bob: secret"]
     finally:
         mem.close()
+
+
+def test_mcp_id_model_paged_listing_and_memory_validation(tmp_path, monkeypatch):
+    """Ids are Memory's: int ids written from Python are reached as their decimal string (a
+    JSON integer id too); list_memories reads one page (get_all with offset / limit, count),
+    never the whole listing; Memory's refusals come back naming the tool's own argument."""
+    mem = Memory(tmp_path / "mem", encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add([f"alice: fact {i}" for i in range(5)], user_id="alice", ids=[7, 8, 9, 10, 11])
+    pages = []
+    real_get_all = mem.get_all
+
+    def get_all(user, offset=0, limit=None):
+        pages.append((offset, limit))
+        return real_get_all(user, offset=offset, limit=limit)
+
+    monkeypatch.setattr(mem, "get_all", get_all)
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:
+                        assert _ok(await session.call_tool("get_memory", {"id": "7"}))["text"] == "alice: fact 0"
+                        assert _ok(await session.call_tool("get_memory", {"id": 8}))["id"] == "8"
+                        page = _ok(await session.call_tool("list_memories", {"offset": 1, "limit": 2}))
+                        assert [m["id"] for m in page["memories"]] == ["8", "9"]
+                        assert page["total"] == 5 and page["next_offset"] == 3
+                        assert pages == [(1, 2)]
+                        assert "text: must hold" in _err(await session.call_tool("update_memory", {"id": 7, "text": " "}))
+                        msg = _err(await session.call_tool("get_memory", {"id": "a\x1fb"}))
+                        assert "get_memory: id holds the character U+001F" in msg, msg
+                        assert "no memory with id '12'" in _err(await session.call_tool("delete_memory", {"id": 12}))
+                        assert "id" in _err(await session.call_tool("get_memory", {"id": True}))
+                        hits = _ok(await session.call_tool("search_memories", {"query": "alice: fact 2", "k": 1}))
+                        assert hits["hits"][0]["id"] == "9"
+
+            anyio.run(run)
+    finally:
+        mem.close()

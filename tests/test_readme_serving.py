@@ -69,6 +69,6 @@ def test_serving_http_examples_run(tmp_path, text_encoder):
     listed, end = dec.raw_decode(rest)  # curl prints the bodies without newlines
     deleted, end2 = dec.raw_decode(rest, end)
     metrics = rest[end2:]
-    assert [it["text"] for it in listed][0] == "I moved to Lyon in 2021."
+    assert [it["text"] for it in listed["items"]][0] == "I moved to Lyon in 2021."
     assert deleted == {"detail": "ids: user 'alice' holds no item id 'no-such-id'"}
     assert 'rfmem_cache_hit_ratio{cache="results"}' in metrics and "rfmem_batch_size_count 1.0" in metrics

@@ -159,7 +159,7 @@ def test_one_open_memory_per_directory(tmp_path, capsys):
     with pytest.raises(MemoryLockedError, match="open in another process or Memory"):
         Memory(tmp_path / "m", encoder=False)
     # `rfmem serve` on the locked directory: a one-line error and exit code 2, no traceback
-    assert main(["serve", "--path", str(tmp_path / "m"), "--encoder", "none", "--keep-omp-wait-policy"]) == 2
+    assert main(["serve", "--path", str(tmp_path / "m"), "--encoder", "none", "--keep-omp-wait-policy", "--no-auth"]) == 2
     err = capsys.readouterr().err
     assert "rfmem serve: error:" in err and "LOCK" in err and "Traceback" not in err
     mem.close()

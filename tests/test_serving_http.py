@@ -57,11 +57,11 @@ def test_crud_and_search_over_http(served):
     assert r.json()["hits"][0]["text"] is None
     r = c.post("/v1/users/alice/search/batch", headers=H, json={"queries": ["I like tea", "I live in Lyon"], "k": 1, "mode": "dense"})
     assert [res["hits"][0]["id"] for res in r.json()["results"]] == ["c", "a"]
-    assert c.patch("/v1/users/alice/memories/c", headers=H, json={"text": "I like coffee", "metadata": {"v": 2}}).status_code == 200
+    assert c.patch("/v1/users/alice/memories/c", headers=H, json={"texts": "I like coffee", "metadata": {"v": 2}}).status_code == 200
     assert c.get("/v1/users/alice/memories/c", headers=H).json() == {"id": "c", "text": "I like coffee", "metadata": {"v": 2}}
     assert c.delete("/v1/users/alice/memories/a", headers=H).json() == {"deleted": ["a"]}
     assert c.post("/v1/users/alice/memories/delete", headers=H, json={"ids": ["b"]}).json() == {"deleted": ["b"]}
-    assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()][:1] == ["c"]
+    assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()["items"]][:1] == ["c"]
     assert c.post("/v1/checkpoint", headers=H).json()["checkpointed"] is True
     health = c.get("/health").json()
     assert health["status"] == "ok" and health["items"] == 2
@@ -75,11 +75,11 @@ def test_user_scope_a_request_never_reads_another_users_memories(served):
         hits = c.post("/v1/users/0%2Fbob/search", headers=H, json={"query": "alice secret", "k": 5, "mode": mode}).json()
         assert hits["user_id"] == "0/bob" and {h["id"] for h in hits["hits"]} <= {"n1"}
     assert c.post("/v1/users/mallory/search", headers=H, json={"query": "alice secret"}).json()["hits"] == []
-    assert c.get("/v1/users/mallory/memories", headers=H).json() == []
+    assert c.get("/v1/users/mallory/memories", headers=H).json()["items"] == []
     assert c.get("/v1/users/0%2Fbob/memories/s1", headers=H).status_code == 404
     assert c.delete("/v1/users/0%2Fbob/memories/s1", headers=H).status_code == 404
-    assert c.patch("/v1/users/mallory/memories/s1", headers=H, json={"text": "x"}).status_code == 404
-    assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()] == ["s1"]
+    assert c.patch("/v1/users/mallory/memories/s1", headers=H, json={"texts": "x"}).status_code == 404
+    assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()["items"]] == ["s1"]
 
 
 def test_bearer_token(served):
@@ -120,8 +120,23 @@ BAD = [
     ("post", "/v1/users/u/search", {"vector": [1.0, 2.0]}, 400, "dimension 16"),
     ("post", "/v1/users/u/search/batch", {"queries": []}, 422, "queries"),
     ("post", "/v1/users/u/search/batch", {"vectors": [[1.0] * 3]}, 400, "dimension 16"),
-    ("patch", "/v1/users/u/memories/taken", {}, 422, "text, vector or metadata is required"),
-    ("patch", "/v1/users/u/memories/nope", {"text": "x"}, 404, "holds no item id 'nope'"),
+    ("patch", "/v1/users/u/memories/taken", {}, 422, "texts, vectors or metadata is required"),
+    ("patch", "/v1/users/u/memories/taken", {"text": "x"}, 422, "use 'texts'"),
+    ("patch", "/v1/users/u/memories/taken", {"vector": [1.0] * 16}, 422, "use 'vectors'"),
+    ("patch", "/v1/users/u/memories/taken", {"texts": "  "}, 400, "texts is empty or whitespace only"),
+    ("patch", "/v1/users/u/memories/nope", {"texts": "x"}, 404, "holds no item id 'nope'"),
+    ("post", "/v1/users/u/search", {"query": "x", "k": "2"}, 422, "k"),
+    ("post", "/v1/users/u/search", {"query": "x", "k": 2.0}, 422, "k"),
+    ("post", "/v1/users/u/search", {"query": "x", "k": True}, 422, "k"),
+    ("post", "/v1/users/u/search/batch", {"queries": ["x"], "k": "2"}, 422, "k"),
+    ("post", "/v1/users/u/search", {"query": ""}, 400, "query is empty or whitespace only"),
+    ("post", "/v1/users/u/search", {"query": " \n"}, 400, "query is empty or whitespace only"),
+    ("post", "/v1/users/u/search/batch", {"queries": ["ok", ""]}, 400, "queries[1] is empty"),
+    ("post", "/v1/users/u/memories", {"texts": [""]}, 400, "texts[0] is empty or whitespace only"),
+    ("post", "/v1/users/u/memories", {"texts": ["ok", "\t "]}, 400, "texts[1] is empty or whitespace only"),
+    ("get", "/v1/users/u/memories?limit=0", None, 422, "limit"),
+    ("get", "/v1/users/u/memories?offset=-1", None, 422, "offset"),
+    ("get", "/v1/users/u/memories?limit=1001", None, 422, "limit"),
     ("post", "/v1/users/u/memories/delete", {"ids": []}, 422, "ids"),
     ("post", "/v1/users/u/memories/delete", {"ids": ["taken", "nope"]}, 404, "nope"),
     ("delete", "/v1/users/ghost/memories/x", None, 404, "unknown user 'ghost'"),
@@ -157,9 +172,9 @@ def test_metrics(served):
         c.post("/v1/users/u/search", headers=H, json={"query": "a", "mode": "dense"})
     c.post("/v1/users/u/search", headers=H, json={"query": "zz", "k": 0})
     text = c.get("/metrics").text
-    assert 'rfmem_http_requests_total{method="POST",route="/v1/users/{user_id:path}/search",status="200"} 3.0' in text
-    assert 'rfmem_http_requests_total{method="POST",route="/v1/users/{user_id:path}/search",status="422"} 1.0' in text
-    assert 'rfmem_http_request_duration_seconds_count{method="POST",route="/v1/users/{user_id:path}/search"} 4.0' in text
+    assert 'rfmem_http_requests_total{method="POST",route="/v1/users/{user_id}/search",status="200"} 3.0' in text
+    assert 'rfmem_http_requests_total{method="POST",route="/v1/users/{user_id}/search",status="422"} 1.0' in text
+    assert 'rfmem_http_request_duration_seconds_count{method="POST",route="/v1/users/{user_id}/search"} 4.0' in text
     assert 'rfmem_search_queries_total{cached="false",mode="dense",route="familiarity",rule="forced_dense"} 1.0' in text
     assert 'rfmem_search_queries_total{cached="true",mode="dense",route="familiarity",rule="forced_dense"} 2.0' in text
     assert 'rfmem_cache_hit_ratio{cache="results"} 0.6666666666666666' in text
@@ -172,7 +187,7 @@ def test_overload_is_503_not_a_hang(tmp_path):
     mem = Memory(tmp_path / "m", encoder=enc, max_batch=1, max_queue=1, max_wait_ms=0.0, cache_size=0)
     mem.add(None, "u", vectors=np.ones((1, DIM)))
     enc.gate = threading.Event()
-    app = create_app(mem)
+    app = create_app(mem, no_auth=True)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -246,8 +261,8 @@ def test_rfmem_serve_killed_with_sigkill_restarts_with_every_acknowledged_write(
         with httpx.Client(base_url=base, headers=H) as c:
             after = {u: c.get(f"/v1/users/{u}/memories").json() for u in acked}
             assert after == before
-            assert {u: [it["id"] for it in items] for u, items in after.items()} == acked
-            assert after["user1"][0]["metadata"] == {"edited": True}
+            assert {u: [it["id"] for it in page["items"]] for u, page in after.items()} == acked
+            assert after["user1"]["items"][0]["metadata"] == {"edited": True}
             hits = c.post("/v1/users/user2/search", json={"vector": [1.0] * DIM, "k": 3, "mode": "dense"}).json()["hits"]
             assert len(hits) == 3 and {h["id"] for h in hits} <= set(acked["user2"])
     finally:
@@ -261,13 +276,13 @@ def test_health_and_metrics_report_the_encoder_precision(tmp_path):
     enc = HashEncoder(DIM)
     enc.dtype, enc.device = "bfloat16", "cpu"
     mem = Memory(tmp_path / "m", encoder=enc)
-    with TestClient(create_app(mem)) as c:
+    with TestClient(create_app(mem, no_auth=True)) as c:
         assert c.get("/health").json()["encoder"] == {"model": "HashEncoder", "dtype": "bfloat16", "device": "cpu",
                                                       "loaded": True}
         assert 'rfmem_encoder_info{device="cpu",dtype="bfloat16",model="HashEncoder"} 1.0' in c.get("/metrics").text
     mem.close()
     vec_only = Memory(encoder=False, dim=DIM)
-    with TestClient(create_app(vec_only)) as c:
+    with TestClient(create_app(vec_only, no_auth=True)) as c:
         assert c.get("/health").json()["encoder"] is None
         assert "rfmem_encoder_info" not in c.get("/metrics").text
 

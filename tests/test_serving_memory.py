@@ -124,8 +124,32 @@ def test_hit_metadata_is_the_callers_copy():
     "call, exc, match",
     [
         (lambda m: m.search("q", "u", mode="fast"), ValueError, "mode must be one of"),
-        (lambda m: m.search("q", "u", k=0), ValueError, "k must be an int >= 1"),
-        (lambda m: m.search("q", "u", k=2.5), ValueError, "k must be an int >= 1"),
+        (lambda m: m.search("q", "u", k=0), ValueError, r"k must be an int in \[1, 1000\]"),
+        (lambda m: m.search("q", "u", k=2.5), ValueError, r"k must be an int in \[1, 1000\]"),
+        (lambda m: m.search("q", "u", k=10**9), ValueError, r"^k must be an int in \[1, 1000\] or None, got 1000000000"),
+        (lambda m: m.search("q", "u", k="2"), ValueError, r"k must be an int"),
+        (lambda m: m.search(["a", "b"], "u"), TypeError, "use Memory.search_batch"),
+        (lambda m: m.search("", "u"), ValueError, "query is empty or whitespace only"),
+        (lambda m: m.search(" \t\n", "u"), ValueError, "query is empty or whitespace only"),
+        (lambda m: m.search("bad \ud800", "u"), ValueError, "query holds a lone surrogate"),
+        (lambda m: m.search_batch(["ok", "bad \udfff"], "u"), ValueError, r"queries\[1\] holds a lone surrogate"),
+        (lambda m: m.search("q", "u\ud800"), ValueError, "user_id holds a lone surrogate"),
+        (lambda m: m.search("q", ""), ValueError, "user_id must be a non-empty str"),
+        (lambda m: m.add(["bad \ud800 text"], "u"), ValueError, r"texts\[0\] holds a lone surrogate"),
+        (lambda m: m.add(["ok", "bad \ud800"], "u", vectors=np.ones((2, 16))), ValueError, r"texts\[1\] holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", metadata={"k": "v\udfff"}), ValueError, r"metadata\[0\] \(as JSON\) holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", metadata=[{"v\udfff": 1}]), ValueError, r"metadata\[0\] \(as JSON\) holds a lone surrogate"),
+        (lambda m: m.add(["a"], "u", ids=["i\ud800"]), ValueError, r"ids\[0\] holds a lone surrogate"),
+        (lambda m: m.add([""], "u"), ValueError, r"texts\[0\] is empty or whitespace only"),
+        (lambda m: m.add(["ok", "  \n"], "u"), ValueError, r"texts\[1\] is empty or whitespace only"),
+        (lambda m: m.add([" "], "u", vectors=np.ones((1, 16))), ValueError, r"texts\[0\] is empty"),
+        (lambda m: m.update("taken", "u", texts="\t"), ValueError, r"^texts is empty or whitespace only"),
+        (lambda m: m.add(["a", "b"], "u", ids=[1, "1"]), ValueError, "duplicate item id '1'"),
+        (lambda m: m.add(["a"], "u", ids=[""]), ValueError, r"ids\[0\] must be a non-empty str"),
+        (lambda m: m.add(["a"], "u", ids=["x" * 257]), ValueError, r"ids\[0\] is 257 characters long"),
+        (lambda m: m.add(["a" * 100_001], "u"), ValueError, r"texts\[0\] is 100001 characters long"),
+        (lambda m: m.get_all("u", offset=-1), ValueError, "offset must be an int >= 0"),
+        (lambda m: m.get_all("u", limit=0), ValueError, "limit must be an int >= 1"),
         (lambda m: m.search("q", 1.5), TypeError, "user_id must be a str or an int"),
         (lambda m: m.search(b"q", "u"), TypeError, "query must be a str or a 1-D vector"),
         (lambda m: m.search(np.ones(3), "u"), ValueError, "query must have dimension 16"),
@@ -137,7 +161,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.add(["a", "b"], "u", ids=["1"]), ValueError, "ids has 1 entries but there are 2 items"),
         (lambda m: m.add(["a"], "u", vectors=np.ones((2, 16))), ValueError, "texts has 1 entries but vectors has 2"),
         (lambda m: m.add(["a"], "u", vectors=np.full((1, 16), np.nan)), ValueError, "NaN or Inf"),
-        (lambda m: m.add(["a"], "u", metadata=[{"x": {1, 2}}]), ValueError, "cannot log this write|JSON"),
+        (lambda m: m.add(["a"], "u", metadata=[{"x": {1, 2}}]), ValueError, r"^metadata\[0\] is not JSON-serialisable"),
         (lambda m: m.add(["a"], "u", metadata="tag"), TypeError, "metadata must be a dict"),
         (lambda m: m.add([1], "u"), TypeError, r"texts\[0\] must be a str"),
         (lambda m: m.add(["a", "b"], "u", ids=["x", "x"]), ValueError, "duplicate item id 'x'"),
@@ -170,11 +194,12 @@ def test_unknown_user_and_empty_memory_answer_empty():
 
 # ----------------------------------------------------------------------------- isolation
 @settings(max_examples=20)
-@given(st.lists(st.tuples(st.sampled_from(["ann", "bob", 3, 4]), st.integers(1, 5)), min_size=1, max_size=8),
+@given(st.lists(st.tuples(st.sampled_from(["ann", "bob", 3, 4, "3"]), st.integers(1, 5)), min_size=1, max_size=8),
        st.integers(0, 2**31 - 1))
 def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
     """Users with overlapping item ids and identical texts: every hit (batched, cached,
-    unbatched) is the query's user's own item."""
+    unbatched) is the query's user's own item. Int user ids are their decimal str (the
+    id model): 3 and "3" are one user."""
     rng = np.random.default_rng(seed)
     mem = new_memory(max_wait_ms=5.0)
     owner = {}
@@ -183,8 +208,8 @@ def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
         ids = [f"i{j}" for j in range(len(got), len(got) + n)]  # the same ids for every user
         mem.add(["shared text"] * n, user, ids=ids, metadata={"owner": str(user)},
                 vectors=rng.normal(size=(n, DIM)))
-        owner[user] = owner.get(user, 0) + n
-    users = list(owner) + ["stranger"]
+        owner[str(user)] = owner.get(str(user), 0) + n
+    users = list(owner) + ["stranger", 4]
     queries = ["shared text", "other"]
     with ThreadPoolExecutor(8) as pool:
         futs = [(u, mode, pool.submit(mem.search, q, u, 3, mode))
@@ -192,7 +217,9 @@ def test_isolation_a_query_only_ever_sees_its_own_users_items(adds, seed):
         results = [(u, mode, f.result()) for u, mode, f in futs]
     results += [(u, "rfmem", h) for u in users for h in mem.search_batch(queries, u, k=3)]
     for user, mode, hits in results:
-        assert all(h.user_id == user and h.metadata == {"owner": str(user)} for h in hits)
+        user = str(user)
+        assert hits.user_id == user and all(h.user_id == user for h in hits)
+        assert all(h.metadata == {"owner": user} for h in hits)
         # dense returns the top-k; recollection drops candidates under score_floor
         assert len(hits) == min(3, owner.get(user, 0)) if mode == "dense" else len(hits) <= min(3, owner.get(user, 0))
 
@@ -428,6 +455,266 @@ def test_encoder_dtype_option(monkeypatch):
         Memory(encoder=HashEncoder(DIM), encoder_dtype="bfloat16")
     with pytest.raises(ValueError, match="encoder_dtype needs a text encoder"):
         Memory(encoder=False, dim=DIM, encoder_dtype="float32")
+
+
+# ----------------------------------------------------------------------------- issue 17
+class ZeroForBlank(HashEncoder):
+    """An encoder wrapper as many are: a zero row for a text with no words."""
+
+    def vector(self, text):
+        return np.zeros(self.dim, np.float32) if not text.strip() or text == "empty-ish" else super().vector(text)
+
+
+def test_a_bad_query_fails_alone_with_an_error_naming_it():
+    """Item 5: 8 callers share a batch; the encoder gives ONE of them a zero row: only
+    that caller fails, and its error names its own query (no internal batch row)."""
+    enc = ZeroForBlank(DIM)
+    mem = new_memory(encoder=enc, max_batch=8, max_wait_ms=200.0, cache_size=0)
+    mem.add(["alpha", "beta"], "u", ids=["a", "b"])
+    enc.entered.clear()
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(9) as pool:
+        blocker = pool.submit(mem.search, "warm", "u")
+        assert enc.entered.wait(10)
+        texts = [f"q{i}" for i in range(7)] + ["empty-ish"]
+        futs = [pool.submit(mem.search, t, "u", 2, "dense") for t in texts]
+        for _ in range(1000):
+            if mem.stats()["batcher"]["queue_depth"] == 8:
+                break
+            threading.Event().wait(0.01)
+        enc.gate.set()
+        blocker.result(10)
+        assert all(len(f.result(10)) == 2 for f in futs[:7])
+        with pytest.raises(ValueError) as err:
+            futs[7].result(10)
+    assert "'empty-ish'" in str(err.value) and "row" not in str(err.value)
+    assert mem.stats()["batcher"]["largest_batch"] == 8  # they did share one batch
+    with pytest.raises(ValueError, match=r"texts\[1\] 'empty-ish': the encoder returned a zero"):
+        mem.add(["fine", "empty-ish"], "u")
+
+
+def test_timed_out_and_cancelled_requests_free_their_queue_slots():
+    """Item 6: max_queue=4, worker blocked: 4 waiters time out (threads) or are
+    cancelled (asyncio); a new search is queued (no QueueFullError) and answered."""
+    enc = HashEncoder(DIM)
+    mem = new_memory(encoder=enc, max_batch=1, max_queue=4, max_wait_ms=0.0, cache_size=0)
+    mem.add(["x"], "u")
+    enc.entered.clear()
+    enc.gate = threading.Event()
+    with ThreadPoolExecutor(6) as pool:
+        blocker = pool.submit(mem.search, "block", "u")
+        assert enc.entered.wait(10)
+        waiters = [pool.submit(mem.search, f"t{i}", "u", timeout=0.2) for i in range(4)]
+        for w in waiters:
+            with pytest.raises(RequestTimeoutError):
+                w.result(10)
+        assert mem.stats()["batcher"]["queue_depth"] == 0
+
+        async def cancelled():
+            tasks = [asyncio.ensure_future(mem.asearch(f"c{i}", "u", timeout=None)) for i in range(4)]
+            await asyncio.sleep(0.05)
+            assert mem.stats()["batcher"]["queue_depth"] == 4
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return mem.stats()["batcher"]["queue_depth"]
+
+        assert asyncio.run(cancelled()) == 0
+        late = pool.submit(mem.search, "late", "u")  # queued: the slots were freed
+        threading.Event().wait(0.05)
+        assert not late.done()
+        enc.gate.set()
+        assert len(late.result(10)) == 1 and len(blocker.result(10)) == 1
+    assert enc.calls == [1, 1, 1]  # add, block, late: the timed-out / cancelled requests never ran
+    mem.close()
+
+
+def test_search_racing_close_gets_batcher_closed_error_at_once():
+    """Item 7: searches (threads and asyncio, timeout=None) racing close() either finish
+    or raise BatcherClosedError at once; none waits forever."""
+    from rfmem_fast.serving import BatcherClosedError
+
+    for _ in range(20):
+        mem = new_memory(max_wait_ms=0.5, timeout=None, cache_size=0)
+        mem.add(["x"], "u")
+        go = threading.Barrier(5)
+
+        def one(i):
+            go.wait()
+            try:
+                return len(mem.search(f"q{i}", "u"))
+            except BatcherClosedError:
+                return "closed"
+
+        with ThreadPoolExecutor(5) as pool:
+            futs = [pool.submit(one, i) for i in range(4)]
+            go.wait()
+            mem.close()
+            outs = [f.result(5) for f in futs]  # a lost request would time out here
+        assert set(outs) <= {1, "closed"}
+        with pytest.raises(BatcherClosedError):
+            mem.search("after", "u")
+        with pytest.raises(BatcherClosedError):
+            asyncio.run(mem.asearch("after", "u", timeout=None))
+    b = MicroBatcher(lambda items: items, max_wait_ms=0.0, timeout=None)
+    b.close()
+    with pytest.raises(BatcherClosedError):
+        b.call(1)
+
+
+def test_every_caller_gets_its_own_copy_of_cached_hits():
+    """Item 8: mutating returned hits (metadata, an item stored without metadata
+    included) never changes a later (cached) answer or a concurrent caller's."""
+    mem = new_memory(max_wait_ms=20.0)
+    mem.add(["plain", "tagged"], "u", ids=["p", "t"], metadata=[None, {"tag": ["x"]}])
+    first = mem.search("plain", "u", k=2, mode="dense")
+    for h in first:
+        h.metadata["x"] = 1
+        h.metadata.get("tag", []).append("y")
+    again = mem.search("plain", "u", k=2, mode="dense")
+    assert again.cached and {h.id: h.metadata for h in again} == {"p": {}, "t": {"tag": ["x"]}}
+    with ThreadPoolExecutor(2) as pool:
+        a, b = [f.result() for f in [pool.submit(mem.search, "tagged", "u", 2, "dense") for _ in range(2)]]
+    assert all(x.metadata is not y.metadata for x, y in zip(a, b))
+    batch = mem.search_batch(["plain", "plain"], "u", k=2, mode="dense")
+    assert batch[0][0].metadata is not batch[1][0].metadata
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_one_metadata_validation_for_the_in_memory_and_the_durable_memory(tmp_path, durable):
+    """Item 10: the same value gets the same message naming metadata[i], before anything
+    is logged, whether the Memory has a path or not."""
+    import datetime
+    import decimal
+    import uuid as uuid_mod
+
+    mem = new_memory(path=tmp_path / "m" if durable else None)
+    mem.add(["ok"], "u", ids=["ok"])
+    bad = [datetime.datetime(2024, 1, 1), datetime.date(2024, 1, 1), decimal.Decimal("1.5"), uuid_mod.uuid4(),
+           {1, 2}, b"bytes", object(), 1 + 2j, float("nan"), float("inf"), (1, 2), np.float32(1.0), np.arange(2)]
+    for v in bad:
+        with pytest.raises(ValueError, match=r"^metadata\[1\] (is not JSON-serialisable|does not survive)") as err:
+            mem.add(["a", "b"], "u", metadata=[None, {"k": v}])
+        assert "cannot log" not in str(err.value)
+    assert [i.id for i in mem.get_all("u")] == ["ok"] and mem.stats()["writes"] == 1
+    mem.close()
+
+
+class Windowed(HashEncoder):
+    """An encoder with a window of 8 tokens (2 special): tokens are the words."""
+
+    max_tokens = 8
+
+    def count_tokens(self, texts):
+        return [len(t.split()) + 2 for t in texts]
+
+
+class Chunkable(Windowed):
+    """... that also tells each token's span, so long texts are chunked."""
+
+    def token_spans(self, texts):
+        import re
+
+        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
+
+
+def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
+    """Item 12: an encoder that tells its window but not its token spans gets no text
+    it would truncate; the error names the text and the limit."""
+    mem = new_memory(encoder=Windowed(DIM))
+    mem.add(["one two three four five six"], "u", ids=["fits"])
+    with pytest.raises(ValueError, match=r"texts\[1\] is 9 tokens long, but the encoder reads at most 8 tokens"):
+        mem.add(["short", "one two three four five six seven"], "u")
+    with pytest.raises(ValueError, match=r"texts\[0\] is 9 tokens"):
+        mem.update("fits", "u", texts="one two three four five six seven")
+    mem.add(["one two three four five six seven"], "u", vectors=np.ones(DIM), ids=["own"])  # own vectors: kept
+    assert [i.id for i in mem.get_all("u")] == ["fits", "own"]
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable):
+    """Item 12: a text over the window becomes overlapping chunks (6 text tokens each,
+    overlap 2), each a row of its item; a query matching ANY chunk finds the item (its
+    whole text, its metadata, once); get / get_all / count see items only; update and
+    delete of the item replace / remove all its chunks; all of it survives a reopen."""
+    enc = Chunkable(DIM)
+    path = tmp_path / "m" if durable else None
+    mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+    words = [f"w{i}" for i in range(14)]
+    long_text = " ".join(words)  # 14 tokens: chunks w0-w5, w4-w9, w8-w13
+    chunks = [" ".join(words[0:6]), " ".join(words[4:10]), " ".join(words[8:14])]
+    assert mem._split([long_text]) == [chunks]
+    mem.add([long_text, "short one"], "u", ids=["long", "s"], metadata=[{"m": 1}, None])
+    assert mem.bank.user_size("u") == 4 and mem.count("u") == 2
+    assert [(i.id, i.text, i.metadata) for i in mem.get_all("u")] == [("long", long_text, {"m": 1}), ("s", "short one", {})]
+    for c in chunks:  # the query equal to a chunk's text scores 1.0 on that chunk's row
+        hits = mem.search(c, "u", k=2, mode="dense")
+        assert [h.id for h in hits] == ["long", "s"] and hits[0].text == long_text and hits[0].metadata == {"m": 1}
+        assert hits[0].score == pytest.approx(1.0)
+    assert [h.id for h in mem.search(chunks[2], "u", k=10, mode="dense")] == ["long", "s"]  # one hit per item
+    with pytest.raises(ValueError, match="U\\+001F"):
+        mem.add(["x"], "u", ids=["long\x1f1"])
+    if durable:
+        mem._lock_file.close()  # crash: replay rebuilds the chunks from the log
+        mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+        assert mem.count("u") == 2 and mem.search(chunks[1], "u", k=1, mode="dense")[0].id == "long"
+    new_text = " ".join(f"v{i}" for i in range(10))  # 2 chunks now
+    mem.update("long", "u", texts=new_text)
+    assert mem.bank.user_size("u") == 3 and mem.get("long", "u")[0].text == new_text
+    assert mem.search(chunks[2], "u", k=1, mode="dense")[0].score < 0.9  # the old chunks are gone
+    assert mem.search(" ".join(f"v{i}" for i in range(4, 10)), "u", k=1, mode="dense")[0].score == pytest.approx(1.0)
+    if durable:
+        mem.close()  # checkpoint: the store holds the chunk rows, the map is rebuilt from it
+        mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)
+        assert mem.count("u") == 2 and mem._chunks["u"] == {"long": 1}
+    mem.delete("long", "u")
+    assert mem.bank.user_size("u") == 1 and [i.id for i in mem.get_all("u")] == ["s"]
+    mem.add([long_text], "u", ids=["long"])  # the id (and its chunk rows' ids) can be used again
+    assert mem.delete_user("u") == 2 and mem.bank.user_size("u") == 0
+    mem.close()
+    with pytest.raises(ValueError, match="chunk_overlap"):
+        Memory(encoder=enc, chunk_overlap=-1)
+    with pytest.raises(ValueError, match="leaves no room"):
+        Memory(encoder=enc, chunk_overlap=6).add([long_text], "u")
+
+
+def test_id_model_ints_are_their_decimal_str():
+    """Item 13: user ids and item ids are str; ints are converted (7 and "7" are one id)."""
+    mem = new_memory()
+    assert mem.add(["seven"], 7, ids=[7]) == ["7"]
+    assert [i.id for i in mem.get("7", "7")] == ["7"] and mem.get(7, 7)[0].text == "seven"
+    hits = mem.search("seven", "7")
+    assert hits.user_id == "7" and hits[0].id == "7"
+    with pytest.raises(ValueError, match="already holds item id '7'"):
+        mem.add(["again"], "7", ids=["7"])
+    mem.update(7, "7", texts="seven!")
+    mem.delete("7", 7)
+    assert mem.get_all(7) == []
+
+
+def test_delete_user_forgets_every_memory_durably(tmp_path):
+    """Item 13: delete_user removes all of a user's items, survives a crash and a
+    checkpoint; other users stay; an unknown user deletes nothing (idempotent)."""
+    mem = new_memory(path=tmp_path / "m")
+    mem.add(["a", "b", "c"], "gone", ids=["1", "2", "3"])
+    mem.add(["a"], "kept", ids=["1"])
+    assert mem.delete_user("gone") == 3 and mem.delete_user("gone") == 0 and mem.delete_user("never") == 0
+    assert mem.get_all("gone") == [] and mem.search("a", "gone") == []
+    mem._lock_file.close()  # crash: only the log holds it
+    again = new_memory(path=tmp_path / "m")
+    assert again.get_all("gone") == [] and [i.id for i in again.get_all("kept")] == ["1"]
+    again.close()
+    third = new_memory(path=tmp_path / "m")
+    assert third.count("gone") == 0 and third.count("kept") == 1
+    third.close()
+
+
+def test_get_all_pages():
+    mem = new_memory()
+    mem.add([f"t{i}" for i in range(7)], "u", ids=[f"i{i}" for i in range(7)])
+    pages = [[it.id for it in mem.get_all("u", offset=o, limit=3)] for o in (0, 3, 6, 9)]
+    assert pages == [["i0", "i1", "i2"], ["i3", "i4", "i5"], ["i6"], []]
+    assert [it.text for it in mem.get_all("u", offset=5)] == ["t5", "t6"]
 
 
 def test_encoder_backend_option(monkeypatch):

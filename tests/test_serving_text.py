@@ -27,7 +27,12 @@ def test_batched_text_queries_match_one_text_encodes(pb_small, text_encoder):
     rounding of the encoder (RFMEM_SPEC.md "Vectors and scores")."""
     user, questions = pb_small
     mem = Memory(encoder=text_encoder, cache_size=0)
-    mem.add(user.chunk_texts[:24], user.key, ids=user.chunk_ids[:24])
+    # the texts are cut to the encoder's window here, so the bank holds one row per item
+    # and a direct search is the reference (chunked long texts: test_long_memory_... below)
+    texts = [text_encoder._model.tokenizer.convert_tokens_to_string(
+        text_encoder._model.tokenizer.tokenize(t)[:200]) for t in user.chunk_texts[:24]]
+    mem.add(texts, user.key, ids=user.chunk_ids[:24])
+    assert mem.bank.user_size(user.key) == 24
     batched = mem.search_batch(questions, user.key, k=5)
     worst = 0.0
     for q, hits in zip(questions, batched):
@@ -49,3 +54,23 @@ def test_text_memory_end_to_end(tmp_path, text_encoder):
     mem.close()
     again = Memory(tmp_path / "m", encoder=text_encoder)
     assert again.search("Which colour do I like?", "u1", k=1)[0].text == "My favourite colour is green."
+
+
+def test_long_memory_is_chunked_so_its_end_is_found(text_encoder):
+    """Issue 17 item 12: a memory ending in "My favourite colour is green." after ~400
+    tokens of filler used to be truncated at 256 tokens (rank 3, score 0.125); chunked,
+    it is the top hit for "What is my favourite colour?", with its whole text."""
+    filler = " ".join(f"On day {i} I walked to the market and bought some bread and cheese." for i in range(30))
+    long_text = filler + " My favourite colour is green."
+    assert text_encoder.count_tokens([long_text])[0] > text_encoder.max_tokens
+    mem = Memory(encoder=text_encoder, cache_size=0)
+    mem.add([long_text, "I have a brother called Tom.", "I work as a nurse in Lyon."], "u", ids=["long", "b", "c"])
+    assert mem.count("u") == 3 and mem.bank.user_size("u") > 3
+    hits = mem.search("What is my favourite colour?", "u", k=3, mode="dense")
+    assert hits[0].id == "long" and hits[0].text == long_text and hits[0].score > 0.3
+    assert sorted(h.id for h in hits) == ["b", "c", "long"]
+    parts = mem._split([long_text])[0]
+    assert all(text_encoder.count_tokens([p])[0] <= text_encoder.max_tokens for p in parts)
+    assert parts[-1].endswith("My favourite colour is green.") and long_text.startswith(parts[0])
+    mem.delete("long", "u")
+    assert mem.bank.user_size("u") == 2

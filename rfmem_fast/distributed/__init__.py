@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .manifest import MANIFEST_FILE
 from .shard import ShardServer
-from .sharded import ShardedMemory, ShardError, ShardTimeoutError, ShardUnavailableError
+from .sharded import ShardedMemory, ShardedMemoryClosedError, ShardError, ShardTimeoutError, ShardUnavailableError
 from .sharding import HASH_SCHEME, shard_of
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ShardError",
     "ShardServer",
     "ShardTimeoutError",
+    "ShardedMemoryClosedError",
     "ShardUnavailableError",
     "ShardedMemory",
     "shard_of",

@@ -72,6 +72,21 @@ class ShardTimeoutError(ShardError, TimeoutError):
     """A shard did not answer within the call's ``timeout_s``."""
 
 
+class ShardedMemoryClosedError(RuntimeError):
+    """A call on a :class:`ShardedMemory` after :meth:`ShardedMemory.close`."""
+
+
+class _ClosedActors:
+    """Stands in for the actor list after close: any use raises ShardedMemoryClosedError,
+    so every method fails the same clear way (not with an AttributeError on None)."""
+
+    def _closed(self, *_: Any) -> Any:
+        raise ShardedMemoryClosedError("this ShardedMemory is closed (its shard actors were stopped); "
+                                       "open it again with ShardedMemory.load(path) or create a new one")
+
+    __getitem__ = __setitem__ = __iter__ = __len__ = _closed
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -112,7 +127,10 @@ class ShardedMemory:
 
     Raises:
         ImportError: Ray is not installed (the message names the ``[ray]`` extra).
-        ValueError: bad ``num_shards`` / ``dim`` / resources / timeout, or an unknown backend.
+        ValueError: bad ``num_shards`` / ``dim`` / resources / timeout, an unknown
+            backend, or shards the cluster can never hold (``num_shards x num_cpus`` /
+            ``num_gpus`` over ``ray.cluster_resources()``: raised at once, with the
+            numbers, instead of waiting ``ready_timeout_s``).
         StoreError: ``path`` is not empty, or a shard cannot open its home.
         ShardTimeoutError: an actor did not start in time (not enough free CPUs / GPUs
             in the cluster for N actors of ``num_cpus`` / ``num_gpus``).
@@ -184,8 +202,18 @@ class ShardedMemory:
             raise TypeError(f"backend must be a backend name (str), got {type(backend).__name__}")
         if not ray.is_initialized():
             ray.init(address=address, **(ray_init or {}))
+        total = ray.cluster_resources()
         if num_gpus is None:
-            num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+            num_gpus = 1 if total.get("GPU", 0) >= 1 else 0
+        for name, per in (("CPU", num_cpus), ("GPU", num_gpus)):
+            need = per * num_shards
+            if need > total.get(name, 0) + 1e-9:  # can never be met: fail now, not after ready_timeout_s
+                raise ValueError(
+                    f"the Ray cluster can never hold {num_shards} shard actors of num_{name.lower()}s={per}: they need "
+                    f"{need:g} {name} in all and the whole cluster has {total.get(name, 0):g} "
+                    f"(ray.cluster_resources() = {total}); lower num_shards or num_{name.lower()}s, "
+                    "or add nodes to the cluster"
+                )
         self._num_shards, self._dim = num_shards, dim
         self._root = Path(path) if path is not None else None
         self._args = dict(backend=backend, device=device, threads=threads_per_shard, defer_errors=True)
@@ -585,6 +613,8 @@ class ShardedMemory:
             ValueError: bad index, or no home (an in-memory shard cannot be restored).
             StoreError / ShardError: the home cannot be opened.
         """
+        if isinstance(self._actors, _ClosedActors):
+            self._actors._closed()
         if not _is_int(shard) or not 0 <= shard < self._num_shards:
             raise ValueError(f"shard must be an int in [0, {self._num_shards}), got {shard!r}")
         if self._root is None:
@@ -625,15 +655,19 @@ class ShardedMemory:
         return self._actors[shard]
 
     def close(self) -> None:
-        """Stop every shard actor (their homes stay on disk). Idempotent."""
+        """Stop every shard actor (their homes stay on disk). Idempotent; afterwards
+        every call raises :class:`ShardedMemoryClosedError`."""
+        actors = getattr(self, "_actors", [])
+        if isinstance(actors, _ClosedActors):
+            return
         ray = _ray()
-        for i, a in enumerate(getattr(self, "_actors", [])):
+        for a in actors:
             if a is not None:
                 try:
                     ray.kill(a, no_restart=True)
                 except Exception:  # pragma: no cover - already gone
                     pass
-                self._actors[i] = None
+        self._actors = _ClosedActors()  # type: ignore[assignment]
 
     def __enter__(self) -> "ShardedMemory":
         return self

@@ -13,21 +13,36 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hit_metadata", "check_k_mode"]
+__all__ = ["hit_metadata", "check_k_mode", "BOOKKEEPING_KEYS", "node_id"]
+
+#: the metadata keys a retriever adds to each result (not the item's own metadata):
+#: excluded from the text an LLM or an embedding model sees (LlamaIndex)
+BOOKKEEPING_KEYS = ("score", "rfmem")
 
 
 def check_k_mode(k: Any, mode: Any) -> None:
-    """Validate a retriever's ``k`` (int >= 1 or None) and ``mode`` (one of ``rfmem_fast.MODES``).
+    """Validate a retriever's ``k`` (an int in [1, 1000] or None: the limit of
+    :meth:`Memory.search`; bool and str refused) and ``mode`` (one of ``rfmem_fast.MODES``).
 
     Raises:
         ValueError: naming the bad argument.
     """
     from ..search import MODES
+    from ..serving.memory import MAX_K
 
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K):
+        raise ValueError(f"k must be an int >= 1 (at most {MAX_K}) or None, got {k!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def node_id(hit: Any) -> str:
+    """A framework node / document id unique per (user, item): ``"<user>/<item>"``,
+    each percent-encoded (``urllib.parse.quote(x, safe="")``), so items of different
+    users (or ids that differ only by type in an older memory) never share one."""
+    from urllib.parse import quote
+
+    return f"{quote(str(hit.user_id), safe='')}/{quote(str(hit.id), safe='')}"
 
 
 def hit_metadata(hit: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..serving.memory import Hits, Memory
-from . import check_k_mode, hit_metadata
+from . import BOOKKEEPING_KEYS, check_k_mode, hit_metadata, node_id
 
 __all__ = ["RFMemRetriever"]
 
@@ -34,10 +34,15 @@ class RFMemRetriever(BaseRetriever):
         mode: "rfmem" (default), "dense" or "recollection" (RFMEM_SPEC.md section 5).
         **kwargs: passed to ``llama_index.core.retrievers.BaseRetriever``.
 
-    Returns ``NodeWithScore``s best first: a ``TextNode`` (``id_`` = the item id as
-    str, ``text`` = the item's text or "", ``metadata`` = the item's metadata plus
-    ``"score"`` and ``"rfmem"``) with ``score`` = the hit's score. A query bundle that
-    carries an ``embedding`` is searched with that vector instead of its text.
+    Returns ``NodeWithScore``s best first: a ``TextNode`` (``id_`` = ``"<user>/<item>"``
+    percent-encoded, unique per user and item (:func:`rfmem_fast.integrations.node_id`;
+    the item id itself is ``metadata["rfmem"]["id"]``), ``text`` = the item's text or "",
+    ``metadata`` = the item's metadata plus ``"score"`` and ``"rfmem"``) with ``score`` =
+    the hit's score. The bookkeeping keys ``"score"`` and ``"rfmem"`` are excluded from
+    the LLM and EMBED content (``excluded_llm_metadata_keys`` /
+    ``excluded_embed_metadata_keys``): ``get_content(MetadataMode.LLM)`` carries the
+    text and the item's own metadata only. A query bundle that carries an
+    ``embedding`` is searched with that vector instead of its text.
 
     Raises:
         TypeError: ``memory`` is not a Memory. ValueError: a bad k or mode.
@@ -60,8 +65,11 @@ class RFMemRetriever(BaseRetriever):
 
     @staticmethod
     def _nodes(hits: Hits) -> list[NodeWithScore]:
+        keys = list(BOOKKEEPING_KEYS)
         return [
-            NodeWithScore(node=TextNode(id_=str(h.id), text=h.text or "", metadata=hit_metadata(h)), score=h.score)
+            NodeWithScore(node=TextNode(id_=node_id(h), text=h.text or "", metadata=hit_metadata(h),
+                                        excluded_llm_metadata_keys=keys, excluded_embed_metadata_keys=keys),
+                          score=h.score)
             for h in hits
         ]
 

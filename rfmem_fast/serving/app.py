@@ -1,31 +1,58 @@
 """HTTP service over a :class:`rfmem_fast.Memory` (FastAPI + uvicorn; ``rfmem serve``).
 
-Routes (JSON bodies validated by pydantic; every ``/v1`` route needs
-``Authorization: Bearer <key>`` when an API key is set)::
+Routes (JSON bodies validated by pydantic)::
 
     GET    /health                                   liveness, counts (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
-    POST   /v1/users/{user_id:path}/memories              {"texts": [...]} or {"vectors": [[...]]},
+    POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
                                                      optional "ids", "metadata" -> 201 {"ids"}
-    GET    /v1/users/{user_id:path}/memories              every item of the user
-    GET    /v1/users/{user_id:path}/memories/{item_id}    one item
-    PATCH  /v1/users/{user_id:path}/memories/{item_id}    {"text"?, "vector"?, "metadata"?}
-    DELETE /v1/users/{user_id:path}/memories/{item_id}    delete one item
-    POST   /v1/users/{user_id:path}/memories/delete       {"ids": [...]}
-    POST   /v1/users/{user_id:path}/search                {"query": str | "vector": [...], "k"?, "mode"?}
-    POST   /v1/users/{user_id:path}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
-    POST   /v1/checkpoint                            fold the write-ahead log into the store
+    GET    /v1/users/{user_id}/memories              ?offset=0&limit=100 -> {"items", "total",
+                                                     "offset", "limit", "next_offset"}
+    GET    /v1/users/{user_id}/memories/{item_id}    one item
+    PATCH  /v1/users/{user_id}/memories/{item_id}    {"texts"?: str, "vectors"?: [...], "metadata"?}
+    DELETE /v1/users/{user_id}/memories/{item_id}    delete one item
+    POST   /v1/users/{user_id}/memories/delete       {"ids": [...]}
+    DELETE /v1/users/{user_id}                       delete ALL of the user's memories ("forget me")
+    POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?}
+    POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
+    POST   /v1/checkpoint                            fold the write-ahead log into the store (admin)
+    POST   /v1/admin/tokens                          {"user_id", "label"?} -> 201 {"token", "token_id", ...}
+    GET    /v1/admin/tokens                          ?user_id= -> the tokens (never their secrets)
+    DELETE /v1/admin/tokens/{token_id}               revoke one token
+
+Ids: user ids and item ids are str on the wire (1-256 characters; a Python int id is
+its decimal str, :mod:`rfmem_fast.serving.memory`), each ONE path segment, percent-
+encoded (``urllib.parse.quote(id, safe="")``; send ``.`` / ``..`` as ``%2E`` /
+``%2E%2E``, which clients would otherwise remove as dot segments). Each segment is
+decoded on its own from the raw request path, so an id may hold ``/`` (``%2F``),
+``%``, ``..`` or the word ``memories`` and still names exactly one user / item: no
+route can reach another user than the one its path names.
+
+Authentication: ``Authorization: Bearer <token>`` on every ``/v1`` route. The admin
+token (``api_key``) reaches every route; a user token (minted by the admin,
+:mod:`rfmem_fast.serving.tokens`, stored hashed) reaches the routes of its own user
+only (any other user: 403; admin routes: 403). Running without authentication needs
+``no_auth=True`` (``rfmem serve --no-auth``, which warns).
 
 User scope: every request names ONE user in its path and reads or writes only that
-user's memories (the engine searches within the user's own segment). User and item
-ids are strings, percent-encoded in the path (a user id may contain ``/``).
+user's memories (the engine searches within the user's own segment). Reads of a user
+never written answer empty (search: no hits, list: no items); writes that name items
+of an unknown user answer 404 (those items do not exist); ``DELETE /v1/users/{u}`` is
+idempotent (200, ``{"deleted": 0}`` for an unknown user).
+
+Limits: a request body of at most ``max_body_bytes`` (default 4 MiB; 413 before the
+body is buffered, with a Content-Length or chunked), 1024 items per add / delete, 1024
+queries per batch search, k in [1, 1000], 100,000 characters per text (texts over the
+encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), ids of
+1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
-field by its ``loc``); a value the memory refuses (wrong dimension, duplicate id, ...)
-400 with a message naming the argument; an unknown user / item 404; a missing or
-wrong bearer token 401; a full search queue 503 (with ``Retry-After``); a search that
-waited past its timeout 504. A write is acknowledged (2xx) only after it is in the
-fsynced write-ahead log.
+field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python); a
+value the memory refuses (wrong dimension, duplicate id, empty text, ...) 400 with a
+message naming the argument; an unknown user / item 404; a missing or wrong bearer
+token 401; a token of another user 403; a body over the limit 413; a full search
+queue 503 (with ``Retry-After``); a search that waited past its timeout 504. A write is
+acknowledged (2xx) only after it is in the fsynced write-ahead log.
 
 Metrics (``/metrics``): ``rfmem_http_requests_total{method,route,status}``,
 ``rfmem_http_request_duration_seconds{method,route}`` (histogram),
@@ -39,11 +66,14 @@ also in ``/health``).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
-import secrets
+import sys
 import time
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, Iterator, Literal, Union
+from urllib.parse import unquote, unquote_to_bytes
 
 try:
     import orjson
@@ -52,6 +82,7 @@ try:
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from fastapi import Query
     from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -60,26 +91,31 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import BatchEvent, Hits, Memory
+from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id
+from .tokens import TOKENS_FILE, TokenStore
 
-__all__ = ["create_app", "serve", "API_KEY_ENV"]
+__all__ = ["create_app", "serve", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
 
-#: environment variable read for the bearer token when no api_key is given
+#: environment variable read for the admin bearer token when no api_key is given
 API_KEY_ENV = "RFMEM_API_KEY"
+#: default limit of a request body (bytes): ``rfmem serve --max-body-bytes``
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_ITEMS = 1024  # items per add / delete request
 MAX_QUERIES = 1024  # queries per batch search
-MAX_TEXT = 100_000  # characters per text
+MAX_TEXT = MAX_TEXT_CHARS  # characters per text
 MAX_DIM = 65_536
-MAX_K = 1000
+MAX_PAGE = 1000  # items per page of GET /memories
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
-ItemId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+ItemId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
 Meta = dict[str, Any]
-UserId = Annotated[str, Path(min_length=1, max_length=256, description="the user whose memory is used")]
-ItemPath = Annotated[str, Path(min_length=1, max_length=256, description="an item id of that user")]
+# path segments as routed: the decoded id with "%" and "/" escaped (_PathSegments)
+UserSeg = Annotated[str, Path(min_length=1, description="the user whose memory is used (percent-encoded)")]
+ItemSeg = Annotated[str, Path(min_length=1, description="an item id of that user (percent-encoded)")]
 Mode = Literal["rfmem", "dense", "recollection"]
+K = Annotated[int, Field(strict=True, ge=1, le=MAX_K)]
 
 
 class _Body(BaseModel):
@@ -107,16 +143,26 @@ class AddRequest(_Body):
 
 
 class UpdateRequest(_Body):
-    """New text (re-encoded), vector and / or metadata of one item."""
+    """New text (re-encoded), vector and / or metadata of one item: the names of
+    :meth:`Memory.update` (``texts``, ``vectors``, ``metadata``), for one item."""
 
-    text: Text | None = None
-    vector: Vector | None = None
+    texts: Text | None = None
+    vectors: Vector | None = None
     metadata: Meta | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in (("text", "texts"), ("vector", "vectors")):
+                if old in data:
+                    raise ValueError(f"unknown field {old!r}: use {new!r} (the name of Memory.update and of add)")
+        return data
 
     @model_validator(mode="after")
     def _something(self) -> "UpdateRequest":
-        if self.text is None and self.vector is None and self.metadata is None:
-            raise ValueError("text, vector or metadata is required")
+        if self.texts is None and self.vectors is None and self.metadata is None:
+            raise ValueError("texts, vectors or metadata is required")
         return self
 
 
@@ -131,7 +177,7 @@ class SearchRequest(_Body):
 
     query: Text | None = None
     vector: Vector | None = None
-    k: int | None = Field(None, ge=1, le=MAX_K)
+    k: K | None = None
     mode: Mode = "rfmem"
 
     @model_validator(mode="after")
@@ -146,7 +192,7 @@ class BatchSearchRequest(_Body):
 
     queries: list[Text] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
     vectors: list[Vector] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
-    k: int | None = Field(None, ge=1, le=MAX_K)
+    k: K | None = None
     mode: Mode = "rfmem"
 
     @model_validator(mode="after")
@@ -156,10 +202,17 @@ class BatchSearchRequest(_Body):
         return self
 
 
+class MintRequest(_Body):
+    """A user token to mint: the one user it may access, an optional label."""
+
+    user_id: ItemId
+    label: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
 class HitOut(BaseModel):
     """One hit of a search."""
 
-    id: Union[str, int]
+    id: str
     text: str | None
     score: float
     metadata: Meta
@@ -182,9 +235,19 @@ class SearchResponse(BaseModel):
 class ItemOut(BaseModel):
     """A stored item."""
 
-    id: Union[str, int]
+    id: str
     text: str | None
     metadata: Meta
+
+
+class ItemPage(BaseModel):
+    """A page of a user's items (insertion order); ``next_offset`` None on the last page."""
+
+    items: list[ItemOut]
+    total: int
+    offset: int
+    limit: int
+    next_offset: int | None
 
 
 @contextmanager
@@ -321,26 +384,197 @@ class _MetricsMiddleware:
             m.latency.labels(scope["method"], route).observe(time.perf_counter() - t0)
 
 
-def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = False) -> FastAPI:
-    """The FastAPI app serving ``memory`` (routes, errors and metrics: module docstring).
+async def _send_json(send: Any, status: int, detail: str, headers: tuple = ()) -> None:
+    """Answer an ASGI request with ``{"detail": detail}`` (from a middleware)."""
+    body = orjson.dumps({"detail": detail})
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+
+    A Content-Length over the limit is refused before any byte of the body is read; a
+    body without one (chunked) is read while it is counted, and refused as soon as the
+    count passes the limit: at most ``limit`` bytes (plus one network chunk) are ever
+    held. A body within the limit is handed to the app whole."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = f"request body over the limit of {self.limit} bytes (rfmem serve --max-body-bytes)"
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await _send_json(send, 400, "invalid Content-Length")
+                    return
+                if declared > self.limit:
+                    await _send_json(send, 413, too_big)
+                    return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                await _send_json(send, 413, too_big)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        chunks = []
+        sent = [False]
+
+        async def replay() -> dict:
+            if not sent[0]:
+                sent[0] = True
+                return whole
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _escape_segment(text: str) -> str:
+    return text.replace("%", "%25").replace("/", "%2F")
+
+
+class _PathSegments:
+    """ASGI middleware: route on the RAW path, each segment decoded on its own.
+
+    Servers percent-decode the whole path before routing, so ``a%2Fmemories%2Fx`` would
+    become three segments and reach another user. Here ``scope["path"]`` is rebuilt
+    from ``raw_path``: every segment decoded (UTF-8, strict: 400 otherwise), then its
+    ``%`` and ``/`` escaped again, so the router sees exactly one segment per id; the
+    route's parameters are unescaped by :func:`_segment` (exactly the decoded id)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        raw = scope.get("raw_path") if scope["type"] == "http" else None
+        if raw:
+            root = scope.get("root_path", "").encode("latin-1")
+            if root and raw.startswith(root):
+                raw = raw[len(root):]
+            try:
+                segs = [_escape_segment(unquote_to_bytes(seg).decode("utf-8")) for seg in raw.decode("latin-1").split("/")]
+            except UnicodeDecodeError:
+                await _send_json(send, 400, "the request path is not valid percent-encoded UTF-8")
+                return
+            scope["path"] = scope.get("root_path", "") + "/".join(segs)  # in place: outer middlewares read scope["route"]
+        await self.app(scope, receive, send)
+
+
+def _segment(value: str, name: str) -> str:
+    """An id from its routed path segment (:class:`_PathSegments`), checked (400)."""
+    try:
+        return _canon_id(unquote(value), name)
+    except (TypeError, ValueError) as e:
+        raise HTTPException(400, str(e)) from None
+
+
+@dataclass(frozen=True)
+class _Principal:
+    """Who a request is: the admin (every route) or the holder of one user's token."""
+
+    admin: bool
+    user: str | None = None
+
+
+_UNAUTHORISED = "missing or invalid bearer token (Authorization: Bearer <token>)"
+
+
+async def _principal(request: Request) -> _Principal:  # async: no hop to the thread pool per request
+    """Who sent the request: the admin token, a user token (bound to its user), or
+    anyone when the app runs without auth; 401 otherwise."""
+    key, tokens = request.app.state.admin_key, request.app.state.tokens
+    if key is None:
+        return _Principal(admin=True)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(401, _UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
+    if hmac.compare_digest(token.encode("utf-8", "surrogatepass"), key):
+        return _Principal(admin=True)
+    user = tokens.user_of(token)
+    if user is None:
+        raise HTTPException(401, _UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
+    return _Principal(admin=False, user=user)
+
+
+Who = Annotated[_Principal, Depends(_principal)]
+
+
+def _admin_only(who: Who) -> _Principal:
+    """403 unless the request carries the admin token (or auth is off)."""
+    if not who.admin:
+        raise HTTPException(403, "this route needs the admin token")
+    return who
+
+
+def _scoped_user(user_id: UserSeg, who: Who) -> str:
+    """The path's user id, decoded; a user token may name its own user only (403)."""
+    user = _segment(user_id, "user_id")
+    if not who.admin and not hmac.compare_digest(user.encode("utf-8"), (who.user or "").encode("utf-8")):
+        raise HTTPException(403, "this token may not access this user's memories")
+    return user
+
+
+User = Annotated[str, Depends(_scoped_user)]
+
+
+def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = False, *,
+               no_auth: bool = False, tokens: TokenStore | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``memory`` (routes, ids, auth, limits, errors and metrics:
+    module docstring).
 
     Args:
         memory: the Memory to serve (its micro-batching settings apply).
-        api_key: bearer token required on every ``/v1`` route (None: no auth).
+        api_key: the admin bearer token (every route, mints / revokes user tokens).
         close_memory: close (and so checkpoint) the memory when the app shuts down.
+        no_auth: serve without authentication (every route open); required when
+            ``api_key`` is None, refused with one.
+        tokens: the user-token store; default: ``tokens.json`` in the memory's
+            directory (durable), in memory only for a Memory without a path.
+        max_body_bytes: the largest request body accepted (int >= 1; 413 beyond it).
 
     Returns:
         FastAPI application (run it with uvicorn, or test it with TestClient).
 
     Raises:
-        TypeError: ``memory`` is not a Memory; ValueError: an empty ``api_key``.
+        TypeError: ``memory`` is not a Memory, ``tokens`` not a TokenStore.
+        ValueError: an empty / blank ``api_key``, neither ``api_key`` nor ``no_auth``
+            (or both), a bad ``max_body_bytes``.
     """
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a rfmem_fast.Memory, got {type(memory).__name__}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty str or None")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("api_key must be a non-empty str (or None with no_auth=True)")
+    if api_key is None and not no_auth:
+        raise ValueError("no api_key: give the admin token (api_key=...) or serve without auth (no_auth=True)")
+    if api_key is not None and no_auth:
+        raise ValueError("api_key and no_auth=True contradict each other: pick one")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    if tokens is None:
+        tokens = TokenStore(memory.path / TOKENS_FILE if memory.path is not None else None)
+    elif not isinstance(tokens, TokenStore):
+        raise TypeError(f"tokens must be a TokenStore, got {type(tokens).__name__}")
     metrics = _Metrics(memory)
-    key = api_key.encode() if api_key else None
+    key = api_key.strip().encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:
@@ -348,19 +582,18 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         if close_memory:
             await asyncio.to_thread(memory.close)
 
-    async def auth(request: Request) -> None:  # async: no hop to the thread pool per request
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key):
-            raise HTTPException(401, "missing or invalid bearer token (Authorization: Bearer <key>)",
-                                headers={"WWW-Authenticate": "Bearer"})
+    Admin = [Depends(_admin_only)]
 
     app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan,
                   default_response_class=FastJSONResponse)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    app.add_middleware(_PathSegments)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     app.state.memory = memory
     app.state.metrics = metrics
-    v1 = [Depends(auth)] if key is not None else []
+    app.state.tokens = tokens
+    app.state.admin_key = key
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -371,65 +604,94 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/users/{user_id:path}/memories", status_code=201, dependencies=v1)
-    def add(user_id: UserId, body: AddRequest) -> FastJSONResponse:
+    @app.post("/v1/users/{user_id}/memories", status_code=201)
+    def add(user: User, body: AddRequest) -> FastJSONResponse:
         with _http_errors():
-            ids = memory.add(body.texts, user_id, ids=body.ids, metadata=body.metadata, vectors=body.vectors)
+            ids = memory.add(body.texts, user, ids=body.ids, metadata=body.metadata, vectors=body.vectors)
         return FastJSONResponse({"ids": ids}, status_code=201)
 
-    @app.get("/v1/users/{user_id:path}/memories", dependencies=v1, response_model=list[ItemOut])
-    def list_items(user_id: UserId) -> FastJSONResponse:
+    @app.get("/v1/users/{user_id}/memories", response_model=ItemPage)
+    def list_items(user: User, offset: Annotated[int, Query(ge=0)] = 0,
+                   limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100) -> FastJSONResponse:
         with _http_errors():
-            items = memory.get_all(user_id)
-        return FastJSONResponse([it.to_dict() for it in items])
+            total = memory.count(user)
+            items = memory.get_all(user, offset=offset, limit=limit)
+        nxt = offset + len(items) if offset + len(items) < total else None
+        return FastJSONResponse({"items": [it.to_dict() for it in items], "total": total, "offset": offset,
+                                 "limit": limit, "next_offset": nxt})
 
-    @app.get("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1, response_model=ItemOut)
-    def get_item(user_id: UserId, item_id: ItemPath) -> FastJSONResponse:
+    @app.get("/v1/users/{user_id}/memories/{item_id}", response_model=ItemOut)
+    def get_item(user: User, item_id: ItemSeg) -> FastJSONResponse:
+        item_id = _segment(item_id, "item_id")
         with _http_errors():
-            item = memory.get(item_id, user_id)[0]
+            item = memory.get(item_id, user)[0]
         return FastJSONResponse(item.to_dict())
 
-    @app.patch("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1)
-    def update_item(user_id: UserId, item_id: ItemPath, body: UpdateRequest) -> dict[str, Any]:
+    @app.patch("/v1/users/{user_id}/memories/{item_id}")
+    def update_item(user: User, item_id: ItemSeg, body: UpdateRequest) -> dict[str, Any]:
+        item_id = _segment(item_id, "item_id")
         with _http_errors():
-            memory.update(item_id, user_id, texts=body.text, vectors=body.vector,
-                          metadata=body.metadata)
+            memory.update(item_id, user, texts=body.texts, vectors=body.vectors, metadata=body.metadata)
         return {"updated": [item_id]}
 
-    @app.delete("/v1/users/{user_id:path}/memories/{item_id:path}", dependencies=v1)
-    def delete_item(user_id: UserId, item_id: ItemPath) -> dict[str, Any]:
+    @app.delete("/v1/users/{user_id}/memories/{item_id}")
+    def delete_item(user: User, item_id: ItemSeg) -> dict[str, Any]:
+        item_id = _segment(item_id, "item_id")
         with _http_errors():
-            memory.delete(item_id, user_id)
+            memory.delete(item_id, user)
         return {"deleted": [item_id]}
 
-    @app.post("/v1/users/{user_id:path}/memories/delete", dependencies=v1)
-    def delete_items(user_id: UserId, body: DeleteRequest) -> dict[str, Any]:
+    @app.post("/v1/users/{user_id}/memories/delete")
+    def delete_items(user: User, body: DeleteRequest) -> dict[str, Any]:
         with _http_errors():
-            memory.delete(body.ids, user_id)
+            memory.delete(body.ids, user)
         return {"deleted": body.ids}
 
-    @app.post("/v1/users/{user_id:path}/search", dependencies=v1, response_model=SearchResponse)
-    async def search(user_id: UserId, body: SearchRequest) -> FastJSONResponse:
+    @app.delete("/v1/users/{user_id}")
+    def delete_user(user: User) -> dict[str, Any]:
+        with _http_errors():
+            n = memory.delete_user(user)
+        return {"user_id": user, "deleted": n}
+
+    @app.post("/v1/users/{user_id}/search", response_model=SearchResponse)
+    async def search(user: User, body: SearchRequest) -> FastJSONResponse:
         query = body.query if body.query is not None else body.vector
         with _http_errors():
-            hits = await memory.asearch(query, user_id, k=body.k, mode=body.mode)
+            hits = await memory.asearch(query, user, k=body.k, mode=body.mode)
         metrics.count(body.mode, hits)
         return FastJSONResponse(_search_json(hits))
 
-    @app.post("/v1/users/{user_id:path}/search/batch", dependencies=v1)
-    async def search_batch(user_id: UserId, body: BatchSearchRequest) -> FastJSONResponse:
+    @app.post("/v1/users/{user_id}/search/batch")
+    async def search_batch(user: User, body: BatchSearchRequest) -> FastJSONResponse:
         queries = body.queries if body.queries is not None else body.vectors
         with _http_errors():
-            results = await asyncio.to_thread(memory.search_batch, queries, user_id, body.k, body.mode)
+            results = await asyncio.to_thread(memory.search_batch, queries, user, body.k, body.mode)
         for hits in results:
             metrics.count(body.mode, hits)
         return FastJSONResponse({"results": [_search_json(h) for h in results]})
 
-    @app.post("/v1/checkpoint", dependencies=v1)
+    @app.post("/v1/checkpoint", dependencies=Admin)
     def checkpoint() -> dict[str, Any]:
         with _http_errors():
             memory.save()
         return {"checkpointed": True, "items": memory.bank.num_items}
+
+    @app.post("/v1/admin/tokens", status_code=201, dependencies=Admin)
+    def mint_token(body: MintRequest) -> FastJSONResponse:
+        with _http_errors():
+            user = _canon_id(body.user_id, "user_id")
+            token, info = tokens.mint(user, body.label)
+        return FastJSONResponse({"token": token, **info.to_dict()}, status_code=201)
+
+    @app.get("/v1/admin/tokens", dependencies=Admin)
+    def list_tokens(user_id: Annotated[str | None, Query(min_length=1, max_length=MAX_ID_LENGTH)] = None) -> FastJSONResponse:
+        return FastJSONResponse({"tokens": [t.to_dict() for t in tokens.list(user_id)]})
+
+    @app.delete("/v1/admin/tokens/{token_id}", dependencies=Admin)
+    def revoke_token(token_id: ItemSeg) -> dict[str, Any]:
+        if not tokens.revoke(unquote(token_id)):
+            raise HTTPException(404, f"token_id: unknown token {unquote(token_id)!r}")
+        return {"revoked": unquote(token_id)}
 
     return app
 
@@ -452,14 +714,20 @@ def serve(
     cache_size: int = 4096,
     log_level: str = "info",
     access_log: bool = False,
+    no_auth: bool = False,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Open the memory at ``path`` and serve it with uvicorn until SIGINT / SIGTERM.
 
     Args:
-        path: the Memory directory (created if absent).
+        path: the Memory directory (created if absent); user tokens are kept in its
+            ``tokens.json`` (hashed).
         host, port: where to listen.
-        api_key: bearer token (default: the ``RFMEM_API_KEY`` environment variable;
-            neither: no auth).
+        api_key: the admin bearer token (default: the ``RFMEM_API_KEY`` environment
+            variable). An empty or blank key, from either source, is refused.
+        no_auth: serve without authentication (a warning is printed); required when
+            there is no key, refused with one.
+        max_body_bytes: largest request body (bytes; 413 beyond it).
         encoder: "default" (the offline all-MiniLM-L6-v2, loaded before the server
             listens), "none" (vectors only) or a local sentence-transformers directory.
         encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
@@ -481,28 +749,39 @@ def serve(
     import uvicorn
 
     from ..encoders import check_backend
+    from .cli import open_memory
 
-    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
-    dtype: str | None = encoder_dtype
-    enc_backend: str | None = encoder_backend
-    if encoder == "none":
-        enc: Any = False
-        dtype = enc_backend = None
-    elif encoder == "default":
-        enc = None
-    else:
-        from ..encoders import TextEncoder
-        from .memory import ENCODE_BATCH_SIZE
-
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
-                          backend=encoder_backend)
-        dtype = enc_backend = None
-    memory = Memory(path, encoder=enc, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim,
-                    batching=batching,
-                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
-                    cache_size=cache_size)
-    if enc is not False:
-        memory.encoder  # load the model now, not on the first request
-    key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-    app = create_app(memory, api_key=key, close_memory=True)
+    check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")  # bad options first,
+    key = _resolve_api_key(api_key, no_auth)  # then the key: both refused before anything opens
+    memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
+                         dim=dim, backend=backend, batching=batching, max_batch=max_batch,
+                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
+    try:
+        app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes)
+    except BaseException:
+        memory.close()
+        raise
+    if no_auth:
+        print(f"rfmem serve: WARNING: authentication is OFF (--no-auth): anyone who can reach "
+              f"{host}:{port} can read and change every user's memories", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
+
+
+def _resolve_api_key(api_key: str | None, no_auth: bool) -> str | None:
+    """The admin key from ``api_key`` or ``$RFMEM_API_KEY``, checked before anything opens.
+
+    Raises:
+        ValueError: an empty / blank key from either source (auth is never silently
+            off), no key without ``no_auth``, or a key with ``no_auth``.
+    """
+    source = "--api-key"
+    if api_key is None and API_KEY_ENV in os.environ:
+        api_key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"{source} is empty: give a non-empty admin token, or --no-auth to serve without auth")
+    if api_key is None and not no_auth:
+        raise ValueError(f"no admin token: pass --api-key or set ${API_KEY_ENV}, "
+                         "or --no-auth to serve without authentication")
+    if api_key is not None and no_auth:
+        raise ValueError(f"--no-auth contradicts the admin token given by {source}: pick one")
+    return api_key

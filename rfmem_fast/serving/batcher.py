@@ -10,14 +10,18 @@ as ONE ``run_batch(list)`` call; each caller gets exactly its own entry of the r
 
 Back-pressure: the queue holds at most ``max_queue`` requests; a submit to a full queue
 raises :class:`QueueFullError` at once, and a caller whose result is not ready within
-its timeout gets :class:`RequestTimeoutError` (its request is dropped if it has not
-started). Nothing ever waits without a bound.
+its timeout gets :class:`RequestTimeoutError`. A request that timed out or was
+cancelled (its future cancelled, an asyncio task cancelled, e.g. a client that
+disconnected) before the worker took it leaves the queue at once: it frees its slot
+and is never run. Closing is atomic with submitting: a request is either queued before
+:meth:`MicroBatcher.close` (and then finished by the worker) or refused with
+:class:`BatcherClosedError` at once; nothing is ever left in a queue no worker reads.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
-import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -35,9 +39,6 @@ class RequestTimeoutError(TimeoutError):
 
 class BatcherClosedError(RuntimeError):
     """A request was submitted to (or left in) a closed micro-batcher."""
-
-
-_STOP = object()
 
 
 class MicroBatcher:
@@ -88,9 +89,10 @@ class MicroBatcher:
         self.max_queue = max_queue
         self.timeout = timeout
         self._name = name
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        # waiting (item, future) pairs; a cancelled one is removed at once (its done callback)
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
         self._closed = False
         self._stats_lock = threading.Lock()
         self.batches = 0
@@ -103,23 +105,40 @@ class MicroBatcher:
     def submit(self, item: Any) -> cf.Future:
         """Queue ``item``; returns a concurrent.futures.Future of its result.
 
+        Cancelling the future before the worker takes it removes the request from the
+        queue (its slot is free at once).
+
         Raises:
             QueueFullError: ``max_queue`` requests are already waiting.
-            BatcherClosedError: after :meth:`close`.
+            BatcherClosedError: after (or racing with) :meth:`close`.
         """
-        if self._closed:
-            raise BatcherClosedError("the micro-batcher is closed")
-        self._ensure_worker()
         fut: cf.Future = cf.Future()
-        try:
-            self._queue.put_nowait((item, fut))
-        except queue.Full:
-            with self._stats_lock:
-                self.rejected += 1
-            raise QueueFullError(
-                f"the request queue is full ({self.max_queue} requests waiting); retry later"
-            ) from None
+        entry = (item, fut)
+        with self._cond:
+            if self._closed:
+                raise BatcherClosedError("the micro-batcher is closed")
+            if len(self._queue) >= self.max_queue:
+                with self._stats_lock:
+                    self.rejected += 1
+                raise QueueFullError(
+                    f"the request queue is full ({self.max_queue} requests waiting); retry later"
+                )
+            self._queue.append(entry)
+            if self._thread is None:
+                t = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                t.start()
+                self._thread = t
+            self._cond.notify()
+        fut.add_done_callback(lambda f, e=entry: self._forget(e) if f.cancelled() else None)
         return fut
+
+    def _forget(self, entry: tuple) -> None:
+        """Drop a cancelled request from the queue (no-op once the worker took it)."""
+        with self._cond:
+            for j, e in enumerate(self._queue):  # by identity: items need not compare
+                if e is entry:
+                    del self._queue[j]
+                    break
 
     def call(self, item: Any, timeout: float | None | str = "default") -> Any:
         """Submit ``item`` and wait for its result (thread callers).
@@ -130,7 +149,8 @@ class MicroBatcher:
 
         Raises:
             QueueFullError, BatcherClosedError: as :meth:`submit`.
-            RequestTimeoutError: no result within ``timeout``.
+            RequestTimeoutError: no result within ``timeout`` (the request leaves the
+                queue if it had not started).
             Any exception ``run_batch`` produced for this item.
         """
         timeout = self.timeout if timeout == "default" else _check_timeout(timeout)
@@ -139,59 +159,58 @@ class MicroBatcher:
             return fut.result(timeout)
         except cf.TimeoutError:
             raise self._timed_out(fut, timeout) from None
+        except BaseException:  # KeyboardInterrupt etc.: do not leave the request queued
+            fut.cancel()
+            raise
 
     async def acall(self, item: Any, timeout: float | None | str = "default") -> Any:
-        """Asyncio version of :meth:`call`: awaits the result without blocking the loop."""
+        """Asyncio version of :meth:`call`: awaits the result without blocking the loop.
+
+        A cancelled awaiting task (e.g. a client that disconnected) cancels its request:
+        it leaves the queue and frees its slot."""
         timeout = self.timeout if timeout == "default" else _check_timeout(timeout)
         fut = self.submit(item)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
             raise self._timed_out(fut, timeout) from None
+        except BaseException:  # CancelledError: wrap_future cancels fut too; be explicit
+            fut.cancel()
+            raise
 
     def _timed_out(self, fut: cf.Future, timeout: float | None) -> RequestTimeoutError:
-        fut.cancel()  # dropped unless the worker already started it
+        fut.cancel()  # dropped from the queue unless the worker already started it
         with self._stats_lock:
             self.timeouts += 1
         return RequestTimeoutError(f"no result within timeout={timeout} s (server overloaded?)")
 
     # ------------------------------------------------------------------ worker
-    def _ensure_worker(self) -> None:
-        if self._thread is not None:
-            return
-        with self._start_lock:
-            if self._thread is None and not self._closed:
-                t = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                t.start()
-                self._thread = t
-
     def _collect(self) -> tuple[list, bool]:
-        """Block for one request, then gather up to max_batch within max_wait."""
-        first = self._queue.get()
-        if first is _STOP:
-            return [], True
-        batch = [first]
-        deadline = time.monotonic() + self.max_wait
-        while len(batch) < self.max_batch:
-            try:
-                nxt = self._queue.get_nowait()
-            except queue.Empty:
+        """Wait for one request, then gather up to max_batch within max_wait.
+
+        Returns (batch, stop): stop once closed and the queue is drained."""
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return [], True
+                self._cond.wait()
+            batch = [self._queue.popleft()]
+            deadline = time.monotonic() + self.max_wait
+            while len(batch) < self.max_batch:
+                if self._queue:
+                    batch.append(self._queue.popleft())
+                    continue
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     break
-                try:
-                    nxt = self._queue.get(timeout=left)
-                except queue.Empty:
-                    break
-            if nxt is _STOP:
-                return batch, True
-            batch.append(nxt)
-        return batch, False
+                self._cond.wait(left)
+            return batch, False
 
     def _loop(self) -> None:
-        stop = False
-        while not stop:
+        while True:
             batch, stop = self._collect()
+            if stop:
+                return
             live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
             if not live:
                 continue
@@ -214,22 +233,32 @@ class MicroBatcher:
                     fut.set_result(res)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, finish the queued ones, stop the worker (idempotent)."""
-        with self._start_lock:
+        """Stop taking requests, finish the queued ones, stop the worker (idempotent).
+
+        A submit racing with close either gets queued before it (and is finished) or
+        raises :class:`BatcherClosedError`. Requests still queued when the worker did
+        not finish within ``timeout`` seconds get :class:`BatcherClosedError`."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
-        if thread is None:
-            return
-        self._queue.put(_STOP)  # blocks only while the queue is full, i.e. while draining
-        thread.join(timeout)
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout)
+        with self._cond:
+            left = list(self._queue) if (thread is None or thread.is_alive()) else []
+            if left:
+                self._queue.clear()
+        for _, fut in left:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(BatcherClosedError("the micro-batcher closed before this request ran"))
 
     # ------------------------------------------------------------------ stats
     @property
     def queue_depth(self) -> int:
-        """Requests waiting now (approximate)."""
-        return self._queue.qsize()
+        """Requests waiting now (cancelled ones are not counted: they left the queue)."""
+        return len(self._queue)
 
     def stats(self) -> dict[str, Any]:
         """{"batches", "requests", "mean_batch", "largest_batch", "queue_depth", "rejected", "timeouts"}."""

@@ -23,7 +23,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
-                   help="bearer token required on /v1 routes (default: $RFMEM_API_KEY; neither: no auth)")
+                   help="the admin bearer token, required on /v1 routes (default: $RFMEM_API_KEY); it mints "
+                   "per-user tokens at POST /v1/admin/tokens. An empty key is refused")
+    p.add_argument("--no-auth", action="store_true",
+                   help="serve without authentication (prints a warning); needed when no key is given")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body in bytes; bigger ones get 413 before they are read (default 4 MiB)")
     add_memory_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log every request")
@@ -89,8 +94,8 @@ def open_memory(
 
     The Memory has a write-ahead log in ``path`` (fsynced per write), so a write is
     acknowledged only once it is durable. The encoder options mean what they mean for
-    ``rfmem serve`` (:func:`rfmem_fast.serving.app.serve`, which builds its Memory the same
-    way).
+    ``rfmem serve`` (:func:`rfmem_fast.serving.app.serve` opens its Memory with this
+    function) and ``rfmem mcp``.
 
     Args:
         path: the Memory directory (created if absent).
@@ -172,11 +177,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         serve(
-            args.path, host=args.host, port=args.port, api_key=args.api_key, encoder=args.encoder,
-            encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
-            backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch,
-            max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
-            cache_size=args.cache_size, log_level=args.log_level, access_log=args.access_log,
+            args.path, host=args.host, port=args.port, api_key=args.api_key, **memory_kwargs(args),
+            log_level=args.log_level, access_log=args.access_log,
+            no_auth=args.no_auth, max_body_bytes=args.max_body_bytes,
         )
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem serve: error: {exc}", file=sys.stderr)

@@ -32,6 +32,16 @@ User scope: every call acts for ONE user, fixed by the server, never by the call
   call it carries (the SDK also binds an HTTP session to the token that opened it).
   Token digests are compared with :func:`hmac.compare_digest`, against every entry.
 
+Ids: the ids of :class:`~rfmem_fast.serving.Memory` (str, 1-256 characters): an id sent as a
+JSON integer is its decimal string (``7`` and ``"7"`` name one memory), so memories written
+from Python with int ids are reached here, and every id returned is a str.
+
+Validation: :class:`~rfmem_fast.serving.Memory` checks every text, query, id and metadata
+object at the door (blank texts, lone surrogates, over-long texts, non-JSON metadata); its
+refusals come back as tool errors naming the tool's own argument (``text``, ``id``, ...).
+Texts longer than the encoder's window (256 tokens for all-MiniLM-L6-v2) are chunked by the
+Memory and stay one memory each.
+
 Another user's memories are unreachable: searches run within the scoped user's segment
 of the bank, ids are looked up among that user's items only (another user's id is
 "not found", exactly like an id that does not exist), and a resource URI naming another
@@ -43,6 +53,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +69,7 @@ try:
     from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
     from mcp.types import Resource as MCPResource
     from mcp.types import ToolAnnotations
-    from pydantic import Field
+    from pydantic import BeforeValidator, Field
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from .._optional import install_hint
 
@@ -69,7 +80,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import Hits, Item, Memory
+from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory
 
 __all__ = [
     "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
@@ -79,10 +90,10 @@ __all__ = [
 #: environment variable read for the token map when ``--tokens`` is not given
 TOKENS_ENV = "RFMEM_MCP_TOKENS"
 MAX_TEXTS = 256  # texts per add_memories call
-MAX_TEXT = 100_000  # characters per text / query
+MAX_TEXT = MAX_TEXT_CHARS  # characters per text / query (as Memory)
 MAX_K = 100
 MAX_PAGE = 200
-MAX_ID = 256
+MAX_ID = MAX_ID_LENGTH  # characters per id (as Memory)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 T = TypeVar("T")
@@ -251,8 +262,8 @@ def scope_from_options(transport: str, user: str | None = None, tokens: str | No
 
 # ---------------------------------------------------------------------- the server
 _ADD = """Store one or more new memories (facts, preferences, events) of the current user, to be found later
-with search_memories. Each text is stored and embedded as one memory; keep each one self-contained (one fact per
-text reads best). The write is durable when this returns.
+with search_memories. Each text is stored as one memory (a text over the encoder's 256-token window is embedded
+in overlapping chunks, still one memory); keep each one self-contained (one fact per text reads best). The write is durable when this returns.
 
 Arguments:
 - texts: one string, or a list of 1 to 256 strings (each 1 to 100000 characters).
@@ -308,7 +319,14 @@ Arguments:
 Returns {"id", "text", "metadata"}. Error when no memory has that id."""
 
 TextArg = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
-IdArg = Annotated[str, Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
+
+
+def _int_id(v: Any) -> Any:
+    """The id model of Memory: a JSON integer id is its decimal string (bools stay refused)."""
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+IdArg = Annotated[str, BeforeValidator(_int_id), Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
 Meta = dict[str, Any]
 
 
@@ -325,8 +343,14 @@ def _check_blank(text: str, name: str) -> None:
         raise ToolError(f"{name}: must hold some non-space text")
 
 
-def _tool_errors(fn: Callable[[], T], item_id: Any = None) -> T:
-    """Run a Memory call, its refusals turned into tool errors naming the argument."""
+_ARG_NAME = re.compile(r"^(texts|ids)(\[0\])?(?![\w\[])")
+
+
+def _tool_errors(fn: Callable[[], T], item_id: Any = None, rename: Mapping[str, str] | None = None) -> T:
+    """Run a Memory call, its refusals turned into tool errors naming the argument.
+
+    ``rename`` maps the Memory argument a message starts with (``texts`` / ``ids``,
+    ``[0]`` included) to the tool's own (``text`` / ``id``) for one-item tools."""
     try:
         return fn()
     except KeyError as exc:
@@ -334,7 +358,10 @@ def _tool_errors(fn: Callable[[], T], item_id: Any = None) -> T:
             raise _not_found(item_id) from None
         raise ToolError(str(exc.args[0]) if exc.args else "not found") from None
     except (ValueError, TypeError) as exc:
-        raise ToolError(str(exc)) from None
+        msg = str(exc)
+        if rename:
+            msg = _ARG_NAME.sub(lambda m: rename.get(m.group(1), m.group(0)), msg, count=1)
+        raise ToolError(msg) from None
 
 
 class _RFMemMCP(MCPServer):
@@ -401,8 +428,10 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
 
     server._user_of = user_of
 
+    one = {"texts": "text", "ids": "id"}  # the Memory's argument names -> the one-item tools'
+
     def lookup(item_id: str, user: str) -> Item:
-        return _tool_errors(lambda: memory.get([item_id], user)[0], item_id)
+        return _tool_errors(lambda: memory.get([item_id], user)[0], item_id, one)
 
     async def in_thread(fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn)
@@ -468,7 +497,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         def write() -> Item:
             lookup(id, user)  # another user's id is "not found", like a missing one
             _tool_errors(lambda: memory.update([id], user_id=user, texts=None if text is None else [text],
-                                               metadata=None if metadata is None else [metadata]), id)
+                                               metadata=None if metadata is None else [metadata]), id, one)
             return lookup(id, user)
 
         return _item_json(await in_thread(write))
@@ -480,7 +509,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
 
         def write() -> None:
             lookup(id, user)
-            _tool_errors(lambda: memory.delete([id], user_id=user), id)
+            _tool_errors(lambda: memory.delete([id], user_id=user), id, one)
 
         await in_thread(write)
         return {"id": id, "deleted": True}
@@ -491,10 +520,13 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
     ) -> dict[str, Any]:
         user = user_of()
-        items = await in_thread(lambda: memory.get_all(user))
-        page = items[offset:offset + limit]
-        nxt = offset + limit if offset + limit < len(items) else None
-        return {"memories": [_item_json(i) for i in page], "total": len(items), "offset": offset, "next_offset": nxt}
+
+        def read() -> tuple[list[Item], int]:  # one page, never the whole listing
+            return memory.get_all(user, offset=offset, limit=limit), memory.count(user)
+
+        page, total = await in_thread(lambda: _tool_errors(read))
+        nxt = offset + limit if offset + limit < total else None
+        return {"memories": [_item_json(i) for i in page], "total": total, "offset": offset, "next_offset": nxt}
 
     @server.tool(description=_GET, annotations=read_only)
     async def get_memory(id: IdArg) -> dict[str, Any]:

@@ -27,6 +27,8 @@ What it adds to the engine
   embedded in a batch; an encoder may round a text's embedding differently in a batch
   than alone (sentence-transformers: at most a few float32 ulps), which can only swap
   exact near-ties.
+* Long texts (over the encoder's window) are chunked; hits collapse to the item
+  (``chunk_overlap`` in :class:`Memory`).
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
   whole answers by (user, that user's write version, query, mode, k); any write to a
   user invalidates that user's answers.
@@ -66,7 +68,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import MemoryBank, _check_id_list, _check_user
+from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -75,12 +77,24 @@ from .batcher import BatcherClosedError, MicroBatcher
 from .cache import QueryCache, vector_key
 from .wal import WriteAheadLog, decode_array, encode_array
 
-__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM"]
+__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS"]
 
 log = logging.getLogger("rfmem_fast.serving")
 
 #: dimension of the default encoder (all-MiniLM-L6-v2)
 DEFAULT_DIM = 384
+#: the most hits one query may ask for (``k``), in Python and over HTTP
+MAX_K = 1000
+#: the longest user id / item id (characters)
+MAX_ID_LENGTH = 256
+#: the longest text of a memory or a query (characters); a memory must also fit the
+#: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
+MAX_TEXT_CHARS = 100_000
+#: separates a parent item id from a chunk number in the bank's row ids of a long text's
+#: extra chunks (``"<parent>\x1f<j>"``, j >= 1); refused in user-given ids
+CHUNK_SEP = "\x1f"
+#: tokens shared by consecutive chunks of a long text (default of ``chunk_overlap``)
+DEFAULT_CHUNK_OVERLAP = 32
 META_FILE = "memory.json"
 WAL_FILE = "wal.jsonl"
 LOCK_FILE = "LOCK"
@@ -118,7 +132,7 @@ class Hit:
     """One retrieved memory item.
 
     Attributes:
-        id: the item id (str or int).
+        id: the item id (str; an int given at add time is its decimal str).
         text: the item's text (None when it was added as a vector without text).
         score: float; the inner product (cosine) on the Familiarity path, the
             (MMR-adjusted) discovery score on the Recollection path (RFMEM_SPEC.md 3-4).
@@ -227,7 +241,9 @@ class _Answer:
     rounds: int
 
     def materialise(self, cached: bool) -> Hits:
-        hits = [h if not h.metadata else replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
+        # every caller gets its own metadata dicts (an empty one included): a caller
+        # mutating its hits never changes the cached answer or another caller's hits
+        hits = [replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
         return Hits(hits, user_id=self.user, route=self.route, rule=self.rule, mean=self.mean,
                     entropy=self.entropy, rounds=self.rounds, cached=cached)
 
@@ -243,56 +259,94 @@ class _Query:
 
 
 # ---------------------------------------------------------------------- argument checks
-def _user_key(user: Any, name: str = "user_id") -> Hashable:
-    return _check_user(user, name)
+# The id model (the same in Python and over HTTP): user ids and item ids are non-empty
+# str of at most MAX_ID_LENGTH characters of valid Unicode; a Python int (or numpy
+# integer) is converted to its decimal str, so ``7`` and ``"7"`` name the same user /
+# item (and ``add(ids=[1, "1"])`` is a duplicate). Every id a Memory returns is a str.
+def _canon_id(x: Any, name: str) -> str:
+    """One user / item id as stored: a str (ints converted), checked (module id model)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a str or an int, got {type(x).__name__}")
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    if not isinstance(x, str):
+        raise TypeError(f"{name} must be a str or an int, got {type(x).__name__}")
+    x = str(x)
+    if not x:
+        raise ValueError(f"{name} must be a non-empty str")
+    if CHUNK_SEP in x:
+        raise ValueError(f"{name} holds the character U+001F, reserved for the chunks of long texts")
+    if len(x) > MAX_ID_LENGTH:
+        raise ValueError(f"{name} is {len(x)} characters long; ids hold at most {MAX_ID_LENGTH}")
+    return _check_unicode(x, name)
+
+
+def _user_key(user: Any, name: str = "user_id") -> str:
+    return _canon_id(user, name)
+
+
+def _check_text(t: Any, name: str, *, what: str = "text") -> str:
+    """A memory text or a query text: a non-blank str of valid Unicode, at most
+    MAX_TEXT_CHARS characters."""
+    if not isinstance(t, str):
+        raise TypeError(f"{name} must be a str, got {type(t).__name__}")
+    _check_unicode(t, name)
+    if not t.strip():
+        raise ValueError(f"{name} is empty or whitespace only: a {what} needs some words")
+    if len(t) > MAX_TEXT_CHARS:
+        raise ValueError(f"{name} is {len(t)} characters long; at most {MAX_TEXT_CHARS}")
+    return str(t)
 
 
 def _text_list(texts: Any, name: str = "texts") -> list[str] | None:
     if texts is None:
         return None
     if isinstance(texts, str):
-        return [texts]
+        return [_check_text(texts, name)]
     if isinstance(texts, bytes) or not hasattr(texts, "__iter__"):
         raise TypeError(f"{name} must be a str or a sequence of str, got {type(texts).__name__}")
     out = list(texts)
     for i, t in enumerate(out):
         if not isinstance(t, str):
             raise TypeError(f"{name}[{i}] must be a str, got {type(t).__name__}")
+        out[i] = _check_text(t, f"{name}[{i}]")
     return out
 
 
-def _id_list(ids: Any, name: str = "ids") -> list:
-    """A single id (str / int) or a sequence of distinct ids, as a non-empty list."""
+def _id_list(ids: Any, name: str = "ids") -> list[str]:
+    """A single id (str / int) or a sequence of distinct ids, as a non-empty list of str."""
     if isinstance(ids, (str, int, np.integer, np.str_)) and not isinstance(ids, (bool, np.bool_)):
         ids = [ids]
-    out = _check_id_list(ids, name)
+    if isinstance(ids, (bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be an id or a sequence of str or int item ids, got {type(ids).__name__}")
+    out = [_canon_id(x, f"{name}[{i}]") for i, x in enumerate(ids)]
+    out = _check_id_list(out, name)  # duplicates (after int -> str)
     if not out:
         raise ValueError(f"{name} must hold at least one item id")
     return out
 
 
 def _metadata_list(metadata: Any, m: int) -> list | None:
-    """None, one dict for every item, or m dicts / None."""
+    """None, one dict for every item, or m dicts / None; checked as stored (JSON objects
+    of valid Unicode: :func:`rfmem_fast.bank._check_metadata`), before anything is logged,
+    so the in-memory and the durable Memory refuse the same values with the same message."""
     if metadata is None:
         return None
     if isinstance(metadata, dict):
-        return [metadata] * m  # the bank stores a copy per item
+        return _check_metadata([metadata], 1) * m  # the bank stores a copy per item
     if isinstance(metadata, (str, bytes)) or not hasattr(metadata, "__iter__"):
         raise TypeError(f"metadata must be a dict, a sequence of dicts (or None) or None, got {type(metadata).__name__}")
     out = list(metadata)
     if len(out) != m:
         raise ValueError(f"metadata has {len(out)} entries but there are {m} items")
-    for j, x in enumerate(out):
-        if x is not None and not isinstance(x, dict):
-            raise TypeError(f"metadata[{j}] must be a dict or None, got {type(x).__name__}")
-    return out
+    return _check_metadata(out, m)
 
 
 def _check_k(k: Any) -> None:
     if k is None:
         return
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be an int >= 1 or None, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an int in [1, {MAX_K}] or None, got {k!r}")
 
 
 # ---------------------------------------------------------------------- the facade
@@ -335,6 +389,18 @@ class Memory:
             :class:`~rfmem_fast.serving.wal.WriteAheadLog`).
         checkpoint_bytes: checkpoint automatically once the log exceeds this many
             bytes (default 64 MiB; None: only on :meth:`save` / :meth:`close`).
+        chunk_overlap: tokens shared by consecutive chunks of a long text (int >= 0,
+            default 32). A text longer than the encoder's window (``max_tokens``, 256
+            for all-MiniLM-L6-v2, special tokens included) is cut into chunks of the
+            window less the special tokens (254), each exactly a substring of the
+            text and each a bank row of its item (row ids ``"<item>\x1f<j>"``, j >= 1
+            for the extra ones); hits are collapsed to the item (its best chunk's
+            score, whole text and metadata), reads show items, and update / delete
+            of the item replace / remove all its chunks.
+
+    Ids: user ids and item ids are str (1-256 characters, valid Unicode, no U+001F);
+    an int is converted to its decimal str (``7`` and ``"7"`` are one id), the same
+    model as the HTTP service.
 
     Raises:
         ValueError: ``path`` is a file or a non-empty directory that is not a Memory,
@@ -367,6 +433,7 @@ class Memory:
         cache_size: int = 4096,
         fsync: bool = True,
         checkpoint_bytes: int | None = 64 << 20,
+        chunk_overlap: int = DEFAULT_CHUNK_OVERLAP,
     ) -> None:
         if config is None:
             config = RFMemConfig()
@@ -388,6 +455,11 @@ class Memory:
                 )
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+        if isinstance(chunk_overlap, bool) or not isinstance(chunk_overlap, int) or chunk_overlap < 0:
+            raise ValueError(f"chunk_overlap must be an int >= 0 (tokens), got {chunk_overlap!r}")
+        self._chunk_overlap = chunk_overlap
+        # {user: {parent item id: number of extra chunk rows}} (long texts only)
+        self._chunks: dict[str, dict[str, int]] = {}
         if checkpoint_bytes is not None and (isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int) or checkpoint_bytes < 1):
             raise ValueError(f"checkpoint_bytes must be an int >= 1 or None, got {checkpoint_bytes!r}")
         if isinstance(backend, str):
@@ -483,6 +555,7 @@ class Memory:
                 shutil.rmtree(entry, ignore_errors=True)
             elif entry.name.startswith(f".{META_FILE}.tmp-"):
                 entry.unlink(missing_ok=True)
+        self._index_chunks()
         self._wal = WriteAheadLog(path / WAL_FILE, fsync=fsync)
         self._replay(self._seq)
 
@@ -626,20 +699,51 @@ class Memory:
                     self._encoder = enc
         return self._encoder
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
-        """float32 [n, d] embeddings of ``texts`` (one encoder call)."""
+    def _encode_rows(self, texts: list[str], name: str) -> list[np.ndarray | ValueError]:
+        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
+        ValueError naming ``name[i]`` (or the query text) when the encoder returned a
+        zero or non-finite row for it. Raises what the encoder call raises."""
         enc = self._get_encoder()
         t0 = time.perf_counter()
-        out = np.asarray(enc.encode(texts))
+        raw = enc.encode(texts)
         dt = time.perf_counter() - t0
+        if hasattr(raw, "detach"):
+            raw = raw.detach().cpu().float().numpy()
+        out = np.asarray(raw)
         if out.ndim != 2 or out.shape[0] != len(texts) or out.shape[1] != self.dim:
             raise ValueError(f"the encoder returned shape {out.shape}, expected ({len(texts)}, {self.dim})")
+        if not np.issubdtype(out.dtype, np.floating):
+            raise TypeError(f"the encoder returned {out.dtype} values, expected floats")
         with self._stats_lock:
             c = self._counters
             c["encode_calls"] += 1
             c["encoded"] += len(texts)
             c["encode_seconds"] += dt
-        return as_float_matrix(out, "encoder output", self.dim)
+        with np.errstate(over="ignore", invalid="ignore"):
+            rows64 = out.astype(np.float64)
+            norms = np.sqrt(np.einsum("ij,ij->i", rows64, rows64))
+        rows: list[Any] = []
+        for i, text in enumerate(texts):
+            label = f"{name}[{i}]" if name != "query" else "query"
+            if not np.isfinite(rows64[i]).all() or not np.isfinite(norms[i]) or norms[i] <= 1e-12 \
+                    or np.abs(rows64[i]).max() > np.finfo(np.float32).max:
+                rows.append(ValueError(
+                    f"{label} {text[:60]!r}: the encoder returned a zero or non-finite embedding for this text, "
+                    "so it cannot be searched or stored"))
+            else:
+                rows.append(out[i].astype(np.float32))
+        return rows
+
+    def _encode(self, texts: list[str], name: str = "texts") -> np.ndarray:
+        """float32 [n, d] embeddings of ``texts`` (one encoder call).
+
+        Raises:
+            ValueError: the encoder's row for ``name[i]`` is zero or not finite (named)."""
+        rows = self._encode_rows(texts, name)
+        for r in rows:
+            if isinstance(r, BaseException):
+                raise r
+        return np.stack(rows) if rows else np.zeros((0, self.dim), np.float32)
 
     def _vectors(self, vectors: Any, name: str = "vectors") -> np.ndarray:
         """float32 [m, d] from a [m, d] or [d] array (rows checked, not yet normalised)."""
@@ -674,6 +778,8 @@ class Memory:
                 line = dict(rec)
                 if line.get("vectors") is not None:
                     line["vectors"] = encode_array(line["vectors"])
+                if line.get("extra_vectors") is not None:
+                    line["extra_vectors"] = encode_array(line["extra_vectors"])
                 try:
                     self._wal.append(line)
                 except (TypeError, ValueError, RecursionError) as exc:  # not JSON: nothing was written
@@ -700,21 +806,133 @@ class Memory:
     def _apply(self, rec: dict[str, Any]) -> None:
         """Apply one logged write to the bank (live or replayed); bump the user's version."""
         op, user = rec["op"], rec["user"]
+        if isinstance(user, int):  # a record of an older version (int keys): the id model's str
+            user = str(user)
+        if rec.get("ids") is not None and any(isinstance(i, int) for i in rec["ids"]):
+            rec = dict(rec, ids=[str(i) if isinstance(i, int) else i for i in rec["ids"]])
         vec = rec.get("vectors")
         if isinstance(vec, dict):
             vec = decode_array(vec)
+        chunks = self._chunks.setdefault(user, {})
         if op == "add":
             self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"])
+            self._note_chunks(chunks, rec["ids"])
         elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
             self.bank.set_metadata(user, rec["ids"], rec["metadata"])
         elif op == "update":
+            drop, extra = rec.get("drop") or [], rec.get("extra_ids") or []
+            if drop or extra:  # check first: the update must not fail after its old chunks went
+                held = set(self.bank.item_ids_of(user)) if user in self.bank else set()
+                missing = [i for i in rec["ids"] if i not in held]
+                if missing:
+                    raise KeyError(f"ids: user {user!r} holds no item id {missing[0]!r}")
+            if drop:
+                self.bank.delete(user, drop)
             self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
+            for i in rec["ids"]:
+                chunks.pop(i, None)
+            if extra:
+                ev = rec["extra_vectors"]
+                self.bank.add(user, decode_array(ev) if isinstance(ev, dict) else ev, extra)
+                self._note_chunks(chunks, extra)
         elif op == "delete":
             self.bank.delete(user, rec["ids"])
+            for i in rec["ids"]:
+                if CHUNK_SEP not in i:
+                    chunks.pop(i, None)
+        elif op == "delete_user":  # every live item of the user ("forget me")
+            if user in self.bank and self.bank.user_size(user):
+                self.bank.delete(user, self.bank.item_ids_of(user))
+            chunks.clear()
         else:
             raise ValueError(f"unknown logged operation {op!r}")
         self._uver[user] = self._uver.get(user, 0) + 1
         self._cache.invalidate(user)
+
+    # ------------------------------------------------------------------ long texts
+    @staticmethod
+    def _note_chunks(chunks: dict[str, int], ids: list) -> None:
+        for i in ids:
+            if isinstance(i, str) and CHUNK_SEP in i:
+                parent, _, j = i.rpartition(CHUNK_SEP)
+                chunks[parent] = max(chunks.get(parent, 0), int(j))
+
+    def _index_chunks(self) -> None:
+        """Rebuild the chunk map from the bank's row ids (on open, before the replay)."""
+        self._chunks = {}
+        for user in self.bank.users:
+            ids = [i for i in self.bank.item_ids_of(user) if isinstance(i, str) and CHUNK_SEP in i]
+            if ids:
+                self._note_chunks(self._chunks.setdefault(user, {}), ids)
+
+    def _extra_rows(self, user: Hashable) -> int:
+        """Bank rows of ``user`` that are extra chunks of long texts (not items)."""
+        c = self._chunks.get(user)
+        return sum(c.values()) if c else 0
+
+    def _chunk_ids_of(self, user: Hashable, ids: list) -> list[str]:
+        """The extra chunk rows of the items ``ids`` of ``user``."""
+        c = self._chunks.get(user) or {}
+        return [f"{p}{CHUNK_SEP}{j}" for p in ids for j in range(1, c.get(p, 0) + 1)]
+
+    def _split(self, texts: list[str], name: str = "texts") -> list[list[str]]:
+        """Per text, its chunks: ``[text]`` when it fits the encoder's window (or the
+        encoder does not tell one), else overlapping windows of the text itself.
+
+        Raises:
+            ValueError: a text over the window of an encoder that tells its window
+                (``max_tokens``, ``count_tokens``) but cannot cut (no ``token_spans``).
+
+        A chunk holds at most ``max_tokens`` minus the special tokens of the encoder's
+        tokenizer (254 for all-MiniLM-L6-v2), consecutive chunks share
+        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span."""
+        enc = self._get_encoder()
+        limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
+        spans_of = getattr(enc, "token_spans", None)
+        if limit is None or not callable(count):
+            return [[t] for t in texts]
+        counts = count(texts)
+        long = [i for i, n in enumerate(counts) if n > limit]
+        out = [[t] for t in texts]
+        if not long:
+            return out
+        if not callable(spans_of):  # a window but no way to cut: refuse rather than truncate
+            i = long[0]
+            raise ValueError(
+                f"{name}[{i}] is {counts[i]} tokens long, but the encoder reads at most {limit} tokens "
+                f"(special tokens included) and would silently ignore the rest; this encoder has no "
+                f"token_spans() to chunk it: split it into memories of at most {limit} tokens")
+        size = int(limit) - int(count([""])[0])  # room for the text's own tokens
+        step = size - self._chunk_overlap
+        if step < 1:
+            raise ValueError(f"chunk_overlap={self._chunk_overlap} leaves no room in the encoder's window of "
+                             f"{size} text tokens: use a smaller chunk_overlap")
+        for i, spans in zip(long, spans_of([texts[i] for i in long])):
+            t, parts = texts[i], []
+            for a in range(0, len(spans), step):
+                win = spans[a:a + size]
+                parts.append(t[win[0][0]:win[-1][1]])
+                if a + size >= len(spans):
+                    break
+            out[i] = parts
+        return out
+
+    def _encode_items(self, tx: list[str], id_list: list[str]) -> tuple[np.ndarray, list[str], np.ndarray | None]:
+        """Embeddings of items' texts, long ones chunked: (one row per item: its first
+        chunk; the extra chunks' row ids; their rows, or None)."""
+        parts = self._split(tx)
+        flat = [c for p in parts for c in p]
+        rows = self._encode(flat)
+        if len(flat) == len(tx):
+            return rows, [], None
+        first, extra_ids, extra_rows, r = [], [], [], 0
+        for pid, p in zip(id_list, parts):
+            first.append(rows[r])
+            for j in range(1, len(p)):
+                extra_ids.append(f"{pid}{CHUNK_SEP}{j}")
+                extra_rows.append(rows[r + j])
+            r += len(p)
+        return np.stack(first), extra_ids, np.stack(extra_rows)
 
     def add(
         self,
@@ -728,9 +946,11 @@ class Memory:
         """Store memories for a user (created on first add); durable once it returns.
 
         Args:
-            texts: one str or m str (the items' texts), or None when ``vectors`` is given.
-            user_id: the user (str or int).
-            ids: m unique item ids (str or int) or one id for one item; default: new
+            texts: one str or m str (the items' texts: valid Unicode, not blank, at most
+                MAX_TEXT_CHARS characters; one longer than the encoder's window is
+                chunked, :class:`Memory` ``chunk_overlap``), or None when ``vectors`` is given.
+            user_id: the user (str, or an int: its decimal str).
+            ids: m unique item ids (str, or int: converted to str) or one id for one item; default: new
                 uuid4 hex strings.
             metadata: one dict for every item, or m dicts / None: JSON objects stored
                 with the items (and saved / reloaded with them).
@@ -739,12 +959,14 @@ class Memory:
                 as the items' texts.
 
         Returns:
-            list of the m item ids.
+            list of the m item ids (str).
 
         Raises:
             ValueError: neither texts nor vectors, mismatched lengths, a wrong
-                dimension, NaN / Inf / zero vectors, a duplicate id or one the user
-                already holds, metadata that is not JSON, no encoder for texts.
+                dimension, NaN / Inf / zero vectors (a text the encoder embeds as one:
+                ``texts[i]`` named), a duplicate id or one the user already holds,
+                metadata that is not JSON (``metadata[i]`` named), an empty / blank
+                text or one with a lone surrogate (``texts[i]``), no encoder for texts.
             TypeError: arguments of the wrong type.
             OSError: the log could not be written (nothing is acknowledged).
         """
@@ -763,9 +985,15 @@ class Memory:
         if len(id_list) != m:
             raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
         meta = _metadata_list(metadata, m)
+        extra_ids: list[str] = []
         if vec is None:
-            vec = self._encode(tx)
-        self._write({"op": "add", "user": user, "ids": id_list, "texts": tx if tx is not None else [None] * m,
+            vec, extra_ids, extra = self._encode_items(tx, id_list)
+        texts_out = tx if tx is not None else [None] * m
+        if extra_ids:  # a long text: its extra chunks are rows of their own, after the items
+            vec = np.concatenate([vec, extra])
+            texts_out = texts_out + [None] * len(extra_ids)
+            meta = None if meta is None else meta + [None] * len(extra_ids)
+        self._write({"op": "add", "user": user, "ids": id_list + extra_ids, "texts": texts_out,
                      "vectors": vec, "metadata": meta})
         return id_list
 
@@ -805,9 +1033,19 @@ class Memory:
             raise ValueError("update needs texts, vectors or metadata")
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
+        extra_ids: list[str] = []
+        extra = None
         if tx is not None and vec is None:
-            vec = self._encode(tx)
-        self._write({"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta})
+            vec, extra_ids, extra = self._encode_items(tx, id_list)
+        rec = {"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta}
+        if vec is not None:  # a new text / vector replaces the item's chunks
+            with self._wmutex:
+                drop = self._chunk_ids_of(user, id_list)
+                if drop or extra_ids:
+                    rec.update(drop=drop, extra_ids=extra_ids, extra_vectors=extra)
+                self._write(rec)
+            return
+        self._write(rec)
 
     def delete(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> None:
         """Delete items of a user (never returned again); durable once it returns.
@@ -821,19 +1059,63 @@ class Memory:
         id_list = _id_list(ids)
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
-        self._write({"op": "delete", "user": user, "ids": id_list})
+        with self._wmutex:  # an item's chunks go with it (an unknown id: the bank's KeyError names it)
+            self._write({"op": "delete", "user": user, "ids": id_list + self._chunk_ids_of(user, id_list)})
+
+    def delete_user(self, user_id: Hashable) -> int:
+        """Delete every memory of a user ("forget me"); durable once it returns.
+
+        Idempotent: a user without items (or never seen) deletes nothing and returns 0.
+
+        Returns:
+            int, the number of items deleted.
+
+        Raises:
+            TypeError / ValueError: a malformed user id. OSError: the log could not be written.
+        """
+        self._check_open()
+        user = _user_key(user_id)
+        with self._wmutex:
+            n = self.count(user)
+            if user in self.bank and self.bank.user_size(user):
+                self._write({"op": "delete_user", "user": user})
+        return n
 
     # ------------------------------------------------------------------ reads
-    def get_all(self, user_id: Hashable) -> list[Item]:
-        """Every live item of a user, in insertion order ([] for an unknown user)."""
+    def count(self, user_id: Hashable) -> int:
+        """Live items of a user (0 for an unknown user)."""
         user = _user_key(user_id)
+        return self.bank.user_size(user) - self._extra_rows(user) if user in self.bank else 0
+
+    def get_all(self, user_id: Hashable, offset: int = 0, limit: int | None = None) -> list[Item]:
+        """The live items of a user in insertion order ([] for an unknown user).
+
+        Args:
+            user_id: the user.
+            offset: items to skip (int >= 0; default 0).
+            limit: the most items returned (int >= 1, or None for all).
+
+        Raises:
+            ValueError: a bad offset / limit (named).
+        """
+        user = _user_key(user_id)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+            raise ValueError(f"limit must be an int >= 1 or None, got {limit!r}")
+        stop = None if limit is None else int(offset) + int(limit)
         with self._rw.read():
             if user not in self.bank:
                 return []
             ids = self.bank.item_ids_of(user)
-            texts = self.bank.texts_of(user)
-            metas = self.bank.get_metadata(user)
-        return [Item(i, t, m or {}) for i, t, m in zip(ids, texts, metas)]
+            if self._chunks.get(user):
+                ids = [i for i in ids if not (isinstance(i, str) and CHUNK_SEP in i)]
+            ids = ids[offset:stop]
+            if not ids:
+                return []
+            text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
+            metas = self.bank.get_metadata(user, ids)
+        return [Item(i, text_of[i], m or {}) for i, m in zip(ids, metas)]
 
     def get(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> list[Item]:
         """Some items of a user, in the order asked.
@@ -858,6 +1140,8 @@ class Memory:
     def _config_for(self, k: int) -> RFMemConfig:
         cfg = self._configs.get(k)
         if cfg is None:
+            if len(self._configs) > 1024:  # k + a user's chunk rows: many values over time
+                self._configs = {self._config.out_k: self._config}
             cfg = self._configs[k] = self._config.replace(out_k=int(k))
         return cfg
 
@@ -870,9 +1154,13 @@ class Memory:
         if isinstance(query, str):
             if not self._has_encoder:
                 raise ValueError(f"{name}: this Memory has no text encoder (encoder=False); pass a vector")
+            query = _check_text(query, name, what="query")
             return _Query(user, query, None, k, mode, ("text", query))
         if isinstance(query, bytes) or query is None:
             raise TypeError(f"{name} must be a str or a 1-D vector of floats, got {type(query).__name__}")
+        if name == "query" and isinstance(query, (list, tuple)) and query and isinstance(query[0], str):
+            raise TypeError("query must be one str or one 1-D vector; for several queries use "
+                            "Memory.search_batch(queries, user_ids)")
         arr = query if (hasattr(query, "detach") or isinstance(query, np.ndarray)) else np.asarray(query)
         if getattr(arr, "ndim", None) != 1:
             raise ValueError(f"{name} must be a str or a 1-D vector of {self.dim} floats, got shape {tuple(getattr(arr, 'shape', ()))}")
@@ -906,8 +1194,12 @@ class Memory:
             memory) with the query's route / rule / mean / entropy / rounds.
 
         Raises:
-            ValueError / TypeError: a bad query, user, k or mode (named).
+            ValueError / TypeError: a bad query (empty / blank text, lone surrogate, a
+                list: use :meth:`search_batch`), user, k (an int in [1, MAX_K]) or mode
+                (named); a query the encoder embeds as a zero / non-finite vector (it
+                fails alone, never the other requests of its micro-batch).
             QueueFullError, RequestTimeoutError: overload (batching on).
+            BatcherClosedError: the Memory is closed (or closing).
         """
         q, hits = self._start(query, user_id, k, mode)
         if hits is not None:
@@ -998,8 +1290,8 @@ class Memory:
         if need:
             t0 = time.perf_counter()
             texts = list(need)
-            try:
-                rows: list[Any] = list(self._encode(texts))
+            try:  # a bad row (zero / non-finite) fails its own callers only
+                rows: list[Any] = self._encode_rows(texts, "query")
             except Exception as exc:
                 if len(texts) == 1:
                     rows = [exc]
@@ -1007,7 +1299,7 @@ class Memory:
                     rows = []
                     for text in texts:
                         try:
-                            rows.append(self._encode([text])[0])
+                            rows.append(self._encode_rows([text], "query")[0])
                         except Exception as exc1:
                             rows.append(exc1)
             for text, row in zip(texts, rows):
@@ -1032,32 +1324,46 @@ class Memory:
                     rule = "unknown_user" if q.user not in known else "no_hits"
                     out[i] = _Answer(q.user, (), None, rule, 0.0, 0.0, 0)
                 else:
-                    groups.setdefault((q.mode, q.k), []).append(i)
-            for (mode, k), idx in groups.items():
+                    # a user holding long texts: fetch enough rows to collapse to k items
+                    k_rows = min(q.k + self._extra_rows(q.user), 1 << 20)
+                    groups.setdefault((q.mode, k_rows), []).append(i)
+            todo = list(groups.items())
+            while todo:
+                (mode, k), idx = todo.pop(0)
                 t0 = time.perf_counter()
                 try:
                     res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
                                  config=self._config_for(k), mode=mode, backend=self._backend, device=self._device)
                 except Exception as exc:
-                    for i in idx:
-                        out[i] = exc
+                    if len(idx) > 1:  # find the culprit: search one by one, so only it fails
+                        todo[:0] = [((mode, k), [i]) for i in idx]
+                    else:
+                        out[idx[0]] = exc
                     continue
                 finally:
                     search_s += time.perf_counter() - t0
                     searches += 1
                 texts = res.texts  # taken from the snapshot this search ran on
                 routes, rules = res.route_names, res.rule_names
-                hit_ids = [res.ids[j][res.rows[j] >= 0].tolist() for j in range(len(idx))]
-                metas = self._metadata_of([queries[i].user for i in idx], hit_ids)
+                rows = [self._collapse(res, j, texts[j], queries[i].k) for j, i in enumerate(idx)]
+                metas = self._metadata_of([queries[i].user for i in idx], [r[0] for r in rows])
+                parent_texts: dict[Hashable, dict] = {}
                 for j, i in enumerate(idx):
                     q = queries[i]
                     try:
-                        out[i] = ans = self._answer(res, j, texts[j], q.user, routes[j], rules[j], hit_ids[j],
+                        ids, scores, txt, from_chunk = rows[j]
+                        if any(from_chunk):  # a chunk's hit shows its item's whole text
+                            pt = parent_texts.get(q.user)
+                            if pt is None:
+                                pt = parent_texts[q.user] = dict(zip(self.bank.item_ids_of(q.user),
+                                                                     self.bank.texts_of(q.user)))
+                            txt = [pt[x] if f else t for x, t, f in zip(ids, txt, from_chunk)]
+                        out[i] = ans = self._answer(res, j, q.user, routes[j], rules[j], ids, scores, txt,
                                                     metas[q.user])
                     except Exception as exc:  # pragma: no cover - defensive: fails this caller only
                         out[i] = exc
                         continue
-                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, k)
+                    key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, mode, q.k)
                     self._cache.put_result(key, ans)
         with self._stats_lock:
             c = self._counters
@@ -1082,13 +1388,36 @@ class Memory:
             wanted.setdefault(user, {}).update(dict.fromkeys(ids))
         return {u: dict(zip(ids, self.bank.get_metadata(u, list(ids)))) if ids else {} for u, ids in wanted.items()}
 
-    def _answer(self, res: SearchResult, j: int, texts: np.ndarray, user: Hashable, route: str,
-                rule: str, ids: list, metas: dict) -> _Answer:
-        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
-        ``ids`` its hits' ids, ``metas`` {id: metadata} of its user (:meth:`_metadata_of`)."""
+    @staticmethod
+    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int) -> tuple[list, list, list, list]:
+        """Query ``j``'s hit rows collapsed to items: a long text's chunk rows count as
+        their item (its best-ranked row; the first k items). Returns (ids, scores,
+        texts, from_chunk): from_chunk[r] when item r's best row was an extra chunk
+        (its text is then looked up)."""
         ok = res.rows[j] >= 0
-        scores = res.scores[j][ok].tolist()
-        txt = texts[ok].tolist()
+        ids, scores, txt = res.ids[j][ok].tolist(), res.scores[j][ok].tolist(), texts[ok].tolist()
+        if not any(isinstance(i, str) and CHUNK_SEP in i for i in ids):
+            return ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids))
+        out_ids, out_s, out_t, out_f, seen = [], [], [], [], set()
+        for i, sc, t in zip(ids, scores, txt):
+            chunk = isinstance(i, str) and CHUNK_SEP in i
+            parent = i.rpartition(CHUNK_SEP)[0] if chunk else i
+            if parent in seen:
+                continue
+            seen.add(parent)
+            out_ids.append(parent)
+            out_s.append(sc)
+            out_t.append(None if chunk else t)
+            out_f.append(chunk)
+            if len(out_ids) == k:
+                break
+        return out_ids, out_s, out_t, out_f
+
+    def _answer(self, res: SearchResult, j: int, user: Hashable, route: str, rule: str, ids: list,
+                scores: list, txt: list, metas: dict) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
+        ``ids`` / ``scores`` / ``txt`` its hits (:meth:`_collapse`), ``metas`` {id:
+        metadata} of its user (:meth:`_metadata_of`)."""
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
             Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds)
