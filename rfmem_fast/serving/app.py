@@ -217,6 +217,8 @@ class HitOut(BaseModel):
     score: float
     metadata: Meta
     rank: int
+    dense_score: float | None = None
+    lexical_score: float | None = None
 
 
 class SearchResponse(BaseModel):
@@ -290,7 +292,8 @@ def _search_json(hits: Hits) -> dict[str, Any]:
     return {
         "user_id": str(hits.user_id), "route": hits.route, "rule": hits.rule, "mean": hits.mean,
         "entropy": hits.entropy, "rounds": hits.rounds, "cached": hits.cached,
-        "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank} for h in hits],
+        "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
+                  "dense_score": h.dense_score, "lexical_score": h.lexical_score} for h in hits],
     }
 
 
@@ -704,6 +707,7 @@ def serve(
     encoder: str = "default",
     encoder_dtype: str = "auto",
     encoder_backend: str = "auto",
+    preset: str = "paper",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -738,6 +742,8 @@ def serve(
         encoder_backend: runtime of the text encoder (:func:`rfmem_fast.encoders.resolve_backend`):
             "auto" (default: ONNX Runtime float32 where onnxruntime / onnx are installed,
             torch elsewhere), "torch" or "onnx".
+        preset: the retrieval configuration, "paper" (default) or "recommended" (hybrid
+            dense + BM25; :func:`rfmem_fast.serving.cli.open_memory`).
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -754,7 +760,7 @@ def serve(
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")  # bad options first,
     key = _resolve_api_key(api_key, no_auth)  # then the key: both refused before anything opens
     memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
-                         dim=dim, backend=backend, batching=batching, max_batch=max_batch,
+                         preset=preset, dim=dim, backend=backend, batching=batching, max_batch=max_batch,
                          max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
     try:
         app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes)

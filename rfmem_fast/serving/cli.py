@@ -51,6 +51,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
                    "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
                    "elsewhere; 'torch' or 'onnx' to force one")
+    p.add_argument("--preset", choices=["paper", "recommended"], default="paper",
+                   help="retrieval configuration: 'paper' (default: the authors' RF-Mem, dense channel only) or "
+                   "'recommended' (RFMemConfig.recommended(): hybrid dense + BM25 over the stored texts)")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
@@ -69,7 +72,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`open_memory` from options added by :func:`add_memory_args`."""
     return dict(
-        encoder=args.encoder, encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend, dim=args.dim,
+        encoder=args.encoder, encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend,
+        preset=args.preset, dim=args.dim,
         backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
     )
@@ -80,6 +84,7 @@ def open_memory(
     encoder: str = "default",
     encoder_dtype: str = "auto",
     encoder_backend: str = "auto",
+    preset: str = "paper",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -106,6 +111,8 @@ def open_memory(
             ignored with encoder "none".
         encoder_backend: "auto" | "torch" | "onnx" (:func:`rfmem_fast.encoders.resolve_backend`);
             ignored with encoder "none".
+        preset: "paper" (``RFMemConfig.paper()``, dense) or "recommended"
+            (``RFMemConfig.recommended()``: hybrid dense + BM25, docs "Hybrid retrieval").
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -121,6 +128,11 @@ def open_memory(
     from ..encoders import check_backend
     from .memory import ENCODE_BATCH_SIZE, Memory
 
+    from ..config import RFMemConfig
+
+    if preset not in ("paper", "recommended"):
+        raise ValueError(f"preset must be 'paper' or 'recommended', got {preset!r}")
+    config = RFMemConfig.recommended() if preset == "recommended" else RFMemConfig.paper()
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
     dtype: str | None = encoder_dtype
     enc_backend: str | None = encoder_backend
@@ -135,7 +147,7 @@ def open_memory(
         enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
                           backend=encoder_backend)
         dtype = enc_backend = None
-    memory = Memory(path, encoder=enc, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
+    memory = Memory(path, encoder=enc, config=config, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
                     cache_size=cache_size)
     if enc is not False:

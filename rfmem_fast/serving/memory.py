@@ -127,6 +127,24 @@ class MemoryLockedError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- results
+def _finite_or_none(v: Any) -> float | None:
+    """``v`` as a float, None for None / NaN (an unknown channel score)."""
+    return None if v is None or v != v else float(v)
+
+
+def default_stemmer() -> str | None:
+    """The lexical stemmer of a new Memory's bank: "english" (PyStemmer's Snowball English,
+    what ``RFMemConfig.recommended()`` was tuned with) when PyStemmer is installed (the
+    ``text`` / ``serve`` / ``mcp`` / ``lexical`` extras bring it), else None (no stemming).
+    A bank keeps its stemmer in its store, so a reopened Memory scores as it did."""
+    try:
+        import Stemmer  # noqa: F401  (PyStemmer)
+    except ImportError:
+        return None
+    return "english"
+
+
+# ---------------------------------------------------------------------- results (types)
 @dataclass(frozen=True)
 class Hit:
     """One retrieved memory item.
@@ -144,6 +162,11 @@ class Hit:
         mean: mean of the probe's top-``probe_k`` scores (spec section 1).
         entropy: the probe's softmax entropy (spec section 1).
         rounds: recollection rounds used (0 on the Familiarity path).
+        dense_score: the item's exact cosine to the query (float; None when unknown).
+        lexical_score: the item's BM25 score for the query's text within its user's
+            memory (float, 0.0 for no lexical hit; None when the search was dense-only or
+            the query a vector). With a lexical channel (``RFMemConfig.lexical_weight >
+            0``, docs "Hybrid retrieval") ``score`` is the fused score of the two.
     """
 
     id: Hashable
@@ -157,6 +180,8 @@ class Hit:
     mean: float
     entropy: float
     rounds: int
+    dense_score: float | None = None
+    lexical_score: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -495,7 +520,7 @@ class Memory:
         self._store_gen = 0
         enc_dim = getattr(self._encoder, "dim", None) if self._encoder is not None else None
         if path is None:
-            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
+            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None), lexical_stemmer=default_stemmer())
         else:
             try:
                 self._open(Path(os.fspath(path)), dim, enc_dim, fsync)
@@ -534,7 +559,7 @@ class Memory:
             stored_dim = meta["dim"]
             self._resolve_dim(dim, enc_dim, stored_dim)
             store = meta["store"]
-            self.bank = MemoryBank.load(path / store) if store else MemoryBank(stored_dim)
+            self.bank = MemoryBank.load(path / store) if store else MemoryBank(stored_dim, lexical_stemmer=default_stemmer())
             if self.bank.dim != stored_dim:
                 raise StoreError(path / store, f"holds dimension {self.bank.dim}, {META_FILE} says {stored_dim}")
             self._store_gen = int(store[len(_STORE_PREFIX):]) if store else 0
@@ -547,7 +572,7 @@ class Memory:
                 )
             path.mkdir(parents=True, exist_ok=True)
             self._take_lock(path)
-            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None))
+            self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None), lexical_stemmer=default_stemmer())
             self._write_meta(None)
             store = None
         for entry in path.iterdir():  # leftovers of an interrupted checkpoint
@@ -1332,8 +1357,10 @@ class Memory:
                 (mode, k), idx = todo.pop(0)
                 t0 = time.perf_counter()
                 try:
+                    cfg = self._config_for(k)
+                    lex = {"query_texts": [queries[i].text for i in idx]} if cfg.lexical_weight > 0 else {}
                     res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
-                                 config=self._config_for(k), mode=mode, backend=self._backend, device=self._device)
+                                 config=cfg, mode=mode, backend=self._backend, device=self._device, **lex)
                 except Exception as exc:
                     if len(idx) > 1:  # find the culprit: search one by one, so only it fails
                         todo[:0] = [((mode, k), [i]) for i in idx]
@@ -1351,7 +1378,7 @@ class Memory:
                 for j, i in enumerate(idx):
                     q = queries[i]
                     try:
-                        ids, scores, txt, from_chunk = rows[j]
+                        ids, scores, txt, from_chunk, chan = rows[j]
                         if any(from_chunk):  # a chunk's hit shows its item's whole text
                             pt = parent_texts.get(q.user)
                             if pt is None:
@@ -1359,7 +1386,7 @@ class Memory:
                                                                      self.bank.texts_of(q.user)))
                             txt = [pt[x] if f else t for x, t, f in zip(ids, txt, from_chunk)]
                         out[i] = ans = self._answer(res, j, q.user, routes[j], rules[j], ids, scores, txt,
-                                                    metas[q.user])
+                                                    metas[q.user], chan)
                     except Exception as exc:  # pragma: no cover - defensive: fails this caller only
                         out[i] = exc
                         continue
@@ -1389,17 +1416,22 @@ class Memory:
         return {u: dict(zip(ids, self.bank.get_metadata(u, list(ids)))) if ids else {} for u, ids in wanted.items()}
 
     @staticmethod
-    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int) -> tuple[list, list, list, list]:
+    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int) -> tuple[list, list, list, list, list]:
         """Query ``j``'s hit rows collapsed to items: a long text's chunk rows count as
         their item (its best-ranked row; the first k items). Returns (ids, scores,
-        texts, from_chunk): from_chunk[r] when item r's best row was an extra chunk
-        (its text is then looked up)."""
+        texts, from_chunk, channels): from_chunk[r] when item r's best row was an extra
+        chunk (its text is then looked up); channels[r] its (dense, lexical) scores
+        (None where unknown)."""
         ok = res.rows[j] >= 0
         ids, scores, txt = res.ids[j][ok].tolist(), res.scores[j][ok].tolist(), texts[ok].tolist()
+        chan = [tuple(_finite_or_none(v) for v in pair) for pair in zip(
+            res.dense_scores[j][ok].tolist() if res.dense_scores is not None else [None] * len(ids),
+            res.lexical_scores[j][ok].tolist() if res.lexical_scores is not None else [None] * len(ids),
+        )]  # fmt: skip
         if not any(isinstance(i, str) and CHUNK_SEP in i for i in ids):
-            return ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids))
-        out_ids, out_s, out_t, out_f, seen = [], [], [], [], set()
-        for i, sc, t in zip(ids, scores, txt):
+            return ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids)), chan[:k]
+        out_ids, out_s, out_t, out_f, out_c, seen = [], [], [], [], [], set()
+        for i, sc, t, c in zip(ids, scores, txt, chan):
             chunk = isinstance(i, str) and CHUNK_SEP in i
             parent = i.rpartition(CHUNK_SEP)[0] if chunk else i
             if parent in seen:
@@ -1409,19 +1441,20 @@ class Memory:
             out_s.append(sc)
             out_t.append(None if chunk else t)
             out_f.append(chunk)
+            out_c.append(c)
             if len(out_ids) == k:
                 break
-        return out_ids, out_s, out_t, out_f
+        return out_ids, out_s, out_t, out_f, out_c
 
     def _answer(self, res: SearchResult, j: int, user: Hashable, route: str, rule: str, ids: list,
-                scores: list, txt: list, metas: dict) -> _Answer:
+                scores: list, txt: list, metas: dict, chan: list) -> _Answer:
         """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
         ``ids`` / ``scores`` / ``txt`` its hits (:meth:`_collapse`), ``metas`` {id:
         metadata} of its user (:meth:`_metadata_of`)."""
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
-            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds)
-            for r, (i, t, s) in enumerate(zip(ids, txt, scores))
+            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds, c[0], c[1])
+            for r, (i, t, s, c) in enumerate(zip(ids, txt, scores, chan))
         )
         return _Answer(user, hits, route, rule, mean, ent, rounds)
 
