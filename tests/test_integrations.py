@@ -39,7 +39,8 @@ def test_langchain_retriever(memory):
     assert docs[0].metadata["topic"] == "greek" and docs[0].metadata["score"] == pytest.approx(1.0)
     assert docs[0].metadata["rfmem"] == {"id": "a", "user_id": "alice", "score": ref[0].score, "rank": 0,
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
-                                         "entropy": ref.entropy, "rounds": 0}
+                                         "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
+                                         "lexical_score": None}
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))
