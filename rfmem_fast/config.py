@@ -264,7 +264,8 @@ class RFMemConfig:
         gain on the worst dataset / noise level": **hybrid dense + lexical retrieval**,
         ``fusion="convex"``, ``lexical_norm="raw"``, ``lexical_weight=0.03`` (each item
         scores ``cosine + 0.03 * BM25``), never recollecting (theta_high = theta_low =
-        -1: every query takes the Familiarity path, the fused top-k). It was tuned on
+        -1: every query takes the Familiarity path, the fused top-k); for MPNet the
+        scale-free ``zscore`` fusion (below). It was tuned on
         banks whose lexical index stems with PyStemmer's English stemmer
         (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory` and
         the evaluations build); ``search`` then needs the query texts (``query_texts=``).
@@ -273,10 +274,12 @@ class RFMemConfig:
         whole procedure; a PersonaBench user is one fold at every noise level, a LoCoMo
         conversation one fold): PersonaBench +0.04 / +1.76 / +1.75 / +4.27 at noise 0.0 /
         0.3 / 0.5 / 0.7, LoCoMo +10.34 (leave one conversation out); the pick itself on
-        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. The previous
+        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. For MPNet (tuned on
+        PersonaBench noise 0.0 / 0.3 and LoCoMo) the procedure picks ``fusion="zscore"``,
+        ``lexical_weight=0.1`` (the channels on one scale, :func:`rfmem_fast.fusion.zscore_boost`):
+        nested CV +4.12 / +0.63 on PersonaBench 0.0 / 0.3, LoCoMo +10.60. The previous
         recommendation (the profile prior, ``profile_weight=0.3``) is -4.4 points on
-        LoCoMo and stays available as a field. Other encoders: the same pick (MPNet's
-        figures are in the docs).
+        LoCoMo with either encoder and stays available as a field.
 
         Args:
             encoder: "minilm" (the package's default encoder) or "mpnet".
@@ -290,9 +293,11 @@ class RFMemConfig:
             ValueError: an unknown encoder (the message lists the known ones), or an
                 invalid override.
         """
-        hybrid = {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
-                  "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}  # fmt: skip
-        picks: dict[str, dict[str, Any]] = {"minilm": hybrid, "mpnet": hybrid}
+        never = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
+        picks: dict[str, dict[str, Any]] = {
+            "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **never},
+            "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **never},
+        }
         if encoder not in picks:
             raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
         return cls(**{**picks[encoder], **overrides})

@@ -62,7 +62,8 @@ def test_presets():
     assert (r.profile_weight, r.theta_high, r.theta_low, r.merge, r.reranker) == (0.0, -1.0, -1.0, "none", None)
     assert (r.fusion, r.lexical_norm, r.lexical_weight) == ("convex", "raw", 0.03)
     assert (r.alpha, r.beam_width, r.fanout, r.max_rounds, r.mmr_lambda) == (0.5, 4, 1, 10, 0.9)
-    assert RFMemConfig.recommended("mpnet") == r
+    m = RFMemConfig.recommended("mpnet")
+    assert (m.fusion, m.lexical_weight, m.theta_high, m.theta_low) == ("zscore", 0.1, -1.0, -1.0)
     assert RFMemConfig.paper().profile_weight == 0.0 and RFMemConfig.paper().reranker is None
     assert RFMemConfig.recommended(out_k=5).out_k == 5
     with pytest.raises(ValueError, match="encoder"):
