@@ -334,6 +334,21 @@ def default_model_path() -> str:
     return str(path)
 
 
+def _text_list(texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list of str (the tokenizer helpers' argument check).
+
+    Raises:
+        TypeError: a single str / bytes, or an element that is not a str (named by index).
+    """
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be a sequence of str, not a single str/bytes")
+    items = list(texts)
+    for i, t in enumerate(items):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+    return items
+
+
 class TextEncoder:
     """Sentence-transformers encoder loaded from a local directory (no download).
 
@@ -491,12 +506,7 @@ class TextEncoder:
         Raises:
             TypeError: as :meth:`encode` (a single str, a non-str element).
         """
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a sequence of str, not a single str/bytes")
-        items = list(texts)
-        for i, t in enumerate(items):
-            if not isinstance(t, str):
-                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        items = _text_list(texts)
         if not items:
             return []
         enc = self._model.tokenizer(items, add_special_tokens=True, truncation=False, verbose=False)
@@ -510,12 +520,7 @@ class TextEncoder:
         Raises:
             TypeError: as :meth:`count_tokens`.
         """
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be a sequence of str, not a single str/bytes")
-        items = list(texts)
-        for i, t in enumerate(items):
-            if not isinstance(t, str):
-                raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+        items = _text_list(texts)
         if not items:
             return []
         enc = self._model.tokenizer(items, add_special_tokens=False, truncation=False, verbose=False,

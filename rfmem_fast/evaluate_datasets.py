@@ -17,18 +17,16 @@ with the golden-file records, routers fitted by CV and the latency loop.)
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .config import RFMemConfig
 from .datasets.embedded import DatasetEmbeddings, dataset_embeddings, default_embedding_cache_dir
-from .evaluate import query_texts_kw
+from .evaluate import query_texts_kw, write_records
 from .metrics import OVERALL
 from .search import MODES, SearchResult, search
 
@@ -433,10 +431,5 @@ def dataset_records(rep: DatasetReport, dataset: Any) -> list[dict[str, Any]]:
 
 
 def write_dataset_records(records: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
-    """Write one JSON line per record to ``path`` atomically."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, p)
+    """Write one JSON line per record to ``path`` atomically (:func:`rfmem_fast.evaluate.write_records`)."""
+    write_records(records, path)
