@@ -4,7 +4,9 @@ Workload: ``rfmem bench``'s synthetic clustered vectors (d = 384, 8 centres per 
 with a synthetic text per item: ``--words`` (60) words drawn from a Zipf(``--zipf``
 1.07) vocabulary of ``--vocab`` (30,000) pseudo-words whose 33 most frequent ranks are
 bm25s's English stopwords (removed by the tokenizer, as real function words are). A
-query text is 3 words of a random item's text plus 5 Zipf draws. Cells:
+query text is 3 words of a random item's text plus 5 Zipf draws (the generator lives in
+``rfmem_fast.bench.workloads``: ``zipf_vocab``, ``zipf_texts``, ``query_texts``, shared with
+``rfmem bench``'s hybrid rows). Cells:
 
 * ``single``: one user of ``--chunks`` (4,096) items, i.e. 1M tokens at 256 tokens
   per chunk (the ``bench_single_query.py`` workload), one query per call, ``--queries``
@@ -42,9 +44,8 @@ import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
 from rfmem_fast.backends import get_backend
 from rfmem_fast.bench.report import write_json
-from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank
+from rfmem_fast.bench.workloads import SyntheticSpec, bank_with_texts, query_texts, synthetic_bank, zipf_texts, zipf_vocab
 from rfmem_fast.evaluate import machine_info
-from rfmem_fast.lexical import STOPWORDS_EN
 
 #: the fusions timed (lexical_weight as the issue's table used them)
 FUSIONS = {
@@ -53,48 +54,6 @@ FUSIONS = {
     "adaptive": dict(lexical_weight=0.2, fusion="adaptive"),
     "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
 }
-
-
-def _vocab(n: int) -> np.ndarray:
-    """``n`` pseudo-words (rank order): bm25s's stopwords first, then letter strings."""
-    stop = sorted(STOPWORDS_EN)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words = []
-    for i in range(n - len(stop)):
-        s, x = "", i + 26
-        while x:
-            x, r = divmod(x, 26)
-            s = letters[r] + s
-        words.append("q" + s)
-    return np.array(stop + words, dtype=object)
-
-
-def zipf_texts(n: int, words: int, vocab: np.ndarray, s: float, rng: np.random.Generator) -> list[str]:
-    """``n`` texts of ``words`` Zipf(s) draws from ``vocab`` (rank order)."""
-    p = 1.0 / np.arange(1, vocab.shape[0] + 1) ** s
-    p /= p.sum()
-    out: list[str] = []
-    for a in range(0, n, 65536):
-        idx = rng.choice(vocab.shape[0], size=(min(n, a + 65536) - a, words), p=p)
-        out += [" ".join(row) for row in vocab[idx]]
-    return out
-
-
-def query_texts(texts: list[str], n: int, vocab: np.ndarray, s: float, rng: np.random.Generator) -> list[str]:
-    """3 words of a random item's text + 5 Zipf draws, per query."""
-    extra = zipf_texts(n, 5, vocab, s, rng)
-    out = []
-    for i in range(n):
-        w = texts[int(rng.integers(len(texts)))].split()
-        pick = rng.choice(len(w), 3, replace=False)
-        out.append(" ".join([w[j] for j in pick]) + " " + extra[i])
-    return out
-
-
-def with_texts(wl, texts: list[str] | None) -> MemoryBank:
-    """The workload's bank rebuilt with ``texts`` (same vectors, offsets, users, ids)."""
-    s = wl.bank.snapshot()
-    return MemoryBank.from_arrays(s.vectors, s.offsets, list(s.users), list(s.item_ids), texts)
 
 
 def _p50(fn, n: int) -> float:
@@ -163,16 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the native backend is not built")
     be = get_backend("native")
     rng = np.random.default_rng(0)
-    vocab = _vocab(args.vocab)
+    vocab = zipf_vocab(args.vocab)
 
     # ---------------------------------------------------------------- single query, 1M tokens
     wl = synthetic_bank(1, args.chunks, SyntheticSpec(dim=384), seed=0)
     texts = zipf_texts(args.chunks, args.words, vocab, args.zipf, rng)
     t = time.perf_counter()
-    with_texts(wl, None).snapshot()
+    bank_with_texts(wl.bank, None).snapshot()
     t_plain = time.perf_counter() - t
     t = time.perf_counter()
-    bank = with_texts(wl, texts)
+    bank = bank_with_texts(wl.bank, texts)
     bank.snapshot()
     t_encode1 = max(time.perf_counter() - t - t_plain, 0.0)
     Q, _, _ = wl.queries(args.queries, seed=1)
@@ -191,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be, query_texts=qt[i : i + 1]), n
         )
     hits = [0 if (v := lex.scores(0, q)) is None else int(np.count_nonzero(v)) for q in qt]
-    index1 = index_cost(with_texts(wl, texts), t_encode1)
+    index1 = index_cost(bank_with_texts(wl.bank, texts), t_encode1)
     del bank, wl, lex
     gc.collect()
 
@@ -199,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     wlb = synthetic_bank(args.users, args.chunks, SyntheticSpec(dim=384), seed=2)
     tx = zipf_texts(args.users * args.chunks, args.words, vocab, args.zipf, rng)
     t = time.perf_counter()
-    with_texts(wlb, None).snapshot()
+    bank_with_texts(wlb.bank, None).snapshot()
     t_plain_b = time.perf_counter() - t
     gc.collect()
     t = time.perf_counter()
-    bankb = with_texts(wlb, tx)
+    bankb = bank_with_texts(wlb.bank, tx)
     bankb.snapshot()
     t_encode_b = max(time.perf_counter() - t - t_plain_b, 0.0)
     del wlb

@@ -3,6 +3,9 @@
 * ``rfmem bench --quick`` with explicit tiny size flags writes a JSON report with the
   machine, versions, command, every workload's figures and the headline ratios, plus
   the PNG plots;
+* its hybrid rows (``RFMemConfig.recommended()`` over seeded synthetic texts) exist, have
+  finite figures and ratios to dense, and their rows equal a direct ``search`` call with
+  the same config on the same inputs;
 * the PersonaBench workload runs on the real data with a stand-in encoder (the MiniLM
   encoding itself is covered by tests/test_encoders.py);
 * bench/test_primitives_bench.py runs once with ``--benchmark-disable``.
@@ -126,9 +129,60 @@ def test_bench_cli_quick_tiny(tmp_path, capsys):
 
     md = format_markdown(build_tables(doc))
     assert "| system | mode |" in md and "reference (per-query loop)" in md
+    assert "recommended() (dense + BM25)" in md and "hybrid p50 / dense p50" in md and "hybrid qps / dense qps" in md
     for suffix in ("-latency.png", "-throughput.png"):
         png = tmp_path / f"b{suffix}"
         assert png.is_file() and png.stat().st_size > 1000
+    _check_hybrid(doc)
+
+
+def _check_hybrid(doc):
+    """The hybrid rows of a TINY --quick report: present, finite, and equal to a direct search."""
+    from rfmem_fast import RFMemConfig, search
+
+    w, rt = doc["workloads"], doc["ratios"]
+    head = doc["settings"]["hybrid"]["backend"]
+    assert head == ("native" if "native" in doc["settings"]["backends"] else doc["settings"]["backends"][0])
+    lat = w["latency"]["scales"][0]
+    hl = [r for r in lat["results"] if r["kind"] == "hybrid"]
+    assert len(hl) == 1 and hl[0]["mode"] == "hybrid" and hl[0]["system"] == head and hl[0]["n_queries"] == 4
+    assert all(_finite(hl[0][k]) for k in ("p50_ms", "p99_ms", "dense_p50_ms", "p50_over_dense_p50"))
+    assert lat["text_tokens"] > 0 and w["latency"]["texts"]["words"] == 60
+    hm = [r for r in w["multitenant"]["results"] if r["kind"] == "hybrid"]
+    assert {r["threads"] for r in hm} == {1, 2} and all(r["dtype"] == "float32" for r in hm)
+    for r in hm:
+        assert all(_finite(r[k]) and r[k] > 0 for k in ("qps", "dense_qps", "qps_over_dense_qps"))
+        assert r["differs_from_dense"] > 0  # the lexical channel changes some top-k
+    h = rt["hybrid_p50_over_dense_p50"]
+    assert _finite(h["value"]) and h["value"] == hl[0]["p50_over_dense_p50"] and h["goal"] == "<= 1.3"
+    q = rt["hybrid_qps_over_dense_qps"]
+    assert _finite(q["value"]) and q["threads"] == 2 and q["goal"] == ">= 0.6" and set(q["per_threads"]) == {"1", "2"}
+
+    # the same inputs, rebuilt from the same settings: a direct search with the same config gives the same rows
+    st, _, _ = resolve(build_parser().parse_args(["bench", "--quick", *TINY]))
+    bench = Bench(st, progress=False)
+    cfg = RFMemConfig.recommended()
+    inp = bench.latency_inputs(0, lat["tokens"])
+    tb, n0 = inp["texts"].bank, inp["n_warm"]
+    snap = tb.snapshot()
+    assert hl[0]["check_rows"]
+    for i, rows in hl[0]["check_rows"].items():
+        j = n0 + int(i)
+        res = search(tb, inp["Q"][j : j + 1], [tb.users[int(inp["qseg"][j])]], cfg, backend=head,
+                     query_texts=inp["texts"].queries[j : j + 1])  # fmt: skip
+        assert res.rows[0].tolist() == rows
+        assert list(res.ids[0]) == [snap.item_ids[r] for r in rows if r >= 0]
+    inp = bench.multitenant_inputs()
+    tb, n0, bs = inp["texts"].bank, inp["n_warm"], w["multitenant"]["batch_size"]
+    users = [tb.users[int(u)] for u in inp["qseg"][n0 : n0 + bs]]
+    res = search(tb, inp["Q"][n0 : n0 + bs], users, cfg, backend=head, query_texts=inp["texts"].queries[n0 : n0 + bs])
+    dense = search(inp["sb"].bank, inp["Q"][n0 : n0 + bs], users, RFMemConfig(), mode="dense", backend=head)
+    for r in hm:
+        assert r["check_rows"]
+        for i, rows in r["check_rows"].items():
+            assert res.rows[int(i)].tolist() == rows
+    sample = [int(i) for i in hm[-1]["check_rows"]]
+    assert np.mean([res.rows[i].tolist() != dense.rows[i].tolist() for i in sample]) == hm[-1]["differs_from_dense"]
 
 
 class _HashEncoder:
@@ -161,8 +215,13 @@ def test_personabench_workload_fake_encoder():
     got = {(r["system"], r["mode"]) for r in out["results"]}
     assert {("torch", "dense"), ("torch", "rfmem"), ("faiss", "dense"), ("reference", "rfmem")} <= got
     assert all(_finite(r["p50_ms"]) for r in out["results"])
-    assert {(r["system"], r["mode"]) for r in out["batch"]} == {("torch", "dense"), ("torch", "rfmem")}
+    assert {(r["system"], r["mode"]) for r in out["batch"]} == {("torch", "dense"), ("torch", "rfmem"), ("torch", "hybrid")}
     assert out["route_split"]["queries"] == out["questions"]
+    # the hybrid rows: recommended() over the real chunk and question texts
+    hy = [r for r in out["results"] if r["kind"] == "hybrid"]
+    assert len(hy) == 1 and _finite(hy[0]["p50_ms"]) and _finite(hy[0]["p50_over_dense_p50"])
+    hb = [r for r in out["batch"] if r["kind"] == "hybrid"]
+    assert len(hb) == 1 and _finite(hb[0]["qps_over_dense_qps"])
 
 
 def test_primitives_bench_suite_runs_once():

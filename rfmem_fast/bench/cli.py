@@ -94,6 +94,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-faiss", action="store_true", help="leave out faiss IndexFlatIP")
     g.add_argument("--no-reference", action="store_true", help="leave out the reference backend's per-query loop")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RFMemConfig field")
+    g.add_argument("--no-hybrid", action="store_true", help="leave out the hybrid rows (RFMemConfig.recommended(): dense + BM25 over item texts)")
+    g.add_argument("--hybrid-backend", default=None, help="backend of the hybrid rows (default: native when among --backends, else the first)")
+    g.add_argument(
+        "--hybrid-max-items", type=int, default=1 << 20,
+        help="the multi-tenant hybrid row runs only on banks of at most this many items (a text twin and its "
+        "lexical index, ~1.5 KB and ~0.1 ms per item) (default %(default)s; the full preset's 4M items are left out)",
+    )  # fmt: skip
     g = p.add_argument_group("sizes (default: the full preset)")
     g.add_argument("--scales", default=None, help="latency: memory scales in tokens, K=1024, M=1024^2 (full: 32K,128K,1M)")
     g.add_argument("--chunk-tokens", type=int, default=256, help="tokens per memory chunk (chunks = tokens / this) (default %(default)s)")
@@ -245,6 +252,12 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
     if "personabench" not in workloads:
         pb_dir = None
     cache = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    hybrid_backend = None
+    if not args.no_hybrid:
+        hybrid_backend = args.hybrid_backend or ("native" if "native" in backends else backends[0])
+        if hybrid_backend not in avail:
+            raise BenchError(f"--hybrid-backend: {hybrid_backend!r} not available here; available: {avail}")
+    _positive("--hybrid-max-items", args.hybrid_max_items)
     config = _config_from_sets(args.set)
     spec = SyntheticSpec(dim=args.dim, clusters=args.clusters, specific_frac=args.specific_frac)
     st = BenchSettings(
@@ -256,6 +269,7 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         dtypes=list(dict.fromkeys(dtypes)), thread_counts=thread_counts,
         reference_queries=vals["reference_queries"], reference_budget_s=float(vals["reference_budget"]),
         personabench=pb_dir, pb_users_per_community=vals["pb_users"], noise=args.noise, cache_dir=cache,
+        hybrid=not args.no_hybrid, hybrid_backend=hybrid_backend, hybrid_max_items=args.hybrid_max_items,
     )  # fmt: skip
     resolved = {
         "preset": preset, "workloads": workloads, "backends": backends, "device": args.device,
@@ -267,6 +281,8 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         "reference_queries": st.reference_queries, "reference_budget_s": st.reference_budget_s,
         "personabench": str(pb_dir) if pb_dir else None, "pb_users_per_community": st.pb_users_per_community,
         "noise": st.noise, "synthetic": spec.to_dict(),
+        "hybrid": {"backend": hybrid_backend, "config": "RFMemConfig.recommended()", "max_items": st.hybrid_max_items,
+                   "texts": st.text_spec.to_dict()} if hybrid_backend else None,
     }  # fmt: skip
     return st, resolved, notes
 

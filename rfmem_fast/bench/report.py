@@ -24,6 +24,13 @@ The ratios (:func:`compute_ratios`) are computed only from figures of the same r
   system variant and mode, for the workloads that ran several thread counts.
 * ``route_split``: the fraction of queries RF-Mem sent to the Familiarity path, per
   workload.
+* ``hybrid_p50_over_dense_p50``: p50 latency of the hybrid row (the hybrid backend with
+  ``RFMemConfig.recommended()``: dense + BM25, given the query texts) / the same
+  backend's dense p50, at 1M tokens (the largest scale run otherwise), per scale and on
+  PersonaBench; goal <= 1.3 at 1M tokens (issue 18).
+* ``hybrid_qps_over_dense_qps``: queries per second of the hybrid row / the same
+  backend's dense ones on the multi-tenant batch (float32 bank), per thread count, and
+  on PersonaBench's whole-question batch; goal >= 0.6 (issue 18).
 
 With several thread counts, every ratio but ``thread_scaling`` takes its figures at the
 largest count (the headline; per-count values sit under ``per_threads``), and on the
@@ -44,6 +51,8 @@ GOAL_SHARED_DENSE_OVER_FAISS = 1.0
 GOAL_SHARED_RFMEM_OVER_FAISS = 0.3
 GOAL_F16_DENSE = 1.6
 GOAL_F16_RFMEM = 1.4
+GOAL_HYBRID_OVER_DENSE_P50 = 1.3
+GOAL_HYBRID_OVER_DENSE_QPS = 0.6
 ONE_M_TOKENS = 1024 * 1024
 HALF = ("float16", "bfloat16")
 
@@ -53,6 +62,8 @@ def record_label(rec: dict[str, Any]) -> str:
     if rec["kind"] == "reference":
         return "reference (per-query loop)"
     base = "faiss IndexFlatIP" if rec["kind"] == "faiss" else rec["system"]
+    if rec["kind"] == "hybrid":
+        base += " recommended() (dense + BM25)"
     dtype, threads = rec.get("dtype", "float32"), rec.get("threads")
     out = base if dtype == "float32" else f"{base} {dtype}"
     if threads is not None:
@@ -221,6 +232,7 @@ def compute_ratios(workloads: dict[str, Any], ours: Sequence[str]) -> dict[str, 
                 "value": per_b.get(head), "batch_size": mt["batch_size"], "reference_mean_ms": ref["ms_per_query"],
                 "reference_queries": ref["n_queries"], "per_backend": per_b,
             }  # fmt: skip
+    out.update(_hybrid_ratios(workloads))
     single, batched = out.pop("_speedup_single", None), out.pop("_speedup_batched", None)
     if single or batched:
         head_val = (batched or {}).get("value") if batched else (single or {}).get("value")
@@ -258,6 +270,47 @@ def compute_ratios(workloads: dict[str, Any], ours: Sequence[str]) -> dict[str, 
                     splits[f"{name} {part.get('scale') or part.get('size')}"] = part["route_split"]["familiarity_fraction"]
     if splits:
         out["route_split"] = {"familiarity_fraction": splits}
+    return out
+
+
+def _hybrid_ratios(workloads: dict[str, Any]) -> dict[str, Any]:
+    """``hybrid_p50_over_dense_p50`` and ``hybrid_qps_over_dense_qps`` (module docstring); absent without hybrid rows."""
+    out: dict[str, Any] = {}
+    lat = workloads.get("latency") or {}
+    mt = workloads.get("multitenant") or {}
+    pb = workloads.get("personabench") or {}
+    pb_lat = _find(pb.get("results") or [], kind="hybrid")
+    pb_bat = _find(pb.get("batch") or [], kind="hybrid")
+    scales = sorted(lat.get("scales") or [], key=lambda s: s["tokens"])
+    per_scale = {s["scale"]: (_find(s["results"], kind="hybrid") or {}).get("p50_over_dense_p50") for s in scales}
+    per_scale = {k: v for k, v in per_scale.items() if v is not None}
+    if per_scale or pb_lat:
+        sc = next((s for s in scales if s["tokens"] == ONE_M_TOKENS), scales[-1] if scales else None)
+        hr = _find(sc["results"], kind="hybrid") if sc else None
+        val = (hr or {}).get("p50_over_dense_p50")
+        out["hybrid_p50_over_dense_p50"] = {
+            "value": val, "backend": (hr or pb_lat or {}).get("system"), "config": "RFMemConfig.recommended()",
+            "scale": sc["scale"] if sc else None, "tokens": sc["tokens"] if sc else None,
+            "hybrid_p50_ms": (hr or {}).get("p50_ms"), "dense_p50_ms": (hr or {}).get("dense_p50_ms"),
+            "per_scale": per_scale, "personabench": (pb_lat or {}).get("p50_over_dense_p50"),
+            "goal": f"<= {GOAL_HYBRID_OVER_DENSE_P50:g}",
+            "meets_goal": None if val is None or not (sc and sc["tokens"] == ONE_M_TOKENS) else val <= GOAL_HYBRID_OVER_DENSE_P50,
+        }  # fmt: skip
+    hyb = [r for r in mt.get("results") or [] if r["kind"] == "hybrid" and r.get("qps_over_dense_qps") is not None]
+    if hyb or (pb_bat and pb_bat.get("qps_over_dense_qps") is not None):
+        counts = _thread_counts(hyb)
+        per_t = {t: r["qps_over_dense_qps"] for t in counts for r in hyb if r.get("threads") == t}
+        top = _find(hyb, threads=counts[-1]) if hyb else None
+        val = (top or {}).get("qps_over_dense_qps")
+        out["hybrid_qps_over_dense_qps"] = {
+            "value": val, "backend": (top or pb_bat or {}).get("system"), "config": "RFMemConfig.recommended()",
+            "threads": counts[-1] if hyb else None, "batch_size": mt.get("batch_size") if hyb else None,
+            "users": mt.get("users") if hyb else None, "items": mt.get("items") if hyb else None,
+            "hybrid_qps": (top or {}).get("qps"), "dense_qps": (top or {}).get("dense_qps"), "per_threads": per_t,
+            "personabench_batch": (pb_bat or {}).get("qps_over_dense_qps"),
+            "goal": f">= {GOAL_HYBRID_OVER_DENSE_QPS:g}",
+            "meets_goal": None if val is None else val >= GOAL_HYBRID_OVER_DENSE_QPS,
+        }  # fmt: skip
     return out
 
 
@@ -322,7 +375,7 @@ def _row_keys(records: Iterable[dict[str, Any]]) -> list[tuple[str, str, str]]:
         key = (r["kind"], r.get("label", r["system"]), r["mode"])
         if key not in seen:
             seen.append(key)
-    order = {"ours": 0, "faiss": 1, "reference": 2}
+    order = {"ours": 0, "hybrid": 0.5, "faiss": 1, "reference": 2}
     return sorted(seen, key=lambda k: order.get(k[0], 3))
 
 
@@ -357,6 +410,8 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
             first = next(r for s in scales for r in s["results"] if r.get("label", r["system"]) == system)
             rows.append([record_label(first), mode] + cells)
         notes.append(f"ms per query, one query per call, {lat['queries']} queries per scale (warm-up excluded).")
+        if any(r["kind"] == "hybrid" for r in recs):
+            notes.append(_hybrid_note(lat.get("texts")))
         if any(r.get("sampled") for r in recs):
             notes.append("reference: a seeded sample of the same queries (n = queries run; --reference-queries / --reference-budget).")
         for s in scales:
@@ -404,6 +459,10 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
                 + " (a half-precision bank also keeps the float32 rows, read only to re-score candidates; scan GB/s = "
                 "bytes of the queried user's scan copy x dense qps)."
             )
+        if any(r["kind"] == "hybrid" for r in mt["results"]):
+            notes.append(_hybrid_note(mt.get("texts")) + " Float32 bank only.")
+        elif mt.get("hybrid_skipped"):
+            notes.append(f"no hybrid row: {mt['hybrid_skipped']}.")
         if mt.get("route_split"):
             notes.append(_split_note("multitenant", mt["route_split"]))
         notes.append(f"bank built in {mt['build_s']:.1f} s; peak RSS of the process so far: {mt['peak_rss_gib']:.1f} GiB.")
@@ -422,6 +481,8 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
             f"{pb['users']} users, {pb['chunks']} chunks, {pb['questions']} questions (MiniLM, {src}: "
             f"chunks {_f(pb['encode_chunks_s'], 1)} s, {_f(pb['encode_ms_per_question'], 2)} ms per question in a batch)."
         ]
+        if any(r["kind"] == "hybrid" for r in pb["results"]):
+            notes.append(_hybrid_note(None))
         if pb.get("route_split"):
             notes.append(_split_note("personabench", pb["route_split"]))
         tables.append(("PersonaBench (real MiniLM embeddings): per-question latency", headers, rows, notes))
@@ -457,6 +518,20 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
         if r:
             for where, per in r["qps_ratio"].items():
                 rows.append([f"qps {r['threads'][1]} threads / {r['threads'][0]} thread(s), {where}", "", "", _per(per)])
+        r = rt.get("hybrid_p50_over_dense_p50")
+        if r:
+            detail = ", ".join(f"{k} {_f(v, 2)}" for k, v in r["per_scale"].items())
+            if r.get("personabench") is not None:
+                detail += (", " if detail else "") + f"PersonaBench {_f(r['personabench'], 2)}"
+            where = f" @ {r['scale']} tokens" if r.get("scale") else ""
+            rows.append([f"hybrid p50 / dense p50{where} (recommended(), {r['backend']})", _f(r["value"], 2), r["goal"], detail or "-"])
+        r = rt.get("hybrid_qps_over_dense_qps")
+        if r:
+            detail = ", ".join(f"{_threads_txt(t).lstrip(', ') or 'process threads'} {_f(v, 2)}" for t, v in r["per_threads"].items())
+            if r.get("personabench_batch") is not None:
+                detail += (", " if detail else "") + f"PersonaBench batch {_f(r['personabench_batch'], 2)}"
+            where = f", multi-tenant batch {r['batch_size']}{_threads_txt(r['threads'])}" if r.get("batch_size") else ""
+            rows.append([f"hybrid qps / dense qps{where} (recommended(), {r['backend']})", _f(r["value"], 2), r["goal"], detail or "-"])
         r = rt.get("multitenant_rfmem_qps_over_faiss_dense_qps")
         if r:
             rows.append([f"RF-Mem qps / faiss dense qps, multi-tenant batch {r['batch_size']}", _f(r["value"], 3), "-", _per(r["per_backend"])])
@@ -472,6 +547,17 @@ def build_tables(doc: dict[str, Any]) -> list[Table]:
             rows.append(["route split: familiarity fraction", "", "", ", ".join(f"{k}: {v:.2f}" for k, v in r["familiarity_fraction"].items())])
         tables.append((f"Ratios (headline backend: {doc.get('headline_backend')})", ["ratio", "value", "goal", "per backend / detail"], rows, []))
     return tables
+
+
+def _hybrid_note(texts: dict[str, Any] | None) -> str:
+    src = (
+        f"seeded synthetic texts ({texts['words']} Zipf words per item, a query = {texts['query_item_words']} words of "
+        f"its item + {texts['query_extra_words']} Zipf draws)" if texts else "the real chunk and question texts"
+    )  # fmt: skip
+    return (
+        "hybrid = RFMemConfig.recommended() (cosine + 0.03 x BM25, never recollecting) on the bank with item texts, "
+        f"given the query texts: {src}; its ratio to dense is in the Ratios table."
+    )
 
 
 def _threads_txt(t: Any) -> str:

@@ -12,6 +12,19 @@
 * ``personabench``: the real MiniLM embeddings of PersonaBench's chunks and questions;
   per-question latency per system and mode, and one whole-batch run.
 
+The *hybrid* rows (``hybrid``: on by default): the headline backend (native where it is
+built, else the first of ``backends``) searching with ``RFMemConfig.recommended()``
+(hybrid dense + BM25, never recollecting) on a twin of the workload's bank that carries
+an item text per row, given a text per query (:class:`~rfmem_fast.bench.systems.HybridSystem`).
+The synthetic workloads generate seeded texts (:func:`~rfmem_fast.bench.workloads.synthetic_texts`:
+60 Zipf words per item, a query text of 3 words of the query's item plus 5 Zipf draws);
+PersonaBench uses its real chunk and question texts. They run in the latency workload
+(every scale), the multi-tenant workload (float32 bank, every thread count; up to
+``hybrid_max_items`` items) and PersonaBench; each record carries the same backend's
+dense figure and the ratio (hybrid p50 / dense p50, hybrid q/s / dense q/s), a sample of
+its rows (``check_rows``) and the fraction of those queries whose top-k differs from
+dense. Generating the texts and building the lexical index is untimed (``text_build_s``).
+
 Every workload runs the same seeded queries on the same bank through our backends
 (:class:`~rfmem_fast.bench.systems.OursSystem`), faiss ``IndexFlatIP`` (dense) and the
 reference backend one query at a time (on a seeded sample of the queries, bounded by a
@@ -38,6 +51,7 @@ from .._optional import install_hint
 from ..config import RFMemConfig
 from .systems import (
     FaissSystem,
+    HybridSystem,
     OursSystem,
     ReferenceSystem,
     System,
@@ -51,12 +65,14 @@ from .systems import (
 from .workloads import (
     SHARED_ITEMS_PER_CLUSTER,
     SyntheticSpec,
+    TextSpec,
     check_memory,
     chunks_for_tokens,
     format_count,
     format_tokens,
     personabench_embeddings,
     synthetic_bank,
+    synthetic_texts,
 )
 
 WORKLOADS = ("latency", "batch", "multitenant", "personabench")
@@ -94,6 +110,13 @@ class BenchSettings:
         pb_users_per_community, noise: the PersonaBench subset.
         cache_dir: embedding cache (None: no cache).
         encoder: optional encoder object for PersonaBench (default MiniLM).
+        hybrid: run the hybrid rows (module docstring).
+        hybrid_backend: their backend (None: "native" when among ``backends``, else the
+            first of ``backends``).
+        hybrid_max_items: the multi-tenant hybrid row runs only on banks of at most this
+            many items (its text twin and index take about 1.5 KB per item and ~0.1 ms
+            per item to build; the full preset's 4M items are left out, with a note).
+        text_spec: the synthetic texts' parameters.
     """
 
     config: RFMemConfig = field(default_factory=RFMemConfig)
@@ -125,6 +148,14 @@ class BenchSettings:
     noise: float = 0.0
     cache_dir: Path | None = None
     encoder: Any = None
+    hybrid: bool = True
+    hybrid_backend: str | None = None
+    hybrid_max_items: int = 1 << 20
+    text_spec: TextSpec = field(default_factory=TextSpec)
+
+
+#: bytes per item of a synthetic text twin (string, forward index, postings), for the memory check
+TEXT_BYTES_PER_ITEM = 1536
 
 
 class _NullBar:
@@ -161,6 +192,8 @@ class Bench:
         self.ours: list[OursSystem] = [OursSystem(b, settings.device) for b in settings.backends]
         self.reference = ReferenceSystem() if settings.reference else None
         self.faiss_ok = settings.faiss
+        hb = settings.hybrid_backend or ("native" if "native" in settings.backends else (settings.backends or [None])[0])
+        self.hybrid_backend: str | None = hb if settings.hybrid else None
         if settings.faiss:
             try:
                 FaissSystem()
@@ -220,6 +253,28 @@ class Bench:
         rng.shuffle(idx)
         return idx[: max(1, min(self.s.reference_queries, idx.size))]
 
+    def _hybrid_system(self, threads: int | None = None) -> HybridSystem:
+        """The hybrid system: ``RFMemConfig.recommended()`` (with the run's ``out_k``) on the hybrid backend."""
+        cfg = RFMemConfig.recommended()
+        if cfg.out_k != self.s.config.out_k:
+            cfg = RFMemConfig.recommended(out_k=self.s.config.out_k)
+        return HybridSystem(self.hybrid_backend, self.s.device, threads=threads, config=cfg)
+
+    @staticmethod
+    def _hybrid_fields(system: HybridSystem) -> dict[str, Any]:
+        return {"config": "RFMemConfig.recommended()", "search_mode": system.search_mode,
+                "lexical_weight": system.config.lexical_weight, "fusion": system.config.fusion}  # fmt: skip
+
+    @staticmethod
+    def _differs(mine: dict[int, np.ndarray], dense: dict[int, np.ndarray] | None) -> float | None:
+        a = agreement(mine, dense or {})
+        return None if a is None else 1.0 - a
+
+    @staticmethod
+    def _check_rows(kept: dict[int, np.ndarray], n_warm: int) -> dict[str, list[int]]:
+        """{query index after the warm-up rows: rows} of a kept sample (JSON object keys)."""
+        return {str(int(i) - n_warm): [int(x) for x in r] for i, r in sorted(kept.items())}
+
     @staticmethod
     def _gpu_reset(system: System) -> None:
         if system.device is not None and system.device.type == "cuda":
@@ -256,9 +311,11 @@ class Bench:
         label: str,
         salt: int,
         specific: np.ndarray | None = None,
+        hybrid: tuple[Any, list[str]] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Single-query latency of every (system, mode) on pool rows [n_warm, N).
 
+        ``hybrid``: (the bank with texts, a query text per pool row) for the hybrid row.
         Returns (records, route split of the head backend's RF-Mem run).
         """
         s, cfg = self.s, self.s.config
@@ -295,6 +352,26 @@ class Bench:
                     if split is not None:
                         split["backend"] = system.name
             kept[(system.label, mode)] = k
+            records.append(rec)
+            system.release()
+            bar.update(1)
+        if hybrid is not None and self.hybrid_backend is not None:
+            hbank, qtexts = hybrid
+            system = self._hybrid_system()
+            bar.set_postfix_str(f"{label} {system.name} hybrid")
+            system.prepare(hbank, users)
+            self._gpu_reset(system)
+            warm = [(i, i + 1) for i in range(n_warm)] * max(1, math.ceil(s.warmup / max(1, n_warm)))
+            time_batches(system, Q, qseg, warm[: s.warmup], "hybrid", cfg, texts=qtexts)
+            t, k, _ = time_batches(system, Q, qseg, timed, "hybrid", cfg, keep=sample, texts=qtexts)
+            st = stats_ms(t)
+            rec = self._record(system, "hybrid", **extra, **_lat(st), sampled=False, **self._hybrid_fields(system))
+            dense = next((r for r in records if r["kind"] == "ours" and r["label"] == system.label and r["mode"] == "dense"), None)
+            if dense is not None:
+                rec["dense_p50_ms"] = dense["p50_ms"]
+                rec["p50_over_dense_p50"] = rec["p50_ms"] / dense["p50_ms"] if dense["p50_ms"] else None
+            rec["differs_from_dense"] = self._differs(k, kept.get((system.label, "dense")))
+            rec["check_rows"] = self._check_rows(k, n_warm)
             records.append(rec)
             system.release()
             bar.update(1)
@@ -338,13 +415,15 @@ class Bench:
         specific: np.ndarray | None = None,
         segment_rows: int | None = None,
         dtypes: list[str] | None = None,
+        hybrid: tuple[Any, list[str]] | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Throughput of every (system variant, mode, batch size) on the pool after ``n_warm`` rows.
 
         ``segment_rows``: rows of the one segment every query hits (the shared bank),
         which enables the memory guard :meth:`_too_big`. ``dtypes``: bank dtypes our
         backends run on (default float32 only). Each of ours and faiss runs once per
-        thread count of the settings.
+        thread count of the settings. ``hybrid``: (the bank with texts, a query text per
+        pool row): the hybrid system runs too, once per thread count.
         """
         s, cfg = self.s, self.s.config
         plan = {bs: max(1, math.ceil(s.min_queries / bs)) for bs in batch_sizes}
@@ -408,6 +487,39 @@ class Bench:
                             split["batch_size"] = bs
                 bar.update(1)
             system.release()
+        if hybrid is not None and self.hybrid_backend is not None:
+            hbank, qtexts = hybrid
+            for t in list(s.thread_counts or [None]):
+                system = self._hybrid_system(threads=t)
+                system.prepare(hbank, users, qseg)
+                self._gpu_reset(system)
+                warm_rows = max(1, min(8, n_warm))
+                time_batches(system, Q, qseg, [(0, warm_rows)] * s.warmup, "hybrid", cfg, texts=qtexts)
+                for bs in batch_sizes:
+                    bar.set_postfix_str(f"{label} {system.label} hybrid batch {bs}")
+                    batches = [(n_warm + j * bs, n_warm + (j + 1) * bs) for j in range(plan[bs])]
+                    keep = sample if bs == big else None
+                    t0 = time.perf_counter()
+                    tt, k, _ = time_batches(system, Q, qseg, batches, "hybrid", cfg, keep=keep, texts=qtexts)
+                    total = time.perf_counter() - t0
+                    nq = plan[bs] * bs
+                    st = stats_ms(tt)
+                    rec = self._record(
+                        system, "hybrid", **extra, batch_size=bs, qps=nq / sum(tt), ms_per_query=1e3 * sum(tt) / nq,
+                        batch_p50_ms=st["p50"], batch_p99_ms=st["p99"], n_batches=plan[bs], n_queries=nq,
+                        wall_s=total, sampled=False, **self._hybrid_fields(system),
+                    )  # fmt: skip
+                    dense = next((r for r in records if r["kind"] == "ours" and r["label"] == system.label
+                                  and r["mode"] == "dense" and r.get("batch_size") == bs), None)  # fmt: skip
+                    if dense is not None and dense.get("qps"):
+                        rec["dense_qps"] = dense["qps"]
+                        rec["qps_over_dense_qps"] = rec["qps"] / dense["qps"]
+                    if bs == big:
+                        rec["differs_from_dense"] = self._differs(k, kept.get((system.label, "dense")))
+                        rec["check_rows"] = self._check_rows(k, n_warm)
+                    records.append(rec)
+                    bar.update(1)
+                system.release()
         self._annotate([r for r in records if r.get("batch_size") == big or r.get("per_query_loop")], kept)
         self._twins.clear()
         return records, split
@@ -442,20 +554,83 @@ class Bench:
             )
         return None
 
-    def _n_cells_batch(self, modes: list[str], n_bs: int, n_dtypes: int = 1) -> int:
+    def _n_cells_batch(self, modes: list[str], n_bs: int, n_dtypes: int = 1, hybrid: bool = False) -> int:
         nt = len(self.s.thread_counts or [None])
         n = len(self.ours) * len(modes) * n_bs * nt * n_dtypes
+        n += n_bs * nt if hybrid else 0
         n += n_bs * nt if (self.faiss_ok and "dense" in modes) else 0
         n += len(modes) if self.reference is not None else 0
         return n
 
     def _n_cells_latency(self, modes: list[str]) -> int:
-        return len(self._systems(modes))
+        return len(self._systems(modes)) + (1 if self.hybrid_backend is not None else 0)
 
     def _finish(self, out: dict[str, Any], t0: float) -> dict[str, Any]:
         gc.collect()
         out["wall_s"] = time.perf_counter() - t0
         out["peak_rss_gib"] = peak_rss_bytes() / 2**30
+        return out
+
+    # ------------------------------------------------------------------ inputs
+    def latency_inputs(self, si: int, tokens: int) -> dict[str, Any]:
+        """The seeded inputs of the latency workload's scale ``si`` (``tokens`` tokens).
+
+        Returns:
+            {"sb": SyntheticBank, "Q", "qseg", "specific": the query pool (``n_warm``
+            warm-up rows first), "n_warm", "texts": SyntheticTexts or None (hybrid off)}.
+        """
+        s = self.s
+        n = chunks_for_tokens(tokens, s.chunk_tokens)
+        sb = synthetic_bank(1, n, s.spec, seed=s.seed + 101 * si)
+        n_warm = max(1, s.warmup)
+        Q, qseg, specific, item, _ = sb.queries(n_warm + s.latency_queries, seed=s.seed + 7 + si, labels=True)
+        texts = synthetic_texts(sb, item, s.text_spec, seed=s.seed + 11 + si) if self.hybrid_backend else None
+        return {"sb": sb, "Q": Q, "qseg": qseg, "specific": specific, "n_warm": n_warm, "texts": texts}
+
+    def multitenant_inputs(self) -> dict[str, Any]:
+        """The seeded inputs of the multi-tenant workload.
+
+        Returns:
+            {"sb", "Q", "qseg", "specific", "n_warm", "n_batches", "texts": SyntheticTexts
+            or None (hybrid off, or the bank above ``hybrid_max_items`` / the memory
+            available: ``"texts_skipped"`` says why)}.
+
+        Raises:
+            MemoryError: the bank itself would not fit.
+        """
+        s = self.s
+        nb = max(1, math.ceil(s.min_queries / s.mt_batch))
+        n_warm = 8
+        pool = nb * s.mt_batch
+        vec_bytes = s.users * s.items * s.spec.dim * 4
+        rng = np.random.default_rng([s.seed, 0x7E])
+        seg = rng.integers(0, s.users, n_warm + pool)
+        queried = np.unique(seg[n_warm:]).size
+        faiss_bytes = queried * s.items * s.spec.dim * 4 if self.faiss_ok else 0
+        check_memory(vec_bytes + max(vec_bytes, faiss_bytes), f"the multi-tenant bank of {s.users} x {s.items} vectors (--users, --items)")
+        rb = self._row_bar(s.users * s.items, f"building {s.users} x {s.items}")
+        sb = synthetic_bank(s.users, s.items, s.spec, seed=s.seed + 2003, progress=rb.update)
+        rb.close()
+        Q, qseg, specific, item, _ = sb.queries(n_warm + pool, seed=s.seed + 29, user_index=seg, labels=True)
+        out = {"sb": sb, "Q": Q, "qseg": qseg, "specific": specific, "n_warm": n_warm, "n_batches": nb,
+               "queried": int(queried), "texts": None, "texts_skipped": None}  # fmt: skip
+        if self.hybrid_backend is None:
+            return out
+        n_items = s.users * s.items
+        if n_items > s.hybrid_max_items:
+            out["texts_skipped"] = (
+                f"{n_items:,} items > --hybrid-max-items {s.hybrid_max_items:,} (a text twin of the bank and its "
+                "lexical index; bench/bench_hybrid.py times the lexical channel on a large multi-tenant bank)"
+            )
+            return out
+        try:
+            check_memory(2 * vec_bytes + max(vec_bytes, faiss_bytes) + n_items * TEXT_BYTES_PER_ITEM,
+                         f"the multi-tenant bank's text twin ({n_items} items)")  # fmt: skip
+        except MemoryError as e:
+            out["texts_skipped"] = str(e)
+            return out
+        self.say(f"multitenant: generating {n_items} texts and their lexical index")
+        out["texts"] = synthetic_texts(sb, item, s.text_spec, seed=s.seed + 31, users_indexed=seg)
         return out
 
     # ------------------------------------------------------------------ workloads
@@ -469,18 +644,21 @@ class Bench:
             n = chunks_for_tokens(tokens, s.chunk_tokens)
             label = f"{format_tokens(tokens)} tokens"
             bar.set_postfix_str(f"{label}: building {n} chunks")
-            sb = synthetic_bank(1, n, s.spec, seed=s.seed + 101 * si)
-            n_warm = max(1, s.warmup)
-            Q, qseg, specific = sb.queries(n_warm + s.latency_queries, seed=s.seed + 7 + si)
+            inp = self.latency_inputs(si, tokens)
+            sb, Q, qseg, specific, n_warm, tx = (inp[k] for k in ("sb", "Q", "qseg", "specific", "n_warm", "texts"))
             extra = {"tokens": tokens, "scale": format_tokens(tokens), "chunks": n}
             recs, split = self._per_query_series(
-                sb.bank, sb.users, Q, qseg, n_warm, s.modes, extra, bar, label, si, specific
-            )
-            out["scales"].append(
-                {"tokens": tokens, "scale": format_tokens(tokens), "chunks": n, "bank_mib": sb.nbytes / 2**20,
-                 "results": recs, "route_split": split}
+                sb.bank, sb.users, Q, qseg, n_warm, s.modes, extra, bar, label, si, specific,
+                hybrid=None if tx is None else (tx.bank, tx.queries),
             )  # fmt: skip
-            del sb
+            part = {"tokens": tokens, "scale": format_tokens(tokens), "chunks": n, "bank_mib": sb.nbytes / 2**20,
+                    "results": recs, "route_split": split}  # fmt: skip
+            if tx is not None:
+                part.update(text_build_s=tx.build_s, text_tokens=tx.tokens, text_stemmer=tx.stemmer)
+            out["scales"].append(part)
+            del sb, inp, tx
+        if self.hybrid_backend is not None:
+            out["texts"] = s.text_spec.to_dict()
         bar.close()
         return self._finish(out, t0)
 
@@ -523,24 +701,16 @@ class Bench:
         """U users x n items; each query of the batch against a random user's bank."""
         s = self.s
         t0 = time.perf_counter()
-        nb = max(1, math.ceil(s.min_queries / s.mt_batch))
-        n_warm = 8
-        pool = nb * s.mt_batch
-        vec_bytes = s.users * s.items * s.spec.dim * 4
-        rng = np.random.default_rng([s.seed, 0x7E])
-        seg = rng.integers(0, s.users, n_warm + pool)
-        queried = np.unique(seg[n_warm:]).size
-        faiss_bytes = queried * s.items * s.spec.dim * 4 if self.faiss_ok else 0
-        check_memory(vec_bytes + max(vec_bytes, faiss_bytes), f"the multi-tenant bank of {s.users} x {s.items} vectors (--users, --items)")
-        rb = self._row_bar(s.users * s.items, f"building {s.users} x {s.items}")
-        sb = synthetic_bank(s.users, s.items, s.spec, seed=s.seed + 2003, progress=rb.update)
-        rb.close()
-        Q, qseg, specific = sb.queries(n_warm + pool, seed=s.seed + 29, user_index=seg)
-        bar = self._bar(self._n_cells_batch(s.modes, 1, len(s.dtypes)), "multitenant")
+        inp = self.multitenant_inputs()
+        sb, Q, qseg, specific, n_warm, nb, tx = (inp[k] for k in ("sb", "Q", "qseg", "specific", "n_warm", "n_batches", "texts"))
+        queried = inp["queried"]
+        if inp["texts_skipped"]:
+            self.notes.append(f"multitenant: no hybrid row: {inp['texts_skipped']}")
+        bar = self._bar(self._n_cells_batch(s.modes, 1, len(s.dtypes), hybrid=tx is not None), "multitenant")
         extra = {"users": s.users, "items": s.items}
         recs, split = self._batch_series(
             sb.bank, sb.users, Q, qseg, n_warm, [s.mt_batch], s.modes, extra, bar, "multitenant", 200, specific,
-            dtypes=s.dtypes,
+            dtypes=s.dtypes, hybrid=None if tx is None else (tx.bank, tx.queries),
         )  # fmt: skip
         bar.close()
         row_bytes = s.spec.dim * 4
@@ -554,7 +724,11 @@ class Bench:
             "scan_mib": {dt: s.users * s.items * row_bytes / (2 if dt != "float32" else 1) / 2**20 for dt in s.dtypes},
             "results": recs, "route_split": split,
         }  # fmt: skip
-        del sb, Q
+        if tx is not None:
+            out.update(texts=s.text_spec.to_dict(), text_build_s=tx.build_s, text_tokens=tx.tokens, text_stemmer=tx.stemmer)
+        elif inp["texts_skipped"]:
+            out["hybrid_skipped"] = inp["texts_skipped"]
+        del sb, Q, inp, tx
         return self._finish(out, t0)
 
     def personabench(self) -> dict[str, Any]:
@@ -576,10 +750,19 @@ class Bench:
         Q = np.concatenate([emb.Q[:n_warm], emb.Q])
         qseg = np.concatenate([qseg_all[:n_warm], qseg_all])
         nq = emb.Q.shape[0]
-        cells = self._n_cells_latency(s.modes) + len(self.ours) * len(s.modes)
+        hybrid = None
+        if self.hybrid_backend is not None and emb.data is not None:
+            qt = [q.question for q in emb.data.questions]
+            lex = bank.snapshot().lexical
+            for u in range(len(users)):  # every user's postings, untimed (an index build)
+                lex.postings(u)
+            hybrid = (bank, qt[:n_warm] + qt)
+        cells = self._n_cells_latency(s.modes) + (len(self.ours) * len(s.modes)) + (1 if hybrid else 0)
         bar = self._bar(cells, "personabench")
         extra = {"questions": nq}
-        recs, split = self._per_query_series(bank, users, Q, qseg, n_warm, s.modes, extra, bar, "personabench", 300)
+        recs, split = self._per_query_series(
+            bank, users, Q, qseg, n_warm, s.modes, extra, bar, "personabench", 300, hybrid=hybrid
+        )
         # one whole-batch run of every question per (backend, mode)
         batch_recs = []
         for system in self.ours:
@@ -593,6 +776,21 @@ class Bench:
                      "ms_per_query": 1e3 * t[0] / nq, "qps": nq / t[0]}
                 )  # fmt: skip
                 bar.update(1)
+            system.release()
+        if hybrid is not None:
+            system = self._hybrid_system()
+            system.prepare(bank, users)
+            bar.set_postfix_str(f"personabench {system.name} hybrid batch")
+            time_batches(system, Q, qseg, [(0, n_warm)] if s.warmup else [], "hybrid", s.config, texts=hybrid[1])
+            t, _, _ = time_batches(system, Q, qseg, [(n_warm, n_warm + nq)], "hybrid", s.config, texts=hybrid[1])
+            rec = {"system": system.name, "kind": "hybrid", "mode": "hybrid", "batch_size": nq,
+                   "ms_per_query": 1e3 * t[0] / nq, "qps": nq / t[0], **self._hybrid_fields(system)}  # fmt: skip
+            dense = _find_rec(batch_recs, system=system.name, mode="dense")
+            if dense is not None:
+                rec["dense_qps"] = dense["qps"]
+                rec["qps_over_dense_qps"] = rec["qps"] / dense["qps"]
+            batch_recs.append(rec)
+            bar.update(1)
             system.release()
         bar.close()
         out = {
@@ -624,6 +822,10 @@ class Bench:
                 self.notes.append(f"{name} skipped: {e}")
             gc.collect()
         return out
+
+
+def _find_rec(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    return next((r for r in records if all(r.get(k) == v for k, v in match.items())), None)
 
 
 def _lat(st: dict[str, float]) -> dict[str, Any]:

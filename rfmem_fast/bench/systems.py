@@ -7,6 +7,9 @@
   queries grouped into one ``search`` call.
 * :class:`ReferenceSystem`: the reference backend (numpy + scikit-learn) driven the way
   the authors' code runs, one query at a time.
+* :class:`HybridSystem`: one of our backends with ``RFMemConfig.recommended()`` (hybrid
+  dense + BM25, never recollecting) on a bank with item texts, given the query texts:
+  the "hybrid" rows (records with mode ``"hybrid"``, kind ``"hybrid"``).
 
 All systems take the same inputs (float32 unit queries and the users' segment indices)
 and return global bank rows (int64 [b, k], -1 padding), so that results can be compared.
@@ -169,7 +172,9 @@ class System:
         """
         self._bank, self._users = bank, list(users)
 
-    def run(self, Q: np.ndarray, qseg: np.ndarray, mode: str, config: RFMemConfig) -> RunOutput:
+    def run(
+        self, Q: np.ndarray, qseg: np.ndarray, mode: str, config: RFMemConfig, texts: Sequence[str] | None = None
+    ) -> RunOutput:
         """Search a batch.
 
         Args:
@@ -177,6 +182,8 @@ class System:
             qseg: int64 [b] segment (user) index of each query.
             mode: "dense" | "recollection" | "rfmem".
             config: RFMemConfig.
+            texts: optional b query texts (the lexical channel's input; only
+                :class:`HybridSystem` uses them).
 
         Returns:
             RunOutput with rows [b, config.out_k].
@@ -210,13 +217,45 @@ class OursSystem(System):
         self.threads = threads
         self.dtype = dtype
 
-    def run(self, Q, qseg, mode, config):
+    def run(self, Q, qseg, mode, config, texts=None):
         """See :meth:`System.run` (one :func:`rfmem_fast.search` call for the batch)."""
         users = [self._users[i] for i in qseg]
+        qt = None if texts is None else list(texts)
         with thread_scope(self.threads):
-            res = search(self._bank, Q, users, config, mode=mode, backend=self.backend)
+            res = search(self._bank, Q, users, config, mode=mode, backend=self.backend, query_texts=qt)
             _sync(self.device)
         return _from_result(res)
+
+
+class HybridSystem(OursSystem):
+    """One of our backends searching with ``RFMemConfig.recommended()`` (hybrid dense + BM25).
+
+    Runs ``search(bank, Q, users, config, mode=search_mode, query_texts=texts)``: the
+    workload hands it a bank with item texts (its lexical index built) and the query
+    texts; the ``mode`` and ``config`` a workload passes are ignored (its records carry
+    mode ``"hybrid"``). ``recommended()`` never recollects, so every query takes the
+    Familiarity path: the fused top-k of ``cosine + 0.03 * BM25``.
+
+    Args:
+        backend, device, threads: as :class:`OursSystem` (dtype float32).
+        config: the config searched with (default ``RFMemConfig.recommended()``).
+        search_mode: the ``search`` mode (default "rfmem", as a user calls it).
+    """
+
+    kind = "hybrid"
+    modes = ("hybrid",)
+
+    def __init__(self, backend: str, device: str | None = None, threads: int | None = None,
+                 config: RFMemConfig | None = None, search_mode: str = "rfmem") -> None:  # fmt: skip
+        super().__init__(backend, device, threads)
+        self.config = config if config is not None else RFMemConfig.recommended()
+        self.search_mode = search_mode
+
+    def run(self, Q, qseg, mode, config, texts=None):
+        """See :meth:`System.run`: ``self.config`` and ``self.search_mode``, with the query texts."""
+        if texts is None:
+            raise ValueError("the hybrid system needs the query texts")
+        return OursSystem.run(self, Q, qseg, self.search_mode, self.config, texts)
 
 
 class ReferenceSystem(OursSystem):
@@ -228,9 +267,10 @@ class ReferenceSystem(OursSystem):
     def __init__(self) -> None:
         super().__init__("reference")
 
-    def run(self, Q, qseg, mode, config):
+    def run(self, Q, qseg, mode, config, texts=None):
         """See :meth:`System.run`: a Python loop over the queries, one search each."""
-        outs = [OursSystem.run(self, Q[i : i + 1], qseg[i : i + 1], mode, config) for i in range(Q.shape[0])]
+        tx = (lambda i: None) if texts is None else (lambda i: texts[i : i + 1])  # noqa: E731
+        outs = [OursSystem.run(self, Q[i : i + 1], qseg[i : i + 1], mode, config, tx(i)) for i in range(Q.shape[0])]
         cat = lambda f: np.concatenate([getattr(o, f) for o in outs])  # noqa: E731
         return RunOutput(rows=cat("rows"), route=cat("route"), rule=cat("rule"), rounds=cat("rounds"))
 
@@ -277,8 +317,8 @@ class FaissSystem(System):
             self.indexes[u] = index
         self.build_s = time.perf_counter() - t0
 
-    def run(self, Q, qseg, mode, config):
-        """See :meth:`System.run`: dense only (``mode`` must be "dense")."""
+    def run(self, Q, qseg, mode, config, texts=None):
+        """See :meth:`System.run`: dense only (``mode`` must be "dense"; ``texts`` unused)."""
         if mode != "dense":
             raise ValueError(f"faiss runs mode 'dense' only, got {mode!r}")
         with thread_scope(self.threads):
@@ -315,6 +355,7 @@ def time_batches(
     mode: str,
     config: RFMemConfig,
     keep: np.ndarray | None = None,
+    texts: Sequence[str] | None = None,
 ) -> tuple[list[float], dict[int, np.ndarray], RunOutput | None]:
     """Time ``system.run`` on consecutive slices of a query pool.
 
@@ -325,6 +366,7 @@ def time_batches(
         mode, config: as :meth:`System.run`.
         keep: optional pool indices whose output rows are returned (for agreement
             checks).
+        texts: optional query texts of the pool (one per row of ``Q``), sliced like it.
 
     Returns:
         (seconds per batch, {pool index: rows [k]} for ``keep``, the RunOutput of the
@@ -337,7 +379,7 @@ def time_batches(
     routes, rules, rounds = [], [], []
     for a, b in batches:
         t0 = time.perf_counter()
-        out = system.run(Q[a:b], qseg[a:b], mode, config)
+        out = system.run(Q[a:b], qseg[a:b], mode, config, None if texts is None else texts[a:b])
         times.append(time.perf_counter() - t0)
         for i in range(a, b):
             if i in keep_set:

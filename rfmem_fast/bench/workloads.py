@@ -286,6 +286,188 @@ def synthetic_bank(
     )
 
 
+# --------------------------------------------------------------------------- synthetic texts
+# Seeded synthetic texts for the lexical (BM25) channel: the hybrid rows of ``rfmem bench``
+# and bench/bench_hybrid.py. An item's text is ``words`` Zipf(s) draws from a vocabulary
+# of pseudo-words whose most frequent ranks are bm25s's English stopwords (removed by the
+# tokenizer, as real function words are); a query text is a few words of one item's text
+# plus a few Zipf draws.
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Parameters of the synthetic texts (see :func:`zipf_texts` and :func:`query_texts`).
+
+    Attributes:
+        words: words per item text (60: about a short memory chunk).
+        vocab: vocabulary size (pseudo-words, rank order).
+        zipf: Zipf exponent s of the word draws.
+        query_item_words: words of the query's item text in a query text.
+        query_extra_words: further Zipf draws in a query text.
+        stemmer: the lexical stemmer of the text banks ("english", what
+            ``RFMemConfig.recommended()`` was tuned with, or None); "english" falls back
+            to None where PyStemmer is not installed.
+    """
+
+    words: int = 60
+    vocab: int = 30000
+    zipf: float = 1.07
+    query_item_words: int = 3
+    query_extra_words: int = 5
+    stemmer: str | None = "english"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parameters as a JSON-serialisable dict."""
+        return {
+            "words": self.words, "vocab": self.vocab, "zipf": self.zipf, "query_item_words": self.query_item_words,
+            "query_extra_words": self.query_extra_words, "stemmer": self.stemmer,
+        }  # fmt: skip
+
+
+def zipf_vocab(n: int) -> np.ndarray:
+    """``n`` pseudo-words (rank order): bm25s's English stopwords first, then letter strings.
+
+    Returns:
+        object array [n] of str (``n`` >= the number of stopwords).
+    """
+    from ..lexical import STOPWORDS_EN
+
+    stop = sorted(STOPWORDS_EN)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = []
+    for i in range(n - len(stop)):
+        s, x = "", i + 26
+        while x:
+            x, r = divmod(x, 26)
+            s = letters[r] + s
+        words.append("q" + s)
+    return np.array(stop + words, dtype=object)
+
+
+def zipf_texts(n: int, words: int, vocab: np.ndarray, s: float, rng: np.random.Generator) -> list[str]:
+    """``n`` texts of ``words`` Zipf(s) draws from ``vocab`` (rank order), space-separated."""
+    p = 1.0 / np.arange(1, vocab.shape[0] + 1) ** s
+    p /= p.sum()
+    out: list[str] = []
+    for a in range(0, n, 65536):
+        idx = rng.choice(vocab.shape[0], size=(min(n, a + 65536) - a, words), p=p)
+        out += [" ".join(row) for row in vocab[idx]]
+    return out
+
+
+def query_texts(
+    texts: list[str],
+    n: int,
+    vocab: np.ndarray,
+    s: float,
+    rng: np.random.Generator,
+    items: np.ndarray | None = None,
+    item_words: int = 3,
+    extra_words: int = 5,
+) -> list[str]:
+    """Per query: ``item_words`` distinct words of one item's text + ``extra_words`` Zipf draws.
+
+    Args:
+        texts: the item texts (``zipf_texts``).
+        n: number of query texts.
+        vocab, s: as :func:`zipf_texts`.
+        rng: the generator (consumed in a fixed order: reproducible).
+        items: optional int [n] index into ``texts`` of each query's item (e.g. the item
+            a synthetic query vector was drawn around); default a uniformly random item
+            per query.
+        item_words, extra_words: the query's composition.
+
+    Returns:
+        list of n str.
+    """
+    extra = zipf_texts(n, extra_words, vocab, s, rng)
+    out = []
+    for i in range(n):
+        j = int(rng.integers(len(texts))) if items is None else int(items[i])
+        w = texts[j].split()
+        pick = rng.choice(len(w), min(item_words, len(w)), replace=False)
+        out.append(" ".join([w[k] for k in pick]) + " " + extra[i])
+    return out
+
+
+def bank_with_texts(bank: MemoryBank, texts: list[str] | None, lexical_stemmer: str | None = None) -> MemoryBank:
+    """``bank`` rebuilt with ``texts`` (same vectors, offsets, users, item ids and row order)."""
+    s = bank.snapshot()
+    return MemoryBank.from_arrays(
+        s.vectors, s.offsets, list(s.users), list(s.item_ids), texts, lexical_stemmer=lexical_stemmer
+    )
+
+
+def text_stemmer(spec: TextSpec) -> str | None:
+    """The stemmer a text bank of ``spec`` gets here: ``spec.stemmer``, or None without PyStemmer."""
+    if spec.stemmer is None:
+        return None
+    try:
+        import Stemmer  # noqa: F401
+    except ImportError:
+        return None
+    return spec.stemmer
+
+
+@dataclass
+class SyntheticTexts:
+    """A synthetic bank's text twin and its query texts (:func:`synthetic_texts`).
+
+    Attributes:
+        bank: the MemoryBank with a text per item (rows as the synthetic bank's) and its
+            lexical index built (forward index and the postings of ``users_indexed``).
+        queries: one query text per query row.
+        stemmer: the bank's lexical stemmer.
+        build_s: seconds spent generating the texts and building the bank and index.
+        tokens: tokens in the lexical index (after stopwords).
+    """
+
+    bank: MemoryBank
+    queries: list[str]
+    stemmer: str | None
+    build_s: float
+    tokens: int
+
+
+def synthetic_texts(
+    sb: SyntheticBank,
+    items: np.ndarray,
+    spec: TextSpec,
+    seed: int,
+    users_indexed: np.ndarray | None = None,
+) -> SyntheticTexts:
+    """Seeded texts for every item of ``sb`` and a query text per query.
+
+    Args:
+        sb: the synthetic bank.
+        items: int [nq] the bank row each query's text is drawn from (``sb.queries(...,
+            labels=True)``'s ``item``: a specific query's item, a random item of a vague
+            query's user).
+        spec: the text parameters.
+        seed: seed of the texts.
+        users_indexed: segment indices whose BM25 postings are built here (untimed, as
+            an index build; default every user).
+
+    Returns:
+        SyntheticTexts.
+    """
+    t0 = time.perf_counter()
+    rng = np.random.default_rng([seed, 0x7E47])
+    vocab = zipf_vocab(spec.vocab)
+    texts = zipf_texts(sb.bank.num_items, spec.words, vocab, spec.zipf, rng)
+    qt = query_texts(texts, len(items), vocab, spec.zipf, rng, items=items, item_words=spec.query_item_words,
+                     extra_words=spec.query_extra_words)  # fmt: skip
+    stem = text_stemmer(spec)
+    bank = bank_with_texts(sb.bank, texts, stem)
+    del texts
+    lex = bank.snapshot().lexical
+    segs = range(len(sb.users)) if users_indexed is None else sorted(set(int(u) for u in users_indexed))
+    for u in segs:
+        lex.postings(u)
+    return SyntheticTexts(bank=bank, queries=qt, stemmer=stem, build_s=time.perf_counter() - t0,
+                          tokens=int(np.asarray(lex.tf, dtype=np.int64).sum()))  # fmt: skip
+
+
 def memory_available_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo in bytes, or None where it cannot be read."""
     try:
