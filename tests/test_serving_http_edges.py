@@ -143,6 +143,28 @@ def test_auth_is_never_silently_off(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "m").exists()  # refused before anything was opened
 
 
+def test_a_server_without_auth_mints_and_lists_no_tokens(tmp_path):
+    """Without auth anyone reaches every route, but not the token store: a token minted
+    there would stay valid once the server is restarted with a key."""
+    mem = Memory(tmp_path / "m", encoder=False, dim=DIM)
+    try:
+        with TestClient(create_app(mem, no_auth=True)) as c:
+            r = c.post("/v1/admin/tokens", json={"user_id": "alice"})
+            assert r.status_code == 403 and "--no-auth" in r.json()["detail"]
+            assert c.get("/v1/admin/tokens").status_code == 403
+            assert c.delete("/v1/admin/tokens/abc").status_code == 403
+            assert c.get("/v1/users/alice/memories").status_code == 200  # the rest of the API is open
+        assert not (tmp_path / "m" / TOKENS_FILE).exists()
+    finally:
+        mem.close()
+
+
+def test_an_empty_key_in_the_environment_says_to_unset_it(monkeypatch):
+    monkeypatch.setenv("RFMEM_API_KEY", "")
+    with pytest.raises(ValueError, match="unset RFMEM_API_KEY"):
+        _resolve_api_key(None, True)
+
+
 def test_no_auth_prints_a_warning(tmp_path, monkeypatch, capsys):
     import uvicorn
 

@@ -527,6 +527,15 @@ def _admin_only(who: Who) -> _Principal:
     return who
 
 
+def _token_admin(request: Request, who: Who) -> _Principal:
+    """The token routes: the admin token only, and never without auth (a token minted by
+    anyone on an unauthenticated server would stay valid once auth is switched on): 403."""
+    if request.app.state.admin_key is None:
+        raise HTTPException(403, "token administration needs the admin token: this server runs without "
+                                 "authentication (--no-auth); restart it with --api-key to mint or revoke tokens")
+    return _admin_only(who)
+
+
 def _scoped_user(user_id: UserSeg, who: Who) -> str:
     """The path's user id, decoded; a user token may name its own user only (403)."""
     user = _segment(user_id, "user_id")
@@ -586,6 +595,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
             await asyncio.to_thread(memory.close)
 
     Admin = [Depends(_admin_only)]
+    TokenAdmin = [Depends(_token_admin)]
 
     app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan,
                   default_response_class=FastJSONResponse)
@@ -679,18 +689,18 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
             memory.save()
         return {"checkpointed": True, "items": memory.bank.num_items}
 
-    @app.post("/v1/admin/tokens", status_code=201, dependencies=Admin)
+    @app.post("/v1/admin/tokens", status_code=201, dependencies=TokenAdmin)
     def mint_token(body: MintRequest) -> FastJSONResponse:
         with _http_errors():
             user = _canon_id(body.user_id, "user_id")
             token, info = tokens.mint(user, body.label)
         return FastJSONResponse({"token": token, **info.to_dict()}, status_code=201)
 
-    @app.get("/v1/admin/tokens", dependencies=Admin)
+    @app.get("/v1/admin/tokens", dependencies=TokenAdmin)
     def list_tokens(user_id: Annotated[str | None, Query(min_length=1, max_length=MAX_ID_LENGTH)] = None) -> FastJSONResponse:
         return FastJSONResponse({"tokens": [t.to_dict() for t in tokens.list(user_id)]})
 
-    @app.delete("/v1/admin/tokens/{token_id}", dependencies=Admin)
+    @app.delete("/v1/admin/tokens/{token_id}", dependencies=TokenAdmin)
     def revoke_token(token_id: ItemSeg) -> dict[str, Any]:
         if not tokens.revoke(unquote(token_id)):
             raise HTTPException(404, f"token_id: unknown token {unquote(token_id)!r}")
@@ -784,7 +794,9 @@ def _resolve_api_key(api_key: str | None, no_auth: bool) -> str | None:
     if api_key is None and API_KEY_ENV in os.environ:
         api_key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
     if api_key is not None and not api_key.strip():
-        raise ValueError(f"{source} is empty: give a non-empty admin token, or --no-auth to serve without auth")
+        hint = (f"unset {API_KEY_ENV} to serve without auth (--no-auth)" if source.startswith("$")
+                else "or --no-auth to serve without auth")
+        raise ValueError(f"{source} is empty: give a non-empty admin token, {hint}")
     if api_key is None and not no_auth:
         raise ValueError(f"no admin token: pass --api-key or set ${API_KEY_ENV}, "
                          "or --no-auth to serve without authentication")
