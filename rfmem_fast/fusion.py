@@ -38,7 +38,7 @@ Why two exact channels give the exact fused top-k (what :func:`rfmem_fast.search
 does on every backend). Let ``K`` be the fused width, ``S`` the backend's exact dense
 top-``K`` of the query in its user's segment (ties by row; ``S`` is the whole segment
 when it has at most ``K`` rows), ``s_K`` the dense score of the last item of ``S``, and
-``tau`` the ``K``-th largest fused score among ``S``. For convex / adaptive the boost
+``tau`` the ``K``-th largest fused score among ``S``. For convex / adaptive / zscore the boost
 ``x_i = w_q f_i`` is >= 0, and 0 for an item without a lexical hit. Take an item ``i``
 outside ``S``: its dense score ``d_i <= s_K`` (and ``d_i = d_j`` for ``j`` in ``S``
 implies ``row_j < row_i``).
