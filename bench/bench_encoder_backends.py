@@ -40,7 +40,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_encoder_precision import cpu_ms_per_text  # noqa: E402  (one timing helper for both scripts)
 from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
 from rfmem_fast.bench.workloads import default_personabench_dir  # noqa: E402
 from rfmem_fast.evaluate import machine_info  # noqa: E402
@@ -59,18 +61,6 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
-
-
-def ms_per_text(encoder: Any, texts: list[str], call: int, reps: int) -> tuple[float, float]:
-    """(CPU ms, wall ms) per text of encoding ``texts`` in calls of ``call`` texts, best of ``reps``."""
-    best_cpu = best_wall = float("inf")
-    for _ in range(reps):
-        c0, w0 = time.process_time(), time.perf_counter()
-        for i in range(0, len(texts), call):
-            encoder.encode(texts[i:i + call])
-        best_cpu = min(best_cpu, time.process_time() - c0)
-        best_wall = min(best_wall, time.perf_counter() - w0)
-    return 1000 * best_cpu / len(texts), 1000 * best_wall / len(texts)
 
 
 class Precomputed:
@@ -155,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         enc.encode(timed[:16])  # warm-up
         for what, texts, cs in (("questions", timed, calls), ("chunks", timed_chunks, [64])):
             for call in cs:
-                cpu, wall = ms_per_text(enc, texts, call, args.reps)
+                cpu, wall = cpu_ms_per_text(enc, texts, call, args.reps)
                 doc["speed"].append({"option": label, "texts": what, "call": call, "cpu_ms_per_text": cpu,
                                      "wall_ms_per_text": wall, "texts_per_s_cpu": 1000 / cpu})
                 say(f"  {what:9s} call {call:3d}: {cpu:6.2f} ms CPU / text ({wall:.2f} wall)")
