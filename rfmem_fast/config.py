@@ -274,10 +274,10 @@ class RFMemConfig:
         whole procedure; a PersonaBench user is one fold at every noise level, a LoCoMo
         conversation one fold): PersonaBench +0.04 / +1.76 / +1.75 / +4.27 at noise 0.0 /
         0.3 / 0.5 / 0.7, LoCoMo +10.34 (leave one conversation out); the pick itself on
-        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. For MPNet (tuned on
-        PersonaBench noise 0.0 / 0.3 / 0.5 and LoCoMo) the procedure picks ``fusion="zscore"``,
-        ``lexical_weight=0.1`` (the channels on one scale, :func:`rfmem_fast.fusion.zscore_boost`):
-        nested CV +4.12 / +0.72 / +2.16 on PersonaBench 0.0 / 0.3 / 0.5, LoCoMo +10.60. The previous
+        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. For MPNet the procedure
+        picks ``fusion="zscore"``, ``lexical_weight=0.1`` (the channels on one scale,
+        :func:`rfmem_fast.fusion.zscore_boost`): nested CV +4.23 / +0.50 / +1.75 / +1.32 on
+        PersonaBench 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +10.60. The previous
         recommendation (the profile prior, ``profile_weight=0.3``) is -4.4 points on
         LoCoMo with either encoder and stays available as a field.
 
