@@ -646,6 +646,7 @@ def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable)
     assert mem._split([long_text]) == [chunks]
     mem.add([long_text, "short one"], "u", ids=["long", "s"], metadata=[{"m": 1}, None])
     assert mem.bank.user_size("u") == 4 and mem.count("u") == 2
+    assert mem.counts() == (1, 2) and (mem.stats()["users"], mem.stats()["items"]) == (1, 2)  # items, not rows
     assert [(i.id, i.text, i.metadata) for i in mem.get_all("u")] == [("long", long_text, {"m": 1}), ("s", "short one", {})]
     for c in chunks:  # the query equal to a chunk's text scores 1.0 on that chunk's row
         hits = mem.search(c, "u", k=2, mode="dense")
@@ -700,6 +701,7 @@ def test_delete_user_forgets_every_memory_durably(tmp_path):
     mem.add(["a"], "kept", ids=["1"])
     assert mem.delete_user("gone") == 3 and mem.delete_user("gone") == 0 and mem.delete_user("never") == 0
     assert mem.get_all("gone") == [] and mem.search("a", "gone") == []
+    assert mem.counts() == (1, 1)  # a forgotten user is no user in /health and /metrics
     mem._lock_file.close()  # crash: only the log holds it
     again = new_memory(path=tmp_path / "m")
     assert again.get_all("gone") == [] and [i.id for i in again.get_all("kept")] == ["1"]

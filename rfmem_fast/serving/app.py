@@ -610,7 +610,8 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "users": memory.bank.num_users, "items": memory.bank.num_items,
+        users, items = memory.counts()
+        return {"status": "ok", "users": users, "items": items,
                 "batching": memory.batching, "encoder": memory.encoder_info()}
 
     @app.get("/metrics")
@@ -687,7 +688,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def checkpoint() -> dict[str, Any]:
         with _http_errors():
             memory.save()
-        return {"checkpointed": True, "items": memory.bank.num_items}
+        return {"checkpointed": True, "items": memory.counts()[1]}
 
     @app.post("/v1/admin/tokens", status_code=201, dependencies=TokenAdmin)
     def mint_token(body: MintRequest) -> FastJSONResponse:

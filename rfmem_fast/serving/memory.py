@@ -1107,6 +1107,16 @@ class Memory:
         return n
 
     # ------------------------------------------------------------------ reads
+    def counts(self) -> tuple[int, int]:
+        """(users holding at least one item, live items) of the whole memory: items as a
+        caller sees them (a long text cut into chunk rows counts once; a user whose
+        memories were all deleted counts as no user), what ``/health`` and ``/metrics``
+        report."""
+        with self._rw.read():
+            snap = self.bank.snapshot()
+            extra = sum(sum(v.values()) for v in self._chunks.values())
+        return int(np.count_nonzero(np.diff(snap.offsets))), int(snap.num_items) - int(extra)
+
     def count(self, user_id: Hashable) -> int:
         """Live items of a user (0 for an unknown user)."""
         user = _user_key(user_id)
@@ -1522,7 +1532,8 @@ class Memory:
         "mean_batch", "largest_batch", "queue_depth", ...}), log bytes."""
         with self._stats_lock:
             c = dict(self._counters)
-        c.update(users=self.bank.num_users, items=self.bank.num_items, cache=self._cache.stats(),
+        users, items = self.counts()
+        c.update(users=users, items=items, cache=self._cache.stats(),
                  encoder=self.encoder_info(),
                  batcher=self._batcher.stats() if self._batcher is not None else None,
                  wal_bytes=self._wal.nbytes if self._wal is not None else 0)
