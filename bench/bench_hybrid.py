@@ -47,6 +47,9 @@ from rfmem_fast.bench.report import write_json
 from rfmem_fast.bench.workloads import SyntheticSpec, bank_with_texts, query_texts, synthetic_bank, zipf_texts, zipf_vocab
 from rfmem_fast.evaluate import machine_info
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
+from bench_single_query import _p50  # noqa: E402  (median ms of n calls after 5 warm-ups)
+
 #: the fusions timed (lexical_weight as the issue's table used them)
 FUSIONS = {
     "convex_max": dict(lexical_weight=0.2, fusion="convex", lexical_norm="max"),
@@ -54,17 +57,6 @@ FUSIONS = {
     "adaptive": dict(lexical_weight=0.2, fusion="adaptive"),
     "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
 }
-
-
-def _p50(fn, n: int) -> float:
-    for i in range(5):
-        fn(i % n)
-    ts = []
-    for i in range(n):
-        t = time.perf_counter()
-        fn(i)
-        ts.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(ts))
 
 
 def _best(fn, reps: int) -> float:
