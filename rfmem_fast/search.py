@@ -76,6 +76,10 @@ DEFAULT_MAX_BATCH = 8192
 #: lexical hits pass the bound of :mod:`rfmem_fast.fusion` and need an exact re-score;
 #: results do not depend on it
 HYBRID_DENSE_DEPTH = 64
+#: the same for a backend with the fused kernels (``has_fused_topk``, the native one):
+#: its screening of the other hits is a float32 dot product in C++, cheaper than a
+#: deeper dense top-k; results do not depend on it
+KERNEL_HYBRID_DENSE_DEPTH = 16
 
 
 @dataclass
@@ -704,7 +708,8 @@ def _search_chunk(
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
     elif lexical:  # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
-        k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
+        depth = KERNEL_HYBRID_DENSE_DEPTH if be.has_fused_topk else HYBRID_DENSE_DEPTH
+        k_scan = max(k0, min(depth, max_len))
     p_sc, p_rows, mean, ent, count = be.probe(
         view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
     )
@@ -728,8 +733,8 @@ def _search_chunk(
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
-        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
-        lex_hits = hyb.hits
+        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be)
+        lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
@@ -767,8 +772,15 @@ def _search_chunk(
     # exact re-scoring of hits whose dense score is not known yet (recollected, re-ranked,
     # rrf's lexical-only ones): on the host path, or whenever the lexical channel ran
     rescore = (host or lex_hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
-    dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, lex_hits, rescore, be.memory_budget,
-                                   on_host=host or lex_hits is not None)  # fmt: skip
+    if hyb is not None and out is None and reranker is None and config.fusion != "rrf":
+        # the final list is the fused one, whose exact dense and lexical scores are known
+        dense_sc = torch.from_numpy(hyb.dense[:, :out_k].astype(np.float32)).to(dev)
+        lex_sc = torch.from_numpy(hyb.lex[:, :out_k].astype(np.float32)).to(dev)
+    else:
+        if isinstance(lex_hits, _Hybrid):
+            lex_hits = lex_hits.hit_list()
+        dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, lex_hits, rescore, be.memory_budget,
+                                       on_host=host or lex_hits is not None)  # fmt: skip
     if hyb is not None:
         probe_rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :probe_k])).to(dev)
         probe_scores = torch.from_numpy(hyb.fused[:, :probe_k].astype(np.float32)).to(dev)
@@ -798,7 +810,13 @@ class _Hybrid:
     fused: np.ndarray
     dense: np.ndarray
     lex: np.ndarray
-    hits: list
+    hits: Any  # the list, or a zero-argument function that builds it (read through hit_list)
+
+    def hit_list(self) -> list:
+        """The per-query lexical scores (built on first use when ``hits`` is a function)."""
+        if callable(self.hits):
+            self.hits = self.hits()
+        return self.hits
 
 
 def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
@@ -835,13 +853,17 @@ HYBRID_MATRIX_ENTRIES = 1 << 22
 
 
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-            config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+            config: RFMemConfig, k_f: int, kd: int, be: Any) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
-    rrf: :func:`_hybrid_loop`. convex / adaptive: batched over the queries, in steps of
-    at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users' rows)."""
+    rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: the backend's kernels
+    (:func:`_hybrid_kernels`) when it has them, else batched numpy over the queries, in
+    steps of at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users'
+    rows). Both give the same rows and scores (tests/test_lexical.py)."""
     if config.fusion == "rrf":
-        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, memory_budget)
+        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget)
+    if be.has_fused_topk:
+        return _hybrid_kernels(be, view, Q, qseg.cpu().numpy(), p_sc, p_rows, texts, config, k_f, kd)
     snap = view.snapshot
     off = snap.offsets
     seg = qseg.cpu().numpy()
@@ -900,8 +922,9 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     lex_std = dense_gap = None
     if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
         n = np.maximum(n_q, 1).astype(np.float64)
-        mu = V.sum(axis=1) / n
-        lex_std = np.sqrt(np.maximum((V * V).sum(axis=1) / n - mu * mu, 0.0))
+        # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
+        mu = np.cumsum(V, axis=1)[:, -1] / n
+        lex_std = np.sqrt(np.maximum(np.cumsum(V * V, axis=1)[:, -1] / n - mu * mu, 0.0))
         mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
         dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
@@ -950,6 +973,89 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     ok = (r_sel >= 0) & (f_sel > -np.inf)
     return _Hybrid(rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf),
                    dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits)  # fmt: skip
+
+
+class _SparseBM25:
+    """One query's BM25 over its user's local rows, held as its hits (ascending local rows
+    int32 [h], BM25 float64 [h]); ``v[idx]`` reads like the dense vector (0 elsewhere)."""
+
+    __slots__ = ("rows", "vals")
+
+    def __init__(self, rows: np.ndarray, vals: np.ndarray) -> None:
+        self.rows, self.vals = rows, vals
+
+    def __getitem__(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx)
+        pos = np.minimum(np.searchsorted(self.rows, idx), self.rows.shape[0] - 1)
+        return np.where(self.rows[pos] == idx, self.vals[pos], 0.0)
+
+
+def _hybrid_kernels(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
+                    texts: list, config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
+    """convex / adaptive / zscore fusion of b queries with the backend's kernels
+    (``be.bm25_hits``: each query's hits, never a [b, rows] BM25 matrix; ``be.fused_topk``:
+    the fused top-k, :func:`_hybrid_batched`'s algorithm in C++). The boosts are computed
+    here, by :data:`rfmem_fast.fusion.BOOSTS` on the hits, as on the host path."""
+    snap = view.snapshot
+    lex, off = snap.lexical, snap.offsets
+    b = len(texts)
+    slot: dict[int, int] = {}
+    users: list = []
+    docs: list[int] = []
+    quser = np.full(b, -1, dtype=np.int64)
+    n_docs = np.zeros(b, dtype=np.int64)
+    terms, counts = [], []
+    qptr = np.zeros(b + 1, dtype=np.int64)
+    for i, t in enumerate(texts):
+        qt, qc = lex.encode_query(t)
+        if qt.shape[0] == 0:
+            qptr[i + 1] = qptr[i]
+            continue
+        u = int(seg[i])
+        j = slot.get(u)
+        if j is None:
+            P = lex.postings(u)
+            j = slot[u] = len(users)
+            users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
+            docs.append(P.n_docs)
+        n_docs[i] = docs[j]
+        quser[i] = j
+        terms.append(qt)
+        counts.append(qc)
+        qptr[i + 1] = qptr[i] + qt.shape[0]
+    if len(terms) == 1:
+        qterms, qcnt = terms[0], counts[0]
+    elif terms:
+        qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
+    else:
+        qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
+    hptr, hrows, hval, lex_max, top, s1, s2 = be.bm25_hits(users, quser, qterms, qcnt, qptr)
+    ps = p_sc[:, :kd].numpy() if p_sc.device.type == "cpu" else p_sc[:, :kd].cpu().numpy()
+    pr = p_rows[:, :kd].numpy() if p_rows.device.type == "cpu" else p_rows[:, :kd].cpu().numpy()
+    lex_std = dense_gap = None
+    if config.fusion == "zscore":  # as _hybrid_batched: sums in row order over the user's rows
+        n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
+        mu = s1 / n
+        lex_std = np.sqrt(np.maximum(s2 / n - mu * mu, 0.0))
+        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+        dense_gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
+    stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
+    boost = BOOSTS[config.fusion]
+    if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
+        hx = boost(hval[None, :], stats, config)[0]
+    elif hval.shape[0]:
+        hx = boost(hval[:, None], stats.take(np.repeat(np.arange(b), np.diff(hptr))), config)[:, 0]
+    else:
+        hx = np.zeros(0)
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, hptr, hrows, np.ascontiguousarray(hx, np.float64),
+                                             hval, k_f)  # fmt: skip
+
+    def hit_list() -> list:
+        a_q = off[seg]
+        return [(int(a_q[i]), _SparseBM25(hrows[hptr[i] : hptr[i + 1]], hval[hptr[i] : hptr[i + 1]]), int(n_docs[i]))
+                if hptr[i + 1] > hptr[i] else None for i in range(b)]  # fmt: skip
+
+    return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=hit_list)
 
 
 def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarray, qe: np.ndarray,

@@ -47,6 +47,7 @@
 // is a prefix of every wider top-k.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -55,6 +56,7 @@
 #include "exact.h"
 #include "heap.h"
 #include "kernels.h"
+#include "lexical.h"
 #include "simd.h"
 
 namespace rfmem {
@@ -630,6 +632,139 @@ void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, d
       case Entropy::kNormalized:
         ent[i] = c > 1 ? shannon / std::max(std::log(kf), 1e-300) : 0.0;
         break;
+    }
+  });
+}
+
+}  // namespace rfmem
+
+// ---------------------------------------------------------------------------------------
+// The exact fused top-k of the lexical channel (lexical.h fused_topk; the proof is the
+// docstring of rfmem_fast/fusion.py, whose host twin is rfmem_fast.search._hybrid_batched).
+namespace rfmem {
+namespace {
+
+struct Fused {
+  double f;   // fused score
+  int64_t r;  // global row
+  float dense;
+  double lex;
+};
+
+inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (a.f == b.f && a.r < b.r); }
+
+// Scan scores of 4 gathered rows (the scan path's dot4, in its AVX2 clone where the CPU has it).
+RFMEM_MULTIVERSION
+void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { dot4(q, xr[0], xr[1], xr[2], xr[3], d, sc); }
+
+}  // namespace
+
+void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
+                const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
+                const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
+                double* out_fused, float* out_dense, double* out_lex) {
+  if (b == 0 || kf == 0) return;
+  const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
+  const ExactCtx ctx{X, d, kf, scan, scan, xnorm, abs_bound(d),
+                     gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
+  double work = 0.0;  // multiply-adds of the screening (every hit outside the dense list, at most)
+  for (int64_t i = 0; i < b; ++i) work += static_cast<double>(hptr[i + 1] - hptr[i]) * static_cast<double>(d);
+  const int nthreads = threads_for(num_threads, work, b);
+  std::vector<std::vector<Fused>> cands(static_cast<size_t>(nthreads));
+  std::vector<std::vector<char>> in_dense(static_cast<size_t>(nthreads));
+  std::vector<std::vector<int64_t>> extra(static_cast<size_t>(nthreads));
+  std::vector<std::vector<double>> taus(static_cast<size_t>(nthreads));
+  const double inf = std::numeric_limits<double>::infinity();
+  parallel_for(b, nthreads, [&](int64_t i, int tid) {
+    std::vector<Fused>& cand = cands[static_cast<size_t>(tid)];
+    std::vector<char>& mark = in_dense[static_cast<size_t>(tid)];
+    std::vector<int64_t>& ex = extra[static_cast<size_t>(tid)];
+    cand.clear();
+    ex.clear();
+    const int64_t a = offsets[qseg[i]];
+    const int64_t h0 = hptr[i], h1 = hptr[i + 1];
+    mark.assign(static_cast<size_t>(h1 - h0), 0);
+    const float* q = Q + i * d;
+    // 1. the dense list, each with its boost (0 without a lexical hit)
+    int64_t nS = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = drows[i * K + j];
+      if (r < 0) continue;
+      ++nS;
+      const int32_t loc = static_cast<int32_t>(r - a);
+      const int32_t* it = std::lower_bound(hrows + h0, hrows + h1, loc);
+      double x = 0.0, lv = 0.0;
+      if (it != hrows + h1 && *it == loc) {
+        const int64_t h = it - hrows;
+        mark[static_cast<size_t>(h - h0)] = 1;
+        x = hx[h];
+        lv = hval[h];
+      }
+      const float ds = dsc[i * K + j];
+      cand.push_back(Fused{static_cast<double>(ds) + x, r, ds, lv});
+    }
+    // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
+    // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
+    // scores >= the kf-th best of any candidate set)
+    std::vector<double>& best = taus[static_cast<size_t>(tid)];
+    best.clear();
+    auto offer = [&](double f) {
+      if (static_cast<int64_t>(best.size()) < kf) {
+        best.push_back(f);
+        std::push_heap(best.begin(), best.end(), std::greater<double>());
+      } else if (f > best.front()) {
+        std::pop_heap(best.begin(), best.end(), std::greater<double>());
+        best.back() = f;
+        std::push_heap(best.begin(), best.end(), std::greater<double>());
+      }
+    };
+    for (const Fused& c : cand) offer(c.f);
+    auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
+    const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
+    // 2. the hits outside the dense list, largest boost first: fl(s_K + x) < tau ends the list
+    for (int64_t h = h0; h < h1; ++h)
+      if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= tau()) ex.push_back(h);
+    std::sort(ex.begin(), ex.end(), [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); });
+    if (!ex.empty()) {
+      // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B; fl(up(f + B) + x) < tau cannot enter
+      const double B = ctx.bound(ctx.scan, q);
+      float sc[4];
+      for (size_t e = 0; e < ex.size(); e += 4) {
+        if (s_last + hx[ex[e]] < tau()) break;
+        const size_t cnt = std::min<size_t>(4, ex.size() - e);
+        const float* xr[4];
+        for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[ex[e + std::min(t, cnt - 1)]]) * d;
+        dot4_rows(q, xr, d, sc);
+        for (size_t t = 0; t < cnt; ++t) {
+          const int64_t h = ex[e + t];
+          if (std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[h] < tau()) continue;
+          const int64_t r = a + hrows[h];
+          const float es = exact_score(q, X + r * d, d, ctx.g64);
+          const double f = static_cast<double>(es) + hx[h];
+          cand.push_back(Fused{f, r, es, hval[h]});
+          offer(f);
+        }
+      }
+    }
+    // 4. the kf best by (fused desc, row asc)
+    const int64_t m = static_cast<int64_t>(cand.size());
+    const int64_t kk = std::min(kf, m);
+    std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), fused_better);
+    int64_t w = 0;
+    for (int64_t j = 0; j < kk; ++j) {
+      const Fused& c = cand[static_cast<size_t>(j)];
+      if (!(c.f > -inf)) continue;  // -inf / NaN fused scores are no hits
+      out_rows[i * kf + w] = c.r;
+      out_fused[i * kf + w] = c.f;
+      out_dense[i * kf + w] = c.dense;
+      out_lex[i * kf + w] = c.lex;
+      ++w;
+    }
+    for (; w < kf; ++w) {
+      out_rows[i * kf + w] = -1;
+      out_fused[i * kf + w] = -inf;
+      out_dense[i * kf + w] = std::numeric_limits<float>::quiet_NaN();
+      out_lex[i * kf + w] = std::numeric_limits<double>::quiet_NaN();
     }
   });
 }

@@ -199,6 +199,31 @@ class NativeBackend(Backend):
             torch.from_numpy(cnt),
         )
 
+    # ---------------------------------------------------------------- lexical channel
+    has_fused_topk = True
+
+    def bm25_hits(self, users, quser, qterms, qcnt, qptr):
+        """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, one thread).
+
+        Raises:
+            TypeError / ValueError: malformed arrays (from the kernel).
+        """
+        return _native.bm25_hits(users, quser, qterms, qcnt, qptr)
+
+    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf):
+        """See :meth:`Backend.fused_topk` (C++ kernel ``_native.fused_topk``: the dense list's
+        boosts, then the screening and exact re-scoring of the other hits, on the kernel's threads).
+
+        Raises:
+            ValueError: malformed arrays (from the kernel).
+        """
+        X, off = self._bank(view)
+        return _native.fused_topk(
+            X, off, _np(Q, torch.float32), np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
+            np.ascontiguousarray(dense_rows, np.int64), hptr, hrows, hx, hval, int(kf), self._threads(),
+            view.row_norm_max,
+        )
+
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
         """See :meth:`Backend.batched_kmeans` (C++ kernel ``_native.batched_kmeans``).
