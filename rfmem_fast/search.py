@@ -79,7 +79,11 @@ HYBRID_DENSE_DEPTH = 64
 #: the same for a backend with the fused kernels (``has_fused_topk``, the native one):
 #: its screening of the other hits is a float32 dot product in C++, cheaper than a
 #: deeper dense top-k; results do not depend on it
-KERNEL_HYBRID_DENSE_DEPTH = 16
+KERNEL_HYBRID_DENSE_DEPTH = 64
+#: fusions whose boosts are known before the dense scan (no dense statistic in them):
+#: a backend with ``has_fused_topk`` takes their fused top-k in the probe's own pass
+#: (``Backend.hybrid_probe``); "zscore" needs the dense top-1 first (``Backend.fused_topk``)
+ONE_PASS_FUSIONS = ("convex", "adaptive")
 
 
 @dataclass
@@ -707,12 +711,25 @@ def _search_chunk(
     D = max(config.lexical_depth, config.out_k, config.probe_k)
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
-    elif lexical:  # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
+    one_pass = lexical and be.has_fused_topk and config.fusion in ONE_PASS_FUSIONS
+    if lexical and not one_pass and config.fusion != "rrf":
+        # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
         depth = KERNEL_HYBRID_DENSE_DEPTH if be.has_fused_topk else HYBRID_DENSE_DEPTH
         k_scan = max(k0, min(depth, max_len))
-    p_sc, p_rows, mean, ent, count = be.probe(
-        view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
-    )
+    hyb = None
+    if one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
+        seg_np = qseg.cpu().numpy()
+        kh = _KernelHits.of(be, view, seg_np, texts)
+        hx = kh.boosts(config, None)
+        p_sc, p_rows, mean, ent, count, fr, ff, fd, fl = be.hybrid_probe(
+            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, hx, kh.hval,
+            max(probe_k, out_k),
+        )
+        hyb = _Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl, hits=lambda: kh.hit_list(view, seg_np))
+    else:
+        p_sc, p_rows, mean, ent, count = be.probe(
+            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
+        )
     p_sc_all, p_rows_all = p_sc, p_rows
     if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
         p_sc, p_rows = p_sc[:, :k0].contiguous(), p_rows[:, :k0].contiguous()
@@ -729,11 +746,12 @@ def _search_chunk(
         rule = torch.full((b,), forced[1], dtype=torch.int64, device=dev)
     rows = p_rows[:, :out_k]
     scores = p_sc[:, :out_k].to(torch.float32)
-    hyb, lex_hits = None, None
+    lex_hits = None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
-        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be)
+        if hyb is None:
+            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be)
         lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
@@ -990,72 +1008,103 @@ class _SparseBM25:
         return np.where(self.rows[pos] == idx, self.vals[pos], 0.0)
 
 
+@dataclass
+class _KernelHits:
+    """The lexical hits of b queries from ``Backend.bm25_hits`` (CSR over the queries: hptr
+    int64 [b + 1], ascending local rows hrows int32 [H], BM25 hval float64 [H]) and their
+    :class:`rfmem_fast.fusion.LexicalStats` parts (s1 / s2: sums of the BM25 and of its
+    squares in row order, for "zscore")."""
+
+    hptr: np.ndarray
+    hrows: np.ndarray
+    hval: np.ndarray
+    lex_max: np.ndarray
+    top: np.ndarray
+    s1: np.ndarray
+    s2: np.ndarray
+    n_docs: np.ndarray
+
+    @classmethod
+    def of(cls, be: Any, view: Any, seg: np.ndarray, texts: list) -> "_KernelHits":
+        """Tokenise the b query texts and take their hits in their users' postings."""
+        lex = view.snapshot.lexical
+        b = len(texts)
+        slot: dict[int, int] = {}
+        users: list = []
+        docs: list[int] = []
+        quser = np.full(b, -1, dtype=np.int64)
+        n_docs = np.zeros(b, dtype=np.int64)
+        terms, counts = [], []
+        qptr = np.zeros(b + 1, dtype=np.int64)
+        for i, t in enumerate(texts):
+            qt, qc = lex.encode_query(t)
+            if qt.shape[0] == 0:
+                qptr[i + 1] = qptr[i]
+                continue
+            u = int(seg[i])
+            j = slot.get(u)
+            if j is None:
+                P = lex.postings(u)
+                j = slot[u] = len(users)
+                users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
+                docs.append(P.n_docs)
+            n_docs[i] = docs[j]
+            quser[i] = j
+            terms.append(qt)
+            counts.append(qc)
+            qptr[i + 1] = qptr[i] + qt.shape[0]
+        if len(terms) == 1:
+            qterms, qcnt = terms[0], counts[0]
+        elif terms:
+            qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
+        else:
+            qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
+        return cls(*be.bm25_hits(users, quser, qterms, qcnt, qptr), n_docs=n_docs)
+
+    def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
+        """float64 [H] the boost of every hit, :data:`rfmem_fast.fusion.BOOSTS` of ``config.fusion``;
+        ``extra``: (lex_std, dense_gap) [b] for "zscore", else None."""
+        stats = LexicalStats(self.lex_max, self.top, self.n_docs, *(extra or (None, None)))
+        boost = BOOSTS[config.fusion]
+        b = self.hptr.shape[0] - 1
+        if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
+            hx = boost(self.hval[None, :], stats, config)[0]
+        elif self.hval.shape[0]:
+            hx = boost(self.hval[:, None], stats.take(np.repeat(np.arange(b), np.diff(self.hptr))), config)[:, 0]
+        else:
+            hx = np.zeros(0)
+        return np.ascontiguousarray(hx, dtype=np.float64)
+
+    def hit_list(self, view: Any, seg: np.ndarray) -> list:
+        """The per-query lexical scores in :func:`_lexical_hits`' form (a sparse vector each)."""
+        a_q = view.snapshot.offsets[seg]
+        p, r, v = self.hptr, self.hrows, self.hval
+        return [(int(a_q[i]), _SparseBM25(r[p[i] : p[i + 1]], v[p[i] : p[i + 1]]), int(self.n_docs[i]))
+                if p[i + 1] > p[i] else None for i in range(p.shape[0] - 1)]  # fmt: skip
+
+
 def _hybrid_kernels(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
                     texts: list, config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
-    """convex / adaptive / zscore fusion of b queries with the backend's kernels
-    (``be.bm25_hits``: each query's hits, never a [b, rows] BM25 matrix; ``be.fused_topk``:
-    the fused top-k, :func:`_hybrid_batched`'s algorithm in C++). The boosts are computed
-    here, by :data:`rfmem_fast.fusion.BOOSTS` on the hits, as on the host path."""
-    snap = view.snapshot
-    lex, off = snap.lexical, snap.offsets
-    b = len(texts)
-    slot: dict[int, int] = {}
-    users: list = []
-    docs: list[int] = []
-    quser = np.full(b, -1, dtype=np.int64)
-    n_docs = np.zeros(b, dtype=np.int64)
-    terms, counts = [], []
-    qptr = np.zeros(b + 1, dtype=np.int64)
-    for i, t in enumerate(texts):
-        qt, qc = lex.encode_query(t)
-        if qt.shape[0] == 0:
-            qptr[i + 1] = qptr[i]
-            continue
-        u = int(seg[i])
-        j = slot.get(u)
-        if j is None:
-            P = lex.postings(u)
-            j = slot[u] = len(users)
-            users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
-            docs.append(P.n_docs)
-        n_docs[i] = docs[j]
-        quser[i] = j
-        terms.append(qt)
-        counts.append(qc)
-        qptr[i + 1] = qptr[i] + qt.shape[0]
-    if len(terms) == 1:
-        qterms, qcnt = terms[0], counts[0]
-    elif terms:
-        qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
-    else:
-        qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
-    hptr, hrows, hval, lex_max, top, s1, s2 = be.bm25_hits(users, quser, qterms, qcnt, qptr)
-    ps = p_sc[:, :kd].numpy() if p_sc.device.type == "cpu" else p_sc[:, :kd].cpu().numpy()
-    pr = p_rows[:, :kd].numpy() if p_rows.device.type == "cpu" else p_rows[:, :kd].cpu().numpy()
-    lex_std = dense_gap = None
+    """Score-based fusion of b queries from their exact dense top-``kd`` with the backend's
+    kernels (``be.bm25_hits``: each query's hits, never a [b, rows] BM25 matrix;
+    ``be.fused_topk``: the fused top-k, :func:`_hybrid_batched`'s algorithm in C++). Used
+    for "zscore", whose boosts need the dense top-1 (the others take
+    ``Backend.hybrid_probe``'s one pass). The boosts are :data:`rfmem_fast.fusion.BOOSTS`
+    of the hits, as on the host path."""
+    off = view.snapshot.offsets
+    kh = _KernelHits.of(be, view, seg, texts)
+    ps = p_sc[:, :kd].cpu().numpy()
+    pr = p_rows[:, :kd].cpu().numpy()
+    extra = None
     if config.fusion == "zscore":  # as _hybrid_batched: sums in row order over the user's rows
         n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
-        mu = s1 / n
-        lex_std = np.sqrt(np.maximum(s2 / n - mu * mu, 0.0))
+        mu = kh.s1 / n
+        lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
         mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
-        dense_gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
-    stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
-    boost = BOOSTS[config.fusion]
-    if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
-        hx = boost(hval[None, :], stats, config)[0]
-    elif hval.shape[0]:
-        hx = boost(hval[:, None], stats.take(np.repeat(np.arange(b), np.diff(hptr))), config)[:, 0]
-    else:
-        hx = np.zeros(0)
-    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, hptr, hrows, np.ascontiguousarray(hx, np.float64),
-                                             hval, k_f)  # fmt: skip
-
-    def hit_list() -> list:
-        a_q = off[seg]
-        return [(int(a_q[i]), _SparseBM25(hrows[hptr[i] : hptr[i + 1]], hval[hptr[i] : hptr[i + 1]]), int(n_docs[i]))
-                if hptr[i + 1] > hptr[i] else None for i in range(b)]  # fmt: skip
-
-    return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=hit_list)
+        extra = (lex_std, np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0))
+    hx = kh.boosts(config, extra)
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f)
+    return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 
 def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarray, qe: np.ndarray,

@@ -279,6 +279,45 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
   return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
 }
 
+struct HitsArgs {
+  py::array hptr, hrows, hx, hval;
+};
+
+// The lexical hits of b queries (bm25_hits' layout, plus their boosts hx), checked against
+// the queries' segments: ascending local rows, finite boosts >= 0.
+HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
+                    const py::object& hx_, const py::object& hval_) {
+  HitsArgs h;
+  h.hptr = checked<int64_t>(hptr_, fn, "hptr", 1, "int64");
+  h.hrows = checked<int32_t>(hrows_, fn, "hrows", 1, "int32");
+  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
+  h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
+  const int64_t b = in.b;
+  if (h.hptr.shape(0) != b + 1)
+    throw py::value_error(std::string(fn) + ": hptr must have b + 1 entries, got shape " + shape_str(h.hptr));
+  const int64_t H = h.hrows.shape(0);
+  if (h.hx.shape(0) != H || h.hval.shape(0) != H)
+    throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
+  const int64_t* hp = cptr<int64_t>(h.hptr);
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  const int32_t* hr = cptr<int32_t>(h.hrows);
+  const double* px = cptr<double>(h.hx);
+  if (hp[0] != 0 || hp[b] != H) throw py::value_error(std::string(fn) + ": hptr must run from 0 to len(hrows)");
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = off[seg[i] + 1] - off[seg[i]];
+    if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
+    for (int64_t j = hp[i]; j < hp[i + 1]; ++j) {
+      if (hr[j] < 0 || hr[j] >= len || (j > hp[i] && hr[j] <= hr[j - 1]))
+        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
+                              " must be ascending local rows of its segment");
+      if (!(px[j] >= 0.0) || std::isinf(px[j]))
+        throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
+    }
+  }
+  return h;
+}
+
 py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
                         const py::object& qseg_, const py::object& dsc_, const py::object& drows_,
                         const py::object& hptr_, const py::object& hrows_, const py::object& hx_,
@@ -288,37 +327,20 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, kf);
   py::array dsc = checked<float>(dsc_, fn, "dense_scores", 2, "float32");
   py::array drows = checked<int64_t>(drows_, fn, "dense_rows", 2, "int64");
-  py::array hptr = checked<int64_t>(hptr_, fn, "hptr", 1, "int64");
-  py::array hrows = checked<int32_t>(hrows_, fn, "hrows", 1, "int32");
-  py::array hx = checked<double>(hx_, fn, "hx", 1, "float64");
-  py::array hval = checked<double>(hval_, fn, "hval", 1, "float64");
+  const HitsArgs ha = check_hits(fn, in, hptr_, hrows_, hx_, hval_);
   const int64_t b = in.b;
   if (dsc.shape(0) != b || drows.shape(0) != b || drows.shape(1) != dsc.shape(1))
     throw py::value_error(std::string(fn) + ": dense_scores and dense_rows must both be [b, K] with b = " +
                           std::to_string(b) + ", got " + shape_str(dsc) + " and " + shape_str(drows));
   const int64_t K = dsc.shape(1);
-  if (hptr.shape(0) != b + 1)
-    throw py::value_error(std::string(fn) + ": hptr must have b + 1 entries, got shape " + shape_str(hptr));
-  const int64_t H = hrows.shape(0);
-  if (hx.shape(0) != H || hval.shape(0) != H)
-    throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
-  const int64_t* hp = cptr<int64_t>(hptr);
+  const int64_t* hp = cptr<int64_t>(ha.hptr);
   const int64_t* off = cptr<int64_t>(in.offsets);
   const int64_t* seg = cptr<int64_t>(in.qseg);
   const int64_t* dr = cptr<int64_t>(drows);
-  const int32_t* hr = cptr<int32_t>(hrows);
-  const double* px = cptr<double>(hx);
-  if (hp[0] != 0 || hp[b] != H) throw py::value_error(std::string(fn) + ": hptr must run from 0 to len(hrows)");
+  const int32_t* hr = cptr<int32_t>(ha.hrows);
+  const double* px = cptr<double>(ha.hx);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t a = off[seg[i]], len = off[seg[i] + 1] - a;
-    if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
-    for (int64_t h = hp[i]; h < hp[i + 1]; ++h) {
-      if (hr[h] < 0 || hr[h] >= len || (h > hp[i] && hr[h] <= hr[h - 1]))
-        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
-                              " must be ascending local rows of its segment");
-      if (!(px[h] >= 0.0) || std::isinf(px[h]))
-        throw py::value_error(std::string(fn) + ": hx[" + std::to_string(h) + "] must be finite and >= 0");
-    }
     for (int64_t j = 0; j < K; ++j) {
       const int64_t r = dr[i * K + j];
       if (r != -1 && (r < a || r >= a + len))
@@ -339,9 +361,50 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
     double xn = xnorm;
     if (!(xn >= 0.0)) xn = rfmem::row_norm_bound(cptr<float>(in.X), in.n, in.d);
     rfmem::fused_topk(cptr<float>(in.X), in.d, off, cptr<float>(in.Q), seg, b, cptr<float>(dsc), dr, K, hp, hr, px,
-                      cptr<double>(hval), kf, xn, num_threads, o_r, o_f, o_d, o_l);
+                      cptr<double>(ha.hval), kf, xn, num_threads, o_r, o_f, o_d, o_l);
   }
   return py::make_tuple(rows, fused, dense, lex);
+}
+
+py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_,
+                          const py::object& qseg_, int64_t k, int64_t probe_k, double temperature,
+                          const std::string& convention, const py::object& hptr_, const py::object& hrows_,
+                          const py::object& hx_, const py::object& hval_, int64_t kf, int num_threads, double xnorm) {
+  const char* fn = "hybrid_probe";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  if (kf < 1) throw py::value_error(std::string(fn) + ": kf must be >= 1, got " + std::to_string(kf));
+  if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
+  if (!std::isfinite(temperature))
+    throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
+  const rfmem::Entropy conv = parse_convention(fn, convention);
+  const HitsArgs ha = check_hits(fn, in, hptr_, hrows_, hx_, hval_);
+  const py::ssize_t b = static_cast<py::ssize_t>(in.b), ks = static_cast<py::ssize_t>(kf);
+  py::array_t<float> scores({b, static_cast<py::ssize_t>(k)});
+  py::array_t<int64_t> rows({b, static_cast<py::ssize_t>(k)});
+  py::array_t<double> mean(b), ent(b);
+  py::array_t<int64_t> count(b);
+  py::array_t<int64_t> frows({b, ks});
+  py::array_t<double> ffused({b, ks}), flex({b, ks});
+  py::array_t<float> fdense({b, ks});
+  float* ps = scores.mutable_data();
+  int64_t* pr = rows.mutable_data();
+  double* pm = mean.mutable_data();
+  double* pe = ent.mutable_data();
+  int64_t* pc = count.mutable_data();
+  int64_t* o_r = frows.mutable_data();
+  double* o_f = ffused.mutable_data();
+  float* o_d = fdense.mutable_data();
+  double* o_l = flex.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::hybrid_probe(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), cptr<float>(in.Q),
+                        cptr<int64_t>(in.qseg), in.b, k, cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows),
+                        cptr<double>(ha.hx), cptr<double>(ha.hval), kf, xnorm, num_threads, ps, pr, o_r, o_f, o_d,
+                        o_l);
+    rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
+  }
+  return py::make_tuple(scores, rows, mean, ent, count, frows, ffused, fdense, flex);
 }
 
 py::tuple py_batched_kmeans(const py::object& V_, const py::object& counts_, const py::object& clusters_,
@@ -792,6 +855,31 @@ Returns:
 Raises:
     TypeError: wrong dtype. ValueError: wrong shapes, rows outside the query's segment,
     unsorted hits, negative or non-finite boosts, kf < 1.
+)doc");
+  mod.def("hybrid_probe", &py_hybrid_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
+          py::arg("k"), py::arg("probe_k"), py::arg("temperature"), py::arg("convention"), py::arg("hptr"),
+          py::arg("hrows"), py::arg("hx"), py::arg("hval"), py::arg("kf"), py::arg("num_threads") = 0,
+          py::arg("xnorm") = -1.0,
+          R"doc(probe and the fused top-kf of the lexical channel in ONE pass over each query's segment.
+
+Every row's float32 scan score feeds the dense top-k (as probe: exact scores, the familiarity
+signals of its first probe_k) and the fused top-kf, by fused = RN32(q.x) + x (x the boost of
+the row's lexical hit, 0 elsewhere), re-scored exactly (csrc/cpu/topk.cpp, hybrid_probe).
+
+Args:
+    X, offsets, Q, qseg, k, probe_k, temperature, convention: as probe (the float32 rows are
+        scanned).
+    hptr, hrows, hx, hval, kf: the queries' lexical hits and boosts and the fused width, as
+        fused_topk.
+    num_threads, xnorm: as probe.
+
+Returns:
+    (scores, rows, mean, ent, count) as probe, then (rows, fused, dense, lex) [b, kf] as
+    fused_topk.
+
+Raises:
+    TypeError: wrong dtype. ValueError: wrong shapes, unsorted hits, negative or non-finite
+    boosts, k / probe_k / kf < 1, unknown convention.
 )doc");
   mod.def(
       "kmeanspp_draws",

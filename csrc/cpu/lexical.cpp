@@ -45,7 +45,13 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
         acc[r] += P.weight[p] * c;  // qtf * w(t, d) (w * 1.0 = w: as postings_for, which skips it then)
       }
     }
-    std::sort(touched.begin(), touched.end());
+    if (static_cast<int64_t>(touched.size()) * 16 > P.n_rows) {  // many hits: read them off in row order
+      touched.clear();
+      for (int64_t r = 0; r < P.n_rows; ++r)
+        if (seen[r]) touched.push_back(static_cast<int32_t>(r));
+    } else {
+      std::sort(touched.begin(), touched.end());
+    }
     best.clear();
     double s = 0.0, s2 = 0.0, m = 0.0;
     for (const int32_t r : touched) {

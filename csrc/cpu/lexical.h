@@ -53,4 +53,14 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
                 double* out_fused, float* out_dense, double* out_lex);
 
+/// The dense exact top-k AND the exact fused top-kf of b queries in one pass over each
+/// query's segment (topk.cpp): fused = fl64(RN32(q.x) + x), x the boost hx of the row's
+/// hit (hptr / hrows / hx / hval as fused_topk), 0 elsewhere. Writes the dense top-k as
+/// segmented_topk (out_scores / out_rows [b, k]) and the fused top-kf as fused_topk
+/// (f_rows, f_fused, f_dense, f_lex [b, kf]). The scan reads the float32 rows.
+void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
+                  int64_t b, int64_t k, const int64_t* hptr, const int32_t* hrows, const double* hx,
+                  const double* hval, int64_t kf, double xnorm, int num_threads, float* out_scores,
+                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex);
+
 }  // namespace rfmem

@@ -178,6 +178,23 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no fused_topk kernel (has_fused_topk is False)")
 
+    def hybrid_probe(self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int, probe_k: int,
+                     temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray, hx: np.ndarray,
+                     hval: np.ndarray, kf: int) -> tuple:  # fmt: skip
+        """:meth:`probe` and :meth:`fused_topk` in ONE pass over each query's segment (backends
+        with ``has_fused_topk``): the dense top-k and signals of :meth:`probe`, and the exact
+        fused top-``kf`` of the boosts ``hx`` of the hits (``hptr``, ``hrows``, ``hval``, as
+        :meth:`fused_topk`), without the dense top-K the latter starts from.
+
+        Returns:
+            (scores, rows, mean, entropy, count) as :meth:`probe` (torch tensors), then
+            (rows, fused, dense, lex) numpy arrays [b, kf] as :meth:`fused_topk`.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no hybrid_probe kernel (has_fused_topk is False)")
+
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).
 

@@ -224,6 +224,21 @@ class NativeBackend(Backend):
             view.row_norm_max,
         )
 
+    def hybrid_probe(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows, hx, hval, kf):
+        """See :meth:`Backend.hybrid_probe` (C++ kernel ``_native.hybrid_probe``: one float32
+        pass over each segment feeding a dense and a fused heap, then both exact finishes).
+
+        Raises:
+            ValueError: malformed arrays, unknown convention (from the kernel).
+        """
+        X, off = self._bank(view)
+        s, r, mean, ent, cnt, fr, ff, fd, fl = _native.hybrid_probe(
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), int(probe_k), float(temperature),
+            str(convention), hptr, hrows, hx, hval, int(kf), self._threads(), view.row_norm_max,
+        )
+        tensors = tuple(torch.from_numpy(a) for a in (s, r, mean, ent, cnt))
+        return tensors + (fr, ff, fd, fl)
+
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
         """See :meth:`Backend.batched_kmeans` (C++ kernel ``_native.batched_kmeans``).
