@@ -836,36 +836,43 @@ struct FHeap {
   }
 };
 
-// One query's scan of rows [a, e): the dense heap by f, the fused heap by A.
+// The scan of rows [t0, t1) for the nq queries of one segment (first row a): each
+// query's dense heap by f and fused heap by A; hp[qi] walks its hits in row order across
+// the tiles of the segment.
 RFMEM_MULTIVERSION
-void hybrid_scan_rows(const float* X, int64_t d, int64_t a, int64_t e, const float* q, const int32_t* hrows,
-                      const double* hx, int64_t h0, int64_t h1, Heap& dh, FHeap& fh) {
+void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t t1, const float* const* qs, int nq,
+                      const int32_t* hrows, const double* hx, int64_t* hp, const int64_t* hend, Heap* dh, FHeap* fh) {
   float sc[4];
-  int64_t hp = h0;
-  float dthr = dh.threshold();
-  double fthr = fh.threshold();
-  for (int64_t r = a; r < e; r += 4) {
-    const int64_t cnt = std::min<int64_t>(4, e - r);
-    const float* x0 = X + r * d;
-    dot4(q, x0, cnt > 1 ? x0 + d : x0, cnt > 2 ? x0 + 2 * d : x0, cnt > 3 ? x0 + 3 * d : x0, d, sc);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int64_t loc = r + i - a;
-      double x = 0.0;
-      int64_t hi = -1;
-      if (hp < h1 && hrows[hp] == loc) {
-        hi = hp;
-        x = hx[hp++];
-      }
-      if (sc[i] > dthr) {
-        dh.push(sc[i], r + i);
-        dthr = dh.threshold();
-      }
-      const double A = static_cast<double>(sc[i]) + x;
-      if (A > fthr) {
-        fh.push(FEntry{A, r + i, hi});
-        fthr = fh.threshold();
+  for (int qi = 0; qi < nq; ++qi) {
+    const float* q = qs[qi];
+    int64_t p = hp[qi];
+    const int64_t pe = hend[qi];
+    float dthr = dh[qi].threshold();
+    double fthr = fh[qi].threshold();
+    for (int64_t r = t0; r < t1; r += 4) {
+      const int64_t cnt = std::min<int64_t>(4, t1 - r);
+      const float* x0 = X + r * d;
+      dot4(q, x0, cnt > 1 ? x0 + d : x0, cnt > 2 ? x0 + 2 * d : x0, cnt > 3 ? x0 + 3 * d : x0, d, sc);
+      for (int64_t i = 0; i < cnt; ++i) {
+        const int64_t loc = r + i - a;
+        double x = 0.0;
+        int64_t hi = -1;
+        if (p < pe && hrows[p] == loc) {
+          hi = p;
+          x = hx[p++];
+        }
+        if (sc[i] > dthr) {
+          dh[qi].push(sc[i], r + i);
+          dthr = dh[qi].threshold();
+        }
+        const double A = static_cast<double>(sc[i]) + x;
+        if (A > fthr) {
+          fh[qi].push(FEntry{A, r + i, hi});
+          fthr = fh[qi].threshold();
+        }
       }
     }
+    hp[qi] = p;
   }
 }
 
@@ -885,33 +892,65 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
   double work = 0.0;
   for (int64_t i = 0; i < b; ++i)
     work += static_cast<double>(offsets[qseg[i] + 1] - offsets[qseg[i]]) * static_cast<double>(d);
-  const int nthreads = threads_for(num_threads, work, b);
+  // queries sorted by segment (stable), in groups of at most kGroup of one segment that
+  // share each tile of its rows (segmented_topk's scan path)
+  std::vector<int64_t> order(b);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [qseg](int64_t x, int64_t y) { return qseg[x] < qseg[y]; });
+  std::vector<std::pair<int64_t, int>> groups;  // (first position in order, queries)
+  for (int64_t i = 0; i < b;) {
+    int64_t j = i;
+    while (j < b && qseg[order[j]] == qseg[order[i]] && j - i < kGroup) ++j;
+    groups.emplace_back(i, static_cast<int>(j - i));
+    i = j;
+  }
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  const int nthreads = threads_for(num_threads, work, ng);
   const int64_t kw = k + kScanMargin[0];
   const int64_t fw = kf + kScanMargin[0];
-  std::vector<Entry> dstore(static_cast<size_t>(nthreads) * static_cast<size_t>(kw + k));
-  std::vector<FEntry> fstore(static_cast<size_t>(nthreads) * static_cast<size_t>(fw));
+  const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);
+  const size_t dper = static_cast<size_t>(kGroup * kw + k), fper = static_cast<size_t>(kGroup * fw);
+  std::vector<Entry> dstore(static_cast<size_t>(nthreads) * dper);
+  std::vector<FEntry> fstore(static_cast<size_t>(nthreads) * fper);
   std::vector<std::vector<FEntry>> fcand(static_cast<size_t>(nthreads));
   const double inf = std::numeric_limits<double>::infinity();
-  parallel_for(b, nthreads, [&](int64_t i, int tid) {
-    const int64_t a = offsets[qseg[i]], e = offsets[qseg[i] + 1];
+  parallel_for(ng, nthreads, [&](int64_t gi, int tid) {
+    const int64_t first = groups[static_cast<size_t>(gi)].first;
+    const int nq = groups[static_cast<size_t>(gi)].second;
+    const int64_t seg = qseg[order[first]];
+    const int64_t a = offsets[seg], e = offsets[seg + 1];
     const int64_t len = e - a;
-    const float* q = Q + i * d;
+    Entry* ds = dstore.data() + static_cast<size_t>(tid) * dper;
+    FEntry* fs = fstore.data() + static_cast<size_t>(tid) * fper;
+    Heap dhs[kGroup];
+    FHeap fhs[kGroup];
+    const float* qs[kGroup];
+    int64_t hp[kGroup], hend[kGroup];
+    for (int g = 0; g < nq; ++g) {
+      const int64_t i = order[first + g];
+      dhs[g].h = ds + static_cast<size_t>(g) * kw;
+      dhs[g].k = kw;
+      dhs[g].size = 0;
+      fhs[g].h = fs + static_cast<size_t>(g) * fw;
+      fhs[g].k = fw;
+      fhs[g].size = 0;
+      qs[g] = Q + i * d;
+      hp[g] = hptr[i];
+      hend[g] = hptr[i + 1];
+    }
+    for (int64_t t0 = a; t0 < e; t0 += tile_rows)
+      hybrid_scan_tile(X, d, a, t0, std::min(e, t0 + tile_rows), qs, nq, hrows, hx, hp, hend, dhs, fhs);
+    for (int g = 0; g < nq; ++g) {
+    const int64_t i = order[first + g];
+    const float* q = qs[g];
     const int64_t h0 = hptr[i], h1 = hptr[i + 1];
-    Entry* ds = dstore.data() + static_cast<size_t>(tid) * static_cast<size_t>(kw + k);
-    Heap dh;
-    dh.h = ds;
-    dh.k = kw;
-    dh.size = 0;
-    FHeap fh;
-    fh.h = fstore.data() + static_cast<size_t>(tid) * static_cast<size_t>(fw);
-    fh.k = fw;
-    fh.size = 0;
-    if (len > 0) hybrid_scan_rows(X, d, a, e, q, hrows, hx, h0, h1, dh, fh);
+    Heap& dh = dhs[g];
+    FHeap& fh = fhs[g];
     // the dense top-k: segmented_topk's exact finish (scan path)
     {
       const bool filled = dh.size == kw && len > kw;
       const float worst = dh.size ? dh.h[0].s : kNegInf;
-      finish_query(ctx, src, K, false, q, dh.h, dh.size, a, e, ds + kw, out_scores + i * k, out_rows + i * k,
+      finish_query(ctx, src, K, false, q, dh.h, dh.size, a, e, ds + kGroup * kw, out_scores + i * k, out_rows + i * k,
                    [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
     }
     // the fused top-kf
@@ -992,6 +1031,7 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
         f_dense[i * kf + j] = std::numeric_limits<float>::quiet_NaN();
         f_lex[i * kf + j] = std::numeric_limits<double>::quiet_NaN();
       }
+    }
     }
   });
 }
