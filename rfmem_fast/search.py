@@ -76,13 +76,10 @@ DEFAULT_MAX_BATCH = 8192
 #: lexical hits pass the bound of :mod:`rfmem_fast.fusion` and need an exact re-score;
 #: results do not depend on it
 HYBRID_DENSE_DEPTH = 64
-#: the same for a backend with the fused kernels (``has_fused_topk``, the native one):
-#: its screening of the other hits is a float32 dot product in C++, cheaper than a
-#: deeper dense top-k; results do not depend on it
-KERNEL_HYBRID_DENSE_DEPTH = 64
-#: fusions whose boosts are known before the dense scan (no dense statistic in them):
-#: a backend with ``has_fused_topk`` takes their fused top-k in the probe's own pass
-#: (``Backend.hybrid_probe``); "zscore" needs the dense top-1 first (``Backend.fused_topk``)
+#: fusions whose boosts are known before the dense scan (no dense statistic in them): a
+#: backend with ``has_fused_topk`` takes their fused top-k in the probe's own pass
+#: (``Backend.hybrid_probe``); "zscore" needs the dense top-1 first: the same pass records
+#: every hit's scan score and ``Backend.fused_topk`` fuses after it, without scoring again
 ONE_PASS_FUSIONS = ("convex", "adaptive")
 
 
@@ -711,21 +708,26 @@ def _search_chunk(
     D = max(config.lexical_depth, config.out_k, config.probe_k)
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
-    one_pass = lexical and be.has_fused_topk and config.fusion in ONE_PASS_FUSIONS
+    one_pass = lexical and be.has_fused_topk and config.fusion != "rrf"
     if lexical and not one_pass and config.fusion != "rrf":
         # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
-        depth = KERNEL_HYBRID_DENSE_DEPTH if be.has_fused_topk else HYBRID_DENSE_DEPTH
-        k_scan = max(k0, min(depth, max_len))
+        k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
     hyb = None
     if one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
         seg_np = qseg.cpu().numpy()
         kh = _KernelHits.of(be, view, seg_np, texts)
-        hx = kh.boosts(config, None)
-        p_sc, p_rows, mean, ent, count, fr, ff, fd, fl = be.hybrid_probe(
+        before = config.fusion in ONE_PASS_FUSIONS  # boosts known before the scan
+        k_f = max(probe_k, out_k)
+        hx = kh.boosts(config, None) if before else np.zeros(kh.hval.shape[0])
+        p_sc, p_rows, mean, ent, count, fr, ff, fd, fl, hf = be.hybrid_probe(
             view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, hx, kh.hval,
-            max(probe_k, out_k),
+            k_f if before else 0,
         )
-        hyb = _Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl, hits=lambda: kh.hit_list(view, seg_np))
+        if before:
+            hyb = _Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl,
+                          hits=lambda: kh.hit_list(view, seg_np))  # fmt: skip
+        else:
+            hyb = _hybrid_recorded(be, view, Q, seg_np, p_sc, p_rows, kh, hf, config, k_f)
     else:
         p_sc, p_rows, mean, ent, count = be.probe(
             view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
@@ -874,14 +876,12 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
             config: RFMemConfig, k_f: int, kd: int, be: Any) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
-    rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: the backend's kernels
-    (:func:`_hybrid_kernels`) when it has them, else batched numpy over the queries, in
-    steps of at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users'
-    rows). Both give the same rows and scores (tests/test_lexical.py)."""
+    rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: batched numpy over the queries,
+    in steps of at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users'
+    rows); a backend with ``has_fused_topk`` fuses in its probe's pass instead
+    (:func:`_search_chunk`). Both give the same rows and scores (tests/test_lexical.py)."""
     if config.fusion == "rrf":
         return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget)
-    if be.has_fused_topk:
-        return _hybrid_kernels(be, view, Q, qseg.cpu().numpy(), p_sc, p_rows, texts, config, k_f, kd)
     snap = view.snapshot
     off = snap.offsets
     seg = qseg.cpu().numpy()
@@ -1083,27 +1083,22 @@ class _KernelHits:
                 if p[i + 1] > p[i] else None for i in range(p.shape[0] - 1)]  # fmt: skip
 
 
-def _hybrid_kernels(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
-                    texts: list, config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
-    """Score-based fusion of b queries from their exact dense top-``kd`` with the backend's
-    kernels (``be.bm25_hits``: each query's hits, never a [b, rows] BM25 matrix;
-    ``be.fused_topk``: the fused top-k, :func:`_hybrid_batched`'s algorithm in C++). Used
-    for "zscore", whose boosts need the dense top-1 (the others take
-    ``Backend.hybrid_probe``'s one pass). The boosts are :data:`rfmem_fast.fusion.BOOSTS`
-    of the hits, as on the host path."""
+def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
+                     kh: _KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int) -> _Hybrid:  # fmt: skip
+    """Fusion "zscore" on a backend with ``has_fused_topk``, after ``Backend.hybrid_probe``'s
+    pass: the boosts need the exact dense top-1 (:func:`_hybrid_batched`'s statistics, sums in
+    row order), then ``Backend.fused_topk`` fuses the probe's exact dense list with the hits,
+    reading their recorded scan scores ``hf`` (no second scoring of any row)."""
     off = view.snapshot.offsets
-    kh = _KernelHits.of(be, view, seg, texts)
-    ps = p_sc[:, :kd].cpu().numpy()
-    pr = p_rows[:, :kd].cpu().numpy()
-    extra = None
-    if config.fusion == "zscore":  # as _hybrid_batched: sums in row order over the user's rows
-        n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
-        mu = kh.s1 / n
-        lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
-        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
-        extra = (lex_std, np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0))
-    hx = kh.boosts(config, extra)
-    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f)
+    ps = p_sc.cpu().numpy()
+    pr = p_rows.cpu().numpy()
+    n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
+    mu = kh.s1 / n
+    lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
+    mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+    gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
+    hx = kh.boosts(config, (lex_std, gap))
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
     return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 

@@ -321,7 +321,7 @@ HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr
 py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
                         const py::object& qseg_, const py::object& dsc_, const py::object& drows_,
                         const py::object& hptr_, const py::object& hrows_, const py::object& hx_,
-                        const py::object& hval_, int64_t kf, int num_threads, double xnorm) {
+                        const py::object& hval_, int64_t kf, int num_threads, double xnorm, const py::object& hf_) {
   const char* fn = "fused_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, kf);
@@ -348,6 +348,12 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
                               "] is not -1 or a row of the query's segment");
     }
   }
+  py::array hf;
+  if (!hf_.is_none()) {
+    hf = checked<float>(hf_, fn, "hf", 1, "float32");
+    if (hf.shape(0) != ha.hrows.shape(0))
+      throw py::value_error(std::string(fn) + ": hf must have one entry per hrows entry");
+  }
   const py::ssize_t bs = static_cast<py::ssize_t>(b), ks = static_cast<py::ssize_t>(kf);
   py::array_t<int64_t> rows({bs, ks});
   py::array_t<double> fused({bs, ks}), lex({bs, ks});
@@ -361,7 +367,8 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
     double xn = xnorm;
     if (!(xn >= 0.0)) xn = rfmem::row_norm_bound(cptr<float>(in.X), in.n, in.d);
     rfmem::fused_topk(cptr<float>(in.X), in.d, off, cptr<float>(in.Q), seg, b, cptr<float>(dsc), dr, K, hp, hr, px,
-                      cptr<double>(ha.hval), kf, xn, num_threads, o_r, o_f, o_d, o_l);
+                      cptr<double>(ha.hval), kf, xn, num_threads, o_r, o_f, o_d, o_l,
+                      hf_.is_none() ? nullptr : cptr<float>(hf));
   }
   return py::make_tuple(rows, fused, dense, lex);
 }
@@ -373,7 +380,7 @@ py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, cons
   const char* fn = "hybrid_probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
-  if (kf < 1) throw py::value_error(std::string(fn) + ": kf must be >= 1, got " + std::to_string(kf));
+  if (kf < 0) throw py::value_error(std::string(fn) + ": kf must be >= 0, got " + std::to_string(kf));
   if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
   if (!std::isfinite(temperature))
     throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
@@ -387,6 +394,8 @@ py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, cons
   py::array_t<int64_t> frows({b, ks});
   py::array_t<double> ffused({b, ks}), flex({b, ks});
   py::array_t<float> fdense({b, ks});
+  py::array_t<float> hf(ha.hrows.shape(0));
+  float* ph = hf.mutable_data();
   float* ps = scores.mutable_data();
   int64_t* pr = rows.mutable_data();
   double* pm = mean.mutable_data();
@@ -401,10 +410,10 @@ py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, cons
     rfmem::hybrid_probe(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), cptr<float>(in.Q),
                         cptr<int64_t>(in.qseg), in.b, k, cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows),
                         cptr<double>(ha.hx), cptr<double>(ha.hval), kf, xnorm, num_threads, ps, pr, o_r, o_f, o_d,
-                        o_l);
+                        o_l, ph);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
-  return py::make_tuple(scores, rows, mean, ent, count, frows, ffused, fdense, flex);
+  return py::make_tuple(scores, rows, mean, ent, count, frows, ffused, fdense, flex, hf);
 }
 
 py::tuple py_batched_kmeans(const py::object& V_, const py::object& counts_, const py::object& clusters_,
@@ -831,6 +840,7 @@ Raises:
   mod.def("fused_topk", &py_fused_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("dense_scores"), py::arg("dense_rows"), py::arg("hptr"), py::arg("hrows"), py::arg("hx"),
           py::arg("hval"), py::arg("kf"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0,
+          py::arg("hf") = py::none(),
           R"doc(The exact fused top-kf of the dense and lexical channels (rfmem_fast.fusion).
 
 fused = RN32(q.x) + x, x >= 0 the boost of a lexical hit (0 elsewhere). From each query's
@@ -847,6 +857,8 @@ Args:
         (finite boosts >= 0), hval float64 [H] (BM25): each query's lexical hits.
     kf: width (>= 1). num_threads: most threads (0 = the machine's). xnorm: bound of the
         row norms (< 0: computed).
+    hf: float32 [H] or None: the hits' float32 scan scores as hybrid_probe records them
+        (used instead of computing them; any other value breaks exactness).
 
 Returns:
     (rows int64 [b, kf] (-1 padding), fused float64 (-inf), dense float32 (NaN), lex
@@ -875,11 +887,12 @@ Args:
 
 Returns:
     (scores, rows, mean, ent, count) as probe, then (rows, fused, dense, lex) [b, kf] as
-    fused_topk.
+    fused_topk (kf = 0: no fused list, hx unused), then hf float32 [H]: every hit's float32
+    scan score (fused_topk's ``hf``).
 
 Raises:
     TypeError: wrong dtype. ValueError: wrong shapes, unsorted hits, negative or non-finite
-    boosts, k / probe_k / kf < 1, unknown convention.
+    boosts, k / probe_k < 1, kf < 0, unknown convention.
 )doc");
   mod.def(
       "kmeanspp_draws",

@@ -47,20 +47,22 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
 /// float32 score and its error bound and re-scored exactly (exact_score) only when
 /// they can reach the kf-th fused score of the dense list. Writes rows int64 [b, kf]
 /// (-1 padding), fused float64 (-inf), dense float32 RN32(q.x) (NaN), lex float64
-/// (BM25, 0 for no hit; NaN padding), ordered by (fused desc, row asc).
+/// (BM25, 0 for no hit; NaN padding), ordered by (fused desc, row asc). ``hf``: the hits'
+/// scan scores (float32 [H], hybrid_probe's), used instead of computing them (or nullptr).
 void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
                 const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
-                double* out_fused, float* out_dense, double* out_lex);
+                double* out_fused, float* out_dense, double* out_lex, const float* hf = nullptr);
 
 /// The dense exact top-k AND the exact fused top-kf of b queries in one pass over each
 /// query's segment (topk.cpp): fused = fl64(RN32(q.x) + x), x the boost hx of the row's
 /// hit (hptr / hrows / hx / hval as fused_topk), 0 elsewhere. Writes the dense top-k as
 /// segmented_topk (out_scores / out_rows [b, k]) and the fused top-kf as fused_topk
-/// (f_rows, f_fused, f_dense, f_lex [b, kf]). The scan reads the float32 rows.
+/// (f_rows, f_fused, f_dense, f_lex [b, kf]); kf = 0: no fused list (hx unused). Writes
+/// hf [H], every hit's float32 scan score (for fused_topk). The scan reads the float32 rows.
 void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
                   int64_t b, int64_t k, const int64_t* hptr, const int32_t* hrows, const double* hx,
                   const double* hval, int64_t kf, double xnorm, int num_threads, float* out_scores,
-                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex);
+                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex, float* hf);
 
 }  // namespace rfmem

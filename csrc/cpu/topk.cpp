@@ -662,7 +662,7 @@ void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { d
 void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
                 const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
-                double* out_fused, float* out_dense, double* out_lex) {
+                double* out_fused, float* out_dense, double* out_lex, const float* hf) {
   if (b == 0 || kf == 0) return;
   const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
   const ExactCtx ctx{X, d, kf, scan, scan, xnorm, abs_bound(d),
@@ -732,9 +732,13 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       float sc[4];
       for (size_t e = 0; e < n; e += 4) {
         const size_t cnt = std::min<size_t>(4, n - e);
-        const float* xr[4];
-        for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
-        dot4_rows(q, xr, d, sc);
+        if (hf) {  // the hits' scan scores, recorded by the probe's pass (hybrid_probe)
+          for (size_t t = 0; t < cnt; ++t) sc[t] = hf[hs[e + t]];
+        } else {
+          const float* xr[4];
+          for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
+          dot4_rows(q, xr, d, sc);
+        }
         for (size_t t = 0; t < cnt; ++t) {
           const int64_t h = hs[e + t];
           if (std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[h] < tau()) continue;
@@ -841,7 +845,8 @@ struct FHeap {
 // the tiles of the segment.
 RFMEM_MULTIVERSION
 void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t t1, const float* const* qs, int nq,
-                      const int32_t* hrows, const double* hx, int64_t* hp, const int64_t* hend, Heap* dh, FHeap* fh) {
+                      const int32_t* hrows, const double* hx, int64_t* hp, const int64_t* hend, Heap* dh, FHeap* fh,
+                      bool fused, float* hf) {
   float sc[4];
   for (int qi = 0; qi < nq; ++qi) {
     const float* q = qs[qi];
@@ -859,6 +864,7 @@ void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t 
         int64_t hi = -1;
         if (p < pe && hrows[p] == loc) {
           hi = p;
+          hf[p] = sc[i];
           x = hx[p++];
         }
         if (sc[i] > dthr) {
@@ -866,7 +872,7 @@ void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t 
           dthr = dh[qi].threshold();
         }
         const double A = static_cast<double>(sc[i]) + x;
-        if (A > fthr) {
+        if (fused && A > fthr) {
           fh[qi].push(FEntry{A, r + i, hi});
           fthr = fh[qi].threshold();
         }
@@ -881,7 +887,7 @@ void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t 
 void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
                   int64_t b, int64_t k, const int64_t* hptr, const int32_t* hrows, const double* hx,
                   const double* hval, int64_t kf, double xnorm, int num_threads, float* out_scores,
-                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex) {
+                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex, float* hf) {
   if (b == 0) return;
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
   const SimdKernels& K = simd_kernels();
@@ -939,7 +945,7 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
       hend[g] = hptr[i + 1];
     }
     for (int64_t t0 = a; t0 < e; t0 += tile_rows)
-      hybrid_scan_tile(X, d, a, t0, std::min(e, t0 + tile_rows), qs, nq, hrows, hx, hp, hend, dhs, fhs);
+      hybrid_scan_tile(X, d, a, t0, std::min(e, t0 + tile_rows), qs, nq, hrows, hx, hp, hend, dhs, fhs, kf > 0, hf);
     for (int g = 0; g < nq; ++g) {
     const int64_t i = order[first + g];
     const float* q = qs[g];
@@ -953,6 +959,7 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
       finish_query(ctx, src, K, false, q, dh.h, dh.size, a, e, ds + kGroup * kw, out_scores + i * k, out_rows + i * k,
                    [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
     }
+    if (kf == 0) continue;
     // the fused top-kf
     double qq = 0.0;
     for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);

@@ -159,7 +159,7 @@ class Backend:
 
     def fused_topk(self, view: BankView, Q: torch.Tensor, qseg: np.ndarray, dense_scores: np.ndarray,
                    dense_rows: np.ndarray, hptr: np.ndarray, hrows: np.ndarray, hx: np.ndarray, hval: np.ndarray,
-                   kf: int) -> tuple:  # fmt: skip
+                   kf: int, hf: np.ndarray | None = None) -> tuple:  # fmt: skip
         """The exact fused top-``kf`` of b queries (backends with ``has_fused_topk``).
 
         Args:
@@ -168,6 +168,8 @@ class Backend:
             hptr, hrows, hval: the queries' lexical hits (:meth:`bm25_hits`); hx: float64
                 [H] their boosts (>= 0, :data:`rfmem_fast.fusion.BOOSTS`).
             kf: width of the result.
+            hf: float32 [H] the hits' scan scores recorded by :meth:`hybrid_probe` (the
+                kernel then reads them instead of scoring the hits), or None.
 
         Returns:
             (rows int64 [b, kf], fused float64, dense float32, lex float64): ordered by
@@ -184,11 +186,14 @@ class Backend:
         """:meth:`probe` and :meth:`fused_topk` in ONE pass over each query's segment (backends
         with ``has_fused_topk``): the dense top-k and signals of :meth:`probe`, and the exact
         fused top-``kf`` of the boosts ``hx`` of the hits (``hptr``, ``hrows``, ``hval``, as
-        :meth:`fused_topk`), without the dense top-K the latter starts from.
+        :meth:`fused_topk`), without the dense top-K the latter starts from. ``kf = 0``: no
+        fused list (boosts that need the dense list, fusion "zscore": :meth:`fused_topk`
+        with the recorded scores follows).
 
         Returns:
             (scores, rows, mean, entropy, count) as :meth:`probe` (torch tensors), then
-            (rows, fused, dense, lex) numpy arrays [b, kf] as :meth:`fused_topk`.
+            (rows, fused, dense, lex) numpy arrays [b, kf] as :meth:`fused_topk`, then hf
+            float32 [H]: every hit's float32 scan score.
 
         Raises:
             NotImplementedError: the backend has no such kernel.

@@ -210,7 +210,7 @@ class NativeBackend(Backend):
         """
         return _native.bm25_hits(users, quser, qterms, qcnt, qptr)
 
-    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf):
+    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf, hf=None):
         """See :meth:`Backend.fused_topk` (C++ kernel ``_native.fused_topk``: the dense list's
         boosts, then the screening and exact re-scoring of the other hits, on the kernel's threads).
 
@@ -221,7 +221,7 @@ class NativeBackend(Backend):
         return _native.fused_topk(
             X, off, _np(Q, torch.float32), np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
             np.ascontiguousarray(dense_rows, np.int64), hptr, hrows, hx, hval, int(kf), self._threads(),
-            view.row_norm_max,
+            view.row_norm_max, hf,
         )
 
     def hybrid_probe(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows, hx, hval, kf):
@@ -232,12 +232,12 @@ class NativeBackend(Backend):
             ValueError: malformed arrays, unknown convention (from the kernel).
         """
         X, off = self._bank(view)
-        s, r, mean, ent, cnt, fr, ff, fd, fl = _native.hybrid_probe(
+        s, r, mean, ent, cnt, fr, ff, fd, fl, hf = _native.hybrid_probe(
             X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), int(probe_k), float(temperature),
             str(convention), hptr, hrows, hx, hval, int(kf), self._threads(), view.row_norm_max,
         )
         tensors = tuple(torch.from_numpy(a) for a in (s, r, mean, ent, cnt))
-        return tensors + (fr, ff, fd, fl)
+        return tensors + (fr, ff, fd, fl, hf)
 
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
