@@ -1090,12 +1090,12 @@ def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc:
     row order), then ``Backend.fused_topk`` fuses the probe's exact dense list with the hits,
     reading their recorded scan scores ``hf`` (no second scoring of any row)."""
     off = view.snapshot.offsets
-    ps = p_sc.cpu().numpy()
-    pr = p_rows.cpu().numpy()
+    ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
+    pr = p_rows.numpy()
     n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
     mu = kh.s1 / n
     lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
-    mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+    mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
     gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
     hx = kh.boosts(config, (lex_std, gap))
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)

@@ -751,7 +751,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       }
     };
     constexpr size_t kLead = 16;
-    if (ex.size() > 2 * kLead) {
+    if (!hf && ex.size() > 2 * kLead) {  // (recorded scores: screening costs no dot product)
       auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
       std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
       screen(ex.data(), kLead);
