@@ -10,7 +10,8 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
 
 * ``single``: one user of ``--chunks`` (4,096) items, i.e. 1M tokens at 256 tokens
   per chunk (the ``bench_single_query.py`` workload), one query per call, ``--queries``
-  calls after a warm-up, p50 ms: ``search(mode="dense")`` without the lexical channel
+  calls after a warm-up, the cells taking turns call by call (``--reps`` rounds), p50 ms:
+  ``search(mode="dense")`` without the lexical channel
   against the same call with ``lexical_weight > 0`` for each fusion (the hybrid dense
   path), and the lexical scoring alone (tokenise + postings). Goal: hybrid p50 <= 1.3x dense.
 * ``batch``: ``--users`` users x ``--chunks`` items (default 200 x 4,096: the issue's
@@ -47,16 +48,31 @@ from rfmem_fast.bench.report import write_json
 from rfmem_fast.bench.workloads import SyntheticSpec, bank_with_texts, query_texts, synthetic_bank, zipf_texts, zipf_vocab
 from rfmem_fast.evaluate import machine_info
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
-from bench_single_query import _p50  # noqa: E402  (median ms of n calls after 5 warm-ups)
 
 #: the fusions timed (lexical_weight as the issue's table used them)
 FUSIONS = {
     "convex_max": dict(lexical_weight=0.2, fusion="convex", lexical_norm="max"),
-    "convex_raw": dict(lexical_weight=0.02, fusion="convex", lexical_norm="raw"),
+    "convex_raw": dict(lexical_weight=0.03, fusion="convex", lexical_norm="raw"),  # recommended(), MiniLM
     "adaptive": dict(lexical_weight=0.2, fusion="adaptive"),
+    "zscore": dict(lexical_weight=0.1, fusion="zscore"),  # recommended(), MPNet
     "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
 }
+
+
+def _interleaved_p50(cells: dict, n: int, reps: int) -> dict:
+    """Median ms per cell of ``reps`` x ``n`` calls ``fn(i)``, the cells taking turns call
+    by call (so a change of the machine's load hits every cell alike; ratios stay fair)."""
+    for fn in cells.values():
+        for i in range(5):
+            fn(i % n)
+    ts: dict = {k: [] for k in cells}
+    for _ in range(reps):
+        for i in range(n):
+            for k, fn in cells.items():
+                t = time.perf_counter()
+                fn(i)
+                ts[k].append((time.perf_counter() - t) * 1e3)
+    return {k: float(np.median(v)) for k, v in ts.items()}
 
 
 def _best(fn, reps: int) -> float:
@@ -132,15 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     n = args.queries
     cfg = RFMemConfig()
     lex = bank.snapshot().lexical
-    single = {
-        "dense": _p50(lambda i: search(bank, Q[i : i + 1], user, cfg, mode="dense", backend=be), n),
-        "lexical_scoring_only": _p50(lambda i: lex.scores(0, qt[i]), n),
+    cells = {
+        "dense": lambda i: search(bank, Q[i : i + 1], user, cfg, mode="dense", backend=be),
+        "lexical_scoring_only": lambda i: lex.scores(0, qt[i]),
     }
     for name, fz in FUSIONS.items():
         c = RFMemConfig(**fz)
-        single[name] = _p50(
-            lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be, query_texts=qt[i : i + 1]), n
-        )
+        cells[name] = lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be,
+                                            query_texts=qt[i : i + 1])  # fmt: skip
+    single = _interleaved_p50(cells, n, args.reps)
     hits = [0 if (v := lex.scores(0, q)) is None else int(np.count_nonzero(v)) for q in qt]
     index1 = index_cost(bank_with_texts(wl.bank, texts), t_encode1)
     del bank, wl, lex
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     Qb = snapb.vectors[rows] + 0.05 * rng.normal(size=(args.batch, 384)).astype(np.float32)
     qtb = [" ".join(tx[int(r)].split()[:3]) + " " + e for r, e in zip(rows, zipf_texts(args.batch, 5, vocab, args.zipf, rng))]
     batch = {"dense": args.batch / _best(lambda: search(bankb, Qb, qu, cfg, mode="dense", backend=be), args.reps)}
-    for name in ("convex_max", "adaptive", "rrf"):
+    for name in FUSIONS:
         c = RFMemConfig(**FUSIONS[name])
         batch[name] = args.batch / _best(
             lambda c=c: search(bankb, Qb, qu, c, mode="dense", backend=be, query_texts=qtb), args.reps

@@ -74,6 +74,7 @@ import numpy as np
 
 #: how many of a query's largest BM25 scores :class:`LexicalStats` keeps (sharpness uses ranks 1..10)
 TOP_LEXICAL = 10
+_RANKS = np.arange(1, TOP_LEXICAL)  # the 0-based ranks 2..10 of sharpness
 
 __all__ = [
     "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
@@ -123,9 +124,8 @@ def sharpness(stats: LexicalStats) -> np.ndarray:
     """
     top = stats.top
     m = np.minimum(stats.n_docs, TOP_LEXICAL)
-    s = np.zeros(top.shape[0])
-    for j in range(1, TOP_LEXICAL):
-        s = s + np.where(j < m, top[:, j], 0.0)
+    ranks = np.where(_RANKS[None, :] < m[:, None], top[:, 1:TOP_LEXICAL], 0.0)
+    s = np.cumsum(ranks, axis=1)[:, -1]  # left to right (rank 2 first), one after the other
     cnt = (m - 1).astype(np.float64)
     mean = np.divide(s, cnt, out=np.zeros_like(s), where=cnt > 0)
     top1 = top[:, 0]

@@ -76,6 +76,11 @@ DEFAULT_MAX_BATCH = 8192
 #: lexical hits pass the bound of :mod:`rfmem_fast.fusion` and need an exact re-score;
 #: results do not depend on it
 HYBRID_DENSE_DEPTH = 64
+#: fusions whose boosts are known before the dense scan (no dense statistic in them): a
+#: backend with ``has_fused_topk`` takes their fused top-k in the probe's own pass
+#: (``Backend.hybrid_probe``); "zscore" needs the dense top-1 first: the same pass records
+#: every hit's scan score and ``Backend.fused_topk`` fuses after it, without scoring again
+ONE_PASS_FUSIONS = ("convex", "adaptive")
 
 
 @dataclass
@@ -703,11 +708,30 @@ def _search_chunk(
     D = max(config.lexical_depth, config.out_k, config.probe_k)
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
-    elif lexical:  # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
+    one_pass = lexical and be.has_fused_topk and config.fusion != "rrf"
+    if lexical and not one_pass and config.fusion != "rrf":
+        # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
         k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
-    p_sc, p_rows, mean, ent, count = be.probe(
-        view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
-    )
+    hyb = None
+    if one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
+        seg_np = qseg.cpu().numpy()
+        kh = _KernelHits.of(be, view, seg_np, texts)
+        before = config.fusion in ONE_PASS_FUSIONS  # boosts known before the scan
+        k_f = max(probe_k, out_k)
+        hx = kh.boosts(config, None) if before else np.zeros(kh.hval.shape[0])
+        p_sc, p_rows, mean, ent, count, fr, ff, fd, fl, hf = be.hybrid_probe(
+            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, hx, kh.hval,
+            k_f if before else 0,
+        )
+        if before:
+            hyb = _Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl,
+                          hits=lambda: kh.hit_list(view, seg_np))  # fmt: skip
+        else:
+            hyb = _hybrid_recorded(be, view, Q, seg_np, p_sc, p_rows, kh, hf, config, k_f)
+    else:
+        p_sc, p_rows, mean, ent, count = be.probe(
+            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
+        )
     p_sc_all, p_rows_all = p_sc, p_rows
     if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
         p_sc, p_rows = p_sc[:, :k0].contiguous(), p_rows[:, :k0].contiguous()
@@ -724,12 +748,13 @@ def _search_chunk(
         rule = torch.full((b,), forced[1], dtype=torch.int64, device=dev)
     rows = p_rows[:, :out_k]
     scores = p_sc[:, :out_k].to(torch.float32)
-    hyb, lex_hits = None, None
+    lex_hits = None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
-        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
-        lex_hits = hyb.hits
+        if hyb is None:
+            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be)
+        lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
@@ -767,8 +792,15 @@ def _search_chunk(
     # exact re-scoring of hits whose dense score is not known yet (recollected, re-ranked,
     # rrf's lexical-only ones): on the host path, or whenever the lexical channel ran
     rescore = (host or lex_hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
-    dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, lex_hits, rescore, be.memory_budget,
-                                   on_host=host or lex_hits is not None)  # fmt: skip
+    if hyb is not None and out is None and reranker is None and config.fusion != "rrf":
+        # the final list is the fused one, whose exact dense and lexical scores are known
+        dense_sc = torch.from_numpy(hyb.dense[:, :out_k].astype(np.float32)).to(dev)
+        lex_sc = torch.from_numpy(hyb.lex[:, :out_k].astype(np.float32)).to(dev)
+    else:
+        if isinstance(lex_hits, _Hybrid):
+            lex_hits = lex_hits.hit_list()
+        dense_sc, lex_sc = _hit_scores(view, Q, rows, fam_ok, fam_dense, lex_hits, rescore, be.memory_budget,
+                                       on_host=host or lex_hits is not None)  # fmt: skip
     if hyb is not None:
         probe_rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :probe_k])).to(dev)
         probe_scores = torch.from_numpy(hyb.fused[:, :probe_k].astype(np.float32)).to(dev)
@@ -798,7 +830,13 @@ class _Hybrid:
     fused: np.ndarray
     dense: np.ndarray
     lex: np.ndarray
-    hits: list
+    hits: Any  # the list, or a zero-argument function that builds it (read through hit_list)
+
+    def hit_list(self) -> list:
+        """The per-query lexical scores (built on first use when ``hits`` is a function)."""
+        if callable(self.hits):
+            self.hits = self.hits()
+        return self.hits
 
 
 def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
@@ -835,13 +873,15 @@ HYBRID_MATRIX_ENTRIES = 1 << 22
 
 
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-            config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+            config: RFMemConfig, k_f: int, kd: int, be: Any) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
-    rrf: :func:`_hybrid_loop`. convex / adaptive: batched over the queries, in steps of
-    at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users' rows)."""
+    rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: batched numpy over the queries,
+    in steps of at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users'
+    rows); a backend with ``has_fused_topk`` fuses in its probe's pass instead
+    (:func:`_search_chunk`). Both give the same rows and scores (tests/test_lexical.py)."""
     if config.fusion == "rrf":
-        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, memory_budget)
+        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget)
     snap = view.snapshot
     off = snap.offsets
     seg = qseg.cpu().numpy()
@@ -900,8 +940,9 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     lex_std = dense_gap = None
     if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
         n = np.maximum(n_q, 1).astype(np.float64)
-        mu = V.sum(axis=1) / n
-        lex_std = np.sqrt(np.maximum((V * V).sum(axis=1) / n - mu * mu, 0.0))
+        # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
+        mu = np.cumsum(V, axis=1)[:, -1] / n
+        lex_std = np.sqrt(np.maximum(np.cumsum(V * V, axis=1)[:, -1] / n - mu * mu, 0.0))
         mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
         dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
@@ -950,6 +991,115 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     ok = (r_sel >= 0) & (f_sel > -np.inf)
     return _Hybrid(rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf),
                    dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits)  # fmt: skip
+
+
+class _SparseBM25:
+    """One query's BM25 over its user's local rows, held as its hits (ascending local rows
+    int32 [h], BM25 float64 [h]); ``v[idx]`` reads like the dense vector (0 elsewhere)."""
+
+    __slots__ = ("rows", "vals")
+
+    def __init__(self, rows: np.ndarray, vals: np.ndarray) -> None:
+        self.rows, self.vals = rows, vals
+
+    def __getitem__(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx)
+        pos = np.minimum(np.searchsorted(self.rows, idx), self.rows.shape[0] - 1)
+        return np.where(self.rows[pos] == idx, self.vals[pos], 0.0)
+
+
+@dataclass
+class _KernelHits:
+    """The lexical hits of b queries from ``Backend.bm25_hits`` (CSR over the queries: hptr
+    int64 [b + 1], ascending local rows hrows int32 [H], BM25 hval float64 [H]) and their
+    :class:`rfmem_fast.fusion.LexicalStats` parts (s1 / s2: sums of the BM25 and of its
+    squares in row order, for "zscore")."""
+
+    hptr: np.ndarray
+    hrows: np.ndarray
+    hval: np.ndarray
+    lex_max: np.ndarray
+    top: np.ndarray
+    s1: np.ndarray
+    s2: np.ndarray
+    n_docs: np.ndarray
+
+    @classmethod
+    def of(cls, be: Any, view: Any, seg: np.ndarray, texts: list) -> "_KernelHits":
+        """Tokenise the b query texts and take their hits in their users' postings."""
+        lex = view.snapshot.lexical
+        b = len(texts)
+        slot: dict[int, int] = {}
+        users: list = []
+        docs: list[int] = []
+        quser = np.full(b, -1, dtype=np.int64)
+        n_docs = np.zeros(b, dtype=np.int64)
+        terms, counts = [], []
+        qptr = np.zeros(b + 1, dtype=np.int64)
+        for i, t in enumerate(texts):
+            qt, qc = lex.encode_query(t)
+            if qt.shape[0] == 0:
+                qptr[i + 1] = qptr[i]
+                continue
+            u = int(seg[i])
+            j = slot.get(u)
+            if j is None:
+                P = lex.postings(u)
+                j = slot[u] = len(users)
+                users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
+                docs.append(P.n_docs)
+            n_docs[i] = docs[j]
+            quser[i] = j
+            terms.append(qt)
+            counts.append(qc)
+            qptr[i + 1] = qptr[i] + qt.shape[0]
+        if len(terms) == 1:
+            qterms, qcnt = terms[0], counts[0]
+        elif terms:
+            qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
+        else:
+            qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
+        return cls(*be.bm25_hits(users, quser, qterms, qcnt, qptr), n_docs=n_docs)
+
+    def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
+        """float64 [H] the boost of every hit, :data:`rfmem_fast.fusion.BOOSTS` of ``config.fusion``;
+        ``extra``: (lex_std, dense_gap) [b] for "zscore", else None."""
+        stats = LexicalStats(self.lex_max, self.top, self.n_docs, *(extra or (None, None)))
+        boost = BOOSTS[config.fusion]
+        b = self.hptr.shape[0] - 1
+        if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
+            hx = boost(self.hval[None, :], stats, config)[0]
+        elif self.hval.shape[0]:
+            hx = boost(self.hval[:, None], stats.take(np.repeat(np.arange(b), np.diff(self.hptr))), config)[:, 0]
+        else:
+            hx = np.zeros(0)
+        return np.ascontiguousarray(hx, dtype=np.float64)
+
+    def hit_list(self, view: Any, seg: np.ndarray) -> list:
+        """The per-query lexical scores in :func:`_lexical_hits`' form (a sparse vector each)."""
+        a_q = view.snapshot.offsets[seg]
+        p, r, v = self.hptr, self.hrows, self.hval
+        return [(int(a_q[i]), _SparseBM25(r[p[i] : p[i + 1]], v[p[i] : p[i + 1]]), int(self.n_docs[i]))
+                if p[i + 1] > p[i] else None for i in range(p.shape[0] - 1)]  # fmt: skip
+
+
+def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
+                     kh: _KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int) -> _Hybrid:  # fmt: skip
+    """Fusion "zscore" on a backend with ``has_fused_topk``, after ``Backend.hybrid_probe``'s
+    pass: the boosts need the exact dense top-1 (:func:`_hybrid_batched`'s statistics, sums in
+    row order), then ``Backend.fused_topk`` fuses the probe's exact dense list with the hits,
+    reading their recorded scan scores ``hf`` (no second scoring of any row)."""
+    off = view.snapshot.offsets
+    ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
+    pr = p_rows.numpy()
+    n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
+    mu = kh.s1 / n
+    lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
+    mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
+    gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
+    hx = kh.boosts(config, (lex_std, gap))
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
+    return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 
 def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarray, qe: np.ndarray,

@@ -134,9 +134,9 @@ def fused_topk(bank, queries, users, texts, config, k, stemmer=None):
             if config.fusion == "convex":
                 x = w * (lex if config.lexical_norm == "raw" else f)
             elif config.fusion == "zscore":  # the documented formula, in the engine's float64 order
-                n = float(b - a)
-                mu = lex.sum() / n
-                sd = np.sqrt(max((lex * lex).sum() / n - mu * mu, 0.0))
+                n = float(b - a)  # sums in row order, one after the other (math: sequential)
+                mu = float(np.cumsum(lex)[-1]) / n
+                sd = np.sqrt(max(float(np.cumsum(lex * lex)[-1]) / n - mu * mu, 0.0))
                 mean_d = float(Q[i].astype(np.float64) @ snap.vectors[a:b].astype(np.float64).mean(axis=0))
                 gap = max(float(dense.max()) - mean_d, 0.0)
                 x = (w * gap / sd) * lex if sd > 0 else np.zeros_like(lex)

@@ -375,7 +375,8 @@ def test_bench_hybrid_script_tiny(tmp_path):
             "--vocab", "300", "--out", str(out)]  # fmt: skip
     assert mod.main(args) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["single_p50_ms"]) >= {"dense", "convex_max", "adaptive", "rrf"}
+    assert set(doc["single_p50_ms"]) >= {"dense", "convex_max", "convex_raw", "adaptive", "zscore", "rrf"}
+    assert set(doc["batch_qps"]) >= {"dense", "convex_raw", "zscore"}
     assert doc["index_batch_bank"]["bytes_per_token"] > 0 and doc["loadavg"] and doc["machine"]["cores"] >= 1
 
 

@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "lexical.h"
 #include "recollect.h"
 
 namespace py = pybind11;
@@ -201,6 +202,218 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
   return py::make_tuple(scores, rows, mean, ent, count);
+}
+
+py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const py::object& qterms_,
+                       const py::object& qcnt_, const py::object& qptr_) {
+  const char* fn = "bm25_hits";
+  std::vector<rfmem::PostingsRef> users;
+  std::vector<py::array> keep;  // the arrays stay alive while the GIL is released
+  users.reserve(users_.size());
+  for (size_t u = 0; u < users_.size(); ++u) {
+    const std::string nm = "users[" + std::to_string(u) + "]";
+    py::tuple t = py::cast<py::tuple>(users_[u]);
+    if (t.size() != 5)
+      throw py::value_error(std::string(fn) + ": " + nm + " must be (terms, ptr, rows, weight, n_rows)");
+    py::array terms = checked<int32_t>(t[0], fn, (nm + ".terms").c_str(), 1, "int32");
+    py::array ptr = checked<int64_t>(t[1], fn, (nm + ".ptr").c_str(), 1, "int64");
+    py::array rows = checked<int32_t>(t[2], fn, (nm + ".rows").c_str(), 1, "int32");
+    py::array weight = checked<double>(t[3], fn, (nm + ".weight").c_str(), 1, "float64");
+    const int64_t n_rows = py::cast<int64_t>(t[4]);
+    const int64_t T = terms.shape(0), P = rows.shape(0);
+    if (ptr.shape(0) != T + 1 || weight.shape(0) != P)
+      throw py::value_error(std::string(fn) + ": " + nm + " has inconsistent shapes (ptr must have T + 1 entries, "
+                            "weight one per row entry)");
+    const int64_t* pp = cptr<int64_t>(ptr);
+    if (pp[0] != 0 || pp[T] != P)
+      throw py::value_error(std::string(fn) + ": " + nm + ".ptr must run from 0 to len(rows)");
+    if (n_rows < 0) throw py::value_error(std::string(fn) + ": " + nm + ".n_rows must be >= 0");
+    // the postings a query reads are checked as they are read (O(query), not O(index))
+    const int32_t* pr = cptr<int32_t>(rows);
+    users.push_back(rfmem::PostingsRef{cptr<int32_t>(terms), T, pp, pr, cptr<double>(weight), n_rows});
+    keep.insert(keep.end(), {terms, ptr, rows, weight});
+  }
+  py::array quser = checked<int64_t>(quser_, fn, "quser", 1, "int64");
+  py::array qterms = checked<int32_t>(qterms_, fn, "qterms", 1, "int32");
+  py::array qcnt = checked<double>(qcnt_, fn, "qcnt", 1, "float64");
+  py::array qptr = checked<int64_t>(qptr_, fn, "qptr", 1, "int64");
+  const int64_t b = quser.shape(0);
+  if (qptr.shape(0) != b + 1)
+    throw py::value_error(std::string(fn) + ": qptr must have len(quser) + 1 entries, got shape " + shape_str(qptr));
+  if (qcnt.shape(0) != qterms.shape(0))
+    throw py::value_error(std::string(fn) + ": qcnt must have one entry per qterms entry");
+  const int64_t* qp = cptr<int64_t>(qptr);
+  const int64_t* qu = cptr<int64_t>(quser);
+  if (qp[0] != 0 || qp[b] != qterms.shape(0))
+    throw py::value_error(std::string(fn) + ": qptr must run from 0 to len(qterms)");
+  for (int64_t i = 0; i < b; ++i) {
+    if (qp[i + 1] < qp[i]) throw py::value_error(std::string(fn) + ": qptr must be non-decreasing");
+    if (qu[i] >= static_cast<int64_t>(users.size()))
+      throw py::value_error(std::string(fn) + ": quser[" + std::to_string(i) + "] = " + std::to_string(qu[i]) +
+                            " is not an index into users (or < 0 for none)");
+  }
+  std::vector<int64_t> hptr;
+  std::vector<int32_t> hrows;
+  std::vector<double> hval;
+  const py::ssize_t bs = static_cast<py::ssize_t>(b);
+  py::array_t<double> mx(bs), top({bs, static_cast<py::ssize_t>(rfmem::kTopLexical)}), sum(bs), sumsq(bs);
+  double* pm = mx.mutable_data();
+  double* pt = top.mutable_data();
+  double* ps = sum.mutable_data();
+  double* ps2 = sumsq.mutable_data();
+  int64_t bad = -1;
+  {
+    py::gil_scoped_release nogil;
+    bad = rfmem::bm25_hits(users.data(), static_cast<int64_t>(users.size()), qu, b, cptr<int32_t>(qterms),
+                           cptr<double>(qcnt), qp, hptr, hrows, hval, pm, pt, ps, ps2);
+  }
+  if (bad >= 0)
+    throw py::value_error(std::string(fn) + ": the postings of users[" + std::to_string(bad) +
+                          "] are malformed (ptr not non-decreasing, or rows outside [0, n_rows))");
+  py::array_t<int64_t> o_ptr(static_cast<py::ssize_t>(hptr.size()));
+  py::array_t<int32_t> o_rows(static_cast<py::ssize_t>(hrows.size()));
+  py::array_t<double> o_val(static_cast<py::ssize_t>(hval.size()));
+  std::copy(hptr.begin(), hptr.end(), o_ptr.mutable_data());
+  std::copy(hrows.begin(), hrows.end(), o_rows.mutable_data());
+  std::copy(hval.begin(), hval.end(), o_val.mutable_data());
+  return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
+}
+
+struct HitsArgs {
+  py::array hptr, hrows, hx, hval;
+};
+
+// The lexical hits of b queries (bm25_hits' layout, plus their boosts hx), checked against
+// the queries' segments: ascending local rows, finite boosts >= 0.
+HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
+                    const py::object& hx_, const py::object& hval_) {
+  HitsArgs h;
+  h.hptr = checked<int64_t>(hptr_, fn, "hptr", 1, "int64");
+  h.hrows = checked<int32_t>(hrows_, fn, "hrows", 1, "int32");
+  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
+  h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
+  const int64_t b = in.b;
+  if (h.hptr.shape(0) != b + 1)
+    throw py::value_error(std::string(fn) + ": hptr must have b + 1 entries, got shape " + shape_str(h.hptr));
+  const int64_t H = h.hrows.shape(0);
+  if (h.hx.shape(0) != H || h.hval.shape(0) != H)
+    throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
+  const int64_t* hp = cptr<int64_t>(h.hptr);
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  const int32_t* hr = cptr<int32_t>(h.hrows);
+  const double* px = cptr<double>(h.hx);
+  if (hp[0] != 0 || hp[b] != H) throw py::value_error(std::string(fn) + ": hptr must run from 0 to len(hrows)");
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = off[seg[i] + 1] - off[seg[i]];
+    if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
+    for (int64_t j = hp[i]; j < hp[i + 1]; ++j) {
+      if (hr[j] < 0 || hr[j] >= len || (j > hp[i] && hr[j] <= hr[j - 1]))
+        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
+                              " must be ascending local rows of its segment");
+      if (!(px[j] >= 0.0) || std::isinf(px[j]))
+        throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
+    }
+  }
+  return h;
+}
+
+py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
+                        const py::object& qseg_, const py::object& dsc_, const py::object& drows_,
+                        const py::object& hptr_, const py::object& hrows_, const py::object& hx_,
+                        const py::object& hval_, int64_t kf, int num_threads, double xnorm, const py::object& hf_) {
+  const char* fn = "fused_topk";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, kf);
+  py::array dsc = checked<float>(dsc_, fn, "dense_scores", 2, "float32");
+  py::array drows = checked<int64_t>(drows_, fn, "dense_rows", 2, "int64");
+  const HitsArgs ha = check_hits(fn, in, hptr_, hrows_, hx_, hval_);
+  const int64_t b = in.b;
+  if (dsc.shape(0) != b || drows.shape(0) != b || drows.shape(1) != dsc.shape(1))
+    throw py::value_error(std::string(fn) + ": dense_scores and dense_rows must both be [b, K] with b = " +
+                          std::to_string(b) + ", got " + shape_str(dsc) + " and " + shape_str(drows));
+  const int64_t K = dsc.shape(1);
+  const int64_t* hp = cptr<int64_t>(ha.hptr);
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  const int64_t* dr = cptr<int64_t>(drows);
+  const int32_t* hr = cptr<int32_t>(ha.hrows);
+  const double* px = cptr<double>(ha.hx);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t a = off[seg[i]], len = off[seg[i] + 1] - a;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = dr[i * K + j];
+      if (r != -1 && (r < a || r >= a + len))
+        throw py::value_error(std::string(fn) + ": dense_rows[" + std::to_string(i) + ", " + std::to_string(j) +
+                              "] is not -1 or a row of the query's segment");
+    }
+  }
+  py::array hf;
+  if (!hf_.is_none()) {
+    hf = checked<float>(hf_, fn, "hf", 1, "float32");
+    if (hf.shape(0) != ha.hrows.shape(0))
+      throw py::value_error(std::string(fn) + ": hf must have one entry per hrows entry");
+  }
+  const py::ssize_t bs = static_cast<py::ssize_t>(b), ks = static_cast<py::ssize_t>(kf);
+  py::array_t<int64_t> rows({bs, ks});
+  py::array_t<double> fused({bs, ks}), lex({bs, ks});
+  py::array_t<float> dense({bs, ks});
+  int64_t* o_r = rows.mutable_data();
+  double* o_f = fused.mutable_data();
+  float* o_d = dense.mutable_data();
+  double* o_l = lex.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    double xn = xnorm;
+    if (!(xn >= 0.0)) xn = rfmem::row_norm_bound(cptr<float>(in.X), in.n, in.d);
+    rfmem::fused_topk(cptr<float>(in.X), in.d, off, cptr<float>(in.Q), seg, b, cptr<float>(dsc), dr, K, hp, hr, px,
+                      cptr<double>(ha.hval), kf, xn, num_threads, o_r, o_f, o_d, o_l,
+                      hf_.is_none() ? nullptr : cptr<float>(hf));
+  }
+  return py::make_tuple(rows, fused, dense, lex);
+}
+
+py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_,
+                          const py::object& qseg_, int64_t k, int64_t probe_k, double temperature,
+                          const std::string& convention, const py::object& hptr_, const py::object& hrows_,
+                          const py::object& hx_, const py::object& hval_, int64_t kf, int num_threads, double xnorm) {
+  const char* fn = "hybrid_probe";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  if (kf < 0) throw py::value_error(std::string(fn) + ": kf must be >= 0, got " + std::to_string(kf));
+  if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
+  if (!std::isfinite(temperature))
+    throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
+  const rfmem::Entropy conv = parse_convention(fn, convention);
+  const HitsArgs ha = check_hits(fn, in, hptr_, hrows_, hx_, hval_);
+  const py::ssize_t b = static_cast<py::ssize_t>(in.b), ks = static_cast<py::ssize_t>(kf);
+  py::array_t<float> scores({b, static_cast<py::ssize_t>(k)});
+  py::array_t<int64_t> rows({b, static_cast<py::ssize_t>(k)});
+  py::array_t<double> mean(b), ent(b);
+  py::array_t<int64_t> count(b);
+  py::array_t<int64_t> frows({b, ks});
+  py::array_t<double> ffused({b, ks}), flex({b, ks});
+  py::array_t<float> fdense({b, ks});
+  py::array_t<float> hf(ha.hrows.shape(0));
+  float* ph = hf.mutable_data();
+  float* ps = scores.mutable_data();
+  int64_t* pr = rows.mutable_data();
+  double* pm = mean.mutable_data();
+  double* pe = ent.mutable_data();
+  int64_t* pc = count.mutable_data();
+  int64_t* o_r = frows.mutable_data();
+  double* o_f = ffused.mutable_data();
+  float* o_d = fdense.mutable_data();
+  double* o_l = flex.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    rfmem::hybrid_probe(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), cptr<float>(in.Q),
+                        cptr<int64_t>(in.qseg), in.b, k, cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows),
+                        cptr<double>(ha.hx), cptr<double>(ha.hval), kf, xnorm, num_threads, ps, pr, o_r, o_f, o_d,
+                        o_l, ph);
+    rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
+  }
+  return py::make_tuple(scores, rows, mean, ent, count, frows, ffused, fdense, flex, hf);
 }
 
 py::tuple py_batched_kmeans(const py::object& V_, const py::object& counts_, const py::object& clusters_,
@@ -603,6 +816,84 @@ Raises:
     could not be allocated.
 )doc");
 
+  mod.def("bm25_hits", &py_bm25_hits, py::arg("users"), py::arg("quser"), py::arg("qterms"), py::arg("qcnt"),
+          py::arg("qptr"),
+          R"doc(BM25 hits of b queries in their users' postings (the lexical channel, rfmem_fast.lexical).
+
+Args:
+    users: list of (terms int32 [T] ascending, ptr int64 [T + 1], rows int32 [P] local rows,
+        weight float64 [P], n_rows int): rfmem_fast.lexical.UserPostings' arrays.
+    quser: int64 [b] index into users of each query's user (< 0: no postings).
+    qterms: int32 [sum T_i] every query's distinct known token ids (first-occurrence order),
+        concatenated; qcnt: float64, their counts; qptr: int64 [b + 1] CSR pointers.
+
+Returns:
+    (hptr int64 [b + 1], hrows int32 [H] local rows ascending per query, hval float64 [H]
+     BM25 > 0, max float64 [b], top float64 [b, 10] largest first (0 padding), sum and
+     sumsq float64 [b]: sums of the BM25 and of its squares in row order). The BM25 of a
+     row is the float64 sum, in query-term order, of qtf * w(t, d): equal, bit for bit,
+     to UserPostings.scores.
+
+Raises:
+    TypeError: wrong dtype. ValueError: wrong shapes, malformed pointers, rows out of range.
+)doc");
+  mod.def("fused_topk", &py_fused_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
+          py::arg("dense_scores"), py::arg("dense_rows"), py::arg("hptr"), py::arg("hrows"), py::arg("hx"),
+          py::arg("hval"), py::arg("kf"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0,
+          py::arg("hf") = py::none(),
+          R"doc(The exact fused top-kf of the dense and lexical channels (rfmem_fast.fusion).
+
+fused = RN32(q.x) + x, x >= 0 the boost of a lexical hit (0 elsewhere). From each query's
+exact dense top-K and its hits, as rfmem_fast.search._hybrid_batched (the fusion docstring
+proves the result is the fused top-kf of the whole segment): hits outside the dense list
+are screened with a float32 scan score and its error bound and re-scored exactly only when
+they can still reach the kf-th fused score of the dense list.
+
+Args:
+    X, offsets, Q, qseg: the bank and the (unit) queries, as segmented_topk.
+    dense_scores float32 / dense_rows int64 [b, K]: the exact dense top-K of each query
+        (-inf / -1 padding), ordered by (score desc, row asc).
+    hptr int64 [b + 1], hrows int32 [H] (ascending local rows per query), hx float64 [H]
+        (finite boosts >= 0), hval float64 [H] (BM25): each query's lexical hits.
+    kf: width (>= 1). num_threads: most threads (0 = the machine's). xnorm: bound of the
+        row norms (< 0: computed).
+    hf: float32 [H] or None: the hits' float32 scan scores as hybrid_probe records them
+        (used instead of computing them; any other value breaks exactness).
+
+Returns:
+    (rows int64 [b, kf] (-1 padding), fused float64 (-inf), dense float32 (NaN), lex
+     float64 (BM25, 0 for no hit; NaN padding)), ordered by (fused desc, row asc).
+
+Raises:
+    TypeError: wrong dtype. ValueError: wrong shapes, rows outside the query's segment,
+    unsorted hits, negative or non-finite boosts, kf < 1.
+)doc");
+  mod.def("hybrid_probe", &py_hybrid_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
+          py::arg("k"), py::arg("probe_k"), py::arg("temperature"), py::arg("convention"), py::arg("hptr"),
+          py::arg("hrows"), py::arg("hx"), py::arg("hval"), py::arg("kf"), py::arg("num_threads") = 0,
+          py::arg("xnorm") = -1.0,
+          R"doc(probe and the fused top-kf of the lexical channel in ONE pass over each query's segment.
+
+Every row's float32 scan score feeds the dense top-k (as probe: exact scores, the familiarity
+signals of its first probe_k) and the fused top-kf, by fused = RN32(q.x) + x (x the boost of
+the row's lexical hit, 0 elsewhere), re-scored exactly (csrc/cpu/topk.cpp, hybrid_probe).
+
+Args:
+    X, offsets, Q, qseg, k, probe_k, temperature, convention: as probe (the float32 rows are
+        scanned).
+    hptr, hrows, hx, hval, kf: the queries' lexical hits and boosts and the fused width, as
+        fused_topk.
+    num_threads, xnorm: as probe.
+
+Returns:
+    (scores, rows, mean, ent, count) as probe, then (rows, fused, dense, lex) [b, kf] as
+    fused_topk (kf = 0: no fused list, hx unused), then hf float32 [H]: every hit's float32
+    scan score (fused_topk's ``hf``).
+
+Raises:
+    TypeError: wrong dtype. ValueError: wrong shapes, unsorted hits, negative or non-finite
+    boosts, k / probe_k < 1, kf < 0, unknown convention.
+)doc");
   mod.def(
       "kmeanspp_draws",
       [](int64_t k) {

@@ -47,6 +47,7 @@
 // is a prefix of every wider top-k.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -55,6 +56,7 @@
 #include "exact.h"
 #include "heap.h"
 #include "kernels.h"
+#include "lexical.h"
 #include "simd.h"
 
 namespace rfmem {
@@ -635,3 +637,411 @@ void probe_signals(const float* scores, int64_t b, int64_t k, int64_t probe_k, d
 }
 
 }  // namespace rfmem
+
+// ---------------------------------------------------------------------------------------
+// The exact fused top-k of the lexical channel (lexical.h fused_topk; the proof is the
+// docstring of rfmem_fast/fusion.py, whose host twin is rfmem_fast.search._hybrid_batched).
+namespace rfmem {
+namespace {
+
+struct Fused {
+  double f;   // fused score
+  int64_t r;  // global row
+  float dense;
+  double lex;
+};
+
+inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (a.f == b.f && a.r < b.r); }
+
+// Scan scores of 4 gathered rows (the scan path's dot4, in its AVX2 clone where the CPU has it).
+RFMEM_MULTIVERSION
+void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { dot4(q, xr[0], xr[1], xr[2], xr[3], d, sc); }
+
+}  // namespace
+
+void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
+                const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
+                const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
+                double* out_fused, float* out_dense, double* out_lex, const float* hf) {
+  if (b == 0 || kf == 0) return;
+  const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
+  const ExactCtx ctx{X, d, kf, scan, scan, xnorm, abs_bound(d),
+                     gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
+  double work = 0.0;  // multiply-adds of the screening (every hit outside the dense list, at most)
+  for (int64_t i = 0; i < b; ++i) work += static_cast<double>(hptr[i + 1] - hptr[i]) * static_cast<double>(d);
+  const int nthreads = threads_for(num_threads, work, b);
+  std::vector<std::vector<Fused>> cands(static_cast<size_t>(nthreads));
+  std::vector<std::vector<char>> in_dense(static_cast<size_t>(nthreads));
+  std::vector<std::vector<int64_t>> extra(static_cast<size_t>(nthreads));
+  std::vector<std::vector<double>> taus(static_cast<size_t>(nthreads));
+  const double inf = std::numeric_limits<double>::infinity();
+  parallel_for(b, nthreads, [&](int64_t i, int tid) {
+    std::vector<Fused>& cand = cands[static_cast<size_t>(tid)];
+    std::vector<char>& mark = in_dense[static_cast<size_t>(tid)];
+    std::vector<int64_t>& ex = extra[static_cast<size_t>(tid)];
+    cand.clear();
+    ex.clear();
+    const int64_t a = offsets[qseg[i]];
+    const int64_t h0 = hptr[i], h1 = hptr[i + 1];
+    mark.assign(static_cast<size_t>(h1 - h0), 0);
+    const float* q = Q + i * d;
+    // 1. the dense list, each with its boost (0 without a lexical hit)
+    int64_t nS = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t r = drows[i * K + j];
+      if (r < 0) continue;
+      ++nS;
+      const int32_t loc = static_cast<int32_t>(r - a);
+      const int32_t* it = std::lower_bound(hrows + h0, hrows + h1, loc);
+      double x = 0.0, lv = 0.0;
+      if (it != hrows + h1 && *it == loc) {
+        const int64_t h = it - hrows;
+        mark[static_cast<size_t>(h - h0)] = 1;
+        x = hx[h];
+        lv = hval[h];
+      }
+      const float ds = dsc[i * K + j];
+      cand.push_back(Fused{static_cast<double>(ds) + x, r, ds, lv});
+    }
+    // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
+    // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
+    // scores >= the kf-th best of any candidate set)
+    std::vector<double>& best = taus[static_cast<size_t>(tid)];
+    best.clear();
+    auto offer = [&](double f) {
+      if (static_cast<int64_t>(best.size()) < kf) {
+        best.push_back(f);
+        std::push_heap(best.begin(), best.end(), std::greater<double>());
+      } else if (f > best.front()) {
+        std::pop_heap(best.begin(), best.end(), std::greater<double>());
+        best.back() = f;
+        std::push_heap(best.begin(), best.end(), std::greater<double>());
+      }
+    };
+    for (const Fused& c : cand) offer(c.f);
+    auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
+    const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
+    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau
+    for (int64_t h = h0; h < h1; ++h)
+      if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= tau()) ex.push_back(h);
+    // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B; fl(up(f + B) + x) < tau
+    //    cannot enter. First the kLead largest boosts (they raise tau the most), then the
+    //    rest, in row order, against the raised tau.
+    const double B = ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
+    auto screen = [&](const int64_t* hs, size_t n) {
+      float sc[4];
+      for (size_t e = 0; e < n; e += 4) {
+        const size_t cnt = std::min<size_t>(4, n - e);
+        if (hf) {  // the hits' scan scores, recorded by the probe's pass (hybrid_probe)
+          for (size_t t = 0; t < cnt; ++t) sc[t] = hf[hs[e + t]];
+        } else {
+          const float* xr[4];
+          for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
+          dot4_rows(q, xr, d, sc);
+        }
+        for (size_t t = 0; t < cnt; ++t) {
+          const int64_t h = hs[e + t];
+          if (std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[h] < tau()) continue;
+          const int64_t r = a + hrows[h];
+          const float es = exact_score(q, X + r * d, d, ctx.g64);
+          const double f = static_cast<double>(es) + hx[h];
+          cand.push_back(Fused{f, r, es, hval[h]});
+          offer(f);
+        }
+      }
+    };
+    constexpr size_t kLead = 16;
+    if (!hf && ex.size() > 2 * kLead) {  // (recorded scores: screening costs no dot product)
+      auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
+      std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
+      screen(ex.data(), kLead);
+      size_t m = 0;
+      for (size_t e = kLead; e < ex.size(); ++e)
+        if (s_last + hx[ex[e]] >= tau()) ex[m++] = ex[e];
+      std::sort(ex.begin(), ex.begin() + m);  // row order: the gathers walk the segment forwards
+      screen(ex.data(), m);
+    } else {
+      screen(ex.data(), ex.size());
+    }
+    // 4. the kf best by (fused desc, row asc)
+    const int64_t m = static_cast<int64_t>(cand.size());
+    const int64_t kk = std::min(kf, m);
+    std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), fused_better);
+    int64_t w = 0;
+    for (int64_t j = 0; j < kk; ++j) {
+      const Fused& c = cand[static_cast<size_t>(j)];
+      if (!(c.f > -inf)) continue;  // -inf / NaN fused scores are no hits
+      out_rows[i * kf + w] = c.r;
+      out_fused[i * kf + w] = c.f;
+      out_dense[i * kf + w] = c.dense;
+      out_lex[i * kf + w] = c.lex;
+      ++w;
+    }
+    for (; w < kf; ++w) {
+      out_rows[i * kf + w] = -1;
+      out_fused[i * kf + w] = -inf;
+      out_dense[i * kf + w] = std::numeric_limits<float>::quiet_NaN();
+      out_lex[i * kf + w] = std::numeric_limits<double>::quiet_NaN();
+    }
+  });
+}
+
+
+// ---------------------------------------------------------------------------------------
+// The dense and the fused top-k of each query in ONE pass over its segment (lexical.h
+// hybrid_probe). Every row's float32 scan score f feeds two bounded heaps: the dense one
+// (by f, as segmented_topk's scan path) and the fused one, by A = fl64(f + x), x the row's
+// boost (the query's hits, merged in row order as the scan walks the segment). With F =
+// fl64(e + x) the exact fused score (e = RN32(q.x)): |A - F| <= B + 2 u64 M =: B', M >=
+// |f| + |x|, |e| + |x| (B the scan bound, u64 = 2^-53, one rounding of each sum). So with
+// t the kf-th best A kept, every row of the exact fused top-kf has A >= t - 2 B': those
+// kept rows are re-scored exactly; when the fused heap filled up and its worst kept A
+// reaches that cut, the segment is rescanned (every row of A >= cut re-scored).
+namespace {
+
+struct FEntry {
+  double a;     // fused scan score A (then the exact fused score F)
+  int64_t r;    // global row
+  int64_t h;    // index of the row's hit (-1: no lexical hit)
+};
+
+inline bool fworse(const FEntry& x, const FEntry& y) { return x.a < y.a || (x.a == y.a && x.r > y.r); }
+inline bool fbetter(const FEntry& x, const FEntry& y) { return x.a > y.a || (x.a == y.a && x.r < y.r); }
+
+// Bounded min-heap of the best fused entries (rows arrive in increasing order).
+struct FHeap {
+  FEntry* h = nullptr;
+  int64_t k = 0, size = 0;
+  double threshold() const { return size < k ? -std::numeric_limits<double>::infinity() : h[0].a; }
+  void push(const FEntry& e) {
+    if (!(e.a == e.a)) return;
+    if (size < k) {
+      int64_t i = size++;
+      h[i] = e;
+      while (i > 0) {
+        const int64_t p = (i - 1) >> 1;
+        if (!fworse(h[i], h[p])) break;
+        std::swap(h[i], h[p]);
+        i = p;
+      }
+    } else if (e.a > h[0].a) {
+      h[0] = e;
+      int64_t i = 0;
+      for (;;) {
+        const int64_t l = 2 * i + 1, rr = l + 1;
+        int64_t w = i;
+        if (l < size && fworse(h[l], h[w])) w = l;
+        if (rr < size && fworse(h[rr], h[w])) w = rr;
+        if (w == i) break;
+        std::swap(h[i], h[w]);
+        i = w;
+      }
+    }
+  }
+};
+
+// The scan of rows [t0, t1) for the nq queries of one segment (first row a): each
+// query's dense heap by f and fused heap by A; hp[qi] walks its hits in row order across
+// the tiles of the segment.
+RFMEM_MULTIVERSION
+void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t t1, const float* const* qs, int nq,
+                      const int32_t* hrows, const double* hx, int64_t* hp, const int64_t* hend, Heap* dh, FHeap* fh,
+                      bool fused, float* hf) {
+  float sc[4];
+  for (int qi = 0; qi < nq; ++qi) {
+    const float* q = qs[qi];
+    int64_t p = hp[qi];
+    const int64_t pe = hend[qi];
+    float dthr = dh[qi].threshold();
+    double fthr = fh[qi].threshold();
+    for (int64_t r = t0; r < t1; r += 4) {
+      const int64_t cnt = std::min<int64_t>(4, t1 - r);
+      const float* x0 = X + r * d;
+      dot4(q, x0, cnt > 1 ? x0 + d : x0, cnt > 2 ? x0 + 2 * d : x0, cnt > 3 ? x0 + 3 * d : x0, d, sc);
+      for (int64_t i = 0; i < cnt; ++i) {
+        const int64_t loc = r + i - a;
+        double x = 0.0;
+        int64_t hi = -1;
+        if (p < pe && hrows[p] == loc) {
+          hi = p;
+          hf[p] = sc[i];
+          x = hx[p++];
+        }
+        if (sc[i] > dthr) {
+          dh[qi].push(sc[i], r + i);
+          dthr = dh[qi].threshold();
+        }
+        const double A = static_cast<double>(sc[i]) + x;
+        if (fused && A > fthr) {
+          fh[qi].push(FEntry{A, r + i, hi});
+          fthr = fh[qi].threshold();
+        }
+      }
+    }
+    hp[qi] = p;
+  }
+}
+
+}  // namespace
+
+void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
+                  int64_t b, int64_t k, const int64_t* hptr, const int32_t* hrows, const double* hx,
+                  const double* hval, int64_t kf, double xnorm, int num_threads, float* out_scores,
+                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex, float* hf) {
+  if (b == 0) return;
+  if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
+  const SimdKernels& K = simd_kernels();
+  const ScanSrc src{X, nullptr, ScanType::kF32};
+  const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
+  const ExactCtx ctx{X, d, k, scan, scan, xnorm, abs_bound(d),
+                     gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
+  double work = 0.0;
+  for (int64_t i = 0; i < b; ++i)
+    work += static_cast<double>(offsets[qseg[i] + 1] - offsets[qseg[i]]) * static_cast<double>(d);
+  // queries sorted by segment (stable), in groups of at most kGroup of one segment that
+  // share each tile of its rows (segmented_topk's scan path)
+  std::vector<int64_t> order(b);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [qseg](int64_t x, int64_t y) { return qseg[x] < qseg[y]; });
+  std::vector<std::pair<int64_t, int>> groups;  // (first position in order, queries)
+  for (int64_t i = 0; i < b;) {
+    int64_t j = i;
+    while (j < b && qseg[order[j]] == qseg[order[i]] && j - i < kGroup) ++j;
+    groups.emplace_back(i, static_cast<int>(j - i));
+    i = j;
+  }
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  const int nthreads = threads_for(num_threads, work, ng);
+  const int64_t kw = k + kScanMargin[0];
+  const int64_t fw = kf + kScanMargin[0];
+  const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);
+  const size_t dper = static_cast<size_t>(kGroup * kw + k), fper = static_cast<size_t>(kGroup * fw);
+  std::vector<Entry> dstore(static_cast<size_t>(nthreads) * dper);
+  std::vector<FEntry> fstore(static_cast<size_t>(nthreads) * fper);
+  std::vector<std::vector<FEntry>> fcand(static_cast<size_t>(nthreads));
+  const double inf = std::numeric_limits<double>::infinity();
+  parallel_for(ng, nthreads, [&](int64_t gi, int tid) {
+    const int64_t first = groups[static_cast<size_t>(gi)].first;
+    const int nq = groups[static_cast<size_t>(gi)].second;
+    const int64_t seg = qseg[order[first]];
+    const int64_t a = offsets[seg], e = offsets[seg + 1];
+    const int64_t len = e - a;
+    Entry* ds = dstore.data() + static_cast<size_t>(tid) * dper;
+    FEntry* fs = fstore.data() + static_cast<size_t>(tid) * fper;
+    Heap dhs[kGroup];
+    FHeap fhs[kGroup];
+    const float* qs[kGroup];
+    int64_t hp[kGroup], hend[kGroup];
+    for (int g = 0; g < nq; ++g) {
+      const int64_t i = order[first + g];
+      dhs[g].h = ds + static_cast<size_t>(g) * kw;
+      dhs[g].k = kw;
+      dhs[g].size = 0;
+      fhs[g].h = fs + static_cast<size_t>(g) * fw;
+      fhs[g].k = fw;
+      fhs[g].size = 0;
+      qs[g] = Q + i * d;
+      hp[g] = hptr[i];
+      hend[g] = hptr[i + 1];
+    }
+    for (int64_t t0 = a; t0 < e; t0 += tile_rows)
+      hybrid_scan_tile(X, d, a, t0, std::min(e, t0 + tile_rows), qs, nq, hrows, hx, hp, hend, dhs, fhs, kf > 0, hf);
+    for (int g = 0; g < nq; ++g) {
+    const int64_t i = order[first + g];
+    const float* q = qs[g];
+    const int64_t h0 = hptr[i], h1 = hptr[i + 1];
+    Heap& dh = dhs[g];
+    FHeap& fh = fhs[g];
+    // the dense top-k: segmented_topk's exact finish (scan path)
+    {
+      const bool filled = dh.size == kw && len > kw;
+      const float worst = dh.size ? dh.h[0].s : kNegInf;
+      finish_query(ctx, src, K, false, q, dh.h, dh.size, a, e, ds + kGroup * kw, out_scores + i * k, out_rows + i * k,
+                   [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
+    }
+    if (kf == 0) continue;
+    // the fused top-kf
+    double qq = 0.0;
+    for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+    const double B = ctx.bound(ctx.scan, q);
+    double xmax = 0.0;
+    for (int64_t h = h0; h < h1; ++h) xmax = std::max(xmax, hx[h]);
+    const double M = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + B + xmax;
+    const double Bp = (B + 2.0 * kU64 * M * (1.0 + 1e-6)) * kSlack;
+    std::vector<FEntry>& cand = fcand[static_cast<size_t>(tid)];
+    cand.assign(fh.h, fh.h + fh.size);
+    double cut = -inf;
+    if (fh.size >= kf) {
+      std::nth_element(cand.begin(), cand.begin() + (kf - 1), cand.end(),
+                       [](const FEntry& x, const FEntry& y) { return x.a > y.a; });
+      const double t = cand[static_cast<size_t>(kf - 1)].a;
+      if (t > -inf) cut = std::nextafter(t - 2.0 * Bp, -inf);
+    }
+    const bool dropped = fh.size == fw && len > fw && fh.h[0].a >= cut;
+    auto exact_of = [&](int64_t r, int64_t hi, FEntry& out, float& es) {
+      es = exact_score(q, X + r * d, d, ctx.g64);
+      out = FEntry{static_cast<double>(es) + (hi >= 0 ? hx[hi] : 0.0), r, hi};
+    };
+    std::vector<float> dens;
+    if (dropped) {  // rescan: every row whose A reaches the cut (rare)
+      cand.clear();
+      float sc[4];
+      int64_t hp = h0;
+      for (int64_t r = a; r < e; r += 4) {
+        const int64_t cnt = std::min<int64_t>(4, e - r);
+        const float* xr[4];
+        for (int64_t t = 0; t < 4; ++t) xr[t] = X + (r + std::min<int64_t>(t, cnt - 1)) * d;
+        dot4_rows(q, xr, d, sc);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const int64_t loc = r + t - a;
+          int64_t hi = -1;
+          double x = 0.0;
+          if (hp < h1 && hrows[hp] == loc) {
+            hi = hp;
+            x = hx[hp++];
+          }
+          if (static_cast<double>(sc[t]) + x >= cut) cand.push_back(FEntry{0.0, r + t, hi});
+        }
+      }
+    } else {
+      size_t m = 0;
+      for (const FEntry& c : cand)
+        if (c.a >= cut) cand[m++] = c;
+      cand.resize(m);
+    }
+    dens.resize(cand.size());
+    size_t m = 0;
+    for (size_t j = 0; j < cand.size(); ++j) {
+      FEntry f;
+      float es;
+      exact_of(cand[j].r, cand[j].h, f, es);
+      if (!(f.a > -inf)) continue;  // NaN / -inf: no hit
+      cand[m] = f;
+      dens[m] = es;
+      ++m;
+    }
+    std::vector<size_t> idx(m);
+    std::iota(idx.begin(), idx.end(), size_t{0});
+    const int64_t kk = std::min<int64_t>(kf, static_cast<int64_t>(m));
+    std::partial_sort(idx.begin(), idx.begin() + kk, idx.end(),
+                      [&](size_t x, size_t y) { return fbetter(cand[x], cand[y]); });
+    for (int64_t j = 0; j < kf; ++j) {
+      if (j < kk) {
+        const FEntry& c = cand[idx[static_cast<size_t>(j)]];
+        f_rows[i * kf + j] = c.r;
+        f_fused[i * kf + j] = c.a;
+        f_dense[i * kf + j] = dens[idx[static_cast<size_t>(j)]];
+        f_lex[i * kf + j] = c.h >= 0 ? hval[c.h] : 0.0;
+      } else {
+        f_rows[i * kf + j] = -1;
+        f_fused[i * kf + j] = -inf;
+        f_dense[i * kf + j] = std::numeric_limits<float>::quiet_NaN();
+        f_lex[i * kf + j] = std::numeric_limits<double>::quiet_NaN();
+      }
+    }
+    }
+  });
+}
+
+}  // namespace rfmem
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .. import device as _device
@@ -131,6 +132,73 @@ class Backend:
     #: True for a backend whose scans read a half-precision bank's scan copy
     #: (``BankView.Xs``); the others scan the float32 rows of every bank.
     scans_half: bool = False
+    #: True for a backend with the lexical channel's kernels :meth:`bm25_hits` and
+    #: :meth:`fused_topk` (the native one); :func:`rfmem_fast.search.search` fuses on the
+    #: host with numpy for the others. Both give the same rows and scores.
+    has_fused_topk: bool = False
+
+    def bm25_hits(self, users: list, quser: np.ndarray, qterms: np.ndarray, qcnt: np.ndarray,
+                  qptr: np.ndarray) -> tuple:  # fmt: skip
+        """The BM25 hits of b queries (backends with ``has_fused_topk``; C++ ``_native.bm25_hits``).
+
+        Args:
+            users: list of (terms int32 [T], ptr int64 [T + 1], rows int32 [P], weight
+                float64 [P], n_rows) of :class:`rfmem_fast.lexical.UserPostings`.
+            quser: int64 [b] index into ``users`` (< 0: the query has no postings).
+            qterms / qcnt / qptr: the queries' distinct known token ids (int32), their
+                counts (float64) and CSR pointers (int64 [b + 1]).
+
+        Returns:
+            (hptr int64 [b + 1], hrows int32 [H] ascending local rows, hval float64 [H] BM25
+            > 0, max float64 [b], top float64 [b, 10], sum float64 [b], sumsq float64 [b]).
+
+        Raises:
+            NotImplementedError: the backend has no such kernel (``has_fused_topk`` False).
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no bm25_hits kernel (has_fused_topk is False)")
+
+    def fused_topk(self, view: BankView, Q: torch.Tensor, qseg: np.ndarray, dense_scores: np.ndarray,
+                   dense_rows: np.ndarray, hptr: np.ndarray, hrows: np.ndarray, hx: np.ndarray, hval: np.ndarray,
+                   kf: int, hf: np.ndarray | None = None) -> tuple:  # fmt: skip
+        """The exact fused top-``kf`` of b queries (backends with ``has_fused_topk``).
+
+        Args:
+            view: the bank view; Q: float32 [b, d] unit queries; qseg: int64 [b] their segments.
+            dense_scores float32 / dense_rows int64 [b, K]: each query's exact dense top-K.
+            hptr, hrows, hval: the queries' lexical hits (:meth:`bm25_hits`); hx: float64
+                [H] their boosts (>= 0, :data:`rfmem_fast.fusion.BOOSTS`).
+            kf: width of the result.
+            hf: float32 [H] the hits' scan scores recorded by :meth:`hybrid_probe` (the
+                kernel then reads them instead of scoring the hits), or None.
+
+        Returns:
+            (rows int64 [b, kf], fused float64, dense float32, lex float64): ordered by
+            (fused desc, row asc), -1 / -inf / NaN padding (rfmem_fast.fusion's rule).
+
+        Raises:
+            NotImplementedError: the backend has no such kernel.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no fused_topk kernel (has_fused_topk is False)")
+
+    def hybrid_probe(self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int, probe_k: int,
+                     temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray, hx: np.ndarray,
+                     hval: np.ndarray, kf: int) -> tuple:  # fmt: skip
+        """:meth:`probe` and :meth:`fused_topk` in ONE pass over each query's segment (backends
+        with ``has_fused_topk``): the dense top-k and signals of :meth:`probe`, and the exact
+        fused top-``kf`` of the boosts ``hx`` of the hits (``hptr``, ``hrows``, ``hval``, as
+        :meth:`fused_topk`), without the dense top-K the latter starts from. ``kf = 0``: no
+        fused list (boosts that need the dense list, fusion "zscore": :meth:`fused_topk`
+        with the recorded scores follows).
+
+        Returns:
+            (scores, rows, mean, entropy, count) as :meth:`probe` (torch tensors), then
+            (rows, fused, dense, lex) numpy arrays [b, kf] as :meth:`fused_topk`, then hf
+            float32 [H]: every hit's float32 scan score.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no hybrid_probe kernel (has_fused_topk is False)")
 
     def view(self, bank: MemoryBank) -> BankView:
         """The bank as this backend holds it (cached per bank version).

@@ -199,6 +199,46 @@ class NativeBackend(Backend):
             torch.from_numpy(cnt),
         )
 
+    # ---------------------------------------------------------------- lexical channel
+    has_fused_topk = True
+
+    def bm25_hits(self, users, quser, qterms, qcnt, qptr):
+        """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, one thread).
+
+        Raises:
+            TypeError / ValueError: malformed arrays (from the kernel).
+        """
+        return _native.bm25_hits(users, quser, qterms, qcnt, qptr)
+
+    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf, hf=None):
+        """See :meth:`Backend.fused_topk` (C++ kernel ``_native.fused_topk``: the dense list's
+        boosts, then the screening and exact re-scoring of the other hits, on the kernel's threads).
+
+        Raises:
+            ValueError: malformed arrays (from the kernel).
+        """
+        X, off = self._bank(view)
+        return _native.fused_topk(
+            X, off, _np(Q, torch.float32), np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
+            np.ascontiguousarray(dense_rows, np.int64), hptr, hrows, hx, hval, int(kf), self._threads(),
+            view.row_norm_max, hf,
+        )
+
+    def hybrid_probe(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows, hx, hval, kf):
+        """See :meth:`Backend.hybrid_probe` (C++ kernel ``_native.hybrid_probe``: one float32
+        pass over each segment feeding a dense and a fused heap, then both exact finishes).
+
+        Raises:
+            ValueError: malformed arrays, unknown convention (from the kernel).
+        """
+        X, off = self._bank(view)
+        s, r, mean, ent, cnt, fr, ff, fd, fl, hf = _native.hybrid_probe(
+            X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), int(probe_k), float(temperature),
+            str(convention), hptr, hrows, hx, hval, int(kf), self._threads(), view.row_norm_max,
+        )
+        tensors = tuple(torch.from_numpy(a) for a in (s, r, mean, ent, cnt))
+        return tensors + (fr, ff, fd, fl, hf)
+
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
         """See :meth:`Backend.batched_kmeans` (C++ kernel ``_native.batched_kmeans``).

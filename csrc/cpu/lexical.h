@@ -1,0 +1,68 @@
+// The lexical (BM25) channel's kernels (rfmem_fast/lexical.py, rfmem_fast/fusion.py):
+// the BM25 hits of each query in its user's postings, and the exact fused top-k of a
+// dense and a lexical channel (the proof is in rfmem_fast/fusion.py's docstring).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace rfmem {
+
+/// One user's inverted index (rfmem_fast.lexical.UserPostings): terms int32 [T]
+/// ascending; ptr int64 [T + 1] into rows / weight; rows int32 [P] local rows,
+/// ascending within a term; weight float64 [P] w(t, d); n_rows rows of the segment.
+struct PostingsRef {
+  const int32_t* terms;
+  int64_t T;
+  const int64_t* ptr;
+  const int32_t* rows;
+  const double* weight;
+  int64_t n_rows;
+};
+
+/// Number of the largest BM25 scores kept per query (rfmem_fast.fusion.TOP_LEXICAL).
+constexpr int kTopLexical = 10;
+
+/// The BM25 hits of b queries. Query i reads users[quser[i]] (quser[i] < 0: no
+/// postings, no hit) with its distinct known terms qterms[qptr[i]:qptr[i + 1]] (first-
+/// occurrence order) and their counts qcnt. BM25 of a local row = the sum over the
+/// query's terms, in query-term order, of qcnt * weight (float64, from 0: what
+/// numpy.bincount over UserPostings.postings_for gives). Appends each query's hits
+/// (BM25 > 0), ascending local rows, to hrows / hval and sets hptr [b + 1]; writes
+/// mx [b] (largest BM25, 0 without a hit), top [b, kTopLexical] (largest first, 0
+/// padding), sum / sumsq [b] (sums of the BM25 and of its squares over the hits in
+/// ascending row order, sequentially: the sums over the user's rows in row order).
+/// Returns -1, or the index of a user whose postings read are malformed (a ptr that
+/// decreases or runs past the rows, a row outside [0, n_rows)): its outputs are then unusable.
+int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
+               const int32_t* qterms, const double* qcnt, const int64_t* qptr, std::vector<int64_t>& hptr,
+               std::vector<int32_t>& hrows, std::vector<double>& hval, double* mx, double* top, double* sum,
+               double* sumsq);
+
+/// The exact fused top-kf of b queries (rfmem_fast.fusion: fused = dense + x, x >= 0 the
+/// boost of a lexical hit, 0 elsewhere), from each query's exact dense top-K
+/// (dsc / drows [b, K], -inf / -1 padding, rows of segment qseg[i] of offsets) and its
+/// hits (hptr [b + 1]; hrows int32 local rows ascending; hx float64 boosts; hval
+/// float64 BM25). Hits outside the dense list are screened with the scan kernel's
+/// float32 score and its error bound and re-scored exactly (exact_score) only when
+/// they can reach the kf-th fused score of the dense list. Writes rows int64 [b, kf]
+/// (-1 padding), fused float64 (-inf), dense float32 RN32(q.x) (NaN), lex float64
+/// (BM25, 0 for no hit; NaN padding), ordered by (fused desc, row asc). ``hf``: the hits'
+/// scan scores (float32 [H], hybrid_probe's), used instead of computing them (or nullptr).
+void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
+                const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
+                const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
+                double* out_fused, float* out_dense, double* out_lex, const float* hf = nullptr);
+
+/// The dense exact top-k AND the exact fused top-kf of b queries in one pass over each
+/// query's segment (topk.cpp): fused = fl64(RN32(q.x) + x), x the boost hx of the row's
+/// hit (hptr / hrows / hx / hval as fused_topk), 0 elsewhere. Writes the dense top-k as
+/// segmented_topk (out_scores / out_rows [b, k]) and the fused top-kf as fused_topk
+/// (f_rows, f_fused, f_dense, f_lex [b, kf]); kf = 0: no fused list (hx unused). Writes
+/// hf [H], every hit's float32 scan score (for fused_topk). The scan reads the float32 rows.
+void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
+                  int64_t b, int64_t k, const int64_t* hptr, const int32_t* hrows, const double* hx,
+                  const double* hval, int64_t kf, double xnorm, int num_threads, float* out_scores,
+                  int64_t* out_rows, int64_t* f_rows, double* f_fused, float* f_dense, double* f_lex, float* hf);
+
+}  // namespace rfmem
