@@ -207,7 +207,7 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
         "mcp",
         help="serve a memory as a Model Context Protocol server (stdio or streamable HTTP; the 'mcp' extra)",
         description="Serve a rfmem_fast.Memory to MCP clients (Claude Desktop, Cursor, agent frameworks): "
-        "tools add_memories / search_memories / update_memory / delete_memory / list_memories / get_memory "
+        "tools add_memories / search_memories / update_memory(ies) / delete_memory(ies) / list_memories / get_memory "
         "and memory:// resources, scoped to ONE user per client: --user (fixed by this server) or, over HTTP, "
         "the user of the client's bearer token (--tokens). Writes are durable (write-ahead log) once "
         "acknowledged, as with `rfmem serve`.",
