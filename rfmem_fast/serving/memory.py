@@ -1534,7 +1534,8 @@ class Memory:
             user_id: one user, or None for all (an unknown user: nothing).
             vectors: also give each item's ``vector`` (float32 [d], the stored unit
                 row) -- except for a long text stored in several chunk rows, which has
-                none (``add_many`` re-embeds its text).
+                none (``add_many`` re-embeds its text). An item without a text always
+                has its vector (nothing else could make it again).
 
         Yields:
             {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
@@ -1558,7 +1559,7 @@ class Memory:
                     continue
                 item = {"id": str(iid), "user_id": str(user), "text": None if texts is None else texts[r],
                         "metadata": meta or {}}
-                if vectors and iid not in chunked[user]:
+                if (vectors or item["text"] is None) and iid not in chunked[user]:
                     item["vector"] = np.array(snap.vectors[r], dtype=np.float32)
                 yield item
 
@@ -1577,6 +1578,18 @@ class Memory:
         """Live items of a user (0 for an unknown user)."""
         user = _user_key(user_id)
         return self.bank.user_size(user) - self._extra_rows(user) if user in self.bank else 0
+
+    def has_items(self, user_id: Hashable, ids: Sequence[Hashable]) -> list[bool]:
+        """For each id, whether the user holds a live item with it (all False for a user
+        never written; ids as in :meth:`add`: an int is its decimal str).
+
+        Raises:
+            TypeError / ValueError: a malformed user id or item id (``ids[i]`` named).
+        """
+        user = _user_key(user_id)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"ids must be a sequence of str or int item ids, got {type(ids).__name__}")
+        return self.bank.has_items(user, [_canon_id(x, f"ids[{i}]") for i, x in enumerate(ids)])
 
     def get_all(self, user_id: Hashable, offset: int = 0, limit: int | None = None) -> list[Item]:
         """The live items of a user in insertion order ([] for an unknown user).
