@@ -69,7 +69,8 @@ Metrics (``/metrics``): ``rfmem_http_requests_total{method,route,status}``,
 ``rfmem_batch_size`` / ``rfmem_encode_seconds`` / ``rfmem_search_seconds`` (histograms
 per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_queue_depth``, ``rfmem_items``, ``rfmem_users``, ``rfmem_writes_total``,
-``rfmem_wal_bytes``, ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
+``rfmem_wal_bytes``, ``rfmem_encoder_seconds_total`` / ``rfmem_encoded_texts_total`` (the
+encoder's time and texts, writes included), ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
 also in ``/health``).
 """
 from __future__ import annotations
@@ -450,6 +451,10 @@ class _MemoryCollector:
         yield GaugeMetricFamily("rfmem_users", "users", value=st["users"])
         yield CounterMetricFamily("rfmem_writes", "acknowledged writes", value=st["writes"])
         yield GaugeMetricFamily("rfmem_wal_bytes", "bytes in the write-ahead log", value=st["wal_bytes"])
+        yield CounterMetricFamily("rfmem_encoder_seconds", "seconds spent in the text encoder (searches and writes)",
+                                  value=st["encode_seconds"])
+        yield CounterMetricFamily("rfmem_encoded_texts", "texts (chunks of long texts) embedded (searches and writes)",
+                                  value=st["encoded"])
         enc = st["encoder"]
         if enc is not None:
             info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, precision, device",

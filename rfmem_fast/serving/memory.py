@@ -10,6 +10,8 @@ LangChain users expect::
                   metadata={"source": "chat"})
     hits = mem.search("where do I live?", user_id="u1", k=5)
     hits[0].text, hits[0].score, hits[0].metadata, hits.route, hits.rule, hits.mean
+    mem.add_many([{"user_id": "u2", "text": "I play chess"},          # many users, one write,
+                  {"user_id": "u3", "text": "I like tea", "id": "t1"}])  # all or nothing
     mem.close()                                   # checkpoint; or use `with Memory(...)`
 
 What it adds to the engine
@@ -32,6 +34,10 @@ What it adds to the engine
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
   whole answers by (user, that user's write version, query, mode, k); any write to a
   user invalidates that user's answers.
+* Bulk writes (:meth:`Memory.add_many`, :meth:`Memory.update_many`,
+  :meth:`Memory.delete_many`): items of many users in one encoder call and one log
+  record (a group), all of them or none; :meth:`Memory.export_items` reads them back in
+  the same form (``rfmem export`` / ``rfmem import``, :mod:`rfmem_fast.serving.transfer`).
 * Durability (``path``): each write is appended to a write-ahead log and fsynced before
   the call returns (:mod:`rfmem_fast.serving.wal`), replayed on open; :meth:`Memory.save`
   checkpoints (an atomic bank store, then the log is truncated). Layout of ``path``::
@@ -79,7 +85,8 @@ from .batcher import BatcherClosedError, MicroBatcher
 from .cache import QueryCache, vector_key
 from .wal import WriteAheadLog, decode_array, encode_array
 
-__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS"]
+__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS",
+           "ITEM_FIELDS"]
 
 log = logging.getLogger("rfmem_fast.serving")
 
