@@ -1094,6 +1094,24 @@ class MemoryBank:
         with self._lock:
             return self._rows[self.user_index(user)].live_ids()
 
+    def has_items(self, user: Hashable, ids: Sequence[ItemId]) -> list[bool]:
+        """For each id, whether ``user`` holds a live item with it (all False for a user
+        never written). O(len(ids)) once the user's id map is built (O(n_u), cached
+        until the user's rows move). Ids are compared as stored (``"1"`` is not ``1``).
+
+        Raises:
+            TypeError: ``ids`` not a sequence of str / int.
+        """
+        with self._lock:
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise TypeError(f"ids must be a sequence of str or int item ids, got {type(ids).__name__}")
+            id_list = ids if isinstance(ids, list) else list(ids)
+            u = self._uindex.get(_check_user(user))
+            if u is None:
+                return [False] * len(id_list)
+            slots = self._rows[u].slots()
+            return [i in slots for i in id_list]
+
     def get_metadata(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> list[dict | None]:
         """The metadata of some (or all) of ``user``'s live items, as deep copies.
 

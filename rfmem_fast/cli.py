@@ -28,6 +28,9 @@
 * ``rfmem mcp --data-dir DIR --transport stdio --user USER`` or ``--transport http
   [--host 127.0.0.1] [--port 8765] --tokens FILE``: the memory as a Model Context Protocol
   server (:mod:`rfmem_fast.serving.mcp_server`; the ``mcp`` extra).
+* ``rfmem export --memory-dir DIR --out FILE.jsonl [--user U] [--vectors]`` and ``rfmem
+  import --memory-dir DIR --in FILE.jsonl [--batch N] [--skip-existing] [--text-field NAME]``:
+  a memory directory as JSON lines, out and in (:mod:`rfmem_fast.serving.transfer`).
 * ``rfmem --version`` prints the version.
 
 ``eval``, ``calibrate`` and ``tune`` need the ``text`` extra for the encoder.
@@ -178,7 +181,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve``, ``mcp`` and, when present, ``bench``)."""
+    """The argument parser of ``rfmem`` (sub-commands ``eval``, ``calibrate``, ``tune``, ``models``, ``serve``, ``mcp``, ``export``, ``import`` and, when present, ``bench``)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="rfmem", description="Fast RF-Mem retrieval: evaluation and benchmarks.")
@@ -297,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cli.add_parser(sub)
     serve_cli.add_mcp_parser(sub)  # `rfmem mcp` (the mcp SDK imported only when run)
+    from .serving import transfer  # `rfmem export` / `rfmem import` (JSON lines)
+
+    transfer.add_parsers(sub)
     return p
 
 

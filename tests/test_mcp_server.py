@@ -41,7 +41,8 @@ from rfmem_fast.serving.mcp_server import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = {"add_memories", "search_memories", "update_memory", "delete_memory", "list_memories", "get_memory"}
+TOOLS = {"add_memories", "search_memories", "update_memory", "delete_memory", "list_memories", "get_memory",
+         "update_memories", "delete_memories"}
 ALICE_TOKEN, BOB_TOKEN = "alice-token-0123456789", "bob-token-9876543210"
 TIMEOUT = 60  # seconds any one client step may take
 
@@ -282,9 +283,12 @@ def test_mcp_scope_alice_cannot_read_list_search_change_or_delete_bobs_memories(
                 assert [m["id"] for m in out["memories"]] == ["a1", "same"] and out["total"] == 2 and now == state
                 for bid in ("b1", "b2"):
                     for tool, args in (("get_memory", {"id": bid}), ("delete_memory", {"id": bid}),
-                                       ("update_memory", {"id": bid, "text": "pwned", "metadata": {}})):
+                                       ("update_memory", {"id": bid, "text": "pwned", "metadata": {}}),
+                                       ("delete_memories", {"ids": ["a1", bid]}),
+                                       ("update_memories", {"items": [{"id": "a1", "text": "pwned"},
+                                                                      {"id": bid, "metadata": {}}]})):
                         msg, now = await call(tool, args, fails=True)
-                        assert "no memory with id" in msg and now == state
+                        assert "no memory with id" in msg and now == state  # all or nothing: a1 unchanged too
                 # a user argument is not part of any tool: it is ignored, the scope stays alice
                 msg, now = await call("get_memory", {"id": "b1", "user_id": "bob", "user": "bob"}, fails=True)
                 assert now == state
@@ -340,6 +344,48 @@ def test_mcp_http_session_is_bound_to_its_token(two_users):
     # the same request with the session's own token is answered (alice's memories only)
     r = httpx2.post(url, json=call, headers=dict(session, Authorization=f"Bearer {ALICE_TOKEN}"), timeout=10)
     assert r.status_code == 200 and "alice: I live in Lyon" in r.text and "bob:" not in r.text, r.text
+
+
+def test_mcp_bulk_update_and_delete_tools_all_or_nothing(two_users):
+    """update_memories / delete_memories over a real client session: many of the scoped
+    user's memories in one write; a bad item (named by its index) changes nothing."""
+    mem, url = two_users
+    mem.add(["alice: one", "alice: two", "alice: three"], user_id="alice", ids=["x1", "x2", "x3"])
+
+    async def run() -> None:
+        with anyio.fail_after(120):
+            async with _http_session(url, ALICE_TOKEN) as alice:
+                before = _snapshot(mem)
+                for args, where in (
+                    ({"items": [{"id": "x1", "text": "ok"}, {"id": "x2"}]}, "items[1]"),
+                    ({"items": [{"id": "x1", "text": "ok"}, {"id": "x2", "text": "  "}]}, "items[1].text"),
+                    ({"items": [{"id": "x1", "text": "ok"}, {"id": "x1", "metadata": {}}]}, "items[1].id"),
+                    ({"items": [{"id": "x1", "text": "ok"}, {"id": "nope", "text": "x"}]}, "items[1]: no memory with id"),
+                    ({"items": [{"id": "x1", "text": "ok", "user_id": "bob"}]}, "user_id"),
+                    ({"items": []}, "items"),
+                ):
+                    msg = _err(await alice.call_tool("update_memories", args))
+                    assert where in msg, (args, msg)
+                    assert _snapshot(mem) == before
+                for args, where in (({"ids": ["x1", "nope"]}, "ids[1]: no memory with id 'nope'"),
+                                    ({"ids": ["x1", "x1"]}, "ids[1]"), ({"ids": []}, "ids")):
+                    assert where in _err(await alice.call_tool("delete_memories", args))
+                    assert _snapshot(mem) == before
+                out = _ok(await alice.call_tool("update_memories", {"items": [
+                    {"id": "x1", "text": "alice: one, edited"}, {"id": "x2", "metadata": {"k": 2}},
+                    {"id": "x3", "text": "alice: three, edited", "metadata": {"k": 3}}]}))
+                assert out == {"updated": ["x1", "x2", "x3"], "count": 3}
+                got = {i.id: (i.text, i.metadata) for i in mem.get_all("alice")}
+                assert got["x1"] == ("alice: one, edited", {}) and got["x2"] == ("alice: two", {"k": 2})
+                assert got["x3"] == ("alice: three, edited", {"k": 3})
+                hits = _ok(await alice.call_tool("search_memories", {"query": "alice: one, edited", "k": 1, "mode": "dense"}))
+                assert hits["hits"][0]["id"] == "x1"
+                out = _ok(await alice.call_tool("delete_memories", {"ids": ["x1", "x3"]}))
+                assert out == {"deleted": ["x1", "x3"], "count": 2}
+                assert [i.id for i in mem.get_all("alice")] == ["a1", "same", "x2"]
+                assert _snapshot(mem)["bob"] == before["bob"]
+
+    anyio.run(run)
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -15,6 +15,11 @@ Routes (JSON bodies validated by pydantic)::
     DELETE /v1/users/{user_id}                       delete ALL of the user's memories ("forget me")
     POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?}
     POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
+    POST   /v1/memories:batch                        {"items": [{"user_id", "text"?, "vector"?, "id"?,
+                                                     "metadata"?, "created_at"?}, ...]} -> 201 {"ids"}
+    POST   /v1/memories:batchUpdate                  {"items": [{"user_id", "id", "text"?, "vector"?,
+                                                     "metadata"?}, ...]} -> {"updated": n}
+    POST   /v1/memories:batchDelete                  {"items": [{"user_id", "id"}, ...]} -> {"deleted": n}
     POST   /v1/checkpoint                            fold the write-ahead log into the store (admin)
     POST   /v1/admin/tokens                          {"user_id", "label"?} -> 201 {"token", "token_id", ...}
     GET    /v1/admin/tokens                          ?user_id= -> the tokens (never their secrets)
@@ -35,21 +40,25 @@ only (any other user: 403; admin routes: 403). Running without authentication ne
 ``no_auth=True`` (``rfmem serve --no-auth``, which warns).
 
 User scope: every request names ONE user in its path and reads or writes only that
-user's memories (the engine searches within the user's own segment). Reads of a user
+user's memories (the engine searches within the user's own segment). The bulk routes
+(``/v1/memories:batch*``: many users' items in one all-or-nothing write,
+:meth:`Memory.add_many`) name a user per item instead: the admin token may write any
+user, a user token only its own (an item of another user: 403, nothing written). Reads of a user
 never written answer empty (search: no hits, list: no items); writes that name items
 of an unknown user answer 404 (those items do not exist); ``DELETE /v1/users/{u}`` is
 idempotent (200, ``{"deleted": 0}`` for an unknown user).
 
 Limits: a request body of at most ``max_body_bytes`` (default 4 MiB; 413 before the
-body is buffered, with a Content-Length or chunked), 1024 items per add / delete, 1024
-queries per batch search, k in [1, 1000], 100,000 characters per text (texts over the
+body is buffered, with a Content-Length or chunked), 1024 items per add / delete, 4096
+items per bulk request, 1024 queries per batch search, k in [1, 1000], 100,000 characters per text (texts over the
 encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), ids of
 1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
 field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python); a
 value the memory refuses (wrong dimension, duplicate id, empty text, ...) 400 with a
-message naming the argument; an unknown user / item 404; a missing or wrong bearer
+message naming the argument (on the bulk routes 422, in pydantic's form, with the
+item's ``loc`` ``["body", "items", i, field]``); an unknown user / item 404; a missing or wrong bearer
 token 401; a token of another user 403; a body over the limit 413; a full search
 queue 503 (with ``Retry-After``); a search that waited past its timeout 504. A write is
 acknowledged (2xx) only after it is in the fsynced write-ahead log.
@@ -60,7 +69,8 @@ Metrics (``/metrics``): ``rfmem_http_requests_total{method,route,status}``,
 ``rfmem_batch_size`` / ``rfmem_encode_seconds`` / ``rfmem_search_seconds`` (histograms
 per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_queue_depth``, ``rfmem_items``, ``rfmem_users``, ``rfmem_writes_total``,
-``rfmem_wal_bytes``, ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
+``rfmem_wal_bytes``, ``rfmem_encoder_seconds_total`` / ``rfmem_encoded_texts_total`` (the
+encoder's time and texts, writes included), ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
 also in ``/health``).
 """
 from __future__ import annotations
@@ -101,6 +111,7 @@ API_KEY_ENV = "RFMEM_API_KEY"
 #: default limit of a request body (bytes): ``rfmem serve --max-body-bytes``
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_ITEMS = 1024  # items per add / delete request
+MAX_BULK_ITEMS = 4096  # items per bulk request (/v1/memories:batch*)
 MAX_QUERIES = 1024  # queries per batch search
 MAX_TEXT = MAX_TEXT_CHARS  # characters per text
 MAX_DIM = 65_536
@@ -170,6 +181,66 @@ class DeleteRequest(_Body):
     """Item ids to delete."""
 
     ids: list[ItemId] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+class BulkAddItem(_Body):
+    """One item of a bulk add: its user, a text and / or a vector, optional id,
+    metadata and ``created_at`` (ISO-8601; kept when the store has it)."""
+
+    user_id: ItemId
+    id: ItemId | None = None
+    text: Text | None = None
+    vector: Vector | None = None
+    metadata: Meta | None = None
+    created_at: Annotated[str, StringConstraints(max_length=64)] | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> "BulkAddItem":
+        if self.text is None and self.vector is None:
+            raise ValueError("text or vector is required")
+        return self
+
+
+class BulkUpdateItem(_Body):
+    """One item of a bulk update: its user and id, and what changes (a field left out
+    is kept; ``"metadata": null`` clears)."""
+
+    user_id: ItemId
+    id: ItemId
+    text: Text | None = None
+    vector: Vector | None = None
+    metadata: Meta | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> "BulkUpdateItem":
+        if not self.model_fields_set & {"text", "vector", "metadata"}:
+            raise ValueError("text, vector or metadata is required")
+        return self
+
+
+class BulkDeleteItem(_Body):
+    """One item of a bulk delete."""
+
+    user_id: ItemId
+    id: ItemId
+
+
+class BulkAddRequest(_Body):
+    """Items of any users, added in one all-or-nothing write (:meth:`Memory.add_many`)."""
+
+    items: list[BulkAddItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
+
+
+class BulkUpdateRequest(_Body):
+    """Items of any users, changed in one all-or-nothing write (:meth:`Memory.update_many`)."""
+
+    items: list[BulkUpdateItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
+
+
+class BulkDeleteRequest(_Body):
+    """Items of any users, deleted in one all-or-nothing write (:meth:`Memory.delete_many`)."""
+
+    items: list[BulkDeleteItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
 
 
 class SearchRequest(_Body):
@@ -269,6 +340,35 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(400, str(e)) from None
 
 
+@contextmanager
+def _bulk_errors() -> Iterator[None]:
+    """:func:`_http_errors`, but a bad item (an error with an ``index``, from
+    :meth:`Memory.add_many` and co.) is a 422 in pydantic's form, located at the item."""
+    with _http_errors():
+        try:
+            yield
+        except (ValueError, TypeError) as e:
+            index = getattr(e, "index", None)
+            if index is None:
+                raise
+            field = getattr(e, "field", None)
+            loc = ["body", "items", index] + ([field] if field else [])
+            raise HTTPException(422, [{"type": "value_error", "loc": loc, "msg": str(e)}]) from None
+
+
+def _bulk_items(who: "_Principal", items: list[BaseModel]) -> list[dict[str, Any]]:
+    """The items of a bulk request as :meth:`Memory.add_many` takes them (the fields
+    sent, an explicit null included), after the scope check: a user token may write
+    its own user only (403 naming the first item of another user)."""
+    out = []
+    for i, it in enumerate(items):
+        if not who.admin and not hmac.compare_digest(it.user_id.encode("utf-8"), (who.user or "").encode("utf-8")):
+            raise HTTPException(403, f"items[{i}].user_id: this token may not access this user's memories "
+                                     "(a user token writes its own user only)")
+        out.append({k: getattr(it, k) for k in it.model_fields_set})
+    return out
+
+
 class FastJSONResponse(JSONResponse):
     """A JSON response serialised by orjson (~15x faster than the standard library on a
     search answer: 3 us instead of 44 us); falls back to the standard library for what
@@ -351,6 +451,10 @@ class _MemoryCollector:
         yield GaugeMetricFamily("rfmem_users", "users", value=st["users"])
         yield CounterMetricFamily("rfmem_writes", "acknowledged writes", value=st["writes"])
         yield GaugeMetricFamily("rfmem_wal_bytes", "bytes in the write-ahead log", value=st["wal_bytes"])
+        yield CounterMetricFamily("rfmem_encoder_seconds", "seconds spent in the text encoder (searches and writes)",
+                                  value=st["encode_seconds"])
+        yield CounterMetricFamily("rfmem_encoded_texts", "texts (chunks of long texts) embedded (searches and writes)",
+                                  value=st["encoded"])
         enc = st["encoder"]
         if enc is not None:
             info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, precision, device",
@@ -683,6 +787,27 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         for hits in results:
             metrics.count(body.mode, hits)
         return FastJSONResponse({"results": [_search_json(h) for h in results]})
+
+    @app.post("/v1/memories:batch", status_code=201)
+    def add_bulk(who: Who, body: BulkAddRequest) -> FastJSONResponse:
+        items = _bulk_items(who, body.items)
+        with _bulk_errors():
+            ids = memory.add_many(items)
+        return FastJSONResponse({"ids": ids}, status_code=201)
+
+    @app.post("/v1/memories:batchUpdate")
+    def update_bulk(who: Who, body: BulkUpdateRequest) -> dict[str, Any]:
+        items = _bulk_items(who, body.items)
+        with _bulk_errors():
+            memory.update_many(items)
+        return {"updated": len(items)}
+
+    @app.post("/v1/memories:batchDelete")
+    def delete_bulk(who: Who, body: BulkDeleteRequest) -> dict[str, Any]:
+        items = _bulk_items(who, body.items)
+        with _bulk_errors():
+            memory.delete_many(items)
+        return {"deleted": len(items)}
 
     @app.post("/v1/checkpoint", dependencies=Admin)
     def checkpoint() -> dict[str, Any]:

@@ -40,17 +40,7 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     """Add the options of the served Memory (encoder, backend, batching, cache, OpenMP
     policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp``; :func:`open_memory`
     takes the parsed values (:func:`memory_kwargs`)."""
-    p.add_argument("--encoder", default="default",
-                   help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
-    p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
-                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
-                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
-                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
-    p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
-                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
-                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
-                   "elsewhere; 'torch' or 'onnx' to force one")
+    add_encoder_args(p)
     p.add_argument("--preset", choices=["paper", "recommended"], default="paper",
                    help="retrieval configuration: 'paper' (default: the authors' RF-Mem, dense channel only) or "
                    "'recommended' (RFMemConfig.recommended(): hybrid dense + BM25 over the stored texts)")
@@ -67,6 +57,23 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
         help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
         "when it is unset: spinning OpenMP threads starve the event loop and the batcher thread)",
     )
+
+
+def add_encoder_args(p: argparse.ArgumentParser) -> None:
+    """Add the text encoder's options (``--encoder``, ``--encoder-dtype``,
+    ``--encoder-backend``) to ``p``: part of :func:`add_memory_args`, and what
+    ``rfmem import`` takes of them."""
+    p.add_argument("--encoder", default="default",
+                   help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
+    p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
+                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
+                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
+                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
+                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
+    p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
+                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
+                   "elsewhere; 'torch' or 'onnx' to force one")
 
 
 def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -207,7 +214,7 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
         "mcp",
         help="serve a memory as a Model Context Protocol server (stdio or streamable HTTP; the 'mcp' extra)",
         description="Serve a rfmem_fast.Memory to MCP clients (Claude Desktop, Cursor, agent frameworks): "
-        "tools add_memories / search_memories / update_memory / delete_memory / list_memories / get_memory "
+        "tools add_memories / search_memories / update_memory(ies) / delete_memory(ies) / list_memories / get_memory "
         "and memory:// resources, scoped to ONE user per client: --user (fixed by this server) or, over HTTP, "
         "the user of the client's bearer token (--tokens). Writes are durable (write-ahead log) once "
         "acknowledged, as with `rfmem serve`.",

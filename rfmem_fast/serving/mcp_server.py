@@ -14,7 +14,9 @@ Tools (no tool has a user argument)::
     search_memories(query, k=10, mode="rfmem") -> {"hits": [{"id", "text", "score", "metadata", "rank"}],
                                                   "route", "mode", "k"}
     update_memory(id, text?, metadata?)       -> {"id", "text", "metadata"}
+    update_memories(items: [{id, text?, metadata?}]) -> {"updated": [ids], "count"}   (all or none)
     delete_memory(id)                         -> {"id", "deleted"}
+    delete_memories(ids)                      -> {"deleted": [ids], "count"}            (all or none)
     list_memories(offset=0, limit=50)         -> {"memories", "total", "offset", "next_offset"}
     get_memory(id)                            -> {"id", "text", "metadata"}
 
@@ -69,7 +71,7 @@ try:
     from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
     from mcp.types import Resource as MCPResource
     from mcp.types import ToolAnnotations
-    from pydantic import BeforeValidator, Field
+    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from .._optional import install_hint
 
@@ -302,6 +304,26 @@ Arguments:
 
 Returns {"id", "deleted": true}. Error when no memory has that id."""
 
+_UPDATE_MANY = """Change several existing memories of the current user at once, keeping their ids: for each, a new
+text (re-embedded) and / or new metadata. All or nothing: if any item is invalid or names an id that does not exist,
+NOTHING is changed and the error names the item (items[i]). The write is durable when this returns.
+
+Arguments:
+- items: a list of 1 to 256 objects {"id": the memory's id, "text"?: the new text (1 to 100000 characters),
+  "metadata"?: a JSON object that REPLACES the memory's metadata ({} clears it)}; each needs a text or metadata,
+  and an id may appear once.
+
+Returns {"updated": [the ids, in order], "count": number changed}."""
+
+_DELETE_MANY = """Delete several memories of the current user at once, for good (they are never returned again).
+All or nothing: if any id does not exist, NOTHING is deleted and the error names it (ids[i]). The deletion is
+durable when this returns.
+
+Arguments:
+- ids: a list of 1 to 256 distinct memory ids (from add_memories, search_memories or list_memories).
+
+Returns {"deleted": [the ids, in order], "count": number deleted}."""
+
 _LIST = """List the current user's memories in the order they were added, one page at a time.
 
 Arguments:
@@ -328,6 +350,38 @@ def _int_id(v: Any) -> Any:
 
 IdArg = Annotated[str, BeforeValidator(_int_id), Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
 Meta = dict[str, Any]
+
+
+class MemoryChange(BaseModel):
+    """One item of update_memories: the memory's id and what changes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: IdArg
+    text: Annotated[str | None, Field(min_length=1, max_length=MAX_TEXT, description="the new text, or omit to keep")] = None
+    metadata: Annotated[Meta | None, Field(description="metadata replacing the old ({} clears), or omit to keep")] = None
+
+
+_ITEM_REF = re.compile(r"items\[(\d+)\](?:\.id)?")
+
+
+def _bulk_tool_errors(fn: Callable[[], T], ids: list[str], arg: str) -> T:
+    """Run a bulk Memory call for the scoped user; its refusals become tool errors naming
+    the tool's argument ``arg`` (``items[i]`` or ``ids[i]``). An id the user does not hold
+    (or an unknown user) is "no memory with id", as for one item."""
+    try:
+        return fn()
+    except KeyError as exc:
+        i = getattr(exc, "index", None)
+        if i is not None:
+            raise ToolError(f"{arg}[{i}]: no memory with id {ids[i]!r} (nothing was changed; list_memories or "
+                            "search_memories show the ids)") from None
+        raise ToolError(str(exc.args[0]) if exc.args else "not found") from None
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        if arg != "items":  # delete_memories(ids): items[i].id is ids[i]
+            msg = _ITEM_REF.sub(lambda m: f"{arg}[{m.group(1)}]", msg)
+        raise ToolError(f"{msg} (nothing was changed)") from None
 
 
 def _item_json(item: Item) -> dict[str, Any]:
@@ -513,6 +567,35 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
 
         await in_thread(write)
         return {"id": id, "deleted": True}
+
+    @server.tool(description=_UPDATE_MANY, annotations=ToolAnnotations(
+        read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False))
+    async def update_memories(
+        items: Annotated[list[MemoryChange], Field(min_length=1, max_length=MAX_TEXTS, description=(
+            f"1 to {MAX_TEXTS} changes: each {{id, text?, metadata?}}"))],
+    ) -> dict[str, Any]:
+        user = user_of()
+        ids = [it.id for it in items]
+        for i, it in enumerate(items):
+            if it.text is None and it.metadata is None:
+                raise ToolError(f"items[{i}]: give a new text, new metadata, or both")
+            if it.text is not None:
+                _check_blank(it.text, f"items[{i}].text")
+        changes = [{"user_id": user, "id": it.id, **({"text": it.text} if it.text is not None else {}),
+                    **({"metadata": it.metadata} if it.metadata is not None else {})} for it in items]
+        await in_thread(lambda: _bulk_tool_errors(lambda: memory.update_many(changes), ids, "items"))
+        return {"updated": ids, "count": len(ids)}
+
+    @server.tool(description=_DELETE_MANY, annotations=ToolAnnotations(
+        read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False))
+    async def delete_memories(
+        ids: Annotated[list[IdArg], Field(min_length=1, max_length=MAX_TEXTS, description=(
+            f"1 to {MAX_TEXTS} distinct memory ids"))],
+    ) -> dict[str, Any]:
+        user = user_of()
+        items = [{"user_id": user, "id": i} for i in ids]
+        await in_thread(lambda: _bulk_tool_errors(lambda: memory.delete_many(items), ids, "ids"))
+        return {"deleted": list(ids), "count": len(ids)}
 
     @server.tool(description=_LIST, annotations=read_only)
     async def list_memories(

@@ -10,6 +10,8 @@ LangChain users expect::
                   metadata={"source": "chat"})
     hits = mem.search("where do I live?", user_id="u1", k=5)
     hits[0].text, hits[0].score, hits[0].metadata, hits.route, hits.rule, hits.mean
+    mem.add_many([{"user_id": "u2", "text": "I play chess"},          # many users, one write,
+                  {"user_id": "u3", "text": "I like tea", "id": "t1"}])  # all or nothing
     mem.close()                                   # checkpoint; or use `with Memory(...)`
 
 What it adds to the engine
@@ -32,6 +34,10 @@ What it adds to the engine
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
   whole answers by (user, that user's write version, query, mode, k); any write to a
   user invalidates that user's answers.
+* Bulk writes (:meth:`Memory.add_many`, :meth:`Memory.update_many`,
+  :meth:`Memory.delete_many`): items of many users in one encoder call and one log
+  record (a group), all of them or none; :meth:`Memory.export_items` reads them back in
+  the same form (``rfmem export`` / ``rfmem import``, :mod:`rfmem_fast.serving.transfer`).
 * Durability (``path``): each write is appended to a write-ahead log and fsynced before
   the call returns (:mod:`rfmem_fast.serving.wal`), replayed on open; :meth:`Memory.save`
   checkpoints (an atomic bank store, then the log is truncated). Layout of ``path``::
@@ -57,13 +63,15 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -77,7 +85,8 @@ from .batcher import BatcherClosedError, MicroBatcher
 from .cache import QueryCache, vector_key
 from .wal import WriteAheadLog, decode_array, encode_array
 
-__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS"]
+__all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS",
+           "ITEM_FIELDS"]
 
 log = logging.getLogger("rfmem_fast.serving")
 
@@ -367,6 +376,88 @@ def _metadata_list(metadata: Any, m: int) -> list | None:
     return _check_metadata(out, m)
 
 
+# ---------------------------------------------------------------------- bulk items
+#: The fields of one item of :meth:`Memory.add_many` / :meth:`Memory.update_many` /
+#: :meth:`Memory.delete_many`, which are also the keys of a line of ``rfmem export`` /
+#: ``rfmem import``: field -> the bulk operations that take it. ``created_at`` (an
+#: ISO-8601 timestamp, stored as UTC) is checked, and kept when the store has it (issue
+#: 20 item 1); this version does not store it. A new per-item field is one entry here,
+#: its checker in ``_FIELD_CHECKS`` and, to be stored, its column in ``_RECORD_COLUMNS``.
+ITEM_FIELDS: dict[str, tuple[str, ...]] = {
+    "user_id": ("add", "update", "delete"),
+    "id": ("add", "update", "delete"),
+    "text": ("add", "update"),
+    "vector": ("add", "update"),
+    "metadata": ("add", "update"),
+    "created_at": ("add",),
+}
+#: item field -> the key of the logged add record holding it per item (``Memory._apply``
+#: hands each to the bank)
+_RECORD_COLUMNS = {"text": "texts", "metadata": "metadata"}
+_ITEM_LABEL = re.compile(r"^items\[(\d+)\](?:\.(\w+))?")
+
+
+def _check_meta1(value: Any, label: str) -> dict | None:
+    """One item's metadata (a JSON object, or None), checked as the bank stores it."""
+    try:
+        return _check_metadata([value], 1)[0]
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("metadata[0]", label, 1)) from None
+
+
+def _check_timestamp(value: Any, label: str) -> str:
+    """An ISO-8601 date-time (``2024-05-01T12:00:00Z``, any UTC offset; none: UTC) as
+    the UTC ISO string (``2024-05-01T12:00:00+00:00``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{label} must be an ISO-8601 date-time str, got {type(value).__name__}")
+    try:
+        t = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(f"{label} is not an ISO-8601 date-time: {value[:60]!r}") from None
+    t = t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
+    return t.isoformat()
+
+
+def _check_vector1(mem: "Memory", value: Any, label: str) -> np.ndarray:
+    """One item's vector: float32 [d] as given (not yet normalised; NaN / Inf / zero
+    refused). A list of ints is taken as floats (as JSON numbers are)."""
+    arr = value
+    if not (isinstance(arr, np.ndarray) or hasattr(arr, "detach")):
+        if isinstance(arr, (str, bytes, dict)):
+            raise TypeError(f"{label} must be a list of {mem.dim} floats, got {type(arr).__name__}")
+        try:
+            arr = np.asarray(arr)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{label} must be a list of {mem.dim} floats: {exc}") from None
+        if arr.dtype.kind in "iu":
+            arr = arr.astype(np.float64)
+    if getattr(arr, "ndim", None) != 1:
+        raise ValueError(f"{label} must be a 1-D vector of {mem.dim} floats, got shape {tuple(getattr(arr, 'shape', ()))}")
+    return mem._vectors(arr, label)[0]
+
+
+#: field -> checker(memory, value, label) -> the value as stored (raises naming ``label``)
+_FIELD_CHECKS: dict[str, Callable[["Memory", Any, str], Any]] = {
+    "user_id": lambda mem, v, label: _canon_id(v, label),
+    "id": lambda mem, v, label: _canon_id(v, label),
+    "text": lambda mem, v, label: _check_text(v, label),
+    "vector": _check_vector1,
+    "metadata": lambda mem, v, label: _check_meta1(v, label),
+    "created_at": lambda mem, v, label: _check_timestamp(v, label),
+}
+
+
+def _tag_item_error(exc: BaseException) -> None:
+    """Give an error whose message names ``items[i]`` (or ``items[i].field``) the
+    attributes ``index`` (int) and ``field`` (str or None), for callers that map it
+    back to their own numbering (HTTP 422 locations, line numbers of an import)."""
+    msg = exc.args[0] if exc.args and isinstance(exc.args[0], str) else ""
+    m = _ITEM_LABEL.match(msg)
+    if m:
+        exc.index = int(m.group(1))  # type: ignore[attr-defined]
+        exc.field = m.group(2)  # type: ignore[attr-defined]
+
+
 def _check_k(k: Any) -> None:
     if k is None:
         return
@@ -648,7 +739,15 @@ class Memory:
             if rec["op"] == "abort" or seq <= done_seq or seq in aborted:
                 continue
             try:
-                self._apply(rec)
+                if rec["op"] == "group":  # a bulk write: all its records, or none
+                    subs = rec.get("ops")
+                    if not isinstance(subs, list) or not all(isinstance(r, dict) for r in subs):
+                        raise ValueError("a group record without a list of records")
+                    self._check_group(subs)
+                    for sub in subs:
+                        self._apply(sub)
+                else:
+                    self._apply(rec)
                 self._counters["replayed"] += 1
             except (ValueError, TypeError, KeyError) as exc:  # it failed the same way when logged
                 self._counters["replay_skipped"] += 1
@@ -724,10 +823,12 @@ class Memory:
                     self._encoder = enc
         return self._encoder
 
-    def _encode_rows(self, texts: list[str], name: str) -> list[np.ndarray | ValueError]:
+    def _encode_rows(self, texts: list[str], name: str,
+                     labels: Sequence[str] | None = None) -> list[np.ndarray | ValueError]:
         """One encoder call for ``texts``: per text its float32 [d] embedding, or a
-        ValueError naming ``name[i]`` (or the query text) when the encoder returned a
-        zero or non-finite row for it. Raises what the encoder call raises."""
+        ValueError naming ``labels[i]`` (default ``name[i]``, or the query text) when
+        the encoder returned a zero or non-finite row for it. Raises what the encoder
+        call raises."""
         enc = self._get_encoder()
         t0 = time.perf_counter()
         raw = enc.encode(texts)
@@ -749,7 +850,7 @@ class Memory:
             norms = np.sqrt(np.einsum("ij,ij->i", rows64, rows64))
         rows: list[Any] = []
         for i, text in enumerate(texts):
-            label = f"{name}[{i}]" if name != "query" else "query"
+            label = labels[i] if labels is not None else f"{name}[{i}]" if name != "query" else "query"
             if not np.isfinite(rows64[i]).all() or not np.isfinite(norms[i]) or norms[i] <= 1e-12 \
                     or np.abs(rows64[i]).max() > np.finfo(np.float32).max:
                 rows.append(ValueError(
@@ -759,12 +860,13 @@ class Memory:
                 rows.append(out[i].astype(np.float32))
         return rows
 
-    def _encode(self, texts: list[str], name: str = "texts") -> np.ndarray:
+    def _encode(self, texts: list[str], name: str = "texts", labels: Sequence[str] | None = None) -> np.ndarray:
         """float32 [n, d] embeddings of ``texts`` (one encoder call).
 
         Raises:
-            ValueError: the encoder's row for ``name[i]`` is zero or not finite (named)."""
-        rows = self._encode_rows(texts, name)
+            ValueError: the encoder's row for ``labels[i]`` (default ``name[i]``) is
+                zero or not finite (named)."""
+        rows = self._encode_rows(texts, name, labels)
         for r in rows:
             if isinstance(r, BaseException):
                 raise r
@@ -795,38 +897,116 @@ class Memory:
 
     def _write(self, record: dict[str, Any]) -> None:
         """Log (durably), then apply one write; an apply that fails is logged as aborted."""
+        self._commit([record])
+
+    @staticmethod
+    def _log_form(rec: dict[str, Any]) -> dict[str, Any]:
+        """A record as logged: its arrays as exact base64 float32 (a group's records too)."""
+        line = dict(rec)
+        for key in ("vectors", "extra_vectors"):
+            if isinstance(line.get(key), np.ndarray):
+                line[key] = encode_array(line[key])
+        if line.get("op") == "group":
+            line["ops"] = [Memory._log_form(r) for r in line["ops"]]
+        return line
+
+    def _commit(self, records: list[dict[str, Any]]) -> None:
+        """Log (durably), then apply writes: one record, or several as ONE group record.
+
+        A group (``{"seq", "op": "group", "ops": [records]}``, :mod:`rfmem_fast.serving.wal`)
+        is one log line, so it is durable or absent as a whole (a torn line is cut off on
+        replay), and it is applied all-or-nothing: :meth:`_check_group` proves every
+        record applies (ids held / new, in order) before anything is logged, and the
+        records are applied under one hold of the write lock, so no search sees a part
+        of it. A record that fails anyway after the check (a bug, or MemoryError)
+        leaves the in-memory bank partly written: the group is logged as aborted and
+        the Memory refuses further writes (reopening a durable one restores the state
+        before the group). Raises what the check or the apply raises.
+        """
         with self._wmutex:
             self._check_open()
+            if not records:
+                raise ValueError("nothing to write")
+            group = len(records) > 1
+            if group:
+                self._check_group(records)  # before anything is logged: a refusal writes nothing
             seq = self._seq + 1
-            rec = {"seq": seq, **record}
+            rec = {"seq": seq, "op": "group", "ops": records} if group else {"seq": seq, **records[0]}
             if self._wal is not None:
-                line = dict(rec)
-                if line.get("vectors") is not None:
-                    line["vectors"] = encode_array(line["vectors"])
-                if line.get("extra_vectors") is not None:
-                    line["extra_vectors"] = encode_array(line["extra_vectors"])
                 try:
-                    self._wal.append(line)
+                    self._wal.append(self._log_form(rec))
                 except (TypeError, ValueError, RecursionError) as exc:  # not JSON: nothing was written
                     raise ValueError(f"cannot log this write: {exc}") from None
                 except OSError as exc:  # a partial line may be on disk: stop writing
                     self._broken = exc
                     raise
             self._seq = seq
+            applied = 0
             try:
                 with self._rw.write():
-                    self._apply(rec)
-            except BaseException:
+                    for r in (records if group else [rec]):
+                        self._apply(r)
+                        applied += 1
+            except BaseException as exc:
+                if applied:  # a group stopped half-way (cannot happen after _check_group)
+                    self._broken = RuntimeError(f"a bulk write (log seq {seq}) failed after {applied} of its "
+                                                f"{len(records)} records were applied: {exc!r}")
                 if self._wal is not None:
                     try:
                         self._wal.append({"seq": seq, "op": "abort"})
-                    except OSError as exc:  # replay re-fails the same write: still consistent
-                        self._broken = exc
+                    except OSError as exc2:  # replay re-fails the same write: still consistent
+                        self._broken = exc2
                 raise
             with self._stats_lock:
                 self._counters["writes"] += 1
             if self._wal is not None and self._checkpoint_bytes is not None and self._wal.nbytes > self._checkpoint_bytes:
                 self._checkpoint_locked()
+
+    def _check_group(self, records: list[dict[str, Any]]) -> None:
+        """Prove that ``records`` apply in order to the bank as it is (read only): the
+        ids of an ``add`` are not held, those of an ``update`` (and its dropped chunk
+        rows) and of a ``delete`` are; later records see earlier ones' changes.
+
+        Raises:
+            KeyError: an id not held (named with its user). ValueError: an id already
+                held, or an unknown operation.
+        """
+        seen: dict[str, dict[Any, bool]] = {}  # user -> {row id: held after the records so far}
+        cleared: set[str] = set()
+
+        def held(user: str, ids: list) -> list[bool]:
+            known = seen.setdefault(user, {})
+            ask = [i for i in ids if i not in known]
+            if ask:
+                known.update(zip(ask, [False] * len(ask) if user in cleared else self.bank.has_items(user, ask)))
+            return [known[i] for i in ids]
+
+        for rec in records:
+            op, user, ids = rec.get("op"), rec.get("user"), list(rec.get("ids") or [])
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"ids: a record of user {user!r} names an item id twice")
+            if op == "add":
+                for i, h in zip(ids, held(user, ids)):
+                    if h:
+                        raise ValueError(f"ids: user {user!r} already holds item id {i!r}")
+                seen[user].update(dict.fromkeys(ids, True))
+            elif op in ("update", "delete"):
+                drop = list(rec.get("drop") or []) if op == "update" else []
+                for i, h in zip(ids + drop, held(user, ids + drop)):
+                    if not h:
+                        raise KeyError(f"ids: user {user!r} holds no item id {i!r}")
+                gone = ids if op == "delete" else drop
+                seen[user].update(dict.fromkeys(gone, False))
+                extra = list(rec.get("extra_ids") or []) if op == "update" else []
+                for i, h in zip(extra, held(user, extra)):
+                    if h:
+                        raise ValueError(f"ids: user {user!r} already holds item id {i!r}")
+                seen[user].update(dict.fromkeys(extra, True))
+            elif op == "delete_user":
+                cleared.add(user)
+                seen[user] = {}
+            else:
+                raise ValueError(f"unknown operation {op!r} in a group of writes")
 
     def _apply(self, rec: dict[str, Any]) -> None:
         """Apply one logged write to the bank (live or replayed); bump the user's version."""
@@ -900,13 +1080,14 @@ class Memory:
         c = self._chunks.get(user) or {}
         return [f"{p}{CHUNK_SEP}{j}" for p in ids for j in range(1, c.get(p, 0) + 1)]
 
-    def _split(self, texts: list[str], name: str = "texts") -> list[list[str]]:
+    def _split(self, texts: list[str], name: str = "texts", labels: Sequence[str] | None = None) -> list[list[str]]:
         """Per text, its chunks: ``[text]`` when it fits the encoder's window (or the
         encoder does not tell one), else overlapping windows of the text itself.
 
         Raises:
             ValueError: a text over the window of an encoder that tells its window
-                (``max_tokens``, ``count_tokens``) but cannot cut (no ``token_spans``).
+                (``max_tokens``, ``count_tokens``) but cannot cut (no ``token_spans``),
+                named by ``labels[i]`` (default ``name[i]``).
 
         A chunk holds at most ``max_tokens`` minus the special tokens of the encoder's
         tokenizer (254 for all-MiniLM-L6-v2), consecutive chunks share
@@ -924,7 +1105,7 @@ class Memory:
         if not callable(spans_of):  # a window but no way to cut: refuse rather than truncate
             i = long[0]
             raise ValueError(
-                f"{name}[{i}] is {counts[i]} tokens long, but the encoder reads at most {limit} tokens "
+                f"{labels[i] if labels is not None else f'{name}[{i}]'} is {counts[i]} tokens long, but the encoder reads at most {limit} tokens "
                 f"(special tokens included) and would silently ignore the rest; this encoder has no "
                 f"token_spans() to chunk it: split it into memories of at most {limit} tokens")
         size = int(limit) - int(count([""])[0])  # room for the text's own tokens
@@ -942,22 +1123,37 @@ class Memory:
             out[i] = parts
         return out
 
+    def _embed_chunks(self, tx: list[str], labels: Sequence[str] | None = None) -> list[np.ndarray]:
+        """ONE encoder call for the chunks of every text (long ones cut, :meth:`_split`):
+        per text its float32 [c, d] rows (c >= 1 chunks; views into one array).
+
+        Raises:
+            ValueError: a text that cannot be cut or embeds as a zero / non-finite row,
+                named by ``labels[i]`` (default ``texts[i]``)."""
+        parts = self._split(tx, labels=labels)
+        flat = [c for p in parts for c in p]
+        names = labels if labels is not None else [f"texts[{i}]" for i in range(len(tx))]
+        rows = self._encode(flat, labels=[lab for lab, p in zip(names, parts) for _ in p])
+        out, r = [], 0
+        for p in parts:
+            out.append(rows[r:r + len(p)])
+            r += len(p)
+        return out
+
+    @staticmethod
+    def _chunk_layout(id_list: list[str], per_item: list[np.ndarray]) -> tuple[np.ndarray, list[str], np.ndarray | None]:
+        """Items' chunk rows (:meth:`_embed_chunks`) as bank rows: (one row per item: its
+        first chunk; the extra chunks' row ids ``"<id>\x1f<j>"``, j >= 1; their rows, or None)."""
+        first = np.stack([c[0] for c in per_item])
+        extra_ids = [f"{pid}{CHUNK_SEP}{j}" for pid, c in zip(id_list, per_item) for j in range(1, c.shape[0])]
+        if not extra_ids:
+            return first, [], None
+        return first, extra_ids, np.concatenate([c[1:] for c in per_item if c.shape[0] > 1])
+
     def _encode_items(self, tx: list[str], id_list: list[str]) -> tuple[np.ndarray, list[str], np.ndarray | None]:
         """Embeddings of items' texts, long ones chunked: (one row per item: its first
         chunk; the extra chunks' row ids; their rows, or None)."""
-        parts = self._split(tx)
-        flat = [c for p in parts for c in p]
-        rows = self._encode(flat)
-        if len(flat) == len(tx):
-            return rows, [], None
-        first, extra_ids, extra_rows, r = [], [], [], 0
-        for pid, p in zip(id_list, parts):
-            first.append(rows[r])
-            for j in range(1, len(p)):
-                extra_ids.append(f"{pid}{CHUNK_SEP}{j}")
-                extra_rows.append(rows[r + j])
-            r += len(p)
-        return np.stack(first), extra_ids, np.stack(extra_rows)
+        return self._chunk_layout(id_list, self._embed_chunks(tx))
 
     def add(
         self,
@@ -1011,16 +1207,42 @@ class Memory:
             raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
         meta = _metadata_list(metadata, m)
         extra_ids: list[str] = []
+        extra = None
         if vec is None:
             vec, extra_ids, extra = self._encode_items(tx, id_list)
-        texts_out = tx if tx is not None else [None] * m
-        if extra_ids:  # a long text: its extra chunks are rows of their own, after the items
-            vec = np.concatenate([vec, extra])
-            texts_out = texts_out + [None] * len(extra_ids)
-            meta = None if meta is None else meta + [None] * len(extra_ids)
-        self._write({"op": "add", "user": user, "ids": id_list + extra_ids, "texts": texts_out,
-                     "vectors": vec, "metadata": meta})
+        self._write(self._add_record(user, id_list, vec, extra_ids, extra, {"texts": tx, "metadata": meta}))
         return id_list
+
+    @staticmethod
+    def _add_record(user: str, id_list: list[str], vec: np.ndarray, extra_ids: list[str], extra: np.ndarray | None,
+                    columns: dict[str, list | None]) -> dict[str, Any]:
+        """The logged record of an add to one user: ``vec`` [m, d] the items' rows,
+        ``extra_ids`` / ``extra`` the extra chunk rows of long texts (after the items),
+        ``columns`` {record key: m per-item values or None} (``texts``, ``metadata``),
+        each padded with None for the chunk rows (a column of only None is None)."""
+        pad = [None] * len(extra_ids)
+        rec: dict[str, Any] = {"op": "add", "user": user, "ids": id_list + extra_ids,
+                               "vectors": np.concatenate([vec, extra]) if extra_ids else vec}
+        for col, vals in columns.items():
+            rec[col] = None if vals is None or all(v is None for v in vals) else list(vals) + pad
+        return rec
+
+    def _update_record(self, user: str, id_list: list[str], tx: list[str] | None, vec: np.ndarray | None,
+                       meta: list | None, extra_ids: list[str], extra: np.ndarray | None) -> dict[str, Any]:
+        """The logged record of an update of one user's items (call under the write
+        mutex): a new vector (given, or a new text's first chunk) drops the items' old
+        chunk rows and adds ``extra_ids`` / ``extra``, the new text's other chunks."""
+        rec = {"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta}
+        if vec is not None:  # a new text / vector replaces the item's chunks
+            drop = self._chunk_ids_of(user, id_list)
+            if drop or extra_ids:
+                rec.update(drop=drop, extra_ids=extra_ids, extra_vectors=extra)
+        return rec
+
+    def _delete_record(self, user: str, id_list: list[str]) -> dict[str, Any]:
+        """The logged record of a delete of one user's items and their chunk rows
+        (call under the write mutex)."""
+        return {"op": "delete", "user": user, "ids": id_list + self._chunk_ids_of(user, id_list)}
 
     def update(
         self,
@@ -1062,15 +1284,8 @@ class Memory:
         extra = None
         if tx is not None and vec is None:
             vec, extra_ids, extra = self._encode_items(tx, id_list)
-        rec = {"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta}
-        if vec is not None:  # a new text / vector replaces the item's chunks
-            with self._wmutex:
-                drop = self._chunk_ids_of(user, id_list)
-                if drop or extra_ids:
-                    rec.update(drop=drop, extra_ids=extra_ids, extra_vectors=extra)
-                self._write(rec)
-            return
-        self._write(rec)
+        with self._wmutex:
+            self._write(self._update_record(user, id_list, tx, vec, meta, extra_ids, extra))
 
     def delete(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> None:
         """Delete items of a user (never returned again); durable once it returns.
@@ -1085,7 +1300,7 @@ class Memory:
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
         with self._wmutex:  # an item's chunks go with it (an unknown id: the bank's KeyError names it)
-            self._write({"op": "delete", "user": user, "ids": id_list + self._chunk_ids_of(user, id_list)})
+            self._write(self._delete_record(user, id_list))
 
     def delete_user(self, user_id: Hashable) -> int:
         """Delete every memory of a user ("forget me"); durable once it returns.
@@ -1106,6 +1321,255 @@ class Memory:
                 self._write({"op": "delete_user", "user": user})
         return n
 
+    # ------------------------------------------------------------------ bulk writes
+    def _parse_items(self, items: Any, op: str) -> list[dict[str, Any]]:
+        """The items of a bulk ``op`` ("add", "update", "delete") checked field by field
+        (:data:`ITEM_FIELDS`), as dicts of the fields given (a None value counts as not
+        given, except ``metadata`` in an update, where it clears). Reads no state.
+
+        Raises:
+            TypeError / ValueError: naming ``items[i]`` or ``items[i].<field>``.
+        """
+        if isinstance(items, (str, bytes, Mapping)) or not hasattr(items, "__iter__"):
+            raise TypeError(f"items must be a sequence of dicts (one per item), got {type(items).__name__}")
+        items = list(items)
+        if not items:
+            raise ValueError(f"{op}_many needs at least one item")
+        allowed = [f for f, ops in ITEM_FIELDS.items() if op in ops]
+        out: list[dict[str, Any]] = []
+        first: dict[tuple[str, str], int] = {}
+        for i, it in enumerate(items):
+            if not isinstance(it, Mapping):
+                raise TypeError(f"items[{i}] must be a dict, got {type(it).__name__}")
+            unknown = [k for k in it if k not in allowed]
+            if unknown:
+                raise ValueError(f"items[{i}] has the unknown field {unknown[0]!r}: {op}_many takes "
+                                 f"{', '.join(allowed)}")
+            row: dict[str, Any] = {}
+            for f in allowed:
+                if f not in it:
+                    continue
+                v = it[f]
+                if v is None:
+                    if f == "metadata" and op == "update":
+                        row[f] = None  # clears
+                    continue
+                row[f] = _FIELD_CHECKS[f](self, v, f"items[{i}].{f}")
+            if "user_id" not in row:
+                raise ValueError(f"items[{i}].user_id is required")
+            if op != "add" and "id" not in row:
+                raise ValueError(f"items[{i}].id is required")
+            if op == "add" and "text" not in row and "vector" not in row:
+                raise ValueError(f"items[{i}]: an item needs a text or a vector")
+            if op == "update" and not ("text" in row or "vector" in row or "metadata" in row):
+                raise ValueError(f"items[{i}]: an update needs a text, a vector or metadata")
+            if "id" in row:
+                key = (row["user_id"], row["id"])
+                if key in first:
+                    raise ValueError(f"items[{i}].id: item {row['id']!r} of user {row['user_id']!r} is given twice "
+                                     f"in this call (also items[{first[key]}])")
+                first[key] = i
+            out.append(row)
+        return out
+
+    @staticmethod
+    def _by_user(parsed: list[dict[str, Any]]) -> dict[str, list[int]]:
+        """{user: indices of its items}, users in order of first appearance."""
+        out: dict[str, list[int]] = {}
+        for i, it in enumerate(parsed):
+            out.setdefault(it["user_id"], []).append(i)
+        return out
+
+    def _check_held(self, parsed: list[dict[str, Any]], by_user: dict[str, list[int]], op: str) -> None:
+        """The ids of an add are new to their users; those of an update / delete are held.
+
+        Raises:
+            ValueError (add) / KeyError (update, delete: unknown user or item), naming
+                ``items[i].id`` (or ``.user_id``).
+        """
+        for user, idx in by_user.items():
+            if op != "add" and user not in self.bank:
+                raise KeyError(f"items[{idx[0]}].user_id: unknown user {user!r}")
+            ids = [parsed[i]["id"] for i in idx]
+            for i, h in zip(idx, self.bank.has_items(user, ids)):
+                if op == "add" and h:
+                    raise ValueError(f"items[{i}].id: user {user!r} already holds item id {parsed[i]['id']!r}")
+                if op != "add" and not h:
+                    raise KeyError(f"items[{i}].id: user {user!r} holds no item id {parsed[i]['id']!r}")
+
+    def _embed_items(self, parsed: list[dict[str, Any]], need: list[int]) -> dict[int, np.ndarray]:
+        """{item index: its chunk rows [c, d]} for the items ``need`` (their texts, in ONE
+        encoder call; long texts chunked)."""
+        if not need:
+            return {}
+        if not self._has_encoder:
+            raise ValueError(f"items[{need[0]}].text: this Memory has no text encoder (encoder=False); "
+                             "give each item a vector")
+        rows = self._embed_chunks([parsed[i]["text"] for i in need], labels=[f"items[{i}].text" for i in need])
+        return dict(zip(need, rows))
+
+    def _bulk(self, fn: Callable[[Any], Any], items: Any) -> Any:
+        try:
+            return fn(items)
+        except (TypeError, ValueError, KeyError) as exc:
+            _tag_item_error(exc)
+            raise
+
+    def add_many(self, items: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Store many items of many users in ONE write: all of them, or none.
+
+        Args:
+            items: dicts, one per item, with the fields (:data:`ITEM_FIELDS`):
+                ``user_id`` (required; str or int, as in :meth:`add`), ``text`` and / or
+                ``vector`` (at least one: a [d] float vector is stored instead of
+                encoding the text, which is then kept as the item's text), ``id``
+                (optional: default a new uuid4 hex), ``metadata`` (a JSON object, or
+                None), ``created_at`` (ISO-8601; checked, kept when the store has it:
+                not by this version). A None value counts as not given.
+
+        Every text without a vector is embedded in ONE encoder call (long texts
+        chunked as in :meth:`add`); each user's items become one add record and the
+        records ONE log line (a group, :mod:`rfmem_fast.serving.wal`: replayed whole
+        or not at all), applied under one hold of the write lock (a search sees all
+        of the items or none; the bank builds one snapshot for them).
+
+        Returns:
+            list of the items' ids (str), in item order.
+
+        Raises:
+            ValueError / TypeError: a bad item, its index and field named
+                (``items[3].text is empty ...``; the error has ``index`` and ``field``
+                attributes); an id given twice for a user, or one the user already
+                holds (``items[i].id``). Nothing is written then.
+            OSError: the log could not be written (nothing is acknowledged).
+        """
+        return self._bulk(self._add_many, items)
+
+    def _add_many(self, items: Any) -> list[str]:
+        self._check_open()
+        parsed = self._parse_items(items, "add")
+        for it in parsed:
+            it.setdefault("id", uuid.uuid4().hex)
+        by_user = self._by_user(parsed)
+        with self._wmutex:  # fail before the encoder runs
+            self._check_held(parsed, by_user, "add")
+        chunks = self._embed_items(parsed, [i for i, it in enumerate(parsed) if "vector" not in it])
+        with self._wmutex:
+            self._check_held(parsed, by_user, "add")  # again: another write may have come in
+            records = []
+            for user, idx in by_user.items():
+                ids = [parsed[i]["id"] for i in idx]
+                vec, extra_ids, extra = self._chunk_layout(ids, [chunks[i] if i in chunks else parsed[i]["vector"][None]
+                                                                 for i in idx])
+                cols = {col: [parsed[i].get(f) for i in idx] for f, col in _RECORD_COLUMNS.items()}
+                records.append(self._add_record(user, ids, vec, extra_ids, extra, cols))
+            self._commit(records)
+        return [it["id"] for it in parsed]
+
+    def update_many(self, items: Sequence[Mapping[str, Any]]) -> None:
+        """Change many items of many users in ONE write (all of them, or none), keeping their ids.
+
+        Args:
+            items: dicts with ``user_id`` and ``id`` (required: an item the user
+                holds) and at least one of ``text`` (re-encoded unless a ``vector`` is
+                given), ``vector`` ([d] floats) and ``metadata`` (a JSON object that
+                replaces the item's; None clears it). A field left out is kept.
+
+        The new texts are embedded in one encoder call; the records are one log
+        group, applied as in :meth:`add_many`.
+
+        Raises:
+            KeyError: an unknown user or item (``items[i].user_id`` / ``items[i].id``).
+            ValueError / TypeError: a bad item (index and field named, attributes
+                ``index`` / ``field``), an item given twice. Nothing is written then.
+        """
+        self._bulk(self._update_many, items)
+
+    def _update_many(self, items: Any) -> None:
+        self._check_open()
+        parsed = self._parse_items(items, "update")
+        by_user = self._by_user(parsed)
+        with self._wmutex:
+            self._check_held(parsed, by_user, "update")
+        chunks = self._embed_items(parsed, [i for i, it in enumerate(parsed) if "text" in it and "vector" not in it])
+        with self._wmutex:
+            self._check_held(parsed, by_user, "update")
+            records = []
+            for user, idx in by_user.items():
+                kinds: dict[tuple[bool, bool, bool], list[int]] = {}  # one record per set of fields changed
+                for i in idx:
+                    it = parsed[i]
+                    kinds.setdefault(("text" in it, "text" in it or "vector" in it, "metadata" in it), []).append(i)
+                for (has_text, has_vec, has_meta), g in kinds.items():
+                    ids = [parsed[i]["id"] for i in g]
+                    vec, extra_ids, extra = None, [], None
+                    if has_vec:
+                        vec, extra_ids, extra = self._chunk_layout(
+                            ids, [chunks[i] if i in chunks else parsed[i]["vector"][None] for i in g])
+                    records.append(self._update_record(
+                        user, ids, [parsed[i]["text"] for i in g] if has_text else None, vec,
+                        [parsed[i]["metadata"] for i in g] if has_meta else None, extra_ids, extra))
+            self._commit(records)
+
+    def delete_many(self, items: Sequence[Mapping[str, Any]]) -> None:
+        """Delete many items of many users in ONE write: all of them, or none.
+
+        Args:
+            items: dicts ``{"user_id", "id"}`` (an item the user holds; a long text's
+                chunks go with it).
+
+        Raises:
+            KeyError: an unknown user or item (``items[i].user_id`` / ``items[i].id``).
+            ValueError / TypeError: a malformed item or one given twice (named).
+                Nothing is deleted then.
+        """
+        self._bulk(self._delete_many, items)
+
+    def _delete_many(self, items: Any) -> None:
+        self._check_open()
+        parsed = self._parse_items(items, "delete")
+        by_user = self._by_user(parsed)
+        with self._wmutex:
+            self._check_held(parsed, by_user, "delete")
+            self._commit([self._delete_record(user, [parsed[i]["id"] for i in idx]) for user, idx in by_user.items()])
+
+    def export_items(self, user_id: Hashable | None = None, *, vectors: bool = False) -> Iterator[dict[str, Any]]:
+        """Every live item (or one user's) as the dicts :meth:`add_many` takes: users in
+        the order they were first written, each user's items in insertion order.
+
+        Args:
+            user_id: one user, or None for all (an unknown user: nothing).
+            vectors: also give each item's ``vector`` (float32 [d], the stored unit
+                row) -- except for a long text stored in several chunk rows, which has
+                none (``add_many`` re-embeds its text). An item without a text always
+                has its vector (nothing else could make it again).
+
+        Yields:
+            {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
+            {} when none)[, "vector"]}: one consistent version of the memory (taken
+            under the read lock at the first ``next``).
+        """
+        only = None if user_id is None else _user_key(user_id)
+        with self._rw.read():
+            snap = self.bank.snapshot()
+            users = [u for u in snap.users if only is None or u == only]
+            metas = {u: self.bank.get_metadata(u) for u in users}
+            chunked = {u: set(self._chunks.get(u) or ()) for u in users}
+        pos = {u: k for k, u in enumerate(snap.users)}
+        texts = snap.texts
+        for user in users:
+            k = pos[user]
+            a, b = int(snap.offsets[k]), int(snap.offsets[k + 1])
+            for r, meta in zip(range(a, b), metas[user]):
+                iid = snap.item_ids[r]
+                if isinstance(iid, str) and CHUNK_SEP in iid:
+                    continue
+                item = {"id": str(iid), "user_id": str(user), "text": None if texts is None else texts[r],
+                        "metadata": meta or {}}
+                if (vectors or item["text"] is None) and iid not in chunked[user]:
+                    item["vector"] = np.array(snap.vectors[r], dtype=np.float32)
+                yield item
+
     # ------------------------------------------------------------------ reads
     def counts(self) -> tuple[int, int]:
         """(users holding at least one item, live items) of the whole memory: items as a
@@ -1121,6 +1585,18 @@ class Memory:
         """Live items of a user (0 for an unknown user)."""
         user = _user_key(user_id)
         return self.bank.user_size(user) - self._extra_rows(user) if user in self.bank else 0
+
+    def has_items(self, user_id: Hashable, ids: Sequence[Hashable]) -> list[bool]:
+        """For each id, whether the user holds a live item with it (all False for a user
+        never written; ids as in :meth:`add`: an int is its decimal str).
+
+        Raises:
+            TypeError / ValueError: a malformed user id or item id (``ids[i]`` named).
+        """
+        user = _user_key(user_id)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"ids must be a sequence of str or int item ids, got {type(ids).__name__}")
+        return self.bank.has_items(user, [_canon_id(x, f"ids[{i}]") for i, x in enumerate(ids)])
 
     def get_all(self, user_id: Hashable, offset: int = 0, limit: int | None = None) -> list[Item]:
         """The live items of a user in insertion order ([] for an unknown user).

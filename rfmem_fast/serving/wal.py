@@ -8,8 +8,13 @@ truncates it.
 
 Format: one line per record, ``<crc32 of the JSON, 8 hex digits> <JSON object>\\n``.
 Every record has ``seq`` (int, increasing) and ``op``: ``add`` / ``update`` /
-``delete`` (the arguments, vectors as exact float32 bytes in base64) or ``abort``
-(the write with that ``seq`` failed validation and was not applied).
+``delete`` / ``delete_user`` (the arguments, vectors as exact float32 bytes in
+base64), ``group`` (a bulk write, ``Memory.add_many`` and co.: ``"ops"`` holds its
+records, each an ``add`` / ``update`` / ``delete`` record without a ``seq`` of its
+own; being ONE line, a group is on disk whole or, torn, cut off whole, and it is
+replayed all-or-nothing) or ``abort`` (the write with that ``seq`` failed validation
+and was not applied). Logs without ``group`` records are those of earlier versions,
+read unchanged.
 
 Reading (:meth:`WriteAheadLog.replay`): a torn last line (a crash in the middle of an
 append: the write was never acknowledged) is cut off; a bad line followed by a good
