@@ -463,7 +463,7 @@ def route_summary(facts: RunOutput | None, specific: np.ndarray | None = None) -
         {name: count}, "mean_rounds_recollection", and with ``specific``:
         "familiarity_fraction_specific" / "_vague"}; None without facts.
     """
-    from ..router import RULE_NAMES
+    from ..routing.base import RULE_NAMES
 
     if facts is None or facts.route is None or facts.route.size == 0:
         return None

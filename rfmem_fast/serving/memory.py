@@ -70,6 +70,7 @@ import numpy as np
 from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
+from ..routing.files import check_config_files
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
 from ._rwlock import RWLock
@@ -432,8 +433,11 @@ class Memory:
             a dimension mismatch between ``dim`` / the encoder / the stored memory,
             ``encoder_dtype`` / ``encoder_backend`` with an ``encoder`` given or a pair
             :func:`rfmem_fast.encoders.check_backend` refuses, an unknown or unbuilt ``backend``
-            name (checked here, not at the first search), or an option out of range.
-            StoreError: a corrupt store or log.
+            name (checked here, not at the first search), or an option out of range;
+            a corrupt or mismatched ``config.router`` / ``config.reranker`` file
+            (:func:`rfmem_fast.routing.files.check_config_files`). StoreError: a
+            corrupt store or log.
+        FileNotFoundError: ``config.router`` / ``config.reranker`` names no file.
         TypeError: an option of the wrong type.
 
     Thread-safe: any number of threads (and asyncio tasks) may search and write.
@@ -491,6 +495,7 @@ class Memory:
             from ..backends import get_backend
 
             get_backend(backend, device)  # an unknown or unbuilt backend fails here, not at the first search
+        check_config_files(config)  # a missing / bad router or re-ranker file fails here (the config holds paths)
         self._config = config
         self._configs: dict[int, RFMemConfig] = {config.out_k: config}
         self._backend = backend
