@@ -2,8 +2,8 @@
 
 A search whose queries already live on a GPU (``search(..., output="torch")`` with a CUDA
 tensor) keeps them there: the bank is copied to the device once per bank version (the
-backend's cached :class:`~rfmem_fast.backends.base.BankView`, in the bank's dtype), the
-router runs on the device (:func:`rfmem_fast.router.route_tensor`) and the results come
+backend's cached :class:`BankView`, in the bank's dtype), the
+router runs on the device (:func:`rfmem_fast.routing.threshold.route_tensor`) and the results come
 back as tensors on that device. This module holds what that path needs:
 
 * :func:`free_device_memory` / :func:`check_fits`: a bank too large for the device's free

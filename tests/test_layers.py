@@ -377,6 +377,57 @@ def test_no_upward_import():
     assert not up, "upward imports:\n" + "\n".join(up)
 
 
+def test_moved_names_resolve_at_their_old_places(tmp_path):
+    """Names moved to untie the layers keep working: moved down, the old module re-exports
+    the same object silently; the deprecated aliases warn and forward."""
+    import importlib
+    import warnings
+
+    import numpy as np
+
+    silent = {  # old place -> new place, the same object, no warning
+        "rfmem_fast.backends.base:BankView": "rfmem_fast.device:BankView",
+        "rfmem_fast.recollection:RecollectionOutput": "rfmem_fast.backends.base:RecollectionOutput",
+        "rfmem_fast.recollection:recollection_capacity": "rfmem_fast.backends.base:recollection_capacity",
+        "rfmem_fast.backends.exact:row_norm_max": "rfmem_fast.precision:row_norm_max",
+        "rfmem_fast.backends.exact:gamma": "rfmem_fast.precision:gamma",
+        "rfmem_fast.backends.exact:U32": "rfmem_fast.precision:U32",
+        "rfmem_fast.backends.exact:abs_error_term": "rfmem_fast.precision:abs_error_term",
+        "rfmem_fast.encoders:default_model_path": "rfmem_fast.models:default_model_path",
+        "rfmem_fast.serving.cli:open_memory": "rfmem_fast.serving.launch:open_memory",
+    }
+
+    def get(spec):
+        mod, name = spec.split(":")
+        return getattr(importlib.import_module(mod), name)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for old, new in silent.items():
+            assert get(old) is get(new), old
+    router = importlib.import_module("rfmem_fast.router")
+    for name, home in router._MOVED.items():
+        with pytest.warns(DeprecationWarning, match=f"rfmem_fast.router.{name} moved to {home}"):
+            got = getattr(router, name)
+        assert got is get(f"{home}:{name}"), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        router.nothing  # noqa: B018
+    from rfmem_fast import MemoryBank
+    from rfmem_fast import store
+
+    bank = MemoryBank(4)
+    bank.add("u", np.eye(4, dtype=np.float32)[:3], ["a", "b", "c"], texts=["x y", None, "z"])
+    with pytest.warns(DeprecationWarning, match="bank.save"):
+        data_dir = store.save_bank(bank, tmp_path / "s")
+    assert data_dir.parent == tmp_path / "s" and data_dir.name.startswith("snap-")
+    with pytest.raises(TypeError, match="bank must be a MemoryBank"):
+        store.save_bank("not a bank", tmp_path / "t")
+    with pytest.warns(DeprecationWarning, match="MemoryBank.load"):
+        back = store.load_bank(tmp_path / "s")
+    assert isinstance(back, MemoryBank) and back.snapshot().item_ids.tolist() == ["a", "b", "c"]
+    np.testing.assert_array_equal(back.snapshot().vectors, bank.snapshot().vectors)
+
+
 def test_the_layers_page_lists_the_table():
     text = PAGE.read_text(encoding="utf-8")
     for name, patterns in LAYERS:

@@ -159,7 +159,7 @@ class Hit:
         rank: 0-based position in the query's result.
         user_id: the user whose memory it came from (always the query's user).
         route: the query's path, "familiarity" or "recollection" (spec section 2).
-        rule: the router rule that fired (``rfmem_fast.router.RULE_NAMES``).
+        rule: the router rule that fired (``rfmem_fast.routing.base.RULE_NAMES``).
         mean: mean of the probe's top-``probe_k`` scores (spec section 1).
         entropy: the probe's softmax entropy (spec section 1).
         rounds: recollection rounds used (0 on the Familiarity path).
