@@ -35,7 +35,7 @@ _MOVED = {
     "route_tensor": "rfmem_fast.routing.threshold",
 }
 
-__all__: list[str] = []
+__all__ = list(_MOVED)  # ``from rfmem_fast.router import *`` still gets them (with the warnings)
 
 
 def __getattr__(name: str) -> Any:
