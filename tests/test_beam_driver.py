@@ -202,6 +202,9 @@ def test_python_driver_in_budget_chunks_equals_the_native_driver():
     assert b * round_bytes_per_query(cfg, 24) > 2 * (1 << 20)  # at least three chunks
     slow = NativeBackend(memory_budget=1 << 20, beam_driver="python")
     assert not slow.fused_driver() and NATIVE.fused_driver()
+    assert not TorchBackend("cpu").fused_driver() and not ReferenceBackend().fused_driver()
+    own = type("OwnDriver", (TorchBackend,), {"recollect": lambda self, *a, **k: None})("cpu")
+    assert own.fused_driver()  # a backend class with a driver of its own: the search runs it
     _same_results(search(bank, Q, users, cfg, mode="recollection", backend=slow),
                   search(bank, Q, users, cfg, mode="recollection", backend=NATIVE))  # fmt: skip
     view = NATIVE.view(bank)

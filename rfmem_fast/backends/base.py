@@ -242,16 +242,18 @@ class Backend:
     def fused_driver(self) -> bool:
         """Whether :meth:`recollect` is a fused beam driver that the search should run.
 
-        The base class has none (False): the search runs the portable Python driver
-        :func:`rfmem_fast.recollection.recollect` over this backend's primitives. A backend
-        with a driver of its own (the native backend's C++ one) returns True while it is
-        in effect (``NativeBackend(beam_driver=...)`` / ``RFMEM_BEAM_DRIVER``).
+        The default: True exactly when the backend's class overrides :meth:`recollect`
+        (the base class has no driver, so the search runs the portable Python driver
+        :func:`rfmem_fast.recollection.recollect` over the primitives of every backend
+        that does not). A backend whose driver can be switched off overrides this too:
+        the native backend says False while ``NativeBackend(beam_driver="python")`` /
+        ``RFMEM_BEAM_DRIVER=python`` is in effect.
 
         Raises:
             ValueError: a backend setting that names no driver (the native backend's
                 ``RFMEM_BEAM_DRIVER``).
         """
-        return False
+        return type(self).recollect is not Backend.recollect
 
     def recollect(
         self,
