@@ -68,6 +68,7 @@ import numpy as np
 from ._validate import as_float_matrix, l2_normalize_rows
 from .lexical import Analyzer, LexicalIndex, Vocabulary, concat_segments, docs_segment
 from .precision import HALF_DTYPES, check_dtype, to_scan_copy
+from .store import read_store, write_store
 
 ItemId = Hashable
 
@@ -852,13 +853,16 @@ class MemoryBank:
                 written into (permission, a parent that is a file, ...); OSError: I/O
                 failure while writing (the previous store stays intact).
         """
-        from .store import save_bank
+        self._save(path)
 
-        save_bank(self, path)
+    def _save(self, path: Any) -> Any:
+        """:meth:`save`, returning the committed data directory (a Path)."""
+        snap, metadata = self._snapshot_and_metadata()
+        return write_store(path, snap, metadata, dim=self.dim, lexical_stemmer=self.lexical_stemmer)
 
     @classmethod
     def load(cls, path: Any, mmap: bool = False, verify: bool = True) -> "MemoryBank":
-        """Read a bank written by :meth:`save` (see :func:`rfmem_fast.store.load_bank`).
+        """Read a bank written by :meth:`save`: the arrays :func:`rfmem_fast.store.read_store` reads, as a bank.
 
         Args:
             path: the store directory.
@@ -872,9 +876,12 @@ class MemoryBank:
             StoreError (a ValueError): missing, corrupt, truncated, edited or
                 newer-version store; the message names the file.
         """
-        from .store import load_bank
-
-        return load_bank(path, mmap=mmap, verify=verify)
+        c = read_store(path, mmap=mmap, verify=verify)
+        snap = BankSnapshot(c.vectors, c.offsets, c.item_ids, c.version, c.users, c.texts, c.scan, c.dtype, c.lexical)
+        bank = cls(c.dim, dtype=c.dtype, lexical_stemmer=c.lexical_stemmer)
+        bank._install(snap, c.metadata)  # a store without a lexical index (format 1 / 2) is indexed here
+        bank._store = (c.path, c.mmap)
+        return bank
 
     def astype(self, dtype: Any) -> "MemoryBank":
         """A bank of another scan type holding this bank's current users, items and rows.
@@ -1140,7 +1147,7 @@ class MemoryBank:
 
     def _snapshot_and_metadata(self) -> tuple[BankSnapshot, list | None]:
         """The snapshot and its rows' metadata (list [n] of dict / None, or None when no
-        item has any), taken together under the lock (what :func:`rfmem_fast.store.save_bank` writes)."""
+        item has any), taken together under the lock (what :meth:`save` writes with :func:`rfmem_fast.store.write_store`)."""
         with self._lock:
             snap = self.snapshot()
             if not any(self._meta.values()):

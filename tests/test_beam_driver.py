@@ -187,6 +187,34 @@ def test_threads_and_memory_budget_do_not_change_results():
     np.testing.assert_array_equal(out.rounds.numpy(), want[2])
 
 
+def test_python_driver_in_budget_chunks_equals_the_native_driver():
+    """The search runs the Python driver for ``NativeBackend(beam_driver="python")``; under a
+    1 MiB budget it cuts the batch into chunks (several here) and still returns the C++
+    driver's rows, scores and rounds (the choice is the search's: Backend.fused_driver)."""
+    from rfmem_fast.recollection import round_bytes_per_query
+
+    rng = np.random.default_rng(8)
+    bank = _random_bank(rng, 24, [300, 40, 250, 5, 120], "dup")
+    cfg = RFMemConfig(out_k=15)
+    b = 64
+    Q = rng.standard_normal((b, 24)).astype(np.float32)
+    users = [f"u{int(u)}" for u in rng.integers(0, 5, b)]
+    assert b * round_bytes_per_query(cfg, 24) > 2 * (1 << 20)  # at least three chunks
+    slow = NativeBackend(memory_budget=1 << 20, beam_driver="python")
+    assert not slow.fused_driver() and NATIVE.fused_driver()
+    assert not TorchBackend("cpu").fused_driver() and not ReferenceBackend().fused_driver()
+    own = type("OwnDriver", (TorchBackend,), {"recollect": lambda self, *a, **k: None})("cpu")
+    assert own.fused_driver()  # a backend class with a driver of its own: the search runs it
+    _same_results(search(bank, Q, users, cfg, mode="recollection", backend=slow),
+                  search(bank, Q, users, cfg, mode="recollection", backend=NATIVE))  # fmt: skip
+    view = NATIVE.view(bank)
+    Qn = torch.from_numpy(Q / np.linalg.norm(Q, axis=1, keepdims=True)).float()
+    qseg = torch.from_numpy(bank.segments_for(users))
+    o1, o2 = python_driver(slow, view, Qn, qseg, cfg), NATIVE.recollect(view, Qn, qseg, cfg)
+    assert torch.equal(o1.rows, o2.rows) and torch.equal(o1.rounds, o2.rounds)
+    assert torch.equal(o1.scores.view(torch.int32), o2.scores.view(torch.int32))
+
+
 def test_width_returns_every_discovered_item():
     """width = the capacity returns every hit; its first out_k columns are the result."""
     rng = np.random.default_rng(9)

@@ -22,6 +22,7 @@ from rfmem_fast.routing import (
     save_reranker,
     user_profiles,
 )
+from rfmem_fast.routing.files import resolve_reranker
 
 ALWAYS = dict(theta_high=1.0, theta_low=1.0, tau=0.0)
 
@@ -288,10 +289,10 @@ def test_reranker_file_round_trip_and_bad_files(tmp_path):
         with pytest.raises(RerankerFileError, match=msg) as e:
             load_reranker(bad)
         assert f"bad{i}.json" in str(e.value)
-        with pytest.raises(ValueError, match="RFMemConfig.reranker"):
-            RFMemConfig(reranker=bad)
+        with pytest.raises(ValueError, match="RFMemConfig.reranker"):  # resolved by search / Memory, not the config
+            resolve_reranker(RFMemConfig(reranker=bad))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        RFMemConfig(reranker=str(tmp_path / "absent.json"))
+        resolve_reranker(RFMemConfig(reranker=str(tmp_path / "absent.json")))
     with pytest.raises(TypeError, match="reranker"):
         RFMemConfig(reranker=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="merge='none'"):

@@ -25,6 +25,7 @@ from rfmem_fast.routing import (
     save_router,
 )
 from rfmem_fast.routing.calibrate import fit_threshold_router
+from rfmem_fast.routing.files import resolve_router
 
 
 def random_signals(seed=0, b=200, k=10):
@@ -183,17 +184,55 @@ def test_bad_router_files_fail_clearly(tmp_path):
         path = _write(tmp_path / f"bad{i}.json", doc)
         with pytest.raises(RouterFileError, match=msg):
             load_router(path)
-        with pytest.raises(ValueError, match="RFMemConfig.router"):
-            RFMemConfig(router=path)
+        with pytest.raises(ValueError, match="RFMemConfig.router"):  # resolved by search / Memory, not the config
+            resolve_router(RFMemConfig(router=path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        RFMemConfig(router=str(tmp_path / "absent.json"))
+        resolve_router(RFMemConfig(router=str(tmp_path / "absent.json")))
     with pytest.raises(TypeError, match="router"):
         RFMemConfig(router=3)  # type: ignore[arg-type]
     # a router made for another probe (temperature 30) does not fit the default config
     other = _write(tmp_path / "t30.json", {**good, "probe": {**good["probe"], "temperature": 30.0}})
     with pytest.raises(ValueError, match="temperature"):
-        RFMemConfig(router=other)
+        resolve_router(RFMemConfig(router=other))
     assert RFMemConfig(router=other, temperature=30.0).resolved_router().probe.temperature == 30.0
+
+
+def test_config_holds_paths_search_memory_and_cli_resolve_them(tmp_path):
+    """RFMemConfig reads no file (issue 19): a bad router / re-ranker path is a field value;
+    search, Memory (on opening) and the CLI's --set refuse it with the errors (type and
+    message) the config raised on construction before."""
+    from rfmem_fast import Memory
+    from rfmem_fast._cliargs import config_from_sets
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "rfmem_fast.router", "version": 1')
+    absent = str(tmp_path / "absent.json")
+    cfg = RFMemConfig(router=bad)  # no I/O: constructs, and keeps the path (as a str)
+    assert cfg.router == str(bad) and RFMemConfig(reranker=absent).reranker == absent
+    rng = np.random.default_rng(0)
+    bank = MemoryBank(4)
+    bank.add("u", rng.normal(size=(6, 4)), list(range(6)))
+    q = rng.normal(size=(2, 4))
+    with pytest.raises(ValueError, match="RFMemConfig.router: router file .*not valid JSON"):
+        search(bank, q, ["u", "u"], cfg, mode="rfmem", backend="torch")
+    with pytest.raises(FileNotFoundError, match="RFMemConfig.reranker: reranker file .*does not exist"):
+        search(bank, q, ["u", "u"], RFMemConfig(reranker=absent), mode="rfmem", backend="torch")
+    with pytest.raises(ValueError, match="RFMemConfig.router: router file .*not valid JSON"):
+        Memory(encoder=False, dim=4, config=cfg)
+    with pytest.raises(FileNotFoundError, match="RFMemConfig.router: router file .*does not exist"):
+        Memory(encoder=False, dim=4, config=RFMemConfig(router=absent))
+    with pytest.raises(SystemExit, match="--set / --preset: RFMemConfig.router: .*not valid JSON"):
+        config_from_sets([f"router={bad}"])
+    # a good file: the same routes whether search resolves it or gets the router
+    path = save_router(ThresholdRouter(0.3, 0.1, 0.1), tmp_path / "t.json")
+    a = search(bank, q, ["u", "u"], RFMemConfig(router=path), mode="rfmem", backend="torch")
+    b = search(bank, q, ["u", "u"], RFMemConfig(), mode="rfmem", backend="torch", router=resolve_router(RFMemConfig(router=path)))
+    np.testing.assert_array_equal(a.rule, b.rule)
+    np.testing.assert_array_equal(a.rows, b.rows)
+    with pytest.warns(DeprecationWarning, match="resolve_router"):
+        assert isinstance(RFMemConfig().resolved_router(), ThresholdRouter)
+    with pytest.warns(DeprecationWarning, match="resolve_reranker"):
+        assert RFMemConfig().resolved_reranker() is None
 
 
 def test_calibrate_fits_on_own_labelled_data():

@@ -6,19 +6,28 @@ file that subclasses :class:`Backend`, plus its parity test against the referenc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
+from ..config import RFMemConfig
+from ..device import BankView
+from ..precision import scan_tensor
 from ..signals import familiarity_signals
 
-if TYPE_CHECKING:  # imported lazily at run time (recollection imports this module)
-    from ..config import RFMemConfig
-    from ..recollection import RecollectionOutput
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "MIN_MEMORY_BUDGET",
+    "Backend",
+    "BankSnapshot",
+    "BankView",
+    "RecollectionOutput",
+    "check_memory_budget",
+    "recollection_capacity",
+]
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
 #: gathered rows, float64 re-scoring and the beam driver's per-round tensors are cut
@@ -42,73 +51,35 @@ def check_memory_budget(value: int) -> int:
     return int(value)
 
 
-@dataclass(frozen=True)
-class BankView:
-    """A bank snapshot as one backend holds it.
+@dataclass
+class RecollectionOutput:
+    """Result of the Recollection path for b queries: what :func:`rfmem_fast.recollection.recollect`
+    (the Python beam driver) and a backend's fused driver (:meth:`Backend.recollect`) return.
+
+    Defined with the backend interface (``rfmem_fast.recollection`` re-exports it), so that a
+    backend with a fused driver needs nothing above the backends.
 
     Attributes:
-        X: float32 [n, d] unit rows (the exact copy the scores are defined on), on the
-            backend's device; on the host (CPU) when ``Xs`` is a half-precision copy, so
-            that a GPU holds only the scan copy.
-        offsets: int64 [U + 1] CSR offsets on the backend's device.
-        offsets_cpu: the same offsets as a CPU tensor (for host-side bookkeeping).
-        snapshot: the bank snapshot it was made from (None for a view built from device
-            tensors, :func:`rfmem_fast.device.view_from_tensors`).
-        Xs: the scan copy of a float16 / bfloat16 bank (``torch.float16`` /
-            ``torch.bfloat16`` [n, d] on the backend's device) for a backend that scans
-            it (``Backend.scans_half``); None: the backend scans ``X``.
+        rows: int64 [b, out_k] global bank rows in discovery order, -1 padding.
+        scores: float32 [b, out_k] the (MMR-adjusted when mmr_lambda < 1) score each
+            item was discovered with, -inf padding.
+        rounds: int64 [b] rounds that produced a beam (0 when none did).
+        hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
+            discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
+            merges of :mod:`rfmem_fast.routing.merge` read it.
     """
 
-    X: torch.Tensor
-    offsets: torch.Tensor
-    offsets_cpu: torch.Tensor
-    snapshot: BankSnapshot | None
-    Xs: torch.Tensor | None = None
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    rows: torch.Tensor
+    scores: torch.Tensor
+    rounds: torch.Tensor
+    hit_rows: torch.Tensor | None = None
 
-    @property
-    def scan(self) -> torch.Tensor:
-        """The rows a scan reads: ``Xs`` when set, else ``X`` (float32)."""
-        return self.X if self.Xs is None else self.Xs
 
-    @property
-    def scan_dtype(self) -> str:
-        """"float32", or the half type of ``Xs`` (:mod:`rfmem_fast.precision`)."""
-        return "float32" if self.Xs is None else self.snapshot.dtype
-
-    def rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """float32 rows ``X[idx]`` on ``idx``'s device (the exact copy; [*idx.shape, d])."""
-        return self.X[idx.to(self.X.device)].to(idx.device)
-
-    @property
-    def row_norm_max(self) -> float:
-        """An upper bound of the largest row norm of the float32 rows (computed once, cached).
-
-        Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`).
-        For a half-precision bank it is computed from the scan copy
-        (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
-        memory-mapped from a store are not read. A view without a snapshot (built from
-        device tensors) computes it where X lives: squared norms summed in float64
-        (relative error <= d 2^-53), inflated to stay an upper bound.
-        """
-        if "xnorm" not in self._memo:
-            snap = self.snapshot
-            if snap is not None and snap.scan is not None:
-                from ..precision import row_norm_bound_from_scan
-
-                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
-            elif snap is not None:
-                from .exact import row_norm_max
-
-                self._memo["xnorm"] = row_norm_max(snap.vectors)
-            else:
-                m = 0.0
-                d = self.X.shape[1] if self.X.ndim == 2 else 1
-                for a in range(0, self.X.shape[0], 1 << 16):
-                    part = self.X[a : a + (1 << 16)].to(torch.float64)
-                    m = max(m, float((part * part).sum(dim=1).max()))
-                self._memo["xnorm"] = (m * (1.0 + (d + 2) * 2.0**-52)) ** 0.5 * (1.0 + 2.0**-30)
-        return self._memo["xnorm"]
+def recollection_capacity(config: RFMemConfig) -> int:
+    """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
+    (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
+    B, F, R = config.beam_width, config.fanout, config.max_rounds
+    return config.out_k - 1 + B * (B + R - 1) * F
 
 
 class Backend:
@@ -118,8 +89,10 @@ class Backend:
     :meth:`batched_kmeans` and :meth:`alpha_mix`; :meth:`probe` has a default that
     composes :meth:`segmented_topk` with :func:`rfmem_fast.signals.familiarity_signals`
     and may be overridden by a fused kernel; :meth:`max_similarity` (MMR) has a
-    batched-product default; :meth:`recollect` runs the Python beam driver over the
-    primitives and may be overridden by a fused driver.
+    batched-product default. A backend may provide a fused beam driver: it overrides
+    :meth:`recollect` and says with :meth:`fused_driver` when it is in effect; the search
+    (:func:`rfmem_fast.search.search`) makes the choice, running the portable Python driver
+    :func:`rfmem_fast.recollection.recollect` over the primitives otherwise.
 
     ``memory_budget`` (bytes, default :data:`DEFAULT_MEMORY_BUDGET`) bounds the
     temporaries of one primitive call and of the beam driver's rounds; every backend
@@ -232,8 +205,6 @@ class Backend:
             X = torch.from_numpy(snap.vectors)
             Xs = None
             if half:
-                from ..precision import scan_tensor
-
                 Xs = scan_tensor(snap.scan, snap.dtype).to(self.device)  # the float32 rows stay on the host
             else:
                 X = X.to(self.device)
@@ -336,21 +307,38 @@ class Backend:
         G = G.masked_fill(~(valid[:, None, :] & ~eye[None]), float("-inf"))
         return G.max(dim=2).values if n else G.new_zeros((m, 0))
 
+    def fused_driver(self) -> bool:
+        """Whether :meth:`recollect` is a fused beam driver that the search should run.
+
+        The default: True exactly when the backend's class overrides :meth:`recollect`
+        (the base class has no driver, so the search runs the portable Python driver
+        :func:`rfmem_fast.recollection.recollect` over the primitives of every backend
+        that does not). A backend whose driver can be switched off overrides this too:
+        the native backend says False while ``NativeBackend(beam_driver="python")`` /
+        ``RFMEM_BEAM_DRIVER=python`` is in effect.
+
+        Raises:
+            ValueError: a backend setting that names no driver (the native backend's
+                ``RFMEM_BEAM_DRIVER``).
+        """
+        return type(self).recollect is not Backend.recollect
+
     def recollect(
         self,
         view: BankView,
         q0: torch.Tensor,
         qseg: torch.Tensor,
-        config: "RFMemConfig",
+        config: RFMemConfig,
         level0: tuple[torch.Tensor, torch.Tensor] | None = None,
         active: torch.Tensor | None = None,
-    ) -> "RecollectionOutput":
-        """The Recollection path (spec section 4) for a batch of queries.
+    ) -> RecollectionOutput:
+        """A fused beam driver: the Recollection path (spec section 4) in one call.
 
-        The default runs the Python beam driver :func:`rfmem_fast.recollection.recollect`
-        over this backend's primitives; a backend may override it with a driver of its
-        own that returns the same rows, scores and rounds (the native backend's C++
-        driver).
+        Overridden by a backend that has one (the native backend's C++ driver), which
+        returns the rows, scores, rounds and hits of the Python driver
+        :func:`rfmem_fast.recollection.recollect` (its oracle) bit for bit. The search runs
+        it when :meth:`fused_driver` says so, else the Python driver over the primitives:
+        ``rfmem_fast.recollection.recollect(backend, view, q0, qseg, config, level0, active)``.
 
         Args:
             view: the bank.
@@ -364,14 +352,16 @@ class Backend:
                 (default all); the others get padding rows, ``-inf`` scores, 0 rounds.
 
         Returns:
-            :class:`rfmem_fast.recollection.RecollectionOutput`.
+            :class:`RecollectionOutput`.
 
         Raises:
-            ValueError: ``active`` not a bool tensor of shape [b].
+            NotImplementedError: this backend has no fused driver (run the Python
+                driver, as the search does).
         """
-        from ..recollection import recollect
-
-        return recollect(self, view, q0, qseg, config, level0, active)
+        raise NotImplementedError(
+            f"backend {self.name!r} has no fused beam driver: run the Python driver "
+            "rfmem_fast.recollection.recollect(backend, view, q0, qseg, config, level0, active)"
+        )
 
     def probe(
         self,

@@ -91,8 +91,9 @@ import math
 import numpy as np
 import torch
 
-#: float32 / float64 unit roundoff
-U32 = 2.0**-24
+from ..precision import U32, abs_error_term, gamma, input_terms, row_norm_max
+
+#: float64 unit roundoff (float32's, U32, is defined with the rounding model in rfmem_fast.precision)
 U64 = 2.0**-53
 #: extra scan candidates kept beyond k (the re-scored set is decided by the bound, not by this)
 SCAN_MARGIN = 8
@@ -102,18 +103,6 @@ SCAN_MARGINS = {"float32": SCAN_MARGIN, "float16": 16, "bfloat16": 32}
 GEMM_KC = 64
 #: input rounding unit of float32 matmuls under torch.get_float32_matmul_precision()
 _MATMUL_INPUT_UNIT = {"highest": 0.0, "high": 2.0**-11, "medium": 2.0**-8}
-
-
-def gamma(n: int, u: float) -> float:
-    """Higham's ``gamma_n = n u / (1 - n u)`` (float; requires ``n u < 1``).
-
-    Raises:
-        ValueError: ``n u >= 1`` (no bound of this form).
-    """
-    nu = n * u
-    if nu >= 1.0:
-        raise ValueError(f"no dot-product error bound for n={n} roundings at unit roundoff {u}")
-    return nu / (1.0 - nu)
 
 
 def gemm_depth(d: int) -> int:
@@ -144,11 +133,6 @@ def scan_error_coef(depth: int, acc_unit: float = U32, input_unit: float = 0.0, 
     return (scan + U32) * (1.0 + 2.0**-30)
 
 
-def abs_error_term(d: int) -> float:
-    """Absolute part of the bound: underflow of the d products and of the two roundings."""
-    return (d + 2) * 2.0**-149
-
-
 def matmul_input_unit(device: torch.device | str = "cpu") -> float:
     """Input rounding unit of torch float32 matmuls on ``device`` under the current settings.
 
@@ -172,29 +156,6 @@ def matmul_input_unit(device: torch.device | str = "cpu") -> float:
         mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
         units.append(fp32.get(str(getattr(mkldnn, "fp32_precision", "none")), 0.0))
     return max(units)
-
-
-def row_norm_max(X: np.ndarray, chunk: int = 1 << 16) -> float:
-    """An upper bound of ``max_i ||X[i]||`` (float), in bounded memory.
-
-    The squared norms are summed in float32 (``np.einsum``, any order: computed >=
-    exact * (1 - gamma_d) - d 2^-150), then inflated by that bound, so the result is >=
-    the exact maximum norm.
-
-    Args:
-        X: float32 [n, d].
-        chunk: rows per step.
-
-    Returns:
-        float >= 0 (0 for an empty bank).
-    """
-    n, d = X.shape
-    m = 0.0
-    for a in range(0, n, chunk):
-        part = X[a : a + chunk]
-        if part.shape[0]:
-            m = max(m, float(np.einsum("ij,ij->i", part, part).max()))
-    return math.sqrt((m + abs_error_term(d)) / (1.0 - gamma(max(d, 1), U32))) * (1.0 + 2.0**-30)
 
 
 def query_bounds(Q: torch.Tensor, coef: float, xnorm: float, row_abs: float = 0.0) -> torch.Tensor:
@@ -221,8 +182,6 @@ def scan_bound_terms(
     Returns:
         (coef for :func:`query_bounds`, row_abs for :func:`query_bounds`).
     """
-    from ..precision import input_terms
-
     u_in, row_abs = input_terms(dtype, d)
     coef = scan_error_coef(depth, acc_unit, input_unit, u_in)
     return coef, row_abs * (1.0 + coef)

@@ -32,7 +32,8 @@
   three primitives above; same rows, scores and rounds as the Python driver
   :func:`rfmem_fast.recollection.recollect`, which stays the portable path and the
   oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
-  ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver.
+  ``RFMEM_BEAM_DRIVER=python`` (read at each call) makes the search run the Python
+  driver instead (:meth:`NativeBackend.fused_driver`).
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
@@ -50,7 +51,7 @@ import torch
 from .. import _native
 from ..kmeans import draw_table
 from ..threads import get_num_threads
-from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, check_memory_budget
+from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, RecollectionOutput, check_memory_budget, recollection_capacity
 
 #: the values of ``NativeBackend(topk_path=...)``
 TOPK_PATHS = ("auto", "scan", "gemm")
@@ -140,6 +141,14 @@ class NativeBackend(Backend):
             return self.beam_driver
         env = os.environ.get(BEAM_DRIVER_ENV, "").strip()
         return _check_driver(env, BEAM_DRIVER_ENV) if env else "native"
+
+    def fused_driver(self) -> bool:
+        """See :meth:`Backend.fused_driver`: True unless the driver in effect is "python".
+
+        Raises:
+            ValueError: ``RFMEM_BEAM_DRIVER`` holds an unknown name.
+        """
+        return self._driver() == "native"
 
     @staticmethod
     def _bank(view: BankView) -> tuple[np.ndarray, np.ndarray]:
@@ -286,18 +295,15 @@ class NativeBackend(Backend):
 
         One call for the whole batch; rows, scores and rounds equal those of the Python
         driver :func:`rfmem_fast.recollection.recollect` over this backend's kernels,
-        which runs instead when the driver in effect (``beam_driver`` /
-        ``RFMEM_BEAM_DRIVER``) is "python".
+        which the search runs instead when the driver in effect (``beam_driver`` /
+        ``RFMEM_BEAM_DRIVER``) is "python" (:meth:`fused_driver`); this method always
+        runs the C++ driver.
 
         Raises:
             ValueError: ``level0`` narrower than ``beam_width * fanout`` or holding a
                 row outside its query's segment; ``active`` not a bool tensor of shape
-                [b]; an unknown ``RFMEM_BEAM_DRIVER``.
+                [b].
         """
-        if self._driver() == "python":
-            return super().recollect(view, q0, qseg, config, level0, active)
-        from ..recollection import RecollectionOutput, recollection_capacity  # (it imports the backends)
-
         b = int(q0.shape[0])
         if active is not None and (
             not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)

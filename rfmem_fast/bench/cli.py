@@ -171,7 +171,7 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
         BenchError: a bad flag value (unknown backend / mode / workload, bad size).
     """
     from .. import available_backends
-    from ..cli import _config_from_sets
+    from .._cliargs import config_from_sets as _config_from_sets
     import torch
 
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"

@@ -121,7 +121,7 @@ class RunOutput:
     Attributes:
         rows: int64 [b, k] global bank rows, -1 padding.
         route: int64 [b] (0 familiarity, 1 recollection) or None (faiss).
-        rule: int64 [b] rule codes (``rfmem_fast.router.RULE_NAMES``) or None.
+        rule: int64 [b] rule codes (``rfmem_fast.routing.base.RULE_NAMES``) or None.
         rounds: int64 [b] recollection rounds or None.
     """
 
@@ -463,7 +463,7 @@ def route_summary(facts: RunOutput | None, specific: np.ndarray | None = None) -
         {name: count}, "mean_rounds_recollection", and with ``specific``:
         "familiarity_fraction_specific" / "_vague"}; None without facts.
     """
-    from ..router import RULE_NAMES
+    from ..routing.base import RULE_NAMES
 
     if facts is None or facts.route is None or facts.route.size == 0:
         return None

@@ -16,6 +16,11 @@
 :func:`rfmem_fast.search` asks the config's router for the routes and
 :func:`merge_paths` for the Recollection path's final list; nothing here touches a
 backend.
+
+Layers (docs "Internals / Layers"): the submodules sit below the search, except
+:mod:`.calibrate`, which runs it; this package re-exports calibration too, so the
+modules below the search import the submodules (``rfmem_fast.routing.base``, ...), not
+the package.
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ A router decides, for a batch of queries, between the Familiarity path (return t
 probe's top ``out_k``) and the Recollection path (RFMEM_SPEC.md sections 2-4). It sees
 only the probe (:class:`~rfmem_fast.routing.features.ProbeSignals`), decides for the
 whole batch at once with numpy, and never touches a backend. A new router is one
-subclass of :class:`Router` (registered with :func:`register`) plus its test.
+subclass of :class:`Router` (registered with :func:`register`) plus its test. Every
+router reports its decisions with the route codes (:data:`FAMILIARITY`,
+:data:`RECOLLECTION`) and rule codes (:data:`RULE_NAMES`) defined here.
 
 Every router records the probe settings its inputs depend on (``probe_k``,
 ``temperature``, entropy convention): a threshold on the entropy, or a weight fitted on
@@ -20,7 +22,39 @@ import numpy as np
 
 from .features import ProbeSignals
 
-__all__ = ["ProbeSettings", "Router", "register", "ROUTER_KINDS"]
+__all__ = [
+    "FAMILIARITY", "RECOLLECTION", "ROUTE_NAMES", "RULE_NAMES", "RULE_MEAN_HIGH", "RULE_MEAN_LOW",
+    "RULE_ENTROPY_LOW", "RULE_ENTROPY_HIGH", "RULE_NO_HITS", "RULE_FORCED_DENSE", "RULE_FORCED_RECOLLECTION",
+    "RULE_LEARNED_FAMILIARITY", "RULE_LEARNED_RECOLLECTION", "ProbeSettings", "Router", "register", "ROUTER_KINDS",
+]
+
+# The two paths a router chooses between (route codes), one per query.
+FAMILIARITY = 0
+RECOLLECTION = 1
+ROUTE_NAMES = ("familiarity", "recollection")
+
+# Which rule fired, one code per query.
+RULE_MEAN_HIGH = 0  # mean >= theta_high            -> familiarity
+RULE_MEAN_LOW = 1  # mean <= theta_low              -> recollection
+RULE_ENTROPY_LOW = 2  # H < tau                       -> familiarity
+RULE_ENTROPY_HIGH = 3  # otherwise                    -> recollection
+RULE_NO_HITS = 4  # empty bank: no probe hits         -> recollection
+RULE_FORCED_DENSE = 5  # mode "dense"
+RULE_FORCED_RECOLLECTION = 6  # mode "recollection"
+RULE_LEARNED_FAMILIARITY = 7  # a learned router (rfmem_fast.routing) chose familiarity
+RULE_LEARNED_RECOLLECTION = 8  # a learned router chose recollection
+RULE_NAMES = (
+    "mean_high",
+    "mean_low",
+    "entropy_low",
+    "entropy_high",
+    "no_hits",
+    "forced_dense",
+    "forced_recollection",
+    "learned_familiarity",
+    "learned_recollection",
+)
+
 
 #: kind name -> Router subclass (filled by :func:`register`)
 ROUTER_KINDS: dict[str, type["Router"]] = {}
@@ -76,7 +110,7 @@ class Router:
 
         Returns:
             (route int64 [b]: 0 familiarity / 1 recollection, rule int64 [b]: index into
-            :data:`rfmem_fast.router.RULE_NAMES`).
+            :data:`RULE_NAMES`).
         """
         raise NotImplementedError
 
@@ -97,8 +131,6 @@ class Router:
     def route(self, signals: ProbeSignals) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`decide`, with queries that have no probe hit sent to recollection
         (rule "no_hits", spec section 1: an empty bank recollects, with an empty result)."""
-        from ..router import RECOLLECTION, RULE_NO_HITS
-
         routes, rules = self.decide(signals)
         empty = signals.count == 0
         routes = np.where(empty, RECOLLECTION, routes).astype(np.int64)

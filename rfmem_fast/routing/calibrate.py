@@ -27,10 +27,10 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from .base import ProbeSettings, Router
+from .base import RECOLLECTION, ProbeSettings, Router
 from .features import ProbeSignals
 from .learned import fit_learned_router
-from .threshold import ThresholdRouter
+from .threshold import ThresholdRouter, route_by_thresholds
 
 __all__ = [
     "ROUTER_FIT_KINDS",
@@ -122,8 +122,6 @@ def fit_threshold_router(
     """
     from sklearn.model_selection import ParameterGrid
 
-    from ..router import RECOLLECTION, route_by_thresholds
-
     d = np.asarray(dense_recall, dtype=np.float64)
     r = np.asarray(reco_recall, dtype=np.float64)
     qs = np.linspace(0.0, 1.0, quantiles)
@@ -202,8 +200,6 @@ class Calibration:
 
     def summary(self) -> dict[str, Any]:
         """Counts and in-sample recalls (JSON-serialisable; in-sample: optimistic)."""
-        from ..router import RECOLLECTION
-
         routes, _ = self.router.route(self.signals)
         reco = routes == RECOLLECTION
         routed = np.where(reco, self.reco_recall, self.dense_recall)

@@ -22,14 +22,17 @@ A re-ranker file (:mod:`rfmem_fast.routing.rerank`, ``RERANKER_FORMAT``, version
       "meta": {...}
     }
 
-``RFMemConfig(reranker="file.json")`` loads it with :func:`load_reranker` (errors:
-:class:`RerankerFileError`, as for routers).
-
-``RFMemConfig(router="file.json")`` and ``search(..., router=...)`` load it with
-:func:`load_router`; a file that is not JSON, lacks a key, has another format tag, a
-newer version, an unknown kind or malformed parameters raises :class:`RouterFileError`
+An :class:`~rfmem_fast.config.RFMemConfig` holds the PATH of a router file
+(``RFMemConfig(router="file.json")``) or re-ranker file (``reranker=``) as plain data; the
+search and the :class:`~rfmem_fast.serving.Memory` facade resolve it with
+:func:`resolve_router` / :func:`resolve_reranker` (which load with :func:`load_router` /
+:func:`load_reranker` and name the field in their errors; :func:`check_config_files`
+resolves both up front, as ``Memory`` and the CLI do on opening). A file that is not
+JSON, lacks a key, has another format tag, a newer version, an unknown kind or
+malformed parameters raises :class:`RouterFileError` / :class:`RerankerFileError`
 naming the file and the problem. Files are written atomically (temporary file +
-rename). Loaded routers are cached per (path, modification time, size).
+rename). Loaded routers and re-rankers are cached per (path, modification time, size),
+so resolving a config's file at every search reads it once.
 """
 from __future__ import annotations
 
@@ -40,10 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from .base import ROUTER_KINDS, ProbeSettings, Router
+from .threshold import ThresholdRouter
 
 __all__ = [
     "ROUTER_FORMAT", "ROUTER_VERSION", "RouterFileError", "save_router", "load_router", "router_document",
     "RERANKER_FORMAT", "RERANKER_VERSION", "RerankerFileError", "save_reranker", "load_reranker",
+    "resolve_router", "resolve_reranker", "check_config_files",
 ]  # fmt: skip
 
 ROUTER_FORMAT = "rfmem_fast.router"
@@ -249,3 +254,73 @@ def load_reranker(path: str | os.PathLike[str]) -> Any:
             unknown kind, malformed parameters; the message names the file.
     """
     return _load_cached(path, "reranker", _parse_reranker, RerankerFileError)
+
+
+# ------------------------------------------------------------------ a config's files
+
+
+def resolve_router(config: Any) -> Router:
+    """The router an :class:`~rfmem_fast.config.RFMemConfig` routes with.
+
+    The search calls it for every call in mode "rfmem" that gets no ``router=`` argument
+    (the file is read once: :func:`load_router` caches it).
+
+    Args:
+        config: the RFMemConfig (``router``: None or a router file path;
+            ``theta_high`` / ``theta_low`` / ``tau`` and the probe settings).
+
+    Returns:
+        the router loaded from ``config.router`` and checked against the config's probe
+        (:meth:`~rfmem_fast.routing.base.Router.check_config`) when set, else the spec's
+        :class:`~rfmem_fast.routing.threshold.ThresholdRouter` with the config's thresholds.
+
+    Raises:
+        FileNotFoundError: ``router`` names no file.
+        ValueError: the file is corrupt / of another version (RouterFileError), or was
+            made for another probe (probe_k, temperature, entropy); the message starts
+            with "RFMemConfig.router: ".
+    """
+    if config.router is None:
+        return ThresholdRouter.from_config(config)
+    try:
+        r = load_router(config.router)
+        r.check_config(config)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"RFMemConfig.router: {e}") from None
+    return r
+
+
+def resolve_reranker(config: Any) -> Any:
+    """The re-ranker of an :class:`~rfmem_fast.config.RFMemConfig` (``config.reranker``'s file), or None.
+
+    Args:
+        config: the RFMemConfig (``reranker``: None or a re-ranker file path).
+
+    Returns:
+        the :class:`~rfmem_fast.routing.rerank.LinearReranker` loaded from the file
+        (cached by :func:`load_reranker`), or None when ``reranker`` is None.
+
+    Raises:
+        FileNotFoundError: ``reranker`` names no file.
+        ValueError: the file is corrupt, of another version or malformed
+            (RerankerFileError); the message starts with "RFMemConfig.reranker: ".
+    """
+    if config.reranker is None:
+        return None
+    try:
+        return load_reranker(config.reranker)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"RFMemConfig.reranker: {e}") from None
+
+
+def check_config_files(config: Any) -> None:
+    """Load and check a config's router and re-ranker files now (:func:`resolve_router`,
+    :func:`resolve_reranker`), so that a bad file fails when a Memory or a command opens,
+    not at its first search.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`resolve_router` and :func:`resolve_reranker`.
+    """
+    if config.router is not None:
+        resolve_router(config)
+    resolve_reranker(config)

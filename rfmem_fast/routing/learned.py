@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import ProbeSettings, Router, register
+from .base import RULE_LEARNED_FAMILIARITY, RULE_LEARNED_RECOLLECTION, ProbeSettings, Router, register
 from .features import FEATURE_NAMES, ProbeSignals
 
 __all__ = ["LearnedRouter", "LogisticRouter", "MLPRouter", "fit_learned_router"]
@@ -101,8 +101,6 @@ class LearnedRouter(Router):
 
     def decide(self, signals: ProbeSignals) -> tuple[np.ndarray, np.ndarray]:
         """Recollect where :meth:`probability` >= threshold."""
-        from ..router import RULE_LEARNED_FAMILIARITY, RULE_LEARNED_RECOLLECTION
-
         reco = self.probability(signals) >= self.threshold
         rule = np.where(reco, RULE_LEARNED_RECOLLECTION, RULE_LEARNED_FAMILIARITY).astype(np.int64)
         return reco.astype(np.int64), rule

@@ -1,10 +1,16 @@
-"""The spec's threshold router as a :class:`~rfmem_fast.routing.base.Router` (RFMEM_SPEC.md section 2).
+"""The spec's threshold router (RFMEM_SPEC.md section 2): its one home.
 
 Rules, first match wins: no probe hit -> recollection; ``mean >= theta_high`` ->
 familiarity; ``mean <= theta_low`` -> recollection; ``H < tau`` -> familiarity; else
-recollection. :func:`rfmem_fast.router.route_by_thresholds` does the work, so this
+recollection. :func:`route_by_thresholds` does the work on the host, :func:`route` with
+an RFMemConfig's thresholds (what the default search runs on numpy batches),
+:func:`route_tensor` the same rules as tensor operations on the signals' device, and
+:class:`ThresholdRouter` wraps them as a :class:`~rfmem_fast.routing.base.Router`, so the
 router and the default search (thresholds taken from RFMemConfig) agree exactly. The
 thresholds can be calibrated (:func:`rfmem_fast.routing.calibrate.fit_router`).
+
+These functions lived in ``rfmem_fast.router``, which still forwards the old names (with a
+DeprecationWarning).
 """
 from __future__ import annotations
 
@@ -12,11 +18,110 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 
-from .base import ProbeSettings, Router, register
+from ..config import RFMemConfig
+from .base import (
+    RULE_ENTROPY_HIGH,
+    RULE_ENTROPY_LOW,
+    RULE_MEAN_HIGH,
+    RULE_MEAN_LOW,
+    RULE_NO_HITS,
+    ProbeSettings,
+    Router,
+    register,
+)
 from .features import ProbeSignals
 
-__all__ = ["ThresholdRouter"]
+__all__ = ["ThresholdRouter", "route", "route_by_thresholds", "route_tensor"]
+
+
+def route(mean: Any, entropy: Any, count: Any, config: RFMemConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Route each query to the familiarity or the recollection path.
+
+    Rules, first match wins (spec section 2)::
+
+        no probe hits         -> recollection  (rule "no_hits")
+        mean >= theta_high    -> familiarity   (rule "mean_high")
+        mean <= theta_low     -> recollection  (rule "mean_low")
+        H < tau               -> familiarity   (rule "entropy_low")
+        else                  -> recollection  (rule "entropy_high")
+
+    Args:
+        mean: float [b] mean probe score (numpy array or torch tensor, any device).
+        entropy: float [b] probe entropy (in the config's convention).
+        count: int [b] number of probe hits (0 for an empty bank).
+        config: thresholds ``theta_high``, ``theta_low``, ``tau``.
+
+    Returns:
+        (route int64 ndarray [b] with FAMILIARITY=0 / RECOLLECTION=1,
+         rule int64 ndarray [b], an index into RULE_NAMES). Computed on the host: the
+        b signals are tiny, and the results go to the caller as numpy anyway.
+    """
+    return route_by_thresholds(mean, entropy, count, config.theta_high, config.theta_low, config.tau)
+
+
+def route_by_thresholds(
+    mean: Any, entropy: Any, count: Any, theta_high: float, theta_low: float, tau: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`route` with the three thresholds given directly (same rules, same outputs)."""
+    mean, entropy, count = (_host(x) for x in (mean, entropy, count))
+    rule = np.full(mean.shape, RULE_ENTROPY_HIGH, dtype=np.int64)
+    # lowest priority first: each later rule overrides the earlier ones
+    rule[entropy < tau] = RULE_ENTROPY_LOW
+    rule[mean <= theta_low] = RULE_MEAN_LOW
+    rule[mean >= theta_high] = RULE_MEAN_HIGH
+    rule[count == 0] = RULE_NO_HITS
+    fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
+    return (~fam).astype(np.int64), rule  # FAMILIARITY = 0, RECOLLECTION = 1
+
+
+def route_tensor(
+    mean: torch.Tensor, entropy: torch.Tensor, count: torch.Tensor, config: RFMemConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` on the signals' own device, without a host synchronisation.
+
+    The same rules in the same priority (spec section 2), as tensor operations, for
+    device-resident batches (``search(..., output="torch")``); tests/test_device_resident.py
+    checks that it equals :func:`route` on every rule and at the thresholds.
+
+    Args:
+        mean: float [b] mean probe score (tensor, any device).
+        entropy: float [b] probe entropy (the config's convention), same device.
+        count: int [b] probe hits, same device.
+        config: thresholds ``theta_high``, ``theta_low``, ``tau``.
+
+    Returns:
+        (route int64 [b], rule int64 [b]) on the signals' device, codes as :func:`route`.
+
+    Raises:
+        TypeError: an argument that is not a torch.Tensor.
+    """
+    for name, t in (("mean", mean), ("entropy", entropy), ("count", count)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # the rules nested by priority, the first match outermost (as route()); few tensor
+    # operations, each costing a dispatch on a one-query batch
+    rule = torch.where(
+        count == 0,
+        RULE_NO_HITS,
+        torch.where(
+            mean >= config.theta_high,
+            RULE_MEAN_HIGH,
+            torch.where(
+                mean <= config.theta_low,
+                RULE_MEAN_LOW,
+                torch.where(entropy < config.tau, RULE_ENTROPY_LOW, RULE_ENTROPY_HIGH),
+            ),
+        ),
+    )
+    # recollection for the odd rule codes (mean_low 1, entropy_high 3) and no_hits (4);
+    # tests/test_device_resident.py checks the routes against route() on every rule
+    return (rule % 2) + (rule == RULE_NO_HITS), rule
+
+
+def _host(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 @register
@@ -55,8 +160,6 @@ class ThresholdRouter(Router):
 
     def decide(self, signals: ProbeSignals) -> tuple[np.ndarray, np.ndarray]:
         """Spec section 2's rules on every query (see the module docstring)."""
-        from ..router import route_by_thresholds
-
         return route_by_thresholds(signals.mean, signals.entropy, signals.count, self.theta_high, self.theta_low, self.tau)
 
     def params(self) -> dict[str, Any]:

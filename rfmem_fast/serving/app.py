@@ -879,7 +879,7 @@ def serve(
             "auto" (default: ONNX Runtime float32 where onnxruntime / onnx are installed,
             torch elsewhere), "torch" or "onnx".
         preset: the retrieval configuration, "paper" (default) or "recommended" (hybrid
-            dense + BM25; :func:`rfmem_fast.serving.cli.open_memory`).
+            dense + BM25; :func:`rfmem_fast.serving.launch.open_memory`).
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
@@ -891,7 +891,7 @@ def serve(
     import uvicorn
 
     from ..encoders import check_backend
-    from .cli import open_memory
+    from .launch import open_memory
 
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")  # bad options first,
     key = _resolve_api_key(api_key, no_auth)  # then the key: both refused before anything opens

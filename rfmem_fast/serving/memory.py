@@ -78,6 +78,7 @@ import numpy as np
 from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
+from ..routing.files import check_config_files
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
 from ._rwlock import RWLock
@@ -167,7 +168,7 @@ class Hit:
         rank: 0-based position in the query's result.
         user_id: the user whose memory it came from (always the query's user).
         route: the query's path, "familiarity" or "recollection" (spec section 2).
-        rule: the router rule that fired (``rfmem_fast.router.RULE_NAMES``).
+        rule: the router rule that fired (``rfmem_fast.routing.base.RULE_NAMES``).
         mean: mean of the probe's top-``probe_k`` scores (spec section 1).
         entropy: the probe's softmax entropy (spec section 1).
         rounds: recollection rounds used (0 on the Familiarity path).
@@ -523,8 +524,11 @@ class Memory:
             a dimension mismatch between ``dim`` / the encoder / the stored memory,
             ``encoder_dtype`` / ``encoder_backend`` with an ``encoder`` given or a pair
             :func:`rfmem_fast.encoders.check_backend` refuses, an unknown or unbuilt ``backend``
-            name (checked here, not at the first search), or an option out of range.
-            StoreError: a corrupt store or log.
+            name (checked here, not at the first search), or an option out of range;
+            a corrupt or mismatched ``config.router`` / ``config.reranker`` file
+            (:func:`rfmem_fast.routing.files.check_config_files`). StoreError: a
+            corrupt store or log.
+        FileNotFoundError: ``config.router`` / ``config.reranker`` names no file.
         TypeError: an option of the wrong type.
 
     Thread-safe: any number of threads (and asyncio tasks) may search and write.
@@ -582,6 +586,7 @@ class Memory:
             from ..backends import get_backend
 
             get_backend(backend, device)  # an unknown or unbuilt backend fails here, not at the first search
+        check_config_files(config)  # a missing / bad router or re-ranker file fails here (the config holds paths)
         self._config = config
         self._configs: dict[int, RFMemConfig] = {config.out_k: config}
         self._backend = backend
