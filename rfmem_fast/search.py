@@ -27,6 +27,17 @@ retrieval"): after the probe, each query's BM25 over its user's items
 (:func:`_hybrid`, rules and exactness proof in :mod:`rfmem_fast.fusion`); the probe's
 familiarity signals, the routing and the Recollection path stay dense.
 
+Filtered search (``filters=``, :mod:`rfmem_fast.filters`): the filters of a batch are
+compiled once into a :class:`~rfmem_fast.filters.RowSelection` (the rows each query may
+return) that every top-k call of the search applies WHILE it takes the top-k (the
+backends' ``sel``): the probe (so its familiarity signals are those of the matching
+items' top-k, and the routing follows them), every recollection round, and the final
+list see only matching items, so a filtered query returns the exact top-k of its
+user's matching items (padding only when fewer than ``out_k`` match). The lexical
+channel drops the hits outside the filter before it fuses (its per-query statistics
+are those of the matching hits; BM25's corpus statistics stay the user's whole
+memory). The profile prior, a query transform, still uses the user's whole profile.
+
 Device-resident batches (README "GPU"): with ``output="torch"`` the results are tensors
 on the backend's device (:class:`TensorSearchResult`); torch queries are validated and
 normalised where they live (one host synchronisation), the router runs on the device
@@ -50,6 +61,7 @@ from .config import RFMemConfig
 from .device import to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
+from .filters import RowSelection, compile_filters
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means
 from .router import (
     FAMILIARITY,
@@ -346,8 +358,10 @@ def check_query_texts(query_texts: Any, b: int, config: RFMemConfig) -> list | N
 
 
 def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: Any, mode: str, backend: Any,
-             device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None) -> tuple:  # fmt: skip
-    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts)."""
+             device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None,
+             filters: Any = None) -> tuple:  # fmt: skip
+    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts,
+    the compiled filters: a RowSelection or None)."""
     config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -375,10 +389,11 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     if snap.vectors.shape[0] == 0:
         raise ValueError("bank is empty: add items before searching")
     seg = bank.segments_for(users, snapshot=snap)
+    sel = compile_filters(bank, snap, seg, filters)
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     qseg = to_device(seg, dev)
     hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
-    return config, max_batch, be, view, Q, qseg, hints, router, texts
+    return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
 
 
 @dataclass
@@ -414,6 +429,7 @@ def search_candidates(
     expansions: Any = None,
     router: Router | None = None,
     query_texts: Sequence[str | None] | None = None,
+    filters: Any = None,
 ) -> CandidatePools:
     """The candidate pools a re-ranker would see for these queries, with their features.
 
@@ -425,7 +441,7 @@ def search_candidates(
 
     Args:
         bank, queries, users, config, mode, backend, device, expansions, router,
-            query_texts: as :func:`search` (``config.reranker`` must be None: pools are
+            query_texts, filters: as :func:`search` (``config.reranker`` must be None: pools are
             what a re-ranker sees, before it; the pools are built from the DENSE probe).
         depth: probe items in the pool (int >= 1).
 
@@ -439,12 +455,12 @@ def search_candidates(
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
     if config is not None and getattr(config, "reranker", None) is not None:
         raise ValueError("search_candidates needs a config without a reranker (the pools are the re-ranker's input)")
-    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
-        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router, query_texts
+    config, max_batch, be, view, Q, qseg, hints, router, texts, sel = _prepare(
+        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router, query_texts, filters
     )
     got: list = [int(depth)]
     res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=True,
-                         router=router, pools=got, query_texts=texts)  # fmt: skip
+                         router=router, pools=got, query_texts=texts, selection=sel)  # fmt: skip
     parts = got[1:]
     L = max(p[0].shape[1] for p in parts)
 
@@ -471,6 +487,7 @@ def search(
     expansions: Any = None,
     router: Router | None = None,
     query_texts: Sequence[str | None] | None = None,
+    filters: Any = None,
 ) -> SearchResult | TensorSearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -522,6 +539,17 @@ def search(
             scores its mixed queries densely and returns what it returns today. A query
             with no token known to its user's memory gets the dense result. With weight
             0, given texts only fill ``lexical_scores``.
+        filters: None (default), one filter dict for every query, or b dicts / None (a
+            per-query filter; None: unfiltered) over the items' metadata and their
+            ``created_at`` (:mod:`rfmem_fast.filters`: ``{"tag": "work"}``,
+            ``{"score": {"$gte": 3}}``, ``{"created_at": {"$gte": "2026-11-01T00:00:00Z"}}``,
+            ``$and`` / ``$or`` / ``$not``, ...). A filtered query returns the exact top-k
+            of its user's MATCHING items, in every mode and on every backend: the
+            probe (and so its signals and the routing), the recollection rounds and the
+            final list see only matching items (module docstring); its row is padded
+            only when fewer than ``out_k`` items match (and, as always, when the
+            Recollection path runs dry). The filters are compiled once per call (their
+            rows cached on the bank until the next write or metadata change).
 
     Beyond the paper (README "Retrieval quality"): with ``config.profile_weight > 0``
     each query is folded with its user's profile before the probe (the profile prior,
@@ -552,9 +580,12 @@ def search(
             ``BACKEND_NAMES``); an empty bank (no live item in the snapshot);
             queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
             ``users`` not of length b; ``max_batch`` < 1; ``config.lexical_weight > 0``
-            without ``query_texts``, or ``query_texts`` not of length b.
+            without ``query_texts``, or ``query_texts`` not of length b; a malformed
+            filter (unknown operator, empty ``$and``, bad date, ...; the message names
+            the part, e.g. ``filters['score']['$gte']``), or ``filters`` not of length b.
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
-            user key that is not a str / int.
+            user key that is not a str / int; a filter value of the wrong type, or a
+            range whose bound's type the field never holds among the user's items.
         KeyError: an unknown user (the message names it and its position).
         DeviceMemoryError: the bank does not fit in the free memory of the backend's
             device (:func:`rfmem_fast.device.check_fits`; raised before any allocation).
@@ -563,12 +594,12 @@ def search(
     """
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
-        bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts
+    config, max_batch, be, view, Q, qseg, hints, router, texts, sel = _prepare(
+        bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts, filters
     )
     res = search_tensors(
         be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
-        host_output=output == "numpy", router=router, query_texts=texts,
+        host_output=output == "numpy", router=router, query_texts=texts, selection=sel,
     )  # fmt: skip
     if output == "torch":
         return res
@@ -588,6 +619,7 @@ def search_tensors(
     router: Router | None = None,
     pools: list | None = None,
     query_texts: Sequence[str | None] | None = None,
+    selection: RowSelection | None = None,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
 
@@ -619,6 +651,9 @@ def search_tensors(
             arrays), built with the probe's top ``depth``.
         query_texts: optional b query texts (str / None) for the lexical channel
             (required when ``config.lexical_weight > 0``; needs ``view.snapshot``).
+        selection: optional filters of the b queries compiled for ``view``'s snapshot
+            (:func:`rfmem_fast.filters.compile_filters`; what :func:`search`'s ``filters``
+            become): each filtered query searches only its selected rows.
 
     Returns:
         TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
@@ -646,6 +681,7 @@ def search_tensors(
                 backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
                 host=host_output and Q.device.type == "cpu",
                 texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
+                sel=_chunk_selection(selection, c0, max_batch),
             )  # fmt: skip
         if not host_output:
             parts.append(part)
@@ -665,6 +701,14 @@ def search_tensors(
     )
 
 
+def _chunk_selection(selection: RowSelection | None, c0: int, max_batch: int) -> RowSelection | None:
+    """The selection of the chunk of queries ``c0 .. c0 + max_batch - 1`` (None when none is filtered)."""
+    if selection is None:
+        return None
+    part = selection.take(slice(c0, c0 + max_batch))
+    return part if part.any() else None
+
+
 def _search_chunk(
     be: Backend,
     view: Any,
@@ -678,6 +722,7 @@ def _search_chunk(
     pools: list | None = None,
     host: bool = False,
     texts: list | None = None,
+    sel: RowSelection | None = None,
 ) -> dict[str, torch.Tensor]:
     """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device.
 
@@ -705,8 +750,9 @@ def _search_chunk(
         k_scan = max(k0, min(D, max_len))
     elif lexical:  # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
         k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
+    skw = {} if sel is None else {"sel": sel}  # filtered search: every top-k call applies the selection
     p_sc, p_rows, mean, ent, count = be.probe(
-        view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
+        view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy, **skw
     )
     p_sc_all, p_rows_all = p_sc, p_rows
     if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
@@ -728,12 +774,12 @@ def _search_chunk(
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
-        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget)
+        hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be.memory_budget, sel)
         lex_hits = hyb.hits
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
-        lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts)
+        lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts, sel)
     fam_rows, fam_dense = rows, (scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev))
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
@@ -743,7 +789,7 @@ def _search_chunk(
     # at its first round's check)
     if mode != "dense" and (not host or bool(reco.any())):
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco)
+        out = be.recollect(view, Q, qseg, cfg, level0=(p_sc, p_rows), active=reco, **skw)
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
             scores = torch.where(reco[:, None], out.scores.to(dev), scores)
@@ -801,9 +847,10 @@ class _Hybrid:
     hits: list
 
 
-def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
+def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list, sel: RowSelection | None = None) -> list:
     """Per query: None (no lexical hit) or (first row of its user, float64 [n_u] BM25 of the
-    user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`."""
+    user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`.
+    With a selection, a filtered query's hits outside it are dropped (score 0)."""
     lex, off = snap.lexical, snap.offsets
     out: list = []
     for i, t in enumerate(texts):
@@ -814,7 +861,29 @@ def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
         u = int(seg[i])
         P = lex.postings(u)
         vec = P.scores(qt, qc)
+        if vec is not None and sel is not None:
+            allow = sel.allowed(i, int(off[u]), vec.shape[0])
+            if allow is not None:
+                vec = np.where(allow, vec, 0.0)
+                if not vec.any():
+                    vec = None
         out.append(None if vec is None else (int(off[u]), vec, P.n_docs))
+    return out
+
+
+def _selected_means(view: Any, sel: RowSelection, seg: np.ndarray, means: np.ndarray) -> np.ndarray:
+    """``means`` [b, d] (the users' mean vectors) with each filtered query's row replaced by
+    the float64 mean of its selected rows (memoised per selection; zero when none)."""
+    vectors = view.snapshot.vectors
+    memo = sel._memo.setdefault("means", {})
+    out = means.copy()
+    for i in np.flatnonzero(sel.qsel >= 0).tolist():
+        p = int(sel.qsel[i])
+        m = memo.get(p)
+        if m is None:
+            r = sel.rows[sel.off[p] : sel.off[p + 1]]
+            m = memo[p] = vectors[r].astype(np.float64).mean(axis=0) if r.shape[0] else np.zeros(vectors.shape[1])
+        out[i] = m
     return out
 
 
@@ -835,13 +904,18 @@ HYBRID_MATRIX_ENTRIES = 1 << 22
 
 
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-            config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+            config: RFMemConfig, k_f: int, kd: int, memory_budget: int,
+            sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
     rrf: :func:`_hybrid_loop`. convex / adaptive: batched over the queries, in steps of
-    at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users' rows)."""
+    at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users' rows).
+    ``sel``: the filtered queries' lexical hits outside their selection are dropped before
+    the fusion (the dense list ``p_sc`` / ``p_rows`` is already filtered); the per-query
+    statistics (the lexical maximum and top scores, zscore's spreads and dense mean) are
+    those of the matching items."""
     if config.fusion == "rrf":
-        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, memory_budget)
+        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, memory_budget, sel)
     snap = view.snapshot
     off = snap.offsets
     seg = qseg.cpu().numpy()
@@ -852,7 +926,9 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
         c = a + 1
         while c < b and (c + 1 - a) * int(lens[a : c + 1].max()) <= HYBRID_MATRIX_ENTRIES:
             c += 1
-        parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd))
+        part_sel = None if sel is None else sel.take(slice(a, c))
+        parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd,
+                                     part_sel))  # fmt: skip
         a = c
     if len(parts) == 1:
         return parts[0]
@@ -861,7 +937,7 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
 
 
 def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-                    config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
+                    config: RFMemConfig, k_f: int, kd: int, sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """convex / adaptive fusion of b queries with one BM25 matrix V [b, longest user] (see :func:`_hybrid_loop`)."""
     snap = view.snapshot
     lex, off = snap.lexical, snap.offsets
@@ -885,6 +961,13 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         V = np.bincount(np.concatenate(flat), weights=np.concatenate(wts), minlength=b * W).reshape(b, W)
     else:
         V = np.zeros((b, W))
+    n_match = n_q
+    if sel is not None:  # filtered queries: their hits outside the selection dropped
+        n_match = n_q.copy()
+        for i in np.flatnonzero(sel.qsel >= 0).tolist():
+            allow = sel.allowed(i, int(a_q[i]), int(n_q[i]))
+            V[i, : n_q[i]] *= allow
+            n_match[i] = int(allow.sum())
     lex_max = V.max(axis=1)
     hits = [(int(a_q[i]), V[i, : n_q[i]], int(n_docs[i])) if lex_max[i] > 0 else None for i in range(b)]
     ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
@@ -899,10 +982,13 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         top[:, :m] = -np.sort(-t, axis=1)[:, :m]
     lex_std = dense_gap = None
     if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
-        n = np.maximum(n_q, 1).astype(np.float64)
+        n = np.maximum(n_match, 1).astype(np.float64)
         mu = V.sum(axis=1) / n
         lex_std = np.sqrt(np.maximum((V * V).sum(axis=1) / n - mu * mu, 0.0))
-        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+        means = user_means(view, seg)
+        if sel is not None:
+            means = _selected_means(view, sel, seg, means)
+        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), means)
         dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
@@ -980,7 +1066,8 @@ def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarr
 
 
 def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-                 config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+                 config: RFMemConfig, k_f: int, kd: int, memory_budget: int,
+                 sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query, one query at a time (fusion "rrf"; any fusion).
 
     Candidates: the backend's exact dense top ``kd`` (``p_sc`` / ``p_rows``, the probe)
@@ -991,7 +1078,7 @@ def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Ten
     snap = view.snapshot
     seg = qseg.cpu().numpy()
     b = len(texts)
-    info = _lexical_hits(snap, seg, texts)
+    info = _lexical_hits(snap, seg, texts, sel)
     ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
     pr = p_rows[:, :kd].cpu().numpy()
     valid = pr >= 0

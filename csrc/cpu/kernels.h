@@ -14,6 +14,21 @@ namespace rfmem {
 /// gemm_pays per segment; kScan / kGemm force one path (tests, benchmarks).
 enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
 
+/// The row selections of a filtered top-k (rfmem_fast/filters.py RowSelection): P
+/// selections, each a set of rows of one segment, given as its increasing rows
+/// rows[off[p] : off[p + 1]] and, for a selection holding more than a quarter of its
+/// segment (the "mask mode"), also as a mask over the segment's rows
+/// (mask[mask_off[p] + r - segment start] == 1 exactly for its rows; mask_off[p] == -1
+/// in list mode). A query of a mask-mode selection is scanned with its group as usual,
+/// its heap refusing unselected rows (heap.h); a query of a list-mode selection scores
+/// only its listed rows (every one of them kept, then the exact re-scoring).
+struct SelTable {
+  const int64_t* off = nullptr;       ///< [P + 1]
+  const int64_t* rows = nullptr;      ///< [off[P]] global rows
+  const uint8_t* mask = nullptr;      ///< masks of the mask-mode selections
+  const int64_t* mask_off = nullptr;  ///< [P]
+};
+
 /// Options of segmented_topk beyond its arrays.
 struct TopkOptions {
   /// A float16 / bfloat16 copy of X (uint16 [n, d], C-contiguous; element i of row r is
@@ -24,6 +39,12 @@ struct TopkOptions {
   TopkPath path = TopkPath::kAuto;
   int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
   double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))
+  /// Filtered search: the selections (nullptr: none) and the selection of each query of
+  /// the call (qsel[i] in [-1, P), -1: the whole segment; the selection's rows lie in
+  /// the query's segment). recollect() reads qsel per query of its batch and passes
+  /// each round's top-k call the selection of every branch's query.
+  const SelTable* sel = nullptr;
+  const int64_t* qsel = nullptr;
 };
 
 /// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of

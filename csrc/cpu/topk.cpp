@@ -40,6 +40,15 @@
 //      segment is rescanned (scan kernel, its own bound B') and every row with
 //      f' >= t - B - B' is re-scored into a running exact top-k (rescan_query).
 //
+// Filtered search (kernels.h SelTable, rfmem_fast/filters.py): a query of a mask-mode
+// selection runs in its group like any other, its heap refusing the unselected rows
+// (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
+// those of the selected rows; a query of a list-mode selection (at most a quarter of
+// its segment) is taken out of the groups and scores exactly its listed rows with the
+// scan path's lanes (gathered 4 at a time), keeping all of them, then the re-scoring of
+// step 4 (nothing dropped, no rescan). Either way the result is the exact top-k of the
+// selected rows, in the same order as an unfiltered search over a bank of only them.
+//
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
 // stable sort by descending score. Determinism: the exact scores do not depend on the
 // order of any computation, so a query's result does not depend on the rest of its
@@ -271,11 +280,13 @@ void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double 
 // reaches the cut is re-scored exactly into a running top-k (heap of capacity k at store).
 RFMEM_MULTIVERSION
 void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, int64_t a,
-                  int64_t e, double cut, Entry* store, float* out_s, int64_t* out_r) {
+                  int64_t e, double cut, Entry* store, float* out_s, int64_t* out_r, const uint8_t* mask) {
   Heap hp;
   hp.h = store;
   hp.k = c.k;
   hp.size = 0;
+  hp.mask = mask;  // filtered search: the selected rows only
+  hp.mask_base = a;
   const int64_t d = c.d;
   float sc[4];
   for (int64_t r = a; r < e; r += 4) {
@@ -297,16 +308,43 @@ void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, c
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
-                  const Dropped& dropped) {
+                  const Dropped& dropped, const uint8_t* mask) {
   const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
   const double lower = kth_lower(cand, nc, c.k, Bp);
   const double cut = cut_below(lower, Bp);
   if (dropped(cut)) {
     const double Bs = gemm ? c.bound(c.scan, q) : Bp;
-    rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r);
+    rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r, mask);
   } else {
     rescore(c, q, cand, nc, cut, out_s, out_r);
   }
+}
+
+// Filtered search, list mode: the exact top-k of one query over its listed rows
+// rows[0:m] (increasing, in its segment). Every row's scan score (the scan path's
+// lanes, gathered 4 rows at a time: the bound of the scan path) is kept in cand [m],
+// so no row is dropped; then the re-scoring of the candidates that can reach the k-th
+// exact score.
+RFMEM_MULTIVERSION
+void list_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows,
+                int64_t m, Entry* cand, float* out_s, int64_t* out_r) {
+  const int64_t d = c.d;
+  float sc[4];
+  int64_t nc = 0;
+  for (int64_t j = 0; j < m; j += 4) {
+    const int64_t cnt = std::min<int64_t>(4, m - j);
+    // rows past the list's end re-read its last row; their scores are unused
+    const int64_t r0 = rows[j], r1 = rows[j + std::min<int64_t>(1, cnt - 1)], r2 = rows[j + std::min<int64_t>(2, cnt - 1)],
+                  r3 = rows[j + std::min<int64_t>(3, cnt - 1)];
+    if (src.half)
+      K.dot4_half(q, src.half + r0 * d, src.half + r1 * d, src.half + r2 * d, src.half + r3 * d, d, src.type, sc);
+    else
+      dot4(q, src.f32 + r0 * d, src.f32 + r1 * d, src.f32 + r2 * d, src.f32 + r3 * d, d, sc);
+    for (int64_t i = 0; i < cnt; ++i)
+      if (sc[i] == sc[i]) cand[nc++] = Entry{sc[i], rows[j + i]};  // NaN is never kept
+  }
+  const double B = c.bound(c.scan, q);
+  rescore(c, q, cand, nc, cut_below(kth_lower(cand, nc, c.k, B), B), out_s, out_r);
 }
 
 struct Group {
@@ -418,19 +456,53 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
                      abs_bound(d),
                      gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
 
+  // 0. filtered search: the queries of list-mode selections leave the groups (list_query);
+  //    a mask-mode query stays, with its selection's mask on its heaps
+  const SelTable* sel = opt.qsel != nullptr ? opt.sel : nullptr;
+  auto qmask = [&](int64_t qi) -> const uint8_t* {
+    if (sel == nullptr || opt.qsel[qi] < 0) return nullptr;
+    return sel->mask + sel->mask_off[opt.qsel[qi]];
+  };
+  std::vector<int64_t> order, listed;
+  order.reserve(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    if (sel != nullptr && opt.qsel[i] >= 0 && sel->mask_off[opt.qsel[i]] < 0)
+      listed.push_back(i);
+    else
+      order.push_back(i);
+  }
+  if (!listed.empty()) {
+    const int64_t nl = static_cast<int64_t>(listed.size());
+    int64_t max_m = 0;
+    double lwork = 0.0;
+    for (const int64_t qi : listed) {
+      const int64_t m = sel->off[opt.qsel[qi] + 1] - sel->off[opt.qsel[qi]];
+      max_m = std::max(max_m, m);
+      lwork += static_cast<double>(m) * static_cast<double>(d);
+    }
+    const int lthreads = threads_for(opt.num_threads, lwork, nl);
+    std::vector<std::vector<Entry>> cands(static_cast<size_t>(lthreads));  // allocated before the threads
+    for (auto& c : cands) c.resize(static_cast<size_t>(std::max<int64_t>(max_m, 1)));
+    parallel_for(nl, lthreads, [&](int64_t t, int tid) {
+      const int64_t qi = listed[static_cast<size_t>(t)], p = opt.qsel[qi];
+      list_query(ctx, src, K, Q + qi * d, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p],
+                 cands[static_cast<size_t>(tid)].data(), out_scores + qi * k, out_rows + qi * k);
+    });
+  }
+  const int64_t nm = static_cast<int64_t>(order.size());
+  if (nm == 0) return;
+
   // 1. queries sorted by segment (stable); each segment's queries take one path and are
   //    cut into groups (scan: kGroup queries; GEMM: balanced units of whole panels)
-  std::vector<int64_t> order(b);
-  std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
   std::vector<Group> groups;
   double work = 0.0;  // multiply-adds of the scan
   const int64_t unit_max = gemm_unit_queries(K, d);
   int max_nq = 0, max_gemm_nq = 0;
-  for (int64_t i = 0; i < b;) {
+  for (int64_t i = 0; i < nm;) {
     const int64_t seg = qseg[order[i]];
     int64_t j = i;
-    while (j < b && qseg[order[j]] == seg) ++j;
+    while (j < nm && qseg[order[j]] == seg) ++j;
     const int64_t g = j - i, len = offsets[seg + 1] - offsets[seg];
     bool gemm = len > 0 && (opt.path == TopkPath::kGemm ||
                             (opt.path == TopkPath::kAuto && gemm_pays(g, len, d, K.level)));
@@ -512,6 +584,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].h = store + static_cast<size_t>(i) * kw;
       heaps[i].k = kw;
       heaps[i].size = 0;
+      heaps[i].mask = qmask(order[g.first + i]);
+      heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
     }
     if (r1 > r0) {
@@ -530,7 +604,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const bool filled = hp.size == kw && len > kw;
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
-                     out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
+                     out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
+                     hp.mask);
         hp.size = 0;
       } else {
         const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
@@ -566,7 +641,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped);
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi));
       }
     });
   }

@@ -34,6 +34,15 @@
   oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
   ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver.
 
+Filtered search (:class:`rfmem_fast.filters.RowSelection`, ``sel=`` of the three top-k
+calls): the selections go to the kernels as arrays (``RowSelection.native_table``). A
+selection holding at most a quarter of its segment (:data:`rfmem_fast.filters.LIST_MAX_FRACTION`)
+is a row list: its queries score exactly the listed rows, so a selective filter reads
+fewer rows than an unfiltered search; a larger one is a mask checked where a score would
+enter a query's kept list, inside the ordinary segment scan (same tiles, same GEMM
+path: the cost of an unfiltered search). The C++ beam driver gives every round's top-k
+call the selection of each branch's query (csrc/cpu/topk.cpp, recollect.cpp).
+
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
 (default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
@@ -157,9 +166,18 @@ class NativeBackend(Backend):
             return {"path": self.topk_path}
         return {"scan": snap.scan.view(np.uint16), "scan_type": snap.dtype, "path": self.topk_path}
 
+    @staticmethod
+    def _sel_args(view: BankView, sel) -> dict:
+        """The kernels' selection arguments of ``sel`` (none when it is None)."""
+        if sel is None:
+            return {}
+        _, off = NativeBackend._bank(view)
+        return {"qsel": np.ascontiguousarray(sel.qsel, dtype=np.int64), **sel.native_table(off)}
+
     # ---------------------------------------------------------------- top-k
-    def segmented_topk(self, view: BankView, Q, qseg, k):
-        """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``).
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
+        """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``; a
+        selection is applied inside the scan, module docstring).
 
         Raises:
             ValueError: ``k`` < 1, or a segment index out of range.
@@ -167,11 +185,11 @@ class NativeBackend(Backend):
         X, off = self._bank(view)
         s, r = _native.segmented_topk(
             X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max,
-            **self._scan_args(view),
+            **self._scan_args(view), **self._sel_args(view, sel),
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
-    def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
+    def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
 
         Raises:
@@ -190,6 +208,7 @@ class NativeBackend(Backend):
             self._threads(),
             view.row_norm_max,
             **self._scan_args(view),
+            **self._sel_args(view, sel),
         )
         return (
             torch.from_numpy(s),
@@ -241,7 +260,7 @@ class NativeBackend(Backend):
         return torch.from_numpy(out)
 
     # ---------------------------------------------------------------- beam driver
-    def recollect(self, view, q0, qseg, config, level0=None, active=None):
+    def recollect(self, view, q0, qseg, config, level0=None, active=None, sel=None):
         """See :meth:`Backend.recollect`: the C++ beam driver (``_native.recollect``).
 
         One call for the whole batch; rows, scores and rounds equal those of the Python
@@ -255,7 +274,7 @@ class NativeBackend(Backend):
                 [b]; an unknown ``RFMEM_BEAM_DRIVER``.
         """
         if self._driver() == "python":
-            return super().recollect(view, q0, qseg, config, level0, active)
+            return super().recollect(view, q0, qseg, config, level0, active, sel=sel)
         from ..recollection import RecollectionOutput, recollection_capacity  # (it imports the backends)
 
         b = int(q0.shape[0])
@@ -301,6 +320,7 @@ class NativeBackend(Backend):
             self.memory_budget,
             act,
             **self._scan_args(view),
+            **self._sel_args(view, sel),
         )
         hits = torch.from_numpy(rows)
         return RecollectionOutput(
