@@ -120,19 +120,34 @@ def _check_json(v: Any, where: str) -> Any:
     raise TypeError(f"{where}: expected a JSON value (str, number, bool, null, list, object), got {_type_name(v)}")
 
 
+def _number(v: Any) -> Any:
+    """A JSON number compared by value: a float (an int beyond 2^53 stays an exact int)."""
+    return float(v) if isinstance(v, float) or abs(v) <= 2**53 else v
+
+
+def _normal(v: Any) -> Any:
+    """``v`` with every number inside lists / objects compared by value (bools kept apart)."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return [type(v).__name__, v]
+    if isinstance(v, (int, float)):
+        return ["n", _number(v)]
+    if isinstance(v, list):
+        return ["l", [_normal(x) for x in v]]
+    return ["o", {k: _normal(x) for k, x in v.items()}]
+
+
 def _value_key(v: Any) -> tuple:
-    """The hashable key two equal JSON values share (numbers by value; bool apart from numbers)."""
+    """The hashable key two equal JSON values share: numbers by value (``1 == 1.0``, inside
+    lists and objects too), bools apart from numbers, objects whatever their key order."""
     if v is None:
         return ("z",)
     if isinstance(v, bool):
         return ("b", v)
-    if isinstance(v, int):
-        return ("n", float(v)) if abs(v) <= 2**53 else ("n", v)
-    if isinstance(v, float):
-        return ("n", v)
+    if isinstance(v, (int, float)):
+        return ("n", _number(v))
     if isinstance(v, str):
         return ("s", v)
-    return ("j", json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+    return ("j", json.dumps(_normal(v), sort_keys=True, separators=(",", ":"), ensure_ascii=False))
 
 
 def parse_instant(v: Any, where: str) -> float:
