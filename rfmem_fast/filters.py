@@ -74,8 +74,10 @@ COMPARISONS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$exis
 #: logical operators of a filter
 LOGICAL = ("$and", "$or", "$not")
 #: a selection holding at most this fraction of its segment's rows is scanned as a row
-#: list by the native kernel (each of its rows read once per query), a larger one as a
-#: per-row mask checked inside the ordinary segment scan (csrc/cpu/topk.cpp)
+#: list by the native kernel (each of its rows read once per query); a larger one is
+#: given as a per-row mask too, checked inside the ordinary segment scan, which the
+#: kernel still trades for the list when the selection holds at most half its segment
+#: and its queries would not take the GEMM path (csrc/cpu/topk.cpp, kernels.h SelTable)
 LIST_MAX_FRACTION = 0.25
 
 _RANGES: dict[str, Callable[[Any, Any], Any]] = {
@@ -356,8 +358,20 @@ def parse_filter(f: Any, where: str = "filters") -> Filter:
     """
     if isinstance(f, Filter):
         return f
-    root = _parse(f, where)
-    return Filter(source=f, key=_canonical(f), _root=root)
+    key = _canonical(f)
+    got = _PARSED.get((key, where))
+    if got is not None:
+        return got
+    out = Filter(source=f, key=key, _root=_parse(f, where))
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[(key, where)] = out
+    return out
+
+
+#: parsed filters by (canonical key, name in messages): a repeated filter is parsed once
+_PARSED: dict = {}
+_PARSED_MAX = 4096
 
 
 # --------------------------------------------------------------------------- columns
@@ -641,9 +655,10 @@ def check_filters(filters: Any, b: int) -> list:
 def compile_filters(bank: MemoryBank, snapshot: BankSnapshot, seg: Any, filters: Any) -> RowSelection | None:
     """Compile a batch's filters into the :class:`RowSelection` the backends apply.
 
-    Each distinct filter is parsed once; each distinct (filter, user) pair is evaluated
-    once (its rows cached on the bank per snapshot and metadata state, so a repeated
-    filter costs a lookup).
+    Each distinct filter is parsed once (and kept parsed across calls); each distinct
+    (filter, user) pair is evaluated once (its rows cached on the bank per snapshot and
+    metadata state), and the selection of a whole batch is cached the same way, so a
+    repeated batch of filters costs a few lookups.
 
     Args:
         bank: the bank whose metadata the filters read.
@@ -662,9 +677,20 @@ def compile_filters(bank: MemoryBank, snapshot: BankSnapshot, seg: Any, filters:
     """
     seg = np.asarray(seg, dtype=np.int64)
     b = int(seg.shape[0])
+    if isinstance(filters, (dict, Filter)) and b:  # one filter for every query: parsed once, one key
+        f = parse_filter(filters)
+        key = ("filter_selection_all", f.key, seg.tobytes())
+        return bank.metadata_cached(snapshot, key, lambda: _compile(bank, snapshot, seg, [f] * b))
     parsed = check_filters(filters, b)
     if all(f is None for f in parsed):
         return None
+    key = ("filter_selection", tuple(None if f is None else f.key for f in parsed), seg.tobytes())
+    return bank.metadata_cached(snapshot, key, lambda: _compile(bank, snapshot, seg, parsed))
+
+
+def _compile(bank: MemoryBank, snapshot: BankSnapshot, seg: np.ndarray, parsed: list) -> RowSelection:
+    """The RowSelection of parsed filters (:func:`compile_filters` without its caches)."""
+    b = int(seg.shape[0])
     off = snapshot.offsets
     pairs: dict[tuple, int] = {}
     qsel = np.full(b, -1, dtype=np.int64)

@@ -705,7 +705,7 @@ def _chunk_selection(selection: RowSelection | None, c0: int, max_batch: int) ->
     """The selection of the chunk of queries ``c0 .. c0 + max_batch - 1`` (None when none is filtered)."""
     if selection is None:
         return None
-    part = selection.take(slice(c0, c0 + max_batch))
+    part = selection if c0 == 0 and max_batch >= selection.qsel.shape[0] else selection.take(slice(c0, c0 + max_batch))
     return part if part.any() else None
 
 

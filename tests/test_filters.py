@@ -419,24 +419,31 @@ def test_half_precision_bank_and_list_and_mask_modes(backend):
 
 @pytest.mark.skipif("native" not in available(), reason="native backend not built")
 def test_native_threads_row_parts_rescans_and_gemm_with_filters():
-    """A long user split into row parts over 2 threads, a GEMM-path batch, and near-duplicate
-    rows (the rescan of a full kept list): every filtered query equals the brute force."""
+    """A long user split into row parts over 2 threads, GEMM-path and scan-path batches,
+    and near-duplicate rows (whose kept lists fill with near-ties, so both the segment
+    rescan of a mask-mode query and the list rescan of a list-mode one run): every
+    filtered query equals the reference (filter, then brute force), and a sample the
+    independent fsum oracle."""
     bank, Q0, _ = near_duplicate_bank(7, 16, 8192)
     n = bank.user_size("dups")
     bank.set_metadata("dups", bank.item_ids_of("dups"), [{"b": int(j % 10), "rank": int(j)} for j in range(n)])
     users = ["dups"] * 40
     Q = np.tile(Q0, (7, 1))[:40]
-    fs = [{"b": {"$lt": 5}}, {"b": 3}, {"rank": {"$lt": 3}}, {"b": {"$in": [1, 2, 3, 4, 5, 6, 7, 8]}}] * 10
-    cfg = RFMemConfig(out_k=12, probe_k=12)
-    for be in (NativeBackend(num_threads=2), NativeBackend(num_threads=2, topk_path="scan")):
-        res = search(bank, Q, users, cfg, mode="dense", backend=be, filters=fs)
-        for i in range(0, 40, 7):
-            want_r, want_s = dense_oracle(bank, Q[i], matching_rows(bank, users[i], fs[i]), cfg.out_k)
-            np.testing.assert_array_equal(res.rows[i], want_r)
-            np.testing.assert_array_equal(res.scores[i], want_s)
-        ref = search(bank, Q, users, cfg, mode="dense", backend="torch", filters=fs)
-        np.testing.assert_array_equal(res.rows, ref.rows)
-        np.testing.assert_array_equal(res.scores, ref.scores)
+    fs = [{"b": {"$lt": 5}}, {"b": 3}, {"rank": {"$lt": 3}}, {"b": {"$in": [1, 2, 3, 4, 5, 6, 7, 8]}}, {"b": {"$lt": 2}}] * 8
+    for k in (5, 12):
+        cfg = RFMemConfig(out_k=k, probe_k=k)
+        ref = search(bank, Q, users, cfg, mode="dense", backend="reference", filters=fs)
+        for i in range(0, 40, 9):
+            want_r, want_s = dense_oracle(bank, Q[i], matching_rows(bank, users[i], fs[i]), k)
+            np.testing.assert_array_equal(ref.rows[i], want_r)
+            np.testing.assert_array_equal(ref.scores[i], want_s)
+        for be in (NativeBackend(num_threads=2), NativeBackend(num_threads=2, topk_path="scan"), NativeBackend(num_threads=1)):
+            res = search(bank, Q, users, cfg, mode="dense", backend=be, filters=fs)
+            np.testing.assert_array_equal(res.rows, ref.rows)
+            np.testing.assert_array_equal(res.scores, ref.scores)
+            one = search(bank, Q[:1], users[:1], cfg, mode="dense", backend=be, filters=fs[1])  # alone: the same
+            np.testing.assert_array_equal(one.rows[0], search(bank, Q[:1], users[:1], cfg, mode="dense",
+                                                                backend="reference", filters=fs[1]).rows[0])  # fmt: skip
 
 
 @pytest.mark.parametrize("fusion", ["convex", "rrf", "zscore"])

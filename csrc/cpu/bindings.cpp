@@ -217,6 +217,7 @@ void check_select(const char* fn, const TopkInputs& in, const py::object& qsel_,
       throw py::value_error(std::string(fn) + ": qsel[" + std::to_string(i) + "] names a selection of segment " +
                             std::to_string(sseg[q[i]]) + " for a query of segment " + std::to_string(qseg[i]));
   }
+  s.tab.n = P;
   s.tab.off = so;
   s.tab.rows = sr;
   s.tab.mask = sm;

@@ -21,8 +21,13 @@ enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
 /// (mask[mask_off[p] + r - segment start] == 1 exactly for its rows; mask_off[p] == -1
 /// in list mode). A query of a mask-mode selection is scanned with its group as usual,
 /// its heap refusing unselected rows (heap.h); a query of a list-mode selection scores
-/// only its listed rows (every one of them kept, then the exact re-scoring).
+/// only its listed rows (every one of them kept, then the exact re-scoring). The rule
+/// (segmented_topk): list mode when no mask is given, and also for a masked selection
+/// of at most half its segment whose queries in the call would not take the GEMM path
+/// (gemm_pays; not when the GEMM path is forced): the list then reads fewer rows than
+/// the segment scan.
 struct SelTable {
+  int64_t n = 0;                      ///< P, the number of selections
   const int64_t* off = nullptr;       ///< [P + 1]
   const int64_t* rows = nullptr;      ///< [off[P]] global rows
   const uint8_t* mask = nullptr;      ///< masks of the mask-mode selections

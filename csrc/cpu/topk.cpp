@@ -44,9 +44,9 @@
 // selection runs in its group like any other, its heap refusing the unselected rows
 // (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
 // those of the selected rows; a query of a list-mode selection (at most a quarter of
-// its segment) is taken out of the groups and scores exactly its listed rows with the
-// scan path's lanes (gathered 4 at a time), keeping all of them, then the re-scoring of
-// step 4 (nothing dropped, no rescan). Either way the result is the exact top-k of the
+// its segment, or half when its queries would not take the GEMM path) is taken out of
+// the groups and runs steps 2 and 4 over its listed rows only, with the scan path's lanes
+// (gathered 4 at a time; the rescan goes over the list too). Either way the result is the exact top-k of the
 // selected rows, in the same order as an unfiltered search over a bank of only them.
 //
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
@@ -93,19 +93,15 @@ RFMEM_INLINE float hsum16(v8 lo, v8 hi) {
 
 // Inner products of q with 4 rows, on 16 lanes: element j of d goes to lane j % 16,
 // each lane accumulates in order of j, the lanes are reduced in a fixed tree.
-RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const float* x2,
-                       const float* x3, int64_t d, float* out) {
+// ``prefetch(j)`` is called at each step of 16 elements (the next rows' lines).
+template <class Prefetch>
+RFMEM_INLINE void dot4_p(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                         int64_t d, float* out, const Prefetch& prefetch) {
   const v8 z = {0, 0, 0, 0, 0, 0, 0, 0};
   v8 a0l = z, a0h = z, a1l = z, a1h = z, a2l = z, a2h = z, a3l = z, a3h = z;
   int64_t j = 0;
-  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
-  // per step (a prefetch never faults, past the end of the rows too)
-  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
   for (; j + 16 <= d; j += 16) {
-    __builtin_prefetch(next + j * 16);
-    __builtin_prefetch(next + j * 16 + 64);
-    __builtin_prefetch(next + j * 16 + 128);
-    __builtin_prefetch(next + j * 16 + 192);
+    prefetch(j);
     const v8 ql = ld8(q + j), qh = ld8(q + j + 8);
     a0l += ld8(x0 + j) * ql;
     a0h += ld8(x0 + j + 8) * qh;
@@ -139,6 +135,30 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
   out[2] = hsum16(a2l, a2h);
   out[3] = hsum16(a3l, a3h);
 }
+
+RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const float* x2,
+                       const float* x3, int64_t d, float* out) {
+  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
+  // per step (a prefetch never faults, past the end of the rows too)
+  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
+  dot4_p(q, x0, x1, x2, x3, d, out, [next](int64_t j) {
+    __builtin_prefetch(next + j * 16);
+    __builtin_prefetch(next + j * 16 + 64);
+    __builtin_prefetch(next + j * 16 + 128);
+    __builtin_prefetch(next + j * 16 + 192);
+  });
+}
+
+// dot4 for 4 gathered rows, prefetching the 4 gathered rows n[0..3] that come next.
+RFMEM_INLINE void dot4_gather(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                              int64_t d, float* out, const float* const* n) {
+  dot4_p(q, x0, x1, x2, x3, d, out, [n](int64_t j) {
+    __builtin_prefetch(n[0] + j);
+    __builtin_prefetch(n[1] + j);
+    __builtin_prefetch(n[2] + j);
+    __builtin_prefetch(n[3] + j);
+  });
+}
 #else
 #define RFMEM_INLINE inline
 // Portable version with the same lane structure (same results).
@@ -152,6 +172,10 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
     for (int l = 0; l < 8; ++l) s[l] = a[l] + a[l + 8];
     out[i] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
   }
+}
+RFMEM_INLINE void dot4_gather(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                              int64_t d, float* out, const float* const*) {
+  dot4(q, x0, x1, x2, x3, d, out);
 }
 #endif
 
@@ -320,31 +344,72 @@ void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, b
   }
 }
 
-// Filtered search, list mode: the exact top-k of one query over its listed rows
-// rows[0:m] (increasing, in its segment). Every row's scan score (the scan path's
-// lanes, gathered 4 rows at a time: the bound of the scan path) is kept in cand [m],
-// so no row is dropped; then the re-scoring of the candidates that can reach the k-th
-// exact score.
+// Filtered search, list mode: scan scores of the listed rows rows[j .. j + 3] (fewer at the
+// list's end: the missing ones re-read its last row, their scores unused), with the scan
+// path's lanes (gathered rows: the scan path's error bound), prefetching the next 4.
+inline void scan4_list(const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows, int64_t j,
+                       int64_t m, int64_t d, float* sc) {
+  const int64_t cnt = std::min<int64_t>(4, m - j);
+  const int64_t r0 = rows[j], r1 = rows[j + std::min<int64_t>(1, cnt - 1)], r2 = rows[j + std::min<int64_t>(2, cnt - 1)],
+                r3 = rows[j + std::min<int64_t>(3, cnt - 1)];
+  if (src.half) {
+    K.dot4_half(q, src.half + r0 * d, src.half + r1 * d, src.half + r2 * d, src.half + r3 * d, d, src.type, sc);
+  } else {
+    const float* nx[4];  // the next 4 listed rows (the last one past the end)
+    for (int t = 0; t < 4; ++t) nx[t] = src.f32 + rows[std::min<int64_t>(j + 4 + t, m - 1)] * d;
+    dot4_gather(q, src.f32 + r0 * d, src.f32 + r1 * d, src.f32 + r2 * d, src.f32 + r3 * d, d, sc, nx);
+  }
+}
+
+// The exact top-k of one query over its listed rows rows[0:m] (increasing, in its
+// segment): the scan of topk.cpp step 2 over the listed rows only (a heap of the kw best
+// scan scores in store[0:kw]), then step 4: the candidates that can reach the k-th exact
+// score re-scored, or, when the heap may have dropped such rows, the list rescanned into
+// a running exact top-k (store[kw : kw + k]).
 RFMEM_MULTIVERSION
 void list_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows,
-                int64_t m, Entry* cand, float* out_s, int64_t* out_r) {
+                int64_t m, int64_t kw, Entry* store, float* out_s, int64_t* out_r) {
   const int64_t d = c.d;
   float sc[4];
-  int64_t nc = 0;
+  Heap hp;
+  hp.h = store;
+  hp.k = kw;
+  hp.size = 0;
+  float thr = hp.threshold();
   for (int64_t j = 0; j < m; j += 4) {
+    scan4_list(src, K, q, rows, j, m, d, sc);
     const int64_t cnt = std::min<int64_t>(4, m - j);
-    // rows past the list's end re-read its last row; their scores are unused
-    const int64_t r0 = rows[j], r1 = rows[j + std::min<int64_t>(1, cnt - 1)], r2 = rows[j + std::min<int64_t>(2, cnt - 1)],
-                  r3 = rows[j + std::min<int64_t>(3, cnt - 1)];
-    if (src.half)
-      K.dot4_half(q, src.half + r0 * d, src.half + r1 * d, src.half + r2 * d, src.half + r3 * d, d, src.type, sc);
-    else
-      dot4(q, src.f32 + r0 * d, src.f32 + r1 * d, src.f32 + r2 * d, src.f32 + r3 * d, d, sc);
-    for (int64_t i = 0; i < cnt; ++i)
-      if (sc[i] == sc[i]) cand[nc++] = Entry{sc[i], rows[j + i]};  // NaN is never kept
+    for (int64_t i = 0; i < cnt; ++i) {
+      if (sc[i] > thr) {
+        hp.push(sc[i], rows[j + i]);
+        thr = hp.threshold();
+      }
+    }
   }
+  const bool filled = hp.size == kw && m > kw;  // rows were dropped only if the heap filled up
+  const float worst = hp.size ? hp.h[0].s : kNegInf;
   const double B = c.bound(c.scan, q);
-  rescore(c, q, cand, nc, cut_below(kth_lower(cand, nc, c.k, B), B), out_s, out_r);
+  const double lower = kth_lower(hp.h, hp.size, c.k, B);
+  const double cut = cut_below(lower, B);
+  if (!(filled && static_cast<double>(worst) >= cut)) {
+    rescore(c, q, hp.h, hp.size, cut, out_s, out_r);
+    return;
+  }
+  Heap ex;  // the rescan: every listed row of scan score >= cut, re-scored exactly
+  ex.h = store + kw;
+  ex.k = c.k;
+  ex.size = 0;
+  for (int64_t j = 0; j < m; j += 4) {
+    scan4_list(src, K, q, rows, j, m, d, sc);
+    const int64_t cnt = std::min<int64_t>(4, m - j);
+    for (int64_t i = 0; i < cnt; ++i) {
+      if (static_cast<double>(sc[i]) >= cut) {
+        const float e = exact_score(q, c.X + rows[j + i] * d, d, c.g64);
+        if (e > ex.threshold() || ex.size < ex.k) ex.push(e, rows[j + i]);
+      }
+    }
+  }
+  emit(ex.h, ex.size, c.k, out_s, out_r);
 }
 
 struct Group {
@@ -465,28 +530,39 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   };
   std::vector<int64_t> order, listed;
   order.reserve(static_cast<size_t>(b));
+  std::vector<char> as_list;  // per selection: scored as a list (kernels.h SelTable, the rule)
+  if (sel != nullptr) {
+    std::vector<int64_t> users(static_cast<size_t>(sel->n), 0);
+    for (int64_t i = 0; i < b; ++i)
+      if (opt.qsel[i] >= 0) ++users[static_cast<size_t>(opt.qsel[i])];
+    as_list.assign(static_cast<size_t>(sel->n), 0);
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t p = opt.qsel[i];
+      if (p < 0 || as_list[static_cast<size_t>(p)]) continue;
+      const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]], m = sel->off[p + 1] - sel->off[p];
+      as_list[static_cast<size_t>(p)] =
+          sel->mask_off[p] < 0 || (opt.path != TopkPath::kGemm && 2 * m <= len &&
+                                   !gemm_pays(users[static_cast<size_t>(p)], len, d, K.level));
+    }
+  }
   for (int64_t i = 0; i < b; ++i) {
-    if (sel != nullptr && opt.qsel[i] >= 0 && sel->mask_off[opt.qsel[i]] < 0)
+    if (sel != nullptr && opt.qsel[i] >= 0 && as_list[static_cast<size_t>(opt.qsel[i])])
       listed.push_back(i);
     else
       order.push_back(i);
   }
   if (!listed.empty()) {
     const int64_t nl = static_cast<int64_t>(listed.size());
-    int64_t max_m = 0;
     double lwork = 0.0;
-    for (const int64_t qi : listed) {
-      const int64_t m = sel->off[opt.qsel[qi] + 1] - sel->off[opt.qsel[qi]];
-      max_m = std::max(max_m, m);
-      lwork += static_cast<double>(m) * static_cast<double>(d);
-    }
+    for (const int64_t qi : listed)
+      lwork += static_cast<double>(sel->off[opt.qsel[qi] + 1] - sel->off[opt.qsel[qi]]) * static_cast<double>(d);
     const int lthreads = threads_for(opt.num_threads, lwork, nl);
-    std::vector<std::vector<Entry>> cands(static_cast<size_t>(lthreads));  // allocated before the threads
-    for (auto& c : cands) c.resize(static_cast<size_t>(std::max<int64_t>(max_m, 1)));
+    const int64_t kwl = k + kScanMargin[static_cast<int>(src.type)];
+    std::vector<Entry> lstore(static_cast<size_t>(lthreads) * (kwl + k));  // allocated before the threads
     parallel_for(nl, lthreads, [&](int64_t t, int tid) {
       const int64_t qi = listed[static_cast<size_t>(t)], p = opt.qsel[qi];
-      list_query(ctx, src, K, Q + qi * d, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p],
-                 cands[static_cast<size_t>(tid)].data(), out_scores + qi * k, out_rows + qi * k);
+      list_query(ctx, src, K, Q + qi * d, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl,
+                 lstore.data() + static_cast<size_t>(tid) * (kwl + k), out_scores + qi * k, out_rows + qi * k);
     });
   }
   const int64_t nm = static_cast<int64_t>(order.size());
