@@ -46,7 +46,8 @@
 // those of the selected rows; a query of a list-mode selection (at most a quarter of
 // its segment, or half when its queries would not take the GEMM path) is taken out of
 // the groups and runs steps 2 and 4 over its listed rows only, with the scan path's lanes
-// (gathered 4 at a time; the rescan goes over the list too). Either way the result is the exact top-k of the
+// (gathered 4 at a time), in groups of up to kGroup queries of one selection sharing
+// each tile of its rows (the rescan goes over the list too). Either way the result is the exact top-k of the
 // selected rows, in the same order as an unfiltered search over a bank of only them.
 //
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
@@ -361,55 +362,70 @@ inline void scan4_list(const ScanSrc& src, const SimdKernels& K, const float* q,
   }
 }
 
-// The exact top-k of one query over its listed rows rows[0:m] (increasing, in its
-// segment): the scan of topk.cpp step 2 over the listed rows only (a heap of the kw best
-// scan scores in store[0:kw]), then step 4: the candidates that can reach the k-th exact
-// score re-scored, or, when the heap may have dropped such rows, the list rescanned into
-// a running exact top-k (store[kw : kw + k]).
+// The exact top-k of nq queries of one list-mode selection over its listed rows
+// rows[0:m] (increasing, in their segment): the scan of step 2 over the listed rows only,
+// in tiles of rows that stay in cache while every query of the group scores them (as
+// scan_rows; a heap of the kw best scan scores per query in store[i kw : (i + 1) kw]),
+// then step 4 per query: the candidates that can reach the k-th exact score re-scored,
+// or, when its heap may have dropped such rows, the list rescanned into a running exact
+// top-k (store[nq kw : nq kw + k]).
 RFMEM_MULTIVERSION
-void list_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows,
-                int64_t m, int64_t kw, Entry* store, float* out_s, int64_t* out_r) {
+void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* const* qs, int nq,
+                const int64_t* rows, int64_t m, int64_t kw, int64_t tile_rows, Entry* store, float* const* out_s,
+                int64_t* const* out_r) {
   const int64_t d = c.d;
   float sc[4];
-  Heap hp;
-  hp.h = store;
-  hp.k = kw;
-  hp.size = 0;
-  float thr = hp.threshold();
-  for (int64_t j = 0; j < m; j += 4) {
-    scan4_list(src, K, q, rows, j, m, d, sc);
-    const int64_t cnt = std::min<int64_t>(4, m - j);
-    for (int64_t i = 0; i < cnt; ++i) {
-      if (sc[i] > thr) {
-        hp.push(sc[i], rows[j + i]);
-        thr = hp.threshold();
+  Heap hps[kGroup];
+  for (int i = 0; i < nq; ++i) {
+    hps[i].h = store + static_cast<size_t>(i) * kw;
+    hps[i].k = kw;
+    hps[i].size = 0;
+  }
+  for (int64_t t0 = 0; t0 < m; t0 += tile_rows) {
+    const int64_t t1 = std::min(m, t0 + tile_rows);
+    for (int i = 0; i < nq; ++i) {
+      Heap& hp = hps[i];
+      float thr = hp.threshold();
+      for (int64_t j = t0; j < t1; j += 4) {
+        scan4_list(src, K, qs[i], rows, j, m, d, sc);
+        const int64_t cnt = std::min<int64_t>(4, t1 - j);
+        for (int64_t t = 0; t < cnt; ++t) {
+          if (sc[t] > thr) {
+            hp.push(sc[t], rows[j + t]);
+            thr = hp.threshold();
+          }
+        }
       }
     }
   }
-  const bool filled = hp.size == kw && m > kw;  // rows were dropped only if the heap filled up
-  const float worst = hp.size ? hp.h[0].s : kNegInf;
-  const double B = c.bound(c.scan, q);
-  const double lower = kth_lower(hp.h, hp.size, c.k, B);
-  const double cut = cut_below(lower, B);
-  if (!(filled && static_cast<double>(worst) >= cut)) {
-    rescore(c, q, hp.h, hp.size, cut, out_s, out_r);
-    return;
-  }
-  Heap ex;  // the rescan: every listed row of scan score >= cut, re-scored exactly
-  ex.h = store + kw;
-  ex.k = c.k;
-  ex.size = 0;
-  for (int64_t j = 0; j < m; j += 4) {
-    scan4_list(src, K, q, rows, j, m, d, sc);
-    const int64_t cnt = std::min<int64_t>(4, m - j);
-    for (int64_t i = 0; i < cnt; ++i) {
-      if (static_cast<double>(sc[i]) >= cut) {
-        const float e = exact_score(q, c.X + rows[j + i] * d, d, c.g64);
-        if (e > ex.threshold() || ex.size < ex.k) ex.push(e, rows[j + i]);
+  for (int i = 0; i < nq; ++i) {
+    Heap& hp = hps[i];
+    const float* q = qs[i];
+    const bool filled = hp.size == kw && m > kw;  // rows were dropped only if the heap filled up
+    const float worst = hp.size ? hp.h[0].s : kNegInf;
+    const double B = c.bound(c.scan, q);
+    const double lower = kth_lower(hp.h, hp.size, c.k, B);
+    const double cut = cut_below(lower, B);
+    if (!(filled && static_cast<double>(worst) >= cut)) {
+      rescore(c, q, hp.h, hp.size, cut, out_s[i], out_r[i]);
+      continue;
+    }
+    Heap ex;  // the rescan: every listed row of scan score >= cut, re-scored exactly
+    ex.h = store + static_cast<size_t>(nq) * kw;
+    ex.k = c.k;
+    ex.size = 0;
+    for (int64_t j = 0; j < m; j += 4) {
+      scan4_list(src, K, q, rows, j, m, d, sc);
+      const int64_t cnt = std::min<int64_t>(4, m - j);
+      for (int64_t t = 0; t < cnt; ++t) {
+        if (static_cast<double>(sc[t]) >= cut) {
+          const float e = exact_score(q, c.X + rows[j + t] * d, d, c.g64);
+          if (e > ex.threshold() || ex.size < ex.k) ex.push(e, rows[j + t]);
+        }
       }
     }
+    emit(ex.h, ex.size, c.k, out_s[i], out_r[i]);
   }
-  emit(ex.h, ex.size, c.k, out_s, out_r);
 }
 
 struct Group {
@@ -551,18 +567,40 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     else
       order.push_back(i);
   }
-  if (!listed.empty()) {
-    const int64_t nl = static_cast<int64_t>(listed.size());
+  if (!listed.empty()) {  // groups of up to kGroup queries of one selection, sharing each tile of its rows
+    std::stable_sort(listed.begin(), listed.end(), [&](int64_t x, int64_t y) { return opt.qsel[x] < opt.qsel[y]; });
+    std::vector<int64_t> lstart;
     double lwork = 0.0;
-    for (const int64_t qi : listed)
-      lwork += static_cast<double>(sel->off[opt.qsel[qi] + 1] - sel->off[opt.qsel[qi]]) * static_cast<double>(d);
-    const int lthreads = threads_for(opt.num_threads, lwork, nl);
+    for (size_t i = 0; i < listed.size();) {
+      size_t j = i + 1;
+      while (j < listed.size() && j - i < static_cast<size_t>(kGroup) && opt.qsel[listed[j]] == opt.qsel[listed[i]]) ++j;
+      lstart.push_back(static_cast<int64_t>(i));
+      const int64_t p = opt.qsel[listed[i]];
+      lwork += static_cast<double>(j - i) * static_cast<double>(sel->off[p + 1] - sel->off[p]) * static_cast<double>(d);
+      i = j;
+    }
+    const int64_t nlg = static_cast<int64_t>(lstart.size());
+    lstart.push_back(static_cast<int64_t>(listed.size()));
+    const int lthreads = threads_for(opt.num_threads, lwork, nlg);
     const int64_t kwl = k + kScanMargin[static_cast<int>(src.type)];
-    std::vector<Entry> lstore(static_cast<size_t>(lthreads) * (kwl + k));  // allocated before the threads
-    parallel_for(nl, lthreads, [&](int64_t t, int tid) {
-      const int64_t qi = listed[static_cast<size_t>(t)], p = opt.qsel[qi];
-      list_query(ctx, src, K, Q + qi * d, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl,
-                 lstore.data() + static_cast<size_t>(tid) * (kwl + k), out_scores + qi * k, out_rows + qi * k);
+    const int64_t per = kGroup * kwl + k;
+    const int64_t ltile = std::max<int64_t>(4, (kTileBytes / (d * (src.half ? 2 : 4))) / 4 * 4);
+    std::vector<Entry> lstore(static_cast<size_t>(lthreads) * per);  // allocated before the threads
+    parallel_for(nlg, lthreads, [&](int64_t t, int tid) {
+      const int64_t g0 = lstart[static_cast<size_t>(t)], g1 = lstart[static_cast<size_t>(t) + 1];
+      const int nq = static_cast<int>(g1 - g0);
+      const int64_t p = opt.qsel[listed[static_cast<size_t>(g0)]];
+      const float* qs[kGroup];
+      float* os[kGroup];
+      int64_t* orr[kGroup];
+      for (int i = 0; i < nq; ++i) {
+        const int64_t qi = listed[static_cast<size_t>(g0 + i)];
+        qs[i] = Q + qi * d;
+        os[i] = out_scores + qi * k;
+        orr[i] = out_rows + qi * k;
+      }
+      list_group(ctx, src, K, qs, nq, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl, ltile,
+                 lstore.data() + static_cast<size_t>(tid) * per, os, orr);
     });
   }
   const int64_t nm = static_cast<int64_t>(order.size());

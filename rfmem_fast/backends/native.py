@@ -164,7 +164,12 @@ class NativeBackend(Backend):
     def _scan_args(self, view: BankView) -> dict:
         """The kernel's scan options: the half-precision copy (uint16 bits) when the view has one."""
         snap = view.snapshot
-        if view.Xs is None or snap.scan is None:
+        if view.Xs is None:
+            return {"path": self.topk_path}
+        if snap is None:  # a compacted selection view (Backend.selection_view): its own scan copy
+            bits = np.ascontiguousarray(view.Xs.view(torch.int16).numpy()).view(np.uint16)
+            return {"scan": bits, "scan_type": view.scan_dtype, "path": self.topk_path}
+        if snap.scan is None:
             return {"path": self.topk_path}
         return {"scan": snap.scan.view(np.uint16), "scan_type": snap.dtype, "path": self.topk_path}
 
@@ -277,6 +282,8 @@ class NativeBackend(Backend):
         """
         if self._driver() == "python":
             return super().recollect(view, q0, qseg, config, level0, active, sel=sel)
+        if sel is not None and sel.any():
+            return self._recollect_compacted(view, q0, qseg, config, level0, active, sel)
         from ..recollection import RecollectionOutput, recollection_capacity  # (it imports the backends)
 
         b = int(q0.shape[0])
@@ -331,3 +338,57 @@ class NativeBackend(Backend):
             rounds=torch.from_numpy(rounds),
             hit_rows=hits,
         )
+
+    def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
+        """The C++ driver for a filtered batch: the filtered queries run on the compacted
+        view of their selections (:meth:`Backend.selection_view`: each selection's rows
+        gathered once per batch into a contiguous segment, so the rounds, which re-read
+        them up to ``beam_width * max_rounds`` times, find them in cache like a small
+        user's segment; the same rows and order, hence the same result as recollecting
+        with the selection applied in the scan, which ``_native.recollect`` also
+        supports), the others on ``view``; rows mapped back."""
+        from ..recollection import RecollectionOutput
+
+        b = int(q0.shape[0])
+        qsel_np = np.ascontiguousarray(sel.qsel, dtype=np.int64)
+        filt = qsel_np >= 0
+        everyone = bool(filt.all())
+        sub, back = self.selection_view(view, sel)
+        back_np = back.numpy()
+        fi = np.flatnonzero(filt)
+        ui = np.flatnonzero(~filt)
+        n = int(view.X.shape[0])
+
+        def part(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+            return t if everyone else t[torch.from_numpy(idx)]
+
+        lv_f = lv_u = None
+        if level0 is not None:  # the probe's global rows as rows of the compacted view
+            s0, r0 = level0[0].to("cpu"), level0[1].to("cpu")
+            rf = part(r0, fi).numpy()
+            keys = np.repeat(np.arange(sel.num_selections, dtype=np.int64), sel.counts) * n + sel.rows
+            loc = np.searchsorted(keys, qsel_np[fi][:, None] * n + np.maximum(rf, 0))
+            lv_f = (part(s0, fi), torch.from_numpy(np.where(rf >= 0, loc, -1).astype(np.int64)))
+            if not everyone:
+                lv_u = (s0[torch.from_numpy(ui)], r0[torch.from_numpy(ui)])
+        out_f = self.recollect(sub, part(q0, fi), torch.from_numpy(qsel_np[fi]), config, lv_f,
+                               None if active is None else part(active, fi))  # fmt: skip
+
+        def mapped(t: torch.Tensor) -> torch.Tensor:
+            a = t.numpy()
+            return torch.from_numpy(np.where(a >= 0, back_np[np.maximum(a, 0)], a))
+
+        rows_f, hits_f = mapped(out_f.rows), mapped(out_f.hit_rows)
+        if everyone:
+            return RecollectionOutput(rows=rows_f, scores=out_f.scores, rounds=out_f.rounds, hit_rows=hits_f)
+        iu = torch.from_numpy(ui)
+        out_u = self.recollect(view, q0[iu], qseg[iu], config, lv_u, None if active is None else active[iu])
+        itf = torch.from_numpy(fi)
+
+        def merge(f: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((b,) + tuple(f.shape[1:]), dtype=f.dtype)
+            out[itf], out[iu] = f, u
+            return out
+
+        return RecollectionOutput(rows=merge(rows_f, out_u.rows), scores=merge(out_f.scores, out_u.scores),
+                                  rounds=merge(out_f.rounds, out_u.rounds), hit_rows=merge(hits_f, out_u.hit_rows))  # fmt: skip
