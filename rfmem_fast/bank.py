@@ -281,25 +281,26 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
 
     Args:
         created_at: None (every item gets ``now``), one real number (every item), or a
-            sequence of n real numbers (numpy arrays accepted). Datetimes and ISO-8601
-            strings are converted by the facade (:mod:`rfmem_fast.serving.memory`),
-            not here.
+            sequence of n real numbers (numpy arrays accepted); NaN means "unknown"
+            (what a store of format < 4 loads as; it matches no ``created_at``
+            comparison). Datetimes and ISO-8601 strings are converted by the facade
+            (:mod:`rfmem_fast.serving.memory`), not here.
         n: the number of items.
         now: the time for None (default ``time.time()``).
 
     Returns:
-        list of n finite floats.
+        list of n floats (finite, or NaN).
 
     Raises:
         TypeError: not a real number or a sequence of them (bool refused).
-        ValueError: wrong length, NaN or Inf.
+        ValueError: wrong length, an infinite value.
     """
     def one(v: Any, where: str) -> float:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise TypeError(f"{where} must be a real number of seconds since the Unix epoch (UTC), got {type(v).__name__}")
         f = float(v)
-        if not math.isfinite(f):
-            raise ValueError(f"{where} must be finite, got {f!r}")
+        if math.isinf(f):
+            raise ValueError(f"{where} must be finite (or NaN: unknown), got {f!r}")
         return f
 
     if created_at is None:
@@ -690,7 +691,8 @@ class MemoryBank:
                 (UTC): None (default: now, ``time.time()``, the same for all m), one
                 number for all m, or m numbers; finite. Kept by :meth:`update` unless
                 given, stored in the snapshot (:attr:`BankSnapshot.created_at`), saved
-                with the bank, and filterable as the reserved field ``created_at``.
+                with the bank, and filterable as the reserved field ``created_at``; NaN
+                marks an unknown time.
 
         Cost: amortised O(m d) (the user's tail buffer doubles); the next read builds
         a new snapshot (module docstring).
@@ -699,7 +701,7 @@ class MemoryBank:
             TypeError: wrong type of user, ids, texts, metadata or a non-floating dtype.
             ValueError: wrong shape or dimension, no rows, NaN / Inf, a zero vector,
                 mismatched lengths, a duplicate id, an id the user already holds,
-                metadata that is not JSON, or a non-finite ``created_at``.
+                metadata that is not JSON, or an infinite ``created_at``.
             Nothing is written when an error is raised.
         """
         with self._lock:

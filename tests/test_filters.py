@@ -566,8 +566,11 @@ def test_created_at_add_update_delete_compact_and_snapshot():
     assert bank.created_at_of("u", ["b", "c", "d"]).tolist() == [20.0, 33.5, 40.0]
     bank.compact()
     assert bank.snapshot().created_at[:3].tolist() == [20.0, 33.5, 40.0]
-    with pytest.raises(ValueError, match=r"created_at\[1\] must be finite"):
-        bank.add("u", np.eye(2, 4), ["x", "y"], created_at=[1.0, float("nan")])
+    with pytest.raises(ValueError, match=r"created_at\[1\] must be finite \(or NaN: unknown\)"):
+        bank.add("u", np.eye(2, 4), ["x", "y"], created_at=[1.0, float("inf")])
+    bank.add("u", np.eye(1, 4), ["nan"], created_at=float("nan"))  # NaN: unknown
+    assert np.isnan(bank.created_at_of("u", ["nan"])[0])
+    bank.delete("u", ["nan"])
     with pytest.raises(TypeError, match="created_at must be None, a number"):
         bank.add("u", np.eye(1, 4), ["x"], created_at="2026-01-01")
     with pytest.raises(ValueError, match="created_at has 1 entries but there are 2 items"):
@@ -677,3 +680,78 @@ def test_native_recollect_kernel_selection_equals_the_compacted_driver(dtype):
         p = sel.qsel[i]
         if p >= 0:
             assert set(rows[i][rows[i] >= 0].tolist()) <= set(sel.rows[sel.off[p] : sel.off[p + 1]].tolist())
+
+
+# --------------------------------------------------------------------------- the facade
+class _Chunkable:
+    """A hash encoder with a window of 8 tokens (2 special; tokens = words) that tells each
+    token's span, so long texts are chunked by the Memory."""
+
+    max_tokens = 8
+
+    def __init__(self, dim=16):
+        from _serving_helpers import HashEncoder
+
+        self._enc = HashEncoder(dim)
+        self.dim = dim
+
+    def encode(self, texts):
+        return self._enc.encode(texts)
+
+    def count_tokens(self, texts):
+        return [len(t.split()) + 2 for t in texts]
+
+    def token_spans(self, texts):
+        import re
+
+        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
+
+
+def test_memory_created_at_items_filters_and_replay(tmp_path):
+    from rfmem_fast import Memory
+
+    mem = Memory(tmp_path / "m", encoder=_Chunkable(16), chunk_overlap=2)
+    t1 = datetime(2026, 11, 1, 9, 30, tzinfo=timezone.utc)
+    long_text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"  # chunked: 3 rows
+    ids = mem.add(["alpha one", "beta two", "gamma three", long_text], "u", ids=["a", "b", "c", "long"],
+                  metadata=[{"tag": "work"}, {"tag": "home"}, {"tag": "work"}, {"tag": "home"}],
+                  created_at=[t1, "2026-11-02T00:00:00+02:00", t1.timestamp() + 3 * DAY, t1 + timedelta(days=10)])
+    assert mem.bank.user_size("u") > 4  # the long text's chunk rows
+    with pytest.raises(ValueError, match=r"created_at: naive datetime"):
+        mem.add(["x"], "u", created_at=datetime(2026, 1, 1))
+    with pytest.raises(ValueError, match=r"created_at\[1\]: '2026-11-01' has no UTC offset"):
+        mem.add(["x", "y"], "u", created_at=[t1, "2026-11-01"])
+    with pytest.raises(TypeError, match=r"created_at\[0\]: expected a number of seconds"):
+        mem.add(["x"], "u", created_at=[[1]])
+    items = {i.id: i for i in mem.get(ids, "u")}
+    assert items["a"].created_at == t1 and items["a"].created_at.tzinfo is not None
+    assert items["b"].created_at == datetime(2026, 11, 1, 22, 0, tzinfo=timezone.utc)
+    assert items["a"].to_dict()["created_at"] == "2026-11-01T09:30:00+00:00"
+    now = mem.get(mem.add(["delta now"], "u", ids=["d"]), "u")[0].created_at
+    assert abs((now - datetime.now(timezone.utc)).total_seconds()) < 60
+    # filtered searches: only matching items, the chunk rows of an item counting as it
+    work = mem.search("alpha one", "u", k=5, mode="dense", filters={"tag": "work"})
+    assert {h.id for h in work} == {"a", "c"} and all(h.metadata["tag"] == "work" for h in work)
+    late = mem.search("kappa lambda", "u", k=5, mode="dense", filters={"created_at": {"$gte": "2026-11-05T00:00:00Z"}})
+    assert {h.id for h in late} == {"long", "d"}
+    home_early = mem.search("kappa lambda", "u", k=5, mode="dense",
+                            filters={"tag": "home", "created_at": {"$lt": t1 + timedelta(days=5)}})
+    assert [h.id for h in home_early] == ["b"]  # the long item (home, but late) is not returned via its chunks
+    plain = mem.search("alpha one", "u", k=5, mode="dense")
+    assert len(plain) == 5 and mem.search("alpha one", "u", k=5, mode="dense", filters={"tag": "work"})[0].id == work[0].id
+    for mode in ("rfmem", "recollection"):
+        assert {h.id for h in mem.search("alpha one", "u", k=5, mode=mode, filters={"tag": "work"})} <= {"a", "c"}
+    batch = mem.search_batch(["alpha one", "beta two"], "u", k=3, mode="dense", filters=[{"tag": "home"}, None])
+    assert {h.id for h in batch[0]} == {"b", "long"} and len(batch[1]) == 3
+    with pytest.raises(ValueError, match=r"filters\['tag'\]\['\$bad'\]: unknown operator"):
+        mem.search("alpha", "u", filters={"tag": {"$bad": 1}})
+    with pytest.raises(ValueError, match=r"filters\[1\]\['\$and'\]: expected a non-empty list"):
+        mem.search_batch(["a", "b"], "u", filters=[None, {"$and": []}])
+    mem.update("long", "u", metadata={"tag": "work"})  # the chunk rows follow their item's metadata
+    assert "long" in {h.id for h in mem.search("kappa lambda", "u", k=5, mode="dense", filters={"tag": "work"})}
+    mem._lock_file.close()  # a crash: the log alone holds the writes
+    again = Memory(tmp_path / "m", encoder=_Chunkable(16), chunk_overlap=2)
+    assert {i.id: i.created_at for i in again.get_all("u")} == {i.id: i.created_at for i in mem.get_all("u")}
+    assert {h.id for h in again.search("kappa lambda", "u", k=5, mode="dense",
+                                       filters={"created_at": {"$gte": "2026-11-05T00:00:00Z"}})} == {"long", "d"}
+    again.close()
