@@ -24,6 +24,9 @@ cost of the unfiltered search over a bank holding only the matching items (``sub
 the same results, so the same routes, without a filter: the cost of the filter itself
 is the difference).
 
+The cells of one table take turns call by call (single) or call by call per repetition
+(batch), so that a change of the machine's load (this one is shared) hits them alike.
+
 Goal: selective filters (1 %, 10 %, 50 %) cost no more than an unfiltered search
 (p50 ratio <= 1, batch q/s ratio >= 1; the JSON records whether each is met; in mode
 "rfmem" against the same routes: the ``sub_bank`` cells).
@@ -54,8 +57,6 @@ from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank
 from rfmem_fast.evaluate import machine_info
 from rfmem_fast.filters import compile_filters
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
-from bench_single_query import _p50  # noqa: E402  (median ms of n calls after 5 warm-ups)
 
 #: kept fraction (percent) -> filter
 SELECTIVITY = {p: {"bucket": {"$lt": p}} for p in (1, 10, 50, 100)}
@@ -79,14 +80,31 @@ def _reco_share(bank, Q, users, cfg, be, f) -> float:
     return float(search(bank, Q, users, cfg, mode="rfmem", backend=be, filters=f).route.mean())
 
 
-def _best(fn, reps: int) -> float:
-    """Fastest of ``reps`` calls of ``fn`` after one warm-up (seconds)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+def _interleaved_p50(cells: dict, n: int) -> dict:
+    """Median ms of ``n`` calls of each ``cells[name](i)``, the cells taking turns call by
+    call (so a change of the machine's load hits every cell alike), after 5 warm-ups each."""
+    for fn in cells.values():
+        for i in range(5):
+            fn(i % n)
+    ts: dict = {k: [] for k in cells}
+    for i in range(n):
+        for k, fn in cells.items():
+            t = time.perf_counter()
+            fn(i)
+            ts[k].append((time.perf_counter() - t) * 1e3)
+    return {k: float(np.median(v)) for k, v in ts.items()}
+
+
+def _interleaved_best(cells: dict, reps: int) -> dict:
+    """Fastest of ``reps`` calls (seconds) of each ``cells[name]()``, taking turns, after one warm-up each."""
+    for fn in cells.values():
         fn()
-        best = min(best, time.perf_counter() - t)
+    best = {k: float("inf") for k in cells}
+    for _ in range(reps):
+        for k, fn in cells.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
     return best
 
 
@@ -124,15 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     subs = {pct: _sub_bank(bank, pct) for pct in SELECTIVITY}
     single_routes: dict = {}
     for mode in MODES:
-        cell = {"unfiltered": _p50(lambda i: search(bank, Q[i : i + 1], user, cfg, mode=mode, backend=be), n)}
+        cells = {"unfiltered": lambda i, mode=mode: search(bank, Q[i : i + 1], user, cfg, mode=mode, backend=be)}
         for pct, f in SELECTIVITY.items():
-            cell[f"{pct}%"] = _p50(
-                lambda i, f=f: search(bank, Q[i : i + 1], user, cfg, mode=mode, backend=be, filters=f), n
-            )
+            cells[f"{pct}%"] = lambda i, f=f, mode=mode: search(bank, Q[i : i + 1], user, cfg, mode=mode, backend=be,
+                                                                filters=f)  # fmt: skip
             if mode == "rfmem":
                 sb = subs[pct]
-                cell[f"{pct}%_sub_bank"] = _p50(lambda i, sb=sb: search(sb, Q[i : i + 1], user, cfg, mode=mode, backend=be), n)
-        single[mode] = cell
+                cells[f"{pct}%_sub_bank"] = lambda i, sb=sb, mode=mode: search(sb, Q[i : i + 1], user, cfg, mode=mode,
+                                                                               backend=be)  # fmt: skip
+        single[mode] = _interleaved_p50(cells, n)
     single_routes = {"unfiltered": _reco_share(bank, Q, user * n, cfg, be, None),
                      **{f"{p}%": _reco_share(bank, Q, user * n, cfg, be, f) for p, f in SELECTIVITY.items()}}  # fmt: skip
     del subs
@@ -162,23 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     Qb = snapb.vectors[rows] + 0.05 * rng.normal(size=(args.batch, 384)).astype(np.float32)
     mixed = [SELECTIVITY[int(p)] for p in rng.choice(list(SELECTIVITY), size=args.batch)]
     batch: dict = {}
+    subs_b = {pct: _sub_bank(bankb, pct) for pct in SELECTIVITY if pct < 100}  # 100 %: the bank itself
+    subs_b[100] = bankb
     for mode in MODES:
-        cell = {"unfiltered": args.batch / _best(lambda: search(bankb, Qb, qu, cfg, mode=mode, backend=be), args.reps)}
+        cells = {"unfiltered": lambda mode=mode: search(bankb, Qb, qu, cfg, mode=mode, backend=be)}
         for pct, f in SELECTIVITY.items():
-            cell[f"{pct}%"] = args.batch / _best(
-                lambda f=f: search(bankb, Qb, qu, cfg, mode=mode, backend=be, filters=f), args.reps
-            )
-            if mode == "rfmem":
-                sb = _sub_bank(bankb, pct)
-                cell[f"{pct}%_sub_bank"] = args.batch / _best(
-                    lambda sb=sb: search(sb, Qb, qu, cfg, mode=mode, backend=be), args.reps
-                )
-                del sb
-                gc.collect()
-        cell["per_query_mix"] = args.batch / _best(
-            lambda: search(bankb, Qb, qu, cfg, mode=mode, backend=be, filters=mixed), args.reps
-        )
-        batch[mode] = cell
+            cells[f"{pct}%"] = lambda f=f, mode=mode: search(bankb, Qb, qu, cfg, mode=mode, backend=be, filters=f)
+            if mode == "rfmem" and pct < 100:
+                sb = subs_b[pct]
+                cells[f"{pct}%_sub_bank"] = lambda sb=sb, mode=mode: search(sb, Qb, qu, cfg, mode=mode, backend=be)
+        cells["per_query_mix"] = lambda mode=mode: search(bankb, Qb, qu, cfg, mode=mode, backend=be, filters=mixed)
+        batch[mode] = {k: args.batch / t for k, t in _interleaved_best(cells, args.reps).items()}
+    del subs_b
+    gc.collect()
     batch_routes = {"unfiltered": _reco_share(bankb, Qb, qu, cfg, be, None),
                     **{f"{p}%": _reco_share(bankb, Qb, qu, cfg, be, f) for p, f in SELECTIVITY.items()},
                     "per_query_mix": _reco_share(bankb, Qb, qu, cfg, be, mixed)}  # fmt: skip
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio_batch = {m: {k: v / c["unfiltered"] for k, v in c.items() if k != "unfiltered" and "sub_bank" not in k}
                    for m, c in batch.items()}  # fmt: skip
     same_routes_single = {k: over(single["rfmem"], k) for k in ("1%", "10%", "50%", "100%")}
-    same_routes_batch = {k: over(batch["rfmem"], k) for k in ("1%", "10%", "50%", "100%")}
+    same_routes_batch = {k: over(batch["rfmem"], k) for k in ("1%", "10%", "50%", "100%")}  # 100 %: the bank itself
     selective = ("1%", "10%", "50%")
     doc = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),

@@ -755,3 +755,94 @@ def test_memory_created_at_items_filters_and_replay(tmp_path):
     assert {h.id for h in again.search("kappa lambda", "u", k=5, mode="dense",
                                        filters={"created_at": {"$gte": "2026-11-05T00:00:00Z"}})} == {"long", "d"}
     again.close()
+
+
+def _small_memory():
+    from _serving_helpers import HashEncoder
+    from rfmem_fast import Memory
+
+    mem = Memory(None, encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["a one", "b two", "c three", "d four"], "alice", ids=["a", "b", "c", "d"],
+            metadata=[{"tag": "work", "n": 1}, {"tag": "home", "n": 2}, {"tag": "work", "n": 3}, {"tag": "home"}],
+            created_at=[T0, T0 + DAY, T0 + 2 * DAY, T0 + 3 * DAY])
+    mem.add(["bob work"], "bob", ids=["z"], metadata=[{"tag": "work"}])
+    return mem
+
+
+def test_http_search_filters_and_created_at():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rfmem_fast.serving.app import create_app
+
+    mem = _small_memory()
+    with TestClient(create_app(mem, no_auth=True)) as c:
+        r = c.post("/v1/users/alice/search", json={"query": "a one", "k": 4, "mode": "dense", "filters": {"tag": "work"}})
+        assert r.status_code == 200 and [h["id"] for h in r.json()["hits"]] == ["a", "c"]
+        r = c.post("/v1/users/alice/search", json={"query": "a one", "k": 4, "mode": "dense",
+                                                   "filters": {"created_at": {"$gte": "2026-01-02T12:00:00Z"}}})
+        assert {h["id"] for h in r.json()["hits"]} == {"c", "d"}
+        r = c.post("/v1/users/alice/search/batch", json={"queries": ["a one", "b two"], "k": 2, "mode": "dense",
+                                                         "filters": [{"n": {"$gte": 2}}, None]})
+        assert {h["id"] for h in r.json()["results"][0]["hits"]} == {"b", "c"} and len(r.json()["results"][1]["hits"]) == 2
+        bad = c.post("/v1/users/alice/search", json={"query": "a", "filters": {"n": {"$gte": [1]}}})
+        assert bad.status_code == 422
+        assert "filters['n']['$gte']: expected a number, a string or a datetime, got list" in json.dumps(bad.json())
+        bad = c.post("/v1/users/alice/search/batch", json={"queries": ["a", "b"], "filters": [None, {"$or": []}]})
+        assert bad.status_code == 422 and "filters[1]['$or']: expected a non-empty list" in json.dumps(bad.json())
+        bad = c.post("/v1/users/alice/search/batch", json={"queries": ["a", "b"], "filters": [None]})
+        assert bad.status_code == 422 and "filters has 1 entries but there are 2 queries" in json.dumps(bad.json())
+        typed = c.post("/v1/users/alice/search", json={"query": "a", "filters": {"tag": {"$gt": 3}}})
+        assert typed.status_code == 422 and "whose values are strings" in typed.json()["detail"]
+        added = c.post("/v1/users/alice/memories", json={"texts": ["e five"], "ids": ["e"],
+                                                         "created_at": "2026-03-01T10:00:00+01:00"})
+        assert added.status_code == 201
+        item = c.get("/v1/users/alice/memories/e").json()
+        assert item["created_at"] == "2026-03-01T09:00:00+00:00"
+        assert c.post("/v1/users/alice/memories", json={"texts": ["f"], "created_at": "March"}).status_code == 400
+    mem.close()
+
+
+def test_mcp_search_memories_filters():
+    pytest.importorskip("mcp")
+    import anyio
+
+    from rfmem_fast.serving.mcp_server import McpScope, create_server
+
+    mem = _small_memory()
+    srv = create_server(mem, McpScope(user="alice"))
+
+    async def run():
+        out = await srv.call_tool("search_memories", {"query": "a one", "k": 4, "mode": "dense", "filters": {"tag": "work"}})
+        assert [h["id"] for h in out.structured_content["hits"]] == ["a", "c"]  # never bob's 'work' item
+        listed = await srv.call_tool("get_memory", {"id": "a"})
+        assert listed.structured_content["created_at"] == "2026-01-01T00:00:00+00:00"
+        with pytest.raises(Exception, match=r"filters\['tag'\]\['\$bad'\]: unknown operator"):
+            await srv.call_tool("search_memories", {"query": "a", "filters": {"tag": {"$bad": 1}}})
+
+    anyio.run(run)
+    mem.close()
+
+
+def test_langchain_and_llamaindex_filters():
+    lc = pytest.importorskip("rfmem_fast.integrations.langchain")
+    mem = _small_memory()
+    r = lc.RFMemRetriever(memory=mem, user_id="alice", k=4, mode="dense", search_kwargs={"filters": {"tag": "home"}})
+    assert [d.id for d in r.invoke("b two")] == ["b", "d"]
+    assert [d.id for d in r.invoke("b two", filters={"n": 3})] == ["c"]  # per call
+    with pytest.raises(Exception, match=r"search_kwargs\['filters'\]\['n'\]\['\$in'\]: expected a list"):
+        lc.RFMemRetriever(memory=mem, user_id="alice", search_kwargs={"filters": {"n": {"$in": 3}}})
+    li = pytest.importorskip("rfmem_fast.integrations.llamaindex")
+    from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilter, MetadataFilters
+
+    mf = MetadataFilters(filters=[MetadataFilter(key="tag", value="work"),
+                                  MetadataFilter(key="n", value=2, operator=FilterOperator.GTE)])
+    assert li.metadata_filters_to_filter(mf) == {"$and": [{"tag": {"$eq": "work"}}, {"n": {"$gte": 2}}]}
+    assert [n.node.metadata["rfmem"]["id"] for n in li.RFMemRetriever(mem, "alice", k=4, mode="dense", filters=mf).retrieve("a one")] == ["c"]
+    nor = MetadataFilters(filters=[MetadataFilter(key="tag", value="work")], condition=FilterCondition.NOT)
+    assert {n.node.metadata["rfmem"]["id"] for n in li.RFMemRetriever(mem, "alice", k=4, mode="dense", filters=nor).retrieve("a")} == {"b", "d"}
+    empty = MetadataFilters(filters=[MetadataFilter(key="n", value=None, operator=FilterOperator.IS_EMPTY)])
+    assert [n.node.metadata["rfmem"]["id"] for n in li.RFMemRetriever(mem, "alice", k=4, mode="dense", filters=empty).retrieve("d")] == ["d"]
+    with pytest.raises(ValueError, match=r"filters.filters\[0\]: the operator 'contains' has no equivalent"):
+        li.metadata_filters_to_filter(MetadataFilters(filters=[MetadataFilter(key="tag", value="w", operator=FilterOperator.CONTAINS)]))
+    mem.close()
