@@ -68,7 +68,7 @@ class RFMemRetriever(BaseRetriever):
     def _search_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
         extra = sorted(set(v) - {"k", "mode", "filters"})
         if extra:
-            raise ValueError(f"search_kwargs may hold 'k', 'mode' and 'filters' only, got {extra}")
+            raise ValueError(f"search_kwargs may hold 'k' and 'mode' only (and 'filters'), got {extra}")
         check_k_mode(v.get("k"), v.get("mode", "rfmem"))
         if v.get("filters") is not None:
             try:
@@ -86,7 +86,7 @@ class RFMemRetriever(BaseRetriever):
         """(k, mode, filters) of one call: per-call keywords > search_kwargs > the fields."""
         extra = sorted(set(kwargs) - {"k", "mode", "filters"})
         if extra:
-            raise ValueError(f"RFMemRetriever takes k, mode and filters per call, got unknown keyword(s) {extra}")
+            raise ValueError(f"RFMemRetriever takes k and mode per call (and filters), got unknown keyword(s) {extra}")
         merged = {"k": self.k, "mode": self.mode, "filters": None, **self.search_kwargs, **kwargs}
         check_k_mode(merged["k"], merged["mode"])
         return merged["k"], merged["mode"], merged["filters"]
