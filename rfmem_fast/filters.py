@@ -565,7 +565,25 @@ class RowSelection:
     @property
     def counts(self) -> np.ndarray:
         """int64 [P]: rows per selection."""
-        return np.diff(self.off)
+        got = self._memo.get("counts")
+        if got is None:
+            got = self._memo["counts"] = np.diff(self.off)
+        return got
+
+    def local_rows(self, qsel: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+        """Positions in :attr:`rows` (the compacted rows) of global ``rows`` [m, w] of the
+        selections ``qsel`` [m] (-1 stays -1; every other row must be selected).
+
+        Args:
+            qsel: int64 [m] a selection per row of ``rows`` (>= 0).
+            rows: int64 [m, w] global rows or -1.
+            n: the number of rows of the bank (> every row).
+        """
+        keys = self._memo.get(("keys", n))
+        if keys is None:  # (selection, row) as one increasing key
+            keys = self._memo[("keys", n)] = np.repeat(np.arange(self.num_selections, dtype=np.int64), self.counts) * n + self.rows
+        loc = np.searchsorted(keys, qsel[:, None] * n + np.maximum(rows, 0))
+        return np.where(rows >= 0, loc, -1).astype(np.int64, copy=False)
 
     def take(self, idx: Any) -> "RowSelection":
         """The selection of the queries ``idx`` (an index array, slice or torch tensor); the

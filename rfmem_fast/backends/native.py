@@ -355,7 +355,7 @@ class NativeBackend(Backend):
         everyone = bool(filt.all())
         sub, back = self.selection_view(view, sel)
         back_np = back.numpy()
-        fi = np.flatnonzero(filt)
+        fi = qsel_np if everyone else np.flatnonzero(filt)  # (unused as indices when everyone)
         ui = np.flatnonzero(~filt)
         n = int(view.X.shape[0])
 
@@ -366,13 +366,11 @@ class NativeBackend(Backend):
         if level0 is not None:  # the probe's global rows as rows of the compacted view
             s0, r0 = level0[0].to("cpu"), level0[1].to("cpu")
             rf = part(r0, fi).numpy()
-            keys = np.repeat(np.arange(sel.num_selections, dtype=np.int64), sel.counts) * n + sel.rows
-            loc = np.searchsorted(keys, qsel_np[fi][:, None] * n + np.maximum(rf, 0))
-            lv_f = (part(s0, fi), torch.from_numpy(np.where(rf >= 0, loc, -1).astype(np.int64)))
+            lv_f = (part(s0, fi), torch.from_numpy(sel.local_rows(qsel_np if everyone else qsel_np[fi], rf, n)))
             if not everyone:
                 lv_u = (s0[torch.from_numpy(ui)], r0[torch.from_numpy(ui)])
-        out_f = self.recollect(sub, part(q0, fi), torch.from_numpy(qsel_np[fi]), config, lv_f,
-                               None if active is None else part(active, fi))  # fmt: skip
+        out_f = self.recollect(sub, part(q0, fi), torch.from_numpy(qsel_np if everyone else qsel_np[fi]), config,
+                               lv_f, None if active is None else part(active, fi))  # fmt: skip
 
         def mapped(t: torch.Tensor) -> torch.Tensor:
             a = t.numpy()
