@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     selective = ("1%", "10%", "50%")
     doc = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "simd_level": rfmem_fast._native.simd_level(), "threads": be._threads()},
         "loadavg": list(os.getloadavg()),
         "uptime": up,
         "versions": {"rfmem_fast": rfmem_fast.__version__, "torch": torch.__version__, "numpy": np.__version__},
