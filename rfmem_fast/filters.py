@@ -77,7 +77,8 @@ LOGICAL = ("$and", "$or", "$not")
 #: list by the native kernel (each of its rows read once per query); a larger one is
 #: given as a per-row mask too, checked inside the ordinary segment scan, which the
 #: kernel still trades for the list when the selection holds at most half its segment
-#: and its queries would not take the GEMM path (csrc/cpu/topk.cpp, kernels.h SelTable)
+#: and at most 4 queries of the call, off the GEMM path, share it (csrc/cpu/topk.cpp,
+#: kernels.h SelTable)
 LIST_MAX_FRACTION = 0.25
 
 _RANGES: dict[str, Callable[[Any, Any], Any]] = {

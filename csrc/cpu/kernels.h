@@ -23,9 +23,9 @@ enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
 /// its heap refusing unselected rows (heap.h); a query of a list-mode selection scores
 /// only its listed rows (every one of them kept, then the exact re-scoring). The rule
 /// (segmented_topk): list mode when no mask is given, and also for a masked selection
-/// of at most half its segment whose queries in the call would not take the GEMM path
-/// (gemm_pays; not when the GEMM path is forced): the list then reads fewer rows than
-/// the segment scan.
+/// of at most half its segment shared by at most 4 queries of the call that would not
+/// take the GEMM path (gemm_pays; not when the GEMM path is forced): the list then costs
+/// less than the segment scan (topk.cpp kListShareMax).
 struct SelTable {
   int64_t n = 0;                      ///< P, the number of selections
   const int64_t* off = nullptr;       ///< [P + 1]

@@ -73,6 +73,12 @@ namespace {
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
 constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
+// Filtered search: a masked selection of at most half its segment is scored as a list
+// only when at most this many queries of the call share it: a gathered row costs about
+// 1.1x a contiguous one for one query, about 2.4x for 10 queries sharing each tile
+// (AMD EPYC, AVX-512, d = 384, 4,096-row users: bench/bench_filters.py's workload), so
+// half the rows pays for up to ~4 queries
+constexpr int64_t kListShareMax = 4;
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
 // holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
@@ -556,9 +562,10 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       const int64_t p = opt.qsel[i];
       if (p < 0 || as_list[static_cast<size_t>(p)]) continue;
       const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]], m = sel->off[p + 1] - sel->off[p];
+      const int64_t nq = users[static_cast<size_t>(p)];
       as_list[static_cast<size_t>(p)] =
-          sel->mask_off[p] < 0 || (opt.path != TopkPath::kGemm && 2 * m <= len &&
-                                   !gemm_pays(users[static_cast<size_t>(p)], len, d, K.level));
+          sel->mask_off[p] < 0 || (opt.path != TopkPath::kGemm && 2 * m <= len && nq <= kListShareMax &&
+                                   !gemm_pays(nq, len, d, K.level));
     }
   }
   for (int64_t i = 0; i < b; ++i) {

@@ -41,8 +41,8 @@ is a row list: its queries score exactly the listed rows, so a selective filter 
 fewer rows than an unfiltered search; a larger one is a mask checked where a score would
 enter a query's kept list, inside the ordinary segment scan (same tiles, same GEMM
 path: the cost of an unfiltered search), except that a selection of at most half its
-segment whose queries would not take the GEMM path is scored as a list all the same
-(fewer rows read). The C++ beam driver gives every round's top-k
+segment shared by at most 4 queries of the call (off the GEMM path) is scored as a list
+all the same (fewer rows read). The C++ beam driver gives every round's top-k
 call the selection of each branch's query (csrc/cpu/topk.cpp, recollect.cpp).
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
