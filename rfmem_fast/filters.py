@@ -74,11 +74,10 @@ COMPARISONS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$exis
 #: logical operators of a filter
 LOGICAL = ("$and", "$or", "$not")
 #: a selection holding at most this fraction of its segment's rows is scanned as a row
-#: list by the native kernel (each of its rows read once per query); a larger one is
-#: given as a per-row mask too, checked inside the ordinary segment scan, which the
-#: kernel still trades for the list when the selection holds at most half its segment
-#: and at most 4 queries of the call, off the GEMM path, share it (csrc/cpu/topk.cpp,
-#: kernels.h SelTable)
+#: list by the native kernel; a larger one is given as a per-row mask too, which the
+#: kernel checks inside the GEMM scan when its queries take the GEMM path (many queries
+#: of one long segment) and trades for the list otherwise (csrc/cpu/topk.cpp, kernels.h
+#: SelTable)
 LIST_MAX_FRACTION = 0.25
 
 _RANGES: dict[str, Callable[[Any, Any], Any]] = {

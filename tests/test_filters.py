@@ -427,13 +427,13 @@ def test_native_threads_row_parts_rescans_and_gemm_with_filters():
     bank, Q0, _ = near_duplicate_bank(7, 16, 8192)
     n = bank.user_size("dups")
     bank.set_metadata("dups", bank.item_ids_of("dups"), [{"b": int(j % 10), "rank": int(j)} for j in range(n)])
-    users = ["dups"] * 40
-    Q = np.tile(Q0, (7, 1))[:40]
-    fs = [{"b": {"$lt": 5}}, {"b": 3}, {"rank": {"$lt": 3}}, {"b": {"$in": [1, 2, 3, 4, 5, 6, 7, 8]}}, {"b": {"$lt": 2}}] * 8
+    users = ["dups"] * 60  # 12 queries per selection: the GEMM path (masks) on "auto" too
+    Q = np.tile(Q0, (10, 1))[:60]
+    fs = [{"b": {"$lt": 5}}, {"b": 3}, {"rank": {"$lt": 3}}, {"b": {"$in": [1, 2, 3, 4, 5, 6, 7, 8]}}, {"b": {"$lt": 2}}] * 12
     for k in (5, 12):
         cfg = RFMemConfig(out_k=k, probe_k=k)
         ref = search(bank, Q, users, cfg, mode="dense", backend="reference", filters=fs)
-        for i in range(0, 40, 9):
+        for i in range(0, 60, 13):
             want_r, want_s = dense_oracle(bank, Q[i], matching_rows(bank, users[i], fs[i]), k)
             np.testing.assert_array_equal(ref.rows[i], want_r)
             np.testing.assert_array_equal(ref.scores[i], want_s)
@@ -846,3 +846,22 @@ def test_langchain_and_llamaindex_filters():
     with pytest.raises(ValueError, match=r"filters.filters\[0\]: the operator 'contains' has no equivalent"):
         li.metadata_filters_to_filter(MetadataFilters(filters=[MetadataFilter(key="tag", value="w", operator=FilterOperator.CONTAINS)]))
     mem.close()
+
+
+@pytest.mark.skipif("native" not in available(), reason="native backend not built")
+def test_bench_filters_script_tiny(tmp_path):
+    """bench/bench_filters.py at tiny sizes writes every cell (no timing is asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_filters", Path(__file__).parent.parent / "bench" / "bench_filters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "f.json"
+    assert mod.main(["--users", "2", "--chunks", "64", "--queries", "3", "--batch", "8", "--reps", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for mode in ("dense", "rfmem"):
+        assert set(doc["single_p50_ms"][mode]) >= {"unfiltered", "1%", "10%", "50%", "100%"}
+        assert all(v > 0 for v in doc["batch_qps"][mode].values())
+    assert {"1%_sub_bank", "50%_sub_bank"} <= set(doc["single_p50_ms"]["rfmem"])
+    assert doc["machine"]["simd_level"] in (0, 1, 2) and doc["command"] and doc["loadavg"]
+    assert set(doc["goals"]["single_dense_met"]) == {"1%", "10%", "50%"}

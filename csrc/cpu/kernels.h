@@ -23,9 +23,10 @@ enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
 /// its heap refusing unselected rows (heap.h); a query of a list-mode selection scores
 /// only its listed rows (every one of them kept, then the exact re-scoring). The rule
 /// (segmented_topk): list mode when no mask is given, and also for a masked selection
-/// of at most half its segment shared by at most 4 queries of the call that would not
-/// take the GEMM path (gemm_pays; not when the GEMM path is forced): the list then costs
-/// less than the segment scan (topk.cpp kListShareMax).
+/// whose queries in the call would not take the GEMM path (gemm_pays; not when the GEMM
+/// path is forced): a listed row costs what a scanned one does (the same lanes, the
+/// next rows prefetched), so the list reads fewer rows for the same work; only a GEMM
+/// batch (many queries of one long segment) keeps the mask, inside the GEMM scan.
 struct SelTable {
   int64_t n = 0;                      ///< P, the number of selections
   const int64_t* off = nullptr;       ///< [P + 1]

@@ -44,8 +44,8 @@
 // selection runs in its group like any other, its heap refusing the unselected rows
 // (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
 // those of the selected rows; a query of a list-mode selection (at most a quarter of
-// its segment, or half when its queries would not take the GEMM path) is taken out of
-// the groups and runs steps 2 and 4 over its listed rows only, with the scan path's lanes
+// its segment, or any share when its queries would not take the GEMM path) is taken out
+// of the groups and runs steps 2 and 4 over its listed rows only, with the scan path's lanes
 // (gathered 4 at a time), in groups of up to kGroup queries of one selection sharing
 // each tile of its rows (the rescan goes over the list too). Either way the result is the exact top-k of the
 // selected rows, in the same order as an unfiltered search over a bank of only them.
@@ -73,12 +73,6 @@ namespace {
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
 constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
-// Filtered search: a masked selection of at most half its segment is scored as a list
-// only when at most this many queries of the call share it: a gathered row costs about
-// 1.1x a contiguous one for one query, about 2.4x for 10 queries sharing each tile
-// (AMD EPYC, AVX-512, d = 384, 4,096-row users: bench/bench_filters.py's workload), so
-// half the rows pays for up to ~4 queries
-constexpr int64_t kListShareMax = 4;
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
 // holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
@@ -354,7 +348,7 @@ void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, b
 // Filtered search, list mode: scan scores of the listed rows rows[j .. j + 3] (fewer at the
 // list's end: the missing ones re-read its last row, their scores unused), with the scan
 // path's lanes (gathered rows: the scan path's error bound), prefetching the next 4.
-inline void scan4_list(const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows, int64_t j,
+RFMEM_INLINE void scan4_list(const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows, int64_t j,
                        int64_t m, int64_t d, float* sc) {
   const int64_t cnt = std::min<int64_t>(4, m - j);
   const int64_t r0 = rows[j], r1 = rows[j + std::min<int64_t>(1, cnt - 1)], r2 = rows[j + std::min<int64_t>(2, cnt - 1)],
@@ -562,10 +556,10 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       const int64_t p = opt.qsel[i];
       if (p < 0 || as_list[static_cast<size_t>(p)]) continue;
       const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]], m = sel->off[p + 1] - sel->off[p];
-      const int64_t nq = users[static_cast<size_t>(p)];
+      (void)m;
       as_list[static_cast<size_t>(p)] =
-          sel->mask_off[p] < 0 || (opt.path != TopkPath::kGemm && 2 * m <= len && nq <= kListShareMax &&
-                                   !gemm_pays(nq, len, d, K.level));
+          sel->mask_off[p] < 0 ||
+          (opt.path != TopkPath::kGemm && !gemm_pays(users[static_cast<size_t>(p)], len, d, K.level));
     }
   }
   for (int64_t i = 0; i < b; ++i) {

@@ -38,11 +38,11 @@ Filtered search (:class:`rfmem_fast.filters.RowSelection`, ``sel=`` of the three
 calls): the selections go to the kernels as arrays (``RowSelection.native_table``). A
 selection holding at most a quarter of its segment (:data:`rfmem_fast.filters.LIST_MAX_FRACTION`)
 is a row list: its queries score exactly the listed rows, so a selective filter reads
-fewer rows than an unfiltered search; a larger one is a mask checked where a score would
-enter a query's kept list, inside the ordinary segment scan (same tiles, same GEMM
-path: the cost of an unfiltered search), except that a selection of at most half its
-segment shared by at most 4 queries of the call (off the GEMM path) is scored as a list
-all the same (fewer rows read). The C++ beam driver gives every round's top-k
+fewer rows than an unfiltered search; a larger one also carries a mask, checked where a
+score would enter a query's kept list, which the kernel uses when the selection's
+queries take the GEMM path (many queries of one long segment: the GEMM scan with the
+mask costs what an unfiltered one does) and otherwise scores the list all the same (a
+listed row costs what a scanned one does, and there are fewer). The C++ beam driver gives every round's top-k
 call the selection of each branch's query (csrc/cpu/topk.cpp, recollect.cpp).
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
