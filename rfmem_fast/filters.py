@@ -590,11 +590,15 @@ class RowSelection:
         selections table (and its cached device copies) is shared."""
         if hasattr(idx, "detach"):  # a torch tensor
             idx = idx.detach().cpu().numpy()
-        return RowSelection(self.qsel[idx], self.seg, self.off, self.rows, self.seg_len, self._memo)
+        return RowSelection(np.ascontiguousarray(self.qsel[idx]), self.seg, self.off, self.rows, self.seg_len, self._memo)
 
     def any(self) -> bool:
         """True when some query is filtered."""
-        return bool((self.qsel >= 0).any())
+        got = self.__dict__.get("_any")
+        if got is None:
+            got = bool((self.qsel >= 0).any())
+            object.__setattr__(self, "_any", got)  # per query list (not shared with take())
+        return got
 
     def list_mode(self) -> np.ndarray:
         """bool [P]: selections the native kernel scans as a row list (at most

@@ -391,6 +391,8 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     seg = bank.segments_for(users, snapshot=snap)
     sel = compile_filters(bank, snap, seg, filters)
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
+    if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
+        lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
     qseg = to_device(seg, dev)
     hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
     return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
