@@ -59,7 +59,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -98,6 +100,10 @@ class BankSnapshot:
         lexical: the snapshot's :class:`rfmem_fast.lexical.LexicalIndex` (forward CSR
             of every row's token ids and, built on demand, per-user BM25 postings);
             None for a snapshot made by hand (no lexical channel).
+        created_at: float64 [n], each row's creation time in seconds since the Unix
+            epoch (UTC; :meth:`MemoryBank.add`), NaN where unknown (rows loaded from a
+            store written before timestamps, format < 4); None for a snapshot made by
+            hand (every time unknown: :attr:`created_at_or_nan`).
 
     Nothing here may be written: banks and searches share these arrays.
     """
@@ -111,6 +117,14 @@ class BankSnapshot:
     scan: np.ndarray | None = None
     dtype: str = "float32"
     lexical: Any = None
+    created_at: np.ndarray | None = None
+
+    @property
+    def created_at_or_nan(self) -> np.ndarray:
+        """float64 [n]: :attr:`created_at`, or all NaN (unknown) when the snapshot has none."""
+        if self.created_at is not None:
+            return self.created_at
+        return np.full(self.num_items, np.nan)
 
     @property
     def num_users(self) -> int:
@@ -263,6 +277,50 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
     return out
 
 
+def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[float]:
+    """Per-item creation times as stored: n float seconds since the Unix epoch (UTC).
+
+    Args:
+        created_at: None (every item gets ``now``), one real number (every item), or a
+            sequence of n real numbers (numpy arrays accepted); NaN means "unknown"
+            (what a store of format < 4 loads as; it matches no ``created_at``
+            comparison). Datetimes and ISO-8601 strings are converted by the facade
+            (:mod:`rfmem_fast.serving.memory`), not here.
+        n: the number of items.
+        now: the time for None (default ``time.time()``).
+
+    Returns:
+        list of n floats (finite, or NaN).
+
+    Raises:
+        TypeError: not a real number or a sequence of them (bool refused).
+        ValueError: wrong length, an infinite value.
+    """
+    def one(v: Any, where: str) -> float:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{where} must be a real number of seconds since the Unix epoch (UTC), got {type(v).__name__}")
+        f = float(v)
+        if math.isinf(f):
+            raise ValueError(f"{where} must be finite (or NaN: unknown), got {f!r}")
+        return f
+
+    if created_at is None:
+        return [float(time.time()) if now is None else float(now)] * n
+    if isinstance(created_at, np.ndarray) and created_at.ndim == 0:
+        created_at = created_at.item()
+    if isinstance(created_at, (int, float, np.integer, np.floating)) and not isinstance(created_at, (bool, np.bool_)):
+        return [one(created_at, "created_at")] * n
+    if isinstance(created_at, (str, bytes, dict)) or not hasattr(created_at, "__iter__"):
+        raise TypeError(
+            "created_at must be None, a number of seconds since the Unix epoch (UTC) or a sequence of them, "
+            f"got {type(created_at).__name__}"
+        )
+    out = list(created_at)
+    if len(out) != n:
+        raise ValueError(f"created_at has {len(out)} entries but there are {n} items")
+    return [one(v, f"created_at[{j}]") for j, v in enumerate(out)]
+
+
 def _object_array(values: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     if len(values):
@@ -276,16 +334,16 @@ class _UserRows:
 
     Slots ``0 .. nb-1`` live in ``base`` (shared, never written), slots ``nb ..`` in
     ``tail[:n_tail]`` (owned). ``ids`` / ``texts`` / ``toks`` / ``alive`` are per slot and exist
-    only while the user is ``dirty`` (changed since the last snapshot); a clean user
-    is described by ``base`` plus ``ids_arr`` / ``texts_arr``, views into the last
-    snapshot, and ``lex_src`` = (that snapshot's LexicalIndex, first row, end row).
+    only while the user is ``dirty`` (changed since the last snapshot), like ``created``
+    (creation times, float seconds); a clean user is described by ``base`` plus
+    ``ids_arr`` / ``texts_arr`` / ``created_arr``, views into the last snapshot, and ``lex_src`` = (that snapshot's LexicalIndex, first row, end row).
     ``toks`` holds each slot's encoded text ((terms, tf) int32 arrays, or None for an
     item without text: :mod:`rfmem_fast.lexical`), computed once when the text is written.
     """
 
     __slots__ = (
         "base", "tail", "n_tail", "ids", "texts", "alive", "n_dead", "patches",
-        "slot_of", "dirty", "ids_arr", "texts_arr", "toks", "lex_src",
+        "slot_of", "dirty", "ids_arr", "texts_arr", "toks", "lex_src", "created", "created_arr",
     )
 
     def __init__(self, dim: int) -> None:
@@ -303,6 +361,8 @@ class _UserRows:
         self.texts_arr: np.ndarray | None = None
         self.toks: list = []
         self.lex_src: tuple | None = None
+        self.created: list = []
+        self.created_arr: np.ndarray | None = None
 
     # ---------------------------------------------------------------- reading
     @property
@@ -325,6 +385,10 @@ class _UserRows:
     def live_texts(self) -> list:
         """Texts of the live rows (None where none was given), in row order."""
         return self._live(self.texts, self.texts_arr)
+
+    def live_created(self) -> list:
+        """Creation times (float seconds, NaN unknown) of the live rows, in row order."""
+        return self._live(self.created, self.created_arr)
 
     def live_toks(self) -> list:
         """Encoded texts ((terms, tf) or None) of the live rows, in row order."""
@@ -385,6 +449,7 @@ class _UserRows:
         n = int(self.base.shape[0])
         self.ids = list(self.ids_arr)
         self.texts = list(self.texts_arr)
+        self.created = list(self.created_arr)
         self.toks = self.live_toks()
         self.alive = bytearray(b"\x01") * n
         self.n_dead = 0
@@ -393,7 +458,7 @@ class _UserRows:
         self.n_tail = 0
         self.dirty = True
 
-    def append(self, vec: np.ndarray, ids: list, texts: list, toks: list) -> None:
+    def append(self, vec: np.ndarray, ids: list, texts: list, toks: list, created: list) -> None:
         m = vec.shape[0]
         if self.tail is None:
             self.tail, self.n_tail = vec, m  # vec is a fresh array owned by the bank
@@ -412,6 +477,7 @@ class _UserRows:
         self.ids.extend(ids)
         self.texts.extend(texts)
         self.toks.extend(toks)
+        self.created.extend(created)
         self.alive.extend(b"\x01" * m)
 
     def set_row(self, slot: int, row: np.ndarray) -> None:
@@ -431,6 +497,7 @@ class _UserRows:
         out = np.empty((self.n_live, dim), dtype=np.float32)
         self.fill(out)
         self.ids, self.texts, self.toks = self.live_ids(), self.live_texts(), self.live_toks()
+        self.created = self.live_created()
         self.base = np.zeros((0, dim), dtype=np.float32)
         self.tail, self.n_tail = out, out.shape[0]
         self.alive = bytearray(b"\x01") * out.shape[0]
@@ -438,16 +505,20 @@ class _UserRows:
         self.patches = {}
         self.slot_of = None
 
-    def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray, lex_src: tuple | None = None) -> None:
+    def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray, lex_src: tuple | None = None,
+               created: np.ndarray | None = None) -> None:
         """Point a user at its segment of a new snapshot (drops tail, tombstones, patches);
-        ``lex_src`` = (the snapshot's LexicalIndex, first row, end row) of the segment."""
+        ``lex_src`` = (the snapshot's LexicalIndex, first row, end row) of the segment,
+        ``created`` its creation times (float64; None: unknown, NaN)."""
         if self.dirty and self.n_dead:
             self.slot_of = None  # slots shifted
         self.base = vectors
         self.ids_arr, self.texts_arr = item_ids, texts
+        self.created_arr = created if created is not None else np.full(len(item_ids), np.nan)
         self.lex_src = lex_src
         self.tail, self.n_tail = None, 0
         self.ids, self.texts, self.toks, self.alive = [], [], [], bytearray()
+        self.created = []
         self.n_dead = 0
         self.patches = {}
         self.dirty = False
@@ -503,8 +574,12 @@ class MemoryBank:
         self._cache: dict[Any, Any] = {}
         self._store: tuple[str, bool] | None = None  # (path, mmap) when made by load()
         # per-item metadata, {user: {item id: dict}}, only for items that have some;
-        # not part of the snapshot (searches never read it), guarded by the lock
+        # not part of the snapshot (only filtered searches read it, through
+        # metadata_rows / metadata_cached), guarded by the lock
         self._meta: dict[Hashable, dict[ItemId, dict]] = {}
+        # derived per-(snapshot, metadata) values (rfmem_fast.filters' columns): dropped
+        # by every write and by set_metadata
+        self._meta_cache: dict[Any, Any] = {}
 
     def __repr__(self) -> str:
         """``MemoryBank(dim=384, users=2, items=79, version=5, dtype=float16[, store='...', mmap=True])``.
@@ -535,6 +610,7 @@ class MemoryBank:
         texts: Sequence[str | None] | None = None,
         dtype: Any = "float32",
         lexical_stemmer: str | None = None,
+        created_at: Any = None,
     ) -> "MemoryBank":
         """Build a bank from a CSR layout in one call.
 
@@ -549,6 +625,8 @@ class MemoryBank:
             texts: n optional texts.
             dtype: the bank's scan type (see :class:`MemoryBank`).
             lexical_stemmer: the lexical index's stemmer (see :class:`MemoryBank`).
+            created_at: None (every item: now), one number, or n numbers: creation
+                times in seconds since the Unix epoch, UTC (as :meth:`add`).
 
         Returns:
             MemoryBank.
@@ -578,12 +656,13 @@ class MemoryBank:
             raise ValueError(f"item_ids has {len(item_ids)} entries but vectors has {vec.shape[0]} rows")
         if texts is not None and len(texts) != vec.shape[0]:
             raise ValueError(f"texts has {len(texts)} entries but vectors has {vec.shape[0]} rows")
+        created = check_created_at(created_at, vec.shape[0])
         bank = cls(vec.shape[1], dtype=dtype, lexical_stemmer=lexical_stemmer)
         for u, user in enumerate(users):
             a, b = int(off[u]), int(off[u + 1])
             ids = list(item_ids[a:b]) if item_ids is not None else list(range(b - a))
             tx = list(texts[a:b]) if texts is not None else None
-            bank._add_unlocked(user, vec[a:b], ids, tx, allow_empty=True)
+            bank._add_unlocked(user, vec[a:b], ids, tx, allow_empty=True, created_at=created[a:b])
         return bank
 
     def add(
@@ -593,6 +672,7 @@ class MemoryBank:
         ids: Sequence[ItemId],
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
+        created_at: Any = None,
     ) -> None:
         """Append items to a user's memory (creating the user if new).
 
@@ -606,7 +686,14 @@ class MemoryBank:
                 is kept as ``""``, distinct from None).
             metadata: m optional per-item metadata dicts (or None): JSON objects (str
                 keys, JSON values), stored as a deep copy, saved with the bank and read
-                back by :meth:`get_metadata`. Searches never look at them.
+                back by :meth:`get_metadata`. Only filtered searches read them
+                (:mod:`rfmem_fast.filters`).
+            created_at: the items' creation times, float64 seconds since the Unix epoch
+                (UTC): None (default: now, ``time.time()``, the same for all m), one
+                number for all m, or m numbers; finite. Kept by :meth:`update` unless
+                given, stored in the snapshot (:attr:`BankSnapshot.created_at`), saved
+                with the bank, and filterable as the reserved field ``created_at``; NaN
+                marks an unknown time.
 
         Cost: amortised O(m d) (the user's tail buffer doubles); the next read builds
         a new snapshot (module docstring).
@@ -614,14 +701,14 @@ class MemoryBank:
         Raises:
             TypeError: wrong type of user, ids, texts, metadata or a non-floating dtype.
             ValueError: wrong shape or dimension, no rows, NaN / Inf, a zero vector,
-                mismatched lengths, a duplicate id, an id the user already holds, or
-                metadata that is not JSON.
+                mismatched lengths, a duplicate id, an id the user already holds,
+                metadata that is not JSON, or an infinite ``created_at``.
             Nothing is written when an error is raised.
         """
         with self._lock:
-            self._add_unlocked(user, vectors, ids, texts, allow_empty=False, metadata=metadata)
+            self._add_unlocked(user, vectors, ids, texts, allow_empty=False, metadata=metadata, created_at=created_at)
 
-    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool, metadata=None) -> None:
+    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool, metadata=None, created_at=None) -> None:
         user = _check_user(user)
         vec = as_float_matrix(vectors, "vectors", self._dim)
         if vec.shape[0] == 0 and not allow_empty:
@@ -630,6 +717,7 @@ class MemoryBank:
         id_list = _check_ids(ids, vec.shape[0])
         tx = _check_texts(texts, vec.shape[0])
         meta = _check_metadata(metadata, vec.shape[0])
+        created = check_created_at(created_at, vec.shape[0])
         u = self._uindex.get(user)
         if u is not None:
             slots = self._rows[u].slots()
@@ -645,7 +733,7 @@ class MemoryBank:
             toks = self._encode(tx)
             r = self._rows[u]
             r.begin_write()
-            r.append(vec, id_list, tx, toks)
+            r.append(vec, id_list, tx, toks, created)
             self._n_live += vec.shape[0]
             self._set_metadata(user, id_list, meta)
         self._touch()
@@ -749,8 +837,9 @@ class MemoryBank:
         vectors: Any,
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
+        created_at: Any = None,
     ) -> None:
-        """Replace the vectors (and optionally texts and metadata) of existing items, keeping their ids.
+        """Replace the vectors (and optionally texts, metadata, creation times) of existing items, keeping their ids.
 
         Args:
             user: an existing user key.
@@ -760,6 +849,8 @@ class MemoryBank:
             metadata: m new metadata dicts (None entries clear an item's metadata), or
                 None to keep the current metadata (:meth:`set_metadata` changes only
                 metadata).
+            created_at: None (default) keeps each item's creation time; one number or
+                m numbers (seconds since the Unix epoch, UTC) replace them.
 
         Each item keeps its id and its row position within the user (so ties still
         break as before). Cost: O(m d).
@@ -778,6 +869,7 @@ class MemoryBank:
             id_list = _check_ids(ids, vec.shape[0])
             tx = None if texts is None else _check_texts(texts, vec.shape[0])
             meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
+            created = None if created_at is None else check_created_at(created_at, vec.shape[0])
             r, slots = self._writable_slots(u, id_list)
             enc = self._encode(tx) if tx is not None else None
             for j, i in enumerate(id_list):
@@ -786,6 +878,8 @@ class MemoryBank:
                 if tx is not None:
                     r.texts[s] = tx[j]
                     r.toks[s] = enc[j]
+                if created is not None:
+                    r.created[s] = created[j]
             if meta is not None:
                 self._set_metadata(self._users[u], id_list, meta)
             self._touch()
@@ -816,6 +910,7 @@ class MemoryBank:
             if missing:
                 raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
             self._set_metadata(self._users[u], id_list, meta)
+            self._meta_cache = {}
 
     def compact(self) -> int:
         """Reclaim the rows of deleted items now (build the snapshot and rebase on it).
@@ -838,6 +933,7 @@ class MemoryBank:
         # drop the published snapshot before the version moves (see cached())
         self._snap = None
         self._cache = {}
+        self._meta_cache = {}
         self._version += 1
 
     # ------------------------------------------------------------------ persistence
@@ -877,7 +973,8 @@ class MemoryBank:
                 newer-version store; the message names the file.
         """
         c = read_store(path, mmap=mmap, verify=verify)
-        snap = BankSnapshot(c.vectors, c.offsets, c.item_ids, c.version, c.users, c.texts, c.scan, c.dtype, c.lexical)
+        snap = BankSnapshot(c.vectors, c.offsets, c.item_ids, c.version, c.users, c.texts, c.scan, c.dtype, c.lexical,
+                            c.created_at)  # fmt: skip
         bank = cls(c.dim, dtype=c.dtype, lexical_stemmer=c.lexical_stemmer)
         bank._install(snap, c.metadata)  # a store without a lexical index (format 1 / 2) is indexed here
         bank._store = (c.path, c.mmap)
@@ -937,16 +1034,20 @@ class MemoryBank:
                 lex = LexicalIndex(snap.offsets, lex.ptr, lex.terms, lex.tf, lex.has_text, self._vocab,
                                    self._analyzer, lex.built_postings())  # fmt: skip
             snap = dataclasses.replace(snap, lexical=lex)
+            if snap.created_at is None:  # unknown creation times (a store of format < 4): NaN
+                snap = dataclasses.replace(snap, created_at=np.full(snap.num_items, np.nan))
+            created = snap.created_at
             self._rows = []
             for u in range(snap.num_users):
                 a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
                 r = _UserRows(self._dim)
                 r.slot_of = None
-                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b], (lex, a, b))
+                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])
                 self._rows.append(r)
             self._n_live = snap.num_items
             self._version = int(snap.version)
             self._cache = {}
+            self._meta_cache = {}
             self._meta = {}
             if metadata is not None:
                 for u in range(snap.num_users):
@@ -1064,6 +1165,7 @@ class MemoryBank:
         vectors = np.empty((n, self._dim), dtype=np.float32)
         item_ids = np.empty(n, dtype=object)
         texts = np.empty(n, dtype=object)
+        created = np.empty(n, dtype=np.float64)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
             r.fill(vectors[a:b])
@@ -1071,9 +1173,11 @@ class MemoryBank:
                 if b > a:
                     item_ids[a:b] = r.live_ids()
                     texts[a:b] = r.live_texts()
+                    created[a:b] = r.live_created()
             else:
                 item_ids[a:b] = r.ids_arr
                 texts[a:b] = r.texts_arr
+                created[a:b] = r.created_arr
         # the lexical forward index: clean users' segments are sliced from their last
         # snapshot's index (no re-tokenising), dirty users' from their cached per-item
         # encodings; clean users keep the postings built for them (rows are segment-local)
@@ -1087,9 +1191,11 @@ class MemoryBank:
         lex = LexicalIndex(offsets, ptr, terms, tf, has, self._vocab, self._analyzer, carried)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
-            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b))
+            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])
         scan = to_scan_copy(vectors, self._dtype) if self._dtype in HALF_DTYPES else None
-        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype, lex)
+        created.setflags(write=False)
+        return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype, lex,
+                            created)  # fmt: skip
 
     def texts_of(self, user: Hashable) -> list[str | None]:
         """The texts of ``user``'s live items in row order (None where none was given)."""
@@ -1118,6 +1224,84 @@ class MemoryBank:
                 return [False] * len(id_list)
             slots = self._rows[u].slots()
             return [i in slots for i in id_list]
+
+    def created_at_of(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> np.ndarray:
+        """The creation times of some (or all) of ``user``'s live items.
+
+        Args:
+            user: an existing user key.
+            ids: item ids the user holds, or None for all its live items in row order.
+
+        Returns:
+            float64 [m] seconds since the Unix epoch (UTC), NaN where unknown (an item
+            loaded from a store of format < 4), aligned with ``ids``.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+        """
+        with self._lock:
+            u = self.user_index(user)
+            r = self._rows[u]
+            live = r.live_created()
+            if ids is None:
+                return np.asarray(live, dtype=np.float64)
+            id_list = _check_id_list(ids)
+            pos = {i: j for j, i in enumerate(r.live_ids())}
+            missing = [i for i in id_list if i not in pos]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            return np.asarray([live[pos[i]] for i in id_list], dtype=np.float64)
+
+    def metadata_rows(self, user_index: int, snapshot: BankSnapshot) -> list:
+        """The metadata of the rows of segment ``user_index`` of ``snapshot``, in row order.
+
+        Read under the lock from the bank's current metadata by the rows' item ids, so a
+        row whose item was deleted (or had its metadata cleared) since the snapshot gets
+        None. The dicts are the bank's own (shared, not copies): the caller must not
+        modify them (:mod:`rfmem_fast.filters` only reads them).
+
+        Args:
+            user_index: a segment index of ``snapshot``.
+            snapshot: a snapshot of this bank.
+
+        Returns:
+            list [n_u] of dict / None.
+
+        Raises:
+            IndexError: ``user_index`` outside the snapshot's segments.
+        """
+        if not 0 <= int(user_index) < snapshot.num_users:
+            raise IndexError(f"user_index {user_index} is not a segment of the snapshot (0..{snapshot.num_users - 1})")
+        a, b = int(snapshot.offsets[user_index]), int(snapshot.offsets[user_index + 1])
+        with self._lock:
+            store = self._meta.get(snapshot.users[user_index])
+            if not store:
+                return [None] * (b - a)
+            get = store.get
+            return [get(i) for i in snapshot.item_ids[a:b]]
+
+    def metadata_cached(self, snapshot: BankSnapshot, key: Any, build: Any) -> Any:
+        """A cache for values derived from ``snapshot`` and the bank's metadata (filter columns).
+
+        An entry lives until the next write or :meth:`set_metadata`; values are cached
+        only for the bank's current snapshot (an older snapshot's are built afresh).
+
+        Args:
+            snapshot: the snapshot the value belongs to.
+            key: hashable key.
+            build: zero-argument callable producing the value on a miss.
+
+        Returns:
+            the (possibly cached) value.
+        """
+        cache = self._meta_cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] is snapshot:
+            return hit[1]
+        value = build()
+        if self._snap is snapshot:
+            cache[key] = (snapshot, value)
+        return value
 
     def get_metadata(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> list[dict | None]:
         """The metadata of some (or all) of ``user``'s live items, as deep copies.

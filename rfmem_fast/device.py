@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+_HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}  # a view without a snapshot
+
 from .bank import BankSnapshot
 from .precision import row_norm_bound_from_scan, row_norm_max
 
@@ -305,7 +307,9 @@ class BankView:
     @property
     def scan_dtype(self) -> str:
         """"float32", or the half type of ``Xs`` (:mod:`rfmem_fast.precision`)."""
-        return "float32" if self.Xs is None else self.snapshot.dtype
+        if self.Xs is None:
+            return "float32"
+        return self.snapshot.dtype if self.snapshot is not None else _HALF_NAMES[self.Xs.dtype]
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """float32 rows ``X[idx]`` on ``idx``'s device (the exact copy; [*idx.shape, d])."""

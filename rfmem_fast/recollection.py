@@ -79,6 +79,7 @@ def recollect(
     config: RFMemConfig,
     level0: tuple[torch.Tensor, torch.Tensor] | None = None,
     active: torch.Tensor | None = None,
+    sel=None,
 ) -> RecollectionOutput:
     """Run the Recollection path for a batch of queries (spec section 4).
 
@@ -99,6 +100,10 @@ def recollect(
             (default all). The others get padding rows, ``-inf`` scores and 0 rounds, and
             cost no primitive call; selecting them on the device needs no host copy of
             the route (device-resident batches).
+        sel: optional :class:`rfmem_fast.filters.RowSelection` of the b queries: every
+            round's top-k of a filtered query ranks its selected rows only (passed to
+            ``backend.segmented_topk`` for the round's branches; one host copy of the
+            branches' query indices per round).
 
     Returns:
         RecollectionOutput.
@@ -117,7 +122,7 @@ def recollect(
     ):
         raise ValueError(f"active must be a bool tensor of shape [{b}]")
     if b <= chunk:
-        return _recollect_chunk(backend, view, q0, qseg, config, level0, active)
+        return _recollect_chunk(backend, view, q0, qseg, config, level0, active, sel)
     parts = [
         _recollect_chunk(
             backend,
@@ -127,6 +132,7 @@ def recollect(
             config,
             None if level0 is None else (level0[0][c0 : c0 + chunk], level0[1][c0 : c0 + chunk]),
             None if active is None else active[c0 : c0 + chunk],
+            None if sel is None else sel.take(slice(c0, c0 + chunk)),
         )
         for c0 in range(0, b, chunk)
     ]
@@ -140,7 +146,7 @@ def recollect(
 
 def _recollect_chunk(
     backend: Backend, view: BankView, q0: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig, level0=None,
-    active: torch.Tensor | None = None,
+    active: torch.Tensor | None = None, selection=None,
 ) -> RecollectionOutput:
     """:func:`recollect` (same arguments) for one chunk of queries: all tensors of a round at once."""
     dev = backend.device
@@ -186,7 +192,8 @@ def _recollect_chunk(
         if level == 0 and level0 is not None:
             c_sc, c_rows = level0[0][pq, :K].to(dev), level0[1][pq, :K].to(dev)
         else:
-            c_sc, c_rows = backend.segmented_topk(view, bq, qseg[pq], K)
+            kw = {} if selection is None else {"sel": selection.take(pq)}
+            c_sc, c_rows = backend.segmented_topk(view, bq, qseg[pq], K, **kw)
         # ---- drop padding, scores under the floor and items already returned
         seen = (c_rows[:, :, None] == res_rows[pq, :cap][:, None, :]) & (ar_cap[None, None, :] < res_len[pq][:, None, None])
         valid = (c_rows >= 0) & (c_sc >= config.score_floor) & ~seen.any(dim=2) & plive[:, None]

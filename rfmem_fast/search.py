@@ -27,6 +27,17 @@ retrieval"): after the probe, each query's BM25 over its user's items
 (:func:`_hybrid`, rules and exactness proof in :mod:`rfmem_fast.fusion`); the probe's
 familiarity signals, the routing and the Recollection path stay dense.
 
+Filtered search (``filters=``, :mod:`rfmem_fast.filters`): the filters of a batch are
+compiled once into a :class:`~rfmem_fast.filters.RowSelection` (the rows each query may
+return) that every top-k call of the search applies WHILE it takes the top-k (the
+backends' ``sel``): the probe (so its familiarity signals are those of the matching
+items' top-k, and the routing follows them), every recollection round, and the final
+list see only matching items, so a filtered query returns the exact top-k of its
+user's matching items (padding only when fewer than ``out_k`` match). The lexical
+channel drops the hits outside the filter before it fuses (its per-query statistics
+are those of the matching hits; BM25's corpus statistics stay the user's whole
+memory). The profile prior, a query transform, still uses the user's whole profile.
+
 Device-resident batches (README "GPU"): with ``output="torch"`` the results are tensors
 on the backend's device (:class:`TensorSearchResult`); torch queries are validated and
 normalised where they live (one host synchronisation), the router runs on the device
@@ -50,6 +61,7 @@ from .config import RFMemConfig
 from .device import to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
+from .filters import RowSelection, compile_filters
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means
 from . import recollection as _recollection
 from .routing.base import (
@@ -354,8 +366,10 @@ def check_query_texts(query_texts: Any, b: int, config: RFMemConfig) -> list | N
 
 
 def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: Any, mode: str, backend: Any,
-             device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None) -> tuple:  # fmt: skip
-    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts)."""
+             device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None,
+             filters: Any = None) -> tuple:  # fmt: skip
+    """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts,
+    the compiled filters: a RowSelection or None)."""
     config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -383,10 +397,13 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     if snap.vectors.shape[0] == 0:
         raise ValueError("bank is empty: add items before searching")
     seg = bank.segments_for(users, snapshot=snap)
+    sel = compile_filters(bank, snap, seg, filters)
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
+    if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
+        lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
     qseg = to_device(seg, dev)
     hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
-    return config, max_batch, be, view, Q, qseg, hints, router, texts
+    return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
 
 
 @dataclass
@@ -422,6 +439,7 @@ def search_candidates(
     expansions: Any = None,
     router: Router | None = None,
     query_texts: Sequence[str | None] | None = None,
+    filters: Any = None,
 ) -> CandidatePools:
     """The candidate pools a re-ranker would see for these queries, with their features.
 
@@ -433,7 +451,7 @@ def search_candidates(
 
     Args:
         bank, queries, users, config, mode, backend, device, expansions, router,
-            query_texts: as :func:`search` (``config.reranker`` must be None: pools are
+            query_texts, filters: as :func:`search` (``config.reranker`` must be None: pools are
             what a re-ranker sees, before it; the pools are built from the DENSE probe).
         depth: probe items in the pool (int >= 1).
 
@@ -447,12 +465,12 @@ def search_candidates(
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
     if config is not None and getattr(config, "reranker", None) is not None:
         raise ValueError("search_candidates needs a config without a reranker (the pools are the re-ranker's input)")
-    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
-        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router, query_texts
+    config, max_batch, be, view, Q, qseg, hints, router, texts, sel = _prepare(
+        bank, queries, users, config, mode, backend, device, DEFAULT_MAX_BATCH, expansions, router, query_texts, filters
     )
     got: list = [int(depth)]
     res = search_tensors(be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints, host_output=True,
-                         router=router, pools=got, query_texts=texts)  # fmt: skip
+                         router=router, pools=got, query_texts=texts, selection=sel)  # fmt: skip
     parts = got[1:]
     L = max(p[0].shape[1] for p in parts)
 
@@ -479,6 +497,7 @@ def search(
     expansions: Any = None,
     router: Router | None = None,
     query_texts: Sequence[str | None] | None = None,
+    filters: Any = None,
 ) -> SearchResult | TensorSearchResult:
     """RF-Mem retrieval for a batch of queries, each within its own user's memory.
 
@@ -530,6 +549,17 @@ def search(
             scores its mixed queries densely and returns what it returns today. A query
             with no token known to its user's memory gets the dense result. With weight
             0, given texts only fill ``lexical_scores``.
+        filters: None (default), one filter dict for every query, or b dicts / None (a
+            per-query filter; None: unfiltered) over the items' metadata and their
+            ``created_at`` (:mod:`rfmem_fast.filters`: ``{"tag": "work"}``,
+            ``{"score": {"$gte": 3}}``, ``{"created_at": {"$gte": "2026-11-01T00:00:00Z"}}``,
+            ``$and`` / ``$or`` / ``$not``, ...). A filtered query returns the exact top-k
+            of its user's MATCHING items, in every mode and on every backend: the
+            probe (and so its signals and the routing), the recollection rounds and the
+            final list see only matching items (module docstring); its row is padded
+            only when fewer than ``out_k`` items match (and, as always, when the
+            Recollection path runs dry). The filters are compiled once per call (their
+            rows cached on the bank until the next write or metadata change).
 
     Beyond the paper (README "Retrieval quality"): with ``config.profile_weight > 0``
     each query is folded with its user's profile before the probe (the profile prior,
@@ -560,9 +590,12 @@ def search(
             ``BACKEND_NAMES``); an empty bank (no live item in the snapshot);
             queries not 2-D, of the wrong dimension, with NaN / Inf or a zero row;
             ``users`` not of length b; ``max_batch`` < 1; ``config.lexical_weight > 0``
-            without ``query_texts``, or ``query_texts`` not of length b.
+            without ``query_texts``, or ``query_texts`` not of length b; a malformed
+            filter (unknown operator, empty ``$and``, bad date, ...; the message names
+            the part, e.g. ``filters['score']['$gte']``), or ``filters`` not of length b.
         TypeError: non-floating queries; a config that is not an RFMemConfig; a
-            user key that is not a str / int.
+            user key that is not a str / int; a filter value of the wrong type, or a
+            range whose bound's type the field never holds among the user's items.
         KeyError: an unknown user (the message names it and its position).
         DeviceMemoryError: the bank does not fit in the free memory of the backend's
             device (:func:`rfmem_fast.device.check_fits`; raised before any allocation).
@@ -571,12 +604,12 @@ def search(
     """
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-    config, max_batch, be, view, Q, qseg, hints, router, texts = _prepare(
-        bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts
+    config, max_batch, be, view, Q, qseg, hints, router, texts, sel = _prepare(
+        bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts, filters
     )
     res = search_tensors(
         be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
-        host_output=output == "numpy", router=router, query_texts=texts,
+        host_output=output == "numpy", router=router, query_texts=texts, selection=sel,
     )  # fmt: skip
     if output == "torch":
         return res
@@ -596,6 +629,7 @@ def search_tensors(
     router: Router | None = None,
     pools: list | None = None,
     query_texts: Sequence[str | None] | None = None,
+    selection: RowSelection | None = None,
 ) -> TensorSearchResult | dict[str, np.ndarray]:
     """The engine under :func:`search`: a batch of unit queries and segment indices, on a view.
 
@@ -627,6 +661,9 @@ def search_tensors(
             arrays), built with the probe's top ``depth``.
         query_texts: optional b query texts (str / None) for the lexical channel
             (required when ``config.lexical_weight > 0``; needs ``view.snapshot``).
+        selection: optional filters of the b queries compiled for ``view``'s snapshot
+            (:func:`rfmem_fast.filters.compile_filters`; what :func:`search`'s ``filters``
+            become): each filtered query searches only its selected rows.
 
     Returns:
         TensorSearchResult, or the SearchResult fields as a dict (``host_output``).
@@ -654,6 +691,7 @@ def search_tensors(
                 backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
                 host=host_output and Q.device.type == "cpu",
                 texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
+                sel=_chunk_selection(selection, c0, max_batch),
             )  # fmt: skip
         if not host_output:
             parts.append(part)
@@ -673,6 +711,14 @@ def search_tensors(
     )
 
 
+def _chunk_selection(selection: RowSelection | None, c0: int, max_batch: int) -> RowSelection | None:
+    """The selection of the chunk of queries ``c0 .. c0 + max_batch - 1`` (None when none is filtered)."""
+    if selection is None:
+        return None
+    part = selection if c0 == 0 and max_batch >= selection.qsel.shape[0] else selection.take(slice(c0, c0 + max_batch))
+    return part if part.any() else None
+
+
 def _search_chunk(
     be: Backend,
     view: Any,
@@ -686,6 +732,7 @@ def _search_chunk(
     pools: list | None = None,
     host: bool = False,
     texts: list | None = None,
+    sel: RowSelection | None = None,
 ) -> dict[str, torch.Tensor]:
     """One chunk of :func:`search_tensors`: the tensor fields for unit queries ``Q`` [c, d] on the device.
 
@@ -711,10 +758,12 @@ def _search_chunk(
     D = max(config.lexical_depth, config.out_k, config.probe_k)
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
-    one_pass = lexical and be.has_fused_topk and config.fusion != "rrf"
+    # (a filtered batch fuses on the host: the one-pass kernels take no row selection)
+    one_pass = lexical and be.has_fused_topk and config.fusion != "rrf" and sel is None
     if lexical and not one_pass and config.fusion != "rrf":
         # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
         k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
+    skw = {} if sel is None else {"sel": sel}  # filtered search: every top-k call applies the selection
     hyb = None
     if one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
         seg_np = qseg.cpu().numpy()
@@ -733,7 +782,7 @@ def _search_chunk(
             hyb = _hybrid_recorded(be, view, Q, seg_np, p_sc, p_rows, kh, hf, config, k_f)
     else:
         p_sc, p_rows, mean, ent, count = be.probe(
-            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy
+            view, Q, qseg, k_scan, probe_k, config.temperature, config.entropy, **skw
         )
     p_sc_all, p_rows_all = p_sc, p_rows
     if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
@@ -756,12 +805,12 @@ def _search_chunk(
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
         if hyb is None:
-            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be)
+            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be, sel)
         lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
-        lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts)
+        lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts, sel)
     fam_rows, fam_dense = rows, (scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev))
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
@@ -771,7 +820,7 @@ def _search_chunk(
     # at its first round's check)
     if mode != "dense" and (not host or bool(reco.any())):
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), reco)
+        out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), reco, sel)
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
             scores = torch.where(reco[:, None], out.scores.to(dev), scores)
@@ -842,9 +891,10 @@ class _Hybrid:
         return self.hits
 
 
-def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
+def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list, sel: RowSelection | None = None) -> list:
     """Per query: None (no lexical hit) or (first row of its user, float64 [n_u] BM25 of the
-    user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`."""
+    user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`.
+    With a selection, a filtered query's hits outside it are dropped (score 0)."""
     lex, off = snap.lexical, snap.offsets
     out: list = []
     for i, t in enumerate(texts):
@@ -855,7 +905,29 @@ def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list) -> list:
         u = int(seg[i])
         P = lex.postings(u)
         vec = P.scores(qt, qc)
+        if vec is not None and sel is not None:
+            allow = sel.allowed(i, int(off[u]), vec.shape[0])
+            if allow is not None:
+                vec = np.where(allow, vec, 0.0)
+                if not vec.any():
+                    vec = None
         out.append(None if vec is None else (int(off[u]), vec, P.n_docs))
+    return out
+
+
+def _selected_means(view: Any, sel: RowSelection, seg: np.ndarray, means: np.ndarray) -> np.ndarray:
+    """``means`` [b, d] (the users' mean vectors) with each filtered query's row replaced by
+    the float64 mean of its selected rows (memoised per selection; zero when none)."""
+    vectors = view.snapshot.vectors
+    memo = sel._memo.setdefault("means", {})
+    out = means.copy()
+    for i in np.flatnonzero(sel.qsel >= 0).tolist():
+        p = int(sel.qsel[i])
+        m = memo.get(p)
+        if m is None:
+            r = sel.rows[sel.off[p] : sel.off[p + 1]]
+            m = memo[p] = vectors[r].astype(np.float64).mean(axis=0) if r.shape[0] else np.zeros(vectors.shape[1])
+        out[i] = m
     return out
 
 
@@ -876,15 +948,19 @@ HYBRID_MATRIX_ENTRIES = 1 << 22
 
 
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-            config: RFMemConfig, k_f: int, kd: int, be: Any) -> _Hybrid:  # fmt: skip
+            config: RFMemConfig, k_f: int, kd: int, be: Any, sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
     rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: batched numpy over the queries,
     in steps of at most :data:`HYBRID_MATRIX_ENTRIES` BM25 entries (queries x their users'
     rows); a backend with ``has_fused_topk`` fuses in its probe's pass instead
-    (:func:`_search_chunk`). Both give the same rows and scores (tests/test_lexical.py)."""
+    (:func:`_search_chunk`, unfiltered queries). Both give the same rows and scores
+    (tests/test_lexical.py). ``sel``: the filtered queries' lexical hits outside their
+    selection are dropped before the fusion (the dense list ``p_sc`` / ``p_rows`` is
+    already filtered); the per-query statistics (the lexical maximum and top scores,
+    zscore's spreads and dense mean) are those of the matching items."""
     if config.fusion == "rrf":
-        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget)
+        return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget, sel)
     snap = view.snapshot
     off = snap.offsets
     seg = qseg.cpu().numpy()
@@ -895,7 +971,9 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
         c = a + 1
         while c < b and (c + 1 - a) * int(lens[a : c + 1].max()) <= HYBRID_MATRIX_ENTRIES:
             c += 1
-        parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd))
+        part_sel = None if sel is None else sel.take(slice(a, c))
+        parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd,
+                                     part_sel))  # fmt: skip
         a = c
     if len(parts) == 1:
         return parts[0]
@@ -904,7 +982,7 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
 
 
 def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-                    config: RFMemConfig, k_f: int, kd: int) -> _Hybrid:  # fmt: skip
+                    config: RFMemConfig, k_f: int, kd: int, sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """convex / adaptive fusion of b queries with one BM25 matrix V [b, longest user] (see :func:`_hybrid_loop`)."""
     snap = view.snapshot
     lex, off = snap.lexical, snap.offsets
@@ -928,6 +1006,13 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         V = np.bincount(np.concatenate(flat), weights=np.concatenate(wts), minlength=b * W).reshape(b, W)
     else:
         V = np.zeros((b, W))
+    n_match = n_q
+    if sel is not None:  # filtered queries: their hits outside the selection dropped
+        n_match = n_q.copy()
+        for i in np.flatnonzero(sel.qsel >= 0).tolist():
+            allow = sel.allowed(i, int(a_q[i]), int(n_q[i]))
+            V[i, : n_q[i]] *= allow
+            n_match[i] = int(allow.sum())
     lex_max = V.max(axis=1)
     hits = [(int(a_q[i]), V[i, : n_q[i]], int(n_docs[i])) if lex_max[i] > 0 else None for i in range(b)]
     ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
@@ -942,11 +1027,14 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         top[:, :m] = -np.sort(-t, axis=1)[:, :m]
     lex_std = dense_gap = None
     if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
-        n = np.maximum(n_q, 1).astype(np.float64)
+        n = np.maximum(n_match, 1).astype(np.float64)
         # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
         mu = np.cumsum(V, axis=1)[:, -1] / n
         lex_std = np.sqrt(np.maximum(np.cumsum(V * V, axis=1)[:, -1] / n - mu * mu, 0.0))
-        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), user_means(view, seg))
+        means = user_means(view, seg)
+        if sel is not None:
+            means = _selected_means(view, sel, seg, means)
+        mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), means)
         dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
@@ -1133,7 +1221,8 @@ def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarr
 
 
 def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-                 config: RFMemConfig, k_f: int, kd: int, memory_budget: int) -> _Hybrid:  # fmt: skip
+                 config: RFMemConfig, k_f: int, kd: int, memory_budget: int,
+                 sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query, one query at a time (fusion "rrf"; any fusion).
 
     Candidates: the backend's exact dense top ``kd`` (``p_sc`` / ``p_rows``, the probe)
@@ -1144,7 +1233,7 @@ def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Ten
     snap = view.snapshot
     seg = qseg.cpu().numpy()
     b = len(texts)
-    info = _lexical_hits(snap, seg, texts)
+    info = _lexical_hits(snap, seg, texts, sel)
     ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
     pr = p_rows[:, :kd].cpu().numpy()
     valid = pr >= 0
@@ -1328,7 +1417,7 @@ def _pools(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_rows: torch.Tensor,
 
 
 def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, config: RFMemConfig,
-               level0: tuple[torch.Tensor, torch.Tensor], active: torch.Tensor) -> Any:
+               level0: tuple[torch.Tensor, torch.Tensor], active: torch.Tensor, sel: RowSelection | None = None) -> Any:
     """The Recollection path of a chunk; the search chooses the beam driver.
 
     The backend's fused driver (:meth:`~rfmem_fast.backends.base.Backend.recollect`) when
@@ -1337,12 +1426,15 @@ def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor,
     "python"), else the portable Python driver :func:`rfmem_fast.recollection.recollect`
     over the backend's primitives; both return the same rows, scores, rounds and hits.
 
+    ``sel``: the chunk's row selection (filtered search), applied by every round's top-k.
+
     Returns:
         :class:`~rfmem_fast.backends.base.RecollectionOutput`.
     """
+    skw = {} if sel is None else {"sel": sel}
     if be.fused_driver():
-        return be.recollect(view, Q, qseg, config, level0=level0, active=active)
-    return _recollection.recollect(be, view, Q, qseg, config, level0, active)
+        return be.recollect(view, Q, qseg, config, level0=level0, active=active, **skw)
+    return _recollection.recollect(be, view, Q, qseg, config, level0, active, **skw)
 
 
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:

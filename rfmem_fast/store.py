@@ -17,6 +17,8 @@ Layout of a store directory ``PATH``::
     PATH/snap-00000007/users.json      [U user keys]      (JSON keeps str vs int)
     PATH/snap-00000007/ids.json        [n item ids]       (str or int)
     PATH/snap-00000007/texts.json      [n texts]          (str or null)
+    PATH/snap-00000007/created_at.npy  float64 "<f8" [n]: each item's creation time,
+                                       seconds since the Unix epoch, UTC (format 4)
     PATH/snap-00000007/metadata.json   [n metadata objects] (object or null; optional:
                                        written only when some item has metadata, so a
                                        store without it, older ones included, loads as
@@ -33,9 +35,12 @@ Versions: format 1 holds float32 banks (``dtype`` "float32", the five files abov
 the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
 ``scan.npy``; format 3 adds the lexical index (the four ``lex_*`` files: the token ids
 of every item, so a load does not re-tokenise; the per-user postings are rebuilt from
-them on first use). Every bank is written as format 3; this code reads all three (a
-format 1 / 2 store builds its lexical index from its texts at load, with no stemmer),
-and refuses newer versions with a StoreError.
+them on first use); format 4 adds ``created_at.npy`` (the items' creation times,
+:meth:`~rfmem_fast.bank.MemoryBank.add`). Every bank is written as format 4; this code
+reads all four (a format 1 / 2 store builds its lexical index from its texts at load,
+with no stemmer; a store of format 1 to 3 loads with every creation time unknown,
+``NaN``, which no ``created_at`` comparison matches: :mod:`rfmem_fast.filters`), and
+refuses newer versions with a StoreError.
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -86,14 +91,16 @@ from .precision import BANK_DTYPES, HALF_DTYPES, storage_dtype, to_scan_copy
 FORMAT_NAME = "rfmem_fast.store"
 #: the newest format this code reads. It writes version 1 for a float32 bank (readable by
 #: rfmem_fast before half-precision banks) and version 2 for a float16 / bfloat16 bank.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: the lexical index's files (format 3)
 LEXICAL_FILES = ("lex_ptr.npy", "lex_terms.npy", "lex_tf.npy", "lex_vocab.json")
 #: what the manifest's "lexical" entry names as the tokenizer (rfmem_fast.lexical)
 LEXICAL_TOKENIZER = "bm25s-en"
 CURRENT = "CURRENT"
 MANIFEST = "manifest.json"
-DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json")
+DATA_FILES = ("vectors.npy", "offsets.npy", "users.json", "ids.json", "texts.json", "created_at.npy")
+#: the data file of format 4 (the items' creation times, float64 [n])
+CREATED_FILE = "created_at.npy"
 #: files a store may hold besides its data files (listed in the manifest when present)
 OPTIONAL_FILES = ("metadata.json",)
 #: the scan copy of a half-precision bank (format 2): float16 ``<f2``, or the bfloat16
@@ -103,11 +110,13 @@ SCAN_FILE = "scan.npy"
 
 def data_files(dtype: str, version: int = FORMAT_VERSION) -> tuple[str, ...]:
     """The data files a store of a bank of ``dtype`` in format ``version`` must hold (besides OPTIONAL_FILES)."""
-    return DATA_FILES + ((SCAN_FILE,) if dtype in HALF_DTYPES else ()) + (LEXICAL_FILES if version >= 3 else ())
+    base = DATA_FILES if version >= 4 else tuple(f for f in DATA_FILES if f != CREATED_FILE)
+    return base + ((SCAN_FILE,) if dtype in HALF_DTYPES else ()) + (LEXICAL_FILES if version >= 3 else ())
 
 
 def format_version_for(dtype: str) -> int:
-    """The format version a bank of ``dtype`` is written in: 3 (every dtype; the lexical index)."""
+    """The format version a bank of ``dtype`` is written in: 4 (every dtype; the lexical
+    index and the creation times)."""
     return FORMAT_VERSION
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -143,6 +152,8 @@ class StoreContents:
         lexical: the stored :class:`~rfmem_fast.lexical.LexicalIndex` (format 3), or
             None (format 1 / 2: the bank indexes its texts when it is built).
         path: the store directory (str); mmap: whether the rows are memory-mapped.
+        created_at: float64 [n] the items' creation times (seconds since the Unix epoch,
+            UTC; format 4), or None (format < 4: unknown, NaN in the bank).
     """
 
     dim: int
@@ -159,6 +170,7 @@ class StoreContents:
     lexical: LexicalIndex | None
     path: str
     mmap: bool
+    created_at: np.ndarray | None = None
 
 
 class StoreError(ValueError):
@@ -332,6 +344,7 @@ def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: 
                 ("users.json", _write_json(list(snap.users))),
                 ("ids.json", _write_json(snap.item_ids.tolist())),
                 ("texts.json", _write_json(snap.texts.tolist() if snap.texts is not None else [None] * snap.num_items)),
+                (CREATED_FILE, _write_array(np.asarray(snap.created_at_or_nan, dtype="<f8"))),
             ]
             if snap.scan is not None:
                 payload.append((SCAN_FILE, _write_array(snap.scan)))
@@ -705,9 +718,18 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> St
     stemmer, lex = None, None
     if fv >= 3:
         stemmer, lex = _read_lexical(mpath, man, data_dir, files, offsets, text_arr, mmap, verify)
+    created = None  # format < 4: unknown creation times (NaN, filled by MemoryBank._install)
+    if fv >= 4:
+        cpath = data_dir / CREATED_FILE
+        created = _read_npy(cpath, files[CREATED_FILE], np.dtype("<f8"), mmap, verify)
+        if created.shape[0] != n:
+            raise StoreError(cpath, f"must hold {n} creation times (one per item), got {created.shape[0]}")
+        if verify and np.isinf(created).any():
+            raise StoreError(cpath, "holds an infinite creation time")
     return StoreContents(dim=d, dtype=dtype, version=ints["bank_version"], vectors=vectors, offsets=offsets,
                          users=tuple(users), item_ids=item_ids, texts=text_arr, scan=scan, metadata=metadata,
-                         lexical_stemmer=stemmer, lexical=lex, path=str(root), mmap=bool(mmap))  # fmt: skip
+                         lexical_stemmer=stemmer, lexical=lex, path=str(root), mmap=bool(mmap),
+                         created_at=created)  # fmt: skip
 
 
 def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: bool) -> np.ndarray:

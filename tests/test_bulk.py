@@ -387,3 +387,27 @@ def test_export_items_feed_add_many_back():
     assert list(mem.export_items("u2")) == [{k: v for k, v in x.items() if k != "vector"} for x in out
                                             if x["user_id"] == "u2"]
     assert list(mem.export_items("nobody")) == []
+
+
+def test_add_many_keeps_created_at_for_items_and_their_chunks_and_filters_see_it(tmp_path):
+    """created_at of a bulk item is stored (UTC), survives a reopen, is each chunk row's
+    too (a filter sees a long item in every row), and a time filter selects by it."""
+    words = " ".join(f"w{i}" for i in range(20))  # over the 8-token window: chunked
+    with Memory(tmp_path / "m", encoder=Chunkable(DIM), chunk_overlap=2) as mem:
+        mem.add_many([
+            {"user_id": "a", "id": "old", "text": "an old memory", "created_at": "2024-05-01T12:00:00+02:00"},
+            {"user_id": "a", "id": "long", "text": words, "created_at": "2024-06-01T00:00:00Z"},
+            {"user_id": "a", "id": "new", "text": "a new memory"},  # no created_at: the time of the write
+        ])
+    with Memory(tmp_path / "m", encoder=Chunkable(DIM), chunk_overlap=2) as mem:
+        got = {it.id: it.created_at for it in mem.get_all("a")}
+        assert got["old"].isoformat() == "2024-05-01T10:00:00+00:00"
+        assert got["long"].isoformat() == "2024-06-01T00:00:00+00:00"
+        assert got["new"].year >= 2026
+        snap = mem.bank.snapshot()
+        times = dict(zip(snap.item_ids, snap.created_at_or_nan))
+        chunk_rows = [i for i in snap.item_ids if isinstance(i, str) and i.startswith("long\x1f")]
+        assert chunk_rows and all(times[c] == times["long"] for c in chunk_rows)
+        hits = mem.search("memory w3", "a", k=5, mode="dense",
+                          filters={"created_at": {"$lt": "2025-01-01T00:00:00Z"}})
+        assert sorted(h.id for h in hits) == ["long", "old"]

@@ -66,6 +66,7 @@ def test_export_import_export_round_trip_is_identical(tmp_path, vectors, capsys)
     rows = {(u, i): snap.vectors[r] for k, u in enumerate(snap.users)
             for r, i in zip(range(snap.offsets[k], snap.offsets[k + 1]), snap.item_ids[snap.offsets[k]:snap.offsets[k + 1]])}
     expected = [(u, it.id, it.text, it.metadata) for u in mem.users() for it in mem.get_all(u)]
+    times = [it.created_at.isoformat() for u in mem.users() for it in mem.get_all(u)]
     mem.close()
     flag = ["--vectors"] if vectors else []
     f1, f2 = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
@@ -73,8 +74,9 @@ def test_export_import_export_round_trip_is_identical(tmp_path, vectors, capsys)
     assert "6 items of 3 users" in capsys.readouterr().err
     got = lines_of(f1)
     assert [(x["user_id"], x["id"], x["text"], x["metadata"]) for x in got] == expected
-    assert all(set(x) == {"id", "user_id", "text", "metadata"}
+    assert all(set(x) == {"id", "user_id", "text", "metadata", "created_at"}
                | ({"vector"} if (vectors or x["text"] is None) and x["id"] != "long" else set()) for x in got)
+    assert [x["created_at"] for x in got] == times  # each item's creation time, as Item.created_at
     for x in got:  # the stored rows, bit for bit; the chunked text has none (import re-embeds it)
         if "vector" in x:
             assert np.array_equal(np.asarray(x["vector"], np.float64).astype(np.float32), rows[(x["user_id"], x["id"])])
@@ -153,9 +155,10 @@ def test_mem0_style_lines_import_with_a_text_field_and_a_default_user(tmp_path, 
     assert main(argv + ["--ignore-extra"]) == 1
     assert "line 2: has no user_id" in capsys.readouterr().err
     assert main(argv + ["--ignore-extra", "--user", "bob"]) == 0
-    assert "2 lines had a created_at (not stored by this version)" in capsys.readouterr().err
+    assert "2 lines kept their created_at" in capsys.readouterr().err
     with Memory(tmp_path / "m", encoder=False) as mem:
         assert [(i.id, i.text, i.metadata) for i in mem.get_all("alice")] == [("m1", "Likes green tea", {})]
+        assert mem.get_all("alice")[0].created_at.isoformat() == "2024-07-20T17:00:00.123456+00:00"  # kept, in UTC
         assert [(i.id, i.text, i.metadata) for i in mem.get_all("bob")] == [("m2", "Lives in Oslo", {"category": "home"})]
     both = write(tmp_path / "both.jsonl", [{"user_id": "u", "text": "a", "memory": "b"}])
     assert main(["import", "--memory-dir", str(tmp_path / "m2"), "--in", both, "--text-field", "memory"]) == 1

@@ -230,7 +230,7 @@ def test_store_round_trip(tmp_path, dtype):
     bank.add(3, rng.normal(size=(9, 24)), ids=list(range(9)))
     bank.save(tmp_path / "s")
     man = json.loads((_snapdir(tmp_path / "s") / "manifest.json").read_text())
-    assert man["dtype"] == dtype and man["format_version"] == 3
+    assert man["dtype"] == dtype and man["format_version"] == 4
     assert ("scan.npy" in man["files"]) == (dtype != "float32")
     q = rng.normal(size=(4, 24))
     want = search(bank, q, ["u", "u", 3, "u"], RFMemConfig(out_k=5, probe_k=5), mode="rfmem", backend="torch")
@@ -290,7 +290,7 @@ def test_store_written_before_half_banks_still_loads(tmp_path):
         res = search(bank, s.vectors[[0, 6]], ["alice", 42], RFMemConfig(out_k=3, probe_k=3), mode="dense", backend="torch")
         assert res.ids_list(0)[0] == "a0" and res.ids_list(1)[0] == 100
     bank.save(tmp_path / "again")
-    assert json.loads((_snapdir(tmp_path / "again") / "manifest.json").read_text())["format_version"] == 3
+    assert json.loads((_snapdir(tmp_path / "again") / "manifest.json").read_text())["format_version"] == 4
     half = _as(bank, "bfloat16")
     half.save(tmp_path / "half")
     assert MemoryBank.load(tmp_path / "half").snapshot().scan.tobytes() == half.snapshot().scan.tobytes()

@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "backends", "backends.*",
     )),
     ("primitives", (
-        "bank", "store", "lexical", "signals", "config", "device", "precision", "kmeans", "threads",
+        "bank", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
         "_validate", "_optional", "_paths", "_native",
     )),
 ]

@@ -338,7 +338,7 @@ def test_stemmer_persists_and_missing_pystemmer_names_the_extra(tmp_path, monkey
     assert _user_scores(bank, "u", "run")[[0, 2]].all()
     bank.save(tmp_path / "s")
     man = json.loads(next((tmp_path / "s").glob("snap-*/manifest.json")).read_text())
-    assert man["lexical"]["stemmer"] == "english" and man["format_version"] == 3
+    assert man["lexical"]["stemmer"] == "english" and man["format_version"] == 4
     back = MemoryBank.load(tmp_path / "s", mmap=True)
     assert back.lexical_stemmer == "english"
     np.testing.assert_array_equal(_user_scores(back, "u", "run"), _user_scores(bank, "u", "run"))

@@ -84,8 +84,8 @@ def test_manifest_lists_checksums_of_every_file(tmp_path):
     bank.save(tmp_path / "s")
     d = data_dir(tmp_path / "s")
     man = json.loads((d / MANIFEST).read_text())
-    # every bank is written in format 3 (the lexical index's token ids: rfmem_fast.lexical)
-    assert man["format_version"] == 3 and man["dim"] == 8 and man["dtype"] == "float32"
+    # every bank is written in format 4 (the lexical index, rfmem_fast.lexical; the creation times)
+    assert man["format_version"] == 4 and man["dim"] == 8 and man["dtype"] == "float32"
     assert man["num_users"] == 4 and man["num_items"] == bank.num_items and man["bank_version"] == bank.version
     assert sorted(man["files"]) == sorted(DATA_FILES + LEXICAL_FILES) == sorted(p.name for p in d.iterdir() if p.name != MANIFEST)
     for name, meta in man["files"].items():

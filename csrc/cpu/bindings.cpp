@@ -147,13 +147,103 @@ ScanArg check_scan(const char* fn, const TopkInputs& in, const py::object& scan_
   return s;
 }
 
+// The row selections of a filtered call (kernels.h SelTable), checked: all six arrays or
+// none; every selection's rows increasing inside its segment, its mask (mask mode)
+// marking exactly them; each filtered query's selection in its own segment.
+struct SelArg {
+  py::array qsel, seg, off, rows, mask, mask_off;  // keep the arrays alive while the GIL is released
+  rfmem::SelTable tab;
+  const int64_t* q = nullptr;
+};
+
+void check_select(const char* fn, const TopkInputs& in, const py::object& qsel_, const py::object& seg_,
+                  const py::object& off_, const py::object& rows_, const py::object& mask_,
+                  const py::object& mask_off_, SelArg& s) {
+  const int given = !qsel_.is_none() + !seg_.is_none() + !off_.is_none() + !rows_.is_none() + !mask_.is_none() +
+                    !mask_off_.is_none();
+  if (given == 0) return;
+  if (given != 6)
+    throw py::value_error(std::string(fn) + ": qsel, sel_seg, sel_off, sel_rows, sel_mask and sel_mask_off must be "
+                          "given together (a filtered search) or not at all");
+  s.qsel = checked<int64_t>(qsel_, fn, "qsel", 1, "int64");
+  s.seg = checked<int64_t>(seg_, fn, "sel_seg", 1, "int64");
+  s.off = checked<int64_t>(off_, fn, "sel_off", 1, "int64");
+  s.rows = checked<int64_t>(rows_, fn, "sel_rows", 1, "int64");
+  s.mask = checked<uint8_t>(mask_, fn, "sel_mask", 1, "uint8");
+  s.mask_off = checked<int64_t>(mask_off_, fn, "sel_mask_off", 1, "int64");
+  const int64_t P = s.seg.shape(0);
+  if (s.qsel.shape(0) != in.b)
+    throw py::value_error(std::string(fn) + ": qsel must have one entry per query (" + std::to_string(in.b) +
+                          "), got shape " + shape_str(s.qsel));
+  if (s.off.shape(0) != P + 1 || s.mask_off.shape(0) != P)
+    throw py::value_error(std::string(fn) + ": sel_off must be [P + 1] and sel_mask_off [P] for P = " +
+                          std::to_string(P) + " selections (sel_seg), got shapes " + shape_str(s.off) + " and " +
+                          shape_str(s.mask_off));
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* sseg = cptr<int64_t>(s.seg);
+  const int64_t* so = cptr<int64_t>(s.off);
+  const int64_t* sr = cptr<int64_t>(s.rows);
+  const int64_t* smo = cptr<int64_t>(s.mask_off);
+  const uint8_t* sm = static_cast<const uint8_t*>(s.mask.data());
+  const int64_t M = s.rows.shape(0), nmask = s.mask.shape(0);
+  if (so[0] != 0 || so[P] != M)
+    throw py::value_error(std::string(fn) + ": sel_off must run from 0 to len(sel_rows) = " + std::to_string(M));
+  for (int64_t p = 0; p < P; ++p) {
+    const std::string where = std::string(fn) + ": selection " + std::to_string(p);
+    if (sseg[p] < 0 || sseg[p] >= in.U) throw py::value_error(where + ": sel_seg is not a segment index");
+    if (so[p + 1] < so[p]) throw py::value_error(std::string(fn) + ": sel_off must be non-decreasing");
+    const int64_t a = off[sseg[p]], e = off[sseg[p] + 1];
+    for (int64_t j = so[p]; j < so[p + 1]; ++j) {
+      if (sr[j] < a || sr[j] >= e || (j > so[p] && sr[j] <= sr[j - 1]))
+        throw py::value_error(where + ": sel_rows must increase inside the selection's segment [" +
+                              std::to_string(a) + ", " + std::to_string(e) + ")");
+    }
+    if (smo[p] == -1) continue;
+    if (smo[p] < 0 || smo[p] + (e - a) > nmask)
+      throw py::value_error(where + ": sel_mask_off must be -1 (list mode) or an offset of its segment's mask inside "
+                            "sel_mask");
+    int64_t ones = 0;
+    for (int64_t r = 0; r < e - a; ++r) ones += sm[smo[p] + r] != 0;
+    bool same = ones == so[p + 1] - so[p];
+    for (int64_t j = so[p]; same && j < so[p + 1]; ++j) same = sm[smo[p] + sr[j] - a] != 0;
+    if (!same) throw py::value_error(where + ": sel_mask must mark exactly its sel_rows");
+  }
+  const int64_t* q = cptr<int64_t>(s.qsel);
+  const int64_t* qseg = cptr<int64_t>(in.qseg);
+  for (int64_t i = 0; i < in.b; ++i) {
+    if (q[i] < -1 || q[i] >= P)
+      throw py::value_error(std::string(fn) + ": qsel[" + std::to_string(i) + "] = " + std::to_string(q[i]) +
+                            " is neither -1 nor a selection index in [0, " + std::to_string(P) + ")");
+    if (q[i] >= 0 && sseg[q[i]] != qseg[i])
+      throw py::value_error(std::string(fn) + ": qsel[" + std::to_string(i) + "] names a selection of segment " +
+                            std::to_string(sseg[q[i]]) + " for a query of segment " + std::to_string(qseg[i]));
+  }
+  s.tab.n = P;
+  s.tab.off = so;
+  s.tab.rows = sr;
+  s.tab.mask = sm;
+  s.tab.mask_off = smo;
+  s.q = q;
+}
+
+void apply_select(const SelArg& s, rfmem::TopkOptions& opt) {
+  if (s.q == nullptr) return;
+  opt.sel = &s.tab;
+  opt.qsel = s.q;
+}
+
 py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
                             const py::object& qseg_, int64_t k, int num_threads, double xnorm, const py::object& scan_,
-                            const std::string& scan_type, const std::string& path) {
+                            const std::string& scan_type, const std::string& path, const py::object& qsel_,
+                            const py::object& sel_seg_, const py::object& sel_off_, const py::object& sel_rows_,
+                            const py::object& sel_mask_, const py::object& sel_mask_off_) {
   const char* fn = "segmented_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
-  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  SelArg sel;
+  check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
+  apply_select(sel, sa.opt);
   py::array_t<float> scores({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
   py::array_t<int64_t> rows({static_cast<py::ssize_t>(in.b), static_cast<py::ssize_t>(k)});
   float* ps = scores.mutable_data();
@@ -176,11 +266,16 @@ rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
 
 py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
                    int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
-                   double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path) {
+                   double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path,
+                   const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
+                   const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
-  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  SelArg sel;
+  check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
+  apply_select(sel, sa.opt);
   if (probe_k < 1) throw py::value_error(std::string(fn) + ": probe_k must be >= 1, got " + std::to_string(probe_k));
   if (!std::isfinite(temperature))
     throw py::value_error(std::string(fn) + ": temperature must be finite, got " + std::to_string(temperature));
@@ -518,7 +613,9 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
                        int64_t memory_budget, const py::object& active_, const py::object& scan_,
-                       const std::string& scan_type, const std::string& path) {
+                       const std::string& scan_type, const std::string& path, const py::object& qsel_,
+                       const py::object& sel_seg_, const py::object& sel_off_, const py::object& sel_rows_,
+                       const py::object& sel_mask_, const py::object& sel_mask_off_) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -541,7 +638,10 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
   if (memory_budget < 1)
     throw py::value_error(std::string(fn) + ": memory_budget must be >= 1 byte, got " + std::to_string(memory_budget));
   TopkInputs in = check_topk(fn, X_, offsets_, Q0_, qseg_, 1);
-  const ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  SelArg sel;
+  check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
+  apply_select(sel, sa.opt);
   rfmem::RecollectConfig cfg;
   cfg.beam_width = beam_width;
   cfg.fanout = fanout;
@@ -630,7 +730,9 @@ PYBIND11_MODULE(_native, mod) {
 
   mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("scan") = py::none(),
-          py::arg("scan_type") = "float32", py::arg("path") = "auto",
+          py::arg("scan_type") = "float32", py::arg("path") = "auto", py::arg("qsel") = py::none(),
+          py::arg("sel_seg") = py::none(), py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(),
+          py::arg("sel_mask") = py::none(), py::arg("sel_mask_off") = py::none(),
           R"doc(Top-k inner products of each query within its own user's segment (spec "Vectors and scores").
 
 Args:
@@ -651,6 +753,15 @@ Args:
     scan_type: "float32" (no scan copy), "float16" or "bfloat16" (the type of ``scan``).
     path: "auto" (default: per segment, the cheaper of the scan and GEMM paths by the
         cost rule, see gemm_pays), "scan" or "gemm" (forced; results are the same).
+    qsel, sel_seg, sel_off, sel_rows, sel_mask, sel_mask_off: a filtered search (all six,
+        or none; rfmem_fast.filters.RowSelection.native_table): P selections, selection p
+        the increasing rows sel_rows[sel_off[p]:sel_off[p + 1]] of segment sel_seg[p]
+        (int64); sel_mask_off[p] = -1 (list mode: only the listed rows are scored) or the
+        offset in sel_mask (uint8) of a mask over the segment's rows marking exactly them
+        (mask mode: the segment is scanned and its unselected rows never kept); qsel
+        (int64 [b]) the selection of each query, -1 for none, in the query's segment. A
+        filtered query's result is the exact top-k of its selected rows (padded when
+        fewer than k).
 
 Returns:
     (scores float32 [b, k] descending, rows int64 [b, k] global row indices). A score is
@@ -666,17 +777,23 @@ Raises:
     TypeError: an argument is not a numpy array or has the wrong dtype.
     ValueError: wrong rank, shape or contiguity; malformed offsets; qseg out of range; k < 1;
         an unknown path or scan_type, a scan copy of another shape than X, or a scan_type
-        that does not match whether ``scan`` is given.
+        that does not match whether ``scan`` is given; malformed selections (only some of
+        the six arrays, rows outside their segment or not increasing, a mask that does not
+        mark exactly the rows, a qsel out of range or naming another segment).
 )doc");
 
   mod.def("probe", &py_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"), py::arg("k"),
           py::arg("probe_k"), py::arg("temperature"), py::arg("convention") = "mean", py::arg("num_threads") = 0,
           py::arg("xnorm") = -1.0, py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
-          py::arg("path") = "auto",
+          py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
+          py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
+          py::arg("sel_mask_off") = py::none(),
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
-    X, offsets, Q, qseg, k, num_threads, xnorm, scan, scan_type, path: as segmented_topk.
+    X, offsets, Q, qseg, k, num_threads, xnorm, scan, scan_type, path, qsel, sel_seg,
+        sel_off, sel_rows, sel_mask, sel_mask_off: as segmented_topk (a filtered query's
+        signals are those of its selected rows' top-k).
     probe_k: K of the signals (>= 1; capped at k).
     temperature: lam of the softmax (finite).
     convention: "mean" | "sum" | "normalized" (rfmem_fast.signals.familiarity_signals).
@@ -774,7 +891,9 @@ Raises:
           py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
           py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
-          py::arg("path") = "auto",
+          py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
+          py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
+          py::arg("sel_mask_off") = py::none(),
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -803,6 +922,9 @@ Args:
         -inf scores, 0 rounds, no work).
     scan, scan_type, path: the rounds' top-k calls, as segmented_topk's (a half-precision
         scan copy of X, its type, a forced path); the results do not depend on them.
+    qsel, sel_seg, sel_off, sel_rows, sel_mask, sel_mask_off: a filtered search, as
+        segmented_topk's (qsel per query of the batch): every round's candidates of a
+        filtered query come from its selected rows (level0 must be filtered alike).
 
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the

@@ -34,16 +34,23 @@ inline bool worse(const Entry& a, const Entry& b) { return a.s < b.s || (a.s == 
 inline bool better(const Entry& a, const Entry& b) { return a.s > b.s || (a.s == b.s && a.r < b.r); }
 
 // Bounded min-heap of the k best entries seen (root = the worst kept one).
+// ``mask`` (filtered search, kernels.h SelTable): when set, a row r with
+// mask[r - mask_base] == 0 is never kept, so the heap holds only selected rows and its
+// threshold rises only with them (a scan pushes only scores above the threshold, so
+// the check costs nothing on the common path).
 struct Heap {
   Entry* h = nullptr;
   int64_t k = 0;
   int64_t size = 0;
+  const uint8_t* mask = nullptr;
+  int64_t mask_base = 0;
 
   float threshold() const { return size < k ? kNegInf : h[0].s; }
 
   // Rows arrive in increasing order, so a newcomer never wins a tie with a kept row.
   void push(float s, int64_t r) {
     if (!(s == s)) return;  // NaN is never kept
+    if (mask != nullptr && !mask[r - mask_base]) return;  // not selected
     if (size < k) {
       int64_t i = size++;
       h[i] = Entry{s, r};

@@ -14,6 +14,27 @@ namespace rfmem {
 /// gemm_pays per segment; kScan / kGemm force one path (tests, benchmarks).
 enum class TopkPath : int { kAuto = 0, kScan = 1, kGemm = 2 };
 
+/// The row selections of a filtered top-k (rfmem_fast/filters.py RowSelection): P
+/// selections, each a set of rows of one segment, given as its increasing rows
+/// rows[off[p] : off[p + 1]] and, for a selection holding more than a quarter of its
+/// segment (the "mask mode"), also as a mask over the segment's rows
+/// (mask[mask_off[p] + r - segment start] == 1 exactly for its rows; mask_off[p] == -1
+/// in list mode). A query of a mask-mode selection is scanned with its group as usual,
+/// its heap refusing unselected rows (heap.h); a query of a list-mode selection scores
+/// only its listed rows (every one of them kept, then the exact re-scoring). The rule
+/// (segmented_topk): list mode when no mask is given, and also for a masked selection
+/// whose queries in the call would not take the GEMM path (gemm_pays; not when the GEMM
+/// path is forced): a listed row costs what a scanned one does (the same lanes, the
+/// next rows prefetched), so the list reads fewer rows for the same work; only a GEMM
+/// batch (many queries of one long segment) keeps the mask, inside the GEMM scan.
+struct SelTable {
+  int64_t n = 0;                      ///< P, the number of selections
+  const int64_t* off = nullptr;       ///< [P + 1]
+  const int64_t* rows = nullptr;      ///< [off[P]] global rows
+  const uint8_t* mask = nullptr;      ///< masks of the mask-mode selections
+  const int64_t* mask_off = nullptr;  ///< [P]
+};
+
 /// Options of segmented_topk beyond its arrays.
 struct TopkOptions {
   /// A float16 / bfloat16 copy of X (uint16 [n, d], C-contiguous; element i of row r is
@@ -24,6 +45,12 @@ struct TopkOptions {
   TopkPath path = TopkPath::kAuto;
   int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
   double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))
+  /// Filtered search: the selections (nullptr: none) and the selection of each query of
+  /// the call (qsel[i] in [-1, P), -1: the whole segment; the selection's rows lie in
+  /// the query's segment). recollect() reads qsel per query of its batch and passes
+  /// each round's top-k call the selection of every branch's query.
+  const SelTable* sel = nullptr;
+  const int64_t* qsel = nullptr;
 };
 
 /// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of

@@ -24,6 +24,10 @@
 //   4. the hits of the new beam in (beam slot, candidate) order, first occurrences
 //      only, are appended to the result (discovery order); then stop if no child was
 //      made, once out_k items are found, or after R rounds.
+// Filtered search: with a selection table in the batch's TopkOptions (kernels.h
+// SelTable, qsel per query of the batch), every round's top-k call gets the selection
+// of each branch's query, so all candidates come from the selected rows (level 0 reuses
+// the probe, filtered the same way).
 // "Not yet returned" is one bit per (row of the segment, query of the group), set when
 // an item is appended and cleared when the group ends, so its cost does not grow with
 // out_k.
@@ -74,7 +78,7 @@ struct Workspace {
   // per branch of a round: its query [GB, d], candidates [GB, K], kept candidates and
   // their scores / labels [GB, K], children [GB, B, d] and their sizes / gains [GB, B]
   std::vector<float> qbuf, c_sc, child_q;
-  std::vector<int64_t> segs, c_rows, rows, lab, nvalid, kc, csize;
+  std::vector<int64_t> segs, qsels, c_rows, rows, lab, nvalid, kc, csize;
   std::vector<double> mmr, cgain;
   // scratch of one branch / one query
   std::vector<float> V, cent;
@@ -94,6 +98,7 @@ struct Workspace {
     c_sc.resize(g * b * k);
     child_q.resize(g * b * b * dd);
     segs.resize(g * b);
+    qsels.resize(g * b);
     c_rows.resize(g * b * k);
     rows.resize(g * b * k);
     lab.resize(g * b * k);
@@ -221,6 +226,13 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       TopkOptions opt = bt.topk;
       opt.num_threads = inner_threads;
       opt.xnorm = bt.xnorm;
+      if (opt.sel != nullptr && bt.topk.qsel != nullptr) {  // each branch: its query's selection
+        for (int64_t g = 0; g < G; ++g) {
+          if (!active[g]) continue;
+          std::fill(w.qsels.data() + p0[g], w.qsels.data() + p0[g] + nlive[g], bt.topk.qsel[idx[g]]);
+        }
+        opt.qsel = w.qsels.data();
+      }
       segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
                      w.c_rows.data(), opt);
     }
@@ -326,7 +338,7 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
   // children; per thread: one branch's vectors and what batched_kmeans allocates for one
   // problem (float64 points, transposed points, centres), the seen masks
   const size_t per_query = (3 * B * dd + B * B * dd) * sizeof(float) + B * K * (4 + 8 + 8 + 8 + 8) +
-                           B * (8 * 3 + B * 24) + cap * 16;
+                           B * (8 * 4 + B * 24) + cap * 16;
   return G * per_query + K * dd * (4 + 8 + 8) + K * 8 + B * dd * 12 + B * B * 16 +
          static_cast<size_t>(max_len) * sizeof(uint16_t) + 4096;
 }

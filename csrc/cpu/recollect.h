@@ -73,7 +73,9 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// (padding rows, -inf scores, 0 rounds, no work).
 /// ``topk``: null, or the scan options of every round's top-k call (a half-precision
 /// scan copy of X and its type, a forced path; TopkOptions' num_threads and xnorm are
-/// ignored: this call's are used). Results never depend on them.
+/// ignored: this call's are used). Results never depend on them. Its ``sel`` / ``qsel``
+/// (qsel per query of this batch) make it a filtered search: every round's candidates
+/// of a query come from its selected rows only (level0 must be filtered the same way).
 /// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,

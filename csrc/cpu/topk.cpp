@@ -40,6 +40,16 @@
 //      segment is rescanned (scan kernel, its own bound B') and every row with
 //      f' >= t - B - B' is re-scored into a running exact top-k (rescan_query).
 //
+// Filtered search (kernels.h SelTable, rfmem_fast/filters.py): a query of a mask-mode
+// selection runs in its group like any other, its heap refusing the unselected rows
+// (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
+// those of the selected rows; a query of a list-mode selection (at most a quarter of
+// its segment, or any share when its queries would not take the GEMM path) is taken out
+// of the groups and runs steps 2 and 4 over its listed rows only, with the scan path's lanes
+// (gathered 4 at a time), in groups of up to kGroup queries of one selection sharing
+// each tile of its rows (the rescan goes over the list too). Either way the result is the exact top-k of the
+// selected rows, in the same order as an unfiltered search over a bank of only them.
+//
 // Ties: the final list is sorted by (exact score desc, row asc), i.e. the order of a
 // stable sort by descending score. Determinism: the exact scores do not depend on the
 // order of any computation, so a query's result does not depend on the rest of its
@@ -86,19 +96,15 @@ RFMEM_INLINE float hsum16(v8 lo, v8 hi) {
 
 // Inner products of q with 4 rows, on 16 lanes: element j of d goes to lane j % 16,
 // each lane accumulates in order of j, the lanes are reduced in a fixed tree.
-RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const float* x2,
-                       const float* x3, int64_t d, float* out) {
+// ``prefetch(j)`` is called at each step of 16 elements (the next rows' lines).
+template <class Prefetch>
+RFMEM_INLINE void dot4_p(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                         int64_t d, float* out, const Prefetch& prefetch) {
   const v8 z = {0, 0, 0, 0, 0, 0, 0, 0};
   v8 a0l = z, a0h = z, a1l = z, a1h = z, a2l = z, a2h = z, a3l = z, a3h = z;
   int64_t j = 0;
-  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
-  // per step (a prefetch never faults, past the end of the rows too)
-  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
   for (; j + 16 <= d; j += 16) {
-    __builtin_prefetch(next + j * 16);
-    __builtin_prefetch(next + j * 16 + 64);
-    __builtin_prefetch(next + j * 16 + 128);
-    __builtin_prefetch(next + j * 16 + 192);
+    prefetch(j);
     const v8 ql = ld8(q + j), qh = ld8(q + j + 8);
     a0l += ld8(x0 + j) * ql;
     a0h += ld8(x0 + j + 8) * qh;
@@ -132,6 +138,30 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
   out[2] = hsum16(a2l, a2h);
   out[3] = hsum16(a3l, a3h);
 }
+
+RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const float* x2,
+                       const float* x3, int64_t d, float* out) {
+  // the next 4 rows (contiguous in a segment scan): 16 d bytes over d / 16 steps, 256 B
+  // per step (a prefetch never faults, past the end of the rows too)
+  const char* next = reinterpret_cast<const char*>(x0 + 4 * d);
+  dot4_p(q, x0, x1, x2, x3, d, out, [next](int64_t j) {
+    __builtin_prefetch(next + j * 16);
+    __builtin_prefetch(next + j * 16 + 64);
+    __builtin_prefetch(next + j * 16 + 128);
+    __builtin_prefetch(next + j * 16 + 192);
+  });
+}
+
+// dot4 for 4 gathered rows, prefetching the 4 gathered rows n[0..3] that come next.
+RFMEM_INLINE void dot4_gather(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                              int64_t d, float* out, const float* const* n) {
+  dot4_p(q, x0, x1, x2, x3, d, out, [n](int64_t j) {
+    __builtin_prefetch(n[0] + j);
+    __builtin_prefetch(n[1] + j);
+    __builtin_prefetch(n[2] + j);
+    __builtin_prefetch(n[3] + j);
+  });
+}
 #else
 #define RFMEM_INLINE inline
 // Portable version with the same lane structure (same results).
@@ -145,6 +175,10 @@ RFMEM_INLINE void dot4(const float* q, const float* x0, const float* x1, const f
     for (int l = 0; l < 8; ++l) s[l] = a[l] + a[l + 8];
     out[i] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
   }
+}
+RFMEM_INLINE void dot4_gather(const float* q, const float* x0, const float* x1, const float* x2, const float* x3,
+                              int64_t d, float* out, const float* const*) {
+  dot4(q, x0, x1, x2, x3, d, out);
 }
 #endif
 
@@ -273,11 +307,13 @@ void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double 
 // reaches the cut is re-scored exactly into a running top-k (heap of capacity k at store).
 RFMEM_MULTIVERSION
 void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* q, int64_t a,
-                  int64_t e, double cut, Entry* store, float* out_s, int64_t* out_r) {
+                  int64_t e, double cut, Entry* store, float* out_s, int64_t* out_r, const uint8_t* mask) {
   Heap hp;
   hp.h = store;
   hp.k = c.k;
   hp.size = 0;
+  hp.mask = mask;  // filtered search: the selected rows only
+  hp.mask_base = a;
   const int64_t d = c.d;
   float sc[4];
   for (int64_t r = a; r < e; r += 4) {
@@ -299,15 +335,98 @@ void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, c
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
-                  const Dropped& dropped) {
+                  const Dropped& dropped, const uint8_t* mask) {
   const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
   const double lower = kth_lower(cand, nc, c.k, Bp);
   const double cut = cut_below(lower, Bp);
   if (dropped(cut)) {
     const double Bs = gemm ? c.bound(c.scan, q) : Bp;
-    rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r);
+    rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r, mask);
   } else {
     rescore(c, q, cand, nc, cut, out_s, out_r);
+  }
+}
+
+// Filtered search, list mode: scan scores of the listed rows rows[j .. j + 3] (fewer at the
+// list's end: the missing ones re-read its last row, their scores unused), with the scan
+// path's lanes (gathered rows: the scan path's error bound), prefetching the next 4.
+RFMEM_INLINE void scan4_list(const ScanSrc& src, const SimdKernels& K, const float* q, const int64_t* rows, int64_t j,
+                       int64_t m, int64_t d, float* sc) {
+  const int64_t cnt = std::min<int64_t>(4, m - j);
+  const int64_t r0 = rows[j], r1 = rows[j + std::min<int64_t>(1, cnt - 1)], r2 = rows[j + std::min<int64_t>(2, cnt - 1)],
+                r3 = rows[j + std::min<int64_t>(3, cnt - 1)];
+  if (src.half) {
+    K.dot4_half(q, src.half + r0 * d, src.half + r1 * d, src.half + r2 * d, src.half + r3 * d, d, src.type, sc);
+  } else {
+    const float* nx[4];  // the next 4 listed rows (the last one past the end)
+    for (int t = 0; t < 4; ++t) nx[t] = src.f32 + rows[std::min<int64_t>(j + 4 + t, m - 1)] * d;
+    dot4_gather(q, src.f32 + r0 * d, src.f32 + r1 * d, src.f32 + r2 * d, src.f32 + r3 * d, d, sc, nx);
+  }
+}
+
+// The exact top-k of nq queries of one list-mode selection over its listed rows
+// rows[0:m] (increasing, in their segment): the scan of step 2 over the listed rows only,
+// in tiles of rows that stay in cache while every query of the group scores them (as
+// scan_rows; a heap of the kw best scan scores per query in store[i kw : (i + 1) kw]),
+// then step 4 per query: the candidates that can reach the k-th exact score re-scored,
+// or, when its heap may have dropped such rows, the list rescanned into a running exact
+// top-k (store[nq kw : nq kw + k]).
+RFMEM_MULTIVERSION
+void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* const* qs, int nq,
+                const int64_t* rows, int64_t m, int64_t kw, int64_t tile_rows, Entry* store, float* const* out_s,
+                int64_t* const* out_r) {
+  const int64_t d = c.d;
+  float sc[4];
+  Heap hps[kGroup];
+  for (int i = 0; i < nq; ++i) {
+    hps[i].h = store + static_cast<size_t>(i) * kw;
+    hps[i].k = kw;
+    hps[i].size = 0;
+  }
+  for (int64_t t0 = 0; t0 < m; t0 += tile_rows) {
+    const int64_t t1 = std::min(m, t0 + tile_rows);
+    for (int i = 0; i < nq; ++i) {
+      Heap& hp = hps[i];
+      float thr = hp.threshold();
+      for (int64_t j = t0; j < t1; j += 4) {
+        scan4_list(src, K, qs[i], rows, j, m, d, sc);
+        const int64_t cnt = std::min<int64_t>(4, t1 - j);
+        for (int64_t t = 0; t < cnt; ++t) {
+          if (sc[t] > thr) {
+            hp.push(sc[t], rows[j + t]);
+            thr = hp.threshold();
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    Heap& hp = hps[i];
+    const float* q = qs[i];
+    const bool filled = hp.size == kw && m > kw;  // rows were dropped only if the heap filled up
+    const float worst = hp.size ? hp.h[0].s : kNegInf;
+    const double B = c.bound(c.scan, q);
+    const double lower = kth_lower(hp.h, hp.size, c.k, B);
+    const double cut = cut_below(lower, B);
+    if (!(filled && static_cast<double>(worst) >= cut)) {
+      rescore(c, q, hp.h, hp.size, cut, out_s[i], out_r[i]);
+      continue;
+    }
+    Heap ex;  // the rescan: every listed row of scan score >= cut, re-scored exactly
+    ex.h = store + static_cast<size_t>(nq) * kw;
+    ex.k = c.k;
+    ex.size = 0;
+    for (int64_t j = 0; j < m; j += 4) {
+      scan4_list(src, K, q, rows, j, m, d, sc);
+      const int64_t cnt = std::min<int64_t>(4, m - j);
+      for (int64_t t = 0; t < cnt; ++t) {
+        if (static_cast<double>(sc[t]) >= cut) {
+          const float e = exact_score(q, c.X + rows[j + t] * d, d, c.g64);
+          if (e > ex.threshold() || ex.size < ex.k) ex.push(e, rows[j + t]);
+        }
+      }
+    }
+    emit(ex.h, ex.size, c.k, out_s[i], out_r[i]);
   }
 }
 
@@ -420,19 +539,87 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
                      abs_bound(d),
                      gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
 
+  // 0. filtered search: the queries of list-mode selections leave the groups (list_query);
+  //    a mask-mode query stays, with its selection's mask on its heaps
+  const SelTable* sel = opt.qsel != nullptr ? opt.sel : nullptr;
+  auto qmask = [&](int64_t qi) -> const uint8_t* {
+    if (sel == nullptr || opt.qsel[qi] < 0) return nullptr;
+    return sel->mask + sel->mask_off[opt.qsel[qi]];
+  };
+  std::vector<int64_t> order, listed;
+  order.reserve(static_cast<size_t>(b));
+  std::vector<char> as_list;  // per selection: scored as a list (kernels.h SelTable, the rule)
+  if (sel != nullptr) {
+    std::vector<int64_t> users(static_cast<size_t>(sel->n), 0);
+    for (int64_t i = 0; i < b; ++i)
+      if (opt.qsel[i] >= 0) ++users[static_cast<size_t>(opt.qsel[i])];
+    as_list.assign(static_cast<size_t>(sel->n), 0);
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t p = opt.qsel[i];
+      if (p < 0 || as_list[static_cast<size_t>(p)]) continue;
+      const int64_t len = offsets[qseg[i] + 1] - offsets[qseg[i]], m = sel->off[p + 1] - sel->off[p];
+      (void)m;
+      as_list[static_cast<size_t>(p)] =
+          sel->mask_off[p] < 0 ||
+          (opt.path != TopkPath::kGemm && !gemm_pays(users[static_cast<size_t>(p)], len, d, K.level));
+    }
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    if (sel != nullptr && opt.qsel[i] >= 0 && as_list[static_cast<size_t>(opt.qsel[i])])
+      listed.push_back(i);
+    else
+      order.push_back(i);
+  }
+  if (!listed.empty()) {  // groups of up to kGroup queries of one selection, sharing each tile of its rows
+    std::stable_sort(listed.begin(), listed.end(), [&](int64_t x, int64_t y) { return opt.qsel[x] < opt.qsel[y]; });
+    std::vector<int64_t> lstart;
+    double lwork = 0.0;
+    for (size_t i = 0; i < listed.size();) {
+      size_t j = i + 1;
+      while (j < listed.size() && j - i < static_cast<size_t>(kGroup) && opt.qsel[listed[j]] == opt.qsel[listed[i]]) ++j;
+      lstart.push_back(static_cast<int64_t>(i));
+      const int64_t p = opt.qsel[listed[i]];
+      lwork += static_cast<double>(j - i) * static_cast<double>(sel->off[p + 1] - sel->off[p]) * static_cast<double>(d);
+      i = j;
+    }
+    const int64_t nlg = static_cast<int64_t>(lstart.size());
+    lstart.push_back(static_cast<int64_t>(listed.size()));
+    const int lthreads = threads_for(opt.num_threads, lwork, nlg);
+    const int64_t kwl = k + kScanMargin[static_cast<int>(src.type)];
+    const int64_t per = kGroup * kwl + k;
+    const int64_t ltile = std::max<int64_t>(4, (kTileBytes / (d * (src.half ? 2 : 4))) / 4 * 4);
+    std::vector<Entry> lstore(static_cast<size_t>(lthreads) * per);  // allocated before the threads
+    parallel_for(nlg, lthreads, [&](int64_t t, int tid) {
+      const int64_t g0 = lstart[static_cast<size_t>(t)], g1 = lstart[static_cast<size_t>(t) + 1];
+      const int nq = static_cast<int>(g1 - g0);
+      const int64_t p = opt.qsel[listed[static_cast<size_t>(g0)]];
+      const float* qs[kGroup];
+      float* os[kGroup];
+      int64_t* orr[kGroup];
+      for (int i = 0; i < nq; ++i) {
+        const int64_t qi = listed[static_cast<size_t>(g0 + i)];
+        qs[i] = Q + qi * d;
+        os[i] = out_scores + qi * k;
+        orr[i] = out_rows + qi * k;
+      }
+      list_group(ctx, src, K, qs, nq, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl, ltile,
+                 lstore.data() + static_cast<size_t>(tid) * per, os, orr);
+    });
+  }
+  const int64_t nm = static_cast<int64_t>(order.size());
+  if (nm == 0) return;
+
   // 1. queries sorted by segment (stable); each segment's queries take one path and are
   //    cut into groups (scan: kGroup queries; GEMM: balanced units of whole panels)
-  std::vector<int64_t> order(b);
-  std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
   std::vector<Group> groups;
   double work = 0.0;  // multiply-adds of the scan
   const int64_t unit_max = gemm_unit_queries(K, d);
   int max_nq = 0, max_gemm_nq = 0;
-  for (int64_t i = 0; i < b;) {
+  for (int64_t i = 0; i < nm;) {
     const int64_t seg = qseg[order[i]];
     int64_t j = i;
-    while (j < b && qseg[order[j]] == seg) ++j;
+    while (j < nm && qseg[order[j]] == seg) ++j;
     const int64_t g = j - i, len = offsets[seg + 1] - offsets[seg];
     bool gemm = len > 0 && (opt.path == TopkPath::kGemm ||
                             (opt.path == TopkPath::kAuto && gemm_pays(g, len, d, K.level)));
@@ -514,6 +701,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].h = store + static_cast<size_t>(i) * kw;
       heaps[i].k = kw;
       heaps[i].size = 0;
+      heaps[i].mask = qmask(order[g.first + i]);
+      heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
     }
     if (r1 > r0) {
@@ -532,7 +721,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const bool filled = hp.size == kw && len > kw;
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
-                     out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
+                     out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
+                     hp.mask);
         hp.size = 0;
       } else {
         const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
@@ -568,7 +758,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped);
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi));
       }
     });
   }
@@ -957,7 +1147,8 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
       const bool filled = dh.size == kw && len > kw;
       const float worst = dh.size ? dh.h[0].s : kNegInf;
       finish_query(ctx, src, K, false, q, dh.h, dh.size, a, e, ds + kGroup * kw, out_scores + i * k, out_rows + i * k,
-                   [&](double cut) { return filled && static_cast<double>(worst) >= cut; });
+                   [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
+                   nullptr);  // (no row selection: a filtered batch fuses on the host)
     }
     if (kf == 0) continue;
     // the fused top-kf

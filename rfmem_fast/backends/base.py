@@ -3,6 +3,17 @@
 The beam driver (:mod:`rfmem_fast.recollection`) and the search API call only these
 methods, on torch tensors living on the backend's device. A new backend is one new
 file that subclasses :class:`Backend`, plus its parity test against the reference.
+
+Filtered search (:mod:`rfmem_fast.filters`): :meth:`Backend.segmented_topk`,
+:meth:`Backend.probe` and :meth:`Backend.recollect` take an optional ``sel``, a
+:class:`~rfmem_fast.filters.RowSelection`: a query with a selection takes its top-k
+over the selected rows of its segment only. The native backend applies it inside its
+C++ scan; the others through :meth:`Backend.on_selection`: the selected rows are
+gathered once per batch into a compacted view (:meth:`Backend.selection_view`, one
+segment per selection, cached on the selection) that the backend's own unfiltered
+kernels search, and the rows are mapped back. Both are exact by construction: the
+scores are the same ``RN32(q . x)`` of the same rows, and the row order (hence the
+tie order) is kept.
 """
 from __future__ import annotations
 
@@ -16,6 +27,7 @@ from ..bank import BankSnapshot, MemoryBank
 from ..config import RFMemConfig
 from ..device import BankView
 from ..precision import scan_tensor
+from ..filters import RowSelection
 from ..signals import familiarity_signals
 
 __all__ = [
@@ -214,7 +226,7 @@ class Backend:
 
     # ------------------------------------------------------------ primitives
     def segmented_topk(
-        self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int
+        self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int, sel: RowSelection | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k inner products of each query within its own user's segment.
 
@@ -223,6 +235,9 @@ class Backend:
             Q: float32 [b, d] queries (unit norm in practice; not required).
             qseg: int64 [b] segment (user) index of each query.
             k: int >= 1.
+            sel: optional :class:`~rfmem_fast.filters.RowSelection` of the b queries: a
+                query with a selection ranks only its selected rows (module docstring);
+                its tail is padding when fewer than k rows are selected.
 
         Returns:
             (scores float32 [b, k] descending, rows int64 [b, k] global row indices);
@@ -331,6 +346,7 @@ class Backend:
         config: RFMemConfig,
         level0: tuple[torch.Tensor, torch.Tensor] | None = None,
         active: torch.Tensor | None = None,
+        sel: RowSelection | None = None,
     ) -> RecollectionOutput:
         """A fused beam driver: the Recollection path (spec section 4) in one call.
 
@@ -350,6 +366,9 @@ class Backend:
                 computed (the probe), k0 >= beam_width * fanout.
             active: optional bool [b] on the backend's device: the queries to recollect
                 (default all); the others get padding rows, ``-inf`` scores, 0 rounds.
+            sel: optional RowSelection of the b queries: every round's candidates come
+                from the selected rows only (``level0`` must be the probe of the same
+                selection).
 
         Returns:
             :class:`RecollectionOutput`.
@@ -372,11 +391,13 @@ class Backend:
         probe_k: int,
         temperature: float,
         convention: str,
+        sel: RowSelection | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k plus the familiarity signals of the first ``probe_k`` (spec section 1).
 
         Args:
-            view, Q, qseg: as :meth:`segmented_topk`.
+            view, Q, qseg, sel: as :meth:`segmented_topk` (with a selection, the signals
+                are those of the selected rows' top-k).
             k: top-k width, >= probe_k.
             probe_k: K of the signals.
             temperature, convention: as :func:`rfmem_fast.signals.familiarity_signals`.
@@ -385,6 +406,67 @@ class Backend:
             (scores [b, k], rows [b, k], mean [b] float64, entropy [b] float64,
              count [b] int64 probe hits).
         """
-        scores, rows = self.segmented_topk(view, Q, qseg, k)
+        scores, rows = self.segmented_topk(view, Q, qseg, k, **({} if sel is None else {"sel": sel}))
         mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
         return scores, rows, mean, ent, count
+
+    # ------------------------------------------------------------ filtered search
+    def selection_view(self, view: BankView, sel: RowSelection) -> tuple[BankView, torch.Tensor]:
+        """The compacted view of a selection's rows, and the map back to ``view``'s rows.
+
+        Segment ``p`` of the compacted view holds the rows of selection ``p`` in their
+        order (gathered once from ``view``'s float32 rows and scan copy, on the same
+        devices; cached on ``sel`` per backend and view, so a batch gathers once however
+        many primitive calls it makes). Its row-norm bound is ``view``'s (an upper bound
+        still), so the exact re-scoring is unchanged.
+
+        Returns:
+            (BankView without a snapshot, int64 [M] global row of each compacted row on
+             this backend's device).
+        """
+        key = ("view", self.name, str(self.device), id(view))
+        got = sel._memo.get(key)
+        if got is not None and got[0] is view:
+            return got[1], got[2]
+        rows_cpu = torch.from_numpy(sel.rows)
+        X = view.X[rows_cpu.to(view.X.device)]
+        Xs = None if view.Xs is None else view.Xs[rows_cpu.to(view.Xs.device)]
+        off_cpu = torch.from_numpy(sel.off)
+        sub = BankView(X=X, offsets=off_cpu.to(view.offsets.device), offsets_cpu=off_cpu, snapshot=None, Xs=Xs,
+                       _memo={"xnorm": view.row_norm_max})  # fmt: skip
+        back = rows_cpu.to(self.device)
+        sel._memo[key] = (view, sub, back)
+        return sub, back
+
+    def on_selection(self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, sel: RowSelection, call) -> tuple:
+        """Run a top-k primitive ``call(view, Q, qseg)`` (its result's element 1: the rows)
+        with a selection: filtered queries on the compacted view
+        (:meth:`selection_view`, their selection as segment), the others on ``view``;
+        rows mapped back, results in the queries' order. The filtered searches of the
+        torch, triton and cuda backends (the reference and native backends filter in
+        their own scans)."""
+        qsel = torch.from_numpy(sel.qsel)
+        filt = qsel >= 0
+        if not bool(filt.any()):
+            return call(view, Q, qseg)
+        sub, back = self.selection_view(view, sel)
+        dev = Q.device
+
+        def mapped(out: tuple) -> tuple:
+            r = out[1]
+            r = torch.where(r >= 0, back.to(r.device)[r.clamp(min=0)], r)
+            return (out[0], r) + tuple(out[2:])
+
+        if bool(filt.all()):
+            return mapped(call(sub, Q, qsel.to(qseg.device)))
+        fi = filt.nonzero().squeeze(1)
+        ui = (~filt).nonzero().squeeze(1)
+        part_f = mapped(call(sub, Q[fi.to(dev)], qsel[fi].to(qseg.device)))
+        part_u = call(view, Q[ui.to(dev)], qseg[ui.to(qseg.device)])
+        out = []
+        for a, c in zip(part_f, part_u):
+            t = torch.empty((Q.shape[0],) + tuple(a.shape[1:]), dtype=a.dtype, device=a.device)
+            t[fi.to(a.device)] = a
+            t[ui.to(a.device)] = c.to(a.device)
+            out.append(t)
+        return tuple(out)

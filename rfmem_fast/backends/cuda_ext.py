@@ -143,12 +143,14 @@ class CudaBackend(TorchBackend):
         super().__init__(dev, memory_budget)
         self._ext = load_extension()
 
-    def segmented_topk(self, view: BankView, Q, qseg, k):
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
         """Warp-per-query top-k (see :meth:`Backend.segmented_topk`; ``csrc/cuda/rfmem_cuda.h``).
 
         Args:
             view: the bank on this CUDA device.
             Q: float [b, d]; qseg: integer [b]; k: int in [1, 16384] (wider: torch path).
+            sel: optional RowSelection (filtered queries: the compacted view of their
+                rows, :meth:`Backend.on_selection`).
 
         Returns:
             (scores float32 [b, k], rows int64 [b, k]), -inf / -1 padding, ties by the
@@ -157,6 +159,8 @@ class CudaBackend(TorchBackend):
         Raises:
             TypeError / ValueError: bad types, shapes or k (from the binding, too).
         """
+        if sel is not None:
+            return self.on_selection(view, Q, qseg, sel, lambda v, q, s: self.segmented_topk(v, q, s, k))
         if not isinstance(Q, torch.Tensor) or not isinstance(qseg, torch.Tensor):
             raise TypeError("Q and qseg must be torch tensors")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

@@ -35,6 +35,20 @@
   ``RFMEM_BEAM_DRIVER=python`` (read at each call) makes the search run the Python
   driver instead (:meth:`NativeBackend.fused_driver`).
 
+Filtered search (:class:`rfmem_fast.filters.RowSelection`, ``sel=`` of the three top-k
+calls): the selections go to the kernels as arrays (``RowSelection.native_table``). A
+selection holding at most a quarter of its segment (:data:`rfmem_fast.filters.LIST_MAX_FRACTION`)
+is a row list: its queries score exactly the listed rows, so a selective filter reads
+fewer rows than an unfiltered search; a larger one also carries a mask, checked where a
+score would enter a query's kept list, which the kernel uses when the selection's
+queries take the GEMM path (many queries of one long segment: the GEMM scan with the
+mask costs what an unfiltered one does) and otherwise scores the list all the same (a
+listed row costs what a scanned one does, and there are fewer). The C++ beam driver gives
+every round's top-k call the selection of each branch's query (csrc/cpu/topk.cpp,
+recollect.cpp), or, for a batch of at least :data:`COMPACT_MIN_QUERIES` filtered queries
+to recollect, runs them on a compacted copy of their selections' rows (the rounds
+re-read them; contiguous, they stay in cache); the results are the same.
+
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
 (default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
@@ -59,6 +73,12 @@ TOPK_PATHS = ("auto", "scan", "gemm")
 BEAM_DRIVERS = ("native", "python")
 #: environment variable read at each call when ``beam_driver`` was not given
 BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
+#: a filtered batch with at least this many filtered queries to recollect runs the C++
+#: beam driver on a compacted copy of its selections' rows; a smaller one applies the
+#: selections in every round's scan (no copy). Measured (bench/bench_filters.py's
+#: workload, AVX-512): 1 query 0.10 ms in the scan vs 0.14 compacted, 16 queries of one
+#: user 3.6 vs 3.0 ms, 512 queries of 50 users 129 vs 68 ms; results never depend on it
+COMPACT_MIN_QUERIES = 8
 
 
 def _check_driver(value: object, name: str) -> str:
@@ -162,13 +182,28 @@ class NativeBackend(Backend):
     def _scan_args(self, view: BankView) -> dict:
         """The kernel's scan options: the half-precision copy (uint16 bits) when the view has one."""
         snap = view.snapshot
-        if view.Xs is None or snap.scan is None:
+        if view.Xs is None:
+            return {"path": self.topk_path}
+        if snap is None:  # a compacted selection view (Backend.selection_view): its own scan copy
+            bits = np.ascontiguousarray(view.Xs.view(torch.int16).numpy()).view(np.uint16)
+            return {"scan": bits, "scan_type": view.scan_dtype, "path": self.topk_path}
+        if snap.scan is None:
             return {"path": self.topk_path}
         return {"scan": snap.scan.view(np.uint16), "scan_type": snap.dtype, "path": self.topk_path}
 
+    @staticmethod
+    def _sel_args(view: BankView, sel) -> dict:
+        """The kernels' selection arguments of ``sel`` (none when it is None)."""
+        if sel is None:
+            return {}
+        _, off = NativeBackend._bank(view)
+        q = sel.qsel if sel.qsel.dtype == np.int64 and sel.qsel.flags.c_contiguous else np.ascontiguousarray(sel.qsel, dtype=np.int64)
+        return {"qsel": q, **sel.native_table(off)}
+
     # ---------------------------------------------------------------- top-k
-    def segmented_topk(self, view: BankView, Q, qseg, k):
-        """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``).
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
+        """See :meth:`Backend.segmented_topk` (C++ kernel ``_native.segmented_topk``; a
+        selection is applied inside the scan, module docstring).
 
         Raises:
             ValueError: ``k`` < 1, or a segment index out of range.
@@ -176,11 +211,11 @@ class NativeBackend(Backend):
         X, off = self._bank(view)
         s, r = _native.segmented_topk(
             X, off, _np(Q, torch.float32), _np(qseg, torch.int64), int(k), self._threads(), view.row_norm_max,
-            **self._scan_args(view),
+            **self._scan_args(view), **self._sel_args(view, sel),
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
-    def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
+    def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
 
         Raises:
@@ -199,6 +234,7 @@ class NativeBackend(Backend):
             self._threads(),
             view.row_norm_max,
             **self._scan_args(view),
+            **self._sel_args(view, sel),
         )
         return (
             torch.from_numpy(s),
@@ -290,7 +326,7 @@ class NativeBackend(Backend):
         return torch.from_numpy(out)
 
     # ---------------------------------------------------------------- beam driver
-    def recollect(self, view, q0, qseg, config, level0=None, active=None):
+    def recollect(self, view, q0, qseg, config, level0=None, active=None, sel=None):
         """See :meth:`Backend.recollect`: the C++ beam driver (``_native.recollect``).
 
         One call for the whole batch; rows, scores and rounds equal those of the Python
@@ -304,6 +340,12 @@ class NativeBackend(Backend):
                 row outside its query's segment; ``active`` not a bool tensor of shape
                 [b].
         """
+        if sel is not None and sel.any():
+            filt = sel.qsel >= 0
+            if active is not None:
+                filt = filt & _np(active, torch.bool)
+            if int(filt.sum()) >= COMPACT_MIN_QUERIES:
+                return self._recollect_compacted(view, q0, qseg, config, level0, active, sel)
         b = int(q0.shape[0])
         if active is not None and (
             not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
@@ -347,6 +389,7 @@ class NativeBackend(Backend):
             self.memory_budget,
             act,
             **self._scan_args(view),
+            **self._sel_args(view, sel),
         )
         hits = torch.from_numpy(rows)
         return RecollectionOutput(
@@ -355,3 +398,54 @@ class NativeBackend(Backend):
             rounds=torch.from_numpy(rounds),
             hit_rows=hits,
         )
+
+    def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
+        """The C++ driver for a filtered batch: the filtered queries run on the compacted
+        view of their selections (:meth:`Backend.selection_view`: each selection's rows
+        gathered once per batch into a contiguous segment, so the rounds, which re-read
+        them up to ``beam_width * max_rounds`` times, find them in cache like a small
+        user's segment; the same rows and order, hence the same result as recollecting
+        with the selection applied in the scan, which ``_native.recollect`` also
+        supports), the others on ``view``; rows mapped back."""
+
+        b = int(q0.shape[0])
+        qsel_np = np.ascontiguousarray(sel.qsel, dtype=np.int64)
+        filt = qsel_np >= 0
+        everyone = bool(filt.all())
+        sub, back = self.selection_view(view, sel)
+        back_np = back.numpy()
+        fi = qsel_np if everyone else np.flatnonzero(filt)  # (unused as indices when everyone)
+        ui = np.flatnonzero(~filt)
+        n = int(view.X.shape[0])
+
+        def part(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+            return t if everyone else t[torch.from_numpy(idx)]
+
+        lv_f = lv_u = None
+        if level0 is not None:  # the probe's global rows as rows of the compacted view
+            s0, r0 = level0[0].to("cpu"), level0[1].to("cpu")
+            rf = part(r0, fi).numpy()
+            lv_f = (part(s0, fi), torch.from_numpy(sel.local_rows(qsel_np if everyone else qsel_np[fi], rf, n)))
+            if not everyone:
+                lv_u = (s0[torch.from_numpy(ui)], r0[torch.from_numpy(ui)])
+        out_f = self.recollect(sub, part(q0, fi), torch.from_numpy(qsel_np if everyone else qsel_np[fi]), config,
+                               lv_f, None if active is None else part(active, fi))  # fmt: skip
+
+        def mapped(t: torch.Tensor) -> torch.Tensor:
+            a = t.numpy()
+            return torch.from_numpy(np.where(a >= 0, back_np[np.maximum(a, 0)], a))
+
+        rows_f, hits_f = mapped(out_f.rows), mapped(out_f.hit_rows)
+        if everyone:
+            return RecollectionOutput(rows=rows_f, scores=out_f.scores, rounds=out_f.rounds, hit_rows=hits_f)
+        iu = torch.from_numpy(ui)
+        out_u = self.recollect(view, q0[iu], qseg[iu], config, lv_u, None if active is None else active[iu])
+        itf = torch.from_numpy(fi)
+
+        def merge(f: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((b,) + tuple(f.shape[1:]), dtype=f.dtype)
+            out[itf], out[iu] = f, u
+            return out
+
+        return RecollectionOutput(rows=merge(rows_f, out_u.rows), scores=merge(out_f.scores, out_u.scores),
+                                  rounds=merge(out_f.rounds, out_u.rounds), hit_rows=merge(hits_f, out_u.hit_rows))  # fmt: skip

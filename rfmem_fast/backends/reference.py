@@ -42,9 +42,11 @@ class ReferenceBackend(Backend):
     def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
         self.memory_budget = check_memory_budget(memory_budget)
 
-    def segmented_topk(self, view: BankView, Q, qseg, k):
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
         """See :meth:`Backend.segmented_topk`: per query, every row of its segment scored
-        exactly, then a stable sort by descending score."""
+        exactly, then a stable sort by descending score. With a selection ``sel`` the
+        oracle of filtered search: a filtered query scores exactly its selected rows
+        (filter, then brute force)."""
         X = torch.from_numpy(view.snapshot.vectors)
         off = view.snapshot.offsets
         Qt = Q.detach().cpu().to(torch.float32)
@@ -53,20 +55,24 @@ class ReferenceBackend(Backend):
         rows = np.full((Qt.shape[0], k), -1, dtype=np.int64)
         for i in range(Qt.shape[0]):
             a, b = int(off[seg[i]]), int(off[seg[i] + 1])
-            r = torch.arange(a, b, dtype=torch.int64)
+            p = -1 if sel is None else int(sel.qsel[i])
+            if p < 0:
+                r = torch.arange(a, b, dtype=torch.int64)
+            else:
+                r = torch.from_numpy(np.ascontiguousarray(sel.rows[sel.off[p] : sel.off[p + 1]]))
             s = exact_pair_scores(X, Qt[i : i + 1], torch.zeros_like(r), r, self.memory_budget).numpy()
             order = np.argsort(-s, kind="stable")[:k]
             scores[i, : order.size] = s[order]
-            rows[i, : order.size] = order + a
+            rows[i, : order.size] = r.numpy()[order]
         return torch.from_numpy(scores), torch.from_numpy(rows)
 
-    def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
+    def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: the signals in float32 numpy, as the authors' code.
 
         The authors compute ``p = softmax(lam * s)`` in float32 and
         ``H = -mean(p ln p)``; "sum" and "normalized" rescale that Shannon sum.
         """
-        scores, rows = self.segmented_topk(view, Q, qseg, k)
+        scores, rows = self.segmented_topk(view, Q, qseg, k, sel)
         s_all = scores[:, :probe_k].numpy()
         b = s_all.shape[0]
         mean = np.zeros(b, dtype=np.float64)

@@ -78,8 +78,11 @@ class TorchBackend(Backend):
         return self.memory_budget
 
     # ---------------------------------------------------------------- top-k
-    def segmented_topk(self, view: BankView, Q, qseg, k):
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
         """See :meth:`Backend.segmented_topk`: a float32 scan, then the exact re-scoring.
+
+        With a selection ``sel``, the filtered queries search the compacted view of their
+        selected rows (:meth:`Backend.on_selection`).
 
         The scan keeps ``k + SCAN_MARGIN`` candidates per query; :meth:`finish_topk`
         re-scores exactly every row that can belong to the top-k under the float32
@@ -87,6 +90,8 @@ class TorchBackend(Backend):
         ``torch.get_float32_matmul_precision()``), rescanning the rare query whose
         list cannot prove it holds them all. Temporaries stay within ``memory_budget``.
         """
+        if sel is not None:
+            return self.on_selection(view, Q, qseg, sel, lambda v, q, s: self.segmented_topk(v, q, s, k))
         Q = Q.to(self.device, torch.float32)
         qseg = qseg.to(self.device)
         cand_s, cand_r = self._scan(view, Q, qseg, k + exact.SCAN_MARGINS[view.scan_dtype])

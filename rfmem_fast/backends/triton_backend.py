@@ -468,7 +468,7 @@ class TritonBackend(Backend):
         return scores, rows, mean, ent, count
 
     # ------------------------------------------------------------ primitives
-    def segmented_topk(self, view: BankView, Q, qseg, k):
+    def segmented_topk(self, view: BankView, Q, qseg, k, sel=None):
         """Fused segmented top-k (see :meth:`Backend.segmented_topk`; DESIGN.md primitives).
 
         Args:
@@ -476,6 +476,8 @@ class TritonBackend(Backend):
             Q: float [b, d] queries.
             qseg: integer [b] segment index of each query, in [0, U).
             k: int >= 1.
+            sel: optional RowSelection: the filtered queries run the kernel over the
+                compacted view of their selected rows (:meth:`Backend.on_selection`).
 
         Returns:
             (scores float32 [b, k] descending, rows int64 [b, k]); ``-inf`` / ``-1``
@@ -486,6 +488,8 @@ class TritonBackend(Backend):
             ValueError: wrong shapes, d mismatch, k < 1, qseg out of range.
             RuntimeError: the device cannot run Triton (see the class docstring).
         """
+        if sel is not None:
+            return self.on_selection(view, Q, qseg, sel, lambda v, q, s: self.segmented_topk(v, q, s, k))
         k = self._check_view_query(view, Q, qseg, k)
         kw = self._scan_width(k)
         if kw > self.max_k:
@@ -505,11 +509,11 @@ class TritonBackend(Backend):
         coef = _exact.scan_error_coef(Q.shape[1], acc)
         return self._torch.finish_topk(view, Q.to(view.X.device, torch.float32), qseg.to(view.X.device), k, s, r, coef)
 
-    def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
+    def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """Top-k plus the familiarity signals in ONE kernel (see :meth:`Backend.probe`).
 
         Args:
-            view, Q, qseg, k: as :meth:`segmented_topk`.
+            view, Q, qseg, k, sel: as :meth:`segmented_topk`.
             probe_k: int in [1, k], the K of the signals (spec section 1).
             temperature: float > 0 (lam).
             convention: "mean" | "sum" | "normalized".
@@ -522,6 +526,10 @@ class TritonBackend(Backend):
             TypeError / ValueError: as :meth:`segmented_topk`, plus probe_k outside
             [1, k], a non-positive temperature or an unknown convention.
         """
+        if sel is not None:
+            return self.on_selection(
+                view, Q, qseg, sel, lambda v, q, s: self.probe(v, q, s, k, probe_k, temperature, convention)
+            )
         k = self._check_view_query(view, Q, qseg, k)
         probe_k = _check_int("probe_k", probe_k, 1)
         if probe_k > k:

@@ -5,6 +5,7 @@
     retriever = RFMemRetriever(memory=Memory("memdir"), user_id="alice", k=5)
     docs = retriever.invoke("where do I live?")        # or: await retriever.ainvoke(...)
     docs[0].page_content, docs[0].metadata["score"], docs[0].metadata["rfmem"]["route"]
+    work = RFMemRetriever(memory=mem, user_id="alice", search_kwargs={"filters": {"tag": "work"}})
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "rfmem_fast.integrations.langchain needs langchain-core: pip install 'rfmem_fast[langchain]'"
     ) from exc
 
+from ..filters import parse_filter
 from ..serving.memory import Hits, Memory
 from . import check_k_mode, hit_metadata
 
@@ -36,10 +38,13 @@ class RFMemRetriever(BaseRetriever):
             Strict: ``True`` or ``"3"`` is a validation error.
         mode: "rfmem" (default), "dense" or "recollection" (RFMEM_SPEC.md section 5).
         search_kwargs: defaults for every call, as LangChain's vector-store retrievers:
-            ``{"k": ..., "mode": ...}`` (they override ``k`` / ``mode``).
+            ``{"k": ..., "mode": ..., "filters": ...}`` (they override ``k`` / ``mode``);
+            ``filters`` is a filter over the items' metadata and ``created_at``
+            (:mod:`rfmem_fast.filters`; the documents are then the top k of the matching
+            items, exactly), checked on construction.
 
-    Per call: ``invoke(query, k=2)`` / ``ainvoke(query, k=2, mode="dense")`` override
-    both (checked the same way; another keyword is a ValueError naming it).
+    Per call: ``invoke(query, k=2)`` / ``ainvoke(query, k=2, mode="dense", filters={...})``
+    override them (checked the same way; another keyword is a ValueError naming it).
 
     Returns ``Document``s best first: ``page_content`` is the item's text ("" for an
     item stored without text), ``id`` the item id (str), ``metadata`` the item's
@@ -61,10 +66,15 @@ class RFMemRetriever(BaseRetriever):
     @field_validator("search_kwargs")
     @classmethod
     def _search_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        extra = sorted(set(v) - {"k", "mode"})
+        extra = sorted(set(v) - {"k", "mode", "filters"})
         if extra:
-            raise ValueError(f"search_kwargs may hold 'k' and 'mode' only, got {extra}")
+            raise ValueError(f"search_kwargs may hold 'k' and 'mode' only (and 'filters'), got {extra}")
         check_k_mode(v.get("k"), v.get("mode", "rfmem"))
+        if v.get("filters") is not None:
+            try:
+                parse_filter(v["filters"], "search_kwargs['filters']")
+            except TypeError as exc:  # pydantic reports ValueErrors as validation errors
+                raise ValueError(str(exc)) from None
         return v
 
     @model_validator(mode="after")
@@ -72,14 +82,14 @@ class RFMemRetriever(BaseRetriever):
         check_k_mode(self.k, self.mode)
         return self
 
-    def _params(self, kwargs: dict[str, Any]) -> tuple[int | None, str]:
-        """(k, mode) of one call: per-call keywords > search_kwargs > the fields."""
-        extra = sorted(set(kwargs) - {"k", "mode"})
+    def _params(self, kwargs: dict[str, Any]) -> tuple[int | None, str, Any]:
+        """(k, mode, filters) of one call: per-call keywords > search_kwargs > the fields."""
+        extra = sorted(set(kwargs) - {"k", "mode", "filters"})
         if extra:
-            raise ValueError(f"RFMemRetriever takes k and mode per call, got unknown keyword(s) {extra}")
-        merged = {"k": self.k, "mode": self.mode, **self.search_kwargs, **kwargs}
+            raise ValueError(f"RFMemRetriever takes k and mode per call (and filters), got unknown keyword(s) {extra}")
+        merged = {"k": self.k, "mode": self.mode, "filters": None, **self.search_kwargs, **kwargs}
         check_k_mode(merged["k"], merged["mode"])
-        return merged["k"], merged["mode"]
+        return merged["k"], merged["mode"], merged["filters"]
 
     @staticmethod
     def _documents(hits: Hits) -> list[Document]:
@@ -87,11 +97,11 @@ class RFMemRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 **kwargs: Any) -> list[Document]:
-        k, mode = self._params(kwargs)
-        return self._documents(self.memory.search(query, self.user_id, k=k, mode=mode))
+        k, mode, filters = self._params(kwargs)
+        return self._documents(self.memory.search(query, self.user_id, k=k, mode=mode, filters=filters))
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        k, mode = self._params(kwargs)
-        return self._documents(await self.memory.asearch(query, self.user_id, k=k, mode=mode))
+        k, mode, filters = self._params(kwargs)
+        return self._documents(await self.memory.asearch(query, self.user_id, k=k, mode=mode, filters=filters))

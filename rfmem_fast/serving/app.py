@@ -13,8 +13,8 @@ Routes (JSON bodies validated by pydantic)::
     DELETE /v1/users/{user_id}/memories/{item_id}    delete one item
     POST   /v1/users/{user_id}/memories/delete       {"ids": [...]}
     DELETE /v1/users/{user_id}                       delete ALL of the user's memories ("forget me")
-    POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?}
-    POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?}
+    POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?, "filters"?}
+    POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?, "filters"?}
     POST   /v1/memories:batch                        {"items": [{"user_id", "text"?, "vector"?, "id"?,
                                                      "metadata"?, "created_at"?}, ...]} -> 201 {"ids"}
     POST   /v1/memories:batchUpdate                  {"items": [{"user_id", "id", "text"?, "vector"?,
@@ -55,7 +55,10 @@ encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), i
 1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
-field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python); a
+field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python; a bad
+search ``filters``, :mod:`rfmem_fast.filters`, names the part of the filter in its
+``msg``: ``filters['score']['$gte']: expected a number, a string or a datetime, got
+list``, and a range the user's values never match in type is 422 too); a
 value the memory refuses (wrong dimension, duplicate id, empty text, ...) 400 with a
 message naming the argument (on the bulk routes 422, in pydantic's form, with the
 item's ``loc`` ``["body", "items", i, field]``); an unknown user / item 404; a missing or wrong bearer
@@ -93,13 +96,14 @@ try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from fastapi import Query
-    from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+    from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "the HTTP service needs the 'serve' extra: pip install 'rfmem_fast[serve]' "
         f"(fastapi, uvicorn, pydantic, prometheus-client, orjson); missing: {exc.name}"
     ) from exc
 
+from ..filters import FilterTypeError, check_filters, parse_filter
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
 from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id
 from .tokens import TOKENS_FILE, TokenStore
@@ -140,6 +144,9 @@ class AddRequest(_Body):
     vectors: list[Vector] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
     ids: list[ItemId] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
     metadata: Union[Meta, list[Meta | None], None] = None
+    #: when the items were created: an ISO-8601 string with a UTC offset or epoch seconds,
+    #: one for every item or one per item (default: now; Memory.add)
+    created_at: Union[float, str, list[Union[float, str]], None] = None
 
     @model_validator(mode="after")
     def _lengths(self) -> "AddRequest":
@@ -147,7 +154,8 @@ class AddRequest(_Body):
             raise ValueError("texts or vectors is required")
         m = len(self.texts) if self.texts is not None else len(self.vectors)
         for name, val in (("vectors", self.vectors), ("ids", self.ids),
-                          ("metadata", self.metadata if isinstance(self.metadata, list) else None)):
+                          ("metadata", self.metadata if isinstance(self.metadata, list) else None),
+                          ("created_at", self.created_at if isinstance(self.created_at, list) else None)):
             if val is not None and len(val) != m:
                 raise ValueError(f"{name} has {len(val)} entries but there are {m} items")
         return self
@@ -243,13 +251,35 @@ class BulkDeleteRequest(_Body):
     items: list[BulkDeleteItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
 
 
+def _checked_filters(v: Any, batch: bool) -> Any:
+    """A search body's ``filters``, checked by :mod:`rfmem_fast.filters` (a bad one: 422
+    whose message names the part, e.g. ``filters['score']['$gte']: ...``)."""
+    if v is None:
+        return None
+    try:
+        if batch and isinstance(v, list):
+            check_filters(v, len(v))
+        else:
+            parse_filter(v, "filters")
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
 class SearchRequest(_Body):
-    """One query: a text or a vector, the number of hits k, the mode."""
+    """One query: a text or a vector, the number of hits k, the mode, optional filters
+    over the items' metadata and ``created_at`` (:mod:`rfmem_fast.filters`)."""
 
     query: Text | None = None
     vector: Vector | None = None
     k: K | None = None
     mode: Mode = "rfmem"
+    filters: dict[str, Any] | None = None
+
+    @field_validator("filters")
+    @classmethod
+    def _filters(cls, v: Any) -> Any:
+        return _checked_filters(v, batch=False)
 
     @model_validator(mode="after")
     def _one(self) -> "SearchRequest":
@@ -259,17 +289,27 @@ class SearchRequest(_Body):
 
 
 class BatchSearchRequest(_Body):
-    """Many queries of one user: texts or vectors, with one k and mode."""
+    """Many queries of one user: texts or vectors, with one k and mode, and filters: one
+    for every query or one (or null) per query."""
 
     queries: list[Text] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
     vectors: list[Vector] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
     k: K | None = None
     mode: Mode = "rfmem"
+    filters: Union[dict[str, Any], list[dict[str, Any] | None], None] = None
+
+    @field_validator("filters")
+    @classmethod
+    def _filters(cls, v: Any) -> Any:
+        return _checked_filters(v, batch=True)
 
     @model_validator(mode="after")
     def _one(self) -> "BatchSearchRequest":
         if (self.queries is None) == (self.vectors is None):
             raise ValueError("exactly one of queries and vectors is required")
+        n = len(self.queries if self.queries is not None else self.vectors)
+        if isinstance(self.filters, list) and len(self.filters) != n:
+            raise ValueError(f"filters has {len(self.filters)} entries but there are {n} queries")
         return self
 
 
@@ -306,11 +346,12 @@ class SearchResponse(BaseModel):
 
 
 class ItemOut(BaseModel):
-    """A stored item."""
+    """A stored item (``created_at``: ISO-8601 UTC, null when unknown)."""
 
     id: str
     text: str | None
     metadata: Meta
+    created_at: str | None = None
 
 
 class ItemPage(BaseModel):
@@ -336,6 +377,8 @@ def _http_errors() -> Iterator[None]:
         raise HTTPException(503, str(e)) from None
     except KeyError as e:
         raise HTTPException(404, str(e.args[0]) if e.args else "not found") from None
+    except FilterTypeError as e:  # a filter whose range type the user's values never have
+        raise HTTPException(422, str(e)) from None
     except (ValueError, TypeError) as e:
         raise HTTPException(400, str(e)) from None
 
@@ -725,7 +768,8 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     @app.post("/v1/users/{user_id}/memories", status_code=201)
     def add(user: User, body: AddRequest) -> FastJSONResponse:
         with _http_errors():
-            ids = memory.add(body.texts, user, ids=body.ids, metadata=body.metadata, vectors=body.vectors)
+            ids = memory.add(body.texts, user, ids=body.ids, metadata=body.metadata, vectors=body.vectors,
+                             created_at=body.created_at)
         return FastJSONResponse({"ids": ids}, status_code=201)
 
     @app.get("/v1/users/{user_id}/memories", response_model=ItemPage)
@@ -775,7 +819,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     async def search(user: User, body: SearchRequest) -> FastJSONResponse:
         query = body.query if body.query is not None else body.vector
         with _http_errors():
-            hits = await memory.asearch(query, user, k=body.k, mode=body.mode)
+            hits = await memory.asearch(query, user, k=body.k, mode=body.mode, filters=body.filters)
         metrics.count(body.mode, hits)
         return FastJSONResponse(_search_json(hits))
 
@@ -783,7 +827,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     async def search_batch(user: User, body: BatchSearchRequest) -> FastJSONResponse:
         queries = body.queries if body.queries is not None else body.vectors
         with _http_errors():
-            results = await asyncio.to_thread(memory.search_batch, queries, user, body.k, body.mode)
+            results = await asyncio.to_thread(memory.search_batch, queries, user, body.k, body.mode, body.filters)
         for hits in results:
             metrics.count(body.mode, hits)
         return FastJSONResponse({"results": [_search_json(h) for h in results]})

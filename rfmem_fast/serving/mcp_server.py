@@ -11,14 +11,14 @@ starts the server as a subprocess) and streamable HTTP (``--transport http --hos
 Tools (no tool has a user argument)::
 
     add_memories(texts, metadata?)            -> {"ids", "count"}
-    search_memories(query, k=10, mode="rfmem") -> {"hits": [{"id", "text", "score", "metadata", "rank"}],
+    search_memories(query, k=10, mode="rfmem", filters?) -> {"hits": [{"id", "text", "score", "metadata", "rank"}],
                                                   "route", "mode", "k"}
-    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata"}
+    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at"}
     update_memories(items: [{id, text?, metadata?}]) -> {"updated": [ids], "count"}   (all or none)
     delete_memory(id)                         -> {"id", "deleted"}
     delete_memories(ids)                      -> {"deleted": [ids], "count"}            (all or none)
     list_memories(offset=0, limit=50)         -> {"memories", "total", "offset", "next_offset"}
-    get_memory(id)                            -> {"id", "text", "metadata"}
+    get_memory(id)                            -> {"id", "text", "metadata", "created_at"}
 
 Resources: ``memory://{user}/memories`` (every memory of the user, JSON) and
 ``memory://{user}/memories/{id}`` (one memory), readable for the scoped user only;
@@ -281,6 +281,12 @@ Arguments:
 - query: what to look for, in natural language (1 to 100000 characters).
 - k: how many memories to return at most (1 to 100, default 10).
 - mode: "rfmem" (default, routed), "dense" (plain similarity) or "recollection" (always the multi-round search).
+- filters: optional, only memories matching it can be returned (the best k among the matching ones, exactly).
+  A JSON object over the memories' metadata and their "created_at" time: {"source": "chat"} (equality),
+  {"tag": {"$in": ["work", "travel"]}}, {"score": {"$gte": 3, "$lt": 7}}, {"created_at": {"$gte":
+  "2026-11-01T00:00:00Z"}} (ISO-8601 with an offset), {"$and": [...]}, {"$or": [...]}, {"$not": {...}},
+  {"field": {"$exists": true}}; operators $eq $ne $gt $gte $lt $lte $in $nin $exists; "a.b" reads nested
+  metadata. A memory without the field matches no comparison.
 
 Returns {"hits": [{"id", "text", "score", "metadata", "rank"}, ...] best first (fewer than k when the user has fewer
 memories; [] when none), "route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
@@ -294,7 +300,7 @@ Arguments:
 - metadata: a JSON object that REPLACES the memory's metadata ({} clears it), or omit to keep it.
 At least one of text and metadata is required.
 
-Returns the memory as stored now: {"id", "text", "metadata"}. Error when no memory has that id."""
+Returns the memory as stored now: {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
 
 _DELETE = """Delete one memory of the current user, for good (it is never returned again). The deletion is durable
 when this returns.
@@ -330,7 +336,7 @@ Arguments:
 - offset: memories to skip (integer >= 0, default 0).
 - limit: the most memories in this page (1 to 200, default 50).
 
-Returns {"memories": [{"id", "text", "metadata"}, ...], "total": the user's number of memories, "offset",
+Returns {"memories": [{"id", "text", "metadata", "created_at"}, ...], "total": the user's number of memories, "offset",
 "next_offset": the offset of the next page, or null after the last page}."""
 
 _GET = """Read one memory of the current user by its id.
@@ -338,7 +344,7 @@ _GET = """Read one memory of the current user by its id.
 Arguments:
 - id: the memory's id (from add_memories, search_memories or list_memories).
 
-Returns {"id", "text", "metadata"}. Error when no memory has that id."""
+Returns {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
 
 TextArg = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 
@@ -385,7 +391,7 @@ def _bulk_tool_errors(fn: Callable[[], T], ids: list[str], arg: str) -> T:
 
 
 def _item_json(item: Item) -> dict[str, Any]:
-    return {"id": item.id, "text": item.text, "metadata": item.metadata}
+    return item.to_dict()  # id, text, metadata, created_at (ISO-8601 UTC, or null when unknown)
 
 
 def _not_found(item_id: Any) -> ToolError:
@@ -517,11 +523,14 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         k: Annotated[int, Field(ge=1, le=MAX_K, description=f"the most memories returned (1 to {MAX_K})")] = 10,
         mode: Annotated[Literal["rfmem", "dense", "recollection"], Field(
             description='"rfmem" (routed, default), "dense" or "recollection"')] = "rfmem",
+        filters: Annotated[dict[str, Any] | None, Field(
+            description='only memories matching this filter over their metadata and "created_at" '
+                        '(e.g. {"source": "chat", "created_at": {"$gte": "2026-11-01T00:00:00Z"}})')] = None,
     ) -> dict[str, Any]:
         user = user_of()
         _check_blank(query, "query")
         try:
-            hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode)
+            hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode, filters=filters)
         except (ValueError, TypeError) as exc:
             raise ToolError(str(exc)) from None
         except (QueueFullError, RequestTimeoutError) as exc:

@@ -62,6 +62,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -78,6 +79,7 @@ import numpy as np
 from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
+from ..filters import Filter, parse_filter, parse_instant
 from ..routing.files import check_config_files
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -233,15 +235,47 @@ class Hits(list):
 
 @dataclass(frozen=True)
 class Item:
-    """A stored memory item: id, text (or None) and metadata ({} when none)."""
+    """A stored memory item: id, text (or None), metadata ({} when none) and creation time.
+
+    Attributes:
+        created_at: when the item was added (``Memory.add(created_at=...)``, default the
+            time of the add), a timezone-aware UTC ``datetime``; None when unknown (an
+            item of a store written before creation times were kept).
+    """
 
     id: Hashable
     text: str | None
     metadata: dict
+    created_at: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return asdict(self)
+        """A JSON-ready dict of every field (``created_at`` as an ISO-8601 string, or None)."""
+        out = asdict(self)
+        out["created_at"] = None if self.created_at is None else self.created_at.isoformat()
+        return out
+
+
+def _utc(t: float) -> datetime | None:
+    """Epoch seconds as a UTC datetime (None for NaN: unknown)."""
+    return None if t != t else datetime.fromtimestamp(float(t), tz=timezone.utc)
+
+
+def _created_list(created_at: Any, m: int) -> list[float]:
+    """``Memory.add``'s ``created_at`` as m epoch seconds: None (now), one instant for every
+    item, or m of them; an instant is a timezone-aware datetime, an ISO-8601 string with
+    a UTC offset, or a number of seconds since the Unix epoch (naive datetimes and
+    offset-less strings are refused: :func:`rfmem_fast.filters.parse_instant`)."""
+    if created_at is None:
+        return [time.time()] * m
+    if isinstance(created_at, (str, datetime, int, float, np.integer, np.floating)) and not isinstance(created_at, bool):
+        return [parse_instant(created_at, "created_at")] * m
+    if isinstance(created_at, (bytes, dict, bool)) or not hasattr(created_at, "__iter__"):
+        raise TypeError("created_at must be None, a datetime, an ISO-8601 string, a number of seconds, or m of them, "
+                        f"got {type(created_at).__name__}")
+    out = list(created_at)
+    if len(out) != m:
+        raise ValueError(f"created_at has {len(out)} entries but there are {m} items")
+    return [parse_instant(v, f"created_at[{j}]") for j, v in enumerate(out)]
 
 
 @dataclass(frozen=True)
@@ -291,6 +325,7 @@ class _Query:
     k: int
     mode: str
     qkey: tuple = field(compare=False)
+    filters: Filter | None = field(default=None, compare=False)
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -381,9 +416,10 @@ def _metadata_list(metadata: Any, m: int) -> list | None:
 #: The fields of one item of :meth:`Memory.add_many` / :meth:`Memory.update_many` /
 #: :meth:`Memory.delete_many`, which are also the keys of a line of ``rfmem export`` /
 #: ``rfmem import``: field -> the bulk operations that take it. ``created_at`` (an
-#: ISO-8601 timestamp, stored as UTC) is checked, and kept when the store has it (issue
-#: 20 item 1); this version does not store it. A new per-item field is one entry here,
-#: its checker in ``_FIELD_CHECKS`` and, to be stored, its column in ``_RECORD_COLUMNS``.
+#: ISO-8601 timestamp, without an offset read as UTC; default: the time of the write) is
+#: stored as seconds since the epoch and filterable (:mod:`rfmem_fast.filters`). A new
+#: per-item field is one entry here, its checker in ``_FIELD_CHECKS`` and, to be
+#: stored, its column in ``_RECORD_COLUMNS``.
 ITEM_FIELDS: dict[str, tuple[str, ...]] = {
     "user_id": ("add", "update", "delete"),
     "id": ("add", "update", "delete"),
@@ -394,7 +430,7 @@ ITEM_FIELDS: dict[str, tuple[str, ...]] = {
 }
 #: item field -> the key of the logged add record holding it per item (``Memory._apply``
 #: hands each to the bank)
-_RECORD_COLUMNS = {"text": "texts", "metadata": "metadata"}
+_RECORD_COLUMNS = {"text": "texts", "metadata": "metadata", "created_at": "created_at"}
 _ITEM_LABEL = re.compile(r"^items\[(\d+)\](?:\.(\w+))?")
 
 
@@ -406,9 +442,9 @@ def _check_meta1(value: Any, label: str) -> dict | None:
         raise type(exc)(str(exc).replace("metadata[0]", label, 1)) from None
 
 
-def _check_timestamp(value: Any, label: str) -> str:
+def _check_timestamp(value: Any, label: str) -> float:
     """An ISO-8601 date-time (``2024-05-01T12:00:00Z``, any UTC offset; none: UTC) as
-    the UTC ISO string (``2024-05-01T12:00:00+00:00``)."""
+    seconds since the Unix epoch (float, what the bank stores)."""
     if not isinstance(value, str):
         raise TypeError(f"{label} must be an ISO-8601 date-time str, got {type(value).__name__}")
     try:
@@ -416,7 +452,7 @@ def _check_timestamp(value: Any, label: str) -> str:
     except ValueError:
         raise ValueError(f"{label} is not an ISO-8601 date-time: {value[:60]!r}") from None
     t = t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
-    return t.isoformat()
+    return t.timestamp()
 
 
 def _check_vector1(mem: "Memory", value: Any, label: str) -> np.ndarray:
@@ -1024,11 +1060,16 @@ class Memory:
         if isinstance(vec, dict):
             vec = decode_array(vec)
         chunks = self._chunks.setdefault(user, {})
-        if op == "add":
-            self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"])
+        if op == "add":  # (a record of an older version has no created_at: the time of the replay)
+            self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"],
+                          created_at=rec.get("created_at"))
             self._note_chunks(chunks, rec["ids"])
         elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
             self.bank.set_metadata(user, rec["ids"], rec["metadata"])
+            cids = self._chunk_ids_of(user, rec["ids"])
+            if cids:  # the chunk rows keep their item's metadata (filters)
+                of = dict(zip(rec["ids"], rec["metadata"]))
+                self.bank.set_metadata(user, cids, [of[c.rpartition(CHUNK_SEP)[0]] for c in cids])
         elif op == "update":
             drop, extra = rec.get("drop") or [], rec.get("extra_ids") or []
             if drop or extra:  # check first: the update must not fail after its old chunks went
@@ -1043,7 +1084,13 @@ class Memory:
                 chunks.pop(i, None)
             if extra:
                 ev = rec["extra_vectors"]
-                self.bank.add(user, decode_array(ev) if isinstance(ev, dict) else ev, extra)
+                parents = [x.rpartition(CHUNK_SEP)[0] for x in extra]  # chunk rows: their item's metadata and time
+                uniq = list(dict.fromkeys(parents))  # (an item's several chunks: one lookup)
+                pmeta = dict(zip(uniq, self.bank.get_metadata(user, uniq)))
+                ptime = dict(zip(uniq, self.bank.created_at_of(user, uniq).tolist()))
+                self.bank.add(user, decode_array(ev) if isinstance(ev, dict) else ev, extra,
+                              metadata=[pmeta[p] for p in parents],
+                              created_at=[ptime[p] for p in parents])
                 self._note_chunks(chunks, extra)
         elif op == "delete":
             self.bank.delete(user, rec["ids"])
@@ -1168,6 +1215,7 @@ class Memory:
         metadata: dict | Sequence[dict | None] | None = None,
         *,
         vectors: Any = None,
+        created_at: Any = None,
     ) -> list[Hashable]:
         """Store memories for a user (created on first add); durable once it returns.
 
@@ -1183,6 +1231,12 @@ class Memory:
             vectors: [m, d] (or [d]) floating array to store instead of encoding the
                 texts (for stacks that embed elsewhere); with texts, the texts are kept
                 as the items' texts.
+            created_at: when the items were created (default: now): one instant for
+                every item or m of them, each a timezone-aware ``datetime``, an ISO-8601
+                string with a UTC offset (``"2026-11-01T09:30:00Z"``) or a number of
+                seconds since the Unix epoch; naive datetimes are refused (ambiguous).
+                Stored in UTC, logged with the write, returned as ``Item.created_at`` and
+                filterable as ``filters={"created_at": {...}}`` (:meth:`search`).
 
         Returns:
             list of the m item ids (str).
@@ -1192,7 +1246,8 @@ class Memory:
                 dimension, NaN / Inf / zero vectors (a text the encoder embeds as one:
                 ``texts[i]`` named), a duplicate id or one the user already holds,
                 metadata that is not JSON (``metadata[i]`` named), an empty / blank
-                text or one with a lone surrogate (``texts[i]``), no encoder for texts.
+                text or one with a lone surrogate (``texts[i]``), no encoder for texts, a
+                malformed or naive ``created_at`` (``created_at[i]`` named).
             TypeError: arguments of the wrong type.
             OSError: the log could not be written (nothing is acknowledged).
         """
@@ -1211,11 +1266,13 @@ class Memory:
         if len(id_list) != m:
             raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
         meta = _metadata_list(metadata, m)
+        created = _created_list(created_at, m)
         extra_ids: list[str] = []
         extra = None
         if vec is None:
             vec, extra_ids, extra = self._encode_items(tx, id_list)
-        self._write(self._add_record(user, id_list, vec, extra_ids, extra, {"texts": tx, "metadata": meta}))
+        self._write(self._add_record(user, id_list, vec, extra_ids, extra,
+                                     {"texts": tx, "metadata": meta, "created_at": created}))
         return id_list
 
     @staticmethod
@@ -1223,13 +1280,20 @@ class Memory:
                     columns: dict[str, list | None]) -> dict[str, Any]:
         """The logged record of an add to one user: ``vec`` [m, d] the items' rows,
         ``extra_ids`` / ``extra`` the extra chunk rows of long texts (after the items),
-        ``columns`` {record key: m per-item values or None} (``texts``, ``metadata``),
-        each padded with None for the chunk rows (a column of only None is None)."""
-        pad = [None] * len(extra_ids)
+        ``columns`` {record key: m per-item values or None} (``texts``, ``metadata``,
+        ``created_at``; a column of only None is None). A chunk row has no text of its
+        own and carries its item's metadata and creation time (so that a filter sees
+        the item in each of its rows)."""
+        pos = {i: j for j, i in enumerate(id_list)}
+        parents = [pos[x.rpartition(CHUNK_SEP)[0]] for x in extra_ids]
         rec: dict[str, Any] = {"op": "add", "user": user, "ids": id_list + extra_ids,
                                "vectors": np.concatenate([vec, extra]) if extra_ids else vec}
         for col, vals in columns.items():
-            rec[col] = None if vals is None or all(v is None for v in vals) else list(vals) + pad
+            if vals is None or all(v is None for v in vals):
+                rec[col] = None
+            else:
+                pad = [None] * len(parents) if col == "texts" else [vals[j] for j in parents]
+                rec[col] = list(vals) + pad
         return rec
 
     def _update_record(self, user: str, id_list: list[str], tx: list[str] | None, vec: np.ndarray | None,
@@ -1453,8 +1517,10 @@ class Memory:
     def _add_many(self, items: Any) -> list[str]:
         self._check_open()
         parsed = self._parse_items(items, "add")
+        now = time.time()
         for it in parsed:
             it.setdefault("id", uuid.uuid4().hex)
+            it.setdefault("created_at", now)
         by_user = self._by_user(parsed)
         with self._wmutex:  # fail before the encoder runs
             self._check_held(parsed, by_user, "add")
@@ -1551,8 +1617,9 @@ class Memory:
 
         Yields:
             {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
-            {} when none)[, "vector"]}: one consistent version of the memory (taken
-            under the read lock at the first ``next``).
+            {} when none)[, "created_at" (ISO-8601 UTC; absent when unknown)][, "vector"]}:
+            one consistent version of the memory (taken under the read lock at the first
+            ``next``).
         """
         only = None if user_id is None else _user_key(user_id)
         with self._rw.read():
@@ -1562,6 +1629,7 @@ class Memory:
             chunked = {u: set(self._chunks.get(u) or ()) for u in users}
         pos = {u: k for k, u in enumerate(snap.users)}
         texts = snap.texts
+        created = snap.created_at_or_nan
         for user in users:
             k = pos[user]
             a, b = int(snap.offsets[k]), int(snap.offsets[k + 1])
@@ -1571,6 +1639,9 @@ class Memory:
                     continue
                 item = {"id": str(iid), "user_id": str(user), "text": None if texts is None else texts[r],
                         "metadata": meta or {}}
+                t = float(created[r])
+                if math.isfinite(t):  # NaN: unknown (an item of a store of format < 4)
+                    item["created_at"] = datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
                 if (vectors or item["text"] is None) and iid not in chunked[user]:
                     item["vector"] = np.array(snap.vectors[r], dtype=np.float32)
                 yield item
@@ -1631,7 +1702,8 @@ class Memory:
                 return []
             text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
             metas = self.bank.get_metadata(user, ids)
-        return [Item(i, text_of[i], m or {}) for i, m in zip(ids, metas)]
+            times = self.bank.created_at_of(user, ids).tolist()
+        return [Item(i, text_of[i], m or {}, _utc(t)) for i, m, t in zip(ids, metas, times)]
 
     def get(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> list[Item]:
         """Some items of a user, in the order asked.
@@ -1646,7 +1718,8 @@ class Memory:
                 raise KeyError(f"user_id: unknown user {user!r}")
             metas = self.bank.get_metadata(user, id_list)
             text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
-        return [Item(i, text_of[i], m or {}) for i, m in zip(id_list, metas)]
+            times = self.bank.created_at_of(user, id_list).tolist()
+        return [Item(i, text_of[i], m or {}, _utc(t)) for i, m, t in zip(id_list, metas, times)]
 
     def users(self) -> list[Hashable]:
         """Every user key ever written (users whose items were all deleted included)."""
@@ -1661,17 +1734,20 @@ class Memory:
             cfg = self._configs[k] = self._config.replace(out_k=int(k))
         return cfg
 
-    def _prepare(self, query: Any, user_id: Any, k: Any, mode: Any, name: str = "query") -> _Query:
+    def _prepare(self, query: Any, user_id: Any, k: Any, mode: Any, name: str = "query", filters: Any = None,
+                 fname: str = "filters") -> _Query:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_k(k)
         k = self._config.out_k if k is None else int(k)
         user = _user_key(user_id)
+        flt = None if filters is None else parse_filter(filters, fname)
+        fk = () if flt is None else (("filters", flt.key),)  # a filtered answer is cached apart
         if isinstance(query, str):
             if not self._has_encoder:
                 raise ValueError(f"{name}: this Memory has no text encoder (encoder=False); pass a vector")
             query = _check_text(query, name, what="query")
-            return _Query(user, query, None, k, mode, ("text", query))
+            return _Query(user, query, None, k, mode, ("text", query) + fk, flt)
         if isinstance(query, bytes) or query is None:
             raise TypeError(f"{name} must be a str or a 1-D vector of floats, got {type(query).__name__}")
         if name == "query" and isinstance(query, (list, tuple)) and query and isinstance(query[0], str):
@@ -1681,12 +1757,12 @@ class Memory:
         if getattr(arr, "ndim", None) != 1:
             raise ValueError(f"{name} must be a str or a 1-D vector of {self.dim} floats, got shape {tuple(getattr(arr, 'shape', ()))}")
         vec = self._vectors(arr, name)[0]
-        return _Query(user, None, vec, k, mode, vector_key(vec))
+        return _Query(user, None, vec, k, mode, vector_key(vec) + fk, flt)
 
-    def _start(self, query: Any, user_id: Any, k: Any, mode: Any) -> tuple[_Query, Hits | None]:
+    def _start(self, query: Any, user_id: Any, k: Any, mode: Any, filters: Any = None) -> tuple[_Query, Hits | None]:
         """A checked query and its cached answer (None on a miss)."""
         self._check_open()
-        q = self._prepare(query, user_id, k, mode)
+        q = self._prepare(query, user_id, k, mode, filters=filters)
         hit = self._cached(q)
         return q, (hit.materialise(cached=True) if hit is not None else None)
 
@@ -1695,7 +1771,7 @@ class Memory:
         return self._cache.get_result(key)
 
     def search(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
-               timeout: float | None | str = "default") -> Hits:
+               timeout: float | None | str = "default", filters: dict | None = None) -> Hits:
         """RF-Mem retrieval of one query within one user's memory.
 
         Args:
@@ -1704,6 +1780,12 @@ class Memory:
             k: hits wanted (default ``config.out_k``).
             mode: "rfmem" (probe, route, routed path), "dense" or "recollection".
             timeout: seconds to wait for the micro-batch (default: the Memory's).
+            filters: a filter over the items' metadata and ``created_at``
+                (:mod:`rfmem_fast.filters`, e.g. ``{"source": "chat", "created_at":
+                {"$gte": "2026-11-01T00:00:00Z"}}``): the hits are the top k of the
+                MATCHING items, exactly (applied while the top-k is taken, in every mode;
+                fewer than k only when fewer match). Filtered queries share micro-batches
+                with the others.
 
         Returns:
             Hits (a list of Hit, best first, at most k; [] for a user with no
@@ -1713,11 +1795,12 @@ class Memory:
             ValueError / TypeError: a bad query (empty / blank text, lone surrogate, a
                 list: use :meth:`search_batch`), user, k (an int in [1, MAX_K]) or mode
                 (named); a query the encoder embeds as a zero / non-finite vector (it
-                fails alone, never the other requests of its micro-batch).
+                fails alone, never the other requests of its micro-batch); a malformed
+                filter (the message names the part: ``filters['score']['$gte']: ...``).
             QueueFullError, RequestTimeoutError: overload (batching on).
             BatcherClosedError: the Memory is closed (or closing).
         """
-        q, hits = self._start(query, user_id, k, mode)
+        q, hits = self._start(query, user_id, k, mode, filters)
         if hits is not None:
             return hits
         if self._batcher is not None:
@@ -1727,9 +1810,9 @@ class Memory:
         return ans.materialise(cached=False)
 
     async def asearch(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
-                      timeout: float | None | str = "default") -> Hits:
+                      timeout: float | None | str = "default", filters: dict | None = None) -> Hits:
         """Asyncio version of :meth:`search`: concurrent awaits share micro-batches."""
-        q, hits = self._start(query, user_id, k, mode)
+        q, hits = self._start(query, user_id, k, mode, filters)
         if hits is not None:
             return hits
         if self._batcher is not None:
@@ -1745,13 +1828,14 @@ class Memory:
         return out
 
     def search_batch(self, queries: Sequence[Any] | Any, user_ids: Hashable | Sequence[Hashable],
-                     k: int | None = None, mode: str = "rfmem") -> list[Hits]:
+                     k: int | None = None, mode: str = "rfmem", filters: Any = None) -> list[Hits]:
         """Many queries at once (one encode, one search per mode), in the caller's thread.
 
         Args:
             queries: b query texts and / or 1-D vectors, or a [b, d] float array.
             user_ids: one user for all, or b users (query i searches ``user_ids[i]``).
             k, mode: as :meth:`search`, for every query.
+            filters: None, one filter for every query, or b filters / None (as :meth:`search`).
 
         Returns:
             list of b Hits, in query order.
@@ -1772,7 +1856,16 @@ class Memory:
             users = list(user_ids)
             if len(users) != len(qs):
                 raise ValueError(f"user_ids has {len(users)} entries but queries has {len(qs)}")
-        prepared = [self._prepare(x, u, k, mode, name=f"queries[{i}]") for i, (x, u) in enumerate(zip(qs, users))]
+        if filters is None or isinstance(filters, dict):
+            flist, fnames = [filters] * len(qs), ["filters"] * len(qs)
+        elif isinstance(filters, (str, bytes)) or not hasattr(filters, "__len__"):
+            raise TypeError(f"filters must be a dict, a sequence of b dicts / None, or None, got {type(filters).__name__}")
+        else:
+            flist, fnames = list(filters), [f"filters[{i}]" for i in range(len(qs))]
+            if len(flist) != len(qs):
+                raise ValueError(f"filters has {len(flist)} entries but queries has {len(qs)}")
+        prepared = [self._prepare(x, u, k, mode, name=f"queries[{i}]", filters=f, fname=fn)
+                    for i, (x, u, f, fn) in enumerate(zip(qs, users, flist, fnames))]  # fmt: skip
         out: list[Any] = [None] * len(prepared)
         todo = []
         for i, q in enumerate(prepared):
@@ -1850,6 +1943,9 @@ class Memory:
                 try:
                     cfg = self._config_for(k)
                     lex = {"query_texts": [queries[i].text for i in idx]} if cfg.lexical_weight > 0 else {}
+                    flt = [queries[i].filters for i in idx]
+                    if any(f is not None for f in flt):
+                        lex["filters"] = flt
                     res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
                                  config=cfg, mode=mode, backend=self._backend, device=self._device, **lex)
                 except Exception as exc:

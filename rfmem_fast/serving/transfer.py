@@ -13,8 +13,9 @@ One JSON object per line, one line per item, the fields of :meth:`Memory.add_man
   row, d floats (unit norm; each float32 written as the float64 holding it exactly, so
   it reads back bit for bit). An item whose text is stored in several chunk rows (over
   the encoder's window) has none: import embeds its text again.
-* ``created_at`` (optional, ISO-8601 UTC): checked on import and kept when the store
-  has it (issue 20 item 1); this version writes none and stores none.
+* ``created_at`` (optional, ISO-8601; without an offset read as UTC): the item's creation
+  time, written by export (absent when unknown) and stored by import (default: the time
+  of the import); filterable (``filters={"created_at": {...}}``).
 
 Export: users in the order they were first written, each user's items in insertion
 order; one consistent version of the memory. Import: lines in batches of ``--batch``
@@ -178,8 +179,8 @@ def import_jsonl(memory: Memory, src: str | os.PathLike[str] | IO[str], batch: i
 
     Returns:
         {"lines": item lines read, "imported": items written, "skipped": lines skipped,
-        "batches": writes made, "created_at": lines that had a ``created_at`` (not
-        stored by this version)}.
+        "batches": writes made, "created_at": lines that had a ``created_at`` (kept as
+        the items' creation times)}.
 
     Raises:
         ImportLineError: the first bad line (its number, why; ``imported`` items were
@@ -341,7 +342,7 @@ def run_import(args: argparse.Namespace) -> int:
         return _err("import", exc)
     finally:
         memory.close()
-    note = f"; {stats['created_at']} lines had a created_at (not stored by this version)" if stats["created_at"] else ""
+    note = f"; {stats['created_at']} lines kept their created_at" if stats["created_at"] else ""
     print(f"rfmem import: {stats['imported']} items from {stats['lines']} lines in {stats['batches']} writes, "
           f"{stats['skipped']} skipped (already held){note}", file=sys.stderr)
     return 0
