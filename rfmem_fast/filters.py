@@ -703,6 +703,8 @@ def compile_filters(bank: MemoryBank, snapshot: BankSnapshot, seg: Any, filters:
         TypeError / ValueError: as :func:`check_filters`, or a range whose bound's type
             the field never holds among a queried user's items.
     """
+    if filters is None:  # the unfiltered search: nothing to do
+        return None
     seg = np.asarray(seg, dtype=np.int64)
     b = int(seg.shape[0])
     if isinstance(filters, (dict, Filter)) and b:  # one filter for every query: parsed once, one key
