@@ -1617,9 +1617,9 @@ class Memory:
 
         Yields:
             {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
-            {} when none)[, "created_at" (ISO-8601 UTC; absent when unknown)][, "vector"]}:
-            one consistent version of the memory (taken under the read lock at the first
-            ``next``).
+            {} when none), "created_at" (ISO-8601 UTC; left out when unknown), and
+            "vector" when asked for}: one consistent version of the memory (taken under
+            the read lock at the first ``next``).
         """
         only = None if user_id is None else _user_key(user_id)
         with self._rw.read():
