@@ -57,6 +57,13 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
+    p.add_argument("--encoder-workers", type=_workers_arg, default="auto",
+                   help="micro-batches encoded at once, each by its own copy of the text encoder with its share of "
+                   "the cores' threads: an int >= 1 or 'auto' (default) = min(2, cores) with the default encoder or "
+                   "a model directory, 1 with --encoder none, --no-pipeline or --no-batching")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="encode and search each micro-batch on one thread, one batch at a time (by default the next "
+                   "batch is encoded while the current one is searched)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
     p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
@@ -76,7 +83,45 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         preset=args.preset, dim=args.dim,
         backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
+        pipeline=not args.no_pipeline, encoder_workers=args.encoder_workers,
     )
+
+
+def _workers_arg(value: str) -> int | str:
+    """``--encoder-workers``: "auto" or an int >= 1 (argparse type)."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def resolve_encoder_workers(encoder_workers: int | str, encoder: str, batching: bool, pipeline: bool) -> int:
+    """The encoder workers a server runs: ``encoder_workers`` itself, or for "auto"
+    :func:`rfmem_fast.serving.memory.default_encoder_workers` (min(2, cores)) with a text
+    encoder, batching and the pipeline, else 1.
+
+    Raises:
+        ValueError: not an int >= 1 or "auto"; more than 1 with ``encoder`` "none",
+            without batching or without the pipeline.
+    """
+    from .memory import default_encoder_workers
+
+    if encoder_workers == "auto":
+        return default_encoder_workers() if encoder != "none" and batching and pipeline else 1
+    if isinstance(encoder_workers, bool) or not isinstance(encoder_workers, int) or encoder_workers < 1:
+        raise ValueError(f"encoder_workers must be an int >= 1 or 'auto', got {encoder_workers!r}")
+    if encoder_workers > 1:
+        why = ("--encoder none (no text encoder)" if encoder == "none" else "--no-batching" if not batching
+               else "--no-pipeline" if not pipeline else None)
+        if why:
+            raise ValueError(f"encoder_workers={encoder_workers} does not go with {why}: "
+                             "the workers are the pipeline's encode stage")
+    return encoder_workers
 
 
 def open_memory(
@@ -93,6 +138,8 @@ def open_memory(
     max_queue: int = 1024,
     timeout: float | None = 30.0,
     cache_size: int = 4096,
+    pipeline: bool = True,
+    encoder_workers: int | str = "auto",
 ) -> Any:
     """Open (or create) the durable :class:`~rfmem_fast.serving.Memory` a server serves,
     its encoder loaded before the first request.
@@ -114,8 +161,12 @@ def open_memory(
         preset: "paper" (``RFMemConfig.paper()``, dense) or "recommended"
             (``RFMemConfig.recommended()``: hybrid dense + BM25, docs "Hybrid retrieval").
         dim: vector dimension of a new vectors-only memory.
-        backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
+        backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size, pipeline:
             as :class:`rfmem_fast.Memory`.
+        encoder_workers: micro-batches encoded at once, each by its own encoder (int
+            >= 1, or "auto": :func:`resolve_encoder_workers`); with a model directory,
+            that many :class:`~rfmem_fast.encoders.TextEncoder` are loaded, each with
+            :func:`rfmem_fast.serving.memory.encoder_threads` threads.
 
     Returns:
         the open Memory (the caller closes it).
@@ -126,7 +177,7 @@ def open_memory(
         rfmem_fast.serving.memory.MemoryLockedError: the directory is open in another process.
     """
     from ..encoders import check_backend
-    from .memory import ENCODE_BATCH_SIZE, Memory
+    from .memory import ENCODE_BATCH_SIZE, Memory, encoder_threads, usable_cores
 
     from ..config import RFMemConfig
 
@@ -134,6 +185,7 @@ def open_memory(
         raise ValueError(f"preset must be 'paper' or 'recommended', got {preset!r}")
     config = RFMemConfig.recommended() if preset == "recommended" else RFMemConfig.paper()
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
+    workers = resolve_encoder_workers(encoder_workers, encoder, batching, pipeline)
     dtype: str | None = encoder_dtype
     enc_backend: str | None = encoder_backend
     if encoder == "none":
@@ -144,12 +196,13 @@ def open_memory(
     else:
         from ..encoders import TextEncoder
 
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
-                          backend=encoder_backend)
+        threads = encoder_threads(workers, usable_cores()) if workers > 1 else None
+        enc = [TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
+                           backend=encoder_backend, num_threads=threads) for _ in range(workers)]
         dtype = enc_backend = None
     memory = Memory(path, encoder=enc, config=config, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
-                    cache_size=cache_size)
+                    cache_size=cache_size, pipeline=pipeline, encoder_workers=workers)
     if enc is not False:
         try:
             memory.encoder  # load the model now, not on the first request
