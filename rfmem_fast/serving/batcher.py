@@ -149,7 +149,7 @@ class MicroBatcher:
         self.largest_batch = 0
         self.prepare_seconds = 0.0
         self.run_seconds = 0.0
-        self.overlapped = 0  # runs that started once a later batch had been taken
+        self.overlapped = 0  # runs before whose end a later batch had been taken
 
     # ------------------------------------------------------------------ submitting
     def submit(self, item: Any) -> cf.Future:
@@ -368,12 +368,12 @@ class MicroBatcher:
                     self._hcond.wait()
                 live, state, error = self._ready.pop(seq)
             seq += 1
-            if self._next_seq > seq:  # a later batch was taken: it is being prepared (or is ready)
-                with self._stats_lock:
-                    self.overlapped += 1
             try:
                 self._finish(live, state, error)
             finally:
+                if self._next_seq > seq:  # a later batch was taken before this run ended
+                    with self._stats_lock:
+                        self.overlapped += 1
                 self._slots.release()
 
     def close(self, timeout: float = 30.0) -> None:
@@ -421,8 +421,8 @@ class MicroBatcher:
         "rejected", "timeouts", "max_batch", "max_wait_ms", "max_queue", "pipeline"
         (bool: two stages on different threads), "workers" (prepare threads),
         "prepare_seconds" / "run_seconds" (wall time summed over batches of each
-        stage), "overlapped" (runs that started once a later batch had been taken
-        from the queue: its prepare stage overlapped this run)}."""
+        stage), "overlapped" (runs before whose end a later batch had been taken from
+        the queue: its prepare stage overlapped the run)}."""
         with self._stats_lock:
             return {
                 "batches": self.batches,

@@ -479,12 +479,13 @@ class Memory:
             searched (default True: encoder worker thread(s) and a search thread,
             :class:`~rfmem_fast.serving.MicroBatcher` ``prepare`` / ``pipeline``); False
             encodes and searches each batch on one thread, one batch at a time.
-        encoder_workers: batches encoded at once, each by its own encoder (int >= 1,
-            or "auto": :func:`default_encoder_workers`, 2 on two cores or more;
-            default 1). With the default encoder, that many are loaded, each with
-            :func:`encoder_threads` intra-op threads (the cores shared out); with
-            ``encoder`` a list, its length (None or "auto" take it). More than 1
-            needs the default encoder or a list, batching and the pipeline.
+        encoder_workers: batches encoded at once, each by its own encoder: an int
+            >= 1; "auto" (:func:`default_encoder_workers`: 2 on two cores or more,
+            with the default encoder, batching and the pipeline; else 1); or None
+            (default): 1, or the length of ``encoder`` when it is a list. With the
+            default encoder, that many are loaded, each with :func:`encoder_threads`
+            intra-op threads (the cores shared out). More than 1 needs the default
+            encoder or a list of that length, batching and the pipeline.
         max_batch: the most queries per batch (int >= 1, default 64).
         max_wait_ms: how long a batch waits for more queries after its first (ms,
             default 2.0).
@@ -535,7 +536,7 @@ class Memory:
         dim: int | None = None,
         batching: bool = True,
         pipeline: bool = True,
-        encoder_workers: int | str | None = 1,
+        encoder_workers: int | str | None = None,
         max_batch: int = 64,
         max_wait_ms: float = 2.0,
         max_queue: int = 1024,
@@ -653,8 +654,8 @@ class Memory:
         if workers is None or workers == "auto":
             if encoders is not None:
                 return len(encoders)
-            if encoder is not None or not batching or not pipeline:  # one encoder / no pipeline: one worker
-                return 1
+            if workers is None or encoder is not None or not batching or not pipeline:
+                return 1  # the default, one given encoder, or no pipeline: one worker
             return default_encoder_workers()
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"encoder_workers must be an int >= 1, 'auto' or None, got {workers!r}")
