@@ -373,6 +373,7 @@ def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: i
         per_req = res["server_cpu_ms_per_request"]
         prof["ms_per_request"] = {role: round(share * per_req, 3) for role, share in prof["roles"].items()}
         prof["ms_per_request_by_kind"] = {kind: round(share * per_req, 3) for kind, share in prof["kinds"].items()}
+        prof["ms_per_request_split"] = {k: round(share * per_req, 3) for k, share in prof["split"].items()}
     return res
 
 
@@ -434,9 +435,19 @@ def cpu_profile(report: str, pid: int) -> dict[str, Any]:
     (HTTP parsing, FastAPI, pydantic, JSON, the asyncio hand-off to the batcher); any
     other thread is "encode" when most of its samples are in encoder libraries (ONNX
     Runtime, torch, tokenizers: the encoder workers and their intra-op threads), else
-    "search" (the search thread, and the native kernels' own threads). Returns the
-    fraction of samples per role ("roles"), per kind of shared object ("kinds",
-    :data:`DSO_KINDS`) and per (role, kind), and the sample count.
+    "search" (the search thread, and the native kernels' own threads); without the
+    pipeline the one batch thread does both and counts as "encode".
+
+    "split" answers "encode vs search vs HTTP/JSON" the same way with and without the
+    pipeline: "http/json" = every sample of the event loop thread; outside it,
+    "encoder libs" (ONNX Runtime / torch / tokenizers), "search kernels" (``_native``
+    and numpy), "python" (the interpreter: the batcher, the encode stage's Python
+    around the runtime, the search stage's routing, collapsing and hit building) and
+    "os" (kernel, libc, other).
+
+    Returns the fraction of samples per role ("roles"), per kind of shared object
+    ("kinds", :data:`DSO_KINDS`), per (role, kind) ("role_kinds"), "split", the
+    busiest threads and the sample count.
     """
     per: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in report.splitlines():
@@ -449,6 +460,7 @@ def cpu_profile(report: str, pid: int) -> dict[str, Any]:
     roles: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     both: collections.Counter = collections.Counter()
+    split: collections.Counter = collections.Counter()
     threads = []
     for tid, c in per.items():
         n = sum(c.values())
@@ -457,10 +469,17 @@ def cpu_profile(report: str, pid: int) -> dict[str, Any]:
         kinds.update(c)
         for kind, v in c.items():
             both[f"{role}/{kind}"] += v
+            split[SPLIT_OF.get(kind, "os") if role != "event loop" else "http/json"] += v
         threads.append({"tid": tid, "role": role, "share": n / total, "top": c.most_common(3)})
     frac = lambda c: {k: round(v / total, 4) for k, v in c.most_common()}  # noqa: E731
     return {"samples": total, "roles": frac(roles), "kinds": frac(kinds), "role_kinds": frac(both),
-            "threads": sorted(threads, key=lambda t: -t["share"])[:12]}
+            "split": {k: round(split[k] / total, 4) for k in SPLIT}, "threads": sorted(threads, key=lambda t: -t["share"])[:12]}
+
+
+#: the columns of the profile's "split" (:func:`cpu_profile`) and the DSO kinds in each
+SPLIT = ("http/json", "encoder libs", "search kernels", "python", "os")
+SPLIT_OF = {"encode": "encoder libs", "search": "search kernels", "numpy": "search kernels", "python": "python",
+            "json/http": "python"}
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
@@ -749,16 +768,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cl['send_lag_p99_ms']:.1f} | {sum(cl['errors'].values())} |")
     profiled = [cl for cl in doc["cells"] if (cl.get("profile") or {}).get("samples")]
     if profiled:
-        kinds = [k for k, _ in DSO_KINDS] + ["other"]
-        print("\n| server | clients | server CPU ms/req | event loop | encode threads | search thread | "
-              + " | ".join(f"in {k}" for k in kinds) + " |")
-        print("|---|---|---|---|---|---|" + "---|" * len(kinds))
+        print("\n| server CPU ms / request | clients | total | " + " | ".join(SPLIT)
+              + " | event loop thread | encode threads | search thread |")
+        print("|---|---|---|" + "---|" * (len(SPLIT) + 3))
         for cl in profiled:
             pr = cl["profile"]
-            roles, by_kind = pr["ms_per_request"], pr["ms_per_request_by_kind"]
+            roles, split = pr["ms_per_request"], pr["ms_per_request_split"]
             print(f"| {cl['config']} | {cl['concurrency']} | {cl['server_cpu_ms_per_request']:.2f} | "
-                  f"{roles.get('event loop', 0):.2f} | {roles.get('encode', 0):.2f} | {roles.get('search', 0):.2f} | "
-                  + " | ".join(f"{by_kind.get(k, 0):.2f}" for k in kinds) + " |")
+                  + " | ".join(f"{split.get(k, 0):.2f}" for k in SPLIT)
+                  + f" | {roles.get('event loop', 0):.2f} | {roles.get('encode', 0):.2f} | {roles.get('search', 0):.2f} |")
     print(f"req/s ratios (batched / baseline, same precision): {ratios}")
     if doc.get("pipeline_goal"):
         print(f"pipeline goal (default server / --no-pipeline --encoder-workers 1): {doc['pipeline_goal']}")
