@@ -1069,8 +1069,13 @@ class Memory:
 
         A chunk holds at most ``max_tokens`` minus the special tokens of the encoder's
         tokenizer (254 for all-MiniLM-L6-v2), consecutive chunks share
-        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span."""
-        enc = self._get_encoder()
+        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span.
+        The tokenizer used is a borrowed encoder's (never one a worker is encoding with)."""
+        with self._borrow_encoder() as enc:
+            return self._split_with(enc, texts, name)
+
+    def _split_with(self, enc: Any, texts: list[str], name: str) -> list[list[str]]:
+        """:meth:`_split` with the tokenizer of ``enc``."""
         limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
         spans_of = getattr(enc, "token_spans", None)
         if limit is None or not callable(count):
