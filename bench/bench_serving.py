@@ -231,6 +231,7 @@ def _bodies(work: list[tuple[str, str]], k: int) -> list[tuple[str, bytes]]:
 def _latency_summary(lat: list[float], errors: dict[str, int], wall: float) -> dict[str, Any]:
     ms = np.array(lat) * 1000.0
     return {
+        "_lat": list(lat),  # the raw latencies (s), for merge_cells; not written to the JSON
         "requests": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall if wall > 0 else None,
         "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
         "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
@@ -519,6 +520,48 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def merge_cells(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from the slices of a cell run in ``--rounds`` interleaved rounds: counts
+    summed, requests/s over the summed wall time, percentiles over every latency,
+    per-request figures weighted by requests, core figures by wall time; the profile
+    of the slice that had one."""
+    if len(parts) == 1:
+        return parts[0]
+    lat = [x for c in parts for x in c["_lat"]]
+    errors: dict[str, int] = {}
+    for c in parts:
+        for k, v in c["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    out = dict(parts[0])
+    out.update(_latency_summary(lat, errors, sum(c["wall_s"] for c in parts)))
+    done = [max(1, c["requests"] + sum(c["errors"].values())) for c in parts]
+    walls = [c["wall_s"] for c in parts]
+
+    def avg(key: str, weights: list[float]) -> Any:
+        vals = [(c.get(key), w) for c, w in zip(parts, weights) if c.get(key) is not None]
+        return sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
+
+    for key in ("server_cpu_ms_per_request", "client_cpu_ms_per_request", "encode_ms_per_request",
+                "search_ms_per_request"):
+        out[key] = avg(key, done)
+    for key in ("machine_busy_cores", "server_cores", "client_cores", "other_cores"):
+        out[key] = avg(key, walls)
+    out["batches"] = sum(c["batches"] or 0 for c in parts)
+    out["mean_batch"] = avg("mean_batch", [c["batches"] or 0 for c in parts])
+    for key in ("encode_ms_per_batch", "search_ms_per_batch"):
+        out[key] = avg(key, [c["batches"] or 0 for c in parts])
+    for key in ("cache_hits", "cache_misses"):
+        out[key] = sum(c[key] for c in parts)
+    out["load_before"], out["load_after"] = parts[0]["load_before"], parts[-1]["load_after"]
+    out["rounds"] = len(parts)
+    out["rps_per_round"] = [c["rps"] for c in parts]
+    prof = next((c["profile"] for c in parts if c.get("profile")), None)
+    out.pop("profile", None)
+    if prof is not None:
+        out["profile"] = prof
+    return out
+
+
 def _say_cell(say: Any, res: dict[str, Any]) -> None:
     say(f"  {res['rps']:.1f} req/s  p50 {res['p50_ms']:.1f} ms  p99 {res['p99_ms']:.1f} ms  "
         f"mean batch {res['mean_batch'] or 0:.1f}  server CPU {res['server_cpu_ms_per_request']:.2f} ms/req  "
@@ -542,14 +585,25 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
         for c in conc:
             n = max(args.requests, 8 * c)
             cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
-            for config, srv in servers.items():
-                what = f"{args.seconds:g} s" if args.seconds else f"{n} requests"
-                say(f"[{dtype}] {config} concurrency={c}: {what}")
-                res = run_cell(srv, cell_work, c, args.k, args.client, seconds=args.seconds,
-                               profile=args.profile and c in args.profile_at)
+            parts: dict[str, list] = {config: [] for config in servers}
+            # --rounds: each cell in slices, the servers' slices interleaved (A B C A B C ...)
+            # so a change of the machine's load hits every server alike
+            slice_s = args.seconds / args.rounds if args.seconds else None
+            for r in range(args.rounds):
+                for config, srv in servers.items():
+                    what = f"{slice_s:g} s" if slice_s else f"{n} requests"
+                    say(f"[{dtype}] {config} concurrency={c}: {what} (round {r + 1}/{args.rounds})")
+                    part = run_cell(srv, cell_work, c, args.k, args.client, seconds=slice_s,
+                                    profile=args.profile and c in args.profile_at and r == args.rounds // 2)
+                    _say_cell(say, part)
+                    parts[config].append(part)
+            for config in servers:
+                res = merge_cells(parts[config])
                 res.update(config=config, dtype_asked=dtype)
                 doc["cells"].append(res)
-                _say_cell(say, res)
+                if args.rounds > 1:
+                    say(f"[{dtype}] {config} concurrency={c}, {args.rounds} rounds:")
+                    _say_cell(say, res)
         if args.open_loop == "none":
             return
         top = next((cl for cl in doc["cells"] if cl["config"] == "batched" and cl["dtype_asked"] == dtype
@@ -599,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None,
                    help="length of each closed-loop cell in seconds (clients cycle their requests); default: "
                    "--requests requests per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each closed-loop cell as this many slices, the servers' slices interleaved, merged "
+                   "after (default 1; on a shared machine more rounds spread a load change over every server)")
     p.add_argument("--open-loop-configs", default="batched",
                    help="comma list of the configurations that get the open-loop cells (default batched)")
     p.add_argument("--profile", action="store_true",
@@ -607,19 +664,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-at", default="8,64", help="concurrencies profiled with --profile (default 8,64)")
     p.add_argument("--compare-pipeline", action="store_true",
                    help="issue 21 before / after: --configs unpipelined,pipeline-1,batched, open loop on all three, "
-                   "--profile, --seconds 12, --repeats 0, --open-loop-seconds 10 (explicit flags win), "
+                   "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
                    "out bench/results/serving-pipeline-<time>.json")
     args = p.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     if args.compare_pipeline:
         defaults = {"--configs": ("configs", ",".join(COMPARE_PIPELINE)), "--seconds": ("seconds", 12.0),
                     "--repeats": ("repeats", 0), "--open-loop-configs": ("open_loop_configs", ",".join(COMPARE_PIPELINE)),
-                    "--profile": ("profile", True)}
+                    "--profile": ("profile", True), "--rounds": ("rounds", 4)}
         for flag, (dest, value) in defaults.items():
             if flag not in given:
                 setattr(args, dest, value)
     if args.seconds is not None and not args.seconds > 0:
         p.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         args.profile_at = {int(x) for x in args.profile_at.split(",") if x.strip()}
     except ValueError:
@@ -665,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                      "configs": {c: LABELS[c] for c in configs}, "client": args.client, "encoder_dtypes": dtypes,
                      "open_loop": args.open_loop, "open_loop_seconds": args.open_loop_seconds,
                      "open_loop_configs": args.open_loop_configs, "seconds_per_closed_cell": args.seconds,
+                     "rounds": args.rounds,
                      "profile": sorted(args.profile_at) if args.profile else None,
                      "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                      "query": "PersonaBench question text, encoded by the server (all-MiniLM-L6-v2, CPU)",
@@ -729,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
             "p99_ms_at_64": top["p99_ms"] if top else None, "p99_lt_200ms": bool(top and top["p99_ms"] < 200),
         }
     doc["goal"] = goal
+    for cl in [*doc["cells"], *doc["open_loop"], *([doc["cache_cell"]] if "cache_cell" in doc else [])]:
+        cl.pop("_lat", None)
     if "unpipelined" in configs:  # issue 21: the default server against the one before the pipeline
         pg: dict[str, Any] = {}
         for dtype in dtypes:
