@@ -128,7 +128,9 @@ CONFIGS = {
     "single": lambda a: ["--no-batching"],  # each request encodes + searches in its own thread
     "serial": lambda a: ["--max-batch", "1"],  # one worker, one request per encode + search
     # issue 21: micro-batching before the pipeline (one thread encodes, then searches, a batch)
-    "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1"],
+    "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
+                              "--switch-interval-ms", "5"],  # and Python's own GIL switch interval, as before
+    "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
 }
@@ -136,7 +138,8 @@ LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto)",
     "single": "one search per request (thread each)",
     "serial": "one search per request (one worker)",
-    "unpipelined": "micro-batching, no pipeline, 1 encoder (--no-pipeline --encoder-workers 1: before)",
+    "unpipelined": "micro-batching, no pipeline, 1 encoder, 5 ms GIL switch interval (before)",
+    "batched-si5": "the default server with Python's 5 ms GIL switch interval",
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
 }

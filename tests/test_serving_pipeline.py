@@ -518,3 +518,36 @@ def test_text_encoder_num_threads_is_checked_before_loading():
         TextEncoder(model="/nonexistent", num_threads=0)
     with pytest.raises(TypeError, match="num_threads must be an int >= 1 or None"):
         TextEncoder(model="/nonexistent", num_threads=1.5)
+
+
+def test_a_lone_batch_is_shared_out_over_the_idle_encoders_and_never_waits_for_a_busy_one():
+    """Work sharing: with two encoders and nothing else encoding, one batch of 7 texts is
+    split 4 + 3 (balanced by length) over both; while one encoder is held busy, a batch
+    is encoded by the other alone, at once. Answers equal a direct search either way."""
+    seen: list = []
+    a, b = CountingEncoder(DIM, "a", seen), CountingEncoder(DIM, "b", seen)
+    mem = Memory(encoder=[a, b], cache_size=0, timeout=WAIT)
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(30, DIM)).astype(np.float32)
+    mem.add(None, "u", ids=[f"i{j}" for j in range(30)], vectors=X)
+    texts = [f"question {'x' * j}" for j in range(7)]
+    got = mem.search_batch(texts, "u", k=3, mode="dense")
+    assert sorted(n for _, n in seen) == [3, 4] and {name for name, _ in seen} == {"a", "b"}
+    for t, hits in zip(texts, got):
+        assert as_dict(hits) == reference(mem, a.vector(t), "u", 3, "dense")
+    seen.clear()
+    gate = threading.Event()
+    for e in (a, b):
+        e.gate, e.entered = gate, threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(mem.search_batch, ["held"], "u", 3, "dense")
+        wait_for(lambda: a.entered.is_set() or b.entered.is_set(), "one encoder busy")
+        busy, free = (a, b) if a.entered.is_set() else (b, a)
+        free.gate = None
+        alone = mem.search_batch(texts[:5], "u", k=3, mode="dense")  # does not wait for the busy one
+        assert seen[-1] == (free.name, 5) and not held.done()
+        gate.set()
+        assert len(held.result(WAIT)[0]) == 3
+    for t, hits in zip(texts, alone):
+        assert as_dict(hits) == reference(mem, a.vector(t), "u", 3, "dense")
+    mem.close()

@@ -70,10 +70,49 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
     p.add_argument(
+        "--switch-interval-ms", type=_interval_arg, default=DEFAULT_SWITCH_INTERVAL_MS,
+        help=f"the Python interpreter's thread switch interval (sys.setswitchinterval) in ms (default "
+        f"{DEFAULT_SWITCH_INTERVAL_MS:g}; Python's own is 5): how long a thread coming back from the encoder "
+        "or the search kernels (which run without the GIL) may wait for the event loop to let go of the GIL")
+    p.add_argument(
         "--keep-omp-wait-policy", action="store_true",
         help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
         "when it is unset: spinning OpenMP threads starve the event loop and the batcher thread)",
     )
+
+
+#: ``--switch-interval-ms`` default: the GIL hand-off interval of a server process (ms)
+DEFAULT_SWITCH_INTERVAL_MS = 0.5
+
+
+def _interval_arg(value: str) -> float:
+    """``--switch-interval-ms``: a number of ms in (0, 1000] (argparse type)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 < ms <= 1000:
+        raise argparse.ArgumentTypeError(f"must be a number of ms in (0, 1000], got {value!r}")
+    return ms
+
+
+def set_switch_interval(ms: float) -> None:
+    """Set this process's GIL switch interval (``sys.setswitchinterval``) to ``ms`` ms.
+
+    Why: the encoder workers and the search thread spend most of their time in C
+    (ONNX Runtime / torch, the native kernels) without the GIL, and need it back
+    between passes; while the event loop runs Python, a thread asking for the GIL
+    waits up to the interval (Python's default: 5 ms) each time. An encoder thread
+    measured on 2 cores next to one busy Python thread slept 38-48 ms per 32-question
+    batch (of ~105 ms on the CPU) waiting for the GIL at 5 ms, 7-11 ms at 0.5 ms
+    (``docs/benchmarks/serving.md``).
+
+    Raises:
+        ValueError: ``ms`` not in (0, 1000].
+    """
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1000:
+        raise ValueError(f"switch interval must be a number of ms in (0, 1000], got {ms!r}")
+    sys.setswitchinterval(ms / 1000.0)
 
 
 def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,6 +272,7 @@ def _passive_omp(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the server from parsed arguments; returns the exit code."""
     _passive_omp(args)
+    set_switch_interval(args.switch_interval_ms)
     try:
         from .app import serve
     except ImportError as exc:
@@ -302,6 +342,7 @@ def run_mcp(args: argparse.Namespace) -> int:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
     _passive_omp(args)
+    set_switch_interval(args.switch_interval_ms)
     try:
         memory = open_memory(args.path, **memory_kwargs(args))
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:

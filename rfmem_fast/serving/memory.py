@@ -58,6 +58,7 @@ cache invalidation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import copy
 import json
@@ -601,6 +602,7 @@ class Memory:
         # encode call borrows a free one from the pool (one thread per encoder at a time)
         self._encoders: list = encoders if encoders is not None else ([encoder] if self._encoder is not None else [])
         self._pool: queue.SimpleQueue = queue.SimpleQueue()
+        self._helper_pool: cf.ThreadPoolExecutor | None = None
         for e in self._encoders if len(self._encoders) > 1 else ():
             self._pool.put(e)
         self._encoder_kwargs: dict[str, Any] = {} if encoder_dtype is None else {"dtype": encoder_dtype}
@@ -883,14 +885,12 @@ class Memory:
         finally:
             self._pool.put(enc)
 
-    def _encode_rows(self, texts: list[str], name: str) -> list[np.ndarray | ValueError]:
-        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
-        ValueError naming ``name[i]`` (or the query text) when the encoder returned a
-        zero or non-finite row for it. Raises what the encoder call raises."""
-        with self._borrow_encoder() as enc:
-            t0 = time.perf_counter()
-            raw = enc.encode(texts)
-            dt = time.perf_counter() - t0
+    def _encode_with(self, enc: Any, texts: list[str]) -> np.ndarray:
+        """``enc.encode(texts)`` as a checked float array [len(texts), d].
+
+        Raises:
+            ValueError / TypeError: an output of the wrong shape / type."""
+        raw = enc.encode(texts)
         if hasattr(raw, "detach"):
             raw = raw.detach().cpu().float().numpy()
         out = np.asarray(raw)
@@ -898,6 +898,70 @@ class Memory:
             raise ValueError(f"the encoder returned shape {out.shape}, expected ({len(texts)}, {self.dim})")
         if not np.issubdtype(out.dtype, np.floating):
             raise TypeError(f"the encoder returned {out.dtype} values, expected floats")
+        return out
+
+    def _encode_shared(self, texts: list[str]) -> np.ndarray:
+        """Embed ``texts`` with a borrowed encoder, and with every other encoder idle now
+        (work sharing: with ``encoder_workers`` > 1 a lone batch is split over the idle
+        encoders, each part encoded at once, so one batch in flight still uses every
+        worker's threads; busy workers are never waited for, and never more encoder
+        threads run than the workers have). The parts are balanced by text length
+        (length-sorted texts dealt round-robin); row i is ``texts[i]``'s embedding.
+
+        Raises:
+            What an encoder call raises (every part is finished first), ValueError /
+            TypeError as :meth:`_encode_with`."""
+        with self._borrow_encoder() as enc:
+            idle = self._borrow_idle(len(texts) - 1)
+            if not idle:
+                return self._encode_with(enc, texts)
+            try:
+                order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+                k = len(idle) + 1
+                parts = [order[j::k] for j in range(k)]
+                futs = [self._helpers().submit(self._encode_with, e, [texts[i] for i in idx])
+                        for e, idx in zip(idle, parts[1:])]
+                try:
+                    outs = [self._encode_with(enc, [texts[i] for i in parts[0]])]
+                finally:
+                    cf.wait(futs)  # every part done before its encoder goes back to the pool
+                outs += [f.result() for f in futs]
+            finally:
+                for e in idle:
+                    self._pool.put(e)
+        out = np.empty((len(texts), self.dim), dtype=np.result_type(*outs))
+        for idx, part in zip(parts, outs):
+            out[idx] = part
+        return out
+
+    def _borrow_idle(self, most: int) -> list:
+        """Up to ``most`` encoders free right now (never waits); give them back to the pool."""
+        got: list = []
+        if len(self._encoders) < 2:
+            return got
+        while len(got) < most:
+            try:
+                got.append(self._pool.get_nowait())
+            except queue.Empty:
+                break
+        return got
+
+    def _helpers(self) -> cf.ThreadPoolExecutor:
+        """Threads that run the extra parts of a shared encode (one per extra encoder)."""
+        if self._helper_pool is None:
+            with self._encoder_lock:
+                if self._helper_pool is None:
+                    self._helper_pool = cf.ThreadPoolExecutor(max(1, len(self._encoders) - 1),
+                                                              thread_name_prefix="rfmem-encode-helper")
+        return self._helper_pool
+
+    def _encode_rows(self, texts: list[str], name: str) -> list[np.ndarray | ValueError]:
+        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
+        ValueError naming ``name[i]`` (or the query text) when the encoder returned a
+        zero or non-finite row for it. Raises what the encoder call raises."""
+        t0 = time.perf_counter()
+        out = self._encode_shared(texts)
+        dt = time.perf_counter() - t0
         with self._stats_lock:
             c = self._counters
             c["encode_calls"] += 1
@@ -1684,6 +1748,8 @@ class Memory:
             return
         if self._batcher is not None:
             self._batcher.close()
+        if self._helper_pool is not None:
+            self._helper_pool.shutdown(wait=True)
         with self._wmutex:
             try:
                 if self._wal is not None:
