@@ -489,10 +489,11 @@ def test_serve_options_resolve_and_refuse_bad_combinations(tmp_path, monkeypatch
         resolve_encoder_workers(2, "none", True, True)
     with pytest.raises(ValueError, match="encoder_workers must be an int >= 1 or 'auto'"):
         resolve_encoder_workers(0, "default", True, True)
-    for argv in (["--encoder-workers", "0"], ["--encoder-workers", "many"]):
+    for argv in (["--encoder-workers", "0"], ["--encoder-workers", "many"], ["--switch-interval-ms", "0"],
+                 ["--switch-interval-ms", "fast"]):
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--path", str(tmp_path / "m"), *argv])
-        assert exc.value.code == 2 and "--encoder-workers" in capsys.readouterr().err
+        assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
     with pytest.raises(ValueError, match="does not go with --no-pipeline"):
         serve(str(tmp_path / "m"), no_auth=True, pipeline=False, encoder_workers=2)
     assert not (tmp_path / "m").exists()  # refused before anything was opened
@@ -551,3 +552,21 @@ def test_a_lone_batch_is_shared_out_over_the_idle_encoders_and_never_waits_for_a
     for t, hits in zip(texts, alone):
         assert as_dict(hits) == reference(mem, a.vector(t), "u", 3, "dense")
     mem.close()
+
+
+def test_switch_interval_is_set_in_ms_and_checked():
+    import sys
+
+    from rfmem_fast.serving.cli import DEFAULT_SWITCH_INTERVAL_MS, set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(DEFAULT_SWITCH_INTERVAL_MS)
+        assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_MS / 1000)
+        set_switch_interval(5)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        for bad in (0, -1, 1001, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match=r"switch interval must be a number of ms in \(0, 1000\]"):
+                set_switch_interval(bad)
+    finally:
+        sys.setswitchinterval(before)
