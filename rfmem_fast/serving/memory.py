@@ -151,8 +151,12 @@ def default_encoder_workers(cores: int | None = None) -> int:
     one intra-op thread each keep two cores busy with less synchronisation than one
     worker with two threads (MiniLM ONNX float32, 2 cores, batches of 8 / 32
     PersonaBench questions: 1.82 / 1.43 ms per text against 2.18 / 1.62 wall,
-    ``docs/benchmarks/serving.md``); a third worker on two cores only adds
-    contention with the search thread and the event loop.
+    ``docs/benchmarks/serving.md``), and a second worker takes a request that arrives
+    while a batch encodes at once (open-loop p99 2.7-4x lower there); a third worker on
+    two cores only adds contention with the search thread and the event loop. On a
+    machine whose cores are taken by other CPU-bound processes one worker served more
+    closed-loop requests per second in the same runs (more threads needing the GIL):
+    ``encoder_workers=1`` there.
 
     Args:
         cores: the cores to plan for (default :func:`usable_cores`); int >= 1.
