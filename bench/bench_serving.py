@@ -32,9 +32,9 @@ load (load average, cores busy with other processes), versions, the command and 
 figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
 
 5. ``--compare-pipeline`` (issue 21): the server as it was (``--no-pipeline
-   --encoder-workers 1``: one batch encoded, then searched, on one thread), pipelined
-   with one encoder worker, and the default server (pipelined, ``--encoder-workers
-   auto``) side by side: closed loop at 1 / 8 / 64 clients for ``--seconds`` each,
+   --encoder-workers 1 --switch-interval-ms 5``: one batch encoded, then searched, on
+   one thread), the default server (pipelined, ``--encoder-workers auto``) and the
+   pipeline with two encoder workers side by side: closed loop at 1 / 8 / 64 clients for ``--seconds`` each,
    open loop at the same offered rates on every server, and (``--profile``, needs
    Linux ``perf``) where the server's CPU goes per request: ``perf record`` on the
    server during each 8- and 64-client cell, samples split by thread role (the event
@@ -135,7 +135,7 @@ CONFIGS = {
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
 }
 LABELS = {
-    "batched": "micro-batching (default server: pipelined, --encoder-workers auto)",
+    "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
     "single": "one search per request (thread each)",
     "serial": "one search per request (one worker)",
     "unpipelined": "micro-batching, no pipeline, 1 encoder, 5 ms GIL switch interval (before)",
@@ -143,8 +143,9 @@ LABELS = {
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
 }
-#: the configurations of --compare-pipeline: before, pipelined with one worker, the default
-COMPARE_PIPELINE = ("unpipelined", "pipeline-1", "batched")
+#: the configurations of --compare-pipeline: before, the default (pipeline, --encoder-workers auto),
+#: the pipeline with two encoder workers (1 vs 2 workers)
+COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
 
 
 class Server:
@@ -666,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                    "by thread role (event loop / encode / search) and shared object (needs Linux perf)")
     p.add_argument("--profile-at", default="8,64", help="concurrencies profiled with --profile (default 8,64)")
     p.add_argument("--compare-pipeline", action="store_true",
-                   help="issue 21 before / after: --configs unpipelined,pipeline-1,batched, open loop on all three, "
+                   help="issue 21 before / after: --configs unpipelined,batched,pipeline-2, open loop on all three, "
                    "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
                    "out bench/results/serving-pipeline-<time>.json")
     args = p.parse_args(argv)

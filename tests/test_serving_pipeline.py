@@ -433,7 +433,7 @@ def test_memory_pipeline_options_are_checked():
 
 
 def test_default_encoder_workers_rule_and_threads_per_worker(monkeypatch):
-    assert [default_encoder_workers(c) for c in (1, 2, 3, 16)] == [1, 2, 2, 2]
+    assert [default_encoder_workers(c) for c in (1, 2, 3, 4, 7, 8, 16)] == [1, 1, 1, 1, 1, 2, 4]
     for bad in (0, 1.0, None.__class__):
         with pytest.raises(ValueError, match="cores must be an int >= 1"):
             default_encoder_workers(bad)

@@ -59,8 +59,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
     p.add_argument("--encoder-workers", type=_workers_arg, default="auto",
                    help="micro-batches encoded at once, each by its own copy of the text encoder with its share of "
-                   "the cores' threads: an int >= 1 or 'auto' (default) = min(2, cores) with the default encoder or "
-                   "a model directory, 1 with --encoder none, --no-pipeline or --no-batching")
+                   "the cores' threads: an int >= 1 or 'auto' (default) = one per 4 cores, at least 1 (1 on 2 cores), "
+                   "with a text encoder; 1 with --encoder none, --no-pipeline or --no-batching")
     p.add_argument("--no-pipeline", action="store_true",
                    help="encode and search each micro-batch on one thread, one batch at a time (by default the next "
                    "batch is encoded while the current one is searched)")
@@ -141,7 +141,7 @@ def _workers_arg(value: str) -> int | str:
 
 def resolve_encoder_workers(encoder_workers: int | str, encoder: str, batching: bool, pipeline: bool) -> int:
     """The encoder workers a server runs: ``encoder_workers`` itself, or for "auto"
-    :func:`rfmem_fast.serving.memory.default_encoder_workers` (min(2, cores)) with a text
+    :func:`rfmem_fast.serving.memory.default_encoder_workers` (max(1, cores // 4)) with a text
     encoder, batching and the pipeline, else 1.
 
     Raises:

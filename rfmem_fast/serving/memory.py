@@ -130,8 +130,8 @@ def _default_encoder(**kwargs: Any) -> Any:
     return TextEncoder(batch_size=ENCODE_BATCH_SIZE, show_progress=False, **kwargs)
 
 
-#: the most encoder workers "auto" picks (:func:`default_encoder_workers`)
-MAX_AUTO_ENCODER_WORKERS = 2
+#: cores per encoder worker of "auto" (:func:`default_encoder_workers`)
+CORES_PER_ENCODER_WORKER = 4
 
 
 def usable_cores() -> int:
@@ -145,18 +145,18 @@ def usable_cores() -> int:
 
 def default_encoder_workers(cores: int | None = None) -> int:
     """Encoder workers of ``encoder_workers="auto"`` (``rfmem serve`` default): the rule is
-    ``min(MAX_AUTO_ENCODER_WORKERS, cores)``, i.e. 1 on one core, 2 from two cores.
+    one worker per :data:`CORES_PER_ENCODER_WORKER` (4) cores, at least one:
+    ``max(1, cores // 4)``, so 1 up to 7 cores (each worker then gets
+    :func:`encoder_threads`, all the cores, as ONNX Runtime / torch intra-op threads).
 
-    Why: ONNX Runtime and torch release the GIL while they encode, so two workers with
-    one intra-op thread each keep two cores busy with less synchronisation than one
-    worker with two threads (MiniLM ONNX float32, 2 cores, batches of 8 / 32
-    PersonaBench questions: 1.82 / 1.43 ms per text against 2.18 / 1.62 wall,
-    ``docs/benchmarks/serving.md``), and a second worker takes a request that arrives
-    while a batch encodes at once (open-loop p99 2.7-4x lower there); a third worker on
-    two cores only adds contention with the search thread and the event loop. On a
-    machine whose cores are taken by other CPU-bound processes one worker served more
-    closed-loop requests per second in the same runs (more threads needing the GIL):
-    ``encoder_workers=1`` there.
+    Why (``docs/benchmarks/serving.md``, 2 cores): an encoder's intra-op threads run
+    without the GIL, but each extra worker is a Python thread that needs the GIL back
+    between its ONNX passes, next to the event loop and the search thread. Alone, two
+    workers with one thread each encode faster than one worker with two (1.43 vs 1.62
+    ms per question in batches of 32), but in the server on two shared cores the
+    second worker served 14-36 % fewer closed-loop requests per second at 64 clients
+    (five runs) and won on open-loop tails in only some. Beyond 2 cores this rule is
+    not measured: it keeps each worker's pass on 4 or more threads.
 
     Args:
         cores: the cores to plan for (default :func:`usable_cores`); int >= 1.
@@ -168,7 +168,7 @@ def default_encoder_workers(cores: int | None = None) -> int:
         cores = usable_cores()
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be an int >= 1, got {cores!r}")
-    return min(MAX_AUTO_ENCODER_WORKERS, cores)
+    return max(1, cores // CORES_PER_ENCODER_WORKER)
 
 
 def encoder_threads(workers: int, cores: int | None = None) -> int:
@@ -485,7 +485,7 @@ class Memory:
             :class:`~rfmem_fast.serving.MicroBatcher` ``prepare`` / ``pipeline``); False
             encodes and searches each batch on one thread, one batch at a time.
         encoder_workers: batches encoded at once, each by its own encoder: an int
-            >= 1; "auto" (:func:`default_encoder_workers`: 2 on two cores or more,
+            >= 1; "auto" (:func:`default_encoder_workers`: one per 4 cores, at least 1,
             with the default encoder, batching and the pipeline; else 1); or None
             (default): 1, or the length of ``encoder`` when it is a list. With the
             default encoder, that many are loaded, each with :func:`encoder_threads`
