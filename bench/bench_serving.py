@@ -31,19 +31,34 @@ JSON (``--out``, default ``bench/results/serving-<time>.json``) holds the machin
 load (load average, cores busy with other processes), versions, the command and every
 figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
 
+5. ``--compare-pipeline`` (issue 21): the server as it was (``--no-pipeline
+   --encoder-workers 1 --switch-interval-ms 5``: one batch encoded, then searched, on
+   one thread), the default server (pipelined, ``--encoder-workers auto``) and the
+   pipeline with two encoder workers side by side: closed loop at 1 / 8 / 64 clients for ``--seconds`` each,
+   open loop at the same offered rates on every server, and (``--profile``, needs
+   Linux ``perf``) where the server's CPU goes per request: ``perf record`` on the
+   server during each 8- and 64-client cell, samples split by thread role (the event
+   loop = HTTP / JSON; encoder threads; the search thread) and by shared object
+   (ONNX Runtime / torch / tokenizers = encode, ``_native`` = search kernels, the
+   Python interpreter, the kernel).
+
     python bench/bench_serving.py                       # ~3-4 min on 2 CPU cores
     python bench/bench_serving.py --encoder-dtype auto,float32   # both precisions
     python bench/bench_serving.py --concurrency 1,8 --requests 100 --open-loop none   # quicker
+    python bench/bench_serving.py --compare-pipeline    # before / after the pipeline, ~5 min
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import itertools
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -112,12 +127,25 @@ CONFIGS = {
     "batched": lambda a: ["--max-batch", str(a.max_batch)],  # micro-batching (the default server)
     "single": lambda a: ["--no-batching"],  # each request encodes + searches in its own thread
     "serial": lambda a: ["--max-batch", "1"],  # one worker, one request per encode + search
+    # issue 21: micro-batching before the pipeline (one thread encodes, then searches, a batch)
+    "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
+                              "--switch-interval-ms", "5"],  # and Python's own GIL switch interval, as before
+    "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
+    "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
+    "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
 }
 LABELS = {
-    "batched": "micro-batching",
+    "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
     "single": "one search per request (thread each)",
     "serial": "one search per request (one worker)",
+    "unpipelined": "micro-batching, no pipeline, 1 encoder, 5 ms GIL switch interval (before)",
+    "batched-si5": "the default server with Python's 5 ms GIL switch interval",
+    "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
+    "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
 }
+#: the configurations of --compare-pipeline: before, the default (pipeline, --encoder-workers auto),
+#: the pipeline with two encoder workers (1 vs 2 workers)
+COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
 
 
 class Server:
@@ -207,6 +235,7 @@ def _bodies(work: list[tuple[str, str]], k: int) -> list[tuple[str, bytes]]:
 def _latency_summary(lat: list[float], errors: dict[str, int], wall: float) -> dict[str, Any]:
     ms = np.array(lat) * 1000.0
     return {
+        "_lat": list(lat),  # the raw latencies (s), for merge_cells; not written to the JSON
         "requests": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall if wall > 0 else None,
         "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
         "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None,
@@ -214,17 +243,23 @@ def _latency_summary(lat: list[float], errors: dict[str, int], wall: float) -> d
     }
 
 
-async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "httpx") -> dict[str, Any]:
+async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "httpx",
+                seconds: float | None = None) -> dict[str, Any]:
     """Closed loop: ``concurrency`` clients send ``work`` (question, user) in order, each
-    the next one as soon as its previous answer arrived (client: :func:`_session`)."""
+    the next one as soon as its previous answer arrived (client: :func:`_session`);
+    with ``seconds``, ``work`` is cycled and no request is sent after that many seconds."""
     lat: list[float] = []
     errors: dict[str, int] = {}
-    it = iter(_bodies(work, k))
+    bodies = _bodies(work, k)
+    it = iter(bodies) if seconds is None else itertools.cycle(bodies)
     session, one, transport_errors = _session(base, client, concurrency)
+    stop_at = None if seconds is None else time.perf_counter() + seconds
 
     async def worker(http: Any) -> None:
         for u, body in it:
             t0 = time.perf_counter()
+            if stop_at is not None and t0 >= stop_at:
+                return
             key = await _ask(one, http, u, body, transport_errors)
             _record(key, time.perf_counter() - t0, lat, errors)
 
@@ -294,19 +329,24 @@ async def drive_open(base: str, work: list[tuple[str, str]], rate: float, k: int
 
 
 def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: int, client: str,
-             rate: float | None = None) -> dict[str, Any]:
+             rate: float | None = None, seconds: float | None = None, profile: bool = False) -> dict[str, Any]:
     """One (server, concurrency) cell -- or, with ``rate``, one open-loop cell -- with the
-    server-side metrics, the CPU of server and client, and the load around it."""
+    server-side metrics, the CPU of server and client, and the load around it
+    (``seconds``: a closed-loop cell of that length; ``profile``: ``perf record`` on
+    the server during the cell, :func:`cpu_profile`)."""
     import httpx
 
     with httpx.Client() as c:
         m0 = metrics(c, server.base)
+    perf = start_perf(server.proc.pid) if profile else None
     cpu0, srv0, load0 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
     if rate is None:
-        res = asyncio.run(drive(server.base, work, concurrency, k, client))
+        res = asyncio.run(drive(server.base, work, concurrency, k, client, seconds))
     else:
         res = asyncio.run(drive_open(server.base, work, rate, k, client))
     cpu1, srv1, load1 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
+    if perf is not None:
+        res["profile"] = stop_perf(perf, server.proc.pid)
     with httpx.Client() as c:
         m1 = metrics(c, server.base)
     d = {key: m1[key] - m0[key] for key in m0}
@@ -333,7 +373,118 @@ def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: i
         client_cores = (cpu1[2] - cpu0[2]) / wall
         res.update(machine_busy_cores=busy, server_cores=server_cores, client_cores=client_cores,
                    other_cores=max(0.0, busy - server_cores - client_cores))
+    prof = res.get("profile")
+    if prof and prof.get("samples"):  # the shares as CPU ms per request
+        per_req = res["server_cpu_ms_per_request"]
+        prof["ms_per_request"] = {role: round(share * per_req, 3) for role, share in prof["roles"].items()}
+        prof["ms_per_request_by_kind"] = {kind: round(share * per_req, 3) for kind, share in prof["kinds"].items()}
+        prof["ms_per_request_split"] = {k: round(share * per_req, 3) for k, share in prof["split"].items()}
     return res
+
+
+# ---------------------------------------------------------------------- CPU profile (perf)
+#: shared objects -> what they do in the server (first match wins; else "other")
+DSO_KINDS = (
+    ("encode", ("onnxruntime", "libtorch", "libc10", "tokenizers", "libgomp", "libiomp", "mkl", "dnnl")),
+    ("search", ("_native",)),
+    ("numpy", ("_multiarray", "openblas", "numpy", "_umath")),
+    ("python", ("libpython", "python3", "[unknown]")),
+    ("json/http", ("orjson", "httptools", "uvloop", "pydantic_core", "_json", "_ssl", "_asyncio")),
+    ("kernel", ("[kernel", "[vdso]")),
+    ("libc", ("libc.so", "libc-", "libm.so", "libpthread", "ld-linux", "libstdc++")),
+)
+
+
+def _kind(dso: str) -> str:
+    for kind, marks in DSO_KINDS:
+        if any(m in dso for m in marks):
+            return kind
+    return "other"
+
+
+def start_perf(pid: int) -> Any:
+    """``perf record`` (cpu-clock at 499 Hz, every thread) of ``pid`` into a temporary
+    file; None when perf is missing or refused."""
+    if shutil.which("perf") is None:
+        return None
+    out = tempfile.NamedTemporaryFile(prefix="rfmem-perf-", suffix=".data", delete=False).name
+    proc = subprocess.Popen(["perf", "record", "-F", "499", "-e", "cpu-clock", "-p", str(pid), "-o", out, "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(0.3)  # perf attaches to every thread
+    if proc.poll() is not None:
+        return None
+    return proc, out
+
+
+def stop_perf(perf: Any, pid: int) -> dict[str, Any]:
+    """Stop :func:`start_perf`'s recording and summarise it (:func:`cpu_profile`)."""
+    proc, out = perf
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        rep = subprocess.run(["perf", "report", "-i", out, "--stdio", "--no-children", "--sort", "pid,dso",
+                              "-F", "sample,pid,dso", "-q"], capture_output=True, text=True, timeout=120).stdout
+    finally:
+        os.unlink(out)
+    return cpu_profile(rep, pid)
+
+
+def cpu_profile(report: str, pid: int) -> dict[str, Any]:
+    """Where the server's CPU went, from ``perf report --sort pid,dso -F sample,pid,dso`` (perf's "pid" is the thread).
+
+    Each thread gets a role: the process's main thread (tid == pid) is the event loop
+    (HTTP parsing, FastAPI, pydantic, JSON, the asyncio hand-off to the batcher); any
+    other thread is "encode" when most of its samples are in encoder libraries (ONNX
+    Runtime, torch, tokenizers: the encoder workers and their intra-op threads), else
+    "search" (the search thread, and the native kernels' own threads); without the
+    pipeline the one batch thread does both and counts as "encode".
+
+    "split" answers "encode vs search vs HTTP/JSON" the same way with and without the
+    pipeline: "http/json" = every sample of the event loop thread; outside it,
+    "encoder libs" (ONNX Runtime / torch / tokenizers), "search kernels" (``_native``
+    and numpy), "python" (the interpreter: the batcher, the encode stage's Python
+    around the runtime, the search stage's routing, collapsing and hit building) and
+    "os" (kernel, libc, other).
+
+    Returns the fraction of samples per role ("roles"), per kind of shared object
+    ("kinds", :data:`DSO_KINDS`), per (role, kind) ("role_kinds"), "split", the
+    busiest threads and the sample count.
+    """
+    per: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in report.splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+):\S*\s+(.+?)\s*$", line)
+        if m:
+            per[int(m.group(2))][_kind(m.group(3))] += int(m.group(1))
+    total = sum(sum(c.values()) for c in per.values())
+    if not total:
+        return {"samples": 0}
+    roles: collections.Counter = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    both: collections.Counter = collections.Counter()
+    split: collections.Counter = collections.Counter()
+    threads = []
+    for tid, c in per.items():
+        n = sum(c.values())
+        role = "event loop" if tid == pid else "encode" if c["encode"] >= c["search"] + c["numpy"] else "search"
+        roles[role] += n
+        kinds.update(c)
+        for kind, v in c.items():
+            both[f"{role}/{kind}"] += v
+            split[SPLIT_OF.get(kind, "os") if role != "event loop" else "http/json"] += v
+        threads.append({"tid": tid, "role": role, "share": n / total, "top": c.most_common(3)})
+    frac = lambda c: {k: round(v / total, 4) for k, v in c.most_common()}  # noqa: E731
+    return {"samples": total, "roles": frac(roles), "kinds": frac(kinds), "role_kinds": frac(both),
+            "split": {k: round(split[k] / total, 4) for k in SPLIT}, "threads": sorted(threads, key=lambda t: -t["share"])[:12]}
+
+
+#: the columns of the profile's "split" (:func:`cpu_profile`) and the DSO kinds in each
+SPLIT = ("http/json", "encoder libs", "search kernels", "python", "os")
+SPLIT_OF = {"encode": "encoder libs", "search": "search kernels", "numpy": "search kernels", "python": "python",
+            "json/http": "python"}
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
@@ -373,6 +524,48 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def merge_cells(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from the slices of a cell run in ``--rounds`` interleaved rounds: counts
+    summed, requests/s over the summed wall time, percentiles over every latency,
+    per-request figures weighted by requests, core figures by wall time; the profile
+    of the slice that had one."""
+    if len(parts) == 1:
+        return parts[0]
+    lat = [x for c in parts for x in c["_lat"]]
+    errors: dict[str, int] = {}
+    for c in parts:
+        for k, v in c["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    out = dict(parts[0])
+    out.update(_latency_summary(lat, errors, sum(c["wall_s"] for c in parts)))
+    done = [max(1, c["requests"] + sum(c["errors"].values())) for c in parts]
+    walls = [c["wall_s"] for c in parts]
+
+    def avg(key: str, weights: list[float]) -> Any:
+        vals = [(c.get(key), w) for c, w in zip(parts, weights) if c.get(key) is not None]
+        return sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
+
+    for key in ("server_cpu_ms_per_request", "client_cpu_ms_per_request", "encode_ms_per_request",
+                "search_ms_per_request"):
+        out[key] = avg(key, done)
+    for key in ("machine_busy_cores", "server_cores", "client_cores", "other_cores"):
+        out[key] = avg(key, walls)
+    out["batches"] = sum(c["batches"] or 0 for c in parts)
+    out["mean_batch"] = avg("mean_batch", [c["batches"] or 0 for c in parts])
+    for key in ("encode_ms_per_batch", "search_ms_per_batch"):
+        out[key] = avg(key, [c["batches"] or 0 for c in parts])
+    for key in ("cache_hits", "cache_misses"):
+        out[key] = sum(c[key] for c in parts)
+    out["load_before"], out["load_after"] = parts[0]["load_before"], parts[-1]["load_after"]
+    out["rounds"] = len(parts)
+    out["rps_per_round"] = [c["rps"] for c in parts]
+    prof = next((c["profile"] for c in parts if c.get("profile")), None)
+    out.pop("profile", None)
+    if prof is not None:
+        out["profile"] = prof
+    return out
+
+
 def _say_cell(say: Any, res: dict[str, Any]) -> None:
     say(f"  {res['rps']:.1f} req/s  p50 {res['p50_ms']:.1f} ms  p99 {res['p99_ms']:.1f} ms  "
         f"mean batch {res['mean_batch'] or 0:.1f}  server CPU {res['server_cpu_ms_per_request']:.2f} ms/req  "
@@ -396,12 +589,25 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
         for c in conc:
             n = max(args.requests, 8 * c)
             cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
-            for config, srv in servers.items():
-                say(f"[{dtype}] {config} concurrency={c}: {n} requests")
-                res = run_cell(srv, cell_work, c, args.k, args.client)
+            parts: dict[str, list] = {config: [] for config in servers}
+            # --rounds: each cell in slices, the servers' slices interleaved (A B C A B C ...)
+            # so a change of the machine's load hits every server alike
+            slice_s = args.seconds / args.rounds if args.seconds else None
+            for r in range(args.rounds):
+                for config, srv in servers.items():
+                    what = f"{slice_s:g} s" if slice_s else f"{n} requests"
+                    say(f"[{dtype}] {config} concurrency={c}: {what} (round {r + 1}/{args.rounds})")
+                    part = run_cell(srv, cell_work, c, args.k, args.client, seconds=slice_s,
+                                    profile=args.profile and c in args.profile_at and r == args.rounds // 2)
+                    _say_cell(say, part)
+                    parts[config].append(part)
+            for config in servers:
+                res = merge_cells(parts[config])
                 res.update(config=config, dtype_asked=dtype)
                 doc["cells"].append(res)
-                _say_cell(say, res)
+                if args.rounds > 1:
+                    say(f"[{dtype}] {config} concurrency={c}, {args.rounds} rounds:")
+                    _say_cell(say, res)
         if args.open_loop == "none":
             return
         top = next((cl for cl in doc["cells"] if cl["config"] == "batched" and cl["dtype_asked"] == dtype
@@ -410,15 +616,15 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
             rates = [round(f * top["rps"]) for f in (0.25, 0.5, 0.75)] if top and top["rps"] else []
         else:
             rates = [float(x) for x in args.open_loop.split(",") if x.strip()]
-        srv = servers["batched"]
-        for i, rate in enumerate(rates):
+        for rate in rates:  # the same offered rates (and requests) for every server, interleaved
             n = max(64, int(rate * args.open_loop_seconds))
             cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
-            say(f"[{dtype}] batched open loop at {rate} req/s: {n} requests")
-            res = run_cell(srv, cell_work, 0, args.k, args.client, rate=rate)
-            res.update(config="batched", dtype_asked=dtype, mode="open-loop")
-            doc["open_loop"].append(res)
-            _say_cell(say, res)
+            for config in args.open_loop_configs:
+                say(f"[{dtype}] {config} open loop at {rate} req/s: {n} requests")
+                res = run_cell(servers[config], cell_work, 0, args.k, args.client, rate=rate)
+                res.update(config=config, dtype_asked=dtype, mode="open-loop")
+                doc["open_loop"].append(res)
+                _say_cell(say, res)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -448,7 +654,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("aiohttp", "httpx"), default=None,
                    help="load generator (default aiohttp when installed: ~0.2 ms CPU per request vs ~3.6 for httpx)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/serving-<time>.json)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="length of each closed-loop cell in seconds (clients cycle their requests); default: "
+                   "--requests requests per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each closed-loop cell as this many slices, the servers' slices interleaved, merged "
+                   "after (default 1; on a shared machine more rounds spread a load change over every server)")
+    p.add_argument("--open-loop-configs", default="batched",
+                   help="comma list of the configurations that get the open-loop cells (default batched)")
+    p.add_argument("--profile", action="store_true",
+                   help="perf record the server during the closed-loop cells of --profile-at clients: CPU per request "
+                   "by thread role (event loop / encode / search) and shared object (needs Linux perf)")
+    p.add_argument("--profile-at", default="8,64", help="concurrencies profiled with --profile (default 8,64)")
+    p.add_argument("--compare-pipeline", action="store_true",
+                   help="issue 21 before / after: --configs unpipelined,batched,pipeline-2, open loop on all three, "
+                   "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
+                   "out bench/results/serving-pipeline-<time>.json")
     args = p.parse_args(argv)
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+    if args.compare_pipeline:
+        defaults = {"--configs": ("configs", ",".join(COMPARE_PIPELINE)), "--seconds": ("seconds", 12.0),
+                    "--repeats": ("repeats", 0), "--open-loop-configs": ("open_loop_configs", ",".join(COMPARE_PIPELINE)),
+                    "--profile": ("profile", True), "--rounds": ("rounds", 4)}
+        for flag, (dest, value) in defaults.items():
+            if flag not in given:
+                setattr(args, dest, value)
+    if args.seconds is not None and not args.seconds > 0:
+        p.error(f"--seconds must be > 0, got {args.seconds}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    try:
+        args.profile_at = {int(x) for x in args.profile_at.split(",") if x.strip()}
+    except ValueError:
+        p.error(f"--profile-at must be a comma list of ints, got {args.profile_at!r}")
     if args.client is None:
         try:
             import aiohttp  # noqa: F401
@@ -460,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or "batched" not in configs:
         p.error(f"--configs must include 'batched' and only name {list(CONFIGS)}")
+    args.open_loop_configs = [c.strip() for c in args.open_loop_configs.split(",") if c.strip()]
+    if any(c not in configs for c in args.open_loop_configs):
+        p.error(f"--open-loop-configs must name configurations of --configs {configs}, got {args.open_loop_configs}")
     dtypes = [d.strip() for d in args.encoder_dtype.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         p.error(f"--encoder-dtype must be a comma list of {DTYPES}, got {args.encoder_dtype!r}")
@@ -474,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     if data is None:
         print("PersonaBench not found: pass --data", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stem = "serving-pipeline" if args.compare_pipeline else "serving"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     tmp = Path(tempfile.mkdtemp(prefix="rfmem-serving-bench-"))
     doc: dict[str, Any] = {
@@ -485,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
                      "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "data": str(data),
                      "configs": {c: LABELS[c] for c in configs}, "client": args.client, "encoder_dtypes": dtypes,
                      "open_loop": args.open_loop, "open_loop_seconds": args.open_loop_seconds,
+                     "open_loop_configs": args.open_loop_configs, "seconds_per_closed_cell": args.seconds,
+                     "rounds": args.rounds,
+                     "profile": sorted(args.profile_at) if args.profile else None,
+                     "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                      "query": "PersonaBench question text, encoded by the server (all-MiniLM-L6-v2, CPU)",
                      "cache": "off for the batching cells; on for the repeated-question cell",
                      "cpu": "server_cpu_ms_per_request: the server process; client_cpu_ms_per_request: this "
@@ -547,6 +793,23 @@ def main(argv: list[str] | None = None) -> int:
             "p99_ms_at_64": top["p99_ms"] if top else None, "p99_lt_200ms": bool(top and top["p99_ms"] < 200),
         }
     doc["goal"] = goal
+    for cl in [*doc["cells"], *doc["open_loop"], *([doc["cache_cell"]] if "cache_cell" in doc else [])]:
+        cl.pop("_lat", None)
+    if "unpipelined" in configs:  # issue 21: the default server against the one before the pipeline
+        pg: dict[str, Any] = {}
+        for dtype in dtypes:
+            cells = {c: (by.get(("unpipelined", dtype, c)), by.get(("batched", dtype, c))) for c in conc}
+            ratio = {str(c): a["rps"] / b["rps"] for c, (b, a) in cells.items() if a and b and b["rps"]}
+            a64, a8 = cells.get(64, (None, None))[1], cells.get(8, (None, None))[1]
+            pg[dtype] = {
+                "rps_ratio_after_over_before": ratio,
+                "p99_ms_before": {str(c): b["p99_ms"] for c, (b, a) in cells.items() if b},
+                "p99_ms_after": {str(c): a["p99_ms"] for c, (b, a) in cells.items() if a},
+                "rps_ratio_64_ge_2": bool(ratio.get("64", 0) >= 2),
+                "p99_64_lt_200ms": bool(a64 and a64["p99_ms"] < 200),
+                "p99_8_lt_50ms": bool(a8 and a8["p99_ms"] < 50),
+            }
+        doc["pipeline_goal"] = pg
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     png = out.with_suffix(".png")
@@ -562,14 +825,27 @@ def main(argv: list[str] | None = None) -> int:
               f"{cl['search_ms_per_request']:.2f} | {cl['server_cpu_ms_per_request']:.2f} | "
               f"{cl['client_cpu_ms_per_request'] or 0:.2f} | {sum(cl['errors'].values())} |")
     if doc["open_loop"]:
-        print("\n| open loop (micro-batching) | precision | offered req/s | served req/s | p50 ms | p99 ms | "
+        print("\n| open loop | precision | offered req/s | served req/s | p50 ms | p99 ms | "
               "mean batch | server CPU ms/req | client send lag p99 ms | errors |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for cl in doc["open_loop"]:
-            print(f"| batched | {cl['encoder_dtype']} | {cl['offered_rps']:.0f} | {cl['rps']:.1f} | {cl['p50_ms']:.1f} | "
+            print(f"| {cl['config']} | {cl['encoder_dtype']} | {cl['offered_rps']:.0f} | {cl['rps']:.1f} | {cl['p50_ms']:.1f} | "
                   f"{cl['p99_ms']:.1f} | {cl['mean_batch'] or 0:.1f} | {cl['server_cpu_ms_per_request']:.2f} | "
                   f"{cl['send_lag_p99_ms']:.1f} | {sum(cl['errors'].values())} |")
+    profiled = [cl for cl in doc["cells"] if (cl.get("profile") or {}).get("samples")]
+    if profiled:
+        print("\n| server CPU ms / request | clients | total | " + " | ".join(SPLIT)
+              + " | event loop thread | encode threads | search thread |")
+        print("|---|---|---|" + "---|" * (len(SPLIT) + 3))
+        for cl in profiled:
+            pr = cl["profile"]
+            roles, split = pr["ms_per_request"], pr["ms_per_request_split"]
+            print(f"| {cl['config']} | {cl['concurrency']} | {cl['server_cpu_ms_per_request']:.2f} | "
+                  + " | ".join(f"{split.get(k, 0):.2f}" for k in SPLIT)
+                  + f" | {roles.get('event loop', 0):.2f} | {roles.get('encode', 0):.2f} | {roles.get('search', 0):.2f} |")
     print(f"req/s ratios (batched / baseline, same precision): {ratios}")
+    if doc.get("pipeline_goal"):
+        print(f"pipeline goal (default server / --no-pipeline --encoder-workers 1): {doc['pipeline_goal']}")
     print(f"goal: {goal}")
     return 0
 

@@ -344,6 +344,12 @@ class TextEncoder:
             graph is exported from the model's weights on first use and cached:
             :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`);
             :attr:`backend` tells the one in use. Extra ``onnx`` for "onnx".
+        num_threads: CPU threads of one :meth:`encode` call (int >= 1), or None
+            (default) for ``torch.get_num_threads()`` at construction. ONNX: the
+            session's ``intra_op_num_threads``; torch: ``torch.set_num_threads`` in the
+            calling thread for the call (restored after). Several encoders encoding
+            at once (``rfmem serve --encoder-workers``) share the cores out this way
+            instead of oversubscribing them.
 
     Raises:
         FileNotFoundError: if ``model`` is not an existing local directory (a hub name
@@ -358,6 +364,7 @@ class TextEncoder:
             not cover (other than Transformer -> mean Pooling -> Normalize).
         TypeError: if ``batch_size`` is not an int, ``device`` not a str or
             ``dtype`` / ``backend`` not a str.
+        ValueError / TypeError: ``num_threads`` not an int >= 1 (or None).
         ImportError: ``backend="onnx"`` without onnxruntime / onnx (names the extra).
 
     Thread safety: one instance may be shared by threads; calls to :meth:`encode` on
@@ -378,8 +385,13 @@ class TextEncoder:
         show_progress: bool | None = None,
         dtype: str = "float32",
         backend: str = "torch",
+        num_threads: int | None = None,
     ) -> None:
         check_backend(backend, dtype)
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)):
+            raise TypeError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
             raise TypeError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if batch_size < 1:
@@ -413,6 +425,7 @@ class TextEncoder:
         self._device: str = device
         self._batch_size: int = batch_size
         self._show_progress: bool | None = show_progress
+        self._num_threads: int | None = num_threads
         self._lock = threading.Lock()
         quiet = contextlib.nullcontext() if show_progress else _quiet_weight_loading()
         with quiet:
@@ -428,7 +441,7 @@ class TextEncoder:
         self._autocast: Any = None
         self._onnx: _OnnxRunner | None = None
         if self._backend == "onnx":
-            self._onnx = _OnnxRunner(self._model, path, self._dtype)
+            self._onnx = _OnnxRunner(self._model, path, self._dtype, num_threads)
         elif self._dtype != "float32":
             import torch
 
@@ -446,6 +459,19 @@ class TextEncoder:
     def dim(self) -> int:
         """Embedding dimension d (int; 384 for all-MiniLM-L6-v2)."""
         return self._dim
+
+    @property
+    def num_threads(self) -> int:
+        """CPU threads one :meth:`encode` call uses (int >= 1): ``num_threads`` as given,
+        else (ONNX) the session's intra-op threads or (torch) the calling thread's
+        ``torch.get_num_threads()`` now."""
+        if self._onnx is not None:
+            return self._onnx.num_threads
+        if self._num_threads is not None:
+            return self._num_threads
+        import torch
+
+        return max(1, int(torch.get_num_threads()))
 
     @property
     def model_path(self) -> str:
@@ -512,7 +538,7 @@ class TextEncoder:
         return (
             f"TextEncoder(model={self._model_path!r}, device={self._device!r}, "
             f"batch_size={self._batch_size}, dim={self._dim}, dtype={self._dtype!r}, "
-            f"backend={self._backend!r})"
+            f"backend={self._backend!r}, num_threads={self.num_threads})"
         )
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -556,7 +582,7 @@ class TextEncoder:
         if self._onnx is not None:
             with self._lock:
                 return self._onnx.encode(items, self._batch_size)
-        with self._lock, self._precision():
+        with self._lock, self._precision(), self._threads():
             out = self._model.encode(
                 items,
                 batch_size=self._batch_size,
@@ -572,6 +598,25 @@ class TextEncoder:
         if self._autocast is not None:  # unit norm in float32 whatever the pass computed in
             arr /= np.linalg.norm(arr, axis=1, keepdims=True)
         return arr
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """torch's threads for one call: ``num_threads`` when given (the calling thread's
+        OpenMP / MKL setting, restored on exit), else unchanged."""
+        if self._num_threads is None:
+            yield
+            return
+        import torch
+
+        prev = torch.get_num_threads()
+        if prev == self._num_threads:
+            yield
+            return
+        torch.set_num_threads(self._num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev)
 
     def _precision(self) -> Any:
         """``torch.autocast`` to :attr:`dtype` for a low-precision encoder (thread-local:
@@ -591,12 +636,14 @@ class _OnnxRunner:
     as the torch path), in length-sorted batches like ``SentenceTransformer.encode``,
     runs the graph (masked mean pooling inside) and L2-normalises in float32.
 
-    Threads: ``intra_op_num_threads = torch.get_num_threads()`` (the torch encoder's
-    count, so both backends use the same cores); with ``OMP_WAIT_POLICY=PASSIVE`` set
-    (``rfmem serve`` sets it) the pool's threads do not spin between calls.
+    Threads: ``intra_op_num_threads = num_threads``, by default
+    ``torch.get_num_threads()`` (the torch encoder's count, so both backends use the
+    same cores; :class:`TextEncoder` ``num_threads`` to share the cores out between
+    encoders); with ``OMP_WAIT_POLICY=PASSIVE`` set (``rfmem serve`` sets it) the pool's
+    threads do not spin between calls.
     """
 
-    def __init__(self, st_model: Any, model_path: str, dtype: str) -> None:
+    def __init__(self, st_model: Any, model_path: str, dtype: str, num_threads: int | None = None) -> None:
         from .onnx_export import onnx_model_file
 
         ort = require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
@@ -605,7 +652,8 @@ class _OnnxRunner:
         self.file = onnx_model_file(st_model, model_path, dtype)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = max(1, int(torch.get_num_threads()))
+        self.num_threads = int(num_threads) if num_threads is not None else max(1, int(torch.get_num_threads()))
+        opts.intra_op_num_threads = self.num_threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":

@@ -896,6 +896,8 @@ def serve(
     max_queue: int = 1024,
     timeout: float = 30.0,
     cache_size: int = 4096,
+    pipeline: bool = True,
+    encoder_workers: int | str = "auto",
     log_level: str = "info",
     access_log: bool = False,
     no_auth: bool = False,
@@ -927,6 +929,9 @@ def serve(
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
+        pipeline, encoder_workers: the encode / search pipeline and its encoder workers
+            (:func:`rfmem_fast.serving.cli.open_memory`; ``--no-pipeline``,
+            ``--encoder-workers``).
         log_level, access_log: uvicorn's logging.
 
     On shutdown the memory is closed (checkpointed); a killed server replays its
@@ -941,7 +946,8 @@ def serve(
     key = _resolve_api_key(api_key, no_auth)  # then the key: both refused before anything opens
     memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
                          preset=preset, dim=dim, backend=backend, batching=batching, max_batch=max_batch,
-                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size)
+                         max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size,
+                         pipeline=pipeline, encoder_workers=encoder_workers)
     try:
         app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes)
     except BaseException:

@@ -16,6 +16,19 @@ disconnected) before the worker took it leaves the queue at once: it frees its s
 and is never run. Closing is atomic with submitting: a request is either queued before
 :meth:`MicroBatcher.close` (and then finished by the worker) or refused with
 :class:`BatcherClosedError` at once; nothing is ever left in a queue no worker reads.
+
+Two stages (``prepare``): a batch's run may be split into ``state = prepare(items)``
+(e.g. encoding the queries' texts) and ``run_batch(state)`` (e.g. the search). With
+``pipeline=True`` (the default when ``prepare`` is given) the two stages run on
+different threads, so the next batch is prepared while the current one runs:
+``workers`` prepare threads (each takes the next batch from the queue when it is
+free) hand batches to ONE run thread through a bounded hand-off (at most ``workers +
+1`` batches between being taken from the queue and the end of their run). The run
+thread takes the batches in the order they were taken from the queue, one at a
+time, so results are set in that order and every ``run_batch`` call starts after the
+previous one ended (what :class:`~rfmem_fast.serving.Memory` relies on: a search
+taken after a write returned sees it). ``pipeline=False`` runs
+``run_batch(prepare(items))`` on one worker thread, one batch at a time.
 """
 from __future__ import annotations
 
@@ -42,70 +55,107 @@ class BatcherClosedError(RuntimeError):
 
 
 class MicroBatcher:
-    """Gather concurrent requests into batches run by one worker thread.
+    """Gather concurrent requests into batches run by worker threads.
 
     Args:
-        run_batch: ``f(items) -> results``: called with a list of 1..max_batch
-            submitted items, returns a sequence of the same length; an entry that is
-            an exception instance is raised to that item's caller only. If the call
-            itself raises, every caller of the batch gets that exception.
+        run_batch: ``f(items) -> results`` (or ``f(prepare(items)) -> results`` when
+            ``prepare`` is given): called with a list of 1..max_batch submitted items,
+            returns a sequence of the same length; an entry that is an exception
+            instance is raised to that item's caller only. If the call itself raises,
+            every caller of the batch gets that exception.
         max_batch: the most items per batch (int >= 1).
-        max_wait_ms: how long (ms, float >= 0) the worker waits for more requests
+        max_wait_ms: how long (ms, float >= 0) a worker waits for more requests
             after the first one of a batch arrived; requests already queued are taken
             without waiting.
         max_queue: the most requests waiting (int >= 1); beyond it, submit raises
-            :class:`QueueFullError`.
+            :class:`QueueFullError`. Requests taken by a worker (at most ``max_batch``
+            per batch in flight) no longer count.
         timeout: default seconds a caller waits for its result (float > 0, or None for
             no limit).
-        name: the worker thread's name.
+        name: the worker threads' name (prefix).
+        prepare: optional first stage ``g(items) -> state`` (any object, passed to
+            ``run_batch``); if it raises, every caller of the batch gets that
+            exception. None: one stage, ``run_batch(items)``.
+        workers: threads running ``prepare`` at once (int >= 1; more than 1 needs
+            ``prepare`` and ``pipeline``). ``prepare`` must then be safe to call from
+            several threads at once.
+        pipeline: with ``prepare``, run the two stages on different threads (module
+            docstring; default True); False runs ``run_batch(prepare(items))`` on one
+            thread, one batch at a time (no overlap). Ignored without ``prepare``.
 
     Raises:
         ValueError / TypeError: an argument out of range or of the wrong type.
 
-    The worker thread starts on the first submit and stops on :meth:`close`. Counters:
+    The worker threads start on the first submit and stop on :meth:`close`. Counters:
     :meth:`stats`.
     """
 
     def __init__(
         self,
-        run_batch: Callable[[list], Sequence[Any]],
+        run_batch: Callable[[Any], Sequence[Any]],
         max_batch: int = 64,
         max_wait_ms: float = 2.0,
         max_queue: int = 1024,
         timeout: float | None = 30.0,
         name: str = "rfmem-batcher",
+        *,
+        prepare: Callable[[list], Any] | None = None,
+        workers: int = 1,
+        pipeline: bool = True,
     ) -> None:
         if not callable(run_batch):
             raise TypeError("run_batch must be callable")
-        for arg, val in (("max_batch", max_batch), ("max_queue", max_queue)):
+        if prepare is not None and not callable(prepare):
+            raise TypeError(f"prepare must be callable or None, got {type(prepare).__name__}")
+        for arg, val in (("max_batch", max_batch), ("max_queue", max_queue), ("workers", workers)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{arg} must be an int >= 1, got {val!r}")
+        if not isinstance(pipeline, bool):
+            raise TypeError(f"pipeline must be a bool, got {type(pipeline).__name__}")
+        if workers > 1 and (prepare is None or not pipeline):
+            raise ValueError(f"workers={workers} needs a prepare stage and pipeline=True "
+                             "(only the prepare stage runs on several threads)")
         if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or not max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
         _check_timeout(timeout)
         self._run_batch = run_batch
+        self._prepare = prepare
         self.max_batch = max_batch
         self.max_wait = float(max_wait_ms) / 1000.0
         self.max_queue = max_queue
         self.timeout = timeout
+        self.workers = workers
+        self.pipelined = prepare is not None and pipeline
         self._name = name
         # waiting (item, future) pairs; a cancelled one is removed at once (its done callback)
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition(threading.Lock())
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._closed = False
+        # pipeline: one collector at a time; batches in flight (taken .. run ended) <=
+        # workers + 1; prepared batches by sequence number, run in that order
+        self._collect_lock = threading.Lock()
+        self._slots = threading.Semaphore(workers + 1)
+        self._hcond = threading.Condition(threading.Lock())
+        self._ready: dict[int, tuple] = {}
+        self._next_seq = 0
+        self._preparers_left = workers
+        self._abandoned = False
         self._stats_lock = threading.Lock()
         self.batches = 0
         self.requests = 0
         self.rejected = 0
         self.timeouts = 0
         self.largest_batch = 0
+        self.prepare_seconds = 0.0
+        self.run_seconds = 0.0
+        self.overlapped = 0  # runs before whose end a later batch had been taken
 
     # ------------------------------------------------------------------ submitting
     def submit(self, item: Any) -> cf.Future:
         """Queue ``item``; returns a concurrent.futures.Future of its result.
 
-        Cancelling the future before the worker takes it removes the request from the
+        Cancelling the future before a worker takes it removes the request from the
         queue (its slot is free at once).
 
         Raises:
@@ -124,16 +174,26 @@ class MicroBatcher:
                     f"the request queue is full ({self.max_queue} requests waiting); retry later"
                 )
             self._queue.append(entry)
-            if self._thread is None:
-                t = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                t.start()
-                self._thread = t
+            if not self._threads:
+                self._start_threads()
             self._cond.notify()
         fut.add_done_callback(lambda f, e=entry: self._forget(e) if f.cancelled() else None)
         return fut
 
+    def _start_threads(self) -> None:
+        """Start the worker thread(s) (called once, under ``self._cond``)."""
+        if self.pipelined:
+            targets = [(self._prepare_loop, f"{self._name}-prepare-{i}") for i in range(self.workers)]
+            targets.append((self._run_loop, f"{self._name}-run"))
+        else:
+            targets = [(self._loop, self._name)]
+        for target, name in targets:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
     def _forget(self, entry: tuple) -> None:
-        """Drop a cancelled request from the queue (no-op once the worker took it)."""
+        """Drop a cancelled request from the queue (no-op once a worker took it)."""
         with self._cond:
             for j, e in enumerate(self._queue):  # by identity: items need not compare
                 if e is entry:
@@ -151,7 +211,7 @@ class MicroBatcher:
             QueueFullError, BatcherClosedError: as :meth:`submit`.
             RequestTimeoutError: no result within ``timeout`` (the request leaves the
                 queue if it had not started).
-            Any exception ``run_batch`` produced for this item.
+            Any exception ``prepare`` / ``run_batch`` produced for this item.
         """
         timeout = self.timeout if timeout == "default" else _check_timeout(timeout)
         fut = self.submit(item)
@@ -179,12 +239,12 @@ class MicroBatcher:
             raise
 
     def _timed_out(self, fut: cf.Future, timeout: float | None) -> RequestTimeoutError:
-        fut.cancel()  # dropped from the queue unless the worker already started it
+        fut.cancel()  # dropped from the queue unless a worker already started it
         with self._stats_lock:
             self.timeouts += 1
         return RequestTimeoutError(f"no result within timeout={timeout} s (server overloaded?)")
 
-    # ------------------------------------------------------------------ worker
+    # ------------------------------------------------------------------ workers
     def _collect(self) -> tuple[list, bool]:
         """Wait for one request, then gather up to max_batch within max_wait.
 
@@ -206,52 +266,148 @@ class MicroBatcher:
                 self._cond.wait(left)
             return batch, False
 
-    def _loop(self) -> None:
-        while True:
-            batch, stop = self._collect()
-            if stop:
-                return
-            live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
-            if not live:
-                continue
+    def _take(self, batch: list) -> list:
+        """The requests of a collected batch still wanted (now running: a cancel
+        fails from here on), counted."""
+        live = [(item, fut) for item, fut in batch if fut.set_running_or_notify_cancel()]
+        if live:
             with self._stats_lock:
                 self.batches += 1
                 self.requests += len(live)
                 self.largest_batch = max(self.largest_batch, len(live))
+        return live
+
+    def _finish(self, live: list, arg: Any, error: BaseException | None) -> None:
+        """Run ``run_batch(arg)`` (unless the first stage failed with ``error``) and
+        set every caller's future: its own result or exception."""
+        if error is None:
+            t0 = time.perf_counter()
             try:
-                results = self._run_batch([item for item, _ in live])
+                results = self._run_batch(arg)
                 if len(results) != len(live):
                     raise RuntimeError(f"run_batch returned {len(results)} results for {len(live)} items")
             except BaseException as exc:  # every caller of the batch learns why
+                error = exc
+            finally:
+                with self._stats_lock:
+                    self.run_seconds += time.perf_counter() - t0
+        if error is not None:
+            for _, fut in live:
+                fut.set_exception(error)
+            return
+        for (_, fut), res in zip(live, results):
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+    def _prepared(self, live: list) -> tuple[Any, BaseException | None]:
+        """(``prepare(items)`` or the items themselves, None) or (None, its exception)."""
+        items = [item for item, _ in live]
+        if self._prepare is None:
+            return items, None
+        t0 = time.perf_counter()
+        try:
+            return self._prepare(items), None
+        except BaseException as exc:
+            return None, exc
+        finally:
+            with self._stats_lock:
+                self.prepare_seconds += time.perf_counter() - t0
+
+    def _loop(self) -> None:
+        """One thread, one batch at a time: collect, prepare, run."""
+        while True:
+            batch, stop = self._collect()
+            if stop:
+                return
+            live = self._take(batch)
+            if live:
+                self._finish(live, *self._prepared(live))
+
+    def _prepare_loop(self) -> None:
+        """A prepare thread of the pipeline: take a slot, collect a batch (one
+        collector at a time: batches fill as they would with one worker), number it,
+        prepare it, hand it to the run thread."""
+        try:
+            while True:
+                self._slots.acquire()
+                with self._collect_lock:
+                    batch, stop = self._collect()
+                    live = [] if stop else self._take(batch)
+                    seq = self._next_seq
+                    if live:
+                        self._next_seq += 1
+                if not live:
+                    self._slots.release()
+                    if stop:
+                        return
+                    continue
+                state, error = self._prepared(live)
+                with self._hcond:
+                    if not self._abandoned:
+                        self._ready[seq] = (live, state, error)
+                        self._hcond.notify_all()
+                        continue
+                self._slots.release()  # close() gave up waiting: fail, never run late
                 for _, fut in live:
-                    fut.set_exception(exc)
-                continue
-            for (_, fut), res in zip(live, results):
-                if isinstance(res, BaseException):
-                    fut.set_exception(res)
-                else:
-                    fut.set_result(res)
+                    fut.set_exception(BatcherClosedError("the micro-batcher closed before this request ran"))
+        finally:
+            with self._hcond:
+                self._preparers_left -= 1
+                self._hcond.notify_all()
+
+    def _run_loop(self) -> None:
+        """The run thread of the pipeline: the prepared batches in sequence order."""
+        seq = 0
+        while True:
+            with self._hcond:
+                while seq not in self._ready:
+                    if self._abandoned or (self._preparers_left == 0 and seq >= self._next_seq):
+                        return
+                    self._hcond.wait()
+                live, state, error = self._ready.pop(seq)
+            seq += 1
+            try:
+                self._finish(live, state, error)
+            finally:
+                if self._next_seq > seq:  # a later batch was taken before this run ended
+                    with self._stats_lock:
+                        self.overlapped += 1
+                self._slots.release()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, finish the queued ones, stop the worker (idempotent).
+        """Stop taking requests, finish the queued ones, stop the workers (idempotent).
 
         A submit racing with close either gets queued before it (and is finished) or
-        raises :class:`BatcherClosedError`. Requests still queued when the worker did
-        not finish within ``timeout`` seconds get :class:`BatcherClosedError`."""
+        raises :class:`BatcherClosedError`. When the workers did not finish within
+        ``timeout`` seconds, every request not yet running its last stage (queued,
+        or prepared and waiting for the run thread) gets :class:`BatcherClosedError`
+        now, and a batch whose prepare stage ends later gets it then."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            thread = self._thread
+            threads = list(self._threads)
             self._cond.notify_all()
-        if thread is not None:
-            thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = any(t.is_alive() for t in threads)
+        left: list = []
         with self._cond:
-            left = list(self._queue) if (thread is None or thread.is_alive()) else []
-            if left:
+            if stuck or not threads:
+                left = list(self._queue)
                 self._queue.clear()
+        if stuck:
+            with self._hcond:
+                self._abandoned = True
+                for seq in sorted(self._ready):
+                    live, _, _ = self._ready.pop(seq)
+                    left.extend(live)
+                self._hcond.notify_all()
         for _, fut in left:
-            if fut.set_running_or_notify_cancel():
+            if fut.running() or fut.set_running_or_notify_cancel():
                 fut.set_exception(BatcherClosedError("the micro-batcher closed before this request ran"))
 
     # ------------------------------------------------------------------ stats
@@ -261,7 +417,12 @@ class MicroBatcher:
         return len(self._queue)
 
     def stats(self) -> dict[str, Any]:
-        """{"batches", "requests", "mean_batch", "largest_batch", "queue_depth", "rejected", "timeouts"}."""
+        """{"batches", "requests", "mean_batch", "largest_batch", "queue_depth",
+        "rejected", "timeouts", "max_batch", "max_wait_ms", "max_queue", "pipeline"
+        (bool: two stages on different threads), "workers" (prepare threads),
+        "prepare_seconds" / "run_seconds" (wall time summed over batches of each
+        stage), "overlapped" (runs before whose end a later batch had been taken from
+        the queue: its prepare stage overlapped the run)}."""
         with self._stats_lock:
             return {
                 "batches": self.batches,
@@ -274,6 +435,11 @@ class MicroBatcher:
                 "max_batch": self.max_batch,
                 "max_wait_ms": self.max_wait * 1000.0,
                 "max_queue": self.max_queue,
+                "pipeline": self.pipelined,
+                "workers": self.workers,
+                "prepare_seconds": self.prepare_seconds,
+                "run_seconds": self.run_seconds,
+                "overlapped": self.overlapped,
             }
 
 

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from ..encoders import BACKENDS, ENCODER_DTYPES
-from .launch import open_memory
+from .launch import open_memory, resolve_encoder_workers
 
 __all__ = ["add_mcp_parser", "add_memory_args", "add_parser", "memory_kwargs", "open_memory", "run", "run_mcp"]
 
@@ -51,11 +51,23 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
+    p.add_argument("--encoder-workers", type=_workers_arg, default="auto",
+                   help="micro-batches encoded at once, each by its own copy of the text encoder with its share of "
+                   "the cores' threads: an int >= 1 or 'auto' (default) = one per 4 cores, at least 1 (1 on 2 cores), "
+                   "with a text encoder; 1 with --encoder none, --no-pipeline or --no-batching")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="encode and search each micro-batch on one thread, one batch at a time (by default the next "
+                   "batch is encoded while the current one is searched)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
     p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
+    p.add_argument(
+        "--switch-interval-ms", type=_interval_arg, default=DEFAULT_SWITCH_INTERVAL_MS,
+        help=f"the Python interpreter's thread switch interval (sys.setswitchinterval) in ms (default "
+        f"{DEFAULT_SWITCH_INTERVAL_MS:g}; Python's own is 5): how long a thread coming back from the encoder "
+        "or the search kernels (which run without the GIL) may wait for the event loop to let go of the GIL")
     p.add_argument(
         "--keep-omp-wait-policy", action="store_true",
         help="do not set OMP_WAIT_POLICY=PASSIVE (by default the server re-executes itself once with it "
@@ -80,6 +92,40 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
                    "elsewhere; 'torch' or 'onnx' to force one")
 
 
+#: ``--switch-interval-ms`` default: the GIL hand-off interval of a server process (ms)
+DEFAULT_SWITCH_INTERVAL_MS = 0.5
+
+
+def _interval_arg(value: str) -> float:
+    """``--switch-interval-ms``: a number of ms in (0, 1000] (argparse type)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 < ms <= 1000:
+        raise argparse.ArgumentTypeError(f"must be a number of ms in (0, 1000], got {value!r}")
+    return ms
+
+
+def set_switch_interval(ms: float) -> None:
+    """Set this process's GIL switch interval (``sys.setswitchinterval``) to ``ms`` ms.
+
+    Why: the encoder workers and the search thread spend most of their time in C
+    (ONNX Runtime / torch, the native kernels) without the GIL, and need it back
+    between passes; while the event loop runs Python, a thread asking for the GIL
+    waits up to the interval (Python's default: 5 ms) each time. An encoder thread
+    measured on 2 cores next to one busy Python thread slept 38-48 ms per 32-question
+    batch (of ~105 ms on the CPU) waiting for the GIL at 5 ms, 7-11 ms at 0.5 ms
+    (``docs/benchmarks/serving.md``).
+
+    Raises:
+        ValueError: ``ms`` not in (0, 1000].
+    """
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1000:
+        raise ValueError(f"switch interval must be a number of ms in (0, 1000], got {ms!r}")
+    sys.setswitchinterval(ms / 1000.0)
+
+
 def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`open_memory` from options added by :func:`add_memory_args`."""
     return dict(
@@ -87,7 +133,21 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         preset=args.preset, dim=args.dim,
         backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
+        pipeline=not args.no_pipeline, encoder_workers=args.encoder_workers,
     )
+
+
+def _workers_arg(value: str) -> int | str:
+    """``--encoder-workers``: "auto" or an int >= 1 (argparse type)."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {value!r}")
+    return n
 
 
 def _passive_omp(args: argparse.Namespace) -> None:
@@ -111,6 +171,7 @@ def _passive_omp(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the server from parsed arguments; returns the exit code."""
     _passive_omp(args)
+    set_switch_interval(args.switch_interval_ms)
     try:
         from .app import serve
     except ImportError as exc:
@@ -180,6 +241,7 @@ def run_mcp(args: argparse.Namespace) -> int:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
     _passive_omp(args)
+    set_switch_interval(args.switch_interval_ms)
     try:
         memory = open_memory(args.path, **memory_kwargs(args))
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:

@@ -9,9 +9,31 @@ from typing import Any
 
 from ..config import RFMemConfig
 from ..encoders import TextEncoder, check_backend
-from .memory import ENCODE_BATCH_SIZE, Memory
+from .memory import ENCODE_BATCH_SIZE, Memory, default_encoder_workers, encoder_threads, usable_cores
 
-__all__ = ["open_memory"]
+__all__ = ["open_memory", "resolve_encoder_workers"]
+
+
+def resolve_encoder_workers(encoder_workers: int | str, encoder: str, batching: bool, pipeline: bool) -> int:
+    """The encoder workers a server runs: ``encoder_workers`` itself, or for "auto"
+    :func:`rfmem_fast.serving.memory.default_encoder_workers` (max(1, cores // 4)) with a text
+    encoder, batching and the pipeline, else 1.
+
+    Raises:
+        ValueError: not an int >= 1 or "auto"; more than 1 with ``encoder`` "none",
+            without batching or without the pipeline.
+    """
+    if encoder_workers == "auto":
+        return default_encoder_workers() if encoder != "none" and batching and pipeline else 1
+    if isinstance(encoder_workers, bool) or not isinstance(encoder_workers, int) or encoder_workers < 1:
+        raise ValueError(f"encoder_workers must be an int >= 1 or 'auto', got {encoder_workers!r}")
+    if encoder_workers > 1:
+        why = ("--encoder none (no text encoder)" if encoder == "none" else "--no-batching" if not batching
+               else "--no-pipeline" if not pipeline else None)
+        if why:
+            raise ValueError(f"encoder_workers={encoder_workers} does not go with {why}: "
+                             "the workers are the pipeline's encode stage")
+    return encoder_workers
 
 
 def open_memory(
@@ -28,6 +50,8 @@ def open_memory(
     max_queue: int = 1024,
     timeout: float | None = 30.0,
     cache_size: int = 4096,
+    pipeline: bool = True,
+    encoder_workers: int | str = "auto",
 ) -> Any:
     """Open (or create) the durable :class:`~rfmem_fast.serving.Memory` a server serves,
     its encoder loaded before the first request.
@@ -49,8 +73,12 @@ def open_memory(
         preset: "paper" (``RFMemConfig.paper()``, dense) or "recommended"
             (``RFMemConfig.recommended()``: hybrid dense + BM25, docs "Hybrid retrieval").
         dim: vector dimension of a new vectors-only memory.
-        backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
+        backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size, pipeline:
             as :class:`rfmem_fast.Memory`.
+        encoder_workers: micro-batches encoded at once, each by its own encoder (int
+            >= 1, or "auto": :func:`resolve_encoder_workers`); with a model directory,
+            that many :class:`~rfmem_fast.encoders.TextEncoder` are loaded, each with
+            :func:`rfmem_fast.serving.memory.encoder_threads` threads.
 
     Returns:
         the open Memory (the caller closes it).
@@ -64,6 +92,7 @@ def open_memory(
         raise ValueError(f"preset must be 'paper' or 'recommended', got {preset!r}")
     config = RFMemConfig.recommended() if preset == "recommended" else RFMemConfig.paper()
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
+    workers = resolve_encoder_workers(encoder_workers, encoder, batching, pipeline)
     dtype: str | None = encoder_dtype
     enc_backend: str | None = encoder_backend
     if encoder == "none":
@@ -72,12 +101,13 @@ def open_memory(
     elif encoder == "default":
         enc = None
     else:
-        enc = TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
-                          backend=encoder_backend)
+        threads = encoder_threads(workers, usable_cores()) if workers > 1 else None
+        enc = [TextEncoder(encoder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=encoder_dtype,
+                           backend=encoder_backend, num_threads=threads) for _ in range(workers)]
         dtype = enc_backend = None
     memory = Memory(path, encoder=enc, config=config, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
-                    cache_size=cache_size)
+                    cache_size=cache_size, pipeline=pipeline, encoder_workers=workers)
     if enc is not False:
         try:
             memory.encoder  # load the model now, not on the first request

@@ -29,6 +29,11 @@ What it adds to the engine
   embedded in a batch; an encoder may round a text's embedding differently in a batch
   than alone (sentence-transformers: at most a few float32 ulps), which can only swap
   exact near-ties.
+* Pipelining (``pipeline``, default on): a batch is encoded by an encoder worker and
+  searched by the search thread, so the next batch encodes while the current one
+  searches; ``encoder_workers`` encoders (each its own model, with its share of the
+  cores' threads) may encode batches at once (:func:`default_encoder_workers`).
+  Searches run one batch at a time, in the order the batches were taken.
 * Long texts (over the encoder's window) are chunked; hits collapse to the item
   (``chunk_overlap`` in :class:`Memory`).
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
@@ -59,11 +64,14 @@ cache invalidation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import contextlib
 import copy
 import json
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import threading
@@ -127,10 +135,66 @@ def _default_encoder(**kwargs: Any) -> Any:
     """The default text encoder (the offline all-MiniLM-L6-v2); tests may patch this.
 
     ``kwargs`` go to :class:`~rfmem_fast.encoders.TextEncoder` (``dtype`` when a Memory
-    was given ``encoder_dtype``)."""
+    was given ``encoder_dtype``, ``backend`` with ``encoder_backend``, ``num_threads``
+    with more than one encoder worker)."""
     from ..encoders import TextEncoder
 
     return TextEncoder(batch_size=ENCODE_BATCH_SIZE, show_progress=False, **kwargs)
+
+
+#: cores per encoder worker of "auto" (:func:`default_encoder_workers`)
+CORES_PER_ENCODER_WORKER = 4
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS tells it,
+    else ``os.cpu_count()``); int >= 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_encoder_workers(cores: int | None = None) -> int:
+    """Encoder workers of ``encoder_workers="auto"`` (``rfmem serve`` default): the rule is
+    one worker per :data:`CORES_PER_ENCODER_WORKER` (4) cores, at least one:
+    ``max(1, cores // 4)``, so 1 up to 7 cores (each worker then gets
+    :func:`encoder_threads`, all the cores, as ONNX Runtime / torch intra-op threads).
+
+    Why (``docs/benchmarks/serving.md``, 2 cores): an encoder's intra-op threads run
+    without the GIL, but each extra worker is a Python thread that needs the GIL back
+    between its ONNX passes, next to the event loop and the search thread. Alone, two
+    workers with one thread each encode faster than one worker with two (1.43 vs 1.62
+    ms per question in batches of 32), but in the server on two shared cores the
+    second worker served fewer closed-loop requests per second at 64 clients in four
+    of five runs (14-36 % fewer; one run 19 % more) and won on open-loop tails in
+    only some. Beyond 2 cores this rule is
+    not measured: it keeps each worker's pass on 4 or more threads.
+
+    Args:
+        cores: the cores to plan for (default :func:`usable_cores`); int >= 1.
+
+    Raises:
+        ValueError: ``cores`` is not an int >= 1.
+    """
+    if cores is None:
+        cores = usable_cores()
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be an int >= 1, got {cores!r}")
+    return max(1, cores // CORES_PER_ENCODER_WORKER)
+
+
+def encoder_threads(workers: int, cores: int | None = None) -> int:
+    """Intra-op threads of each of ``workers`` default encoders: the cores shared out,
+    ``max(1, threads // workers)`` with ``threads`` = ``torch.get_num_threads()`` (what
+    one encoder uses alone; it follows ``OMP_NUM_THREADS``), capped at ``cores``, so
+    that the workers together never run more encoder threads than one encoder would."""
+    import torch
+
+    threads = max(1, int(torch.get_num_threads()))
+    if cores is not None:
+        threads = min(threads, cores)
+    return max(1, threads // workers)
 
 
 class MemoryLockedError(RuntimeError):
@@ -315,6 +379,19 @@ class _Answer:
         hits = [replace(h, metadata=copy.deepcopy(h.metadata)) for h in self.hits]
         return Hits(hits, user_id=self.user, route=self.route, rule=self.rule, mean=self.mean,
                     entropy=self.entropy, rounds=self.rounds, cached=cached)
+
+
+@dataclass
+class _Encoded:
+    """A batch after its encode stage: the queries, their vectors (None where the
+    encoder failed), ``out`` (the failures' exceptions, else None), texts encoded and
+    the encoder's wall time (s)."""
+
+    queries: list
+    vectors: list
+    out: list
+    encoded: int
+    encode_seconds: float
 
 
 @dataclass(frozen=True)
@@ -511,7 +588,9 @@ class Memory:
             every acknowledged write when it holds one), or None for an in-memory one.
         encoder: None (default) for the offline all-MiniLM-L6-v2, loaded on first use;
             any object with ``encode(list[str]) -> float array [n, d]`` (and ideally a
-            ``dim`` attribute); or False for a vectors-only memory.
+            ``dim`` attribute); a list of such objects (the same model, one per encoder
+            worker: each is called by one thread at a time); or False for a
+            vectors-only memory.
         encoder_dtype: precision of the default encoder, "float32" (None, the
             default), "bfloat16", "float16" or "auto" (bfloat16 where the CPU / GPU
             multiplies it natively: :func:`rfmem_fast.encoders.resolve_dtype`). A
@@ -530,6 +609,17 @@ class Memory:
         dim: vector dimension of a new memory (default: ``encoder.dim``, else 384).
         batching: gather concurrent searches into batches (default True); False runs
             each search on its own in the caller's thread.
+        pipeline: with batching, encode the next batch while the current one is
+            searched (default True: encoder worker thread(s) and a search thread,
+            :class:`~rfmem_fast.serving.MicroBatcher` ``prepare`` / ``pipeline``); False
+            encodes and searches each batch on one thread, one batch at a time.
+        encoder_workers: batches encoded at once, each by its own encoder: an int
+            >= 1; "auto" (:func:`default_encoder_workers`: one per 4 cores, at least 1,
+            with the default encoder, batching and the pipeline; else 1); or None
+            (default): 1, or the length of ``encoder`` when it is a list. With the
+            default encoder, that many are loaded, each with :func:`encoder_threads`
+            intra-op threads (the cores shared out). More than 1 needs the default
+            encoder or a list of that length, batching and the pipeline.
         max_batch: the most queries per batch (int >= 1, default 64).
         max_wait_ms: how long a batch waits for more queries after its first (ms,
             default 2.0).
@@ -582,6 +672,8 @@ class Memory:
         encoder_backend: str | None = None,
         dim: int | None = None,
         batching: bool = True,
+        pipeline: bool = True,
+        encoder_workers: int | str | None = None,
         max_batch: int = 64,
         max_wait_ms: float = 2.0,
         max_queue: int = 1024,
@@ -595,8 +687,20 @@ class Memory:
             config = RFMemConfig()
         if not isinstance(config, RFMemConfig):
             raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
+        encoders: list | None = None
+        if isinstance(encoder, (list, tuple)):
+            if not encoder:
+                raise ValueError("encoder is an empty list: give one encoder per encoder worker")
+            encoders, encoder = list(encoder), encoder[0]
+            for i, e in enumerate(encoders):
+                if not callable(getattr(e, "encode", None)):
+                    raise TypeError(f"encoder[{i}] must have an encode(list[str]) method")
+                if getattr(e, "dim", None) != getattr(encoder, "dim", None):
+                    raise ValueError(f"encoder[{i}].dim={getattr(e, 'dim', None)} differs from "
+                                     f"encoder[0].dim={getattr(encoder, 'dim', None)}: one model for every worker")
         if encoder is not None and encoder is not False and not callable(getattr(encoder, "encode", None)):
             raise TypeError("encoder must have an encode(list[str]) method, or be None (default) or False")
+        workers = self._check_workers(encoder_workers, encoder, encoders, batching, pipeline)
         for opt, value in (("encoder_dtype", encoder_dtype), ("encoder_backend", encoder_backend)):
             if value is None:
                 continue
@@ -630,6 +734,14 @@ class Memory:
         self._encoder = encoder if encoder is not False else None
         self._has_encoder = encoder is not False
         self._encoder_lock = threading.Lock()
+        self._workers = workers
+        # every encoder (its workers'); [0] is self._encoder. With more than one, an
+        # encode call borrows a free one from the pool (one thread per encoder at a time)
+        self._encoders: list = encoders if encoders is not None else ([encoder] if self._encoder is not None else [])
+        self._pool: queue.SimpleQueue = queue.SimpleQueue()
+        self._helper_pool: cf.ThreadPoolExecutor | None = None
+        for e in self._encoders if len(self._encoders) > 1 else ():
+            self._pool.put(e)
         self._encoder_kwargs: dict[str, Any] = {} if encoder_dtype is None else {"dtype": encoder_dtype}
         if encoder_backend is not None:
             self._encoder_kwargs["backend"] = encoder_backend
@@ -662,10 +774,42 @@ class Memory:
                 raise
         self._batcher: MicroBatcher | None = None
         if batching:
-            self._batcher = MicroBatcher(self._run_batch, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                                         max_queue=max_queue, timeout=timeout)
+            self._batcher = MicroBatcher(self._search_encoded, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                         max_queue=max_queue, timeout=timeout, prepare=self._encode_batch,
+                                         workers=workers, pipeline=pipeline)
         elif timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a number > 0 (seconds) or None, got {timeout!r}")
+
+    @staticmethod
+    def _check_workers(workers: Any, encoder: Any, encoders: list | None, batching: bool, pipeline: bool) -> int:
+        """The number of encoder workers (``encoder_workers`` checked against the rest).
+
+        Raises:
+            ValueError / TypeError: a bad value, or more than one worker without the
+                default encoder (or a list of encoders), batching or the pipeline.
+        """
+        if not isinstance(pipeline, bool):
+            raise TypeError(f"pipeline must be a bool, got {type(pipeline).__name__}")
+        if workers is None or workers == "auto":
+            if encoders is not None:
+                return len(encoders)
+            if workers is None or encoder is not None or not batching or not pipeline:
+                return 1  # the default, one given encoder, or no pipeline: one worker
+            return default_encoder_workers()
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"encoder_workers must be an int >= 1, 'auto' or None, got {workers!r}")
+        if encoders is not None and workers != len(encoders):
+            raise ValueError(f"encoder_workers={workers} but encoder is a list of {len(encoders)}: one per worker")
+        if workers > 1:
+            if encoder is False:
+                raise ValueError(f"encoder_workers={workers} needs a text encoder; this Memory has encoder=False")
+            if encoder is not None and encoders is None:
+                raise ValueError(f"encoder_workers={workers} needs one encoder per worker: pass encoder=[...] "
+                                 f"({workers} encoders) or the default encoder (encoder=None)")
+            if not batching or not pipeline:
+                raise ValueError(f"encoder_workers={workers} needs batching=True and pipeline=True "
+                                 "(the workers are the pipeline's encode stage)")
+        return workers
 
     # ------------------------------------------------------------------ opening
     @staticmethod
@@ -828,7 +972,8 @@ class Memory:
             encoder's class name, "dtype": the precision in use ("float32",
             "bfloat16", "float16"; the one asked, e.g. "auto", while the default
             encoder is not loaded yet; None when the encoder does not say),
-            "device": str or None, "loaded": bool}.
+            "device": str or None, "loaded": bool}. The encoder workers and the
+            pipeline are in ``stats()["batcher"]`` ("workers", "pipeline").
         """
         if not self._has_encoder:
             return None
@@ -858,22 +1003,39 @@ class Memory:
         if self._encoder is None:
             with self._encoder_lock:
                 if self._encoder is None:
-                    enc = _default_encoder(**self._encoder_kwargs)
-                    if getattr(enc, "dim", self.dim) != self.dim:
-                        raise ValueError(f"the default encoder's dimension {enc.dim} != this memory's {self.dim}")
-                    self._encoder = enc
+                    kwargs = dict(self._encoder_kwargs)
+                    if self._workers > 1:  # the cores shared out between the workers' encoders
+                        kwargs["num_threads"] = encoder_threads(self._workers, usable_cores())
+                    encs = [_default_encoder(**kwargs) for _ in range(self._workers)]
+                    for enc in encs:
+                        if getattr(enc, "dim", self.dim) != self.dim:
+                            raise ValueError(f"the default encoder's dimension {enc.dim} != this memory's {self.dim}")
+                    for enc in encs if len(encs) > 1 else ():
+                        self._pool.put(enc)
+                    self._encoders = encs
+                    self._encoder = encs[0]
         return self._encoder
 
-    def _encode_rows(self, texts: list[str], name: str,
-                     labels: Sequence[str] | None = None) -> list[np.ndarray | ValueError]:
-        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
-        ValueError naming ``labels[i]`` (default ``name[i]``, or the query text) when
-        the encoder returned a zero or non-finite row for it. Raises what the encoder
-        call raises."""
+    @contextlib.contextmanager
+    def _borrow_encoder(self) -> Any:
+        """An encoder for one encode call: the only one, or a free one of the workers'
+        (waits while all are busy); given back when the block ends."""
         enc = self._get_encoder()
-        t0 = time.perf_counter()
+        if len(self._encoders) < 2:
+            yield enc
+            return
+        enc = self._pool.get()
+        try:
+            yield enc
+        finally:
+            self._pool.put(enc)
+
+    def _encode_with(self, enc: Any, texts: list[str]) -> np.ndarray:
+        """``enc.encode(texts)`` as a checked float array [len(texts), d].
+
+        Raises:
+            ValueError / TypeError: an output of the wrong shape / type."""
         raw = enc.encode(texts)
-        dt = time.perf_counter() - t0
         if hasattr(raw, "detach"):
             raw = raw.detach().cpu().float().numpy()
         out = np.asarray(raw)
@@ -881,6 +1043,72 @@ class Memory:
             raise ValueError(f"the encoder returned shape {out.shape}, expected ({len(texts)}, {self.dim})")
         if not np.issubdtype(out.dtype, np.floating):
             raise TypeError(f"the encoder returned {out.dtype} values, expected floats")
+        return out
+
+    def _encode_shared(self, texts: list[str]) -> np.ndarray:
+        """Embed ``texts`` with a borrowed encoder, and with every other encoder idle now
+        (work sharing: with ``encoder_workers`` > 1 a lone batch is split over the idle
+        encoders, each part encoded at once, so one batch in flight still uses every
+        worker's threads; busy workers are never waited for, and never more encoder
+        threads run than the workers have). The parts are balanced by text length
+        (length-sorted texts dealt round-robin); row i is ``texts[i]``'s embedding.
+
+        Raises:
+            What an encoder call raises (every part is finished first), ValueError /
+            TypeError as :meth:`_encode_with`."""
+        with self._borrow_encoder() as enc:
+            idle = self._borrow_idle(len(texts) - 1)
+            if not idle:
+                return self._encode_with(enc, texts)
+            try:
+                order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+                k = len(idle) + 1
+                parts = [order[j::k] for j in range(k)]
+                futs = [self._helpers().submit(self._encode_with, e, [texts[i] for i in idx])
+                        for e, idx in zip(idle, parts[1:])]
+                try:
+                    outs = [self._encode_with(enc, [texts[i] for i in parts[0]])]
+                finally:
+                    cf.wait(futs)  # every part done before its encoder goes back to the pool
+                outs += [f.result() for f in futs]
+            finally:
+                for e in idle:
+                    self._pool.put(e)
+        out = np.empty((len(texts), self.dim), dtype=np.result_type(*outs))
+        for idx, part in zip(parts, outs):
+            out[idx] = part
+        return out
+
+    def _borrow_idle(self, most: int) -> list:
+        """Up to ``most`` encoders free right now (never waits); give them back to the pool."""
+        got: list = []
+        if len(self._encoders) < 2:
+            return got
+        while len(got) < most:
+            try:
+                got.append(self._pool.get_nowait())
+            except queue.Empty:
+                break
+        return got
+
+    def _helpers(self) -> cf.ThreadPoolExecutor:
+        """Threads that run the extra parts of a shared encode (one per extra encoder)."""
+        if self._helper_pool is None:
+            with self._encoder_lock:
+                if self._helper_pool is None:
+                    self._helper_pool = cf.ThreadPoolExecutor(max(1, len(self._encoders) - 1),
+                                                              thread_name_prefix="rfmem-encode-helper")
+        return self._helper_pool
+
+    def _encode_rows(self, texts: list[str], name: str,
+                     labels: Sequence[str] | None = None) -> list[np.ndarray | ValueError]:
+        """One encoder call for ``texts``: per text its float32 [d] embedding, or a
+        ValueError naming ``labels[i]`` (default ``name[i]``, or the query text) when
+        the encoder returned a zero or non-finite row for it. Raises what the encoder
+        call raises."""
+        t0 = time.perf_counter()
+        out = self._encode_shared(texts)
+        dt = time.perf_counter() - t0
         with self._stats_lock:
             c = self._counters
             c["encode_calls"] += 1
@@ -1143,8 +1371,14 @@ class Memory:
 
         A chunk holds at most ``max_tokens`` minus the special tokens of the encoder's
         tokenizer (254 for all-MiniLM-L6-v2), consecutive chunks share
-        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span."""
-        enc = self._get_encoder()
+        ``chunk_overlap`` tokens; each chunk is the exact substring its tokens span.
+        The tokenizer used is a borrowed encoder's (never one a worker is encoding with)."""
+        with self._borrow_encoder() as enc:
+            return self._split_with(enc, texts, name, labels)
+
+    def _split_with(self, enc: Any, texts: list[str], name: str,
+                    labels: Sequence[str] | None = None) -> list[list[str]]:
+        """:meth:`_split` with the tokenizer of ``enc``."""
         limit, count = getattr(enc, "max_tokens", None), getattr(enc, "count_tokens", None)
         spans_of = getattr(enc, "token_spans", None)
         if limit is None or not callable(count):
@@ -1884,6 +2118,12 @@ class Memory:
 
     def _run_batch(self, queries: list[_Query]) -> list[_Answer | BaseException]:
         """Answer a batch: one encode of the uncached texts, one search per (mode, k)."""
+        return self._search_encoded(self._encode_batch(queries))
+
+    def _encode_batch(self, queries: list[_Query]) -> _Encoded:
+        """Stage 1 of a batch (an encoder worker): the query vectors, one encode of the
+        texts not in the embedding cache; a text the encoder fails on fails its own
+        callers only. Touches no bank state (the search stage takes the snapshot)."""
         n = len(queries)
         out: list[Any] = [None] * n
         vecs: list[np.ndarray | None] = [q.vector for q in queries]
@@ -1921,6 +2161,13 @@ class Memory:
                     else:
                         vecs[i] = row
             encode_s = time.perf_counter() - t0
+        return _Encoded(queries, vecs, out, sum(len(v) for v in need.values()), encode_s)
+
+    def _search_encoded(self, enc: _Encoded) -> list[_Answer | BaseException]:
+        """Stage 2 of a batch (the search thread): one :func:`~rfmem_fast.search` per
+        (mode, k) on ONE bank snapshot taken now, answers cached, listeners told."""
+        queries, vecs, out = enc.queries, enc.vectors, enc.out
+        n = len(queries)
         search_s, searches = 0.0, 0
         with self._rw.read():
             snap = self.bank.snapshot()
@@ -1986,7 +2233,7 @@ class Memory:
             c["searches"] += searches
             c["search_seconds"] += search_s
         if self._listeners:
-            ev = BatchEvent(n, sum(len(v) for v in need.values()), encode_s, search_s, searches)
+            ev = BatchEvent(n, enc.encoded, enc.encode_seconds, search_s, searches)
             for fn in list(self._listeners):
                 try:
                     fn(ev)
@@ -2084,6 +2331,8 @@ class Memory:
             return
         if self._batcher is not None:
             self._batcher.close()
+        if self._helper_pool is not None:
+            self._helper_pool.shutdown(wait=True)
         with self._wmutex:
             try:
                 if self._wal is not None:
