@@ -193,7 +193,7 @@ class DeleteRequest(_Body):
 
 class BulkAddItem(_Body):
     """One item of a bulk add: its user, a text and / or a vector, optional id,
-    metadata and ``created_at`` (ISO-8601; kept when the store has it)."""
+    metadata and ``created_at`` (ISO-8601, without an offset read as UTC; default: now)."""
 
     user_id: ItemId
     id: ItemId | None = None

@@ -1727,8 +1727,9 @@ class Memory:
                 ``vector`` (at least one: a [d] float vector is stored instead of
                 encoding the text, which is then kept as the item's text), ``id``
                 (optional: default a new uuid4 hex), ``metadata`` (a JSON object, or
-                None), ``created_at`` (ISO-8601; checked, kept when the store has it:
-                not by this version). A None value counts as not given.
+                None), ``created_at`` (ISO-8601, without an offset read as UTC;
+                default: the time of the write; a long text's chunk rows get their
+                item's). A None value counts as not given.
 
         Every text without a vector is embedded in ONE encoder call (long texts
         chunked as in :meth:`add`); each user's items become one add record and the
