@@ -166,9 +166,9 @@ def default_encoder_workers(cores: int | None = None) -> int:
     between its ONNX passes, next to the event loop and the search thread. Alone, two
     workers with one thread each encode faster than one worker with two (1.43 vs 1.62
     ms per question in batches of 32), but in the server on two shared cores the
-    second worker served fewer closed-loop requests per second at 64 clients in four
-    of five runs (14-36 % fewer; one run 19 % more) and won on open-loop tails in
-    only some. Beyond 2 cores this rule is
+    second worker served 14-36 % fewer closed-loop requests per second at 64 clients
+    in five of seven runs (3 % and 19 % more in the other two) and won on open-loop
+    tails in only some. Beyond 2 cores this rule is
     not measured: it keeps each worker's pass on 4 or more threads.
 
     Args:
