@@ -1161,7 +1161,21 @@ class _KernelHits:
         if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
             hx = boost(self.hval[None, :], stats, config)[0]
         elif self.hval.shape[0]:
-            hx = boost(self.hval[:, None], stats.take(np.repeat(np.arange(b), np.diff(self.hptr))), config)[:, 0]
+            # queries x their hits, padded [c, E], in steps of at most HYBRID_MATRIX_ENTRIES:
+            # the per-query factors (sharpness, spreads) once per query, not once per hit
+            lens = np.diff(self.hptr)
+            qi = np.repeat(np.arange(b), lens)
+            col = np.arange(qi.shape[0]) - np.repeat(self.hptr[:-1], lens)
+            E = int(lens.max())
+            hx = np.empty(qi.shape[0])
+            step = max(1, HYBRID_MATRIX_ENTRIES // max(E, 1))
+            for a in range(0, b, step):
+                c = min(b, a + step)
+                h0, h1 = int(self.hptr[a]), int(self.hptr[c])
+                M = np.zeros((c - a, E))
+                M[qi[h0:h1] - a, col[h0:h1]] = self.hval[h0:h1]
+                part = boost(M, stats.take(np.arange(a, c)), config)
+                hx[h0:h1] = part[qi[h0:h1] - a, col[h0:h1]]
         else:
             hx = np.zeros(0)
         return np.ascontiguousarray(hx, dtype=np.float64)
