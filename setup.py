@@ -114,7 +114,12 @@ class BuildExt(build_ext):
                     f"rfmem_fast: the CMake build of {ext.name} failed ({exc}); "
                     "trying a plain setuptools build of the same sources"
                 )
-            ext = _fallback_extension(ext.name)
+            plain = _fallback_extension(ext.name)
+            # what setuptools' finalize_options gave the extension it was handed
+            for attr in ("_full_name", "_links_to_dynamic", "_needs_stub"):
+                if hasattr(ext, attr):
+                    setattr(plain, attr, getattr(ext, attr))
+            ext = plain
         self._build_plain(ext)
 
     # ---------------------------------------------------------------- setuptools
