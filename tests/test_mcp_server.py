@@ -108,6 +108,15 @@ async def _crud_session(session: ClientSession) -> dict:
     assert len(found["hits"]) == 2 and found["mode"] == "dense" and found["k"] == 2
     routed = _ok(await session.call_tool("search_memories", {"query": "What is my sister's name?"}))
     assert routed["route"] in ("familiarity", "recollection")
+    # filtered: exactly the items whose metadata match, inside the top-k (the cello has none)
+    chat = _ok(await session.call_tool("search_memories", {"query": "I play the cello", "k": 10, "mode": "dense",
+                                                           "filters": {"source": "chat"}}))
+    assert sorted(h["id"] for h in chat["hits"]) == sorted([lyon, ana, peanuts])
+    none = _ok(await session.call_tool("search_memories", {"query": "Where do I live?", "k": 10, "mode": "dense",
+                                                           "filters": {"source": {"$exists": False}}}))
+    assert [h["id"] for h in none["hits"]] == one["ids"]
+    assert "filters" in _err(await session.call_tool("search_memories", {"query": "x",
+                                                                         "filters": {"source": {"$near": 1}}}))
 
     upd = _ok(await session.call_tool("update_memory", {"id": ana, "text": "My sister is called Ines",
                                                         "metadata": {"source": "correction"}}))
