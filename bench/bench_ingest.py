@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_encoder_backends import cpu_flags  # noqa: E402
-from bench_serving import free_port, proc_cpu  # noqa: E402
+from bench_serving import free_port, proc_cpu, wait_for_health  # noqa: E402
 
 from rfmem_fast.bench.cli import _cpu_seconds, _loadavg, _other_cores, versions  # noqa: E402
 from rfmem_fast.bench.workloads import default_cache_dir, default_personabench_dir, personabench_embeddings  # noqa: E402
@@ -144,21 +144,8 @@ class Server:
         self.health: dict[str, Any] = {}
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                r = httpx.get(f"{self.base}/health", timeout=1.0)
-                if r.status_code == 200:
-                    self.health = r.json()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        """Wait for /health (kept in ``self.health``)."""
+        self.health = wait_for_health(self.proc, self.base, timeout)
 
     def counter(self, client: Any, name: str) -> float:
         for line in client.get("/metrics").text.splitlines():

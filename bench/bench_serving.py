@@ -148,6 +148,29 @@ LABELS = {
 COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
 
 
+def wait_for_health(proc: subprocess.Popen, base: str, timeout: float) -> dict:
+    """The JSON of ``base``/health once the server ``proc`` answers it with 200.
+
+    Raises:
+        RuntimeError: the process exited first (its stderr's end quoted) or ``timeout``
+            seconds passed.
+    """
+    import httpx
+
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            r = httpx.get(f"{base}/health", timeout=1.0)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become ready")
+
+
 class Server:
     """``rfmem serve`` in a subprocess, ready once /health answers.
 
@@ -173,21 +196,7 @@ class Server:
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Wait for /health (kept in ``self.health``: the encoder's precision among others)."""
-        import httpx
-
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                r = httpx.get(f"{self.base}/health", timeout=1.0)
-                if r.status_code == 200:
-                    self.health = r.json()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        self.health = wait_for_health(self.proc, self.base, timeout)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -78,7 +78,7 @@ _RANKS = np.arange(1, TOP_LEXICAL)  # the 0-based ranks 2..10 of sharpness
 
 __all__ = [
     "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
-    "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost",
+    "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
 ]  # fmt: skip
 
 
@@ -185,6 +185,27 @@ def zscore_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarra
     wq = np.divide(float(config.lexical_weight) * np.maximum(stats.dense_gap, 0.0), sd,
                    out=np.zeros(sd.shape[0]), where=sd > 0)  # fmt: skip
     return wq[:, None] * lex
+
+
+def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarray, top1: np.ndarray,
+                 has_top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(lex_std, dense_gap)`` of :class:`LexicalStats` for fusion "zscore" (module docstring).
+
+    Args:
+        s1, s2: float64 [b] each query's sum of its BM25 and of its squares over its user's
+            items, summed in row order one after the other (items without a hit add 0).
+        n: float64 [b] the items counted (>= 1).
+        mean_d: float64 [b] ``q . mean_u``, the mean dense score (:func:`user_means`).
+        top1: float [b] the exact top-1 dense score; has_top: bool [b] whether there is one.
+
+    Returns:
+        (population standard deviation of the BM25 >= 0, ``max(0, top1 - mean_d)`` or 0
+        without a top-1), float64 [b] each.
+    """
+    mu = s1 / n
+    lex_std = np.sqrt(np.maximum(s2 / n - mu * mu, 0.0))
+    gap = np.where(has_top, np.maximum(np.asarray(top1, dtype=np.float64) - mean_d, 0.0), 0.0)
+    return lex_std, gap
 
 
 def user_means(view: Any, users: np.ndarray) -> np.ndarray:

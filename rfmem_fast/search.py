@@ -62,7 +62,7 @@ from .device import to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
-from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means
+from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means, zscore_stats
 from . import recollection as _recollection
 from .routing.base import (
     FAMILIARITY,
@@ -1027,15 +1027,13 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         top[:, :m] = -np.sort(-t, axis=1)[:, :m]
     lex_std = dense_gap = None
     if config.fusion == "zscore":  # both channels' spreads (rfmem_fast.fusion, "zscore")
-        n = np.maximum(n_match, 1).astype(np.float64)
-        # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
-        mu = np.cumsum(V, axis=1)[:, -1] / n
-        lex_std = np.sqrt(np.maximum(np.cumsum(V * V, axis=1)[:, -1] / n - mu * mu, 0.0))
         means = user_means(view, seg)
         if sel is not None:
             means = _selected_means(view, sel, seg, means)
         mean_d = np.einsum("ij,ij->i", Q.detach().to(torch.float64).cpu().numpy(), means)
-        dense_gap = np.where(valid[:, 0], np.maximum(ps[:, 0] - mean_d, 0.0), 0.0)
+        # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
+        lex_std, dense_gap = zscore_stats(np.cumsum(V, axis=1)[:, -1], np.cumsum(V * V, axis=1)[:, -1],
+                                          np.maximum(n_match, 1).astype(np.float64), mean_d, ps[:, 0], valid[:, 0])
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
     fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
@@ -1197,12 +1195,9 @@ def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc:
     off = view.snapshot.offsets
     ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
     pr = p_rows.numpy()
-    n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
-    mu = kh.s1 / n
-    lex_std = np.sqrt(np.maximum(kh.s2 / n - mu * mu, 0.0))
     mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
-    gap = np.where(pr[:, 0] >= 0, np.maximum(ps[:, 0].astype(np.float64) - mean_d, 0.0), 0.0)
-    hx = kh.boosts(config, (lex_std, gap))
+    n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
+    hx = kh.boosts(config, zscore_stats(kh.s1, kh.s2, n, mean_d, ps[:, 0], pr[:, 0] >= 0))
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
     return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 

@@ -194,3 +194,29 @@ def test_native_boosts_in_steps_equal_one_step(fz, monkeypatch):
     stepped = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
     np.testing.assert_array_equal(stepped.rows, one.rows)
     np.testing.assert_array_equal(stepped.scores, one.scores)
+
+
+def test_fused_topk_scores_the_hits_itself_as_with_recorded_scores():
+    """_native.fused_topk without ``hf`` (it scores the hits: the lead / row-order screening)
+    gives what it gives with the scan scores hybrid_probe recorded."""
+    bank, rng = _bank(7, n=200)
+    snap = bank.snapshot()
+    X, off = snap.vectors, snap.offsets.astype(np.int64)
+    lex = snap.lexical
+    P = lex.postings(0)
+    Q = (X[off[0] + 40] + 0.3 * rng.normal(size=X.shape[1])).astype(np.float32)[None, :]
+    Q /= np.linalg.norm(Q)
+    qt, qc = lex.encode_query("kite lemon mango apple dog")
+    users = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows)]
+    hptr, hrows, hval, *_ = _native.bm25_hits(users, np.zeros(1, np.int64), qt.astype(np.int32), qc,
+                                               np.array([0, qt.shape[0]], np.int64))  # fmt: skip
+    assert hval.shape[0] > 40  # enough hits for the lead and the row-order passes
+    hx = 0.05 * hval
+    seg = np.zeros(1, np.int64)
+    s, r, *_, hf = _native.hybrid_probe(X, off, Q, seg, 10, 10, 0.1, "mean", hptr, hrows, hx, hval, 0)
+    with_hf = _native.fused_topk(X, off, Q, seg, s, r, hptr, hrows, hx, hval, 10, hf=hf)
+    without = _native.fused_topk(X, off, Q, seg, s, r, hptr, hrows, hx, hval, 10)
+    for a, b in zip(with_hf, without):
+        np.testing.assert_array_equal(a, b)
+    one_pass = _native.hybrid_probe(X, off, Q, seg, 10, 10, 0.1, "mean", hptr, hrows, hx, hval, 10)
+    np.testing.assert_array_equal(with_hf[0], one_pass[5])  # rows, as the one-pass fusion
