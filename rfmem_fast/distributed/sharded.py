@@ -620,7 +620,10 @@ class ShardedMemory:
         if self._root is None:
             raise ValueError(f"shard {shard} has no home directory to restart from (ShardedMemory(path=None))")
         ray = _ray()
-        ray.kill(self._actors[shard], no_restart=True)
+        old = self._actors[shard]
+        ray.kill(old, no_restart=True)
+        # ray.kill is asynchronous: the old process may still hold the home's lock
+        _wait_until_dead(ray, old, self._ready_timeout_s, shard)
         self._actors[shard] = self._spawn(int(shard))
         return self._call_all({shard: self._actors[shard].info.remote()}, self._ready_timeout_s, "start")[shard]
 
@@ -674,6 +677,24 @@ class ShardedMemory:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _wait_until_dead(ray: Any, actor: Any, timeout_s: float, shard: int) -> None:
+    """Block until calls on a killed actor fail (its process is gone, its store unlocked).
+
+    Raises:
+        ShardTimeoutError: the actor still answers after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + float(timeout_s)
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            pass  # going down or busy: ask again
+        except ray.exceptions.RayActorError:
+            return  # dead for good
+        time.sleep(0.05)
+    raise ShardTimeoutError(shard, f"restart_shard: the old actor of shard {shard} still ran {timeout_s} s after it was killed")
 
 
 def _first_line(exc: BaseException) -> str:
