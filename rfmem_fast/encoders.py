@@ -25,8 +25,10 @@ Backend (``backend``): "torch" (default; the reference, with the precisions abov
 "onnx" (ONNX Runtime on the CPU, :mod:`rfmem_fast.onnx_export`: the same model exported
 locally from its own weights, once, into a cache keyed by the model fingerprint;
 ``dtype`` "float32" -- cosine >= 0.99999 to the torch float32 encoder, the same
-PersonaBench retrieval -- or "int8": blockwise 8-bit weights and int8 arithmetic
-(``MatMulNBits``; the attention value projections in float32): cosine >= 0.9997 to the
+PersonaBench retrieval -- or "int8": texts of at most :data:`INT8_MAX_TOKENS` tokens
+(queries) through a graph of blockwise 8-bit weights and int8 arithmetic
+(``MatMulNBits``; the attention value projections in float32), longer ones (memories,
+chunks) through the float32 graph, where int8 does not pay: cosine >= 0.9997 to the
 torch float32 encoder on PersonaBench's questions and chunks, RF-Mem routes as float32's
 on >= 99 % of its questions, and like float32 an embedding that does not depend on the
 other texts of its pass), or "auto" (:func:`resolve_backend`: a static rule, the fastest
@@ -62,12 +64,22 @@ from .models import default_model_path  # its home: the model files (re-exported
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
     "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
-    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES",
+    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS",
 ]
 
 #: ONNX backend: a forward pass holds texts with at least this fraction of the tokens
 #: of its longest one (fewer start a new pass: less padding, :meth:`_OnnxRunner.encode`)
 PASS_LENGTH_RATIO = 0.75
+
+#: ONNX int8 encoder: texts of at most this many tokens (special tokens included) run in
+#: the int8 graph, longer ones in the float32 graph (:class:`_OnnxRunner`). int8
+#: (``MatMulNBits``) pays where a pass has few rows, its weights a quarter of float32's
+#: to stream: 2.0x less CPU per token than float32 for one 16-token text, 1.2x at 64
+#: tokens, even at ~100-1000 rows, and 1.1-1.3x *more* for passes of long texts (256
+#: tokens: one text 1.0x, 16 texts 1.1x, 64 chunks 1.3x; one core, AMD EPYC with
+#: AVX512-VNNI). Queries are short (PersonaBench questions: 16 tokens on average),
+#: memories and chunks long.
+INT8_MAX_TOKENS = 64
 
 #: Below or at this many texts the progress bar is off by default.
 PROGRESS_MIN_TEXTS = 256
@@ -572,8 +584,16 @@ class TextEncoder:
 
     @property
     def onnx_file(self) -> str | None:
-        """Path (str) of the cached ONNX graph in use, or None with the torch backend."""
+        """Path (str) of the cached ONNX graph in use (with dtype "int8": the int8 graph,
+        for texts of at most :data:`INT8_MAX_TOKENS` tokens; :attr:`onnx_long_file` for
+        the longer ones), or None with the torch backend."""
         return None if self._onnx is None else self._onnx.file
+
+    @property
+    def onnx_long_file(self) -> str | None:
+        """With ONNX int8: path (str) of the float32 graph that embeds texts longer than
+        :data:`INT8_MAX_TOKENS` tokens; None otherwise."""
+        return None if self._onnx is None else self._onnx.long_file
 
     def __repr__(self) -> str:
         return (
@@ -671,11 +691,17 @@ class TextEncoder:
 
 
 class _OnnxRunner:
-    """One ONNX Runtime session over the exported graph of a sentence-transformers model.
+    """ONNX Runtime sessions over the exported graphs of a sentence-transformers model.
 
     Tokenises with the model's own ``preprocess`` (the same ids, truncation and padding
     as the torch path), in length-sorted batches like ``SentenceTransformer.encode``,
     runs the graph (masked mean pooling inside) and L2-normalises in float32.
+
+    ``dtype="float32"``: one session, the float32 graph. ``dtype="int8"``: two sessions,
+    the int8 graph for texts of at most :data:`INT8_MAX_TOKENS` tokens and the float32
+    graph for longer ones (where int8 does not pay), both exported and loaded here; a
+    pass holds texts of one side only, so which graph embeds a text depends on the text
+    alone, never on the others encoded with it.
 
     Threads: ``intra_op_num_threads = num_threads``, by default
     ``torch.get_num_threads()`` (the torch encoder's count, so both backends use the
@@ -699,7 +725,14 @@ class _OnnxRunner:
         opts.log_severity_level = 3
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(self.file, opts, providers=["CPUExecutionProvider"])
+        providers = ["CPUExecutionProvider"]
+        self._session = ort.InferenceSession(self.file, opts, providers=providers)
+        #: the session for texts longer than INT8_MAX_TOKENS (the float32 graph), or None
+        self._long: Any = None
+        self.long_file: str | None = None
+        if dtype == "int8":
+            self.long_file = onnx_model_file(st_model, model_path, "float32")
+            self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._st = st_model
 
@@ -709,8 +742,9 @@ class _OnnxRunner:
         The texts are tokenised once (the model's ``preprocess``: its ids, truncation
         and padding), sorted by token count, longest first, and cut into passes of at
         most ``batch_size`` texts, a new pass starting where a text has fewer than
-        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one;
-        each pass is padded to its own longest text (right padding: the columns past
+        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one,
+        or (int8) where the texts fall to :data:`INT8_MAX_TOKENS` tokens or fewer; each
+        pass is padded to its own longest text (right padding: the columns past
         it are dropped). Padding changes nothing but float rounding (cosine > 0.99999
         between a text alone and in a batch); it only costs time, which this saves: 64
         PersonaBench questions padded to the longest of them are ~4x the tokens.
@@ -733,13 +767,15 @@ class _OnnxRunner:
         n = len(items)
         while start < n:
             first = int(lengths[order[start]])
+            long = self._long is not None and first > INT8_MAX_TOKENS
             stop = start + 1
-            while stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first:
+            while (stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first
+                   and (not long or lengths[order[stop]] > INT8_MAX_TOKENS)):
                 stop += 1
             rows = order[start:stop]
             width = max(first, 1) if right_padded else mask.shape[1]
             feed = {name: np.ascontiguousarray(a[rows, :width]) for name, a in arrays.items()}
-            parts.append(self._session.run(None, feed)[0])
+            parts.append((self._long if long else self._session).run(None, feed)[0])
             start = stop
         sorted_out = np.concatenate(parts, axis=0).astype(np.float32, copy=False)
         out = np.empty_like(sorted_out)

@@ -324,6 +324,24 @@ def test_onnx_int8_close_to_torch_float32(enc: TextEncoder, enc_int8: TextEncode
     assert (single * got).sum(axis=1).min() > 0.99999
 
 
+def test_int8_runs_long_texts_in_float32(enc_onnx: TextEncoder, enc_int8: TextEncoder) -> None:
+    """dtype "int8": texts of more than INT8_MAX_TOKENS tokens get exactly the float32
+    graph's vectors (as a float32 encoder gives them, alone or among short texts), the
+    short ones int8 vectors; the two graphs are the cached float32 and int8 files."""
+    from rfmem_fast.encoders import INT8_MAX_TOKENS
+
+    long_texts = ["I moved to Lyon in 2021 and started working at a bakery near the river. " * k for k in (4, 6, 40)]
+    short = ["Where did I go to school?", "What is my favourite sport?"]
+    counts = enc_int8.count_tokens(long_texts + short)
+    assert min(counts[:3]) > INT8_MAX_TOKENS >= max(counts[3:])
+    mixed = enc_int8.encode(short[:1] + long_texts + short[1:])
+    f32 = enc_onnx.encode(long_texts + short)
+    np.testing.assert_allclose(mixed[1:4], f32[:3], atol=1e-6)  # long: the float32 graph
+    assert np.abs(mixed[[0, 4]] - f32[3:]).max() > 1e-4  # short: the int8 graph
+    assert enc_int8.onnx_long_file == enc_onnx.onnx_file and enc_onnx.onnx_long_file is None
+    assert "-int8-" in enc_int8.onnx_file
+
+
 def test_int8_graph_recipe(enc_int8: TextEncoder) -> None:
     """The cached int8 graph: every encoder MatMul as an 8-bit MatMulNBits node except
     one float32 value projection per layer (6 for MiniLM-L6), recorded in info.json."""
@@ -509,7 +527,7 @@ socket.getaddrinfo = refuse
 import sentence_transformers, onnxruntime
 env = dict(os.environ)
 from rfmem_fast.encoders import TextEncoder
-enc = TextEncoder(show_progress=False, backend="onnx", dtype="int8")  # exports int8 only
+enc = TextEncoder(show_progress=False, backend="onnx", dtype="int8")  # exports int8 and float32 (long texts)
 x = enc.encode(["Where did I go to school?"])
 assert x.shape == (1, 384), x.shape
 assert enc.onnx_file.startswith(os.environ["RFMEM_ONNX_CACHE"]), enc.onnx_file
@@ -537,7 +555,7 @@ def test_onnx_export_offline(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stderr == "", res.stderr
     assert res.stdout.strip() == "RESULT [] []", res.stdout
-    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir()) == ["int8"]
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir()) == ["float32", "int8"]
 
 
 def test_onnx_backend_without_onnxruntime_names_the_extra(monkeypatch) -> None:
