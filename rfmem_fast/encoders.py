@@ -35,7 +35,7 @@ other texts of its pass), or "auto" (:func:`resolve_backend`: a static rule, the
 option meeting :data:`QUALITY_FLOOR` -- "onnx" int8 on a CPU with int8 dot-product
 instructions (:func:`int8_dot`), "onnx" float32 on other CPUs, both where onnxruntime and
 onnx import, the torch rule of ``dtype="auto"`` elsewhere; the measurement behind it is
-``bench/bench_encoder_backends.py``, docs "Encoder backends"). The choice is made when the
+``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). The choice is made when the
 encoder is built and kept for its life.
 
 ``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
@@ -108,7 +108,8 @@ ENCODER_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
 #: Checked by ``tests/test_encoders.py`` (cosine, where the data is present) and
 #: ``bench/bench_encoder_backends.py`` (both). Recall@10 is reported, not part of the
 #: floor: on PersonaBench's 263 questions it moves by up to +-0.65 points under random
-#: perturbations of the embeddings 30 times smaller than int8's (docs "Encoder backends").
+#: perturbations of the embeddings 10 times smaller than int8's (docs/benchmarks/serving.md
+#: "Encoder runtimes").
 QUALITY_FLOOR = {"cosine_min": 0.9995, "identical_routes": 0.99}
 
 #: CPU features (``torch.cpu.get_capabilities()`` names) with int8 dot products, which
@@ -174,9 +175,10 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
     """The (backend, precision) an encoder runs with: what "auto" means here.
 
     A static rule, the same for every process on a machine: the fastest option that
-    meets :data:`QUALITY_FLOOR` (measurement: ``bench/bench_encoder_backends.py``, docs
-    "Encoder backends"; on an AMD EPYC with AVX512-VNNI, one core, per text: torch
-    bfloat16 ~7 ms for one question, ONNX float32 ~4.9, ONNX int8 ~3.0):
+    meets :data:`QUALITY_FLOOR` (measurement: ``bench/bench_encoder_backends.py``,
+    docs/benchmarks/serving.md "Encoder runtimes"; on an AMD EPYC with AVX512-VNNI, one
+    core, CPU per question encoded alone: torch bfloat16 ~7-9 ms, ONNX float32 ~5, ONNX
+    int8 ~3-3.9):
 
     * ``backend="torch"``: ("torch", :func:`resolve_dtype` ``(dtype, device)``);
     * ``backend="onnx"``: ("onnx", ``dtype``) for "float32" / "int8"; for "auto",

@@ -23,13 +23,17 @@ package runs with, so the export is done directly with torch and onnxruntime's t
    from is the float32 export of step 1 fused in step 2 into ``MultiHeadAttention``
    (``FusionOptions.use_multi_head_attention``), whose query / key / value projections
    are separate ``MatMul`` nodes (the ``Attention`` node of the float32 graph holds the
-   three in one weight). Measured on PersonaBench (questions and chunks, 1 - cosine to
-   the float32 encoder, mean; ``bench/bench_encoder_backends.py`` and the issue 21 notes
-   in ``docs/guides/encoders.md``): every MatMul in blocks of 32, 3.5e-4 (of which the
+   three in one weight). Measured on PersonaBench's questions (1 - cosine to the float32
+   encoder, mean; the issue 21 notes in docs/benchmarks/serving.md "Encoder runtimes"):
+   every MatMul in blocks of 32, 3.5e-4 (of which the
    value projections alone 1.7e-4, the query and key ones 1e-5 together, the
    feed-forward up / down projections 1.0e-4 / 0.5e-4); value projections in float32,
    1.8e-4; the same with blocks of 16, 1.2e-4 (this recipe: cosine >= 0.9997), at the
-   same speed within the noise (one text: 2.3x less CPU than float32). The scales are per
+   same speed within the noise. Speed against the float32 graph, one core: 2x less CPU
+   per token for one 16-token text (its weights, a quarter of the bytes, are what such
+   a pass streams), the same from ~100 rows per pass on, and 1.1-1.3x more for passes
+   of long texts: :class:`rfmem_fast.encoders.TextEncoder` runs texts over
+   ``INT8_MAX_TOKENS`` tokens in the float32 graph. The scales are per
    token and block, so an int8 embedding does not depend on the other texts of its pass
    (as float32: cosine > 0.9999999 between a text alone and in a batch). Tried and
    dropped: ``quantize_dynamic`` (per-channel int8 weights, one uint8 activation scale
