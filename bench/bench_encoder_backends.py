@@ -10,19 +10,28 @@ Side by side in one run, for each option (``--options``, default
    (``time.process_time``) of this process, best of ``--reps``, with torch and ONNX
    Runtime on ``--threads`` threads (default 1; the ONNX session takes torch's
    thread count): less sensitive to the other jobs of a shared machine than wall
-   time, which is reported too. Texts per second = 1000 / CPU ms per text (one core);
+   time, which is reported too. All encoders are loaded first and the options are
+   interleaved repetition by repetition in each cell, so a ratio compares timings
+   taken under the same load. Texts per second = 1000 / CPU ms per text (one core);
 2. agreement with the first option (the reference, torch float32): cosine of every
    question's and chunk's embedding, min and mean;
 3. retrieval: :func:`rfmem_fast.evaluate.run_personabench` (noise 0.0, the paper
    config, items and questions embedded by the option): Recall@10 / NDCG@10 of dense,
    recollection and RF-Mem, and against the reference, per question, the fraction of
-   identical RF-Mem routes and of identical RF-Mem top-10 lists.
+   identical RF-Mem routes and of identical RF-Mem top-10 lists;
+4. the noise band of those retrieval figures (``--noise-seeds``, default 5): the
+   reference embeddings turned by a random direction to the option's own mean cosine
+   (questions and chunks apart), retrieval measured again per seed: the Recall@10
+   deltas and route agreement that chance alone gives at that cosine. On PersonaBench's
+   263 questions they span about +-0.5 points even at 1 - cosine = 1e-5, so a Recall@10
+   delta inside that band is not a difference of the encoders.
 
 The JSON (``--out``, default ``bench/results/encoder-backends.json``) holds the CPU model
 and SIMD flags, versions (torch, onnxruntime, onnx, ...), the load average before and
 after, and the exact command; the markdown table and the goal check (>= 2x texts / s
 over torch bfloat16 at batch 1 and 64, Recall@10 within 0.2 points, routes identical
-on >= 99 % of questions) are printed.
+on >= 99 % of questions), the quality floor of ``rfmem_fast.encoders.QUALITY_FLOOR``
+per option and what ``backend="auto"`` resolves to here are printed.
 
     python bench/bench_encoder_backends.py            # ~2-4 min on 2 cores
 """
@@ -80,11 +89,44 @@ class Precomputed:
         return np.stack([self._table[t] for t in texts]).astype(np.float32) if texts else np.zeros((0, self.dim), np.float32)
 
 
+def _turned(x: np.ndarray, cos: float, rng: np.random.Generator) -> np.ndarray:
+    """Each unit row of ``x`` turned by the angle arccos(``cos``) towards a random
+    orthogonal direction (so its cosine to the original is ``cos``), float32."""
+    n = rng.standard_normal(x.shape).astype(np.float64)
+    n -= (n * x).sum(1, keepdims=True) * x
+    n /= np.linalg.norm(n, axis=1, keepdims=True)
+    c = min(1.0, max(-1.0, cos))
+    y = x * c + n * np.sqrt(1.0 - c * c)
+    return (y / np.linalg.norm(y, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _retrieval(run_personabench: Any, data_dir: Path, enc: Any, questions: list[str], chunks: list[str],
+               q: np.ndarray, x: np.ndarray, ref: dict[str, Any]) -> dict[str, Any]:
+    """PersonaBench retrieval with the embeddings ``q`` / ``x`` of ``questions`` / ``chunks``;
+    the first call (no ``ref["records"]`` yet) makes its records the reference."""
+    table = {**dict(zip(questions, q)), **dict(zip(chunks, x))}
+    rep = run_personabench(data_dir, encoder=Precomputed(enc, table), latency=False, cache_dir=None, ks=[10])
+    recs = {(r["community"], r["user"], r["q_id"]): r for r in rep.records}
+    cell: dict[str, Any] = {
+        mode: {"routes": mr.routes, "recall@10": mr.metrics_at[10]["Overall"]["recall"],
+               "ndcg@10": mr.metrics_at[10]["Overall"]["ndcg"]}
+        for mode, mr in rep.modes.items()
+    }
+    if "records" not in ref:
+        ref["records"], ref["recall"] = recs, cell["rfmem"]["recall@10"]
+    same_route = [recs[key]["route"] == r0["route"] for key, r0 in ref["records"].items()]
+    same_ids = [list(recs[key]["rfmem_ids"]) == list(r0["rfmem_ids"]) for key, r0 in ref["records"].items()]
+    cell["identical_routes"] = float(np.mean(same_route))
+    cell["identical_rfmem_top10"] = float(np.mean(same_ids))
+    cell["questions"] = len(same_route)
+    return cell
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rfmem_fast.datasets import load_personabench
-    from rfmem_fast.encoders import TextEncoder, check_backend
+    from rfmem_fast.encoders import QUALITY_FLOOR, TextEncoder, check_backend, resolve_backend
     from rfmem_fast.evaluate import run_personabench
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (the best is kept)")
     p.add_argument("--threads", type=int, default=1, help="torch / ONNX Runtime threads (default 1)")
     p.add_argument("--no-quality", action="store_true", help="skip the PersonaBench retrieval")
+    p.add_argument("--noise-seeds", type=int, default=5, help="random perturbations per option for the noise band (0: none)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "encoder-backends.json"))
     args = p.parse_args(argv)
     options = []
@@ -135,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                      "timing": "CPU ms per text (process_time), best of reps; wall ms too"},
         "speed": [], "agreement": {}, "quality": {},
     }
-    ref: dict[str, Any] = {}
+    doc["auto"] = {"auto:auto": ":".join(resolve_backend("auto", "auto")), "quality_floor": QUALITY_FLOOR}
+    encoders: dict[str, Any] = {}
     for backend, dtype in options:
         label = f"{backend}:{dtype}"
         t0 = time.perf_counter()
@@ -143,12 +187,21 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         say(f"{label} (runs as {enc.backend}:{enc.dtype}; loaded in {load_s:.1f} s)")
         enc.encode(timed[:16])  # warm-up
-        for what, texts, cs in (("questions", timed, calls), ("chunks", timed_chunks, [64])):
-            for call in cs:
-                cpu, wall = cpu_ms_per_text(enc, texts, call, args.reps)
+        encoders[label] = (enc, load_s)
+    for what, texts, cs in (("questions", timed, calls), ("chunks", timed_chunks, [64])):
+        for call in cs:
+            best = {label: [float("inf"), float("inf")] for label in encoders}
+            for _ in range(args.reps):  # interleaved: every option once per repetition
+                for label, (enc, _) in encoders.items():
+                    cpu, wall = cpu_ms_per_text(enc, texts, call, 1)
+                    best[label] = [min(best[label][0], cpu), min(best[label][1], wall)]
+            for label, (cpu, wall) in best.items():
                 doc["speed"].append({"option": label, "texts": what, "call": call, "cpu_ms_per_text": cpu,
                                      "wall_ms_per_text": wall, "texts_per_s_cpu": 1000 / cpu})
-                say(f"  {what:9s} call {call:3d}: {cpu:6.2f} ms CPU / text ({wall:.2f} wall)")
+                say(f"  {label:15s} {what:9s} call {call:3d}: {cpu:6.2f} ms CPU / text ({wall:.2f} wall)")
+    ref: dict[str, Any] = {}
+    rng_noise = np.random.default_rng(0)
+    for label, (enc, load_s) in encoders.items():
         q, x = enc.encode(questions), enc.encode(chunks)
         if not ref:
             ref = {"questions": q, "chunks": x, "option": label}
@@ -160,24 +213,29 @@ def main(argv: list[str] | None = None) -> int:
         }
         if not args.no_quality:
             say(f"  quality on PersonaBench ({label})")
-            table = {**dict(zip(questions, q)), **dict(zip(chunks, x))}
-            rep = run_personabench(data_dir, encoder=Precomputed(enc, table), latency=False, cache_dir=None, ks=[10])
-            recs = {(r["community"], r["user"], r["q_id"]): r for r in rep.records}
-            cell: dict[str, Any] = {
-                mode: {"routes": mr.routes, "recall@10": mr.metrics_at[10]["Overall"]["recall"],
-                       "ndcg@10": mr.metrics_at[10]["Overall"]["ndcg"]}
-                for mode, mr in rep.modes.items()
-            }
-            if "records" not in ref:
-                ref["records"] = recs
-            same_route = [recs[key]["route"] == r0["route"] for key, r0 in ref["records"].items()]
-            same_ids = [list(recs[key]["rfmem_ids"]) == list(r0["rfmem_ids"]) for key, r0 in ref["records"].items()]
-            cell["identical_routes"] = float(np.mean(same_route))
-            cell["identical_rfmem_top10"] = float(np.mean(same_ids))
-            cell["questions"] = len(same_route)
+            cell = _retrieval(run_personabench, data_dir, enc, questions, chunks, q, x, ref)
+            if label != ref["option"] and args.noise_seeds > 0:
+                band = []
+                for _ in range(args.noise_seeds):
+                    nq = _turned(ref["questions"], float(cos_q.mean()), rng_noise)
+                    nx = _turned(ref["chunks"], float(cos_x.mean()), rng_noise)
+                    c = _retrieval(run_personabench, data_dir, enc, questions, chunks, nq, nx, ref)
+                    band.append({"rfmem_recall10_delta_points": 100 * (c["rfmem"]["recall@10"] - ref["recall"]),
+                                 "identical_routes": c["identical_routes"]})
+                cell["noise_band"] = {
+                    "seeds": args.noise_seeds, "cos_mean_questions": float(cos_q.mean()),
+                    "cos_mean_chunks": float(cos_x.mean()),
+                    "rfmem_recall10_delta_points_min": min(b["rfmem_recall10_delta_points"] for b in band),
+                    "rfmem_recall10_delta_points_max": max(b["rfmem_recall10_delta_points"] for b in band),
+                    "identical_routes_min": min(b["identical_routes"] for b in band), "runs": band}
+            cos_min = min(float(cos_q.min()), float(cos_x.min()))
+            cell["meets_quality_floor"] = bool(cos_min >= QUALITY_FLOOR["cosine_min"]
+                                               and cell["identical_routes"] >= QUALITY_FLOOR["identical_routes"])
             doc["quality"][label] = cell
-            say(f"  RF-Mem Recall@10 {cell['rfmem']['recall@10']:.4f}; routes identical {cell['identical_routes']:.4f}")
-        del enc
+            say(f"  RF-Mem Recall@10 {cell['rfmem']['recall@10']:.4f}; routes identical {cell['identical_routes']:.4f}"
+                + (f"; noise band {cell['noise_band']['rfmem_recall10_delta_points_min']:+.2f}.."
+                   f"{cell['noise_band']['rfmem_recall10_delta_points_max']:+.2f} points" if "noise_band" in cell else ""))
+    del encoders
     doc["load"]["loadavg_end"] = _loadavg()
 
     by = {(r["option"], r["texts"], r["call"]): r["cpu_ms_per_text"] for r in doc["speed"]}
@@ -203,17 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}")
     head = " | ".join(f"b{c} ms (texts/s)" for c in calls)
-    print(f"| option | {head} | chunks b64 ms | cos min q / chunks | cos mean | RF-Mem R@10 | routes = | top-10 = |")
-    print("|---" * (len(calls) + 7) + "|")
+    print(f"| option | {head} | chunks b64 ms | cos min q / chunks | cos mean | RF-Mem R@10 | routes = | top-10 = "
+          "| R@10 noise band | floor |")
+    print("|---" * (len(calls) + 9) + "|")
     for label in doc["settings"]["options"]:
         cells = " | ".join(f"{by[(label, 'questions', c)]:.2f} ({1000 / by[(label, 'questions', c)]:.0f})" for c in calls)
         a = doc["agreement"][label]
         qd = doc["quality"].get(label)
+        nb = qd.get("noise_band") if qd else None
+        band = (f"{nb['rfmem_recall10_delta_points_min']:+.2f}..{nb['rfmem_recall10_delta_points_max']:+.2f}"
+                if nb else "-")
         qs = (f"{qd['rfmem']['recall@10']:.4f} | {qd['identical_routes']:.4f} | {qd['identical_rfmem_top10']:.4f}"
-              if qd else "- | - | -")
+              f" | {band} | {'yes' if qd['meets_quality_floor'] else 'no'}" if qd else "- | - | - | - | -")
         print(f"| {label} | {cells} | {by[(label, 'chunks', 64)]:.2f} | {a['questions_cos_min']:.5f} / "
               f"{a['chunks_cos_min']:.5f} | {min(a['questions_cos_mean'], a['chunks_cos_mean']):.6f} | {qs} |")
-    print(json.dumps({"load": doc["load"], "goals": goals}, indent=1))
+    print(json.dumps({"load": doc["load"], "auto": doc["auto"], "goals": goals}, indent=1))
     return 0
 
 

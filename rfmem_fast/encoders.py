@@ -25,14 +25,18 @@ Backend (``backend``): "torch" (default; the reference, with the precisions abov
 "onnx" (ONNX Runtime on the CPU, :mod:`rfmem_fast.onnx_export`: the same model exported
 locally from its own weights, once, into a cache keyed by the model fingerprint;
 ``dtype`` "float32" -- cosine >= 0.99999 to the torch float32 encoder, the same
-PersonaBench retrieval -- or "int8", dynamic int8 quantisation: cosine >= 0.99 on
-PersonaBench, RF-Mem routes as float32's on 98.5 % of its questions, and embeddings that
-depend on the pass they are computed in (activations are scaled per pass), so only on
-request), or
-"auto" (:func:`resolve_backend`: a static rule, "onnx" float32 on a CPU where
-onnxruntime and onnx import, the torch rule of ``dtype="auto"`` elsewhere; the
-measurement behind it is ``bench/bench_encoder_backends.py``, README "Encoder
-precision"). The choice is made when the encoder is built and kept for its life.
+PersonaBench retrieval -- or "int8": texts of at most :data:`INT8_MAX_TOKENS` tokens
+(queries) through a graph of blockwise 8-bit weights and int8 arithmetic
+(``MatMulNBits``; the attention value projections in float32), longer ones (memories,
+chunks) through the float32 graph, where int8 does not pay: cosine >= 0.9997 to the
+torch float32 encoder on PersonaBench's questions and chunks, RF-Mem routes as float32's
+on >= 99 % of its questions, and like float32 an embedding that does not depend on the
+other texts of its pass), or "auto" (:func:`resolve_backend`: a static rule, the fastest
+option meeting :data:`QUALITY_FLOOR` -- "onnx" int8 on a CPU with int8 dot-product
+instructions (:func:`int8_dot`), "onnx" float32 on other CPUs, both where onnxruntime and
+onnx import, the torch rule of ``dtype="auto"`` elsewhere; the measurement behind it is
+``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). The choice is made when the
+encoder is built and kept for its life.
 
 ``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
 imported lazily, on the first :class:`TextEncoder`. No process-wide state is changed:
@@ -60,11 +64,22 @@ from .models import default_model_path  # its home: the model files (re-exported
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
     "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
+    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS",
 ]
 
 #: ONNX backend: a forward pass holds texts with at least this fraction of the tokens
 #: of its longest one (fewer start a new pass: less padding, :meth:`_OnnxRunner.encode`)
 PASS_LENGTH_RATIO = 0.75
+
+#: ONNX int8 encoder: texts of at most this many tokens (special tokens included) run in
+#: the int8 graph, longer ones in the float32 graph (:class:`_OnnxRunner`). int8
+#: (``MatMulNBits``) pays where a pass has few rows, its weights a quarter of float32's
+#: to stream: 2.0x less CPU per token than float32 for one 16-token text, 1.2x at 64
+#: tokens, even at ~100-1000 rows, and 1.1-1.3x *more* for passes of long texts (256
+#: tokens: one text 1.0x, 16 texts 1.1x, 64 chunks 1.3x; one core, AMD EPYC with
+#: AVX512-VNNI). Queries are short (PersonaBench questions: 16 tokens on average),
+#: memories and chunks long.
+INT8_MAX_TOKENS = 64
 
 #: Below or at this many texts the progress bar is off by default.
 PROGRESS_MIN_TEXTS = 256
@@ -77,7 +92,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 #: ``rfmem serve --encoder-backend``)
 BACKENDS = ("torch", "onnx", "auto")
 
-#: the precisions each backend accepts ("int8": ONNX dynamic quantisation only)
+#: the precisions each backend accepts ("int8": the ONNX backend only)
 BACKEND_DTYPES = {
     "torch": DTYPES,
     "onnx": ("float32", "int8", "auto"),
@@ -86,6 +101,20 @@ BACKEND_DTYPES = {
 
 #: every precision name some backend accepts
 ENCODER_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
+
+#: what an option must keep to be picked by "auto" (:func:`resolve_backend`), against the
+#: float32 torch encoder on PersonaBench (questions and chunks, noise 0.0): the least
+#: cosine of one embedding, and the fraction of questions whose RF-Mem route is the same.
+#: Checked by ``tests/test_encoders.py`` (cosine, where the data is present) and
+#: ``bench/bench_encoder_backends.py`` (both). Recall@10 is reported, not part of the
+#: floor: on PersonaBench's 263 questions it moves by up to +-0.65 points under random
+#: perturbations of the embeddings 10 times smaller than int8's (docs/benchmarks/serving.md
+#: "Encoder runtimes").
+QUALITY_FLOOR = {"cosine_min": 0.9995, "identical_routes": 0.99}
+
+#: CPU features (``torch.cpu.get_capabilities()`` names) with int8 dot products, which
+#: the int8 graph's ``MatMulNBits`` kernels use (:func:`int8_dot`)
+INT8_DOT_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def check_dtype(dtype: Any, name: str = "dtype") -> str:
@@ -111,7 +140,7 @@ def check_backend(backend: Any, dtype: Any, name: str = "backend", dtype_name: s
     Args:
         backend: one of :data:`BACKENDS`.
         dtype: a precision :data:`BACKEND_DTYPES` ``[backend]`` accepts: "torch" takes
-            :data:`DTYPES`; "onnx" takes "float32", "int8" or "auto" (= float32);
+            :data:`DTYPES`; "onnx" takes "float32", "int8" or "auto" (:func:`resolve_backend`);
             "auto" takes any of :data:`ENCODER_DTYPES`.
         name, dtype_name: the argument names used in the messages (e.g.
             "encoder_backend" / "encoder_dtype").
@@ -135,7 +164,7 @@ def check_backend(backend: Any, dtype: Any, name: str = "backend", dtype_name: s
     if dtype not in allowed:
         hint = ""
         if dtype == "int8":
-            hint = f" (int8 is ONNX dynamic quantisation: {name}='onnx')"
+            hint = f" (int8 runs in ONNX Runtime: {name}='onnx')"
         elif dtype in DTYPES:
             hint = f" ({dtype} runs with {name}='torch' only)"
         raise ValueError(f"{dtype_name} must be one of {allowed} with {name}={backend!r}, got {dtype!r}{hint}")
@@ -145,20 +174,23 @@ def check_backend(backend: Any, dtype: Any, name: str = "backend", dtype_name: s
 def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str, str]:
     """The (backend, precision) an encoder runs with: what "auto" means here.
 
-    A static rule, the same for every process on a machine (measurement:
-    ``bench/bench_encoder_backends.py``, README "Encoder precision"):
+    A static rule, the same for every process on a machine: the fastest option that
+    meets :data:`QUALITY_FLOOR` (measurement: ``bench/bench_encoder_backends.py``,
+    docs/benchmarks/serving.md "Encoder runtimes"; on an AMD EPYC with AVX512-VNNI, one
+    core, CPU per question encoded alone: torch bfloat16 ~7-9 ms, ONNX float32 ~5, ONNX
+    int8 ~3-3.9):
 
     * ``backend="torch"``: ("torch", :func:`resolve_dtype` ``(dtype, device)``);
-    * ``backend="onnx"``: ("onnx", "float32" for ``dtype`` "float32" / "auto", or
-      "int8"); the CPU only;
-    * ``backend="auto"``: on a CPU with onnxruntime and onnx importable, ("onnx",
-      "float32") for ``dtype`` "auto" / "float32" (the fastest option whose retrieval
-      equals float32 torch's) and ("onnx", "int8") for "int8"; "bfloat16" / "float16",
-      a non-CPU device, or no onnxruntime: the torch rule.
+    * ``backend="onnx"``: ("onnx", ``dtype``) for "float32" / "int8"; for "auto",
+      "int8" where :func:`int8_dot` holds, else "float32"; the CPU only;
+    * ``backend="auto"``: on a CPU with onnxruntime and onnx importable, "onnx" with
+      the precision of ``backend="onnx"`` for ``dtype`` "auto" / "float32" / "int8";
+      "bfloat16" / "float16", a non-CPU device, or no onnxruntime: the torch rule.
 
-    int8 is never picked by "auto": its embeddings (cosine >= 0.99 to float32) miss
-    the quality floor (cosine >= 0.9999, routes as float32's on >= 99 % of PersonaBench
-    questions).
+    Both ONNX precisions meet the floor (float32: cosine >= 0.99999 and the same
+    retrieval; int8: cosine >= 0.9997, routes identical on >= 99 % of PersonaBench
+    questions); int8 is the faster only with int8 dot-product instructions (without them
+    its kernels emulate the products: not measured here, so not picked).
 
     Args:
         backend: one of :data:`BACKENDS`.
@@ -175,22 +207,44 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
     """
     check_backend(backend, dtype)
     on_cpu = isinstance(device, str) and device.split(":")[0] == "cpu"
+    onnx_dtype = dtype
+    if backend != "torch" and dtype not in ("float32", "int8"):
+        onnx_dtype = "int8" if on_cpu and int8_dot() else "float32"
     if backend == "onnx":
         if not on_cpu:
             raise ValueError(f"backend='onnx' runs on the CPU only (CPUExecutionProvider), got device={device!r}")
-        return "onnx", "int8" if dtype == "int8" else "float32"
+        return "onnx", onnx_dtype
     if backend == "auto":
         if dtype in ("auto", "float32", "int8") and on_cpu:
             from .onnx_export import onnx_available
 
             if onnx_available():
-                return "onnx", "int8" if dtype == "int8" else "float32"
+                return "onnx", onnx_dtype
         if dtype == "int8":
             raise ValueError(
                 "dtype='int8' needs the ONNX backend, which cannot run here "
                 + ("(device is not the CPU)" if not on_cpu else "(onnxruntime / onnx missing: "
                    + install_hint("onnx") + ")"))
     return "torch", resolve_dtype(dtype, device)
+
+
+def int8_dot() -> bool:
+    """Whether this CPU has int8 dot-product instructions (:data:`INT8_DOT_FEATURES`:
+    AVX512-VNNI, AVX-VNNI or AMX-INT8; torch's own CPU feature query,
+    ``torch.cpu.get_capabilities()``), which make the ONNX int8 graph faster than float32.
+
+    Returns:
+        bool; False where torch cannot tell (torch < 2.10) or torch is not installed.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    get_caps = getattr(torch.cpu, "get_capabilities", None)
+    if get_caps is None:  # pragma: no cover - torch < 2.10
+        return False
+    caps = get_caps()
+    return any(bool(caps.get(f)) for f in INT8_DOT_FEATURES)
 
 
 def native_bf16(device: str = "cpu") -> bool:
@@ -338,8 +392,9 @@ class TextEncoder:
         dtype: precision of the forward pass (module docstring): "float32"
             (default), "bfloat16", "float16" or "auto" (:func:`resolve_dtype`). The
             output is float32 in every case; :attr:`dtype` tells the one in use.
-            With ``backend="onnx"``: "float32", "int8" (dynamic quantisation) or
-            "auto" (= "float32").
+            With ``backend="onnx"``: "float32", "int8" (blockwise int8,
+            :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`: int8 on
+            a CPU with int8 dot products, else float32).
         backend: "torch" (default, the reference), "onnx" (ONNX Runtime, CPU; the
             graph is exported from the model's weights on first use and cached:
             :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`);
@@ -531,8 +586,16 @@ class TextEncoder:
 
     @property
     def onnx_file(self) -> str | None:
-        """Path (str) of the cached ONNX graph in use, or None with the torch backend."""
+        """Path (str) of the cached ONNX graph in use (with dtype "int8": the int8 graph,
+        for texts of at most :data:`INT8_MAX_TOKENS` tokens; :attr:`onnx_long_file` for
+        the longer ones), or None with the torch backend."""
         return None if self._onnx is None else self._onnx.file
+
+    @property
+    def onnx_long_file(self) -> str | None:
+        """With ONNX int8: path (str) of the float32 graph that embeds texts longer than
+        :data:`INT8_MAX_TOKENS` tokens; None otherwise."""
+        return None if self._onnx is None else self._onnx.long_file
 
     def __repr__(self) -> str:
         return (
@@ -630,17 +693,23 @@ class TextEncoder:
 
 
 class _OnnxRunner:
-    """One ONNX Runtime session over the exported graph of a sentence-transformers model.
+    """ONNX Runtime sessions over the exported graphs of a sentence-transformers model.
 
     Tokenises with the model's own ``preprocess`` (the same ids, truncation and padding
     as the torch path), in length-sorted batches like ``SentenceTransformer.encode``,
     runs the graph (masked mean pooling inside) and L2-normalises in float32.
 
+    ``dtype="float32"``: one session, the float32 graph. ``dtype="int8"``: two sessions,
+    the int8 graph for texts of at most :data:`INT8_MAX_TOKENS` tokens and the float32
+    graph for longer ones (where int8 does not pay), both exported and loaded here; a
+    pass holds texts of one side only, so which graph embeds a text depends on the text
+    alone, never on the others encoded with it.
+
     Threads: ``intra_op_num_threads = num_threads``, by default
     ``torch.get_num_threads()`` (the torch encoder's count, so both backends use the
     same cores; :class:`TextEncoder` ``num_threads`` to share the cores out between
-    encoders); with ``OMP_WAIT_POLICY=PASSIVE`` set (``rfmem serve`` sets it) the pool's
-    threads do not spin between calls.
+    encoders); the pool's threads never spin (``session.intra_op.allow_spinning`` = 0),
+    whatever ``OMP_WAIT_POLICY`` says.
     """
 
     def __init__(self, st_model: Any, model_path: str, dtype: str, num_threads: int | None = None) -> None:
@@ -656,9 +725,18 @@ class _OnnxRunner:
         opts.intra_op_num_threads = self.num_threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
-        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(self.file, opts, providers=["CPUExecutionProvider"])
+        # never spin: with 2 threads on 2 shared cores, spinning between and after runs
+        # cost 2-2.5x the CPU per text and more wall time (load ~3.7, one-text calls:
+        # 8.7-11.3 against 4.2-4.5 ms CPU per text); without it, CPU as with 1 thread
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        providers = ["CPUExecutionProvider"]
+        self._session = ort.InferenceSession(self.file, opts, providers=providers)
+        #: the session for texts longer than INT8_MAX_TOKENS (the float32 graph), or None
+        self._long: Any = None
+        self.long_file: str | None = None
+        if dtype == "int8":
+            self.long_file = onnx_model_file(st_model, model_path, "float32")
+            self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._st = st_model
 
@@ -668,8 +746,9 @@ class _OnnxRunner:
         The texts are tokenised once (the model's ``preprocess``: its ids, truncation
         and padding), sorted by token count, longest first, and cut into passes of at
         most ``batch_size`` texts, a new pass starting where a text has fewer than
-        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one;
-        each pass is padded to its own longest text (right padding: the columns past
+        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one,
+        or (int8) where the texts fall to :data:`INT8_MAX_TOKENS` tokens or fewer; each
+        pass is padded to its own longest text (right padding: the columns past
         it are dropped). Padding changes nothing but float rounding (cosine > 0.99999
         between a text alone and in a batch); it only costs time, which this saves: 64
         PersonaBench questions padded to the longest of them are ~4x the tokens.
@@ -692,13 +771,15 @@ class _OnnxRunner:
         n = len(items)
         while start < n:
             first = int(lengths[order[start]])
+            long = self._long is not None and first > INT8_MAX_TOKENS
             stop = start + 1
-            while stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first:
+            while (stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first
+                   and (not long or lengths[order[stop]] > INT8_MAX_TOKENS)):
                 stop += 1
             rows = order[start:stop]
             width = max(first, 1) if right_padded else mask.shape[1]
             feed = {name: np.ascontiguousarray(a[rows, :width]) for name, a in arrays.items()}
-            parts.append(self._session.run(None, feed)[0])
+            parts.append((self._long if long else self._session).run(None, feed)[0])
             start = stop
         sorted_out = np.concatenate(parts, axis=0).astype(np.float32, copy=False)
         out = np.empty_like(sorted_out)

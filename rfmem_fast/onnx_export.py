@@ -14,20 +14,36 @@ package runs with, so the export is done directly with torch and onnxruntime's t
 2. for a BERT model, onnxruntime's transformer optimizer
    (``onnxruntime.transformers.optimizer.optimize_model``): fused attention,
    EmbedLayerNormalization, SkipLayerNormalization and BiasGelu kernels, float32;
-3. ``dtype="int8"``: dynamic quantisation (``onnxruntime.quantization.quantize_dynamic``)
-   of the fused float32 graph: int8 weights per output channel (symmetric), uint8
-   activations quantised per call, for the attention projections and every ``MatMul``
-   except the feed-forward down-projections (``intermediate_size -> hidden_size``),
-   which stay float32: quantising those too drops the cosine to the float32 encoder
-   from >= 0.993 to 0.988 (questions and chunks of PersonaBench; per-tensor weights,
-   the default of ``quantize_dynamic``, give 0.88). Quantising the attention output
-   projections too, or leaving the attention's QKV in float32, changes little (routes
-   as float32's on 98.9 % of PersonaBench questions either way, against 98.5 %).
-   The activation scales are computed per pass, so an int8 embedding depends on the
-   other texts of its pass a little more than a float32 one.
+3. ``dtype="int8"``: blockwise 8-bit weights with int8 arithmetic
+   (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``: ``MatMulNBits``
+   nodes, ``bits=8``, symmetric, :data:`INT8_BLOCK` = 16 weights of the input dimension
+   per scale, ``accuracy_level=4``: each token's activations are quantised to int8 per
+   block of 16 inputs when multiplied, in the same node) of every encoder ``MatMul``
+   except the attention *value* projections, which stay float32. The graph it starts
+   from is the float32 export of step 1 fused in step 2 into ``MultiHeadAttention``
+   (``FusionOptions.use_multi_head_attention``), whose query / key / value projections
+   are separate ``MatMul`` nodes (the ``Attention`` node of the float32 graph holds the
+   three in one weight). Measured on PersonaBench's questions (1 - cosine to the float32
+   encoder, mean; the issue 21 notes in docs/benchmarks/serving.md "Encoder runtimes"):
+   every MatMul in blocks of 32, 3.5e-4 (of which the
+   value projections alone 1.7e-4, the query and key ones 1e-5 together, the
+   feed-forward up / down projections 1.0e-4 / 0.5e-4); value projections in float32,
+   1.8e-4; the same with blocks of 16, 1.2e-4 (this recipe: cosine >= 0.9997), at the
+   same speed within the noise. Speed against the float32 graph, one core: 2x less CPU
+   per token for one 16-token text (its weights, a quarter of the bytes, are what such
+   a pass streams), the same from ~100 rows per pass on, and 1.1-1.3x more for passes
+   of long texts: :class:`rfmem_fast.encoders.TextEncoder` runs texts over
+   ``INT8_MAX_TOKENS`` tokens in the float32 graph. The scales are per
+   token and block, so an int8 embedding does not depend on the other texts of its pass
+   (as float32: cosine > 0.9999999 between a text alone and in a batch). Tried and
+   dropped: ``quantize_dynamic`` (per-channel int8 weights, one uint8 activation scale
+   per tensor and call, the feed-forward down-projections in float32; the recipe of
+   format 1): cosine >= 0.992, routes as float32's on 98.5 % of PersonaBench questions,
+   embeddings that depend on the pass.
 
-Each graph is written once per model content and onnxruntime version, under
-:func:`onnx_cache_dir` ``/<model fingerprint>-<dtype>-ort<version>-v1/model.onnx``
+Each graph is written once per model content, onnxruntime version and recipe, under
+:func:`onnx_cache_dir` ``/<model fingerprint>-<dtype>-ort<version>-v<recipe>/model.onnx``
+(the recipe: :data:`RECIPE_VERSIONS`)
 (:func:`rfmem_fast.models.model_fingerprint`), atomically: it is built in a temporary
 sibling folder that is renamed into place, so a reader sees the complete folder or
 none, and two processes exporting at once both end with the same complete graph (the
@@ -51,12 +67,18 @@ from typing import Any, Iterator
 
 from ._optional import require
 
-__all__ = ["ONNX_DTYPES", "FORMAT_VERSION", "onnx_cache_dir", "onnx_model_file", "onnx_available"]
+__all__ = ["ONNX_DTYPES", "FORMAT_VERSION", "RECIPE_VERSIONS", "INT8_BLOCK", "onnx_cache_dir",
+           "onnx_model_file", "onnx_available"]
 
 #: the precisions an ONNX graph is exported in
 ONNX_DTYPES = ("float32", "int8")
-#: bumped when the export recipe changes (part of the cache key)
+#: recipe of the float32 graph, bumped when it changes (part of its cache key)
 FORMAT_VERSION = 1
+#: recipe version per precision (part of the cache key): int8 2 = MatMulNBits (module
+#: docstring, step 3); 1 was ``quantize_dynamic``
+RECIPE_VERSIONS = {"float32": FORMAT_VERSION, "int8": 2}
+#: int8 graph: weights (and activations) per scale, along the input dimension
+INT8_BLOCK = 16
 
 _MEMO: dict[tuple[str, str, str], str] = {}
 _MEMO_LOCK = threading.Lock()
@@ -117,8 +139,9 @@ def _check_exportable(st_model: Any) -> tuple[Any, str]:
     return hf, mode
 
 
-def _export_float32(st_model: Any, out: Path) -> dict[str, Any]:
-    """Write the float32 graph (steps 1-2 of the module docstring) to ``out``; returns its info."""
+def _export_raw(st_model: Any, raw: Path) -> tuple[list[str], Any]:
+    """Step 1 of the module docstring: the unfused float32 graph at ``raw``; returns
+    (input names, the transformers config)."""
     import torch
 
     hf, _ = _check_exportable(st_model)
@@ -140,7 +163,6 @@ def _export_float32(st_model: Any, out: Path) -> dict[str, Any]:
 
     set_attn = getattr(hf, "set_attn_implementation", None)
     before = getattr(hf.config, "_attn_implementation", None)
-    raw = out.with_name("raw.onnx")
     try:
         if set_attn is not None:
             set_attn("eager")  # the pattern onnxruntime's optimizer fuses into one Attention op
@@ -154,15 +176,30 @@ def _export_float32(st_model: Any, out: Path) -> dict[str, Any]:
     finally:
         if set_attn is not None and before is not None:
             set_attn(before)
-    cfg = hf.config
+    return names, hf.config
+
+
+def _fuse_bert(raw: Path, cfg: Any, multi_head: bool) -> Any:
+    """Step 2: onnxruntime's BERT optimizer over ``raw``; ``multi_head``: attention as
+    ``MultiHeadAttention`` with separate Q / K / V MatMuls (else one ``Attention`` node).
+    Returns the optimizer's ``OnnxModel``."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    options = FusionOptions("bert")
+    options.use_multi_head_attention = multi_head
+    with _quiet():
+        return optimize_model(str(raw), model_type="bert", num_heads=int(cfg.num_attention_heads),
+                              hidden_size=int(cfg.hidden_size), opt_level=0, optimization_options=options)
+
+
+def _export_float32(st_model: Any, out: Path) -> dict[str, Any]:
+    """Write the float32 graph (steps 1-2 of the module docstring) to ``out``; returns its info."""
+    raw = out.with_name("raw.onnx")
+    names, cfg = _export_raw(st_model, raw)
     fused = False
     if getattr(cfg, "model_type", None) == "bert":
-        from onnxruntime.transformers.optimizer import optimize_model
-
-        with _quiet():
-            opt = optimize_model(str(raw), model_type="bert", num_heads=int(cfg.num_attention_heads),
-                                 hidden_size=int(cfg.hidden_size), opt_level=0)
-            opt.save_model_to_file(str(out))
+        _fuse_bert(raw, cfg, multi_head=False).save_model_to_file(str(out))
         raw.unlink()
         fused = True
     else:
@@ -170,28 +207,77 @@ def _export_float32(st_model: Any, out: Path) -> dict[str, Any]:
     return {"inputs": names, "fused": fused, "model_type": getattr(cfg, "model_type", None)}
 
 
-def _quantize_int8(src: Path, out: Path, intermediate_size: int, hidden_size: int) -> dict[str, Any]:
-    """Write the int8 graph (step 3 of the module docstring) of the float32 graph ``src``."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def _value_matmuls(graph: Any) -> list[str]:
+    """Names of the MatMul nodes that make the value input of each ``MultiHeadAttention``
+    node of ``graph`` (directly, or through one bias ``Add``)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    found = []
+    for node in graph.node:
+        if node.op_type != "MultiHeadAttention" or len(node.input) < 3:
+            continue
+        src = producer.get(node.input[2])
+        if src is not None and src.op_type == "Add":
+            src = next((producer[i] for i in src.input if i in producer and producer[i].op_type == "MatMul"), None)
+        if src is not None and src.op_type == "MatMul":
+            found.append(src.name)
+    return found
 
-    graph = onnx.load(str(src), load_external_data=False).graph
-    shapes = {i.name: tuple(i.dims) for i in graph.initializer}
-    keep = [n.name for n in graph.node if n.op_type == "MatMul" and len(n.input) > 1
-            and shapes.get(n.input[1]) == (intermediate_size, hidden_size)]
+
+def _nbits_quantizer() -> Any:
+    """``MatMulNBitsQuantizer``, imported without its module's side effect: that module
+    calls ``logging.basicConfig(level=INFO)`` on import (a handler on the root logger
+    and its level set to INFO, for the whole process); the root logger's handlers and
+    level are put back as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
+def _export_int8(st_model: Any, out: Path) -> dict[str, Any]:
+    """Write the int8 graph (step 3 of the module docstring) to ``out``; returns its info.
+
+    Raises:
+        ValueError: a model that is not BERT-like (no ``MultiHeadAttention`` fusion, so no
+            value projections to keep in float32): use dtype "float32".
+    """
+    import onnx
+
+    MatMulNBitsQuantizer = _nbits_quantizer()
+    raw = out.with_name("raw.onnx")
+    names, cfg = _export_raw(st_model, raw)
+    if getattr(cfg, "model_type", None) != "bert":
+        raise ValueError(f"dtype='int8' supports BERT encoders only; this model is {getattr(cfg, 'model_type', None)!r}: "
+                         "use dtype='float32'")
+    model = _fuse_bert(raw, cfg, multi_head=True).model
+    raw.unlink()
+    graph = model.graph
+    value = _value_matmuls(graph)
+    layers = int(cfg.num_hidden_layers)
+    if len(value) != layers:
+        raise ValueError(f"dtype='int8': found {len(value)} attention value projections in the fused graph, "
+                         f"expected {layers} (one per layer): use dtype='float32'")
     with _quiet():
-        quantize_dynamic(
-            str(src), str(out), weight_type=QuantType.QInt8, per_channel=True,
-            op_types_to_quantize=["MatMul", "Attention"], nodes_to_exclude=keep,
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
-    return {"quantized": "int8 per-channel weights, dynamic uint8 activations", "float32_nodes": keep}
+        q = MatMulNBitsQuantizer(model, bits=8, block_size=INT8_BLOCK, is_symmetric=True, accuracy_level=4,
+                                 nodes_to_exclude=value)
+        q.process()
+        onnx.save(q.model.model, str(out))
+    kinds = [n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node]
+    return {"inputs": names, "fused": True, "model_type": "bert",
+            "quantized": f"MatMulNBits bits=8 block_size={INT8_BLOCK} symmetric accuracy_level=4",
+            "int8_matmuls": kinds.count("MatMulNBits"), "float32_matmuls": value}
 
 
 def _key(fingerprint: str, dtype: str) -> str:
     import onnxruntime
 
-    return f"{fingerprint}-{dtype}-ort{onnxruntime.__version__}-v{FORMAT_VERSION}"
+    return f"{fingerprint}-{dtype}-ort{onnxruntime.__version__}-v{RECIPE_VERSIONS[dtype]}"
 
 
 def _build_atomically(root: Path, key: str, build: Any) -> Path:
@@ -234,12 +320,13 @@ def onnx_model_file(st_model: Any, model_path: str, dtype: str = "float32",
         cache_dir: the cache root (default :func:`onnx_cache_dir`).
 
     Returns:
-        the path (str) of ``<cache root>/<fingerprint>-<dtype>-ort<version>-v1/model.onnx``,
+        the path (str) of ``<cache root>/<fingerprint>-<dtype>-ort<version>-v<recipe>/model.onnx``,
         complete (module docstring: atomic, reused by later calls and processes).
 
     Raises:
         ValueError: ``dtype`` not in :data:`ONNX_DTYPES`, or a model the export does
-            not cover (modules other than Transformer -> mean Pooling -> Normalize).
+            not cover (modules other than Transformer -> mean Pooling -> Normalize;
+            "int8": a transformer other than BERT).
         ImportError: ``onnxruntime`` / ``onnx`` missing (names the extra ``onnx``).
         OSError: the cache folder cannot be written.
     """
@@ -257,14 +344,9 @@ def onnx_model_file(st_model: Any, model_path: str, dtype: str = "float32",
             return hit
         fp = model_fingerprint(model_path)
         _check_exportable(st_model)
-        f32 = _build_atomically(root, _key(fp, "float32"), lambda d: {
-            "source": os.path.abspath(model_path), "fingerprint": fp, "dtype": "float32",
-            **_export_float32(st_model, d / "model.onnx")})
-        path = f32
-        if dtype == "int8":
-            cfg = _check_exportable(st_model)[0].config
-            path = _build_atomically(root, _key(fp, "int8"), lambda d: {
-                "source": os.path.abspath(model_path), "fingerprint": fp, "dtype": "int8", "from": str(f32),
-                **_quantize_int8(f32, d / "model.onnx", int(cfg.intermediate_size), int(cfg.hidden_size))})
+        export = _export_int8 if dtype == "int8" else _export_float32  # each from the model's weights
+        path = _build_atomically(root, _key(fp, dtype), lambda d: {
+            "source": os.path.abspath(model_path), "fingerprint": fp, "dtype": dtype,
+            **export(st_model, d / "model.onnx")})
         _MEMO[memo_key] = str(path)
         return str(path)
