@@ -518,7 +518,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
                        int64_t memory_budget, const py::object& active_, const py::object& scan_,
-                       const std::string& scan_type, const std::string& path) {
+                       const std::string& scan_type, const std::string& path, const py::object& stats_) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -607,11 +607,21 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
   int64_t* pr = rows.mutable_data();
   float* ps = scores.mutable_data();
   int64_t* pn = rounds.mutable_data();
+  double* pst = nullptr;
+  py::array stats;
+  if (!stats_.is_none()) {
+    stats = checked<double>(stats_, fn, "stats", 1, "float64");
+    if (stats.shape(0) != rfmem::kRecollectStats)
+      throw py::value_error(std::string(fn) + ": stats must be float64 [" + std::to_string(rfmem::kRecollectStats) +
+                            "], got shape " + shape_str(stats));
+    if (!stats.writeable()) throw py::value_error(std::string(fn) + ": stats must be writeable");
+    pst = static_cast<double*>(stats.mutable_data());
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget, act, &sa.opt);
+                     memory_budget, act, &sa.opt, pst);
   }
   return py::make_tuple(rows, scores, rounds);
 }
@@ -774,7 +784,7 @@ Raises:
           py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
           py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
-          py::arg("path") = "auto",
+          py::arg("path") = "auto", py::arg("stats") = py::none(),
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -803,6 +813,9 @@ Args:
         -inf scores, 0 rounds, no work).
     scan, scan_type, path: the rounds' top-k calls, as segmented_topk's (a half-precision
         scan copy of X, its type, a forced path); the results do not depend on them.
+    stats: None, or a writeable float64 [recollect_stat_names length] array to which the
+        call ADDS its profile: seconds of the whole call and of its phases (summed over
+        threads), then counts; names in recollect_stat_names (timed only when given).
 
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the
@@ -913,6 +926,10 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
+  mod.attr("recollect_stat_names") =
+      py::make_tuple("total_s", "scan_s", "filter_s", "mmr_s", "kmeans_s", "mix_s", "select_s", "rounds",
+                     "scan_queries", "branches", "kept");
   mod.def(
       "simd_level", []() { return rfmem::simd_kernels().level; },
       "SIMD level the top-k kernels use now: 2 AVX-512F, 1 AVX2 + FMA + F16C, 0 baseline (csrc/cpu/simd.h); the "

@@ -30,6 +30,7 @@
 #include "recollect.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -57,6 +58,30 @@ inline double dot64(const float* a, const float* b, int64_t d) {
   return (s0 + s1) + (s2 + s3);
 }
 
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The profile of one thread (recollect's ``stats``): lap(i) adds the time since the last
+// lap to phase i; nothing is read from the clock when off.
+struct Profile {
+  bool on = false;
+  double t = 0.0;
+  double acc[kRecollectStats] = {0.0};
+  void start() {
+    if (on) t = now_s();
+  }
+  void lap(int i) {
+    if (!on) return;
+    const double u = now_s();
+    acc[i] += u - t;
+    t = u;
+  }
+  void count(int i, double v) {
+    if (on) acc[i] += v;
+  }
+};
+
 struct Child {
   double acc;
   int64_t flat;  // slot * B + cluster
@@ -81,6 +106,7 @@ struct Workspace {
   std::vector<double> mx;
   std::vector<Child> children;
   std::vector<uint16_t> seen;  // bit g: returned to query g of the group; one per row of the segment
+  Profile prof;
 
   void allocate(int64_t G, int64_t B, int64_t Kmax, int64_t d, int64_t cap, int64_t max_len) {
     const size_t g = static_cast<size_t>(G), b = static_cast<size_t>(B), k = static_cast<size_t>(Kmax),
@@ -149,9 +175,15 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
   }
   w.nvalid[p] = nv;
   w.kc[p] = 0;
-  if (nv == 0) return;
+  if (nv == 0) {
+    w.prof.lap(kStatFilter);
+    return;
+  }
   float* V = w.V.data();
   for (int64_t j = 0; j < nv; ++j) std::copy(bt.X + rows[j] * d, bt.X + (rows[j] + 1) * d, V + j * d);
+  w.prof.lap(kStatFilter);
+  w.prof.count(kStatBranches, 1.0);
+  w.prof.count(kStatKept, static_cast<double>(nv));
   const double lam = cfg.mmr_lambda;
   if (lam < 1.0) {
     double* mx = w.mx.data();
@@ -161,10 +193,12 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
       mmr[i] = lam * mmr[i] - (1.0 - lam) * m;
     }
   }
+  w.prof.lap(kStatMmr);
   const int64_t kc = std::min(nv, B);
   w.kc[p] = kc;
   batched_kmeans(V, 1, nv, d, &nv, &kc, kc, cfg.kmeans_iters, cfg.kmeans_tol, cfg.draws + kc * cfg.n_draws,
                  cfg.n_draws, lab, w.cent.data(), 1);
+  w.prof.lap(kStatKmeans);
   alpha_mix(bq, w.cent.data(), q0, 1, kc, d, cfg.alpha, w.child_q.data() + p * B * d, 1);
   int64_t* csize = w.csize.data() + p * B;
   double* cgain = w.cgain.data() + p * B;
@@ -174,6 +208,7 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
     ++csize[lab[j]];
     cgain[lab[j]] += mmr[j];
   }
+  w.prof.lap(kStatMix);
 }
 
 // All rounds of the queries idx[0 : G] (one segment), in lockstep.
@@ -195,6 +230,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
     active[g] = true;
   }
   std::fill(w.segs.begin(), w.segs.end(), seg);
+  w.prof.start();
 
   for (int64_t level = 0; level < R; ++level) {
     const int64_t K = (B + level) * F;
@@ -206,6 +242,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       nb += nlive[g];
     }
     if (nb == 0) break;
+    w.prof.count(kStatRounds, 1.0);
     if (level == 0 && bt.l0_s != nullptr) {
       for (int64_t g = 0; g < G; ++g) {  // one branch each: the probe's first K
         if (!active[g]) continue;
@@ -223,7 +260,9 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       opt.xnorm = bt.xnorm;
       segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
                      w.c_rows.data(), opt);
+      w.prof.count(kStatScanQueries, static_cast<double>(nb));
     }
+    w.prof.lap(kStatScan);
     // ---- 2. per branch: filter, MMR, KMeans, children
     for (int64_t g = 0; g < G; ++g) {
       if (!active[g]) continue;
@@ -272,6 +311,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       ++rounds[g];
       if (res_len[g] >= cfg.out_k) active[g] = false;
     }
+    w.prof.lap(kStatSelect);
   }
 
   for (int64_t g = 0; g < G; ++g) {
@@ -335,7 +375,8 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active, const TopkOptions* topk) {
+               const uint8_t* active, const TopkOptions* topk, double* stats) {
+  const double t_start = stats ? now_s() : 0.0;
   if (b == 0) return;
   // the queries to recollect, by segment (stable); the others get padding at once
   std::vector<int64_t> todo;
@@ -389,7 +430,10 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
-  for (Workspace& w : ws) w.allocate(G, B, Kmax, d, cap, max_len);
+  for (Workspace& w : ws) {
+    w.allocate(G, B, Kmax, d, cap, max_len);
+    w.prof.on = stats != nullptr;
+  }
   const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
                  level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{}};
   std::exception_ptr error;
@@ -404,6 +448,11 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     }
   });
   if (error) std::rethrow_exception(error);
+  if (stats) {
+    for (const Workspace& w : ws)
+      for (int i = 1; i < kRecollectStats; ++i) stats[i] += w.prof.acc[i];
+    stats[kStatTotal] += now_s() - t_start;
+  }
 }
 
 }  // namespace rfmem

@@ -44,6 +44,24 @@ void max_similarity_set(const float* V, int64_t cnt, int64_t d, double* mx);
 void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts, double* out,
                     int num_threads);
 
+/// Where the time of one recollect() call goes (its optional ``stats`` output, float64
+/// [kRecollectStats], ADDED to): seconds of the phases (summed over the threads), then
+/// counts. Taken with steady_clock around each phase only when stats is given.
+enum RecollectStat : int {
+  kStatTotal = 0,    // the whole call (wall seconds of the calling thread)
+  kStatScan,         // the rounds' top-k calls (levels >= 1; level 0 reuses the probe)
+  kStatFilter,       // candidates filtered (floor, already returned) and gathered
+  kStatMmr,          // MMR similarity of the kept candidates
+  kStatKmeans,       // KMeans of the kept candidates
+  kStatMix,          // alpha-mix of the children
+  kStatSelect,       // next beam, hits appended
+  kStatRounds,       // count: rounds run (a round = one level of one query group)
+  kStatScanQueries,  // count: branch queries scored by the rounds' top-k calls
+  kStatBranches,     // count: branches processed (KMeans problems, when any candidate was kept)
+  kStatKept,         // count: candidates kept (KMeans points)
+  kRecollectStats
+};
+
 /// Result slots one query can fill: out_k - 1 + B * (B + R - 1) * F (a round adds at
 /// most B * (B + level) * F items and the loop stops at out_k).
 int64_t recollect_capacity(const RecollectConfig& cfg);
@@ -74,11 +92,12 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// ``topk``: null, or the scan options of every round's top-k call (a half-precision
 /// scan copy of X and its type, a forced path; TopkOptions' num_threads and xnorm are
 /// ignored: this call's are used). Results never depend on them.
-/// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
+/// ``stats``: null, or float64 [kRecollectStats] to which the call adds its profile
+/// (RecollectStat). May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr);
+               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr, double* stats = nullptr);
 
 }  // namespace rfmem
