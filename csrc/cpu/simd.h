@@ -70,6 +70,13 @@ struct SimdKernels {
   /// queries (as scan_rows of topk.cpp).
   void (*scan_rows_half)(const uint16_t* X, ScanType t, int64_t d, int64_t r0, int64_t r1,
                          const float* const* qs, int nq, Heap* heaps, int64_t tile_rows);
+
+  /// The scan path over float32 rows [r0, r1) of X (levels 1, 2; nullptr at level 0,
+  /// where topk.cpp's own scan runs): heaps[i] collects query i's best scores, every
+  /// block of rows scored against all nq queries while it is in L1 (register blocks of
+  /// rows x queries, fused multiply-adds; the lanes and depth of the scan path's bound).
+  void (*scan_rows_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq,
+                        Heap* heaps);
 };
 
 /// Highest level this CPU (and its OS) supports.

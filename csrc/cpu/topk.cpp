@@ -521,6 +521,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else if (K.scan_rows_f32)
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps);
       else
         scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
     }
