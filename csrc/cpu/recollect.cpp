@@ -18,7 +18,8 @@
 //      min(B, kept) clusters (batched_kmeans: scikit-learn's seeding replayed); the
 //      child of cluster c is alpha_mix(branch query, centroid c, q0) with accumulated
 //      score branch acc + (sum of its members' scores in candidate order, from 0); a
-//      cluster without members yields no child;
+//      cluster without members yields no child; a child's query is mixed only once it
+//      is in a beam that runs another round (the mixes nobody scans are skipped);
 //   3. the next beam: the B children of largest accumulated score over the
 //      (slot, cluster) grid, stable (ties to the smaller slot * B + cluster);
 //   4. the hits of the new beam in (beam slot, candidate) order, first occurrences
@@ -92,17 +93,18 @@ constexpr int64_t kMaxGroup = 16;  // queries of one group (one bit each in the 
 // One thread's buffers for a group of G queries, sized for the largest round
 // (K = (B + R - 1) * F candidates per branch, G * B branches).
 struct Workspace {
-  // per query: beam queries [G, B, d] (and the next beam), beam scores [G, B], results [G, cap]
+  // per query: beam queries [G, B, d] (and the next beam's centroids and parent slots),
+  // beam scores [G, B], results [G, cap]
   std::vector<float> bq, nbq;
   std::vector<double> bacc, res_sc;
   std::vector<int64_t> res_rows;
   // per branch of a round: its query [GB, d], candidates [GB, K], kept candidates and
-  // their scores / labels [GB, K], children [GB, B, d] and their sizes / gains [GB, B]
+  // their scores / labels [GB, K], children's centroids [GB, B, d] and their sizes / gains [GB, B]
   std::vector<float> qbuf, c_sc, child_q;
-  std::vector<int64_t> segs, c_rows, rows, lab, nvalid, kc, csize;
+  std::vector<int64_t> segs, c_rows, rows, lab, nvalid, kc, csize, par;
   std::vector<double> mmr, cgain;
   // scratch of one branch / one query
-  std::vector<float> V, cent;
+  std::vector<float> V;
   std::vector<double> mx;
   std::vector<Child> children;
   std::vector<uint16_t> seen;  // bit g: returned to query g of the group; one per row of the segment
@@ -126,10 +128,10 @@ struct Workspace {
     nvalid.resize(g * b);
     kc.resize(g * b);
     csize.resize(g * b * b);
+    par.resize(g * b);
     mmr.resize(g * b * k);
     cgain.resize(g * b * b);
     V.resize(k * dd);
-    cent.resize(b * dd);
     mx.resize(k);
     children.resize(b * b);
     seen.assign(static_cast<size_t>(max_len), 0);
@@ -155,10 +157,12 @@ struct Batch {
 };
 
 // One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
-// MMR, KMeans, the children (alpha-mix with its query bq and the original q0) and their
-// gains. Writes the kept rows / scores / labels, nvalid, kc, child_q, csize, cgain of p.
-void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p, int64_t K, const float* bq,
-            const float* q0, int64_t a, uint16_t bit) {
+// MMR, KMeans, the children's centroids and gains. Writes the kept rows / scores /
+// labels, nvalid, kc, the centroids (child_q), csize, cgain of p. A child's query (the
+// alpha-mix of its branch query, its centroid and q0) is made only when it is selected
+// for a beam that runs another round (recollect_group).
+void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p, int64_t K, int64_t a,
+            uint16_t bit) {
   const int64_t B = cfg.beam_width, d = bt.d;
   const float* cs = w.c_sc.data() + p * K;
   const int64_t* cr = w.c_rows.data() + p * K;
@@ -197,9 +201,8 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
   const int64_t kc = std::min(nv, B);
   w.kc[p] = kc;
   batched_kmeans(V, 1, nv, d, &nv, &kc, kc, cfg.kmeans_iters, cfg.kmeans_tol, cfg.draws + kc * cfg.n_draws,
-                 cfg.n_draws, lab, w.cent.data(), 1);
+                 cfg.n_draws, lab, w.child_q.data() + p * B * d, 1);
   w.prof.lap(kStatKmeans);
-  alpha_mix(bq, w.cent.data(), q0, 1, kc, d, cfg.alpha, w.child_q.data() + p * B * d, 1);
   int64_t* csize = w.csize.data() + p * B;
   double* cgain = w.cgain.data() + p * B;
   std::fill(csize, csize + kc, int64_t{0});
@@ -208,7 +211,7 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
     ++csize[lab[j]];
     cgain[lab[j]] += mmr[j];
   }
-  w.prof.lap(kStatMix);
+  w.prof.lap(kStatSelect);
 }
 
 // All rounds of the queries idx[0 : G] (one segment), in lockstep.
@@ -253,8 +256,20 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
     } else {
       for (int64_t g = 0; g < G; ++g) {
         if (!active[g]) continue;
-        std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, w.qbuf.data() + p0[g] * d);
+        float* qb = w.qbuf.data() + p0[g] * d;
+        if (level == 0) {  // the original query
+          std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, qb);
+          continue;
+        }
+        // the beam's queries: the alpha-mix of each selected child's branch query (slot
+        // par[j] of the previous beam), its centroid (nbq[j]) and q0; then the beam
+        const float* q0 = bt.Q0 + idx[g] * d;
+        for (int64_t j = 0; j < nlive[g]; ++j)
+          alpha_mix(w.bq.data() + (g * B + w.par[g * B + j]) * d, w.nbq.data() + (g * B + j) * d, q0, 1, 1, d,
+                    cfg.alpha, qb + j * d, 1);
+        std::copy(qb, qb + nlive[g] * d, w.bq.data() + g * B * d);
       }
+      w.prof.lap(kStatMix);
       TopkOptions opt = bt.topk;
       opt.num_threads = inner_threads;
       opt.xnorm = bt.xnorm;
@@ -267,8 +282,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
     for (int64_t g = 0; g < G; ++g) {
       if (!active[g]) continue;
       for (int64_t s = 0; s < nlive[g]; ++s)
-        branch(bt, cfg, w, p0[g] + s, K, w.bq.data() + (g * B + s) * d, bt.Q0 + idx[g] * d, a,
-               static_cast<uint16_t>(1u << g));
+        branch(bt, cfg, w, p0[g] + s, K, a, static_cast<uint16_t>(1u << g));
     }
     // ---- 3, 4. per query: the next beam (the B best children, stable on ties) and its hits
     for (int64_t g = 0; g < G; ++g) {
@@ -302,10 +316,10 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
           rs[res_len[g]] = mmr[t];
           ++res_len[g];
         }
-        const float* cq = w.child_q.data() + (p * B + c) * d;
+        const float* cq = w.child_q.data() + (p * B + c) * d;  // its centroid
         std::copy(cq, cq + d, nbq + j * d);
+        w.par[g * B + j] = s;
       }
-      std::copy(nbq, nbq + nsel * d, w.bq.data() + g * B * d);
       for (int64_t j = 0; j < nsel; ++j) w.bacc[g * B + j] = w.children[j].acc;
       nlive[g] = nsel;
       ++rounds[g];
