@@ -926,7 +926,43 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  mod.def(
+      "set_thread_pool",
+      [](const std::string& mode) {
+        rfmem::PoolMode m;
+        if (mode == "auto") m = rfmem::PoolMode::kAuto;
+        else if (mode == "always") m = rfmem::PoolMode::kAlways;
+        else if (mode == "per-call") m = rfmem::PoolMode::kPerCall;
+        else throw py::value_error("set_thread_pool: mode must be one of ('auto', 'always', 'per-call'), got '" + mode + "'");
+        const rfmem::PoolMode prev = rfmem::set_thread_pool(m);
+        return std::string(prev == rfmem::PoolMode::kAuto ? "auto" : prev == rfmem::PoolMode::kAlways ? "always" : "per-call");
+      },
+      py::arg("mode"),
+      "Process-wide, how the kernels' parallel regions get their threads (csrc/cpu/pool.h): 'auto' (default) the "
+      "pool of sleeping helper threads, with helpers only for the cores idle at the last sample of /proc/loadavg "
+      "(every 2 ms at most); 'always' the pool whatever the load; 'per-call' threads started for each region and "
+      "joined at its end (the behaviour before the pool). Returns the previous mode. Results never depend on it.");
+  mod.def("idle_cpus", []() { return rfmem::idle_cpus(); },
+          "CPUs idle at the last sample (online CPUs minus running tasks, /proc/loadavg; at most every 2 ms).");
+  mod.def(
+      "pool_counters",
+      []() {
+        const rfmem::PoolCounters c = rfmem::pool_counters();
+        py::dict d;
+        d["regions"] = c.regions;
+        d["inline_taken"] = c.inline_taken;
+        d["items_caller"] = c.items_caller;
+        d["items_helper"] = c.items_helper;
+        d["waits"] = c.waits;
+        d["inline_busy"] = c.inline_busy;
+        d["helpers"] = c.helpers;
+        return d;
+      },
+      "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
+      "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
+      "helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
+  static_assert(rfmem::kRecollectStats == 11, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =
       py::make_tuple("total_s", "scan_s", "filter_s", "mmr_s", "kmeans_s", "mix_s", "select_s", "rounds",
                      "scan_queries", "branches", "kept");

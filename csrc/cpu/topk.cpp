@@ -64,7 +64,7 @@ namespace {
 
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
-constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
+constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item of its own (parts)
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
 // holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
