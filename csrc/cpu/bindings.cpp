@@ -962,10 +962,10 @@ Raises:
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
       "helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
-  static_assert(rfmem::kRecollectStats == 11, "recollect_stat_names lists every RecollectStat");
+  static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =
       py::make_tuple("total_s", "scan_s", "filter_s", "mmr_s", "kmeans_s", "mix_s", "select_s", "rounds",
-                     "scan_queries", "branches", "kept");
+                     "scan_queries", "branches", "kept", "scan_rows");
   mod.def(
       "simd_level", []() { return rfmem::simd_kernels().level; },
       "SIMD level the top-k kernels use now: 2 AVX-512F, 1 AVX2 + FMA + F16C, 0 baseline (csrc/cpu/simd.h); the "

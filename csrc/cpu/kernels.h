@@ -24,6 +24,17 @@ struct TopkOptions {
   TopkPath path = TopkPath::kAuto;
   int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
   double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))
+  /// Row pruning (optional; used by the float32 scan path at SIMD levels >= 1, ignored
+  /// elsewhere): prune_ref (float32, indexed by global row, valid for the rows of every
+  /// queried segment) and prune_rad (float64 [b]) with prune_ref[x] + prune_rad[i] >=
+  /// RN32(Q[i] . X[x]) for every row x of query i's segment (e.g. the scan scores of a
+  /// nearby query r plus its scan bound and ||X[x]|| ||Q[i] - r||: recollect.cpp). A row
+  /// is then scored only while it can still reach a proven lower bound of the query's
+  /// k-th exact score; results never depend on it.
+  const float* prune_ref = nullptr;  ///< prune_ref[x - prune_row0] for the rows x of the queried segments
+  int64_t prune_row0 = 0;
+  const double* prune_rad = nullptr;
+  int64_t* rows_scored = nullptr;  ///< if given: += the rows the scans scored (a row once per group)
 };
 
 /// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of

@@ -25,6 +25,13 @@
 //   4. the hits of the new beam in (beam slot, candidate) order, first occurrences
 //      only, are appended to the result (discovery order); then stop if no child was
 //      made, once out_k items are found, or after R rounds.
+// Pruning (segments of >= kPruneMinRows rows, float32 scans at SIMD levels >= 1): the
+// group first scores its original queries q0 against every row of the segment (one
+// pass, kept for all rounds); a round's top-k call for a branch query q then skips any
+// row x whose bound f0(x) + rad(q) (prune_radius: the scan bound of q0 and ||x|| ||q -
+// q0||) is below a proven lower bound of q's k-th exact score (topk.cpp scan_pruned).
+// Skipped rows are provably outside the top-k, so every result is the full scan's; the
+// branches of one query then share each call (one call per query of the group).
 // "Not yet returned" is one bit per (row of the segment, query of the group), set when
 // an item is appended and cleared when the group ends, so its cost does not grow with
 // out_k.
@@ -39,6 +46,7 @@
 #include <vector>
 
 #include "common.h"
+#include "exact.h"
 #include "kernels.h"
 
 namespace rfmem {
@@ -89,6 +97,10 @@ struct Child {
 };
 
 constexpr int64_t kMaxGroup = 16;  // queries of one group (one bit each in the seen masks)
+// Segments from this many rows prune the rounds' scans: one scan of the original query
+// over the segment (its scores kept for the whole recollection) lets every later round
+// skip the rows that cannot reach a branch's top-k (recollect_group, step 1).
+constexpr int64_t kPruneMinRows = 512;
 
 // One thread's buffers for a group of G queries, sized for the largest round
 // (K = (B + R - 1) * F candidates per branch, G * B branches).
@@ -108,6 +120,10 @@ struct Workspace {
   std::vector<double> mx;
   std::vector<Child> children;
   std::vector<uint16_t> seen;  // bit g: returned to query g of the group; one per row of the segment
+  // pruning: the original queries' scan scores [G, max_len], their bounds' parts, and
+  // the radius of each branch query of a round [B]
+  std::vector<float> ref;
+  std::vector<double> ref_b0, ref_qn, rad;
   Profile prof;
 
   void allocate(int64_t G, int64_t B, int64_t Kmax, int64_t d, int64_t cap, int64_t max_len) {
@@ -135,7 +151,14 @@ struct Workspace {
     mx.resize(k);
     children.resize(b * b);
     seen.assign(static_cast<size_t>(max_len), 0);
+    if (prune) {
+      ref.resize(g * static_cast<size_t>(max_len));
+      ref_b0.resize(g);
+      ref_qn.resize(g);
+      rad.resize(b);
+    }
   }
+  bool prune = false;  // set before allocate()
 };
 
 struct Batch {
@@ -214,6 +237,24 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
   w.prof.lap(kStatSelect);
 }
 
+// The radius of branch query q around its original query q0 (TopkOptions::prune_rad):
+// with f0(x) the scan score of q0 (|f0(x) - q0.x| <= B0, the scan bound) and R >= ||x||,
+//   q.x = q0.x + x.(q - q0) <= f0(x) + B0 + R ||q - q0|| =: V,
+// and RN32(q.x) <= RN32(V) <= V + 2^-24 |V| + 2^-149, |V| <= R ||q0|| + 2 B0 + R ||q - q0||:
+// rad = B0 + R delta + 2^-23 (R ||q0|| + 2 B0 + R delta) + 2^-140 with delta >= ||q - q0||
+// (float64 sum of the squared differences, each exact or within 2^-53, inflated), every
+// term rounded up by the factor kSlack.
+double prune_radius(const float* q, const float* q0, int64_t d, double R, double b0, double q0n) {
+  double s = 0.0;
+  for (int64_t t = 0; t < d; ++t) {
+    const double e = static_cast<double>(q[t]) - static_cast<double>(q0[t]);
+    s += e * e;
+  }
+  const double delta = std::sqrt(s * (1.0 + gamma_n(static_cast<double>(d + 4), kU64))) * kSlack;
+  const double slack = 1.1920928955078125e-07 * (R * q0n + 2.0 * b0 + R * delta) + 7.174648137343064e-43;
+  return (b0 + R * delta * kSlack + slack) * kSlack;
+}
+
 // All rounds of the queries idx[0 : G] (one segment), in lockstep.
 void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t* idx, int64_t G, Workspace& w,
                      int inner_threads) {
@@ -234,6 +275,23 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
   }
   std::fill(w.segs.begin(), w.segs.end(), seg);
   w.prof.start();
+  // pruning: the scan scores of the original queries over the segment, once (scores_f32:
+  // the scan path's lanes, so its bound B0 holds), and the parts of that bound
+  const int64_t len = bt.offsets[seg + 1] - a;
+  const bool pruned = w.prune && len >= kPruneMinRows;
+  if (pruned) {
+    const SimdKernels& Kn = simd_kernels();
+    const float* qs[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) qs[g] = bt.Q0 + idx[g] * d;
+    Kn.scores_f32(bt.X, d, a, a + len, qs, static_cast<int>(G), w.ref.data(), len);
+    for (int64_t g = 0; g < G; ++g) {
+      double qq = 0.0;
+      for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(qs[g][t]) * static_cast<double>(qs[g][t]);
+      w.ref_qn[g] = std::sqrt(qq) * kSlack;  // >= ||q0|| (float64 sum of exact squares: relative error << 2^-30)
+      w.ref_b0[g] = scan_coef((d + 15) / 16 + 4) * bt.xnorm * w.ref_qn[g] * kSlack + abs_bound(d);
+    }
+    w.prof.lap(kStatScan);
+  }
 
   for (int64_t level = 0; level < R; ++level) {
     const int64_t K = (B + level) * F;
@@ -273,8 +331,25 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       TopkOptions opt = bt.topk;
       opt.num_threads = inner_threads;
       opt.xnorm = bt.xnorm;
-      segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
-                     w.c_rows.data(), opt);
+      if (!pruned || level == 0) {  // one call for every branch of the group (they share each block)
+        segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
+                       w.c_rows.data(), opt);
+      } else {  // per query: its branches' rows pruned by its own scores (prune_radius)
+        int64_t scored = 0;
+        opt.prune_row0 = a;
+        opt.rows_scored = &scored;
+        for (int64_t g = 0; g < G; ++g) {
+          if (!active[g]) continue;
+          const float* qb = w.qbuf.data() + p0[g] * d;
+          for (int64_t j = 0; j < nlive[g]; ++j)
+            w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_qn[g]);
+          opt.prune_ref = w.ref.data() + g * len;
+          opt.prune_rad = w.rad.data();
+          segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K, w.c_sc.data() + p0[g] * K,
+                         w.c_rows.data() + p0[g] * K, opt);
+        }
+        w.prof.count(kStatScanRows, static_cast<double>(scored));
+      }
       w.prof.count(kStatScanQueries, static_cast<double>(nb));
     }
     w.prof.lap(kStatScan);
@@ -381,8 +456,9 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
   // problem (float64 points, transposed points, centres), the seen masks
   const size_t per_query = (3 * B * dd + B * B * dd) * sizeof(float) + B * K * (4 + 8 + 8 + 8 + 8) +
                            B * (8 * 3 + B * 24) + cap * 16;
+  // (+ the pruning scores of the group's original queries over the segment)
   return G * per_query + K * dd * (4 + 8 + 8) + K * 8 + B * dd * 12 + B * B * 16 +
-         static_cast<size_t>(max_len) * sizeof(uint16_t) + 4096;
+         static_cast<size_t>(max_len) * (sizeof(uint16_t) + G * sizeof(float)) + 4096;
 }
 
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
@@ -444,7 +520,12 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
+  // pruning needs the float32 scan (no half-precision copy) and its SIMD kernels, and
+  // pays only when later rounds scan (max_rounds > 1)
+  const bool prune = simd_kernels().scores_f32 != nullptr && (topk == nullptr || topk->scan == nullptr) &&
+                     cfg.max_rounds > 1 && max_len >= kPruneMinRows;
   for (Workspace& w : ws) {
+    w.prune = prune;
     w.allocate(G, B, Kmax, d, cap, max_len);
     w.prof.on = stats != nullptr;
   }

@@ -49,7 +49,8 @@ void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64
 /// counts. Taken with steady_clock around each phase only when stats is given.
 enum RecollectStat : int {
   kStatTotal = 0,    // the whole call (wall seconds of the calling thread)
-  kStatScan,         // the rounds' top-k calls (levels >= 1; level 0 reuses the probe)
+  kStatScan,         // the rounds' top-k calls (levels >= 1; level 0 reuses the probe), and the
+                     // scan of the original queries that prunes them
   kStatFilter,       // candidates filtered (floor, already returned) and gathered
   kStatMmr,          // MMR similarity of the kept candidates
   kStatKmeans,       // KMeans of the kept candidates
@@ -59,6 +60,7 @@ enum RecollectStat : int {
   kStatScanQueries,  // count: branch queries scored by the rounds' top-k calls
   kStatBranches,     // count: branches processed (KMeans problems, when any candidate was kept)
   kStatKept,         // count: candidates kept (KMeans points)
+  kStatScanRows,     // count: rows the pruned rounds' scans scored (per query group, a row once)
   kRecollectStats
 };
 

@@ -77,6 +77,20 @@ struct SimdKernels {
   /// rows x queries, fused multiply-adds; the lanes and depth of the scan path's bound).
   void (*scan_rows_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq,
                         Heap* heaps);
+
+  /// scan_rows_f32 over the rows some query may still need (levels 1, 2; nullptr at 0):
+  /// row x is scored unless ref[x - r0] < min over q of (heaps[q].threshold() - off[q])
+  /// (rounded down; -inf while a heap is not full); gathered rows, in increasing order.
+  /// The caller guarantees that ref[x - r0] + off[q] - B_q bounds query q's exact score of x
+  /// from above (B_q: the scan path's bound), so skipped rows are outside every top-k
+  /// (topk.cpp, TopkOptions::prune). Returns the rows scored.
+  int64_t (*scan_rows_f32_pruned)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs,
+                                  int nq, Heap* heaps, const float* ref, const double* off);
+
+  /// out[q * ld + (x - r0)] = the scan score (the scan path's lanes and bound) of row x
+  /// of [r0, r1) for query qs[q] (levels 1, 2; nullptr at 0).
+  void (*scores_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq, float* out,
+                     int64_t ld);
 };
 
 /// Highest level this CPU (and its OS) supports.

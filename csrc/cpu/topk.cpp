@@ -46,6 +46,7 @@
 // batch, the path, the thread count, the scan copy's precision or the CPU, and a top-k
 // is a prefix of every wider top-k.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -366,6 +367,20 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
+// The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
+// skip row x once ref[x] + rad_i < t_i - B_i, t_i its heap's worst kept scan score
+// (kw >= k rows scan >= t_i, each within B_i of its exact score: t_i - B_i is a lower
+// bound of the k-th exact score) and ref[x] + rad_i an upper bound of its exact score of
+// x. off_i = B_i + rad_i, rounded up. Skipped rows are never candidates; the exact
+// finish and its rescan test are those of a full scan. Returns the rows scored.
+int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& opt, const float* X, int64_t d,
+                    int64_t r0, int64_t r1, const float* const* qs, int nq, Heap* heaps, const int64_t* qidx) {
+  double off[kGroup];
+  for (int i = 0; i < nq; ++i)
+    off[i] = std::nextafter(c.bound(c.scan, qs[i]) + opt.prune_rad[qidx[i]], std::numeric_limits<double>::infinity());
+  return K.scan_rows_f32_pruned(X, d, r0, r1, qs, nq, heaps, opt.prune_ref + (r0 - opt.prune_row0), off);
+}
+
 }  // namespace
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
@@ -499,6 +514,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     part_r.resize(static_cast<size_t>(b) * parts * kw);
   }
 
+  std::atomic<int64_t> scored{0};  // rows the scans scored (opt.rows_scored)
   parallel_for(items, nthreads, [&](int64_t it, int tid) {
     const int64_t gi = gorder[it / parts];
     const Group& g = groups[gi];
@@ -517,14 +533,18 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       qs[i] = Q + order[g.first + i] * d;
     }
     if (r1 > r0) {
+      int64_t rows = r1 - r0;
       if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else if (K.scan_rows_f32_pruned && opt.prune_ref)
+        rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
       else if (K.scan_rows_f32)
         K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps);
       else
         scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      if (opt.rows_scored) scored.fetch_add(rows, std::memory_order_relaxed);
     }
     for (int i = 0; i < g.nq; ++i) {
       Heap& hp = heaps[i];
@@ -543,6 +563,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     }
   });
 
+  if (opt.rows_scored) *opt.rows_scored += scored.load();
   if (parts > 1) {  // merge of the partial lists (disjoint rows), then the exact re-scoring
     // candidate buffers per thread, allocated here so that nothing throws in the threads
     std::vector<std::vector<Entry>> cands(static_cast<size_t>(nthreads));
