@@ -176,7 +176,8 @@ rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
 
 py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
                    int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
-                   double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path) {
+                   double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path,
+                   bool keep_scan_scores) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -195,12 +196,38 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   double* pm = mean.mutable_data();
   double* pe = ent.mutable_data();
   int64_t* pc = count.mutable_data();
+  rfmem::TopkOptions opt = sa.opt;
+  const bool asked = keep_scan_scores;
+  py::array_t<float> kept;
+  py::array_t<bool> written;
+  if (keep_scan_scores) {  // every row's scan score, for the beam driver's pruning (recollect's ref_scores)
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t ld = 1;
+    for (int64_t i = 0; i < in.b; ++i) ld = std::max(ld, off[seg[i] + 1] - off[seg[i]]);
+    // only where the driver prunes (a segment of kPruneMinRows rows or more), within 16 MiB
+    keep_scan_scores = ld >= rfmem::kPruneMinRows && in.b * ld <= (int64_t{1} << 22);
+  }
+  if (keep_scan_scores) {
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t ld = 1;
+    for (int64_t i = 0; i < in.b; ++i) ld = std::max(ld, off[seg[i] + 1] - off[seg[i]]);
+    kept = py::array_t<float>({b, static_cast<py::ssize_t>(ld)});
+    written = py::array_t<bool>(b);
+    std::fill(written.mutable_data(), written.mutable_data() + b, false);
+    opt.scores_out = kept.mutable_data();
+    opt.scores_ld = ld;
+    opt.scores_written = reinterpret_cast<uint8_t*>(written.mutable_data());
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, sa.opt);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, opt);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
+  if (keep_scan_scores) return py::make_tuple(scores, rows, mean, ent, count, kept, written);
+  if (asked) return py::make_tuple(scores, rows, mean, ent, count, py::none(), py::none());
   return py::make_tuple(scores, rows, mean, ent, count);
 }
 
@@ -518,7 +545,8 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        double mmr_lambda, double score_floor, int64_t kmeans_iters, double kmeans_tol,
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
                        int64_t memory_budget, const py::object& active_, const py::object& scan_,
-                       const std::string& scan_type, const std::string& path, const py::object& stats_) {
+                       const std::string& scan_type, const std::string& path, const py::object& stats_,
+                       const py::object& ref_scores_, const py::object& ref_ok_) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -617,11 +645,32 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
     if (!stats.writeable()) throw py::value_error(std::string(fn) + ": stats must be writeable");
     pst = static_cast<double*>(stats.mutable_data());
   }
+  const float* ref = nullptr;
+  const uint8_t* ref_ok = nullptr;
+  int64_t ref_ld = 0;
+  py::array ref_scores, ref_okay;
+  if (ref_scores_.is_none() != ref_ok_.is_none())
+    throw py::value_error(std::string(fn) + ": ref_scores and ref_ok must be given together");
+  if (!ref_scores_.is_none()) {
+    ref_scores = checked<float>(ref_scores_, fn, "ref_scores", 2, "float32");
+    ref_okay = checked<bool>(ref_ok_, fn, "ref_ok", 1, "bool");
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t longest = 0;
+    for (int64_t i = 0; i < in.b; ++i) longest = std::max(longest, off[seg[i] + 1] - off[seg[i]]);
+    if (ref_scores.shape(0) != in.b || ref_scores.shape(1) < longest || ref_okay.shape(0) != in.b)
+      throw py::value_error(std::string(fn) + ": ref_scores must be [b, >= " + std::to_string(longest) +
+                            "] and ref_ok [b] with b = " + std::to_string(in.b) + ", got shapes " +
+                            shape_str(ref_scores) + " and " + shape_str(ref_okay));
+    ref = cptr<float>(ref_scores);
+    ref_ok = static_cast<const uint8_t*>(ref_okay.data());
+    ref_ld = ref_scores.shape(1);
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget, act, &sa.opt, pst);
+                     memory_budget, act, &sa.opt, pst, ref, ref_ld, ref_ok);
   }
   return py::make_tuple(rows, scores, rounds);
 }
@@ -682,7 +731,7 @@ Raises:
   mod.def("probe", &py_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"), py::arg("k"),
           py::arg("probe_k"), py::arg("temperature"), py::arg("convention") = "mean", py::arg("num_threads") = 0,
           py::arg("xnorm") = -1.0, py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
-          py::arg("path") = "auto",
+          py::arg("path") = "auto", py::arg("keep_scan_scores") = false,
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
@@ -696,6 +745,13 @@ Returns:
      count int64 [b]) where count = valid (finite) probe scores, mean = their average,
     entropy = the softmax entropy of lam * (s_i - s_1) in the chosen convention, all in
     float64 as familiarity_signals; a row without hits has mean 0 and entropy 0.
+    With keep_scan_scores=True, two more: scan_scores float32 [b, L] (L = the longest
+    queried segment) and written bool [b], or (None, None) unless L >= PRUNE_MIN_ROWS
+    (the driver's pruning threshold) and b * L <= 2^22: for a query whose scan took the
+    float32 scan path (SIMD level >= 1; not GEMM, not a half-precision copy), written[i]
+    and scan_scores[i, j] = the scan score of row offsets[qseg[i]] + j (within the scan
+    path's error bound of the exact score), for the beam driver (recollect's
+    ref_scores); other entries unspecified.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
@@ -784,7 +840,8 @@ Raises:
           py::arg("kmeans_iters"), py::arg("kmeans_tol"), py::arg("draws"), py::arg("width"),
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
           py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
-          py::arg("path") = "auto", py::arg("stats") = py::none(),
+          py::arg("path") = "auto", py::arg("stats") = py::none(), py::arg("ref_scores") = py::none(),
+          py::arg("ref_ok") = py::none(),
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -813,6 +870,11 @@ Args:
         -inf scores, 0 rounds, no work).
     scan, scan_type, path: the rounds' top-k calls, as segmented_topk's (a half-precision
         scan copy of X, its type, a forced path); the results do not depend on them.
+    ref_scores, ref_ok: None, or probe(keep_scan_scores=True)'s scan_scores and written for
+        these queries: float32 [b, >= the longest queried segment], bool [b]. The rounds
+        of a long segment are pruned with the scan scores of the original query; where
+        ref_ok[i] they are taken from here instead of scanning Q0[i] again. Results never
+        depend on them, PROVIDED they are the scan scores of Q0 (the caller's contract).
     stats: None, or a writeable float64 [recollect_stat_names length] array to which the
         call ADDS its profile: seconds of the whole call and of its phases (summed over
         threads), then counts; names in recollect_stat_names (timed only when given).
@@ -926,6 +988,7 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  mod.attr("PRUNE_MIN_ROWS") = rfmem::kPruneMinRows;
   mod.def(
       "set_thread_pool",
       [](const std::string& mode) {

@@ -474,29 +474,34 @@ void batched_kmeans(const float* V, int64_t m, int64_t n, int64_t d, const int64
   });
 }
 
+namespace {
+
+// One child: o = normalise(alpha a + beta normalise(cen) + z), each term's element
+// computed once into v (float64; the same operations as the formula read element by
+// element), the norms summed in order of t.
+RFMEM_MULTIVERSION
+void mix_one(const float* a, const float* cen, const float* z, int64_t d, double alpha, double beta, float* o,
+             double* v) {
+  double cn = 0.0;
+  for (int64_t t = 0; t < d; ++t) cn += static_cast<double>(cen[t]) * cen[t];
+  const double cden = std::sqrt(cn) + 1e-12;
+  for (int64_t t = 0; t < d; ++t) v[t] = alpha * a[t] + beta * (cen[t] / cden) + z[t];
+  double qn = 0.0;
+  for (int64_t t = 0; t < d; ++t) qn += v[t] * v[t];
+  const double qden = std::sqrt(qn) + 1e-12;
+  for (int64_t t = 0; t < d; ++t) o[t] = static_cast<float>(v[t] / qden);
+}
+
+}  // namespace
+
 void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t m, int64_t c,
                int64_t d, double alpha, float* out, int num_threads) {
   const double beta = 1.0 - alpha;
   const int nthreads = threads_for(num_threads, 6.0 * static_cast<double>(m * c * d), m * c);
-  parallel_for(m * c, nthreads, [&](int64_t p, int) {
+  std::vector<double> v(static_cast<size_t>(nthreads) * static_cast<size_t>(d));  // before the threads start
+  parallel_for(m * c, nthreads, [&](int64_t p, int tid) {
     const int64_t i = p / c;
-    const float* cen = centroids + p * d;
-    const float* a = qb + i * d;
-    const float* z = q0 + i * d;
-    float* o = out + p * d;
-    double cn = 0.0;
-    for (int64_t t = 0; t < d; ++t) cn += static_cast<double>(cen[t]) * cen[t];
-    const double cden = std::sqrt(cn) + 1e-12;
-    double qn = 0.0;
-    for (int64_t t = 0; t < d; ++t) {
-      const double v = alpha * a[t] + beta * (cen[t] / cden) + z[t];
-      qn += v * v;
-    }
-    const double qden = std::sqrt(qn) + 1e-12;
-    for (int64_t t = 0; t < d; ++t) {
-      const double v = alpha * a[t] + beta * (cen[t] / cden) + z[t];
-      o[t] = static_cast<float>(v / qden);
-    }
+    mix_one(qb + i * d, centroids + p * d, q0 + i * d, d, alpha, beta, out + p * d, v.data() + tid * d);
   });
 }
 

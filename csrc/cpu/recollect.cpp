@@ -97,10 +97,7 @@ struct Child {
 };
 
 constexpr int64_t kMaxGroup = 16;  // queries of one group (one bit each in the seen masks)
-// Segments from this many rows prune the rounds' scans: one scan of the original query
-// over the segment (its scores kept for the whole recollection) lets every later round
-// skip the rows that cannot reach a branch's top-k (recollect_group, step 1).
-constexpr int64_t kPruneMinRows = 512;
+
 
 // One thread's buffers for a group of G queries, sized for the largest round
 // (K = (B + R - 1) * F candidates per branch, G * B branches).
@@ -177,6 +174,9 @@ struct Batch {
   float* out_scores;
   int64_t* out_rounds;
   TopkOptions topk;  // scan copy, type and path of the rounds' top-k calls
+  const float* ref;  // the original queries' scan scores from the caller (or null): [b, ref_ld]
+  int64_t ref_ld;
+  const uint8_t* ref_ok;
 };
 
 // One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
@@ -279,14 +279,23 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
   // the scan path's lanes, so its bound B0 holds), and the parts of that bound
   const int64_t len = bt.offsets[seg + 1] - a;
   const bool pruned = w.prune && len >= kPruneMinRows;
+  const float* refp[kMaxGroup];  // the scan scores of q0 of query g over the segment
   if (pruned) {
-    const SimdKernels& Kn = simd_kernels();
     const float* qs[kMaxGroup];
-    for (int64_t g = 0; g < G; ++g) qs[g] = bt.Q0 + idx[g] * d;
-    Kn.scores_f32(bt.X, d, a, a + len, qs, static_cast<int>(G), w.ref.data(), len);
+    int nq = 0;
     for (int64_t g = 0; g < G; ++g) {
+      if (bt.ref != nullptr && bt.ref_ok[idx[g]]) {  // the probe's scan already has them
+        refp[g] = bt.ref + idx[g] * bt.ref_ld;
+      } else {
+        refp[g] = w.ref.data() + nq * len;
+        qs[nq++] = bt.Q0 + idx[g] * d;
+      }
+    }
+    if (nq > 0) simd_kernels().scores_f32(bt.X, d, a, a + len, qs, nq, w.ref.data(), len);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q0 = bt.Q0 + idx[g] * d;
       double qq = 0.0;
-      for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(qs[g][t]) * static_cast<double>(qs[g][t]);
+      for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(q0[t]) * static_cast<double>(q0[t]);
       w.ref_qn[g] = std::sqrt(qq) * kSlack;  // >= ||q0|| (float64 sum of exact squares: relative error << 2^-30)
       w.ref_b0[g] = scan_coef((d + 15) / 16 + 4) * bt.xnorm * w.ref_qn[g] * kSlack + abs_bound(d);
     }
@@ -343,7 +352,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
           const float* qb = w.qbuf.data() + p0[g] * d;
           for (int64_t j = 0; j < nlive[g]; ++j)
             w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_qn[g]);
-          opt.prune_ref = w.ref.data() + g * len;
+          opt.prune_ref = refp[g];
           opt.prune_rad = w.rad.data();
           segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K, w.c_sc.data() + p0[g] * K,
                          w.c_rows.data() + p0[g] * K, opt);
@@ -465,7 +474,8 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active, const TopkOptions* topk, double* stats) {
+               const uint8_t* active, const TopkOptions* topk, double* stats, const float* ref, int64_t ref_ld,
+               const uint8_t* ref_ok) {
   const double t_start = stats ? now_s() : 0.0;
   if (b == 0) return;
   // the queries to recollect, by segment (stable); the others get padding at once
@@ -530,7 +540,8 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     w.prof.on = stats != nullptr;
   }
   const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
-                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{}};
+                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{},
+                 ref_ok != nullptr ? ref : nullptr, ref_ld, ref_ok};
   std::exception_ptr error;
   std::mutex error_lock;
   parallel_for(ngroups, nthreads, [&](int64_t t, int tid) {

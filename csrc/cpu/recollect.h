@@ -17,6 +17,12 @@
 
 namespace rfmem {
 
+/// Segments from this many rows prune the rounds' scans (recollect.cpp): one scan of
+/// the original query over the segment (its scores kept for the whole recollection, or
+/// the probe's: recollect's ``ref``) lets every later round skip the rows that cannot
+/// reach a branch query's top-k.
+constexpr int64_t kPruneMinRows = 512;
+
 /// Settings of the Recollection path (RFMemConfig's fields, spec section 4).
 struct RecollectConfig {
   int64_t beam_width = 4;    // B: beam slots, and clusters per branch
@@ -94,12 +100,17 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// ``topk``: null, or the scan options of every round's top-k call (a half-precision
 /// scan copy of X and its type, a forced path; TopkOptions' num_threads and xnorm are
 /// ignored: this call's are used). Results never depend on them.
+/// ``ref`` / ``ref_ld`` / ``ref_ok``: null, or the scan scores of every Q0[i] over its
+/// segment (float32 [b, ref_ld], row x at ref[i * ref_ld + x - offsets[qseg[i]]], the
+/// scan path's lanes: TopkOptions::scores_out of the probe) for the queries with
+/// ref_ok[i] != 0: the pruned rounds use them instead of scanning Q0 again.
 /// ``stats``: null, or float64 [kRecollectStats] to which the call adds its profile
 /// (RecollectStat). May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr, double* stats = nullptr);
+               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr, double* stats = nullptr,
+               const float* ref = nullptr, int64_t ref_ld = 0, const uint8_t* ref_ok = nullptr);
 
 }  // namespace rfmem

@@ -75,8 +75,10 @@ struct SimdKernels {
   /// where topk.cpp's own scan runs): heaps[i] collects query i's best scores, every
   /// block of rows scored against all nq queries while it is in L1 (register blocks of
   /// rows x queries, fused multiply-adds; the lanes and depth of the scan path's bound).
+  /// ``sout``: null, or per query where to write the scan score of every row (row x at
+  /// sout[i][x - r0]).
   void (*scan_rows_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq,
-                        Heap* heaps);
+                        Heap* heaps, float* const* sout);
 
   /// scan_rows_f32 over the rows some query may still need (levels 1, 2; nullptr at 0):
   /// row x is scored unless ref[x - r0] < min over q of (heaps[q].threshold() - off[q])

@@ -540,8 +540,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
       else if (K.scan_rows_f32_pruned && opt.prune_ref)
         rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
-      else if (K.scan_rows_f32)
-        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps);
+      else if (K.scan_rows_f32 && opt.scores_out) {
+        float* sout[kGroup];
+        for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, sout);
+      } else if (K.scan_rows_f32)
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, nullptr);
       else
         scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
       if (opt.rows_scored) scored.fetch_add(rows, std::memory_order_relaxed);
@@ -564,6 +568,10 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
+  if (opt.scores_out && opt.scores_written && !src.half && K.scan_rows_f32 && !opt.prune_ref)
+    for (const Group& g : groups)  // the queries whose scan wrote every row's score
+      if (!g.gemm)
+        for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
   if (parts > 1) {  // merge of the partial lists (disjoint rows), then the exact re-scoring
     // candidate buffers per thread, allocated here so that nothing throws in the threads
     std::vector<std::vector<Entry>> cands(static_cast<size_t>(nthreads));

@@ -42,6 +42,7 @@ work is too small to pay for them; the threads live for one call (no spinning po
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -58,6 +59,11 @@ TOPK_PATHS = ("auto", "scan", "gemm")
 BEAM_DRIVERS = ("native", "python")
 #: environment variable read at each call when ``beam_driver`` was not given
 BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
+
+
+#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written) on a long
+#: segment, for the recollect of the same queries that follows it (NativeBackend.probe)
+_LAST_PROBE = threading.local()
 
 
 def _check_driver(value: object, name: str) -> str:
@@ -174,11 +180,16 @@ class NativeBackend(Backend):
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
 
+        On long segments (``_native.PRUNE_MIN_ROWS`` rows or more) the probe also keeps its
+        scan scores of every row, which a :meth:`recollect` of the same queries on this
+        thread right after (``level0`` = this probe's top-k) uses to prune its rounds
+        instead of scanning the queries again (results never depend on it).
+
         Raises:
             ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
         """
         X, off = self._bank(view)
-        s, r, mean, ent, cnt = _native.probe(
+        s, r, mean, ent, cnt, kept, written = _native.probe(
             X,
             off,
             _np(Q, torch.float32),
@@ -189,10 +200,14 @@ class NativeBackend(Backend):
             str(convention),
             self._threads(),
             view.row_norm_max,
+            keep_scan_scores=True,
             **self._scan_args(view),
         )
+        st = torch.from_numpy(s)
+        # the scan scores for the driver: only for these very tensors (identity checked)
+        _LAST_PROBE.value = None if kept is None else (Q, qseg, st, kept, written)
         return (
-            torch.from_numpy(s),
+            st,
             torch.from_numpy(r),
             torch.from_numpy(mean),
             torch.from_numpy(ent),
@@ -316,8 +331,13 @@ class NativeBackend(Backend):
             )
         X, off = self._bank(view)
         l0s = l0r = None
+        ref = {}
         if level0 is not None:
             l0s, l0r = _np(level0[0], torch.float32), _np(level0[1], torch.int64)
+            last = getattr(_LAST_PROBE, "value", None)
+            if last is not None and last[0] is q0 and last[1] is qseg and last[2] is level0[0]:
+                ref = {"ref_scores": last[3], "ref_ok": last[4]}  # the probe of these queries: its scan scores
+        _LAST_PROBE.value = None
         rows, scores, rounds = _native.recollect(
             X,
             off,
@@ -341,6 +361,7 @@ class NativeBackend(Backend):
             self.memory_budget,
             act,
             **self._scan_args(view),
+            **ref,
         )
         hits = torch.from_numpy(rows)
         return RecollectionOutput(
