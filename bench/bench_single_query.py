@@ -11,7 +11,8 @@ cell alike):
 * ``kernel_topk_1`` / ``kernel_topk_4``: the native top-k of 1 query and of the 4
   branch queries of one recollection round (one pass over the user's rows);
 * ``probe``: the native probe (top-k and familiarity signals) of one query;
-* ``driver``: the native beam driver alone (``_native.recollect`` on the probe's top-k),
+* ``driver``: the native beam driver alone (``_native.recollect`` on the probe's top-k
+  and, where the package has them, the probe's scan scores, as ``search`` calls it),
   with its own profile (``stats``: ms per phase: the rounds' top-k calls, candidate
   filtering, MMR, KMeans, alpha-mix, beam selection, and the mean rounds and branch
   queries per query);
@@ -112,8 +113,10 @@ def build(args: argparse.Namespace) -> tuple[Cells, dict[str, Any], Callable[[],
     seg1 = np.zeros(1, dtype=np.int64)
     seg4 = np.zeros(4, dtype=np.int64)
     k0 = max(cfg.probe_k, cfg.out_k, cfg.beam_width * cfg.fanout)
+    has_ref = "keep_scan_scores" in (_native.probe.__doc__ or "")
+    kw_keep = {"keep_scan_scores": True} if has_ref else {}
     probes = [_native.probe(X, off, Q[i : i + 1], seg1, k0, cfg.probe_k, cfg.temperature, cfg.entropy, 1,
-                            view.row_norm_max) for i in range(n)]  # fmt: skip
+                            view.row_norm_max, **kw_keep) for i in range(n)]  # fmt: skip
     width = recollection_capacity(cfg) + 1
     draws = _draws_by_clusters(int(cfg.kmeans_seed), int(cfg.beam_width))
     has_stats = hasattr(_native, "recollect_stat_names")
@@ -122,6 +125,8 @@ def build(args: argparse.Namespace) -> tuple[Cells, dict[str, Any], Callable[[],
 
     def driver(i: int, threads: int, st: np.ndarray | None = None):
         kw = {"stats": st} if st is not None else {}
+        if has_ref and probes[i][5] is not None:  # as search does: the probe's scan scores prune the rounds
+            kw.update(ref_scores=probes[i][5], ref_ok=probes[i][6], dense=True)
         return _native.recollect(X, off, Q[i : i + 1], seg1, probes[i][0], probes[i][1], cfg.beam_width, cfg.fanout,
                                  cfg.max_rounds, cfg.out_k, float(cfg.alpha), float(cfg.mmr_lambda),
                                  float(cfg.score_floor), cfg.kmeans_iters, float(cfg.kmeans_tol), draws, width,
@@ -158,7 +163,8 @@ def build(args: argparse.Namespace) -> tuple[Cells, dict[str, Any], Callable[[],
         cells.add(f"{th}/kernel_topk_4", wrap(lambda i, t=threads: _native.segmented_topk(
             X, off, Q4[i], seg4, 6, t, view.row_norm_max)), n)  # fmt: skip
         cells.add(f"{th}/probe", wrap(lambda i, t=threads: _native.probe(
-            X, off, Q[i : i + 1], seg1, k0, cfg.probe_k, cfg.temperature, cfg.entropy, t, view.row_norm_max)), n)
+            X, off, Q[i : i + 1], seg1, k0, cfg.probe_k, cfg.temperature, cfg.entropy, t, view.row_norm_max,
+            **kw_keep)), n)
         cells.add(f"{th}/driver", wrap(lambda i, t=threads, s=stats[th]: driver(i, t, s)), n)
         cells.add(f"{th}/search_dense", wrap(lambda i, b=be: search(wl.bank, Q[i : i + 1], user, cfg, mode="dense",
                                                                     backend=b)), n)  # fmt: skip

@@ -150,3 +150,58 @@ def test_profile_counts_the_branch_queries_of_the_python_driver():
     with pytest.raises(ValueError, match="stats must be float64"):
         _native.recollect(snap.vectors, snap.offsets, Q, qseg, None, None, 4, 1, 10, 10, 0.5, 0.9, 0.0, 300, 1e-4,
                           _draws_by_clusters(42, 4), 10, 1, -1.0, 256 << 20, stats=np.zeros(3))  # fmt: skip
+
+
+def test_probe_scan_scores_feed_the_driver_and_dense_scores_are_exact():
+    """search on the native backend: the probe keeps its scan scores (scan path) and the
+    driver prunes with them; a batch of 16 queries of one user takes the GEMM path in
+    the probe (no scan scores: the driver scans q0 itself); the hits' dense scores come
+    from the driver and equal the Python driver's re-scored ones."""
+    rng = np.random.default_rng(11)
+    bank = _bank(rng, 64, [2000], "gauss")
+    vec = bank.snapshot().vectors
+    Q = vec[rng.integers(0, 2000, 16)] + 0.05 * rng.standard_normal((16, 64)).astype(np.float32)
+    cfg = RFMemConfig()
+    for b in (1, 3, 16):
+        a = search(bank, Q[:b], ["u0"] * b, cfg, mode="recollection", backend=NATIVE)
+        p = search(bank, Q[:b], ["u0"] * b, cfg, mode="recollection", backend=PYTHON)
+        _same(a, p, f"batch {b}")
+        np.testing.assert_array_equal(a.dense_scores, p.dense_scores)
+        ok = a.rows >= 0
+        Qn = (Q[:b] / np.linalg.norm(Q[:b].astype(np.float64), axis=1, keepdims=True)).astype(np.float32)
+        want = np.einsum("id,ijd->ij", Qn.astype(np.float64), vec[np.where(ok, a.rows, 0)].astype(np.float64))
+        np.testing.assert_allclose(a.dense_scores[ok], want[ok].astype(np.float32), rtol=1e-6, atol=1e-7)
+    view = NATIVE.view(bank)
+    X, off = NativeBackend._bank(view)
+    Qn = torch.from_numpy(Q / np.linalg.norm(Q, axis=1, keepdims=True)).float()
+    seg = np.zeros(16, np.int64)
+    out = _native.probe(X, off, Qn.numpy(), seg, 10, 10, 20.0, "mean", 1, view.row_norm_max, keep_scan_scores=True)
+    assert out[5].shape == (16, 2000)
+    assert bool(out[6].all()) == (not _native.gemm_pays(16, 2000, 64) and _native.simd_level() >= 1)
+    one = _native.probe(X, off, Qn.numpy()[:1], seg[:1], 10, 10, 20.0, "mean", 1, view.row_norm_max,
+                        keep_scan_scores=True)  # fmt: skip
+    if _native.simd_level() >= 1:
+        assert one[6][0]
+        exact = X.astype(np.float64) @ Qn.numpy()[0].astype(np.float64)
+        np.testing.assert_allclose(one[5][0], exact, atol=1e-5)  # scan scores, within the scan bound
+    short = _native.probe(X, np.array([0, 100], np.int64), Qn.numpy()[:1], seg[:1], 10, 10, 20.0, "mean", 1,
+                          view.row_norm_max, keep_scan_scores=True)  # fmt: skip
+    assert short[5] is None and short[6] is None  # below PRUNE_MIN_ROWS rows: nothing kept
+    assert len(_native.probe(X, off, Qn.numpy()[:1], seg[:1], 10, 10, 20.0, "mean", 1, view.row_norm_max)) == 5
+
+
+def test_recollect_rejects_bad_ref_scores():
+    rng = np.random.default_rng(12)
+    X = rng.standard_normal((600, 8)).astype(np.float32)
+    off = np.array([0, 600], np.int64)
+    Q = X[:2] / np.linalg.norm(X[:2], axis=1, keepdims=True)
+    seg = np.zeros(2, np.int64)
+    args = (X, off, Q, seg, None, None, 4, 1, 10, 10, 0.5, 0.9, 0.0, 300, 1e-4, _draws_by_clusters(42, 4), 10)
+    with pytest.raises(ValueError, match="must be given together"):
+        _native.recollect(*args, ref_scores=np.zeros((2, 600), np.float32))
+    with pytest.raises(ValueError, match=r"ref_scores must be \[b, >= 600\]"):
+        _native.recollect(*args, ref_scores=np.zeros((2, 599), np.float32), ref_ok=np.ones(2, bool))
+    with pytest.raises(TypeError):
+        _native.recollect(*args, ref_scores=np.zeros((2, 600)), ref_ok=np.ones(2, bool))
+    rows, _, rounds, dense = _native.recollect(*args, dense=True)
+    assert dense.shape == (2, 10) and np.isnan(dense[rows[:, :10] < 0]).all()

@@ -546,7 +546,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        const py::object& draws_, int64_t width, int num_threads, double xnorm,
                        int64_t memory_budget, const py::object& active_, const py::object& scan_,
                        const std::string& scan_type, const std::string& path, const py::object& stats_,
-                       const py::object& ref_scores_, const py::object& ref_ok_) {
+                       const py::object& ref_scores_, const py::object& ref_ok_, bool dense) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -666,12 +666,19 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
     ref_ok = static_cast<const uint8_t*>(ref_okay.data());
     ref_ld = ref_scores.shape(1);
   }
+  py::array_t<float> dense_out;
+  float* pd = nullptr;
+  if (dense) {
+    dense_out = py::array_t<float>({b, static_cast<py::ssize_t>(out_k)});
+    pd = dense_out.mutable_data();
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget, act, &sa.opt, pst, ref, ref_ld, ref_ok);
+                     memory_budget, act, &sa.opt, pst, ref, ref_ld, ref_ok, pd);
   }
+  if (dense) return py::make_tuple(rows, scores, rounds, dense_out);
   return py::make_tuple(rows, scores, rounds);
 }
 
@@ -841,7 +848,7 @@ Raises:
           py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("memory_budget") = int64_t{256} << 20,
           py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
           py::arg("path") = "auto", py::arg("stats") = py::none(), py::arg("ref_scores") = py::none(),
-          py::arg("ref_ok") = py::none(),
+          py::arg("ref_ok") = py::none(), py::arg("dense") = false,
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -875,6 +882,8 @@ Args:
         of a long segment are pruned with the scan scores of the original query; where
         ref_ok[i] they are taken from here instead of scanning Q0[i] again. Results never
         depend on them, PROVIDED they are the scan scores of Q0 (the caller's contract).
+    dense: also return the exact dense scores RN32(Q0[i] . X[row]) of each query's first
+        out_k result rows (float32 [b, out_k], NaN padding and for inactive queries).
     stats: None, or a writeable float64 [recollect_stat_names length] array to which the
         call ADDS its profile: seconds of the whole call and of its phases (summed over
         threads), then counts; names in recollect_stat_names (timed only when given).
@@ -882,7 +891,7 @@ Args:
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the
      (MMR-adjusted) score each item was discovered with, -inf padding; rounds int64 [b],
-     rounds that produced a beam).
+     rounds that produced a beam), and with dense=True a fourth: the dense scores.
 
 Raises:
     TypeError: wrong type / dtype. ValueError: wrong shape / contiguity, malformed

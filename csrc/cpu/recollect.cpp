@@ -177,6 +177,7 @@ struct Batch {
   const float* ref;  // the original queries' scan scores from the caller (or null): [b, ref_ld]
   int64_t ref_ld;
   const uint8_t* ref_ok;
+  float* out_dense;  // [b, out_k] exact scores RN32(q0 . x) of the result rows (or null)
 };
 
 // One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
@@ -280,6 +281,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
   const int64_t len = bt.offsets[seg + 1] - a;
   const bool pruned = w.prune && len >= kPruneMinRows;
   const float* refp[kMaxGroup];  // the scan scores of q0 of query g over the segment
+  int64_t prev_scored[kMaxGroup] = {0};  // rows scored by query g's last pruned round
   if (pruned) {
     const float* qs[kMaxGroup];
     int nq = 0;
@@ -344,9 +346,8 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
                        w.c_rows.data(), opt);
       } else {  // per query: its branches' rows pruned by its own scores (prune_radius)
-        int64_t scored = 0;
+        int64_t scored_all = 0;
         opt.prune_row0 = a;
-        opt.rows_scored = &scored;
         for (int64_t g = 0; g < G; ++g) {
           if (!active[g]) continue;
           const float* qb = w.qbuf.data() + p0[g] * d;
@@ -354,10 +355,17 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
             w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_qn[g]);
           opt.prune_ref = refp[g];
           opt.prune_rad = w.rad.data();
+          // threads by the work the rows scored in this query's previous pruned round
+          // predict (the first one: one thread); the full segment's would overestimate it
+          int64_t scored = 0;
+          opt.rows_scored = &scored;
+          opt.num_threads = threads_for(inner_threads, static_cast<double>(prev_scored[g]) * nlive[g] * d, 1 << 30);
           segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K, w.c_sc.data() + p0[g] * K,
                          w.c_rows.data() + p0[g] * K, opt);
+          prev_scored[g] = scored;
+          scored_all += scored;
         }
-        w.prof.count(kStatScanRows, static_cast<double>(scored));
+        w.prof.count(kStatScanRows, static_cast<double>(scored_all));
       }
       w.prof.count(kStatScanQueries, static_cast<double>(nb));
     }
@@ -423,6 +431,13 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       osc[t] = t < res_len[g] ? static_cast<float>(rs[t]) : -std::numeric_limits<float>::infinity();
     }
     bt.out_rounds[qi] = rounds[g];
+    if (bt.out_dense != nullptr) {  // the result rows' exact dense scores (what search reports)
+      const double g64 = gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack;
+      float* od = bt.out_dense + qi * cfg.out_k;
+      const float* q0 = bt.Q0 + qi * d;
+      for (int64_t t = 0; t < cfg.out_k; ++t)
+        od[t] = t < res_len[g] ? exact_score(q0, bt.X + rr[t] * d, d, g64) : std::numeric_limits<float>::quiet_NaN();
+    }
     for (int64_t t = 0; t < res_len[g]; ++t) w.seen[rr[t] - a] = 0;
   }
 }
@@ -475,7 +490,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
                const uint8_t* active, const TopkOptions* topk, double* stats, const float* ref, int64_t ref_ld,
-               const uint8_t* ref_ok) {
+               const uint8_t* ref_ok, float* out_dense) {
   const double t_start = stats ? now_s() : 0.0;
   if (b == 0) return;
   // the queries to recollect, by segment (stable); the others get padding at once
@@ -489,6 +504,8 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     std::fill(out_rows + i * width, out_rows + (i + 1) * width, int64_t{-1});
     std::fill(out_scores + i * width, out_scores + (i + 1) * width, -std::numeric_limits<float>::infinity());
     out_rounds[i] = 0;
+    if (out_dense != nullptr)
+      std::fill(out_dense + i * cfg.out_k, out_dense + (i + 1) * cfg.out_k, std::numeric_limits<float>::quiet_NaN());
   }
   const int64_t nq = static_cast<int64_t>(todo.size());
   if (nq == 0) return;
@@ -541,7 +558,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   }
   const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
                  level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{},
-                 ref_ok != nullptr ? ref : nullptr, ref_ld, ref_ok};
+                 ref_ok != nullptr ? ref : nullptr, ref_ld, ref_ok, out_dense};
   std::exception_ptr error;
   std::mutex error_lock;
   parallel_for(ngroups, nthreads, [&](int64_t t, int tid) {

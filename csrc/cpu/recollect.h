@@ -104,6 +104,9 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// segment (float32 [b, ref_ld], row x at ref[i * ref_ld + x - offsets[qseg[i]]], the
 /// scan path's lanes: TopkOptions::scores_out of the probe) for the queries with
 /// ref_ok[i] != 0: the pruned rounds use them instead of scanning Q0 again.
+/// ``out_dense``: null, or float32 [b, out_k] for the exact dense scores RN32(Q0[i] .
+/// X[row]) of each query's first out_k result rows (NaN padding and for queries not
+/// recollected): what a search reports as the hits' dense scores.
 /// ``stats``: null, or float64 [kRecollectStats] to which the call adds its profile
 /// (RecollectStat). May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
@@ -111,6 +114,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
                const uint8_t* active = nullptr, const TopkOptions* topk = nullptr, double* stats = nullptr,
-               const float* ref = nullptr, int64_t ref_ld = 0, const uint8_t* ref_ok = nullptr);
+               const float* ref = nullptr, int64_t ref_ld = 0, const uint8_t* ref_ok = nullptr,
+               float* out_dense = nullptr);
 
 }  // namespace rfmem

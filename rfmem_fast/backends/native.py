@@ -338,7 +338,7 @@ class NativeBackend(Backend):
             if last is not None and last[0] is q0 and last[1] is qseg and last[2] is level0[0]:
                 ref = {"ref_scores": last[3], "ref_ok": last[4]}  # the probe of these queries: its scan scores
         _LAST_PROBE.value = None
-        rows, scores, rounds = _native.recollect(
+        rows, scores, rounds, dense = _native.recollect(
             X,
             off,
             _np(q0, torch.float32),
@@ -360,6 +360,7 @@ class NativeBackend(Backend):
             view.row_norm_max,
             self.memory_budget,
             act,
+            dense=True,
             **self._scan_args(view),
             **ref,
         )
@@ -369,4 +370,5 @@ class NativeBackend(Backend):
             scores=torch.from_numpy(scores[:, : config.out_k]),
             rounds=torch.from_numpy(rounds),
             hit_rows=hits,
+            dense=torch.from_numpy(dense),
         )
