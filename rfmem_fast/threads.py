@@ -15,7 +15,9 @@ threads one call may use:
 1. :func:`set_num_threads` (this process, rfmem_fast's kernels only), else
 2. the environment variable ``RFMEM_NUM_THREADS`` (read at each call), else
 3. ``torch.get_num_threads()`` (which follows ``OMP_NUM_THREADS`` and
-   ``torch.set_num_threads``).
+   ``torch.set_num_threads``), as the caller set it: inside :func:`limit_torch_threads`
+   (a small ``search`` chunk runs torch on one thread) the native kernels keep the
+   caller's count, so a single query can still use an idle core.
 
 ``NativeBackend(num_threads=n)`` fixes it per backend instance. Nothing here changes
 an environment variable.
@@ -53,6 +55,9 @@ TORCH_MIN_WORK_PER_THREAD = 4_000_000
 
 _LOCK = threading.Lock()
 _SETTING: list[int | None] = [None]
+# per thread: torch's thread count before limit_torch_threads lowered it (the caller's
+# setting, which the native kernels keep following inside the block)
+_OUTER = threading.local()
 
 
 def _check(n: object, name: str) -> int:
@@ -99,7 +104,7 @@ def using_num_threads(n: int | None) -> Iterator[None]:
 
 
 def get_num_threads() -> int:
-    """The most threads one kernel call may use now (see the module docstring).
+    """The most threads one native kernel call may use now (see the module docstring).
 
     Returns:
         int >= 1.
@@ -117,7 +122,8 @@ def get_num_threads() -> int:
             return _check(int(env), ENV_VAR)
         except (TypeError, ValueError):
             raise ValueError(f"{ENV_VAR} must be an int >= 1, got {env!r}") from None
-    return max(1, torch.get_num_threads())
+    outer = getattr(_OUTER, "value", None)  # inside limit_torch_threads: the caller's torch setting
+    return max(1, outer if outer is not None else torch.get_num_threads())
 
 
 def threads_for_work(work: float, limit: int | None = None, per_thread: float = MIN_WORK_PER_THREAD) -> int:
@@ -149,11 +155,14 @@ def limit_torch_threads(work: float, device: torch.device | str = "cpu") -> Iter
     if torch.device(device).type != "cpu" or want >= prev:
         yield prev
         return
+    outer = getattr(_OUTER, "value", None)
+    _OUTER.value = prev if outer is None else outer
     torch.set_num_threads(want)
     try:
         yield want
     finally:
         torch.set_num_threads(prev)
+        _OUTER.value = outer
 
 
 __all__ = [

@@ -107,6 +107,13 @@ def test_small_search_runs_with_one_torch_thread_and_restores_it(monkeypatch):
         search(bank, np.ones((1, 8)), ["a"], mode="rfmem", backend="torch")
         assert seen == [1, 2]  # one thread inside, the caller's two restored
         assert torch.get_num_threads() == 2
+        with th.limit_torch_threads(10.0) as n:  # small work: torch on one thread...
+            assert n == 1 and torch.get_num_threads() == 1
+            assert th.get_num_threads() == 2  # ...the native kernels keep the caller's count
+            with th.limit_torch_threads(10.0):
+                assert th.get_num_threads() == 2
+            assert th.get_num_threads() == 2
+        assert th.get_num_threads() == 2 and torch.get_num_threads() == 2
         with th.limit_torch_threads(1e12) as n:  # big work: untouched
             assert n == 2
         with th.limit_torch_threads(10.0, "cuda") as n:  # not the CPU: untouched

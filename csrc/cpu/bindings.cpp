@@ -691,8 +691,9 @@ PYBIND11_MODULE(_native, mod) {
       "Every function takes numpy arrays of exact dtypes, C-contiguous (zero-copy views of torch CPU tensors via "
       "tensor.numpy()), raises TypeError (wrong type / dtype) or ValueError (wrong rank, shape, contiguity or "
       "values) before any work, and releases the GIL while it computes. num_threads is the most threads a call may use (0 = the machine's); a "
-      "call uses fewer when its work is too small to pay for them (common.h threads_for), and the threads are "
-      "started for the call and joined before it returns (nothing spins between calls).";
+      "call uses fewer when its work is too small to pay for them (common.h threads_for), when another call of the "
+      "process holds the thread pool or when no core is idle; the pool's helper threads sleep between calls "
+      "(pool.h: nothing spins) and a call never waits for a helper to be scheduled.";
 
   mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("scan") = py::none(),
@@ -853,7 +854,9 @@ Raises:
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
 and rounds. Each query runs all its rounds on one thread (its user's rows stay in cache);
-queries are spread over per-call threads.
+queries are spread over the thread pool. On segments of PRUNE_MIN_ROWS rows or more, the
+rounds' top-k calls skip the rows that provably cannot reach a branch's top-k (the scan
+scores of the original query: ref_scores, or one scan here).
 
 Args:
     X, offsets: the bank, as segmented_topk.

@@ -32,12 +32,17 @@
   three primitives above; same rows, scores and rounds as the Python driver
   :func:`rfmem_fast.recollection.recollect`, which stays the portable path and the
   oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
-  ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver.
+  ``RFMEM_BEAM_DRIVER=python`` (read at each call) forces the Python driver. On long
+  segments its rounds skip the rows that provably cannot reach a branch's top-k, using
+  the probe's scan scores of the original query (:meth:`probe` keeps them; results are
+  those of full scans) and it returns its hits' exact dense scores.
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
 (default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
-work is too small to pay for them; the threads live for one call (no spinning pool).
+work is too small to pay for them, when another call of the process holds the thread
+pool or when no core is idle (docs/internals/threads.md); the pool's helpers sleep
+between calls (nothing spins).
 """
 from __future__ import annotations
 
@@ -88,12 +93,13 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 class NativeBackend(Backend):
-    """C++ (per-call std::threads) CPU implementation of the primitives (see the module docstring).
+    """C++ CPU implementation of the primitives (see the module docstring).
 
     Args:
         num_threads: most threads per call; ``None`` (default) follows
             :func:`rfmem_fast.threads.get_num_threads` at each call. A call uses fewer
-            when its work is small (a single query runs on the calling thread).
+            when its work is small (below 0.5 million multiply-adds per thread), when
+            another call of the process holds the thread pool, or when no core is idle.
         memory_budget: bytes for temporaries (default 256 MiB); the top-k, KMeans and
             alpha-mix kernels never come near it (O(b k) besides the outputs); the C++
             beam driver uses at most ``memory_budget // workspace`` threads (a thread's
