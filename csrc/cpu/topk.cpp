@@ -5,7 +5,10 @@
 //      paths, by the cost rule of gemm_pays (kernels.h):
 //      * scan path: groups of at most kGroup queries; each group scans its segment once,
 //        in tiles of rows small enough to stay in L1/L2 while every query of the group
-//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes);
+//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes; float32
+//        rows at SIMD levels 1, 2: register blocks of rows x queries, simd_impl.inc
+//        scan_rows_f32, which may also skip rows that provably miss the top-k:
+//        TopkOptions::prune_ref, scan_pruned below);
 //      * GEMM path (many queries of one long segment: a shared bank, a few large users):
 //        units of up to ~160 queries (kGemmPanelBytes), packed into panels of NR queries
 //        (simd.h); each unit reads its segment once in tiles of rows that stay in L2
@@ -23,9 +26,8 @@
 //      exact score e = RN32(q.x), with c = (1 + u_in) (1 + gamma_n(2^-24)) - 1 + 2^-24
 //      and n the depth of the kernel (roundings a product term goes through):
 //        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
-//                   products in order, then a 4-level tree; no FMA contraction for
-//                   float32 rows, fused multiply-adds for half rows at SIMD levels 1, 2:
-//                   fewer roundings, the same bound),
+//                   products in order, then a 4-level tree; fused multiply-adds at
+//                   SIMD levels 1, 2, none at level 0: fewer roundings, the same bound),
 //        GEMM path  n = min(d, Kc) + ceil(d / Kc) - 1, Kc = kGemmKc = 64 (simd.h
 //                   gemm_depth: blocks of Kc terms summed from zero, then added to the
 //                   running sum),
