@@ -12,9 +12,14 @@
 // such a helper may still touch the counters.
 #include "pool.h"
 
+#if defined(__unix__) || defined(__APPLE__)
+#define RFMEM_POSIX 1
 #include <fcntl.h>
 #include <pthread.h>
 #include <unistd.h>
+#else
+#define RFMEM_POSIX 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -65,12 +70,20 @@ std::atomic<int64_t> g_idle_at{std::numeric_limits<int64_t>::min()};  // steady_
 std::atomic<int> g_idle{0};
 
 int online_cpus() {
+#if RFMEM_POSIX
   const long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
+#else
+  const unsigned n = std::thread::hardware_concurrency();
+  return n ? static_cast<int>(n) : 1;
+#endif
 }
 
-// tasks running or runnable now, the caller included (-1 if unknown)
+// tasks running or runnable now, the caller included (-1 if unknown: no /proc/loadavg)
 int running_tasks() {
+#if !defined(__linux__)
+  return -1;
+#else
   const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
   if (fd < 0) return -1;
   char buf[128];
@@ -87,15 +100,20 @@ int running_tasks() {
   int r = 0;
   while (*c >= '0' && *c <= '9') r = r * 10 + (*c++ - '0');
   return r;
+#endif
 }
+#if RFMEM_POSIX
 std::once_flag g_atfork_once;
 
 // fork(): the child has none of the helpers (and maybe a locked mutex): a fresh pool;
 // the parent's stays allocated (never freed: helpers may sleep in it until exit).
 void atfork_child() { g_pool.store(new Pool, std::memory_order_release); }
+#endif
 
 Pool* pool() {
+#if RFMEM_POSIX
   std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, &atfork_child); });
+#endif
   Pool* p = g_pool.load(std::memory_order_acquire);
   if (p == nullptr) {
     Pool* fresh = new Pool;
