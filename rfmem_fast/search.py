@@ -815,6 +815,7 @@ def _search_chunk(
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
     out = None
+    dense_known = False
     # a host chunk where no query recollects skips the beam driver's set-up (a device
     # chunk would need a host synchronisation to know: it calls the driver, which stops
     # at its first round's check)
@@ -824,10 +825,14 @@ def _search_chunk(
         if config.merge == "none":  # the authors' output
             rows = torch.where(reco[:, None], out.rows.to(dev), rows)
             scores = torch.where(reco[:, None], out.scores.to(dev), scores)
+            if out.dense is not None and hyb is None:  # the driver's exact dense scores: nothing to re-score
+                fam_dense = torch.where(reco[:, None], out.dense.to(dev), fam_dense)
+                dense_known = True
         else:
             rows, scores = _merged(view, Q, p_rows, out.hit_rows, reco, rows, scores, out_k, config)
         rounds = out.rounds.to(dev)
-    fam_ok = ~reco if out is not None else None  # None: every query kept the Familiarity path
+    # None: every query kept the Familiarity path, or the driver gave its hits' dense scores
+    fam_ok = ~reco if out is not None and not dense_known else None
     if reranker is not None or pools is not None:
         hits = out.hit_rows.to(dev) if out is not None else None
         pool = _pools(view, Q, qseg, p_rows[:, : max(depth, 1)], hits, routes)

@@ -5,7 +5,10 @@
 //      paths, by the cost rule of gemm_pays (kernels.h):
 //      * scan path: groups of at most kGroup queries; each group scans its segment once,
 //        in tiles of rows small enough to stay in L1/L2 while every query of the group
-//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes);
+//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes; float32
+//        rows at SIMD levels 1, 2: register blocks of rows x queries, simd_impl.inc
+//        scan_rows_f32, which may also skip rows that provably miss the top-k:
+//        TopkOptions::prune_ref, scan_pruned below);
 //      * GEMM path (many queries of one long segment: a shared bank, a few large users):
 //        units of up to ~160 queries (kGemmPanelBytes), packed into panels of NR queries
 //        (simd.h); each unit reads its segment once in tiles of rows that stay in L2
@@ -23,9 +26,8 @@
 //      exact score e = RN32(q.x), with c = (1 + u_in) (1 + gamma_n(2^-24)) - 1 + 2^-24
 //      and n the depth of the kernel (roundings a product term goes through):
 //        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
-//                   products in order, then a 4-level tree; no FMA contraction for
-//                   float32 rows, fused multiply-adds for half rows at SIMD levels 1, 2:
-//                   fewer roundings, the same bound),
+//                   products in order, then a 4-level tree; fused multiply-adds at
+//                   SIMD levels 1, 2, none at level 0: fewer roundings, the same bound),
 //        GEMM path  n = min(d, Kc) + ceil(d / Kc) - 1, Kc = kGemmKc = 64 (simd.h
 //                   gemm_depth: blocks of Kc terms summed from zero, then added to the
 //                   running sum),
@@ -56,6 +58,7 @@
 // batch, the path, the thread count, the scan copy's precision or the CPU, and a top-k
 // is a prefix of every wider top-k.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -74,7 +77,7 @@ namespace {
 
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
-constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
+constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item of its own (parts)
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
 // holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
@@ -485,6 +488,20 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
+// The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
+// skip row x once ref[x] + rad_i < t_i - B_i, t_i its heap's worst kept scan score
+// (kw >= k rows scan >= t_i, each within B_i of its exact score: t_i - B_i is a lower
+// bound of the k-th exact score) and ref[x] + rad_i an upper bound of its exact score of
+// x. off_i = B_i + rad_i, rounded up. Skipped rows are never candidates; the exact
+// finish and its rescan test are those of a full scan. Returns the rows scored.
+int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& opt, const float* X, int64_t d,
+                    int64_t r0, int64_t r1, const float* const* qs, int nq, Heap* heaps, const int64_t* qidx) {
+  double off[kGroup];
+  for (int i = 0; i < nq; ++i)
+    off[i] = std::nextafter(c.bound(c.scan, qs[i]) + opt.prune_rad[qidx[i]], std::numeric_limits<double>::infinity());
+  return K.scan_rows_f32_pruned(X, d, r0, r1, qs, nq, heaps, opt.prune_ref + (r0 - opt.prune_row0), off);
+}
+
 }  // namespace
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
@@ -686,6 +703,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     part_r.resize(static_cast<size_t>(b) * parts * kw);
   }
 
+  std::atomic<int64_t> scored{0};  // rows the scans scored (opt.rows_scored)
   parallel_for(items, nthreads, [&](int64_t it, int tid) {
     const int64_t gi = gorder[it / parts];
     const Group& g = groups[gi];
@@ -706,12 +724,22 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       qs[i] = Q + order[g.first + i] * d;
     }
     if (r1 > r0) {
+      int64_t rows = r1 - r0;
       if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else if (K.scan_rows_f32_pruned && opt.prune_ref)
+        rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
+      else if (K.scan_rows_f32 && opt.scores_out) {
+        float* sout[kGroup];
+        for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, sout);
+      } else if (K.scan_rows_f32)
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, nullptr);
       else
         scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      if (opt.rows_scored) scored.fetch_add(rows, std::memory_order_relaxed);
     }
     for (int i = 0; i < g.nq; ++i) {
       Heap& hp = heaps[i];
@@ -731,6 +759,11 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     }
   });
 
+  if (opt.rows_scored) *opt.rows_scored += scored.load();
+  if (opt.scores_out && opt.scores_written && !src.half && K.scan_rows_f32 && !opt.prune_ref)
+    for (const Group& g : groups)  // the queries whose scan wrote every row's score
+      if (!g.gemm)
+        for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
   if (parts > 1) {  // merge of the partial lists (disjoint rows), then the exact re-scoring
     // candidate buffers per thread, allocated here so that nothing throws in the threads
     std::vector<std::vector<Entry>> cands(static_cast<size_t>(nthreads));
