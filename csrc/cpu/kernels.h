@@ -77,7 +77,7 @@ struct TopkOptions {
 /// ``level`` (simd.h). Scan: nq * seg_len * d multiply-adds at kScanRate[level]; GEMM:
 /// the queries padded to whole panels of NR (32 at level 2, 16 below) times seg_len * d
 /// at kGemmRate[level], plus a fixed cost of kGemmFixed queries (topk.cpp, measured
-/// rates): GEMM iff padded * scan_rate / gemm_rate + kGemmFixed < nq, i.e. from 12
+/// rates): GEMM iff padded * scan_rate / gemm_rate + kGemmFixed < nq, i.e. from 18
 /// queries at level 2, 10 at level 1, never at level 0; never for segments of fewer than
 /// kGemmMinRows = 128 rows. Memory traffic is the same on both paths (each group / unit
 /// reads the segment once; a unit holds up to ~10 x more queries than a scan group).

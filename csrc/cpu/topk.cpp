@@ -505,19 +505,23 @@ int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& 
 }  // namespace
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
-// bench/bench_gemm.py ("rates": one segment of 100,000 x 384 rows, 512 queries, Intel
-// Xeon of the Sapphire Rapids class, bench/results/gemm-indicative.json): the scan path
-// (16 lanes, groups of 16 queries per tile) ~15 GMAC/s at every level; the GEMM micro-
-// kernel 62 GMAC/s (AVX-512), 42 (AVX2 + FMA), 9 (baseline, below the scan: never taken).
-// A unit also has a fixed cost (packing its panels, per-micro-tile threshold checks,
-// partial tiles) of about kGemmFixed queries' worth of scan work, fitted to the measured
-// crossover ("crossover" in the same file: the GEMM path wins from about 12 queries per
-// segment at AVX-512 and 10 at AVX2, on segments of >= 128 rows).
+// bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
+// with AVX-512, bench/results/gemm-issue21-merge.json): the scan path (groups of 16
+// queries per tile; float32 rows at levels 1, 2 in register blocks of rows x queries,
+// simd_impl.inc) 39 GMAC/s at AVX-512, 18 at AVX2 + FMA, ~15 at the baseline level (its
+// own clones); the GEMM micro-kernel 87 GMAC/s (AVX-512), 45 (AVX2 + FMA), 9 (baseline,
+// below the scan: never taken). A unit also has a fixed cost (packing its panels,
+// per-micro-tile threshold checks, partial tiles) of about kGemmFixed queries' worth of
+// scan work, fitted to the measured crossover ("crossover" in the same file and a finer
+// sweep of nq = 8..64 on segments of 512 and 4,096 rows: the GEMM path wins from about
+// 18 queries per segment at AVX-512, 10-14 at AVX2, on segments of >= 128 rows). The
+// rule is monotone in nq at both levels (scan / GEMM rate below 1/2: a query more never
+// turns GEMM back into scan).
 namespace {
-constexpr double kScanRate[3] = {15.0, 15.0, 15.0};
-constexpr double kGemmRate[3] = {9.0, 42.0, 62.0};
+constexpr double kScanRate[3] = {15.0, 18.0, 39.0};
+constexpr double kGemmRate[3] = {9.0, 45.0, 87.0};
 constexpr int64_t kPanel[3] = {16, 16, 32};
-constexpr double kGemmFixed = 4.0;
+constexpr double kGemmFixed = 3.5;
 constexpr int64_t kGemmMinRows = 128;
 }  // namespace
 
