@@ -295,6 +295,9 @@ double kth_lower(Entry* cand, int64_t nc, int64_t k, double B) {
 inline double cut_below(double lower, double B) { return std::nextafter(lower - B, kNegInfD); }
 
 // Re-score exactly the candidates whose scan score reaches the cut; emit the top k.
+// (Multiversioned: exact_score's four float64 partial sums become one AVX2 vector, the
+// same operations in the same order, so the same bits.)
+RFMEM_MULTIVERSION
 void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
              int64_t* out_r) {
   int64_t m = 0;

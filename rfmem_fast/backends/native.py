@@ -420,12 +420,11 @@ class NativeBackend(Backend):
             **self._sel_args(view, sel),
             **ref,
         )
-        hits = torch.from_numpy(rows)
-        return RecollectionOutput(
-            rows=hits[:, : config.out_k],
+        return RecollectionOutput(  # (numpy slices: a torch slice costs a dispatch)
+            rows=torch.from_numpy(rows[:, : config.out_k]),
             scores=torch.from_numpy(scores[:, : config.out_k]),
             rounds=torch.from_numpy(rounds),
-            hit_rows=hits,
+            hit_rows=torch.from_numpy(rows),
             dense=torch.from_numpy(dense),
         )
 
