@@ -402,7 +402,11 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
         lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
     qseg = to_device(seg, dev)
-    hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
+    if b <= max_batch:  # one chunk (Python ints: a numpy reduction of a few values costs more)
+        ll = lens.tolist()
+        hints = [(max(ll), float(sum(ll)) * bank.dim)] if b else []
+    else:
+        hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
     return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
 
 
@@ -916,10 +920,11 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     reco = routes == RECOLLECTION
     out = None
     fam_ok = None  # None: every query kept the Familiarity path, or the driver gave its hits' dense scores
-    if mode != "dense" and bool(reco.any()):
+    nreco = int(np.count_nonzero(reco))
+    everyone = nreco == b  # (then the driver's arrays are the result: no selection)
+    if mode != "dense" and nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), torch.from_numpy(reco), sel)
-        everyone = bool(reco.all())  # (then the driver's arrays are the result: no selection)
         rc = reco[:, None]
         rows = out.rows.numpy() if everyone else np.where(rc, out.rows.numpy(), rows)
         scores = out.scores.numpy() if everyone else np.where(rc, out.scores.numpy(), scores)
@@ -931,9 +936,12 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
     # the native driver (NaN only where there is no hit); the others re-scored exactly
     # (as _hit_scores on the host)
-    ok = rows >= 0
-    keep = ok if fam_ok is None else ok & fam_ok[:, None]
-    dense = np.where(keep, fam_dense, np.float32(np.nan)).astype(np.float32, copy=False)
+    if out is not None and everyone and out.dense is not None:
+        dense = fam_dense  # the driver's: NaN exactly where there is no hit
+    else:
+        ok = rows >= 0
+        keep = ok if fam_ok is None else ok & fam_ok[:, None]
+        dense = np.where(keep, fam_dense, np.float32(np.nan)).astype(np.float32, copy=False)
     if out is not None and fam_ok is not None:  # (a hit without a known score: only with fam_ok)
         qi, ci = np.nonzero(ok & np.isnan(dense))
         if qi.shape[0]:

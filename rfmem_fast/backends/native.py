@@ -376,7 +376,7 @@ class NativeBackend(Backend):
         # driver's: the result slots and one spare column
         width = recollection_capacity(config) + 1
         act = None if active is None else _np(active, torch.bool)
-        if act is not None and not act.any():  # e.g. a familiar query in mode "rfmem": nothing to do
+        if act is not None and not np.count_nonzero(act):  # e.g. a familiar query in mode "rfmem": nothing to do
             return RecollectionOutput(
                 rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
                 scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
