@@ -427,7 +427,7 @@ def test_native_threads_row_parts_rescans_and_gemm_with_filters():
     bank, Q0, _ = near_duplicate_bank(7, 16, 8192)
     n = bank.user_size("dups")
     bank.set_metadata("dups", bank.item_ids_of("dups"), [{"b": int(j % 10), "rank": int(j)} for j in range(n)])
-    users = ["dups"] * 60  # 12 queries per selection: the GEMM path (masks) on "auto" too
+    users = ["dups"] * 60  # 12 queries per selection: lists on "auto" (gemm_pays: from 18 at AVX-512), masks on "gemm"
     Q = np.tile(Q0, (10, 1))[:60]
     fs = [{"b": {"$lt": 5}}, {"b": 3}, {"rank": {"$lt": 3}}, {"b": {"$in": [1, 2, 3, 4, 5, 6, 7, 8]}}, {"b": {"$lt": 2}}] * 12
     for k in (5, 12):
@@ -437,7 +437,8 @@ def test_native_threads_row_parts_rescans_and_gemm_with_filters():
             want_r, want_s = dense_oracle(bank, Q[i], matching_rows(bank, users[i], fs[i]), k)
             np.testing.assert_array_equal(ref.rows[i], want_r)
             np.testing.assert_array_equal(ref.scores[i], want_s)
-        for be in (NativeBackend(num_threads=2), NativeBackend(num_threads=2, topk_path="scan"), NativeBackend(num_threads=1)):
+        for be in (NativeBackend(num_threads=2), NativeBackend(num_threads=2, topk_path="scan"), NativeBackend(num_threads=1),
+                   NativeBackend(num_threads=2, topk_path="gemm")):  # fmt: skip
             res = search(bank, Q, users, cfg, mode="dense", backend=be, filters=fs)
             np.testing.assert_array_equal(res.rows, ref.rows)
             np.testing.assert_array_equal(res.scores, ref.scores)

@@ -268,7 +268,8 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                    int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
                    double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path,
                    const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
-                   const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_) {
+                   const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_,
+                   bool keep_scan_scores) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -290,12 +291,38 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   double* pm = mean.mutable_data();
   double* pe = ent.mutable_data();
   int64_t* pc = count.mutable_data();
+  rfmem::TopkOptions opt = sa.opt;
+  const bool asked = keep_scan_scores;
+  py::array_t<float> kept;
+  py::array_t<bool> written;
+  if (keep_scan_scores) {  // every row's scan score, for the beam driver's pruning (recollect's ref_scores)
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t ld = 1;
+    for (int64_t i = 0; i < in.b; ++i) ld = std::max(ld, off[seg[i] + 1] - off[seg[i]]);
+    // only where the driver prunes (a segment of kPruneMinRows rows or more), within 16 MiB
+    keep_scan_scores = ld >= rfmem::kPruneMinRows && in.b * ld <= (int64_t{1} << 22);
+  }
+  if (keep_scan_scores) {
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t ld = 1;
+    for (int64_t i = 0; i < in.b; ++i) ld = std::max(ld, off[seg[i] + 1] - off[seg[i]]);
+    kept = py::array_t<float>({b, static_cast<py::ssize_t>(ld)});
+    written = py::array_t<bool>(b);
+    std::fill(written.mutable_data(), written.mutable_data() + b, false);
+    opt.scores_out = kept.mutable_data();
+    opt.scores_ld = ld;
+    opt.scores_written = reinterpret_cast<uint8_t*>(written.mutable_data());
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
-                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, sa.opt);
+                          cptr<int64_t>(in.qseg), in.b, k, ps, pr, opt);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
+  if (keep_scan_scores) return py::make_tuple(scores, rows, mean, ent, count, kept, written);
+  if (asked) return py::make_tuple(scores, rows, mean, ent, count, py::none(), py::none());
   return py::make_tuple(scores, rows, mean, ent, count);
 }
 
@@ -615,7 +642,8 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        int64_t memory_budget, const py::object& active_, const py::object& scan_,
                        const std::string& scan_type, const std::string& path, const py::object& qsel_,
                        const py::object& sel_seg_, const py::object& sel_off_, const py::object& sel_rows_,
-                       const py::object& sel_mask_, const py::object& sel_mask_off_) {
+                       const py::object& sel_mask_, const py::object& sel_mask_off_, const py::object& stats_,
+                       const py::object& ref_scores_, const py::object& ref_ok_, bool dense) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -707,12 +735,50 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
   int64_t* pr = rows.mutable_data();
   float* ps = scores.mutable_data();
   int64_t* pn = rounds.mutable_data();
+  double* pst = nullptr;
+  py::array stats;
+  if (!stats_.is_none()) {
+    stats = checked<double>(stats_, fn, "stats", 1, "float64");
+    if (stats.shape(0) != rfmem::kRecollectStats)
+      throw py::value_error(std::string(fn) + ": stats must be float64 [" + std::to_string(rfmem::kRecollectStats) +
+                            "], got shape " + shape_str(stats));
+    if (!stats.writeable()) throw py::value_error(std::string(fn) + ": stats must be writeable");
+    pst = static_cast<double*>(stats.mutable_data());
+  }
+  const float* ref = nullptr;
+  const uint8_t* ref_ok = nullptr;
+  int64_t ref_ld = 0;
+  py::array ref_scores, ref_okay;
+  if (ref_scores_.is_none() != ref_ok_.is_none())
+    throw py::value_error(std::string(fn) + ": ref_scores and ref_ok must be given together");
+  if (!ref_scores_.is_none()) {
+    ref_scores = checked<float>(ref_scores_, fn, "ref_scores", 2, "float32");
+    ref_okay = checked<bool>(ref_ok_, fn, "ref_ok", 1, "bool");
+    const int64_t* off = cptr<int64_t>(in.offsets);
+    const int64_t* seg = cptr<int64_t>(in.qseg);
+    int64_t longest = 0;
+    for (int64_t i = 0; i < in.b; ++i) longest = std::max(longest, off[seg[i] + 1] - off[seg[i]]);
+    if (ref_scores.shape(0) != in.b || ref_scores.shape(1) < longest || ref_okay.shape(0) != in.b)
+      throw py::value_error(std::string(fn) + ": ref_scores must be [b, >= " + std::to_string(longest) +
+                            "] and ref_ok [b] with b = " + std::to_string(in.b) + ", got shapes " +
+                            shape_str(ref_scores) + " and " + shape_str(ref_okay));
+    ref = cptr<float>(ref_scores);
+    ref_ok = static_cast<const uint8_t*>(ref_okay.data());
+    ref_ld = ref_scores.shape(1);
+  }
+  py::array_t<float> dense_out;
+  float* pd = nullptr;
+  if (dense) {
+    dense_out = py::array_t<float>({b, static_cast<py::ssize_t>(out_k)});
+    pd = dense_out.mutable_data();
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::recollect(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                      cptr<int64_t>(in.qseg), in.b, l0s, l0r, k0, cfg, width, pr, ps, pn, num_threads, xnorm,
-                     memory_budget, act, &sa.opt);
+                     memory_budget, act, &sa.opt, pst, ref, ref_ld, ref_ok, pd);
   }
+  if (dense) return py::make_tuple(rows, scores, rounds, dense_out);
   return py::make_tuple(rows, scores, rounds);
 }
 
@@ -725,8 +791,9 @@ PYBIND11_MODULE(_native, mod) {
       "Every function takes numpy arrays of exact dtypes, C-contiguous (zero-copy views of torch CPU tensors via "
       "tensor.numpy()), raises TypeError (wrong type / dtype) or ValueError (wrong rank, shape, contiguity or "
       "values) before any work, and releases the GIL while it computes. num_threads is the most threads a call may use (0 = the machine's); a "
-      "call uses fewer when its work is too small to pay for them (common.h threads_for), and the threads are "
-      "started for the call and joined before it returns (nothing spins between calls).";
+      "call uses fewer when its work is too small to pay for them (common.h threads_for), when another call of the "
+      "process holds the thread pool or when no core is idle; the pool's helper threads sleep between calls "
+      "(pool.h: nothing spins) and a call never waits for a helper to be scheduled.";
 
   mod.def("segmented_topk", &py_segmented_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("scan") = py::none(),
@@ -787,7 +854,7 @@ Raises:
           py::arg("xnorm") = -1.0, py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
-          py::arg("sel_mask_off") = py::none(),
+          py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false,
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
@@ -803,6 +870,13 @@ Returns:
      count int64 [b]) where count = valid (finite) probe scores, mean = their average,
     entropy = the softmax entropy of lam * (s_i - s_1) in the chosen convention, all in
     float64 as familiarity_signals; a row without hits has mean 0 and entropy 0.
+    With keep_scan_scores=True, two more: scan_scores float32 [b, L] (L = the longest
+    queried segment) and written bool [b], or (None, None) unless L >= PRUNE_MIN_ROWS
+    (the driver's pruning threshold) and b * L <= 2^22: for a query whose scan took the
+    float32 scan path (SIMD level >= 1; not GEMM, not a half-precision copy), written[i]
+    and scan_scores[i, j] = the scan score of row offsets[qseg[i]] + j (within the scan
+    path's error bound of the exact score), for the beam driver (recollect's
+    ref_scores); other entries unspecified.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
@@ -893,12 +967,15 @@ Raises:
           py::arg("active") = py::none(), py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
-          py::arg("sel_mask_off") = py::none(),
+          py::arg("sel_mask_off") = py::none(), py::arg("stats") = py::none(), py::arg("ref_scores") = py::none(),
+          py::arg("ref_ok") = py::none(), py::arg("dense") = false,
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
 and rounds. Each query runs all its rounds on one thread (its user's rows stay in cache);
-queries are spread over per-call threads.
+queries are spread over the thread pool. On segments of PRUNE_MIN_ROWS rows or more, the
+rounds' top-k calls skip the rows that provably cannot reach a branch's top-k (the scan
+scores of the original query: ref_scores, or one scan here).
 
 Args:
     X, offsets: the bank, as segmented_topk.
@@ -925,11 +1002,21 @@ Args:
     qsel, sel_seg, sel_off, sel_rows, sel_mask, sel_mask_off: a filtered search, as
         segmented_topk's (qsel per query of the batch): every round's candidates of a
         filtered query come from its selected rows (level0 must be filtered alike).
+    ref_scores, ref_ok: None, or probe(keep_scan_scores=True)'s scan_scores and written for
+        these queries: float32 [b, >= the longest queried segment], bool [b]. The rounds
+        of a long segment are pruned with the scan scores of the original query; where
+        ref_ok[i] they are taken from here instead of scanning Q0[i] again. Results never
+        depend on them, PROVIDED they are the scan scores of Q0 (the caller's contract).
+    dense: also return the exact dense scores RN32(Q0[i] . X[row]) of each query's first
+        out_k result rows (float32 [b, out_k], NaN padding and for inactive queries).
+    stats: None, or a writeable float64 [recollect_stat_names length] array to which the
+        call ADDS its profile: seconds of the whole call and of its phases (summed over
+        threads), then counts; names in recollect_stat_names (timed only when given).
 
 Returns:
     (rows int64 [b, width] in discovery order, -1 padding; scores float32 [b, width], the
      (MMR-adjusted) score each item was discovered with, -inf padding; rounds int64 [b],
-     rounds that produced a beam).
+     rounds that produced a beam), and with dense=True a fourth: the dense scores.
 
 Raises:
     TypeError: wrong type / dtype. ValueError: wrong shape / contiguity, malformed
@@ -1035,6 +1122,47 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  mod.attr("PRUNE_MIN_ROWS") = rfmem::kPruneMinRows;
+  mod.def(
+      "set_thread_pool",
+      [](const std::string& mode) {
+        rfmem::PoolMode m;
+        if (mode == "auto") m = rfmem::PoolMode::kAuto;
+        else if (mode == "always") m = rfmem::PoolMode::kAlways;
+        else if (mode == "per-call") m = rfmem::PoolMode::kPerCall;
+        else throw py::value_error("set_thread_pool: mode must be one of ('auto', 'always', 'per-call'), got '" + mode + "'");
+        const rfmem::PoolMode prev = rfmem::set_thread_pool(m);
+        return std::string(prev == rfmem::PoolMode::kAuto ? "auto" : prev == rfmem::PoolMode::kAlways ? "always" : "per-call");
+      },
+      py::arg("mode"),
+      "Process-wide, how the kernels' parallel regions get their threads (csrc/cpu/pool.h): 'auto' (default) the "
+      "pool of sleeping helper threads, with helpers only for the cores idle at the last sample of /proc/loadavg "
+      "(every 2 ms at most); 'always' the pool whatever the load; 'per-call' threads started for each region and "
+      "joined at its end (the behaviour before the pool). Returns the previous mode. Results never depend on it.");
+  mod.def("idle_cpus", []() { return rfmem::idle_cpus(); },
+          "CPUs idle at the last sample (online CPUs minus running tasks, /proc/loadavg; at most every 2 ms).");
+  mod.def(
+      "pool_counters",
+      []() {
+        const rfmem::PoolCounters c = rfmem::pool_counters();
+        py::dict d;
+        d["regions"] = c.regions;
+        d["inline_taken"] = c.inline_taken;
+        d["items_caller"] = c.items_caller;
+        d["items_helper"] = c.items_helper;
+        d["waits"] = c.waits;
+        d["inline_busy"] = c.inline_busy;
+        d["helpers"] = c.helpers;
+        return d;
+      },
+      "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
+      "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
+      "helper threads started.");
+  // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
+  static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
+  mod.attr("recollect_stat_names") =
+      py::make_tuple("total_s", "scan_s", "filter_s", "mmr_s", "kmeans_s", "mix_s", "select_s", "rounds",
+                     "scan_queries", "branches", "kept", "scan_rows");
   mod.def(
       "simd_level", []() { return rfmem::simd_kernels().level; },
       "SIMD level the top-k kernels use now: 2 AVX-512F, 1 AVX2 + FMA + F16C, 0 baseline (csrc/cpu/simd.h); the "

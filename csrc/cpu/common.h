@@ -3,14 +3,16 @@
 // Everything here is plain C++17 with no Python dependency, so that the kernels can
 // be unit-tested or reused outside the binding.
 //
-// Threads. The kernels run on plain std::threads started for one call and joined
-// before it returns (parallel_for): no thread pool stays behind, nothing spins while
-// waiting (a pool that busy-waits between parallel regions, as OpenMP runtimes do by
-// default, steals the cores of a busy serving machine), and a call uses more than one
-// thread only when its work pays for the start-up (threads_for: at least
-// kMinWorkPerThread multiply-adds per thread), so a single small query runs on the
-// calling thread alone. Work is handed out one item at a time from an atomic counter,
-// so a thread that the OS preempts delays the call by at most the item it holds.
+// Threads. A call uses more than one thread only when its work pays for it
+// (threads_for: at least kMinWorkPerThread multiply-adds per thread), so a small call
+// runs on the calling thread alone; a parallel region runs on the process's pool of
+// helper threads (pool.h), which sleep on a condition variable between regions (nothing
+// spins, unlike an OpenMP runtime's pool, which busy-waits and steals the cores of a busy
+// serving machine), and whose caller never waits for a helper to be scheduled: it claims
+// items one at a time from an atomic counter like the helpers, so a helper that the OS
+// does not run in time only leaves its items to the caller. One region holds the pool at
+// a time: another thread of the process in a region, and the call runs alone. The rule
+// is the same for every kernel and every entry point (search, the server, the CLI).
 #pragma once
 
 #include <algorithm>
@@ -20,6 +22,8 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include "pool.h"
 
 namespace rfmem {
 
@@ -34,9 +38,13 @@ namespace rfmem {
 #define RFMEM_MULTIVERSION
 #endif
 
-/// Multiply-adds (or comparable units of work) a thread must get before a call uses it
-/// (about 0.5-1 ms of work: a thread's start and join cost some 20-50 us).
-constexpr double kMinWorkPerThread = 4.0e6;
+/// Multiply-adds (or comparable units of work) a thread must get before a call uses it.
+/// A pool region costs the caller one futex wake (~5-15 us) and a helper wakes within
+/// ~5-40 us (bench/bench_single_query.py measures both), while a core does 0.5 million
+/// float32 multiply-adds in ~10-30 us (the scan path at 20-60 GMAC/s): a thread pays
+/// from about that much work. One query over a 4,096 x 384 memory (1.6 million) is
+/// split over 2 threads, a recollection round of 4 branch queries (6.3 million) too.
+constexpr double kMinWorkPerThread = 0.5e6;
 
 /// Threads of the machine (std::thread::hardware_concurrency(), at least 1).
 inline int hardware_threads() {
@@ -55,9 +63,11 @@ inline int threads_for(int requested, double work, int64_t items) {
 }
 
 /// Calls ``fn(i, tid)`` for every i in [0, n) on ``nthreads`` threads (the caller is
-/// thread 0; tid < nthreads indexes per-thread scratch). Items are claimed one at a
-/// time from an atomic counter. ``fn`` must not throw. If the OS refuses to start a
-/// thread, the threads already running do the work.
+/// thread 0; tid < nthreads indexes per-thread scratch, one thread per tid at a time).
+/// Items are claimed one at a time from an atomic counter. ``fn`` must not throw. More
+/// than one thread: the process's pool (pool.h: helpers that sleep between regions, a
+/// caller that never waits for a helper to show up, inline when another region of the
+/// process holds the pool); if the OS refuses to start a thread, those running do the work.
 template <class F>
 void parallel_for(int64_t n, int nthreads, const F& fn) {
   if (n <= 0) return;
@@ -66,23 +76,7 @@ void parallel_for(int64_t n, int nthreads, const F& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i, 0);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto work = [&](int tid) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      fn(i, tid);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(nthreads - 1));
-  for (int t = 1; t < nthreads; ++t) {
-    try {
-      pool.emplace_back(work, t);
-    } catch (const std::system_error&) {
-      break;
-    }
-  }
-  work(0);
-  for (std::thread& th : pool) th.join();
+  pool_run(n, nthreads, [](const void* ctx, int64_t i, int tid) { (*static_cast<const F*>(ctx))(i, tid); }, &fn);
 }
 
 }  // namespace rfmem

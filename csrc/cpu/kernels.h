@@ -51,6 +51,25 @@ struct TopkOptions {
   /// each round's top-k call the selection of every branch's query.
   const SelTable* sel = nullptr;
   const int64_t* qsel = nullptr;
+  /// Row pruning (optional; used by the float32 scan path at SIMD levels >= 1, ignored
+  /// elsewhere): prune_ref (float32, indexed by global row, valid for the rows of every
+  /// queried segment) and prune_rad (float64 [b]) with prune_ref[x] + prune_rad[i] >=
+  /// RN32(Q[i] . X[x]) for every row x of query i's segment (e.g. the scan scores of a
+  /// nearby query r plus its scan bound and ||X[x]|| ||Q[i] - r||: recollect.cpp). A row
+  /// is then scored only while it can still reach a proven lower bound of the query's
+  /// k-th exact score; results never depend on it.
+  const float* prune_ref = nullptr;  ///< prune_ref[x - prune_row0] for the rows x of the queried segments
+  int64_t prune_row0 = 0;
+  const double* prune_rad = nullptr;
+  int64_t* rows_scored = nullptr;  ///< if given: += the rows the scans scored (a row once per group)
+  /// Scan scores out (optional): a query on the float32 scan path at SIMD levels >= 1
+  /// writes the scan score of every row x of its segment [a, e) at scores_out[i *
+  /// scores_ld + (x - a)] and sets scores_written[i] = 1 (others are left untouched);
+  /// ``scores_ld`` >= the longest queried segment. Those scores are within the scan
+  /// path's bound of the exact ones: the beam driver prunes with them (recollect's ref).
+  float* scores_out = nullptr;
+  int64_t scores_ld = 0;
+  uint8_t* scores_written = nullptr;
 };
 
 /// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of
@@ -58,7 +77,7 @@ struct TopkOptions {
 /// ``level`` (simd.h). Scan: nq * seg_len * d multiply-adds at kScanRate[level]; GEMM:
 /// the queries padded to whole panels of NR (32 at level 2, 16 below) times seg_len * d
 /// at kGemmRate[level], plus a fixed cost of kGemmFixed queries (topk.cpp, measured
-/// rates): GEMM iff padded * scan_rate / gemm_rate + kGemmFixed < nq, i.e. from 12
+/// rates): GEMM iff padded * scan_rate / gemm_rate + kGemmFixed < nq, i.e. from 18
 /// queries at level 2, 10 at level 1, never at level 0; never for segments of fewer than
 /// kGemmMinRows = 128 rows. Memory traffic is the same on both paths (each group / unit
 /// reads the segment once; a unit holds up to ~10 x more queries than a scan group).

@@ -196,7 +196,9 @@ void member_means(const float* P, int64_t cnt, int64_t d, const int64_t* lab, in
 struct Scratch {
   std::vector<double> C, Cn, cc, sq, closest, cum, dc, best_dc, P64, Pt, D, mu, var;
   std::vector<int64_t> lab, prev, csize;
+  bool ready = false;  // reserve()d (on first use: a batch of small problems never allocates)
   void reserve(int64_t n, int64_t c, int64_t d) {
+    ready = true;
     const int64_t np = pad_points(n);  // the point buffers hold the padding points too
     C.resize(static_cast<size_t>(c * d));
     Cn.resize(static_cast<size_t>(c * d));
@@ -249,27 +251,14 @@ double scaled_tol(const float* P, int64_t cnt, int64_t d, double tol, double* mu
   return tol * (var_sum / static_cast<double>(d));
 }
 
-void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, int64_t iters,
-                double tol, const double* U, int64_t c_max, Scratch& s, int64_t* labels_out,
-                float* cent_out) {
-  double* C = s.C.data();
-  double* Cn = s.Cn.data();
-  double* cc = s.cc.data();
-  double* sq = s.sq.data();
-  double* closest = s.closest.data();
-  double* cum = s.cum.data();
-  double* dc = s.dc.data();
-  double* best_dc = s.best_dc.data();
-  double* Pt = s.Pt.data();
-  double* D = s.D.data();
-  double* P64 = s.P64.data();
-  int64_t* lab = s.lab.data();
-  int64_t* prev = s.prev.data();
-  int64_t* csize = s.csize.data();
-
-  // ---- greedy k-means++ seeding with the given draws
-  to_float64(P, cnt, d, P64, Pt);
-  point_norms(Pt, cnt, d, sq);
+// Greedy k-means++ seeding (kmeans.py kmeanspp_init with scikit-learn's draws U) of kc
+// centres among cnt points: picks[0:kc] (point indices). ``d2(p, out)`` writes the
+// clamped squared distances of point p to every point j < cnt into out (d2_to, or the
+// same numbers read from a Gram matrix); closest / cum / dc / best_dc: cnt slots each
+// (closest and dc: as many as d2 writes).
+template <class D2>
+void seed_centres(int64_t n, int64_t cnt, int64_t kc, const double* U, const D2& d2, double* closest, double* cum,
+                  double* dc, double* best_dc, int64_t* picks) {
   // first centre: searchsorted(cumsum(1/cnt) / last, u_0, right=True)
   {
     const double w = 1.0 / static_cast<double>(cnt);
@@ -287,8 +276,8 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
         break;
     }
     first = std::min(first, std::min(n, cnt) - 1);
-    for (int64_t t = 0; t < d; ++t) C[t] = static_cast<double>(P[first * d + t]);
-    d2_to(P64, Pt, cnt, d, sq, first, closest);
+    picks[0] = first;
+    d2(first, closest);
   }
   double pot = 0.0;
   for (int64_t j = 0; j < cnt; ++j) pot += closest[j];
@@ -307,7 +296,7 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
       int64_t cand = 0;
       while (cand < cnt && cum[cand] < rnd) ++cand;
       cand = std::min(cand, cnt - 1);
-      d2_to(P64, Pt, cnt, d, sq, cand, dc);
+      d2(cand, dc);
       double cp = 0.0;
       for (int64_t j = 0; j < cnt; ++j) {
         dc[j] = std::min(closest[j], dc[j]);
@@ -324,11 +313,99 @@ void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, i
       std::copy(closest, closest + cnt, best_dc);
       best_pot = pot;
     }
-    double* ct = C + t * d;
-    for (int64_t q = 0; q < d; ++q) ct[q] = static_cast<double>(P[pick * d + q]);
+    picks[t] = pick;
     std::copy(best_dc, best_dc + cnt, closest);
     pot = best_pot;
   }
+}
+
+// Problems with as many clusters as points (kc == cnt <= kSmall: a branch that kept at
+// most beam_width candidates) decided from the Gram matrix of the points: G[i][j] is the
+// float64 sum in order of t of the exact products, i.e. bit for bit the <p_i, p_j> of
+// dots_to_points / point_norms / centre_norms (a centre is a point until the first
+// M-step), so the seeding and the first assignment below are those of the general path.
+// When that assignment gives every point its own centre (all points distinct enough),
+// the M-step returns the same centres, so the general path would stop there with these
+// labels and the points as centroids (with or without Lloyd steps): written, true.
+// Otherwise (near-duplicates tie): false, nothing written.
+constexpr int64_t kSmall = 16;
+
+bool kmeans_small(const float* P, int64_t n, int64_t cnt, int64_t d, const double* U, int64_t c_max,
+                  int64_t* labels_out, float* cent_out) {
+  double G[kSmall * kSmall];
+  for (int64_t i = 0; i < cnt; ++i) {
+    const float* a = P + i * d;
+    for (int64_t j = 0; j <= i; ++j) {
+      const float* b = P + j * d;
+      double s = 0.0;
+      for (int64_t t = 0; t < d; ++t) s += static_cast<double>(a[t]) * static_cast<double>(b[t]);
+      G[i * kSmall + j] = G[j * kSmall + i] = s;
+    }
+  }
+  auto d2 = [&](int64_t p, double* out) {  // d2_to's formula on the Gram entries
+    const double pp = G[p * kSmall + p];
+    for (int64_t j = 0; j < cnt; ++j) {
+      const double v = (pp + G[j * kSmall + j]) - 2.0 * G[p * kSmall + j];
+      out[j] = v < 0.0 ? 0.0 : v;
+    }
+  };
+  double closest[kSmall], cum[kSmall], dc[kSmall], best_dc[kSmall];
+  int64_t picks[kSmall];
+  seed_centres(n, cnt, cnt, U, d2, closest, cum, dc, best_dc, picks);
+  // the first E-step (assign): argmin over the centres of ||c||^2 - 2 <p_j, c>, ties to
+  // the smaller centre; every point must land on the centre that is itself
+  for (int64_t j = 0; j < cnt; ++j) {
+    int64_t best = 0;
+    double bd = std::numeric_limits<double>::infinity();
+    for (int64_t c = 0; c < cnt; ++c) {
+      const double dcj = G[picks[c] * kSmall + picks[c]] - 2.0 * G[picks[c] * kSmall + j];
+      if (dcj < bd || c == 0) {
+        bd = dcj;
+        best = c;
+      }
+    }
+    if (picks[best] != j) return false;
+    labels_out[j] = best;
+  }
+  for (int64_t j = cnt; j < n; ++j) labels_out[j] = -1;
+  for (int64_t c = 0; c < c_max; ++c) {
+    float* o = cent_out + c * d;
+    if (c < cnt)
+      std::copy(P + picks[c] * d, P + (picks[c] + 1) * d, o);  // a one-point mean: the point
+    else
+      std::fill(o, o + d, 0.0f);
+  }
+  return true;
+}
+
+void kmeans_one(const float* P, int64_t n, int64_t cnt, int64_t kc, int64_t d, int64_t iters,
+                double tol, const double* U, int64_t c_max, Scratch& s, int64_t* labels_out,
+                float* cent_out) {
+  if (kc == cnt && cnt <= kSmall && kmeans_small(P, n, cnt, d, U, c_max, labels_out, cent_out)) return;
+  if (!s.ready) s.reserve(n, std::max<int64_t>(c_max, 1), d);
+  double* C = s.C.data();
+  double* Cn = s.Cn.data();
+  double* cc = s.cc.data();
+  double* sq = s.sq.data();
+  double* closest = s.closest.data();
+  double* cum = s.cum.data();
+  double* dc = s.dc.data();
+  double* best_dc = s.best_dc.data();
+  double* Pt = s.Pt.data();
+  double* D = s.D.data();
+  double* P64 = s.P64.data();
+  int64_t* lab = s.lab.data();
+  int64_t* prev = s.prev.data();
+  int64_t* csize = s.csize.data();
+
+  // ---- greedy k-means++ seeding with the given draws
+  to_float64(P, cnt, d, P64, Pt);
+  point_norms(Pt, cnt, d, sq);
+  int64_t* picks = csize;  // kc slots, free until the Lloyd steps
+  seed_centres(n, cnt, kc, U, [&](int64_t p, double* out) { d2_to(P64, Pt, cnt, d, sq, p, out); }, closest, cum,
+               dc, best_dc, picks);
+  for (int64_t t = 0; t < kc; ++t)
+    for (int64_t q = 0; q < d; ++q) C[t * d + q] = static_cast<double>(P[picks[t] * d + q]);
 
   // ---- per-problem tolerance: tol * mean variance of the points
   const double tol_m = scaled_tol(P, cnt, d, tol, s.mu.data(), s.var.data());
@@ -386,37 +463,45 @@ void batched_kmeans(const float* V, int64_t m, int64_t n, int64_t d, const int64
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(std::max<int64_t>(c_max, 1)) *
                       static_cast<double>(d) * 8.0;
   const int nthreads = threads_for(num_threads, work, m);
+  // per-thread scratch: reserved here when threads run (they must not throw), else on
+  // first use (a call whose problems are all small allocates nothing)
   std::vector<Scratch> scratch(static_cast<size_t>(nthreads));
-  for (Scratch& s : scratch) s.reserve(n, std::max<int64_t>(c_max, 1), d);
+  if (nthreads > 1)
+    for (Scratch& s : scratch) s.reserve(n, std::max<int64_t>(c_max, 1), d);
   parallel_for(m, nthreads, [&](int64_t i, int tid) {
     kmeans_one(V + i * n * d, n, counts[i], clusters[i], d, iters, tol, draws + i * n_draws, c_max,
                scratch[static_cast<size_t>(tid)], labels + i * n, centroids + i * c_max * d);
   });
 }
 
+namespace {
+
+// One child: o = normalise(alpha a + beta normalise(cen) + z), each term's element
+// computed once into v (float64; the same operations as the formula read element by
+// element), the norms summed in order of t.
+RFMEM_MULTIVERSION
+void mix_one(const float* a, const float* cen, const float* z, int64_t d, double alpha, double beta, float* o,
+             double* v) {
+  double cn = 0.0;
+  for (int64_t t = 0; t < d; ++t) cn += static_cast<double>(cen[t]) * cen[t];
+  const double cden = std::sqrt(cn) + 1e-12;
+  for (int64_t t = 0; t < d; ++t) v[t] = alpha * a[t] + beta * (cen[t] / cden) + z[t];
+  double qn = 0.0;
+  for (int64_t t = 0; t < d; ++t) qn += v[t] * v[t];
+  const double qden = std::sqrt(qn) + 1e-12;
+  for (int64_t t = 0; t < d; ++t) o[t] = static_cast<float>(v[t] / qden);
+}
+
+}  // namespace
+
 void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t m, int64_t c,
                int64_t d, double alpha, float* out, int num_threads) {
   const double beta = 1.0 - alpha;
   const int nthreads = threads_for(num_threads, 6.0 * static_cast<double>(m * c * d), m * c);
-  parallel_for(m * c, nthreads, [&](int64_t p, int) {
+  std::vector<double> v(static_cast<size_t>(nthreads) * static_cast<size_t>(d));  // before the threads start
+  parallel_for(m * c, nthreads, [&](int64_t p, int tid) {
     const int64_t i = p / c;
-    const float* cen = centroids + p * d;
-    const float* a = qb + i * d;
-    const float* z = q0 + i * d;
-    float* o = out + p * d;
-    double cn = 0.0;
-    for (int64_t t = 0; t < d; ++t) cn += static_cast<double>(cen[t]) * cen[t];
-    const double cden = std::sqrt(cn) + 1e-12;
-    double qn = 0.0;
-    for (int64_t t = 0; t < d; ++t) {
-      const double v = alpha * a[t] + beta * (cen[t] / cden) + z[t];
-      qn += v * v;
-    }
-    const double qden = std::sqrt(qn) + 1e-12;
-    for (int64_t t = 0; t < d; ++t) {
-      const double v = alpha * a[t] + beta * (cen[t] / cden) + z[t];
-      o[t] = static_cast<float>(v / qden);
-    }
+    mix_one(qb + i * d, centroids + p * d, q0 + i * d, d, alpha, beta, out + p * d, v.data() + tid * d);
   });
 }
 

@@ -18,7 +18,8 @@
 //      min(B, kept) clusters (batched_kmeans: scikit-learn's seeding replayed); the
 //      child of cluster c is alpha_mix(branch query, centroid c, q0) with accumulated
 //      score branch acc + (sum of its members' scores in candidate order, from 0); a
-//      cluster without members yields no child;
+//      cluster without members yields no child; a child's query is mixed only once it
+//      is in a beam that runs another round (the mixes nobody scans are skipped);
 //   3. the next beam: the B children of largest accumulated score over the
 //      (slot, cluster) grid, stable (ties to the smaller slot * B + cluster);
 //   4. the hits of the new beam in (beam slot, candidate) order, first occurrences
@@ -28,12 +29,22 @@
 // SelTable, qsel per query of the batch), every round's top-k call gets the selection
 // of each branch's query, so all candidates come from the selected rows (level 0 reuses
 // the probe, filtered the same way).
+// Pruning (segments of >= kPruneMinRows rows, float32 scans at SIMD levels >= 1): the
+// group first scores its original queries q0 against every row of the segment (one
+// pass, kept for all rounds); a round's top-k call for a branch query q then skips any
+// row x whose bound f0(x) + rad(q) (prune_radius: the scan bound of q0 and ||x|| ||q -
+// q0||) is below a proven lower bound of q's k-th exact score (topk.cpp scan_pruned).
+// Skipped rows are provably outside the top-k, so every result is the full scan's; the
+// branches of one query then share each call (one call per query of the group). A
+// filtered query is not pruned: its calls score its selection's rows (a list: usually
+// far fewer than the segment), so no scan of q0 over the segment is made for it.
 // "Not yet returned" is one bit per (row of the segment, query of the group), set when
 // an item is appended and cleared when the group ends, so its cost does not grow with
 // out_k.
 #include "recollect.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -41,6 +52,7 @@
 #include <vector>
 
 #include "common.h"
+#include "exact.h"
 #include "kernels.h"
 
 namespace rfmem {
@@ -61,6 +73,30 @@ inline double dot64(const float* a, const float* b, int64_t d) {
   return (s0 + s1) + (s2 + s3);
 }
 
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The profile of one thread (recollect's ``stats``): lap(i) adds the time since the last
+// lap to phase i; nothing is read from the clock when off.
+struct Profile {
+  bool on = false;
+  double t = 0.0;
+  double acc[kRecollectStats] = {0.0};
+  void start() {
+    if (on) t = now_s();
+  }
+  void lap(int i) {
+    if (!on) return;
+    const double u = now_s();
+    acc[i] += u - t;
+    t = u;
+  }
+  void count(int i, double v) {
+    if (on) acc[i] += v;
+  }
+};
+
 struct Child {
   double acc;
   int64_t flat;  // slot * B + cluster
@@ -68,23 +104,30 @@ struct Child {
 
 constexpr int64_t kMaxGroup = 16;  // queries of one group (one bit each in the seen masks)
 
+
 // One thread's buffers for a group of G queries, sized for the largest round
 // (K = (B + R - 1) * F candidates per branch, G * B branches).
 struct Workspace {
-  // per query: beam queries [G, B, d] (and the next beam), beam scores [G, B], results [G, cap]
+  // per query: beam queries [G, B, d] (and the next beam's centroids and parent slots),
+  // beam scores [G, B], results [G, cap]
   std::vector<float> bq, nbq;
   std::vector<double> bacc, res_sc;
   std::vector<int64_t> res_rows;
   // per branch of a round: its query [GB, d], candidates [GB, K], kept candidates and
-  // their scores / labels [GB, K], children [GB, B, d] and their sizes / gains [GB, B]
+  // their scores / labels [GB, K], children's centroids [GB, B, d] and their sizes / gains [GB, B]
   std::vector<float> qbuf, c_sc, child_q;
-  std::vector<int64_t> segs, qsels, c_rows, rows, lab, nvalid, kc, csize;
+  std::vector<int64_t> segs, qsels, c_rows, rows, lab, nvalid, kc, csize, par;
   std::vector<double> mmr, cgain;
   // scratch of one branch / one query
-  std::vector<float> V, cent;
+  std::vector<float> V;
   std::vector<double> mx;
   std::vector<Child> children;
   std::vector<uint16_t> seen;  // bit g: returned to query g of the group; one per row of the segment
+  // pruning: the original queries' scan scores [G, max_len], their bounds' parts, and
+  // the radius of each branch query of a round [B]
+  std::vector<float> ref;
+  std::vector<double> ref_b0, ref_qn, rad;
+  Profile prof;
 
   void allocate(int64_t G, int64_t B, int64_t Kmax, int64_t d, int64_t cap, int64_t max_len) {
     const size_t g = static_cast<size_t>(G), b = static_cast<size_t>(B), k = static_cast<size_t>(Kmax),
@@ -105,14 +148,21 @@ struct Workspace {
     nvalid.resize(g * b);
     kc.resize(g * b);
     csize.resize(g * b * b);
+    par.resize(g * b);
     mmr.resize(g * b * k);
     cgain.resize(g * b * b);
     V.resize(k * dd);
-    cent.resize(b * dd);
     mx.resize(k);
     children.resize(b * b);
     seen.assign(static_cast<size_t>(max_len), 0);
+    if (prune) {
+      ref.resize(g * static_cast<size_t>(max_len));
+      ref_b0.resize(g);
+      ref_qn.resize(g);
+      rad.resize(b);
+    }
   }
+  bool prune = false;  // set before allocate()
 };
 
 struct Batch {
@@ -131,13 +181,19 @@ struct Batch {
   float* out_scores;
   int64_t* out_rounds;
   TopkOptions topk;  // scan copy, type and path of the rounds' top-k calls
+  const float* ref;  // the original queries' scan scores from the caller (or null): [b, ref_ld]
+  int64_t ref_ld;
+  const uint8_t* ref_ok;
+  float* out_dense;  // [b, out_k] exact scores RN32(q0 . x) of the result rows (or null)
 };
 
 // One branch of a round: filter its candidates (cs / cr [K]) for query bit ``bit``,
-// MMR, KMeans, the children (alpha-mix with its query bq and the original q0) and their
-// gains. Writes the kept rows / scores / labels, nvalid, kc, child_q, csize, cgain of p.
-void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p, int64_t K, const float* bq,
-            const float* q0, int64_t a, uint16_t bit) {
+// MMR, KMeans, the children's centroids and gains. Writes the kept rows / scores /
+// labels, nvalid, kc, the centroids (child_q), csize, cgain of p. A child's query (the
+// alpha-mix of its branch query, its centroid and q0) is made only when it is selected
+// for a beam that runs another round (recollect_group).
+void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p, int64_t K, int64_t a,
+            uint16_t bit) {
   const int64_t B = cfg.beam_width, d = bt.d;
   const float* cs = w.c_sc.data() + p * K;
   const int64_t* cr = w.c_rows.data() + p * K;
@@ -154,9 +210,15 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
   }
   w.nvalid[p] = nv;
   w.kc[p] = 0;
-  if (nv == 0) return;
+  if (nv == 0) {
+    w.prof.lap(kStatFilter);
+    return;
+  }
   float* V = w.V.data();
   for (int64_t j = 0; j < nv; ++j) std::copy(bt.X + rows[j] * d, bt.X + (rows[j] + 1) * d, V + j * d);
+  w.prof.lap(kStatFilter);
+  w.prof.count(kStatBranches, 1.0);
+  w.prof.count(kStatKept, static_cast<double>(nv));
   const double lam = cfg.mmr_lambda;
   if (lam < 1.0) {
     double* mx = w.mx.data();
@@ -166,11 +228,12 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
       mmr[i] = lam * mmr[i] - (1.0 - lam) * m;
     }
   }
+  w.prof.lap(kStatMmr);
   const int64_t kc = std::min(nv, B);
   w.kc[p] = kc;
   batched_kmeans(V, 1, nv, d, &nv, &kc, kc, cfg.kmeans_iters, cfg.kmeans_tol, cfg.draws + kc * cfg.n_draws,
-                 cfg.n_draws, lab, w.cent.data(), 1);
-  alpha_mix(bq, w.cent.data(), q0, 1, kc, d, cfg.alpha, w.child_q.data() + p * B * d, 1);
+                 cfg.n_draws, lab, w.child_q.data() + p * B * d, 1);
+  w.prof.lap(kStatKmeans);
   int64_t* csize = w.csize.data() + p * B;
   double* cgain = w.cgain.data() + p * B;
   std::fill(csize, csize + kc, int64_t{0});
@@ -179,6 +242,25 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
     ++csize[lab[j]];
     cgain[lab[j]] += mmr[j];
   }
+  w.prof.lap(kStatSelect);
+}
+
+// The radius of branch query q around its original query q0 (TopkOptions::prune_rad):
+// with f0(x) the scan score of q0 (|f0(x) - q0.x| <= B0, the scan bound) and R >= ||x||,
+//   q.x = q0.x + x.(q - q0) <= f0(x) + B0 + R ||q - q0|| =: V,
+// and RN32(q.x) <= RN32(V) <= V + 2^-24 |V| + 2^-149, |V| <= R ||q0|| + 2 B0 + R ||q - q0||:
+// rad = B0 + R delta + 2^-23 (R ||q0|| + 2 B0 + R delta) + 2^-140 with delta >= ||q - q0||
+// (float64 sum of the squared differences, each exact or within 2^-53, inflated), every
+// term rounded up by the factor kSlack.
+double prune_radius(const float* q, const float* q0, int64_t d, double R, double b0, double q0n) {
+  double s = 0.0;
+  for (int64_t t = 0; t < d; ++t) {
+    const double e = static_cast<double>(q[t]) - static_cast<double>(q0[t]);
+    s += e * e;
+  }
+  const double delta = std::sqrt(s * (1.0 + gamma_n(static_cast<double>(d + 4), kU64))) * kSlack;
+  const double slack = 1.1920928955078125e-07 * (R * q0n + 2.0 * b0 + R * delta) + 7.174648137343064e-43;
+  return (b0 + R * delta * kSlack + slack) * kSlack;
 }
 
 // All rounds of the queries idx[0 : G] (one segment), in lockstep.
@@ -200,6 +282,36 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
     active[g] = true;
   }
   std::fill(w.segs.begin(), w.segs.end(), seg);
+  w.prof.start();
+  // pruning: the scan scores of the original queries over the segment, once (scores_f32:
+  // the scan path's lanes, so its bound B0 holds), and the parts of that bound
+  const int64_t len = bt.offsets[seg + 1] - a;
+  const bool pruned = w.prune && len >= kPruneMinRows;
+  const float* refp[kMaxGroup];  // the scan scores of q0 of query g over the segment
+  int64_t prev_scored[kMaxGroup] = {0};  // rows scored by query g's last pruned round
+  if (pruned) {
+    const float* qs[kMaxGroup];
+    int nq = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      if (bt.topk.sel != nullptr && bt.topk.qsel != nullptr && bt.topk.qsel[idx[g]] >= 0) {
+        refp[g] = nullptr;  // a filtered query: its rounds score its selection's rows (no pruning)
+      } else if (bt.ref != nullptr && bt.ref_ok[idx[g]]) {  // the probe's scan already has them
+        refp[g] = bt.ref + idx[g] * bt.ref_ld;
+      } else {
+        refp[g] = w.ref.data() + nq * len;
+        qs[nq++] = bt.Q0 + idx[g] * d;
+      }
+    }
+    if (nq > 0) simd_kernels().scores_f32(bt.X, d, a, a + len, qs, nq, w.ref.data(), len);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q0 = bt.Q0 + idx[g] * d;
+      double qq = 0.0;
+      for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(q0[t]) * static_cast<double>(q0[t]);
+      w.ref_qn[g] = std::sqrt(qq) * kSlack;  // >= ||q0|| (float64 sum of exact squares: relative error << 2^-30)
+      w.ref_b0[g] = scan_coef((d + 15) / 16 + 4) * bt.xnorm * w.ref_qn[g] * kSlack + abs_bound(d);
+    }
+    w.prof.lap(kStatScan);
+  }
 
   for (int64_t level = 0; level < R; ++level) {
     const int64_t K = (B + level) * F;
@@ -211,6 +323,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       nb += nlive[g];
     }
     if (nb == 0) break;
+    w.prof.count(kStatRounds, 1.0);
     if (level == 0 && bt.l0_s != nullptr) {
       for (int64_t g = 0; g < G; ++g) {  // one branch each: the probe's first K
         if (!active[g]) continue;
@@ -221,8 +334,20 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
     } else {
       for (int64_t g = 0; g < G; ++g) {
         if (!active[g]) continue;
-        std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, w.qbuf.data() + p0[g] * d);
+        float* qb = w.qbuf.data() + p0[g] * d;
+        if (level == 0) {  // the original query
+          std::copy(w.bq.data() + g * B * d, w.bq.data() + (g * B + nlive[g]) * d, qb);
+          continue;
+        }
+        // the beam's queries: the alpha-mix of each selected child's branch query (slot
+        // par[j] of the previous beam), its centroid (nbq[j]) and q0; then the beam
+        const float* q0 = bt.Q0 + idx[g] * d;
+        for (int64_t j = 0; j < nlive[g]; ++j)
+          alpha_mix(w.bq.data() + (g * B + w.par[g * B + j]) * d, w.nbq.data() + (g * B + j) * d, q0, 1, 1, d,
+                    cfg.alpha, qb + j * d, 1);
+        std::copy(qb, qb + nlive[g] * d, w.bq.data() + g * B * d);
       }
+      w.prof.lap(kStatMix);
       TopkOptions opt = bt.topk;
       opt.num_threads = inner_threads;
       opt.xnorm = bt.xnorm;
@@ -233,15 +358,49 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         }
         opt.qsel = w.qsels.data();
       }
-      segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
-                     w.c_rows.data(), opt);
+      if (!pruned || level == 0) {  // one call for every branch of the group (they share each block)
+        segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, w.qbuf.data(), w.segs.data(), nb, K, w.c_sc.data(),
+                       w.c_rows.data(), opt);
+      } else {  // per query: its branches' rows pruned by its own scores (prune_radius)
+        int64_t scored_all = 0;
+        opt.prune_row0 = a;
+        for (int64_t g = 0; g < G; ++g) {
+          if (!active[g]) continue;
+          const float* qb = w.qbuf.data() + p0[g] * d;
+          if (opt.qsel != nullptr) opt.qsel = w.qsels.data() + p0[g];  // its branches' selections
+          if (refp[g] == nullptr) {  // filtered: the selection's rows, unpruned, threads by their count
+            opt.prune_ref = nullptr;
+            opt.prune_rad = nullptr;
+            opt.rows_scored = nullptr;
+            opt.num_threads = inner_threads;
+            segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K,
+                           w.c_sc.data() + p0[g] * K, w.c_rows.data() + p0[g] * K, opt);
+            continue;
+          }
+          for (int64_t j = 0; j < nlive[g]; ++j)
+            w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_qn[g]);
+          opt.prune_ref = refp[g];
+          opt.prune_rad = w.rad.data();
+          // threads by the work the rows scored in this query's previous pruned round
+          // predict (the first one: one thread); the full segment's would overestimate it
+          int64_t scored = 0;
+          opt.rows_scored = &scored;
+          opt.num_threads = threads_for(inner_threads, static_cast<double>(prev_scored[g]) * nlive[g] * d, 1 << 30);
+          segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K, w.c_sc.data() + p0[g] * K,
+                         w.c_rows.data() + p0[g] * K, opt);
+          prev_scored[g] = scored;
+          scored_all += scored;
+        }
+        w.prof.count(kStatScanRows, static_cast<double>(scored_all));
+      }
+      w.prof.count(kStatScanQueries, static_cast<double>(nb));
     }
+    w.prof.lap(kStatScan);
     // ---- 2. per branch: filter, MMR, KMeans, children
     for (int64_t g = 0; g < G; ++g) {
       if (!active[g]) continue;
       for (int64_t s = 0; s < nlive[g]; ++s)
-        branch(bt, cfg, w, p0[g] + s, K, w.bq.data() + (g * B + s) * d, bt.Q0 + idx[g] * d, a,
-               static_cast<uint16_t>(1u << g));
+        branch(bt, cfg, w, p0[g] + s, K, a, static_cast<uint16_t>(1u << g));
     }
     // ---- 3, 4. per query: the next beam (the B best children, stable on ties) and its hits
     for (int64_t g = 0; g < G; ++g) {
@@ -275,15 +434,16 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
           rs[res_len[g]] = mmr[t];
           ++res_len[g];
         }
-        const float* cq = w.child_q.data() + (p * B + c) * d;
+        const float* cq = w.child_q.data() + (p * B + c) * d;  // its centroid
         std::copy(cq, cq + d, nbq + j * d);
+        w.par[g * B + j] = s;
       }
-      std::copy(nbq, nbq + nsel * d, w.bq.data() + g * B * d);
       for (int64_t j = 0; j < nsel; ++j) w.bacc[g * B + j] = w.children[j].acc;
       nlive[g] = nsel;
       ++rounds[g];
       if (res_len[g] >= cfg.out_k) active[g] = false;
     }
+    w.prof.lap(kStatSelect);
   }
 
   for (int64_t g = 0; g < G; ++g) {
@@ -297,6 +457,13 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       osc[t] = t < res_len[g] ? static_cast<float>(rs[t]) : -std::numeric_limits<float>::infinity();
     }
     bt.out_rounds[qi] = rounds[g];
+    if (bt.out_dense != nullptr) {  // the result rows' exact dense scores (what search reports)
+      const double g64 = gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack;
+      float* od = bt.out_dense + qi * cfg.out_k;
+      const float* q0 = bt.Q0 + qi * d;
+      for (int64_t t = 0; t < cfg.out_k; ++t)
+        od[t] = t < res_len[g] ? exact_score(q0, bt.X + rr[t] * d, d, g64) : std::numeric_limits<float>::quiet_NaN();
+    }
     for (int64_t t = 0; t < res_len[g]; ++t) w.seen[rr[t] - a] = 0;
   }
 }
@@ -339,15 +506,18 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
   // problem (float64 points, transposed points, centres), the seen masks
   const size_t per_query = (3 * B * dd + B * B * dd) * sizeof(float) + B * K * (4 + 8 + 8 + 8 + 8) +
                            B * (8 * 4 + B * 24) + cap * 16;
+  // (+ the pruning scores of the group's original queries over the segment)
   return G * per_query + K * dd * (4 + 8 + 8) + K * 8 + B * dd * 12 + B * B * 16 +
-         static_cast<size_t>(max_len) * sizeof(uint16_t) + 4096;
+         static_cast<size_t>(max_len) * (sizeof(uint16_t) + G * sizeof(float)) + 4096;
 }
 
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active, const TopkOptions* topk) {
+               const uint8_t* active, const TopkOptions* topk, double* stats, const float* ref, int64_t ref_ld,
+               const uint8_t* ref_ok, float* out_dense) {
+  const double t_start = stats ? now_s() : 0.0;
   if (b == 0) return;
   // the queries to recollect, by segment (stable); the others get padding at once
   std::vector<int64_t> todo;
@@ -360,6 +530,8 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     std::fill(out_rows + i * width, out_rows + (i + 1) * width, int64_t{-1});
     std::fill(out_scores + i * width, out_scores + (i + 1) * width, -std::numeric_limits<float>::infinity());
     out_rounds[i] = 0;
+    if (out_dense != nullptr)
+      std::fill(out_dense + i * cfg.out_k, out_dense + (i + 1) * cfg.out_k, std::numeric_limits<float>::quiet_NaN());
   }
   const int64_t nq = static_cast<int64_t>(todo.size());
   if (nq == 0) return;
@@ -401,9 +573,18 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
-  for (Workspace& w : ws) w.allocate(G, B, Kmax, d, cap, max_len);
+  // pruning needs the float32 scan (no half-precision copy) and its SIMD kernels, and
+  // pays only when later rounds scan (max_rounds > 1)
+  const bool prune = simd_kernels().scores_f32 != nullptr && (topk == nullptr || topk->scan == nullptr) &&
+                     cfg.max_rounds > 1 && max_len >= kPruneMinRows;
+  for (Workspace& w : ws) {
+    w.prune = prune;
+    w.allocate(G, B, Kmax, d, cap, max_len);
+    w.prof.on = stats != nullptr;
+  }
   const Batch bt{X,     n,  d,     offsets, U,        Q0,         qseg,      level0_scores,
-                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{}};
+                 level0_rows, k0, xnorm, width,   out_rows, out_scores, out_rounds, topk ? *topk : TopkOptions{},
+                 ref_ok != nullptr ? ref : nullptr, ref_ld, ref_ok, out_dense};
   std::exception_ptr error;
   std::mutex error_lock;
   parallel_for(ngroups, nthreads, [&](int64_t t, int tid) {
@@ -416,6 +597,11 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     }
   });
   if (error) std::rethrow_exception(error);
+  if (stats) {
+    for (const Workspace& w : ws)
+      for (int i = 1; i < kRecollectStats; ++i) stats[i] += w.prof.acc[i];
+    stats[kStatTotal] += now_s() - t_start;
+  }
 }
 
 }  // namespace rfmem

@@ -17,6 +17,12 @@
 
 namespace rfmem {
 
+/// Segments from this many rows prune the rounds' scans (recollect.cpp): one scan of
+/// the original query over the segment (its scores kept for the whole recollection, or
+/// the probe's: recollect's ``ref``) lets every later round skip the rows that cannot
+/// reach a branch query's top-k.
+constexpr int64_t kPruneMinRows = 512;
+
 /// Settings of the Recollection path (RFMemConfig's fields, spec section 4).
 struct RecollectConfig {
   int64_t beam_width = 4;    // B: beam slots, and clusters per branch
@@ -43,6 +49,26 @@ void max_similarity_set(const float* V, int64_t cnt, int64_t d, double* mx);
 /// (0 <= counts[i] <= n); out float64 [m, n] (-inf beyond counts[i]).
 void max_similarity(const float* V, int64_t m, int64_t n, int64_t d, const int64_t* counts, double* out,
                     int num_threads);
+
+/// Where the time of one recollect() call goes (its optional ``stats`` output, float64
+/// [kRecollectStats], ADDED to): seconds of the phases (summed over the threads), then
+/// counts. Taken with steady_clock around each phase only when stats is given.
+enum RecollectStat : int {
+  kStatTotal = 0,    // the whole call (wall seconds of the calling thread)
+  kStatScan,         // the rounds' top-k calls (levels >= 1; level 0 reuses the probe), and the
+                     // scan of the original queries that prunes them
+  kStatFilter,       // candidates filtered (floor, already returned) and gathered
+  kStatMmr,          // MMR similarity of the kept candidates
+  kStatKmeans,       // KMeans of the kept candidates
+  kStatMix,          // alpha-mix of the children
+  kStatSelect,       // next beam, hits appended
+  kStatRounds,       // count: rounds run (a round = one level of one query group)
+  kStatScanQueries,  // count: branch queries scored by the rounds' top-k calls
+  kStatBranches,     // count: branches processed (KMeans problems, when any candidate was kept)
+  kStatKept,         // count: candidates kept (KMeans points)
+  kStatScanRows,     // count: rows the pruned rounds' scans scored (per query group, a row once)
+  kRecollectStats
+};
 
 /// Result slots one query can fill: out_k - 1 + B * (B + R - 1) * F (a round adds at
 /// most B * (B + level) * F items and the loop stops at out_k).
@@ -76,11 +102,21 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// ignored: this call's are used). Results never depend on them. Its ``sel`` / ``qsel``
 /// (qsel per query of this batch) make it a filtered search: every round's candidates
 /// of a query come from its selected rows only (level0 must be filtered the same way).
-/// May throw std::bad_alloc (nothing else); the outputs are then unspecified.
+/// ``ref`` / ``ref_ld`` / ``ref_ok``: null, or the scan scores of every Q0[i] over its
+/// segment (float32 [b, ref_ld], row x at ref[i * ref_ld + x - offsets[qseg[i]]], the
+/// scan path's lanes: TopkOptions::scores_out of the probe) for the queries with
+/// ref_ok[i] != 0: the pruned rounds use them instead of scanning Q0 again.
+/// ``out_dense``: null, or float32 [b, out_k] for the exact dense scores RN32(Q0[i] .
+/// X[row]) of each query's first out_k result rows (NaN padding and for queries not
+/// recollected): what a search reports as the hits' dense scores.
+/// ``stats``: null, or float64 [kRecollectStats] to which the call adds its profile
+/// (RecollectStat). May throw std::bad_alloc (nothing else); the outputs are then unspecified.
 void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U, const float* Q0,
                const int64_t* qseg, int64_t b, const float* level0_scores, const int64_t* level0_rows,
                int64_t k0, const RecollectConfig& cfg, int64_t width, int64_t* out_rows, float* out_scores,
                int64_t* out_rounds, int num_threads, double xnorm, int64_t memory_budget,
-               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr);
+               const uint8_t* active = nullptr, const TopkOptions* topk = nullptr, double* stats = nullptr,
+               const float* ref = nullptr, int64_t ref_ld = 0, const uint8_t* ref_ok = nullptr,
+               float* out_dense = nullptr);
 
 }  // namespace rfmem

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -61,12 +62,14 @@ namespace {
 
 const SimdKernels kLevels[] = {
     {0, "baseline", simd_l0::MR, simd_l0::NR, &simd_l0::gemm_panel, &simd_l0::to_f32, &simd_l0::dot4_half,
-     &simd_l0::scan_rows_half},
+     &simd_l0::scan_rows_half, nullptr, nullptr, nullptr},
 #if RFMEM_SIMD_X86
     {1, "avx2", simd_l1::MR, simd_l1::NR, &simd_l1::gemm_panel, &simd_l1::to_f32, &simd_l1::dot4_half,
-     &simd_l1::scan_rows_half},
+     &simd_l1::scan_rows_half, &simd_l1::scan_rows_f32,
+     &simd_l1::scan_rows_f32_pruned, &simd_l1::scores_f32},
     {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l2::dot4_half,
-     &simd_l2::scan_rows_half},
+     &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32,
+     &simd_l2::scan_rows_f32_pruned, &simd_l2::scores_f32},
 #endif
 };
 

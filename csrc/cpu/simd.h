@@ -70,6 +70,29 @@ struct SimdKernels {
   /// queries (as scan_rows of topk.cpp).
   void (*scan_rows_half)(const uint16_t* X, ScanType t, int64_t d, int64_t r0, int64_t r1,
                          const float* const* qs, int nq, Heap* heaps, int64_t tile_rows);
+
+  /// The scan path over float32 rows [r0, r1) of X (levels 1, 2; nullptr at level 0,
+  /// where topk.cpp's own scan runs): heaps[i] collects query i's best scores, every
+  /// block of rows scored against all nq queries while it is in L1 (register blocks of
+  /// rows x queries, fused multiply-adds; the lanes and depth of the scan path's bound).
+  /// ``sout``: null, or per query where to write the scan score of every row (row x at
+  /// sout[i][x - r0]).
+  void (*scan_rows_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq,
+                        Heap* heaps, float* const* sout);
+
+  /// scan_rows_f32 over the rows some query may still need (levels 1, 2; nullptr at 0):
+  /// row x is scored unless ref[x - r0] < min over q of (heaps[q].threshold() - off[q])
+  /// (rounded down; -inf while a heap is not full); gathered rows, in increasing order.
+  /// The caller guarantees that ref[x - r0] + off[q] - B_q bounds query q's exact score of x
+  /// from above (B_q: the scan path's bound), so skipped rows are outside every top-k
+  /// (topk.cpp, TopkOptions::prune). Returns the rows scored.
+  int64_t (*scan_rows_f32_pruned)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs,
+                                  int nq, Heap* heaps, const float* ref, const double* off);
+
+  /// out[q * ld + (x - r0)] = the scan score (the scan path's lanes and bound) of row x
+  /// of [r0, r1) for query qs[q] (levels 1, 2; nullptr at 0).
+  void (*scores_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq, float* out,
+                     int64_t ld);
 };
 
 /// Highest level this CPU (and its OS) supports.

@@ -5,7 +5,10 @@
 //      paths, by the cost rule of gemm_pays (kernels.h):
 //      * scan path: groups of at most kGroup queries; each group scans its segment once,
 //        in tiles of rows small enough to stay in L1/L2 while every query of the group
-//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes);
+//        scores them (4 rows per kernel call, inner loop over d on 16 float lanes; float32
+//        rows at SIMD levels 1, 2: register blocks of rows x queries, simd_impl.inc
+//        scan_rows_f32, which may also skip rows that provably miss the top-k:
+//        TopkOptions::prune_ref, scan_pruned below);
 //      * GEMM path (many queries of one long segment: a shared bank, a few large users):
 //        units of up to ~160 queries (kGemmPanelBytes), packed into panels of NR queries
 //        (simd.h); each unit reads its segment once in tiles of rows that stay in L2
@@ -23,9 +26,8 @@
 //      exact score e = RN32(q.x), with c = (1 + u_in) (1 + gamma_n(2^-24)) - 1 + 2^-24
 //      and n the depth of the kernel (roundings a product term goes through):
 //        scan path  n = ceil(d / 16) + 4  (each of the 16 lanes adds its ceil(d / 16)
-//                   products in order, then a 4-level tree; no FMA contraction for
-//                   float32 rows, fused multiply-adds for half rows at SIMD levels 1, 2:
-//                   fewer roundings, the same bound),
+//                   products in order, then a 4-level tree; fused multiply-adds at
+//                   SIMD levels 1, 2, none at level 0: fewer roundings, the same bound),
 //        GEMM path  n = min(d, Kc) + ceil(d / Kc) - 1, Kc = kGemmKc = 64 (simd.h
 //                   gemm_depth: blocks of Kc terms summed from zero, then added to the
 //                   running sum),
@@ -56,6 +58,7 @@
 // batch, the path, the thread count, the scan copy's precision or the CPU, and a top-k
 // is a prefix of every wider top-k.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -74,7 +77,7 @@ namespace {
 
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
-constexpr int64_t kMinPartRows = 2048;     // smallest row range worth a thread of its own
+constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item of its own (parts)
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
 // holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
@@ -292,6 +295,9 @@ double kth_lower(Entry* cand, int64_t nc, int64_t k, double B) {
 inline double cut_below(double lower, double B) { return std::nextafter(lower - B, kNegInfD); }
 
 // Re-score exactly the candidates whose scan score reaches the cut; emit the top k.
+// (Multiversioned: exact_score's four float64 partial sums become one AVX2 vector, the
+// same operations in the same order, so the same bits.)
+RFMEM_MULTIVERSION
 void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
              int64_t* out_r) {
   int64_t m = 0;
@@ -485,22 +491,40 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
+// The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
+// skip row x once ref[x] + rad_i < t_i - B_i, t_i its heap's worst kept scan score
+// (kw >= k rows scan >= t_i, each within B_i of its exact score: t_i - B_i is a lower
+// bound of the k-th exact score) and ref[x] + rad_i an upper bound of its exact score of
+// x. off_i = B_i + rad_i, rounded up. Skipped rows are never candidates; the exact
+// finish and its rescan test are those of a full scan. Returns the rows scored.
+int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& opt, const float* X, int64_t d,
+                    int64_t r0, int64_t r1, const float* const* qs, int nq, Heap* heaps, const int64_t* qidx) {
+  double off[kGroup];
+  for (int i = 0; i < nq; ++i)
+    off[i] = std::nextafter(c.bound(c.scan, qs[i]) + opt.prune_rad[qidx[i]], std::numeric_limits<double>::infinity());
+  return K.scan_rows_f32_pruned(X, d, r0, r1, qs, nq, heaps, opt.prune_ref + (r0 - opt.prune_row0), off);
+}
+
 }  // namespace
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
-// bench/bench_gemm.py ("rates": one segment of 100,000 x 384 rows, 512 queries, Intel
-// Xeon of the Sapphire Rapids class, bench/results/gemm-indicative.json): the scan path
-// (16 lanes, groups of 16 queries per tile) ~15 GMAC/s at every level; the GEMM micro-
-// kernel 62 GMAC/s (AVX-512), 42 (AVX2 + FMA), 9 (baseline, below the scan: never taken).
-// A unit also has a fixed cost (packing its panels, per-micro-tile threshold checks,
-// partial tiles) of about kGemmFixed queries' worth of scan work, fitted to the measured
-// crossover ("crossover" in the same file: the GEMM path wins from about 12 queries per
-// segment at AVX-512 and 10 at AVX2, on segments of >= 128 rows).
+// bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
+// with AVX-512, bench/results/gemm-issue21-merge.json): the scan path (groups of 16
+// queries per tile; float32 rows at levels 1, 2 in register blocks of rows x queries,
+// simd_impl.inc) 39 GMAC/s at AVX-512, 18 at AVX2 + FMA, ~15 at the baseline level (its
+// own clones); the GEMM micro-kernel 87 GMAC/s (AVX-512), 45 (AVX2 + FMA), 9 (baseline,
+// below the scan: never taken). A unit also has a fixed cost (packing its panels,
+// per-micro-tile threshold checks, partial tiles) of about kGemmFixed queries' worth of
+// scan work, fitted to the measured crossover ("crossover" in the same file and a finer
+// sweep of nq = 8..64 on segments of 512 and 4,096 rows: the GEMM path wins from about
+// 18 queries per segment at AVX-512, 10-14 at AVX2, on segments of >= 128 rows). The
+// rule is monotone in nq at both levels (scan / GEMM rate below 1/2: a query more never
+// turns GEMM back into scan).
 namespace {
-constexpr double kScanRate[3] = {15.0, 15.0, 15.0};
-constexpr double kGemmRate[3] = {9.0, 42.0, 62.0};
+constexpr double kScanRate[3] = {15.0, 18.0, 39.0};
+constexpr double kGemmRate[3] = {9.0, 45.0, 87.0};
 constexpr int64_t kPanel[3] = {16, 16, 32};
-constexpr double kGemmFixed = 4.0;
+constexpr double kGemmFixed = 3.5;
 constexpr int64_t kGemmMinRows = 128;
 }  // namespace
 
@@ -686,6 +710,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     part_r.resize(static_cast<size_t>(b) * parts * kw);
   }
 
+  std::atomic<int64_t> scored{0};  // rows the scans scored (opt.rows_scored)
   parallel_for(items, nthreads, [&](int64_t it, int tid) {
     const int64_t gi = gorder[it / parts];
     const Group& g = groups[gi];
@@ -706,12 +731,22 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       qs[i] = Q + order[g.first + i] * d;
     }
     if (r1 > r0) {
+      int64_t rows = r1 - r0;
       if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else if (K.scan_rows_f32_pruned && opt.prune_ref)
+        rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
+      else if (K.scan_rows_f32 && opt.scores_out) {
+        float* sout[kGroup];
+        for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, sout);
+      } else if (K.scan_rows_f32)
+        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, nullptr);
       else
         scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      if (opt.rows_scored) scored.fetch_add(rows, std::memory_order_relaxed);
     }
     for (int i = 0; i < g.nq; ++i) {
       Heap& hp = heaps[i];
@@ -731,6 +766,11 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     }
   });
 
+  if (opt.rows_scored) *opt.rows_scored += scored.load();
+  if (opt.scores_out && opt.scores_written && !src.half && K.scan_rows_f32 && !opt.prune_ref)
+    for (const Group& g : groups)  // the queries whose scan wrote every row's score
+      if (!g.gemm)
+        for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
   if (parts > 1) {  // merge of the partial lists (disjoint rows), then the exact re-scoring
     // candidate buffers per thread, allocated here so that nothing throws in the threads
     std::vector<std::vector<Entry>> cands(static_cast<size_t>(nthreads));

@@ -79,12 +79,15 @@ class RecollectionOutput:
         hit_rows: int64 [b, m] every row the beam discovered (first occurrences, in
             discovery order, -1 padding; ``rows`` is its first ``out_k`` columns). The
             merges of :mod:`rfmem_fast.routing.merge` read it.
+        dense: float32 [b, out_k] the exact dense scores ``RN32(q . x)`` of ``rows``
+            (NaN padding) when the driver computed them (the native one), else None.
     """
 
     rows: torch.Tensor
     scores: torch.Tensor
     rounds: torch.Tensor
     hit_rows: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
 
 
 def recollection_capacity(config: RFMemConfig) -> int:

@@ -33,7 +33,10 @@
   :func:`rfmem_fast.recollection.recollect`, which stays the portable path and the
   oracle. ``NativeBackend(beam_driver="python")`` or the environment variable
   ``RFMEM_BEAM_DRIVER=python`` (read at each call) makes the search run the Python
-  driver instead (:meth:`NativeBackend.fused_driver`).
+  driver instead (:meth:`NativeBackend.fused_driver`). On long segments the C++ driver's
+  rounds skip the rows that provably cannot reach a branch's top-k, using the probe's scan
+  scores of the original query (:meth:`probe` keeps them; results are those of full
+  scans), filtered or not, and it returns its hits' exact dense scores.
 
 Filtered search (:class:`rfmem_fast.filters.RowSelection`, ``sel=`` of the three top-k
 calls): the selections go to the kernels as arrays (``RowSelection.native_table``). A
@@ -52,11 +55,14 @@ re-read them; contiguous, they stay in cache); the results are the same.
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
 (default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
-work is too small to pay for them; the threads live for one call (no spinning pool).
+work is too small to pay for them, when another call of the process holds the thread
+pool or when no core is idle (docs/internals/threads.md); the pool's helpers sleep
+between calls (nothing spins).
 """
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -81,6 +87,11 @@ BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
 COMPACT_MIN_QUERIES = 8
 
 
+#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written) on a long
+#: segment, for the recollect of the same queries that follows it (NativeBackend.probe)
+_LAST_PROBE = threading.local()
+
+
 def _check_driver(value: object, name: str) -> str:
     if value not in BEAM_DRIVERS:
         raise ValueError(f"{name} must be one of {BEAM_DRIVERS}, got {value!r}")
@@ -103,12 +114,13 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 class NativeBackend(Backend):
-    """C++ (per-call std::threads) CPU implementation of the primitives (see the module docstring).
+    """C++ CPU implementation of the primitives (see the module docstring).
 
     Args:
         num_threads: most threads per call; ``None`` (default) follows
             :func:`rfmem_fast.threads.get_num_threads` at each call. A call uses fewer
-            when its work is small (a single query runs on the calling thread).
+            when its work is small (below 0.5 million multiply-adds per thread), when
+            another call of the process holds the thread pool, or when no core is idle.
         memory_budget: bytes for temporaries (default 256 MiB); the top-k, KMeans and
             alpha-mix kernels never come near it (O(b k) besides the outputs); the C++
             beam driver uses at most ``memory_budget // workspace`` threads (a thread's
@@ -218,11 +230,16 @@ class NativeBackend(Backend):
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
 
+        On long segments (``_native.PRUNE_MIN_ROWS`` rows or more) the probe also keeps its
+        scan scores of every row, which a :meth:`recollect` of the same queries on this
+        thread right after (``level0`` = this probe's top-k) uses to prune its rounds
+        instead of scanning the queries again (results never depend on it).
+
         Raises:
             ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
         """
         X, off = self._bank(view)
-        s, r, mean, ent, cnt = _native.probe(
+        s, r, mean, ent, cnt, kept, written = _native.probe(
             X,
             off,
             _np(Q, torch.float32),
@@ -233,11 +250,15 @@ class NativeBackend(Backend):
             str(convention),
             self._threads(),
             view.row_norm_max,
+            keep_scan_scores=True,
             **self._scan_args(view),
             **self._sel_args(view, sel),
         )
+        st = torch.from_numpy(s)
+        # the scan scores for the driver: only for these very tensors (identity checked)
+        _LAST_PROBE.value = None if kept is None else (Q, qseg, st, kept, written)
         return (
-            torch.from_numpy(s),
+            st,
             torch.from_numpy(r),
             torch.from_numpy(mean),
             torch.from_numpy(ent),
@@ -355,18 +376,24 @@ class NativeBackend(Backend):
         # driver's: the result slots and one spare column
         width = recollection_capacity(config) + 1
         act = None if active is None else _np(active, torch.bool)
-        if act is not None and not act.any():  # e.g. a familiar query in mode "rfmem": nothing to do
+        if act is not None and not np.count_nonzero(act):  # e.g. a familiar query in mode "rfmem": nothing to do
             return RecollectionOutput(
                 rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
                 scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
                 rounds=torch.zeros(b, dtype=torch.int64),
                 hit_rows=torch.full((b, width), -1, dtype=torch.int64),
+                dense=torch.full((b, config.out_k), float("nan"), dtype=torch.float32),
             )
         X, off = self._bank(view)
         l0s = l0r = None
+        ref = {}
         if level0 is not None:
             l0s, l0r = _np(level0[0], torch.float32), _np(level0[1], torch.int64)
-        rows, scores, rounds = _native.recollect(
+            last = getattr(_LAST_PROBE, "value", None)
+            if last is not None and last[0] is q0 and last[1] is qseg and last[2] is level0[0]:
+                ref = {"ref_scores": last[3], "ref_ok": last[4]}  # the probe of these queries: its scan scores
+        _LAST_PROBE.value = None
+        rows, scores, rounds, dense = _native.recollect(
             X,
             off,
             _np(q0, torch.float32),
@@ -388,15 +415,17 @@ class NativeBackend(Backend):
             view.row_norm_max,
             self.memory_budget,
             act,
+            dense=True,
             **self._scan_args(view),
             **self._sel_args(view, sel),
+            **ref,
         )
-        hits = torch.from_numpy(rows)
-        return RecollectionOutput(
-            rows=hits[:, : config.out_k],
+        return RecollectionOutput(  # (numpy slices: a torch slice costs a dispatch)
+            rows=torch.from_numpy(rows[:, : config.out_k]),
             scores=torch.from_numpy(scores[:, : config.out_k]),
             rounds=torch.from_numpy(rounds),
-            hit_rows=hits,
+            hit_rows=torch.from_numpy(rows),
+            dense=torch.from_numpy(dense),
         )
 
     def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
@@ -436,8 +465,9 @@ class NativeBackend(Backend):
             return torch.from_numpy(np.where(a >= 0, back_np[np.maximum(a, 0)], a))
 
         rows_f, hits_f = mapped(out_f.rows), mapped(out_f.hit_rows)
-        if everyone:
-            return RecollectionOutput(rows=rows_f, scores=out_f.scores, rounds=out_f.rounds, hit_rows=hits_f)
+        if everyone:  # (the dense scores are those of the same vectors: rows of the compacted copy)
+            return RecollectionOutput(rows=rows_f, scores=out_f.scores, rounds=out_f.rounds, hit_rows=hits_f,
+                                      dense=out_f.dense)  # fmt: skip
         iu = torch.from_numpy(ui)
         out_u = self.recollect(view, q0[iu], qseg[iu], config, lv_u, None if active is None else active[iu])
         itf = torch.from_numpy(fi)
@@ -448,4 +478,6 @@ class NativeBackend(Backend):
             return out
 
         return RecollectionOutput(rows=merge(rows_f, out_u.rows), scores=merge(out_f.scores, out_u.scores),
-                                  rounds=merge(out_f.rounds, out_u.rounds), hit_rows=merge(hits_f, out_u.hit_rows))  # fmt: skip
+                                  rounds=merge(out_f.rounds, out_u.rounds), hit_rows=merge(hits_f, out_u.hit_rows),
+                                  dense=None if out_f.dense is None or out_u.dense is None
+                                  else merge(out_f.dense, out_u.dense))  # fmt: skip

@@ -1,0 +1,72 @@
+// The threads of the CPU kernels (common.h parallel_for): a small process-wide pool of
+// helper threads that SLEEP on a condition variable between calls (nothing spins), and
+// a caller that never waits for a helper to show up.
+//
+// A parallel region (pool_run) publishes its items and wakes up to nthreads - 1 helpers,
+// then works through the items itself, claiming them one at a time from an atomic
+// counter; a helper that gets a core joins and claims items the same way. The caller
+// waits only for items a helper has already claimed and is running, so a helper that
+// the OS does not schedule in time (a busy machine) costs the call one wake-up call
+// (a futex wake, ~5-15 us) and nothing else: the caller simply does every item.
+//
+// One region runs on the pool at a time: a call that finds it taken (another thread of
+// the process is in a parallel region, or a helper of the previous region has not left
+// it yet) runs its items on the calling thread alone. So threads are only ever added
+// to a call when the process is otherwise idle, and two concurrent calls (a server's
+// workers) never oversubscribe the cores through the pool.
+//
+// Helpers are started on first use (up to the most threads any call asked for, at most
+// kMaxHelpers), detached, and never stopped; after fork() the child starts a fresh pool.
+// The machine: in the default mode a region adds helpers only for the cores that were
+// idle at the last sample (at most every 2 ms) of the running tasks (/proc/loadavg), so
+// a process sharing the machine with CPU-bound processes runs as on one thread; its
+// helpers are never woken to compete with them (or, placed on the caller's core by the
+// scheduler, with the caller itself). set_thread_pool(PoolMode::kPerCall) restores the
+// previous behaviour (threads started for one call and joined before it returns).
+#pragma once
+
+#include <cstdint>
+
+namespace rfmem {
+
+/// Most helper threads the pool starts.
+constexpr int kMaxHelpers = 255;
+
+/// Calls call(ctx, i, tid) for every i in [0, n) on the calling thread (tid 0) and up to
+/// nthreads - 1 helpers (tid 1 .. nthreads - 1, each tid used by one thread at a time);
+/// returns when every call has returned. ``call`` must not throw. nthreads >= 2.
+void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, int tid), const void* ctx);
+
+/// How parallel regions get their threads (process-wide; set_thread_pool):
+enum class PoolMode : int {
+  kAuto = 0,     // the pool, with helpers only for the cores that were idle at the last
+                 // sample of /proc/loadavg (at most every kIdleSampleSeconds): on a machine
+                 // whose cores are all taken, a region runs on the caller alone (default)
+  kAlways = 1,   // the pool, whatever the machine's load (tests, benchmarks)
+  kPerCall = 2,  // threads started for each region and joined at its end (before the pool)
+};
+
+/// Sets the mode of later regions and returns the previous one. Results never depend on it.
+PoolMode set_thread_pool(PoolMode mode);
+
+/// Seconds between two samples of the machine's running tasks (kAuto).
+constexpr double kIdleSampleSeconds = 2e-3;
+
+/// CPUs of the machine that were idle at the last sample: online CPUs minus the tasks
+/// running or runnable (/proc/loadavg's fourth field, which counts the caller), >= 0;
+/// the online CPUs where /proc/loadavg cannot be read.
+int idle_cpus();
+
+/// Counters of the pool since the process started (or forked), for tests and benchmarks.
+struct PoolCounters {
+  int64_t regions;       // parallel regions run on the pool
+  int64_t inline_taken;  // regions run on the caller alone because the pool was taken
+  int64_t items_caller;  // items run by callers (tid 0) in pool regions
+  int64_t items_helper;  // items run by helpers
+  int64_t waits;         // regions whose caller had to sleep for a helper's item
+  int64_t inline_busy;   // regions run on the caller alone because no core was idle (kAuto)
+  int helpers;           // helper threads started
+};
+PoolCounters pool_counters();
+
+}  // namespace rfmem

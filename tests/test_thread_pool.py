@@ -1,0 +1,148 @@
+"""The native kernels' thread pool (csrc/cpu/pool.h; issue 21, item 3).
+
+Pinned: a parallel region gives the same results in every pool mode ('auto', 'always',
+'per-call') and thread count, alone, from several Python threads at once (one region
+holds the pool, the others run alone) and in a forked child (a fresh pool); the pool's
+helpers are few (at most the threads a call asked for, minus the caller), named
+``rfmem-pool``, and asleep between calls: their CPU time does not grow while the
+process idles (nothing spins); the mode setting is validated; idle_cpus() is a count
+of this machine's CPUs. Every expected result is the single-threaded kernel's, itself
+checked against a brute-force float64 top-k.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_native = pytest.importorskip("rfmem_fast._native", reason="rfmem_fast._native is not built")
+
+LINUX_PROC = Path("/proc/self/task").exists()
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode():
+    prev = _native.set_thread_pool("auto")
+    yield
+    _native.set_thread_pool(prev)
+
+
+def _case(seed: int = 0, n: int = 24000, d: int = 64, b: int = 24):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d)).astype(np.float32)
+    off = np.array([0, n // 3, n], dtype=np.int64)
+    Q = rng.standard_normal((b, d)).astype(np.float32)
+    seg = rng.integers(0, 2, size=b).astype(np.int64)
+    return X, off, Q, seg
+
+
+def _brute(X, off, Q, seg, k):
+    """Top-k by float64 scores (rows ascending on ties); the bank is random, so the
+    float64 order is the exact order here."""
+    rows = np.empty((Q.shape[0], k), dtype=np.int64)
+    for i in range(Q.shape[0]):
+        a, e = off[seg[i]], off[seg[i] + 1]
+        s = X[a:e].astype(np.float64) @ Q[i].astype(np.float64)
+        rows[i] = a + np.lexsort((np.arange(e - a), -s))[:k]
+    return rows
+
+
+def test_results_equal_in_every_mode_and_thread_count():
+    X, off, Q, seg = _case()
+    ref_s, ref_r = _native.segmented_topk(X, off, Q, seg, 10, 1)
+    np.testing.assert_array_equal(ref_r, _brute(X, off, Q, seg, 10))
+    for mode in ("always", "per-call", "auto"):
+        _native.set_thread_pool(mode)
+        for threads in (2, 3, 4):
+            for sl in (slice(0, 1), slice(0, 3), slice(None)):  # one query: its rows in parts
+                s, r = _native.segmented_topk(X, off, Q[sl], seg[sl], 10, threads)
+                np.testing.assert_array_equal(r, ref_r[sl], err_msg=f"{mode} {threads}")
+                np.testing.assert_array_equal(s.view(np.uint32), ref_s[sl].view(np.uint32))
+
+
+def test_concurrent_callers_share_the_pool_and_stay_exact():
+    X, off, Q, seg = _case(1)
+    ref_s, ref_r = _native.segmented_topk(X, off, Q, seg, 10, 1)
+    _native.set_thread_pool("always")
+    before = _native.pool_counters()
+    errors: list[str] = []
+
+    def worker(j: int) -> None:
+        for _ in range(15):
+            s, r = _native.segmented_topk(X, off, Q, seg, 10, 2)
+            if not (np.array_equal(r, ref_r) and np.array_equal(s.view(np.uint32), ref_s.view(np.uint32))):
+                errors.append(f"worker {j}")
+
+    ts = [threading.Thread(target=worker, args=(j,)) for j in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts), "a caller never returned"
+    assert errors == []
+    after = _native.pool_counters()
+    # every region of the 60 calls either held the pool or ran alone beside another
+    assert (after["regions"] + after["inline_taken"]) - (before["regions"] + before["inline_taken"]) >= 60
+    assert after["helpers"] <= max(3, before["helpers"])  # at most the most threads a call asked for, minus one
+
+
+def _helper_tasks() -> list[Path]:
+    return [t for t in Path("/proc/self/task").iterdir() if (t / "comm").read_text().strip() == "rfmem-pool"]
+
+
+def _cpu_ticks(task: Path) -> int:
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of stat)
+
+
+@pytest.mark.skipif(not LINUX_PROC, reason="Linux /proc")
+def test_helpers_sleep_between_calls():
+    X, off, Q, seg = _case(2)
+    _native.set_thread_pool("always")
+    for _ in range(5):
+        _native.segmented_topk(X, off, Q, seg, 10, 2)
+    helpers = _helper_tasks()
+    assert 1 <= len(helpers) == _native.pool_counters()["helpers"]
+    time.sleep(0.05)
+    ticks = {t.name: _cpu_ticks(t) for t in helpers}
+    time.sleep(0.5)  # a spinning helper would gain ~50 ticks here
+    for t in helpers:
+        assert (t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "S", "a helper is not asleep"
+        assert _cpu_ticks(t) - ticks[t.name] <= 1, "a helper used CPU while the process was idle"
+
+
+def _child(conn, X, off, Q, seg, ref_r) -> None:
+    _native.set_thread_pool("always")
+    s, r = _native.segmented_topk(X, off, Q, seg, 10, 2)
+    conn.send(bool(np.array_equal(r, ref_r)))
+    conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_forked_child_gets_a_working_pool():
+    X, off, Q, seg = _case(3, n=6000)
+    _native.set_thread_pool("always")
+    _, ref_r = _native.segmented_topk(X, off, Q, seg, 10, 2)  # the parent's pool has a helper now
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(child, X, off, Q, seg, ref_r))
+    p.start()
+    assert parent.poll(60), "the forked child hung (its pool must be fresh)"
+    assert parent.recv() is True
+    p.join(10)
+    assert p.exitcode == 0
+
+
+def test_mode_validation_and_idle_cpus():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        _native.set_thread_pool("sometimes")
+    assert _native.set_thread_pool("per-call") == "auto"
+    assert _native.set_thread_pool("always") == "per-call"
+    assert 0 <= _native.idle_cpus() <= (os.cpu_count() or 1)
+    c = _native.pool_counters()
+    assert set(c) == {"regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "helpers"}
