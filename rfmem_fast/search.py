@@ -747,7 +747,8 @@ def _search_chunk(
     one-query batch) and a chunk where no query recollects skips the beam driver. Else
     (device-resident batches) nothing here reads a device value on the host (except
     with query texts: the lexical channel runs on the host, :func:`_hybrid`)."""
-    if host and texts is None and reranker is None and pools is None and config.profile_weight == 0 and config.merge == "none":
+    if (HOST_FAST_PATH and host and texts is None and reranker is None and pools is None and config.profile_weight == 0
+            and config.merge == "none"):  # fmt: skip
         return _search_chunk_host(be, view, Q, qseg, max_len, config, mode, router, sel)
     b = Q.shape[0]
     dev = Q.device
@@ -883,6 +884,14 @@ def _search_chunk(
         dense_scores=_pad_t(dense_sc, config.out_k, float("nan")),
         lexical_scores=_pad_t(lex_sc, config.out_k, float("nan")),
     )
+
+
+#: A host chunk without query texts, re-ranker, merge or profile prior runs
+#: :func:`_search_chunk_host` (numpy between the backend calls) instead of the general
+#: tensor path of :func:`_search_chunk`; both give the same values
+#: (``tests/test_search_host_path.py`` runs every mode and backend both ways). False
+#: sends every chunk through the general path.
+HOST_FAST_PATH = True
 
 
 def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tensor, max_len: int,

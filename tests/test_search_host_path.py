@@ -1,0 +1,114 @@
+"""The host fast path of a search chunk equals the general tensor path, field by field.
+
+``rfmem_fast.search._search_chunk_host`` (numpy arrays between the backend calls) serves a
+host chunk without query texts, re-ranker, merge or profile prior; the general path of
+``_search_chunk`` (torch tensors) serves every other chunk. They repeat the same steps
+(probe, routing, the beam driver, the hits' exact dense scores), so they must give the same
+bits: pinned here for every mode, every CPU backend, the thresholds of the config and a
+router object that sends half of the batch each way, with and without filters, on users
+short and long (the native driver prunes the rounds of the long one).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from rfmem_fast import RFMemConfig, search
+from rfmem_fast import available_backends
+from rfmem_fast.routing.base import ProbeSettings
+from rfmem_fast.routing.threshold import ThresholdRouter
+from test_filters import make_bank
+
+search_mod = sys.modules["rfmem_fast.search"]
+
+D = 24
+SIZES = [1200, 90, 7, 300]  # 1200 >= the native driver's pruning size
+BACKENDS = [b for b in ("native", "torch", "reference") if b in available_backends()]
+FIELDS = ("ids", "texts", "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids",
+          "probe_texts", "probe_scores", "dense_scores", "lexical_scores")  # fmt: skip
+CFG = RFMemConfig(out_k=8, probe_k=8, beam_width=3, max_rounds=4)
+
+
+@pytest.fixture(scope="module")
+def bank():
+    return make_bank(5, SIZES, d=D)
+
+
+def _queries(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    users = [f"u{j % len(SIZES)}" for j in range(n)]
+    return rng.normal(size=(n, D)), users
+
+
+def _both(monkeypatch, bank, *args, **kw):
+    """(fast-path result, general-path result) of one search."""
+    fast = search(bank, *args, **kw)
+    monkeypatch.setattr(search_mod, "HOST_FAST_PATH", False)
+    try:
+        general = search(bank, *args, **kw)
+    finally:
+        monkeypatch.setattr(search_mod, "HOST_FAST_PATH", True)
+    return fast, general
+
+
+def _assert_same(a, b):
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.shape == y.shape and x.dtype == y.dtype, f
+        if x.dtype == object:
+            assert x.tolist() == y.tolist(), f
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=f)  # NaN equals NaN here
+
+
+def _half_router(bank, Q, users):
+    """A ThresholdRouter whose thresholds sit at the batch's median probe mean: about half
+    of the queries recollect, the others keep the probe."""
+    mean = search(bank, Q, users, CFG, mode="dense", backend="reference").mean
+    m = float(np.median(mean))
+    return ThresholdRouter(m, m, 0.0, probe=ProbeSettings.of(CFG))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["dense", "recollection", "rfmem"])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_fast_path_equals_general_path(monkeypatch, bank, backend, mode, filtered):
+    Q, users = _queries(24, seed=3)
+    fs = [{"rank": {"$lt": 40 + 30 * (j % 4)}} if j % 3 else None for j in range(len(users))] if filtered else None
+    fast, general = _both(monkeypatch, bank, Q, users, CFG, mode=mode, backend=backend, filters=fs)
+    _assert_same(fast, general)
+    if mode == "recollection":
+        assert (fast.rounds > 0).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_object_mixed_routes(monkeypatch, bank, backend):
+    Q, users = _queries(32, seed=8)
+    router = _half_router(bank, Q, users)
+    fast, general = _both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, router=router)
+    _assert_same(fast, general)
+    assert 0 < int(fast.route.sum()) < len(users)  # both paths taken in one chunk
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_query_and_small_chunks(monkeypatch, bank, backend):
+    """One query (the latency case the fast path exists for), and a batch split in chunks."""
+    Q, users = _queries(9, seed=12)
+    for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4])]:
+        _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode="recollection", backend=backend))
+    _assert_same(*_both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, max_batch=4))
+
+
+def test_general_path_kept_where_the_fast_path_does_not_apply(monkeypatch, bank):
+    """Results kept as tensors (output="torch") take the general path: the fast one is never called."""
+    calls = []
+    real = search_mod._search_chunk_host
+    monkeypatch.setattr(search_mod, "_search_chunk_host", lambda *a, **k: calls.append(1) or real(*a, **k))
+    Q, users = _queries(4, seed=1)
+    search(bank, Q, users, CFG, mode="rfmem", backend="torch")
+    assert calls  # the plain search took it
+    calls.clear()
+    search(bank, Q, users, CFG, mode="rfmem", backend="torch", output="torch")
+    assert not calls  # tensor output: the general path
