@@ -380,7 +380,7 @@ def _run_child(path: Path, target: str, n: int, kill_after: float | None = None)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     lines: list[str] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # generous: a loaded CI machine imports torch and fsyncs slowly
     kill_at = None
     try:
         while True:
