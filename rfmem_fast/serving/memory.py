@@ -2047,14 +2047,23 @@ class Memory:
     async def asearch(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
                       timeout: float | None | str = "default", filters: dict | None = None) -> Hits:
         """Asyncio version of :meth:`search`: concurrent awaits share micro-batches."""
-        q, hits = self._start(query, user_id, k, mode, filters)
-        if hits is not None:
-            return hits
+        ans, cached = await self._asearch_answer(query, user_id, k, mode, timeout, filters)
+        return ans.materialise(cached=cached)
+
+    async def _asearch_answer(self, query: Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
+                              timeout: float | None | str = "default", filters: dict | None = None) -> tuple[_Answer, bool]:
+        """:meth:`asearch` without the per-caller copy: (the immutable answer, from the
+        cache?). For a caller that only reads it (the HTTP app serialises it at once);
+        the answer is shared with the cache and must not be changed. Raises as
+        :meth:`search`."""
+        self._check_open()
+        q = self._prepare(query, user_id, k, mode, filters=filters)
+        hit = self._cached(q)
+        if hit is not None:
+            return hit, True
         if self._batcher is not None:
-            ans = await self._batcher.acall(q, timeout)
-        else:
-            ans = await asyncio.to_thread(self._run_one, q)
-        return ans.materialise(cached=False)
+            return await self._batcher.acall(q, timeout), False
+        return await asyncio.to_thread(self._run_one, q), False
 
     def _run_one(self, q: _Query) -> _Answer:
         out = self._run_batch([q])[0]
