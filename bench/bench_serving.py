@@ -129,7 +129,8 @@ CONFIGS = {
     "serial": lambda a: ["--max-batch", "1"],  # one worker, one request per encode + search
     # issue 21: micro-batching before the pipeline (one thread encodes, then searches, a batch)
     "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
-                              "--switch-interval-ms", "5"],  # and Python's own GIL switch interval, as before
+                              "--switch-interval-ms", "5"]  # and Python's own GIL switch interval, as before
+    + ([] if a.baseline_ref else ["--no-fast-path"]),  # (the code of --baseline-ref has no fast path)
     "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
@@ -143,6 +144,8 @@ LABELS = {
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
 }
+#: configurations run from the --baseline-ref tree when one is given (the server before)
+BASELINE_CONFIGS = ("unpipelined",)
 #: the configurations of --compare-pipeline: before, the default (pipeline, --encoder-workers auto),
 #: the pipeline with two encoder workers (1 vs 2 workers)
 COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
@@ -183,6 +186,9 @@ class Server:
         own = path.with_name(f"{path.name}-{name or config}-{dtype}")
         shutil.copytree(path, own)
         path = own
+        # the server before (--baseline-ref): that commit's code, this checkout's native module
+        src = args.baseline_src if getattr(args, "baseline_src", None) and config in BASELINE_CONFIGS else ROOT
+        self.src = src
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
@@ -192,7 +198,8 @@ class Server:
         self.cmd = cmd
         self.health: dict[str, Any] = {}
         env = {k: v for k, v in os.environ.items() if k != "RFMEM_API_KEY"}  # --no-auth refuses a key
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        self.proc = subprocess.Popen(cmd, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Wait for /health (kept in ``self.health``: the encoder's precision among others)."""
@@ -315,6 +322,30 @@ def run_async(coro: Any) -> Any:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def export_baseline(ref: str, dest: Path) -> dict[str, str]:
+    """The source tree of git ``ref`` (``git archive``) in ``dest``, with this checkout's
+    compiled native module(s) copied in (``rfmem_fast/_native*.so``: the tree has the
+    sources only): the server before, run as it was. Returns {"ref", "commit"}.
+
+    Raises:
+        RuntimeError: ``ref`` is not a commit of this repository.
+    """
+    import io
+    import tarfile
+
+    got = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"--baseline-ref {ref!r} is not a commit of {ROOT}: {got.stderr.strip()}")
+    commit = got.stdout.strip()
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    for so in (ROOT / "rfmem_fast").glob("_native*.so"):
+        shutil.copy2(so, dest / "rfmem_fast" / so.name)
+    return {"ref": ref, "commit": commit}
 
 
 def _session(base: str, client: str, limit: int) -> tuple[Any, Any, tuple]:
@@ -705,7 +736,8 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
     try:
         for config, srv in servers.items():
             srv.wait_ready()
-            doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd)
+            doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd) + (
+                f"  (run in {srv.src}: --baseline-ref {args.baseline_ref})" if srv.src != ROOT else "")
             doc["encoders"][dtype] = srv.health.get("encoder")
             run_async(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
         for c in conc:
@@ -789,6 +821,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="perf record the server during the closed-loop cells of --profile-at clients: CPU per request "
                    "by thread role (event loop / encode / search) and shared object (needs Linux perf)")
     p.add_argument("--profile-at", default="8,64", help="concurrencies profiled with --profile (default 8,64)")
+    p.add_argument("--baseline-ref", default=None,
+                   help="git commit (e.g. a hash or a branch) whose code runs the 'unpipelined' server (the server "
+                   "before), exported with git archive (this checkout's compiled native module copied in); default: "
+                   "this checkout with the old options (--no-pipeline --encoder-workers 1 --switch-interval-ms 5 "
+                   "--no-fast-path)")
     p.add_argument("--compare-pipeline", action="store_true",
                    help="issue 21 before / after: --configs unpipelined,batched,pipeline-2, open loop on all three, "
                    "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
@@ -862,6 +899,10 @@ def main(argv: list[str] | None = None) -> int:
                 doc["versions"][dist] = md.version(dist)
             except md.PackageNotFoundError:
                 doc["versions"][dist] = None
+        if args.baseline_ref:
+            doc["settings"]["baseline"] = export_baseline(args.baseline_ref, tmp / "baseline-src")
+            args.baseline_src = tmp / "baseline-src"
+            say(f"baseline: {doc['settings']['baseline']} in {args.baseline_src}")
         questions, users, info = build_memory(data, tmp / "mem", say)
         doc["data"] = info
         work = list(zip(questions, users))

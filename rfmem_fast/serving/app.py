@@ -684,7 +684,8 @@ class _FastSearch:
 
     It answers only a request the full route would answer from the same checks with a
     search: the path is exactly ``/v1/users/<one segment>/search`` (no root path), the
-    body has a Content-Length within the limit and a JSON (or no) Content-Type, the
+    body has a Content-Length within the limit and a JSON Content-Type
+    (``application/json``, optionally with parameters; FastAPI reads no other body as JSON), the
     bearer token is valid for that user (or auth is off), and the body is a JSON
     object holding a str ``query`` (at most MAX_TEXT characters) and, optionally, ``k``
     (an int in [1, MAX_K], or null), ``mode`` (one of the modes), ``filters`` / ``vector``
@@ -729,7 +730,7 @@ class _FastSearch:
             elif name == b"authorization":
                 doubled, auth = doubled or auth is not None, value
         if (doubled or not seg or b"/" in seg or length is None or not length.isdigit() or int(length) > self.limit
-                or (ctype is not None and ctype != b"application/json" and not ctype.startswith(b"application/json;"))):
+                or ctype is None or (ctype != b"application/json" and not ctype.startswith(b"application/json;"))):
             self.passed += 1  # no / a bad / a doubled header, a body over the limit: the full route decides
             return receive
         chunks = []
