@@ -134,6 +134,9 @@ CONFIGS = {
     "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
+    # the default server with the int8 ONNX encoder (what a cheaper encoder buys; its quality is the
+    # encoder's business: docs/benchmarks/serving.md "Encoder runtimes")
+    "int8": lambda a: ["--max-batch", str(a.max_batch), "--encoder-dtype", "int8"],
 }
 LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
@@ -143,6 +146,7 @@ LABELS = {
     "batched-si5": "the default server with Python's 5 ms GIL switch interval",
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
+    "int8": "the default server with --encoder-dtype int8 (ONNX dynamic int8 encoder)",
 }
 #: configurations run from the --baseline-ref tree when one is given (the server before)
 BASELINE_CONFIGS = ("unpipelined",)
@@ -738,7 +742,9 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
             srv.wait_ready()
             doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd) + (
                 f"  (run in {srv.src}: --baseline-ref {args.baseline_ref})" if srv.src != ROOT else "")
-            doc["encoders"][dtype] = srv.health.get("encoder")
+            doc.setdefault("encoders_by_server", {})[f"{config}/{dtype}"] = srv.health.get("encoder")
+            if config == "batched":  # the default server's encoder at this --encoder-dtype
+                doc["encoders"][dtype] = srv.health.get("encoder")
             run_async(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
         for c in conc:
             n = max(args.requests, 8 * c)
