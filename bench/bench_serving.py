@@ -296,14 +296,30 @@ class RawClient:
         return raw
 
     async def one(self, u: str, body: bytes) -> str:
-        conn = self.idle.pop() if self.idle else None
-        if conn is None:
-            _, conn = await asyncio.get_running_loop().create_connection(RawConnection, self.host, self.port)
-        try:
-            status = await conn.request(self.prepare(u, body))
-        except BaseException:
-            conn.transport.close()
-            raise
+        """One request: the status of its answer (str). A kept-alive connection the
+        server closed meanwhile (uvicorn closes idle ones after 5 s) is not reused, and
+        a request that fails on a reused connection is sent once more on a new one."""
+        raw = self.prepare(u, body)
+        conn = None
+        while self.idle and conn is None:
+            conn = self.idle.pop()
+            if conn.lost is not None:
+                conn = None
+        for attempt in (0, 1):
+            reused = conn is not None
+            if conn is None:
+                _, conn = await asyncio.get_running_loop().create_connection(RawConnection, self.host, self.port)
+            try:
+                status = await conn.request(raw)
+                break
+            except ConnectionError:
+                conn.transport.close()
+                if not reused or attempt:
+                    raise
+                conn = None
+            except BaseException:
+                conn.transport.close()
+                raise
         if self.limit == 0 or len(self.idle) < self.limit:
             self.idle.append(conn)
         else:

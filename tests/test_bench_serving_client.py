@@ -77,7 +77,7 @@ def test_the_raw_client_drives_a_real_server(tmp_path):
     mem.add(["tea", "coffee", "rain"], "a/b", ids=["1", "2", "3"])
     port = bench_serving.free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(mem, no_auth=True), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+                                           log_level="warning", timeout_keep_alive=0.2))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     try:
@@ -90,6 +90,14 @@ def test_the_raw_client_drives_a_real_server(tmp_path):
         assert res["requests"] == len(work) and res["errors"] == {}
         bad = bench_serving.run_async(bench_serving.drive(f"http://127.0.0.1:{port}", [("", "a/b")] * 3, 2, 2, "raw"))
         assert bad["requests"] == 0 and bad["errors"] == {"400": 3}  # a blank query: 400, counted as an error
+
+        async def stale() -> list[str]:  # connections the server closed while idle are not reused
+            async with bench_serving.RawClient(f"http://127.0.0.1:{port}", 0) as raw:
+                first = await asyncio.gather(*(raw.one("a%2Fb", b'{"query": "tea"}') for _ in range(3)))
+                await asyncio.sleep(0.6)  # past the server's keep-alive timeout
+                return first + list(await asyncio.gather(*(raw.one("a%2Fb", b'{"query": "tea"}') for _ in range(3))))
+
+        assert bench_serving.run_async(stale()) == ["200"] * 6
     finally:
         server.should_exit = True
         t.join(10)
