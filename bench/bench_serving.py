@@ -364,7 +364,8 @@ def export_baseline(ref: str, dest: Path) -> dict[str, str]:
     import io
     import tarfile
 
-    got = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True, text=True)
+    got = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True,
+                         text=True)
     if got.returncode != 0:
         raise RuntimeError(f"--baseline-ref {ref!r} is not a commit of {ROOT}: {got.stderr.strip()}")
     commit = got.stdout.strip()

@@ -186,7 +186,8 @@ def test_the_fast_path_counts_its_requests_in_the_same_metrics(apps):
     fast, full, mem, fs, _ = apps
     for c in (fast, full):
         for i in range(3):
-            assert c.post("/v1/users/alice/search", headers=ADMIN, json={"query": f"tea {i}", "mode": "dense"}).status_code == 200
+            r = c.post("/v1/users/alice/search", headers=ADMIN, json={"query": f"tea {i}", "mode": "dense"})
+            assert r.status_code == 200
         assert c.post("/v1/users/alice/search", headers=ADMIN, json={"query": " "}).status_code == 400
     route = 'method="POST",route="/v1/users/{user_id}/search"'
     for c in (fast, full):
@@ -215,5 +216,6 @@ def test_fast_path_option_is_checked_and_no_fast_path_reaches_serve(tmp_path, mo
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # no re-execution
     for argv, want in ((["--no-fast-path"], False), ([], True)):
         seen.clear()
-        assert main(["serve", "--path", str(tmp_path / "s"), "--no-auth", "--encoder", "none", "--dim", "4", *argv]) == 0
+        argv = ["serve", "--path", str(tmp_path / "s"), "--no-auth", "--encoder", "none", "--dim", "4", *argv]
+        assert main(argv) == 0
         assert seen["fast_path"] is want
