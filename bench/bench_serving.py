@@ -11,7 +11,8 @@ What it does, side by side in one run:
    ("single", ``--no-batching``) and with one worker ("serial", ``--max-batch 1``):
    starts the real server (``python -m rfmem_fast.cli serve``, text encoder loaded,
    hot-query cache OFF so that every request is encoded and searched) and drives it
-   with an asyncio client (aiohttp by default, ``--client httpx``) at each concurrency
+   with an asyncio client (:class:`RawClient` by default: keep-alive HTTP/1.1 on
+   uvloop, ~0.05 ms of CPU per request; ``--client aiohttp`` / ``httpx``) at each concurrency
    (default 1, 8, 64): closed loop, each client sends the next random PersonaBench
    question (text) of its user as soon as its previous answer arrives. The servers of
    one precision run at once and their cells are interleaved per concurrency, so a
@@ -46,6 +47,14 @@ figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
     python bench/bench_serving.py --encoder-dtype auto,float32   # both precisions
     python bench/bench_serving.py --concurrency 1,8 --requests 100 --open-loop none   # quicker
     python bench/bench_serving.py --compare-pipeline    # before / after the pipeline, ~5 min
+
+6. ``--baseline-ref REF`` runs the ``unpipelined`` server from the code of git commit REF
+   (``git archive``; this checkout's compiled native module copied in): the server
+   before, exactly, next to today's in one run. Issue 21's server goal, with the int8
+   encoder for comparison (~8 min):
+
+    python bench/bench_serving.py --compare-pipeline --baseline-ref 6fd04da \
+        --configs unpipelined,batched,pipeline-2,int8 --open-loop-configs unpipelined,batched,pipeline-2,int8
 """
 from __future__ import annotations
 
@@ -129,10 +138,14 @@ CONFIGS = {
     "serial": lambda a: ["--max-batch", "1"],  # one worker, one request per encode + search
     # issue 21: micro-batching before the pipeline (one thread encodes, then searches, a batch)
     "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
-                              "--switch-interval-ms", "5"],  # and Python's own GIL switch interval, as before
+                              "--switch-interval-ms", "5"]  # and Python's own GIL switch interval, as before
+    + ([] if a.baseline_ref else ["--no-fast-path"]),  # (the code of --baseline-ref has no fast path)
     "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
+    # the default server with the int8 ONNX encoder (what a cheaper encoder buys; its quality is the
+    # encoder's business: docs/benchmarks/serving.md "Encoder runtimes")
+    "int8": lambda a: ["--max-batch", str(a.max_batch), "--encoder-dtype", "int8"],
 }
 LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
@@ -142,7 +155,10 @@ LABELS = {
     "batched-si5": "the default server with Python's 5 ms GIL switch interval",
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
+    "int8": "the default server with --encoder-dtype int8 (ONNX dynamic int8 encoder)",
 }
+#: configurations run from the --baseline-ref tree when one is given (the server before)
+BASELINE_CONFIGS = ("unpipelined",)
 #: the configurations of --compare-pipeline: before, the default (pipeline, --encoder-workers auto),
 #: the pipeline with two encoder workers (1 vs 2 workers)
 COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
@@ -183,6 +199,9 @@ class Server:
         own = path.with_name(f"{path.name}-{name or config}-{dtype}")
         shutil.copytree(path, own)
         path = own
+        # the server before (--baseline-ref): that commit's code, this checkout's native module
+        src = args.baseline_src if getattr(args, "baseline_src", None) and config in BASELINE_CONFIGS else ROOT
+        self.src = src
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
@@ -192,7 +211,8 @@ class Server:
         self.cmd = cmd
         self.health: dict[str, Any] = {}
         env = {k: v for k, v in os.environ.items() if k != "RFMEM_API_KEY"}  # --no-auth refuses a key
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        self.proc = subprocess.Popen(cmd, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Wait for /health (kept in ``self.health``: the encoder's precision among others)."""
@@ -207,15 +227,169 @@ class Server:
             self.proc.wait()
 
 
+class RawConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of :class:`RawClient`: sends a prepared
+    request, parses the status line and ``Content-Length`` of the answer, nothing more
+    (the body is skipped: the server's answers are checked by the tests)."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.lost: BaseException | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.waiter is not None:
+            status = self._answer()
+            if status is not None:
+                w, self.waiter = self.waiter, None
+                if not w.done():
+                    w.set_result(status)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc or ConnectionResetError("the server closed the connection")
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(self.lost)
+
+    def _answer(self) -> str | None:
+        """The status of the complete answer at the head of the buffer (removed), or None."""
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = bytes(self.buf[:end]).lower()
+        size, at = 0, head.find(b"\r\ncontent-length:")
+        if at >= 0:
+            stop = head.find(b"\r\n", at + 17)
+            size = int(head[at + 17:stop if stop >= 0 else len(head)])
+        if len(self.buf) < end + 4 + size:
+            return None
+        del self.buf[:end + 4 + size]
+        return head[9:12].decode()
+
+    def request(self, raw: bytes) -> asyncio.Future:
+        """Send one prepared request; a future of its answer's status (str)."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.lost is not None:
+            fut.set_exception(self.lost)
+            return fut
+        self.waiter = fut
+        self.transport.write(raw)
+        return fut
+
+
+class RawClient:
+    """The leanest load generator: keep-alive HTTP/1.1 over asyncio protocols, each
+    request's bytes prepared before the cell (``POST /v1/users/{u}/search`` with its
+    JSON body), one connection per concurrent request (``limit`` the most kept idle, 0:
+    no limit). Run on uvloop where installed (:func:`run_async`). About 0.05 ms of
+    client CPU per request here, against aiohttp's ~0.2 and httpx's ~3.6."""
+
+    def __init__(self, base: str, limit: int) -> None:
+        host, _, port = base.split("://", 1)[1].partition(":")
+        self.host, self.port, self.limit = host, int(port), limit
+        self.idle: list[RawConnection] = []
+        self.raw: dict[tuple[str, bytes], bytes] = {}
+
+    def prepare(self, u: str, body: bytes) -> bytes:
+        """The request bytes of a search of user ``u`` (percent-encoded) with ``body``."""
+        key = (u, body)
+        raw = self.raw.get(key)
+        if raw is None:
+            raw = self.raw[key] = (f"POST /v1/users/{u}/search HTTP/1.1\r\nHost: {self.host}\r\n"
+                                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                                   ).encode() + body
+        return raw
+
+    async def one(self, u: str, body: bytes) -> str:
+        """One request: the status of its answer (str). A kept-alive connection the
+        server closed meanwhile (uvicorn closes idle ones after 5 s) is not reused, and
+        a request that fails on a reused connection is sent once more on a new one."""
+        raw = self.prepare(u, body)
+        conn = None
+        while self.idle and conn is None:
+            conn = self.idle.pop()
+            if conn.lost is not None:
+                conn = None
+        for attempt in (0, 1):
+            reused = conn is not None
+            if conn is None:
+                _, conn = await asyncio.get_running_loop().create_connection(RawConnection, self.host, self.port)
+            try:
+                status = await conn.request(raw)
+                break
+            except ConnectionError:
+                conn.transport.close()
+                if not reused or attempt:
+                    raise
+                conn = None
+            except BaseException:
+                conn.transport.close()
+                raise
+        if self.limit == 0 or len(self.idle) < self.limit:
+            self.idle.append(conn)
+        else:
+            conn.transport.close()
+        return status
+
+    async def __aenter__(self) -> "RawClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        self.idle.clear()
+
+
+def run_async(coro: Any) -> Any:
+    """``asyncio.run(coro)`` on uvloop where installed (a cheaper client loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def export_baseline(ref: str, dest: Path) -> dict[str, str]:
+    """The source tree of git ``ref`` (``git archive``) in ``dest``, with this checkout's
+    compiled native module(s) copied in (``rfmem_fast/_native*.so``: the tree has the
+    sources only): the server before, run as it was. Returns {"ref", "commit"}.
+
+    Raises:
+        RuntimeError: ``ref`` is not a commit of this repository.
+    """
+    import io
+    import tarfile
+
+    got = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if got.returncode != 0:
+        raise RuntimeError(f"--baseline-ref {ref!r} is not a commit of {ROOT}: {got.stderr.strip()}")
+    commit = got.stdout.strip()
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    for so in (ROOT / "rfmem_fast").glob("_native*.so"):
+        shutil.copy2(so, dest / "rfmem_fast" / so.name)
+    return {"ref": ref, "commit": commit}
+
+
 def _session(base: str, client: str, limit: int) -> tuple[Any, Any, tuple]:
     """(session, ``one(session, user, body) -> status str``, transport errors) of ``client``.
 
-    ``client``: "httpx" (httpx.AsyncClient) or "aiohttp" (aiohttp.ClientSession; about
-    0.2 ms of client CPU per request here against httpx's 3.6 ms, which on a 2-core
-    machine the server would otherwise lose to the load generator). ``limit``: the most
-    connections open at once (0: no limit).
+    ``client``: "raw" (:class:`RawClient`, the default), "aiohttp" (aiohttp.ClientSession;
+    about 0.2 ms of client CPU per request here) or "httpx" (httpx.AsyncClient, ~3.6 ms,
+    which on a 2-core machine the server would otherwise lose to the load generator).
+    ``limit``: the most connections open at once (0: no limit).
     """
     headers = {"content-type": "application/json"}
+    if client == "raw":
+        raw = RawClient(base, limit)
+        return raw, lambda http, u, body: http.one(u, body), (OSError, asyncio.TimeoutError)
     if client == "aiohttp":
         import aiohttp
 
@@ -252,7 +426,7 @@ def _latency_summary(lat: list[float], errors: dict[str, int], wall: float) -> d
     }
 
 
-async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "httpx",
+async def drive(base: str, work: list[tuple[str, str]], concurrency: int, k: int, client: str = "raw",
                 seconds: float | None = None) -> dict[str, Any]:
     """Closed loop: ``concurrency`` clients send ``work`` (question, user) in order, each
     the next one as soon as its previous answer arrived (client: :func:`_session`);
@@ -303,7 +477,7 @@ def poisson_schedule(n: int, rate: float, seed: int) -> np.ndarray:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
 
 
-async def drive_open(base: str, work: list[tuple[str, str]], rate: float, k: int, client: str = "aiohttp",
+async def drive_open(base: str, work: list[tuple[str, str]], rate: float, k: int, client: str = "raw",
                      seed: int = 0) -> dict[str, Any]:
     """Open loop: ``work`` sent at Poisson arrival times of ``rate`` requests / s, whatever
     the answers do (no connection limit). A request's latency runs from its SCHEDULED
@@ -350,9 +524,9 @@ def run_cell(server: Server, work: list[tuple[str, str]], concurrency: int, k: i
     perf = start_perf(server.proc.pid) if profile else None
     cpu0, srv0, load0 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
     if rate is None:
-        res = asyncio.run(drive(server.base, work, concurrency, k, client, seconds))
+        res = run_async(drive(server.base, work, concurrency, k, client, seconds))
     else:
-        res = asyncio.run(drive_open(server.base, work, rate, k, client))
+        res = run_async(drive_open(server.base, work, rate, k, client))
     cpu1, srv1, load1 = _cpu_seconds(), proc_cpu(server.proc.pid), _loadavg()
     if perf is not None:
         res["profile"] = stop_perf(perf, server.proc.pid)
@@ -592,9 +766,12 @@ def run_dtype(dtype: str, configs: list[str], conc: list[int], work: list[tuple[
     try:
         for config, srv in servers.items():
             srv.wait_ready()
-            doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd)
-            doc["encoders"][dtype] = srv.health.get("encoder")
-            asyncio.run(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
+            doc["server_commands"][f"{config}/{dtype}"] = " ".join(srv.cmd) + (
+                f"  (run in {srv.src}: --baseline-ref {args.baseline_ref})" if srv.src != ROOT else "")
+            doc.setdefault("encoders_by_server", {})[f"{config}/{dtype}"] = srv.health.get("encoder")
+            if config == "batched":  # the default server's encoder at this --encoder-dtype
+                doc["encoders"][dtype] = srv.health.get("encoder")
+            run_async(drive(srv.base, work[: args.warmup], min(8, args.warmup), args.k, args.client))
         for c in conc:
             n = max(args.requests, 8 * c)
             cell_work = [work[rng.randrange(len(work))] for _ in range(n)]
@@ -660,8 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="times each question is asked in the cache workload (0: skip)")
     p.add_argument("--cache-concurrency", type=int, default=64)
     p.add_argument("--configs", default="batched,single,serial", help=f"comma list of {list(CONFIGS)}")
-    p.add_argument("--client", choices=("aiohttp", "httpx"), default=None,
-                   help="load generator (default aiohttp when installed: ~0.2 ms CPU per request vs ~3.6 for httpx)")
+    p.add_argument("--client", choices=("raw", "aiohttp", "httpx"), default="raw",
+                   help="load generator: 'raw' (default: keep-alive HTTP/1.1 on asyncio protocols and uvloop, ~0.05 ms "
+                   "CPU per request), 'aiohttp' (~0.2 ms) or 'httpx' (~3.6 ms)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/serving-<time>.json)")
     p.add_argument("--seconds", type=float, default=None,
                    help="length of each closed-loop cell in seconds (clients cycle their requests); default: "
@@ -675,6 +853,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="perf record the server during the closed-loop cells of --profile-at clients: CPU per request "
                    "by thread role (event loop / encode / search) and shared object (needs Linux perf)")
     p.add_argument("--profile-at", default="8,64", help="concurrencies profiled with --profile (default 8,64)")
+    p.add_argument("--baseline-ref", default=None,
+                   help="git commit (e.g. a hash or a branch) whose code runs the 'unpipelined' server (the server "
+                   "before), exported with git archive (this checkout's compiled native module copied in); default: "
+                   "this checkout with the old options (--no-pipeline --encoder-workers 1 --switch-interval-ms 5 "
+                   "--no-fast-path)")
     p.add_argument("--compare-pipeline", action="store_true",
                    help="issue 21 before / after: --configs unpipelined,batched,pipeline-2, open loop on all three, "
                    "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
@@ -696,13 +879,6 @@ def main(argv: list[str] | None = None) -> int:
         args.profile_at = {int(x) for x in args.profile_at.split(",") if x.strip()}
     except ValueError:
         p.error(f"--profile-at must be a comma list of ints, got {args.profile_at!r}")
-    if args.client is None:
-        try:
-            import aiohttp  # noqa: F401
-
-            args.client = "aiohttp"
-        except ImportError:
-            args.client = "httpx"
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or "batched" not in configs:
@@ -755,6 +931,10 @@ def main(argv: list[str] | None = None) -> int:
                 doc["versions"][dist] = md.version(dist)
             except md.PackageNotFoundError:
                 doc["versions"][dist] = None
+        if args.baseline_ref:
+            doc["settings"]["baseline"] = export_baseline(args.baseline_ref, tmp / "baseline-src")
+            args.baseline_src = tmp / "baseline-src"
+            say(f"baseline: {doc['settings']['baseline']} in {args.baseline_src}")
         questions, users, info = build_memory(data, tmp / "mem", say)
         doc["data"] = info
         work = list(zip(questions, users))

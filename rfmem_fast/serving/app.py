@@ -79,7 +79,10 @@ also in ``/health``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
+import json
+import logging
 import os
 import sys
 import time
@@ -108,7 +111,7 @@ from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
 from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id
 from .tokens import TOKENS_FILE, TokenStore
 
-__all__ = ["create_app", "serve", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
+__all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
 
 #: environment variable read for the admin bearer token when no api_key is given
 API_KEY_ENV = "RFMEM_API_KEY"
@@ -405,7 +408,7 @@ def _bulk_items(who: "_Principal", items: list[BaseModel]) -> list[dict[str, Any
     its own user only (403 naming the first item of another user)."""
     out = []
     for i, it in enumerate(items):
-        if not who.admin and not hmac.compare_digest(it.user_id.encode("utf-8"), (who.user or "").encode("utf-8")):
+        if not _may_access(who, it.user_id):
             raise HTTPException(403, f"items[{i}].user_id: this token may not access this user's memories "
                                      "(a user token writes its own user only)")
         out.append({k: getattr(it, k) for k in it.model_fields_set})
@@ -418,10 +421,7 @@ class FastJSONResponse(JSONResponse):
     orjson refuses (an int beyond 64 bits in metadata)."""
 
     def render(self, content: Any) -> bytes:
-        try:
-            return orjson.dumps(content)
-        except orjson.JSONEncodeError:
-            return super().render(content)
+        return _dumps(content)
 
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -432,12 +432,29 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 
 
 def _search_json(hits: Hits) -> dict[str, Any]:
+    """One query's answer as the search routes send it (:class:`SearchResponse`)."""
+    return _search_doc(hits.user_id, hits.route, hits.rule, hits.mean, hits.entropy, hits.rounds, hits.cached, hits)
+
+
+def _search_doc(user: Any, route: str | None, rule: str, mean: float, entropy: float, rounds: int, cached: bool,
+                hits: Any) -> dict[str, Any]:
+    """The JSON object of :class:`SearchResponse` from a query's signals and its
+    :class:`~rfmem_fast.serving.memory.Hit` objects (only read)."""
     return {
-        "user_id": str(hits.user_id), "route": hits.route, "rule": hits.rule, "mean": hits.mean,
-        "entropy": hits.entropy, "rounds": hits.rounds, "cached": hits.cached,
+        "user_id": str(user), "route": route, "rule": rule, "mean": mean,
+        "entropy": entropy, "rounds": rounds, "cached": cached,
         "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
                   "dense_score": h.dense_score, "lexical_score": h.lexical_score} for h in hits],
     }
+
+
+def _dumps(content: Any) -> bytes:
+    """``content`` as JSON bytes: orjson, or the standard library for what orjson
+    refuses (an int beyond 64 bits in metadata), as :class:`FastJSONResponse`."""
+    try:
+        return orjson.dumps(content)
+    except orjson.JSONEncodeError:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 class _Metrics:
@@ -468,7 +485,12 @@ class _Metrics:
             self.search.observe(ev.search_seconds)
 
     def count(self, mode: str, hits: Hits) -> None:
-        self.queries.labels(mode, hits.route or "none", hits.rule, "true" if hits.cached else "false").inc()
+        """One answered query in ``rfmem_search_queries_total``."""
+        self.count_signals(mode, hits.route, hits.rule, hits.cached)
+
+    def count_signals(self, mode: str, route: str | None, rule: str, cached: bool) -> None:
+        """:meth:`count` from the query's route, rule and cache flag."""
+        self.queries.labels(mode, route or "none", rule, "true" if cached else "false").inc()
 
 
 class _MemoryCollector:
@@ -635,6 +657,159 @@ def _segment(value: str, name: str) -> str:
         raise HTTPException(400, str(e)) from None
 
 
+#: the route template of one search (the fast path's metrics label, as the router's)
+_SEARCH_ROUTE = "/v1/users/{user_id}/search"
+#: the fields of a search body the fast path reads itself (any other: the full route)
+_FAST_FIELDS = frozenset(("query", "k", "mode", "filters", "vector"))
+_MODES = ("rfmem", "dense", "recollection")  # the Mode literal's values
+log = logging.getLogger("rfmem_fast.serving")
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """An ASGI ``receive`` that hands out ``body`` (already read) whole, then defers to ``receive``."""
+    sent = [False]
+
+    async def replay() -> dict:
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _FastSearch:
+    """The fast path of ``POST /v1/users/{user_id}/search``: a well-formed text query
+    answered without FastAPI's routing, dependency resolution and pydantic model.
+
+    It answers only a request the full route would answer from the same checks with a
+    search: the path is exactly ``/v1/users/<one segment>/search`` (no root path), the
+    body has a Content-Length within the limit and a JSON Content-Type
+    (``application/json``, optionally with parameters; FastAPI reads no other body as JSON), the
+    bearer token is valid for that user (or auth is off), and the body is a JSON
+    object holding a str ``query`` (at most MAX_TEXT characters) and, optionally, ``k``
+    (an int in [1, MAX_K], or null), ``mode`` (one of the modes), ``filters`` / ``vector``
+    null, nothing else. Anything else -- a bad token, a body the fast JSON parser
+    refuses, a vector or filtered query, any field out of range -- goes to the full
+    route with the body replayed, which answers it (and its errors: 401 / 403 / 413 /
+    422) exactly as it would have. Once it searches, its answer is the full route's:
+    the same JSON (:func:`_search_doc`), the same error statuses (:func:`_http_errors`),
+    and the same metrics (``rfmem_http_requests_total`` / the latency histogram under
+    the route's template, ``rfmem_search_queries_total``).
+
+    Counters: ``served`` (answered here) and ``passed`` (handed to the full route).
+    """
+
+    def __init__(self, memory: Memory, metrics: "_Metrics", tokens: TokenStore, admin_key: bytes | None,
+                 limit: int) -> None:
+        self.memory = memory
+        self.metrics = metrics
+        self.tokens = tokens
+        self.key = admin_key
+        self.limit = limit
+        self._latency = metrics.latency.labels("POST", _SEARCH_ROUTE)
+        self._ok = metrics.requests.labels("POST", _SEARCH_ROUTE, "200")
+        self.served = 0
+        self.passed = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> Any:
+        """Answer the request (returns None), or return the ``receive`` with which the
+        full app must answer it (the body replayed when it was read)."""
+        raw = scope.get("raw_path")
+        if not raw or not raw.startswith(b"/v1/users/") or not raw.endswith(b"/search") or scope.get("root_path"):
+            return receive  # not a search (the common case of the other routes: nothing read)
+        t0 = time.perf_counter()
+        seg = raw[10:-7]
+        length = ctype = auth = None
+        doubled = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                doubled, length = doubled or length is not None, value
+            elif name == b"content-type":
+                doubled, ctype = doubled or ctype is not None, value.lower()
+            elif name == b"authorization":
+                doubled, auth = doubled or auth is not None, value
+        if (doubled or not seg or b"/" in seg or length is None or not length.isdigit() or int(length) > self.limit
+                or ctype is None or (ctype != b"application/json" and not ctype.startswith(b"application/json;"))):
+            self.passed += 1  # no / a bad / a doubled header, a body over the limit: the full route decides
+            return receive
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        query = self._query(seg, auth, body)
+        if query is None:
+            self.passed += 1
+            return _replay(body, receive)
+        self.served += 1
+        user, text, k, mode = query
+        status, extra = 200, ()
+        try:
+            with _http_errors():
+                ans, cached = await self.memory._asearch_answer(text, user, k, mode)
+            payload = _dumps(_search_doc(ans.user, ans.route, ans.rule, ans.mean, ans.entropy, ans.rounds, cached,
+                                         ans.hits))
+            self.metrics.count_signals(mode, ans.route, ans.rule, cached)
+            ctype = b"application/json"
+        except HTTPException as e:
+            status, payload, ctype = e.status_code, _dumps({"detail": e.detail}), b"application/json"
+            extra = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (e.headers or {}).items())
+        except Exception:  # as Starlette's ServerErrorMiddleware: logged, a plain 500
+            log.exception("search failed")
+            status, payload, ctype = 500, b"Internal Server Error", b"text/plain; charset=utf-8"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", ctype), *extra]})
+        await send({"type": "http.response.body", "body": payload})
+        (self._ok if status == 200 else self.metrics.requests.labels("POST", _SEARCH_ROUTE, str(status))).inc()
+        self._latency.observe(time.perf_counter() - t0)
+        return None
+
+    def _query(self, seg: bytes, auth: bytes | None, body: bytes) -> tuple[str, str, int | None, str] | None:
+        """(user, query text, k, mode) of a request the fast path answers, else None."""
+        who = _principal_of(self.key, self.tokens, "" if auth is None else auth.decode("latin-1"))
+        if who is None:
+            return None
+        try:
+            user = _canon_id(unquote_to_bytes(seg).decode("utf-8"), "user_id")
+        except (UnicodeDecodeError, TypeError, ValueError):
+            return None
+        if not _may_access(who, user):
+            return None
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if type(doc) is not dict or not doc.keys() <= _FAST_FIELDS:
+            return None
+        text, k, mode = doc.get("query"), doc.get("k"), doc.get("mode", "rfmem")
+        if type(text) is not str or len(text) > MAX_TEXT or doc.get("vector") is not None \
+                or doc.get("filters") is not None or type(mode) is not str or mode not in _MODES:
+            return None
+        if k is not None and (type(k) is not int or not 1 <= k <= MAX_K):
+            return None
+        return user, text, k, mode
+
+
+class _App(FastAPI):
+    """The FastAPI app, with :class:`_FastSearch` in front of it (``fast_search``; None:
+    every request through the full stack)."""
+
+    fast_search: _FastSearch | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        fast = self.fast_search
+        if fast is not None and scope["type"] == "http" and scope["method"] == "POST":
+            receive = await fast(scope, receive, send)
+            if receive is None:
+                return
+        await super().__call__(scope, receive, send)
+
+
 @dataclass(frozen=True)
 class _Principal:
     """Who a request is: the admin (every route) or the holder of one user's token."""
@@ -646,22 +821,35 @@ class _Principal:
 _UNAUTHORISED = "missing or invalid bearer token (Authorization: Bearer <token>)"
 
 
-async def _principal(request: Request) -> _Principal:  # async: no hop to the thread pool per request
-    """Who sent the request: the admin token, a user token (bound to its user), or
-    anyone when the app runs without auth; 401 otherwise."""
-    key, tokens = request.app.state.admin_key, request.app.state.tokens
+def _principal_of(key: bytes | None, tokens: TokenStore, authorization: str) -> _Principal | None:
+    """Who sent a request with this ``Authorization`` header value ("" when absent):
+    the admin (``key``, or anyone when ``key`` is None: no auth), the user of a user
+    token, or None (no valid bearer token: 401)."""
     if key is None:
         return _Principal(admin=True)
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = authorization.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise HTTPException(401, _UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
+        return None
     if hmac.compare_digest(token.encode("utf-8", "surrogatepass"), key):
         return _Principal(admin=True)
     user = tokens.user_of(token)
-    if user is None:
+    return None if user is None else _Principal(admin=False, user=user)
+
+
+def _may_access(who: _Principal, user: str) -> bool:
+    """Whether ``who`` may read / write ``user``'s memories (the admin: every user)."""
+    return who.admin or hmac.compare_digest(user.encode("utf-8"), (who.user or "").encode("utf-8"))
+
+
+async def _principal(request: Request) -> _Principal:  # async: no hop to the thread pool per request
+    """Who sent the request: the admin token, a user token (bound to its user), or
+    anyone when the app runs without auth; 401 otherwise."""
+    who = _principal_of(request.app.state.admin_key, request.app.state.tokens,
+                        request.headers.get("authorization", ""))
+    if who is None:
         raise HTTPException(401, _UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
-    return _Principal(admin=False, user=user)
+    return who
 
 
 Who = Annotated[_Principal, Depends(_principal)]
@@ -683,10 +871,10 @@ def _token_admin(request: Request, who: Who) -> _Principal:
     return _admin_only(who)
 
 
-def _scoped_user(user_id: UserSeg, who: Who) -> str:
+async def _scoped_user(user_id: UserSeg, who: Who) -> str:  # async: no hop to the thread pool per request
     """The path's user id, decoded; a user token may name its own user only (403)."""
     user = _segment(user_id, "user_id")
-    if not who.admin and not hmac.compare_digest(user.encode("utf-8"), (who.user or "").encode("utf-8")):
+    if not _may_access(who, user):
         raise HTTPException(403, "this token may not access this user's memories")
     return user
 
@@ -696,7 +884,7 @@ User = Annotated[str, Depends(_scoped_user)]
 
 def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = False, *,
                no_auth: bool = False, tokens: TokenStore | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, fast_path: bool = True) -> FastAPI:
     """The FastAPI app serving ``memory`` (routes, ids, auth, limits, errors and metrics:
     module docstring).
 
@@ -709,6 +897,9 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         tokens: the user-token store; default: ``tokens.json`` in the memory's
             directory (durable), in memory only for a Memory without a path.
         max_body_bytes: the largest request body accepted (int >= 1; 413 beyond it).
+        fast_path: answer well-formed text searches on a fast path in front of
+            FastAPI (:class:`_FastSearch`: the same answers, errors and metrics, about
+            half the HTTP cost); False sends every request through the full stack.
 
     Returns:
         FastAPI application (run it with uvicorn, or test it with TestClient).
@@ -728,6 +919,8 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         raise ValueError("api_key and no_auth=True contradict each other: pick one")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    if not isinstance(fast_path, bool):
+        raise TypeError(f"fast_path must be a bool, got {type(fast_path).__name__}")
     if tokens is None:
         tokens = TokenStore(memory.path / TOKENS_FILE if memory.path is not None else None)
     elif not isinstance(tokens, TokenStore):
@@ -744,8 +937,10 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     Admin = [Depends(_admin_only)]
     TokenAdmin = [Depends(_token_admin)]
 
-    app = FastAPI(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan,
-                  default_response_class=FastJSONResponse)
+    app = _App(title="rfmem_fast", summary="RF-Mem memory retrieval service", lifespan=lifespan,
+               default_response_class=FastJSONResponse)
+    if fast_path:
+        app.fast_search = _FastSearch(memory, metrics, tokens, key, max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_PathSegments)
@@ -902,6 +1097,7 @@ def serve(
     access_log: bool = False,
     no_auth: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fast_path: bool = True,
 ) -> None:
     """Open the memory at ``path`` and serve it with uvicorn until SIGINT / SIGTERM.
 
@@ -933,6 +1129,13 @@ def serve(
             (:func:`rfmem_fast.serving.cli.open_memory`; ``--no-pipeline``,
             ``--encoder-workers``).
         log_level, access_log: uvicorn's logging.
+        fast_path: :func:`create_app`'s (``--no-fast-path``: False).
+
+    uvicorn runs with its httptools parser and the uvloop event loop where installed
+    (the ``serve`` extra), and the objects alive once the memory and its encoder are
+    loaded are frozen out of the garbage collector's scans (``gc.freeze``: a full
+    collection then walks only what requests allocate, not the millions of objects
+    of torch / transformers, which otherwise stall every thread holding the GIL).
 
     On shutdown the memory is closed (checkpointed); a killed server replays its
     write-ahead log on the next start.
@@ -949,14 +1152,31 @@ def serve(
                          max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size,
                          pipeline=pipeline, encoder_workers=encoder_workers)
     try:
-        app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes)
+        app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes,
+                         fast_path=fast_path)
     except BaseException:
         memory.close()
         raise
     if no_auth:
         print(f"rfmem serve: WARNING: authentication is OFF (--no-auth): anyone who can reach "
               f"{host}:{port} can read and change every user's memories", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, **uvicorn_speedups())
+
+
+def uvicorn_speedups() -> dict[str, str]:
+    """uvicorn's ``http`` / ``loop`` options: "httptools" / "uvloop" where importable
+    (the C HTTP parser and event loop; uvicorn's "auto" picks the same, this makes it
+    explicit and visible), else "h11" / "asyncio"."""
+    out = {}
+    for opt, mod, fallback in (("http", "httptools", "h11"), ("loop", "uvloop", "asyncio")):
+        try:
+            __import__(mod)
+            out[opt] = mod
+        except ImportError:
+            out[opt] = fallback
+    return out
 
 
 def _resolve_api_key(api_key: str | None, no_auth: bool) -> str | None:

@@ -36,6 +36,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_memory_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--no-fast-path", action="store_true",
+                   help="send every request through FastAPI's full route stack (by default a well-formed text search "
+                   "is answered on a fast path in front of it: the same answers, errors and metrics, less CPU)")
     p.set_defaults(func=run)
     return p
 
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         serve(
             args.path, host=args.host, port=args.port, api_key=args.api_key, **memory_kwargs(args),
             log_level=args.log_level, access_log=args.access_log,
-            no_auth=args.no_auth, max_body_bytes=args.max_body_bytes,
+            no_auth=args.no_auth, max_body_bytes=args.max_body_bytes, fast_path=not args.no_fast_path,
         )
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem serve: error: {exc}", file=sys.stderr)

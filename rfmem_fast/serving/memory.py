@@ -1996,10 +1996,15 @@ class Memory:
 
     def _start(self, query: Any, user_id: Any, k: Any, mode: Any, filters: Any = None) -> tuple[_Query, Hits | None]:
         """A checked query and its cached answer (None on a miss)."""
+        q, hit = self._start_answer(query, user_id, k, mode, filters)
+        return q, (hit.materialise(cached=True) if hit is not None else None)
+
+    def _start_answer(self, query: Any, user_id: Any, k: Any, mode: Any,
+                      filters: Any = None) -> tuple[_Query, _Answer | None]:
+        """A checked query and its cached (shared, immutable) answer (None on a miss)."""
         self._check_open()
         q = self._prepare(query, user_id, k, mode, filters=filters)
-        hit = self._cached(q)
-        return q, (hit.materialise(cached=True) if hit is not None else None)
+        return q, self._cached(q)
 
     def _cached(self, q: _Query) -> _Answer | None:
         key = QueryCache.result_key(q.user, self._uver.get(q.user, 0), q.qkey, q.mode, q.k)
@@ -2047,14 +2052,22 @@ class Memory:
     async def asearch(self, query: str | Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
                       timeout: float | None | str = "default", filters: dict | None = None) -> Hits:
         """Asyncio version of :meth:`search`: concurrent awaits share micro-batches."""
-        q, hits = self._start(query, user_id, k, mode, filters)
-        if hits is not None:
-            return hits
+        ans, cached = await self._asearch_answer(query, user_id, k, mode, timeout, filters)
+        return ans.materialise(cached=cached)
+
+    async def _asearch_answer(self, query: Any, user_id: Hashable, k: int | None = None, mode: str = "rfmem",
+                              timeout: float | None | str = "default",
+                              filters: dict | None = None) -> tuple[_Answer, bool]:
+        """:meth:`asearch` without the per-caller copy: (the immutable answer, from the
+        cache?). For a caller that only reads it (the HTTP app serialises it at once);
+        the answer is shared with the cache and must not be changed. Raises as
+        :meth:`search`."""
+        q, hit = self._start_answer(query, user_id, k, mode, filters)
+        if hit is not None:
+            return hit, True
         if self._batcher is not None:
-            ans = await self._batcher.acall(q, timeout)
-        else:
-            ans = await asyncio.to_thread(self._run_one, q)
-        return ans.materialise(cached=False)
+            return await self._batcher.acall(q, timeout), False
+        return await asyncio.to_thread(self._run_one, q), False
 
     def _run_one(self, q: _Query) -> _Answer:
         out = self._run_batch([q])[0]
