@@ -143,9 +143,10 @@ CONFIGS = {
     "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
-    # the default server with the int8 ONNX encoder (what a cheaper encoder buys; its quality is the
-    # encoder's business: docs/benchmarks/serving.md "Encoder runtimes")
+    # the default server with the int8 ONNX encoder named (what "auto" picks on a CPU with int8 dot
+    # products: rfmem_fast.encoders.resolve_backend), and with the float32 ONNX encoder forced
     "int8": lambda a: ["--max-batch", str(a.max_batch), "--encoder-dtype", "int8"],
+    "float32": lambda a: ["--max-batch", str(a.max_batch), "--encoder-backend", "onnx", "--encoder-dtype", "float32"],
 }
 LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
@@ -155,7 +156,8 @@ LABELS = {
     "batched-si5": "the default server with Python's 5 ms GIL switch interval",
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
-    "int8": "the default server with --encoder-dtype int8 (ONNX dynamic int8 encoder)",
+    "int8": "the default server with --encoder-dtype int8 (ONNX int8 encoder: MatMulNBits, texts over 64 tokens in float32)",
+    "float32": "the default server with the ONNX float32 encoder forced (--encoder-backend onnx --encoder-dtype float32)",
 }
 #: configurations run from the --baseline-ref tree when one is given (the server before)
 BASELINE_CONFIGS = ("unpipelined",)

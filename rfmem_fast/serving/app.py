@@ -1113,13 +1113,16 @@ def serve(
         encoder: "default" (the offline all-MiniLM-L6-v2, loaded before the server
             listens), "none" (vectors only) or a local sentence-transformers directory.
         encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
-            "auto" (default: bfloat16 where the CPU has native bfloat16 matmul, e.g.
-            AVX512-BF16 / AMX, float32 elsewhere), "float32", "bfloat16" or "float16".
+            "auto" (default: :func:`rfmem_fast.encoders.resolve_backend` -- with ONNX
+            int8 on a CPU with int8 dot products, else float32; with torch bfloat16 where
+            the CPU has native bfloat16 matmul, e.g. AVX512-BF16 / AMX, else float32),
+            "float32", "bfloat16", "float16" or "int8".
             Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``). "int8" with an
             ``encoder_backend`` of "onnx" / "auto" only.
         encoder_backend: runtime of the text encoder (:func:`rfmem_fast.encoders.resolve_backend`):
-            "auto" (default: ONNX Runtime float32 where onnxruntime / onnx are installed,
-            torch elsewhere), "torch" or "onnx".
+            "auto" (default: ONNX Runtime where onnxruntime / onnx are installed -- int8
+            on a CPU with int8 dot products, float32 elsewhere, for ``encoder_dtype``
+            "auto" -- torch elsewhere), "torch" or "onnx".
         preset: the retrieval configuration, "paper" (default) or "recommended" (hybrid
             dense + BM25; :func:`rfmem_fast.serving.launch.open_memory`).
         dim: vector dimension of a new vectors-only memory.

@@ -85,12 +85,13 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = float32 with the ONNX "
-                   "backend, with torch bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: "
-                   "embeddings at cosine >= 0.99997 to float32), float32 elsewhere; 'int8' (ONNX dynamic "
-                   "quantisation) with --encoder-backend onnx / auto; shown in /health and /metrics")
+                   help="precision of the text encoder's matmuls: 'auto' (default) = with the ONNX backend int8 "
+                   "on a CPU with int8 dot products (AVX512-VNNI / AVX-VNNI / AMX-INT8: queries in blockwise int8, "
+                   "texts over 64 tokens in float32; cosine >= 0.9995 to float32), float32 elsewhere; with torch "
+                   "bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: cosine >= 0.99997), float32 "
+                   "elsewhere; 'int8' with --encoder-backend onnx / auto; shown in /health and /metrics")
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
-                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime where onnxruntime and onnx "
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime (int8 or float32 by --encoder-dtype auto) where onnxruntime and onnx "
                    "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
                    "elsewhere; 'torch' or 'onnx' to force one")
 

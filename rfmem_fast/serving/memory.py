@@ -601,8 +601,8 @@ class Memory:
             ``encoder_backend`` "onnx" / "auto" only.
         encoder_backend: runtime of the default encoder, "torch" (None, the
             default), "onnx" (ONNX Runtime, extra ``onnx``) or "auto"
-            (:func:`rfmem_fast.encoders.resolve_backend`: ONNX float32 where it is
-            installed). Only for the default encoder, like ``encoder_dtype``.
+            (:func:`rfmem_fast.encoders.resolve_backend`: ONNX where it is installed,
+            int8 on a CPU with int8 dot products, float32 elsewhere). Only for the default encoder, like ``encoder_dtype``.
         config: RFMemConfig (default: the spec's defaults); ``k`` in :meth:`search`
             overrides its ``out_k`` per call.
         backend, device: as :func:`rfmem_fast.search` ("auto": native on a CPU).
