@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rfmem_fast.datasets import load_personabench
-    from rfmem_fast.encoders import QUALITY_FLOOR, TextEncoder, check_backend, resolve_backend
+    from rfmem_fast.encoders import QUALITY_FLOOR, TextEncoder, check_backend, int8_dot, resolve_backend
     from rfmem_fast.evaluate import run_personabench
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                      "timing": "CPU ms per text (process_time), best of reps; wall ms too"},
         "speed": [], "agreement": {}, "quality": {},
     }
-    doc["auto"] = {"auto:auto": ":".join(resolve_backend("auto", "auto")), "quality_floor": QUALITY_FLOOR}
+    doc["auto"] = {"auto:auto": ":".join(resolve_backend("auto", "auto")), "quality_floor": QUALITY_FLOOR,
+                   "int8_dot": int8_dot()}
     encoders: dict[str, Any] = {}
     for backend, dtype in options:
         label = f"{backend}:{dtype}"
@@ -229,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     "rfmem_recall10_delta_points_max": max(b["rfmem_recall10_delta_points"] for b in band),
                     "identical_routes_min": min(b["identical_routes"] for b in band), "runs": band}
             cos_min = min(float(cos_q.min()), float(cos_x.min()))
+            drop = 100 * (ref["recall"] - cell["rfmem"]["recall@10"])
             cell["meets_quality_floor"] = bool(cos_min >= QUALITY_FLOOR["cosine_min"]
-                                               and cell["identical_routes"] >= QUALITY_FLOOR["identical_routes"])
+                                               and cell["identical_routes"] >= QUALITY_FLOOR["identical_routes"]
+                                               and drop <= QUALITY_FLOOR["recall10_drop_points"] + 1e-9)
             doc["quality"][label] = cell
             say(f"  RF-Mem Recall@10 {cell['rfmem']['recall@10']:.4f}; routes identical {cell['identical_routes']:.4f}"
                 + (f"; noise band {cell['noise_band']['rfmem_recall10_delta_points_min']:+.2f}.."
