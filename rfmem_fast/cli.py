@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     ev = sub.add_parser("eval", help="evaluate retrieval on a dataset")
     evsub = ev.add_subparsers(dest="dataset", required=True)
-    pb = evsub.add_parser("personabench", help="PersonaBench (RFMEM_SPEC.md section 6)")
+    pb = evsub.add_parser("personabench", help="PersonaBench (the RF-Mem spec's protocol, section 6: docs/guides/evaluation.md)")
     _add_data_args(pb)
     pb.add_argument("--noise", type=_parse_noise, default=[0.0], help="noise level(s): 0.0, 0.3, 0.5, 0.7, a comma list, or all")
     pb.add_argument("--modes", type=_parse_modes, default=list(MODES), help="comma list of dense,recollection,rfmem")
