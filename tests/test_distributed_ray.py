@@ -23,6 +23,7 @@ import rfmem_fast  # noqa: E402
 from rfmem_fast import MemoryBank, StoreError, search  # noqa: E402
 from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank  # noqa: E402
 from rfmem_fast.distributed import ShardedMemory, ShardUnavailableError  # noqa: E402
+from rfmem_fast.distributed import sharded as sharded_mod  # noqa: E402
 
 BACKENDS = [b for b in ("reference", "torch", "native") if b in rfmem_fast.available_backends()]
 MODES = ["rfmem", "dense", "recollection"]
@@ -269,20 +270,6 @@ def test_errors_name_the_argument_and_write_nothing(durable, tmp_path):
     assert len(res) == 0 and res.ids.shape == (0, 10)
 
 
-def _wait_until_dead(actor, limit_s: float = 60.0) -> None:
-    """Block until calls on `actor` fail (Ray carries out ray.kill asynchronously)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        try:
-            ray.get(actor.info.remote(), timeout=10)
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-            pass  # still going down: ask again
-        except ray.exceptions.RayActorError:
-            return  # dead for good
-        time.sleep(0.05)
-    pytest.fail(f"the killed actor still answered after {limit_s} s")
-
-
 def test_kill_shard_mid_batch_then_restart_from_its_store(durable, tmp_path):
     mem, mirror, home = durable
     rng = np.random.default_rng(29)
@@ -325,7 +312,7 @@ def test_kill_shard_mid_batch_then_restart_from_its_store(durable, tmp_path):
     # 2) an actor killed for good (no Ray restart): calls name the shard until restart_shard
     doomed = mem._actor(0)
     ray.kill(doomed, no_restart=True)
-    _wait_until_dead(doomed)  # ray.kill is asynchronous: a call sent at once may still be served
+    sharded_mod._wait_until_dead(ray, doomed, 60.0, 0)  # ray.kill is asynchronous: a call sent at once may still be served
     u0 = next(u for u in users if mem.shard_of(u) == 0)
     with pytest.raises(ShardUnavailableError, match="shard 0"):
         mem.search(np.ones((2, D)), [users[-1], u0])
