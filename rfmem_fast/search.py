@@ -755,12 +755,7 @@ def _search_chunk(
     if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
         Q = fold_profile(Q, qseg, view_profiles(view), config.profile_weight)
     depth = reranker.depth if reranker is not None else (pools[0] if pools is not None else 0)
-    # widths: never wider than the longest segment queried (a wider top-k is padding only)
-    bf = config.beam_width * config.fanout
-    k0 = max(config.probe_k, config.out_k, bf, depth)
-    k0 = max(min(k0, max_len), bf)
-    probe_k = min(config.probe_k, k0)
-    out_k = min(config.out_k, k0)
+    k0, probe_k, out_k = _widths(config, max_len, depth)
     lexical = texts is not None and config.lexical_weight > 0
     k_scan = k0
     D = max(config.lexical_depth, config.out_k, config.probe_k)
@@ -886,6 +881,16 @@ def _search_chunk(
     )
 
 
+def _widths(config: RFMemConfig, max_len: int, depth: int = 0) -> tuple[int, int, int]:
+    """A chunk's top-k widths ``(k0, probe_k, out_k)``: the probe scans ``k0`` = the
+    widest of probe_k, out_k, the beam's ``beam_width * fanout`` and a re-ranker / merge
+    ``depth``, never wider than the longest queried segment ``max_len`` (a wider top-k
+    is padding only) but at least ``beam_width * fanout``; probe_k and out_k capped at k0."""
+    bf = config.beam_width * config.fanout
+    k0 = max(min(max(config.probe_k, config.out_k, bf, depth), max_len), bf)
+    return k0, min(config.probe_k, k0), min(config.out_k, k0)
+
+
 #: A host chunk without query texts, re-ranker, merge or profile prior runs
 #: :func:`_search_chunk_host` (numpy between the backend calls) instead of the general
 #: tensor path of :func:`_search_chunk`; both give the same values
@@ -903,11 +908,7 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     so a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch.
     Returns :func:`_host_fields`' input (host arrays of the tensor fields)."""
     b = Q.shape[0]
-    bf = config.beam_width * config.fanout
-    k0 = max(config.probe_k, config.out_k, bf)
-    k0 = max(min(k0, max_len), bf)  # never wider than the longest queried segment
-    probe_k = min(config.probe_k, k0)
-    out_k = min(config.out_k, k0)
+    k0, probe_k, out_k = _widths(config, max_len)
     skw = {} if sel is None else {"sel": sel}
     p_sc, p_rows, mean, ent, count = be.probe(view, Q, qseg, k0, probe_k, config.temperature, config.entropy, **skw)
     ps, pr = p_sc.numpy(), p_rows.numpy()
