@@ -791,10 +791,11 @@ def _search_chunk(
     if k_scan != k0:  # what the other paths see: the probe of width k0 (a prefix)
         p_sc, p_rows = p_sc[:, :k0].contiguous(), p_rows[:, :k0].contiguous()
     if mode == "rfmem" and router is not None:  # a router object / file: on the host
-        sig = ProbeSignals.from_arrays(p_sc[:, :probe_k], mean, ent, count)
-        routes, rule = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev) for a in router.route(sig))
+        routes, rule = (torch.from_numpy(a).to(dev) for a in _routes_host(mode, router, config, b, p_sc[:, :probe_k],
+                                                                          mean, ent, count))  # fmt: skip
     elif mode == "rfmem" and host:  # numpy: a few us, where torch's dispatches cost ~0.1 ms
-        routes, rule = (torch.from_numpy(a) for a in route(mean.numpy(), ent.numpy(), count.numpy(), config))
+        routes, rule = (torch.from_numpy(a) for a in _routes_host(mode, None, config, b, None, mean.numpy(),
+                                                                  ent.numpy(), count.numpy()))  # fmt: skip
     elif mode == "rfmem":
         routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     else:
@@ -891,6 +892,22 @@ def _widths(config: RFMemConfig, max_len: int, depth: int = 0) -> tuple[int, int
     return k0, min(config.probe_k, k0), min(config.out_k, k0)
 
 
+def _routes_host(mode: str, router: Router | None, config: RFMemConfig, b: int, probe_scores: Any, mean: Any,
+                 entropy: Any, count: Any) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(routes, rule) int64 [b] on the host: ``router``'s (a router object / file; it
+    reads the probe's top ``probe_k`` scores and signals), the config's thresholds
+    (:func:`~rfmem_fast.routing.threshold.route`, numpy signals) in mode "rfmem", or
+    the route a forced mode ("dense" / "recollection") names."""
+    if mode == "rfmem" and router is not None:
+        sig = ProbeSignals.from_arrays(probe_scores, mean, entropy, count)
+        routes, rule = (np.ascontiguousarray(a, dtype=np.int64) for a in router.route(sig))
+        return routes, rule
+    if mode == "rfmem":
+        return route(mean, entropy, count, config)
+    forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
+    return np.full(b, forced[0], dtype=np.int64), np.full(b, forced[1], dtype=np.int64)
+
+
 #: A host chunk without query texts, re-ranker, merge or profile prior runs
 #: :func:`_search_chunk_host` (numpy between the backend calls) instead of the general
 #: tensor path of :func:`_search_chunk`; both give the same values
@@ -915,15 +932,7 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     if ps.dtype != np.float32:
         ps = ps.astype(np.float32)
     mean_np, ent_np, cnt_np = mean.numpy(), ent.numpy(), count.numpy()
-    if mode == "rfmem" and router is not None:  # a router object / file
-        sig = ProbeSignals.from_arrays(ps[:, :probe_k], mean_np, ent_np, cnt_np)
-        routes, rule = (np.ascontiguousarray(a, dtype=np.int64) for a in router.route(sig))
-    elif mode == "rfmem":
-        routes, rule = route(mean_np, ent_np, cnt_np, config)
-    else:
-        forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
-        routes = np.full(b, forced[0], dtype=np.int64)
-        rule = np.full(b, forced[1], dtype=np.int64)
+    routes, rule = _routes_host(mode, router, config, b, ps[:, :probe_k], mean_np, ent_np, cnt_np)
     rows, scores = pr[:, :out_k], ps[:, :out_k]
     fam_dense = scores
     rounds = np.zeros(b, dtype=np.int64)
