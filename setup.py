@@ -225,7 +225,7 @@ EXTRAS: dict[str, list[str]] = {
     # TextEncoder(backend="onnx"): ONNX Runtime MiniLM, exported locally with torch.onnx
     # (TorchScript exporter) + onnxruntime's optimizer / dynamic quantiser; onnx for
     # the graph tools. ~45 MB of wheels, CPU only: part of [all] and [test]
-    "onnx": ["onnxruntime", "onnx"],
+    "onnx": ["onnxruntime", "onnx", "onnx_ir"],
     # rfmem_fast.integrations.langchain: a langchain-core BaseRetriever
     "langchain": ["langchain-core"],
     # rfmem_fast.integrations.llamaindex: a llama-index-core retriever
