@@ -67,8 +67,8 @@ __all__ = [
     "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS",
 ]
 
-#: ONNX backend: a forward pass holds texts with at least this fraction of the tokens
-#: of its longest one (fewer start a new pass: less padding, :meth:`_OnnxRunner.encode`)
+#: a forward pass (torch and ONNX) holds texts with at least this fraction of the tokens
+#: of its longest one (fewer start a new pass: less padding, :func:`_passes`)
 PASS_LENGTH_RATIO = 0.75
 
 #: ONNX int8 encoder: texts of at most this many tokens (special tokens included) run in
@@ -645,21 +645,21 @@ class TextEncoder:
         if self._onnx is not None:
             with self._lock:
                 return self._onnx.encode(items, self._batch_size)
-        with self._lock, self._precision(), self._threads():
-            out = self._model.encode(
-                items,
-                batch_size=self._batch_size,
-                show_progress_bar=show,
-                convert_to_numpy=True,
-                normalize_embeddings=True,
-            )
-        arr = np.ascontiguousarray(np.asarray(out), dtype=np.float32)
-        if arr.ndim != 2 or arr.shape != (n, self._dim):  # pragma: no cover - defensive
-            raise RuntimeError(
-                f"encoder returned shape {arr.shape}, expected {(n, self._dim)}"
-            )
-        if self._autocast is not None:  # unit norm in float32 whatever the pass computed in
-            arr /= np.linalg.norm(arr, axis=1, keepdims=True)
+        import torch
+
+        arr = np.empty((n, self._dim), dtype=np.float32)
+        with self._lock, self._precision(), self._threads(), torch.inference_mode():
+            self._model.eval()
+            with _progress(show, n) as bar:
+                for rows, feats, _ in _passes(self._model, items, self._batch_size):
+                    feats = {k: (v.to(self._device) if isinstance(v, torch.Tensor) else v) for k, v in feats.items()}
+                    emb = self._model(feats)["sentence_embedding"]
+                    if emb.shape != (len(rows), self._dim):  # pragma: no cover - defensive
+                        raise RuntimeError(f"encoder returned shape {tuple(emb.shape)}, expected {(len(rows), self._dim)}")
+                    arr[rows] = emb.float().cpu().numpy()
+                    bar.update(len(rows))
+        # unit norm in float32 whatever the pass computed in
+        arr /= np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr
 
     @contextlib.contextmanager
@@ -696,7 +696,7 @@ class _OnnxRunner:
     """ONNX Runtime sessions over the exported graphs of a sentence-transformers model.
 
     Tokenises with the model's own ``preprocess`` (the same ids, truncation and padding
-    as the torch path), in length-sorted batches like ``SentenceTransformer.encode``,
+    as the torch path), in the passes of :func:`_passes` (as the torch path),
     runs the graph (masked mean pooling inside) and L2-normalises in float32.
 
     ``dtype="float32"``: one session, the float32 graph. ``dtype="int8"``: two sessions,
@@ -741,51 +741,95 @@ class _OnnxRunner:
         self._st = st_model
 
     def encode(self, items: list[str], batch_size: int) -> np.ndarray:
-        """``items`` (n >= 1 str) -> float32 ``[n, d]`` unit rows, in input order.
+        """``items`` (n >= 1 str) -> float32 ``[n, d]`` unit rows, in input order: the
+        passes of :func:`_passes` (int8: split at :data:`INT8_MAX_TOKENS` tokens, the
+        longer texts in the float32 graph), L2-normalised in float32."""
+        out = np.empty((len(items), 0), dtype=np.float32)
+        for rows, feats, long in _passes(self._st, items, batch_size,
+                                         INT8_MAX_TOKENS if self._long is not None else None):
+            feed = {name: (np.zeros(tuple(feats["attention_mask"].shape), dtype=np.int64) if feats.get(name) is None
+                           else np.ascontiguousarray(feats[name].numpy().astype(np.int64, copy=False)))
+                    for name in self._inputs}
+            emb = (self._long if long else self._session).run(None, feed)[0]
+            if out.shape[1] == 0:
+                out = np.empty((len(items), emb.shape[1]), dtype=np.float32)
+            out[rows] = emb
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out
 
-        The texts are tokenised once (the model's ``preprocess``: its ids, truncation
-        and padding), sorted by token count, longest first, and cut into passes of at
-        most ``batch_size`` texts, a new pass starting where a text has fewer than
-        :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one,
-        or (int8) where the texts fall to :data:`INT8_MAX_TOKENS` tokens or fewer; each
-        pass is padded to its own longest text (right padding: the columns past
-        it are dropped). Padding changes nothing but float rounding (cosine > 0.99999
-        between a text alone and in a batch); it only costs time, which this saves: 64
-        PersonaBench questions padded to the longest of them are ~4x the tokens.
-        """
-        block = max(1024, 16 * batch_size)  # tokenised at a time: bounded memory for long lists
-        if len(items) > block:
-            return np.concatenate([self.encode(items[i:i + block], batch_size) for i in range(0, len(items), block)])
-        feats = self._st.preprocess(items)
-        mask = feats["attention_mask"].numpy()
-        lengths = mask.sum(axis=1)
+
+def _passes(st_model: Any, items: list[str], batch_size: int,
+            split_at: int | None = None) -> Iterator[tuple[np.ndarray, dict[str, Any], bool]]:
+    """The forward passes that embed ``items``, shared by the torch and the ONNX paths.
+
+    The texts are tokenised with the model's own ``preprocess`` (its ids, truncation
+    and padding), ``max(1024, 16 * batch_size)`` texts at a time (bounded memory
+    for long lists), sorted by token count, longest first, and cut into passes of at
+    most ``batch_size`` texts, a new pass starting where a text has fewer than
+    :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one, or,
+    with ``split_at``, where the texts fall to ``split_at`` tokens or fewer (a pass
+    holds texts of one side only). Each pass is padded to its own longest text (right
+    padding: the columns past it are dropped). Padding changes nothing but float
+    rounding (cosine > 0.99999 between a text alone and in a batch); it only costs
+    time, which this saves: 64 PersonaBench questions padded to the longest of them
+    (85 tokens; 15.6 on average) are ~4x the tokens (torch bfloat16, one core of an
+    Intel Xeon with AMX: 6.5 ms of CPU per question in one pass, 2.5-2.7 in passes
+    cut this way).
+
+    Args:
+        st_model: the ``SentenceTransformer``.
+        items: n >= 1 str.
+        batch_size: the most texts per pass (int >= 1).
+        split_at: None, or a token count (int) the passes do not straddle.
+
+    Yields:
+        ``(rows, features, long)``: ``rows`` int64 ``[m]``, the indices into ``items``
+        of the pass's texts; ``features`` the model's input dict for them (2-D tensors
+        ``[m, width]`` sliced from ``preprocess``; other entries as ``preprocess`` gave
+        them); ``long`` whether they have more than ``split_at`` tokens (False without).
+    """
+    import torch
+
+    block = max(1024, 16 * batch_size)
+    for b0 in range(0, len(items), block):
+        feats = st_model.preprocess(items[b0:b0 + block])
+        mask = feats["attention_mask"]
+        lengths = mask.sum(dim=1).numpy()
+        n = len(lengths)
+        right_padded = n == 0 or mask.shape[1] == 0 or bool(torch.all(mask[:, 0] == 1))
         order = np.argsort(-lengths, kind="stable")
-        right_padded = bool(np.all(mask[:, 0] == 1)) or mask.shape[1] == 0
-        arrays = {}
-        for name in self._inputs:
-            v = feats.get(name)
-            arrays[name] = (np.zeros(mask.shape, dtype=np.int64) if v is None
-                            else v.numpy().astype(np.int64, copy=False))
-        parts: list[np.ndarray] = []
         start = 0
-        n = len(items)
         while start < n:
             first = int(lengths[order[start]])
-            long = self._long is not None and first > INT8_MAX_TOKENS
+            long = split_at is not None and first > split_at
             stop = start + 1
             while (stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first
-                   and (not long or lengths[order[stop]] > INT8_MAX_TOKENS)):
+                   and (not long or lengths[order[stop]] > split_at)):
                 stop += 1
             rows = order[start:stop]
             width = max(first, 1) if right_padded else mask.shape[1]
-            feed = {name: np.ascontiguousarray(a[rows, :width]) for name, a in arrays.items()}
-            parts.append((self._long if long else self._session).run(None, feed)[0])
+            picked = torch.from_numpy(rows)
+            yield b0 + rows, {k: (v[picked, :width].contiguous() if isinstance(v, torch.Tensor) and v.ndim == 2 else v)
+                              for k, v in feats.items()}, long
             start = stop
-        sorted_out = np.concatenate(parts, axis=0).astype(np.float32, copy=False)
-        out = np.empty_like(sorted_out)
-        out[order] = sorted_out
-        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-        return np.ascontiguousarray(out)
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Any]:
+    """A tqdm bar over ``total`` texts when ``show``, else an object whose ``update``
+    does nothing."""
+    if not show:
+        yield _NoBar()
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc="Encoding", unit="text") as bar:
+        yield bar
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        """Nothing: the progress bar is off."""
 
 
 def _stderr_isatty() -> bool:

@@ -582,3 +582,48 @@ def test_onnx_int8_does_not_depend_on_its_pass(enc_int8: TextEncoder) -> None:
     single = np.stack([enc_int8.encode([t])[0] for t in qs])
     assert (batched * single).sum(axis=1).min() > 0.99999
     assert np.abs(batched - single).max() < 1e-4
+
+
+def test_passes_cover_every_text_once_cut_by_length() -> None:
+    """rfmem_fast.encoders._passes (the torch and ONNX paths' forward passes): every
+    text in exactly one pass; at most batch_size texts; a pass's texts have at least
+    PASS_LENGTH_RATIO of its first (longest) text's tokens, and it is padded to that
+    one; with split_at no pass straddles the split; lists longer than one tokenised
+    block (1024 texts here) come out with their global indices."""
+    import torch
+    from rfmem_fast.encoders import PASS_LENGTH_RATIO, _passes
+    from sentence_transformers import SentenceTransformer
+    from rfmem_fast.models import default_model_path
+
+    st = SentenceTransformer(default_model_path(), device="cpu", local_files_only=True)
+    rng = np.random.default_rng(3)
+    words = ["memory", "retrieval", "the", "a", "conversation", "yesterday", "Caroline", "adopt"]
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(1, 90)))) for _ in range(1100)]
+    lengths = np.array([len(ids) for ids in st.tokenizer(texts, truncation=True, max_length=st.max_seq_length)["input_ids"]])
+    for batch_size, split_at in ((16, None), (64, 40), (1, None)):
+        seen = np.zeros(len(texts), dtype=int)
+        for rows, feats, long in _passes(st, texts, batch_size, split_at):
+            seen[rows] += 1
+            assert 1 <= len(rows) <= batch_size
+            first, lens = lengths[rows[0]], lengths[rows]
+            assert lens.max() == first and lens.min() >= PASS_LENGTH_RATIO * first
+            assert feats["input_ids"].shape == (len(rows), first)
+            assert torch.equal(feats["attention_mask"].sum(dim=1), torch.as_tensor(lens))
+            ids = st.tokenizer([texts[int(rows[-1])]], truncation=True, max_length=st.max_seq_length)["input_ids"][0]
+            assert feats["input_ids"][-1, :len(ids)].tolist() == ids
+            if split_at is not None:
+                assert long == bool(first > split_at) and (lens > split_at).all() == long
+            else:
+                assert long is False
+        assert (seen == 1).all()
+
+
+def test_torch_passes_equal_sentence_transformers_encode(enc: TextEncoder) -> None:
+    """The torch path (length-cut passes of _passes) against sentence-transformers' own
+    encode of the same texts, one at a time (no padding at all): the same float32
+    embeddings to float rounding, for texts of 3 to 256+ tokens mixed in one call."""
+    texts = _pb_questions(20) + ["word " * 400, "short", "a somewhat longer sentence " * 12]
+    got = enc.encode(texts)
+    ref = np.stack([enc._model.encode([t], convert_to_numpy=True, normalize_embeddings=True)[0] for t in texts])
+    assert got.shape == ref.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, atol=2e-6)
