@@ -1,8 +1,9 @@
 """Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench (issue 21, item 1).
 
 Side by side in one run, for each option (``--options``, default
-``torch:float32,torch:bfloat16,onnx:float32,onnx:int8``; ``backend:dtype`` of
-:class:`rfmem_fast.encoders.TextEncoder`):
+``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:int8``; ``backend:dtype`` of
+:class:`rfmem_fast.encoders.TextEncoder`; ``st:<dtype>`` is the torch encoder before issue 21,
+sentence-transformers' own ``encode``: :class:`StEncode`, the goals' "today's" encoder):
 
 1. speed: milliseconds per text of ``TextEncoder.encode`` called on B PersonaBench
    questions at a time (``--calls``, default 1, 8, 64), and on B = 64 chunks (longer
@@ -89,6 +90,25 @@ class Precomputed:
         return np.stack([self._table[t] for t in texts]).astype(np.float32) if texts else np.zeros((0, self.dim), np.float32)
 
 
+class StEncode:
+    """The torch encoder as it was before issue 21 (the goals' "today's" encoder):
+    sentence-transformers' own ``encode`` of a torch :class:`TextEncoder`'s model, at the
+    encoder's precision and threads: its passes are ``batch_size`` texts sorted by
+    characters and padded to the longest, where :class:`TextEncoder` now cuts passes by
+    token count (``rfmem_fast.encoders._passes``). Option ``st:<dtype>``."""
+
+    def __init__(self, enc: Any) -> None:
+        self._enc, self.dim, self.dtype, self.backend, self.onnx_file = enc, enc.dim, enc.dtype, "st", None
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        enc = self._enc
+        with enc._lock, enc._precision(), enc._threads():
+            out = enc._model.encode(list(texts), batch_size=64, show_progress_bar=False,
+                                    convert_to_numpy=True, normalize_embeddings=True)
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
 def _turned(x: np.ndarray, cos: float, rng: np.random.Generator) -> np.ndarray:
     """Each unit row of ``x`` turned by the angle arccos(``cos``) towards a random
     orthogonal direction (so its cosine to the original is ``cos``), float32."""
@@ -131,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
-    p.add_argument("--options", default="torch:float32,torch:bfloat16,onnx:float32,onnx:int8",
-                   help="comma list of backend:dtype; the first is the reference")
+    p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:int8",
+                   help="comma list of backend:dtype (backend 'st': sentence-transformers' own encode, "
+                        "the encoder before issue 21); the first is the reference")
     p.add_argument("--calls", default="1,8,64", help="texts per encode call")
     p.add_argument("--questions", type=int, default=128, help="questions timed per cell")
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (the best is kept)")
@@ -144,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     options = []
     for item in args.options.split(","):
         backend, _, dtype = item.strip().partition(":")
+        if backend == "st":  # StEncode: the torch encoder before issue 21
+            options.append((backend, dtype or "float32"))
+            continue
         try:
             check_backend(backend, dtype or "float32", "--options backend", "--options dtype")
         except (TypeError, ValueError) as e:
@@ -184,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     for backend, dtype in options:
         label = f"{backend}:{dtype}"
         t0 = time.perf_counter()
-        enc = TextEncoder(show_progress=False, dtype=dtype, backend=backend, batch_size=64)
+        enc = TextEncoder(show_progress=False, dtype=dtype, backend="torch" if backend == "st" else backend,
+                          batch_size=64)
+        if backend == "st":
+            enc = StEncode(enc)
         load_s = time.perf_counter() - t0
         say(f"{label} (runs as {enc.backend}:{enc.dtype}; loaded in {load_s:.1f} s)")
         enc.encode(timed[:16])  # warm-up
@@ -242,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     doc["load"]["loadavg_end"] = _loadavg()
 
     by = {(r["option"], r["texts"], r["call"]): r["cpu_ms_per_text"] for r in doc["speed"]}
-    base = "torch:bfloat16"
+    # the goals' "today's bfloat16 torch encoder": sentence-transformers' encode (st:) where
+    # it is among the options, else the torch encoder
+    base = "st:bfloat16" if "st:bfloat16" in doc["settings"]["options"] else "torch:bfloat16"
+    doc["goals_base"] = base
     goals: dict[str, Any] = {}
     if any(o == base for o in doc["settings"]["options"]):
         ref_label = doc["settings"]["options"][0]
@@ -251,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sp = {f"questions_call{c}": by[(base, "questions", c)] / by[(label, "questions", c)] for c in calls}
             sp["chunks_call64"] = by[(base, "chunks", 64)] / by[(label, "chunks", 64)]
-            g: dict[str, Any] = {"speedup_vs_torch_bfloat16": sp}
+            g: dict[str, Any] = {"speedup_vs_base": sp}
             if doc["quality"]:
                 dr = 100 * (doc["quality"][label]["rfmem"]["recall@10"] - doc["quality"][ref_label]["rfmem"]["recall@10"])
                 g["rfmem_recall10_delta_points"] = dr

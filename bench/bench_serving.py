@@ -147,6 +147,9 @@ CONFIGS = {
     # products: rfmem_fast.encoders.resolve_backend), and with the float32 ONNX encoder forced
     "int8": lambda a: ["--max-batch", str(a.max_batch), "--encoder-dtype", "int8"],
     "float32": lambda a: ["--max-batch", str(a.max_batch), "--encoder-backend", "onnx", "--encoder-dtype", "float32"],
+    # the default server with the torch bfloat16 encoder (passes cut by length): the faster
+    # one for batches on a CPU with AMX (docs/benchmarks/serving.md, "Encoder runtimes")
+    "torch-bf16": lambda a: ["--max-batch", str(a.max_batch), "--encoder-backend", "torch", "--encoder-dtype", "bfloat16"],
 }
 LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
@@ -158,6 +161,7 @@ LABELS = {
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
     "int8": "the default server with --encoder-dtype int8 (ONNX int8 encoder: MatMulNBits, texts over 64 tokens in float32)",
     "float32": "the default server with the ONNX float32 encoder forced (--encoder-backend onnx --encoder-dtype float32)",
+    "torch-bf16": "the default server with the torch bfloat16 encoder (--encoder-backend torch --encoder-dtype bfloat16)",
 }
 #: configurations run from the --baseline-ref tree when one is given (the server before)
 BASELINE_CONFIGS = ("unpipelined",)
