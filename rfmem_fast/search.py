@@ -58,7 +58,7 @@ from ._validate import _NORM_EPS, as_float_matrix, l2_normalize_rows
 from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
-from .device import to_device
+from .device import host_array, to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
@@ -926,12 +926,10 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     Returns :func:`_host_fields`' input (host arrays of the tensor fields)."""
     b = Q.shape[0]
     k0, probe_k, out_k = _widths(config, max_len)
-    skw = {} if sel is None else {"sel": sel}
-    p_sc, p_rows, mean, ent, count = be.probe(view, Q, qseg, k0, probe_k, config.temperature, config.entropy, **skw)
-    ps, pr = p_sc.numpy(), p_rows.numpy()
+    Qh, seg = host_array(Q, torch.float32), host_array(qseg, torch.int64)
+    ps, pr, mean_np, ent_np, cnt_np = be.probe_host(view, Qh, seg, k0, probe_k, config.temperature, config.entropy, sel)
     if ps.dtype != np.float32:
         ps = ps.astype(np.float32)
-    mean_np, ent_np, cnt_np = mean.numpy(), ent.numpy(), count.numpy()
     routes, rule = _routes_host(mode, router, config, b, ps[:, :probe_k], mean_np, ent_np, cnt_np)
     rows, scores = pr[:, :out_k], ps[:, :out_k]
     fam_dense = scores
@@ -943,19 +941,20 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     everyone = nreco == b  # (then the driver's arrays are the result: no selection)
     if mode != "dense" and nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), torch.from_numpy(reco), sel)
+        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), reco, sel)
+        o_rows, o_scores, o_rounds, o_dense = out
         rc = reco[:, None]
-        rows = out.rows.numpy() if everyone else np.where(rc, out.rows.numpy(), rows)
-        scores = out.scores.numpy() if everyone else np.where(rc, out.scores.numpy(), scores)
-        if out.dense is not None:
-            fam_dense = out.dense.numpy() if everyone else np.where(rc, out.dense.numpy(), fam_dense)
+        rows = o_rows if everyone else np.where(rc, o_rows, rows)
+        scores = o_scores if everyone else np.where(rc, o_scores, scores)
+        if o_dense is not None:
+            fam_dense = o_dense if everyone else np.where(rc, o_dense, fam_dense)
         else:
             fam_ok = ~reco
-        rounds = out.rounds.numpy()
+        rounds = o_rounds
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
     # the native driver (NaN only where there is no hit); the others re-scored exactly
     # (as _hit_scores on the host)
-    if out is not None and everyone and out.dense is not None:
+    if out is not None and everyone and fam_ok is None:
         dense = fam_dense  # the driver's: NaN exactly where there is no hit
     else:
         ok = rows >= 0
@@ -964,8 +963,7 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     if out is not None and fam_ok is not None:  # (a hit without a known score: only with fam_ok)
         qi, ci = np.nonzero(ok & np.isnan(dense))
         if qi.shape[0]:
-            dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Q.detach().to(torch.float32).numpy(), qi,
-                                                 rows[qi, ci])  # fmt: skip
+            dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Qh, qi, rows[qi, ci])
     W, P = config.out_k, config.probe_k
     return dict(
         rows=_pad_np(rows, W, -1),
@@ -1562,6 +1560,21 @@ def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor,
     if be.fused_driver():
         return be.recollect(view, Q, qseg, config, level0=level0, active=active, **skw)
     return _recollection.recollect(be, view, Q, qseg, config, level0, active, **skw)
+
+
+def _recollect_host(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, config: RFMemConfig,
+                    level0: tuple[np.ndarray, np.ndarray], active: np.ndarray, sel: RowSelection | None) -> tuple:
+    """:func:`_recollect` on host arrays (the host fast path): the backend's fused driver
+    through :meth:`~rfmem_fast.backends.base.Backend.recollect_host` when in effect, else
+    the Python driver on tensors sharing the arrays' memory.
+
+    Returns:
+        (rows [b, out_k], scores, rounds [b], dense [b, out_k] or None) host arrays.
+    """
+    if be.fused_driver():
+        return be.recollect_host(view, Q, seg, config, level0, active, sel)
+    t = torch.from_numpy
+    return _recollect(be, view, t(Q), t(seg), config, (t(level0[0]), t(level0[1])), t(active), sel).host()
 
 
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:

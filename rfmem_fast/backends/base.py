@@ -89,6 +89,12 @@ class RecollectionOutput:
     hit_rows: torch.Tensor | None = None
     dense: torch.Tensor | None = None
 
+    def host(self) -> tuple:
+        """(rows, scores, rounds, dense or None) as host numpy arrays (``hit_rows`` left out):
+        what :meth:`Backend.recollect_host` returns."""
+        rows, scores, rounds = (t.detach().cpu().numpy() for t in (self.rows, self.scores, self.rounds))
+        return rows, scores, rounds, None if self.dense is None else self.dense.detach().cpu().numpy()
+
 
 def recollection_capacity(config: RFMemConfig) -> int:
     """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
@@ -412,6 +418,54 @@ class Backend:
         scores, rows = self.segmented_topk(view, Q, qseg, k, **({} if sel is None else {"sel": sel}))
         mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
         return scores, rows, mean, ent, count
+
+    # ------------------------------------------------------------ host arrays
+    def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,
+                   convention: str, sel: RowSelection | None = None) -> tuple:  # fmt: skip
+        """:meth:`probe` on host arrays: what the search's host fast path calls for a chunk on
+        the CPU (:func:`rfmem_fast.search._search_chunk_host`); the same values.
+
+        Args:
+            view: the bank (a CPU backend's view).
+            Q: float32 [b, d] C-contiguous queries; seg: int64 [b] segment indices.
+            k, probe_k, temperature, convention, sel: as :meth:`probe`.
+
+        Returns:
+            (scores [b, k], rows int64 [b, k], mean float64 [b], entropy float64 [b],
+            count int64 [b]) numpy arrays (scores float32 but on a backend that returns
+            another float type).
+
+        The default wraps :meth:`probe` (tensors sharing the arrays' memory); the native
+        backend calls its kernel directly.
+        """
+        out = self.probe(view, torch.from_numpy(Q), torch.from_numpy(seg), k, probe_k, temperature, convention,
+                         **({} if sel is None else {"sel": sel}))  # fmt: skip
+        return tuple(t.detach().cpu().numpy() for t in out)
+
+    def recollect_host(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config: RFMemConfig,
+                       level0: tuple[np.ndarray, np.ndarray], active: np.ndarray,
+                       sel: RowSelection | None = None) -> tuple:  # fmt: skip
+        """:meth:`recollect` (the fused driver, for a backend whose :meth:`fused_driver` is in
+        effect) on host arrays, for the search's host fast path; the same values.
+
+        Args:
+            view: the bank; q0: float32 [b, d] C-contiguous queries; seg: int64 [b].
+            config: as :meth:`recollect`.
+            level0: the probe's (scores float32 [b, k0], rows int64 [b, k0]) host arrays.
+            active: bool [b], the queries to recollect.
+            sel: as :meth:`recollect`.
+
+        Returns:
+            (rows int64 [b, out_k], scores float32 [b, out_k], rounds int64 [b], dense
+            float32 [b, out_k] or None) numpy arrays: :class:`RecollectionOutput`'s fields
+            but ``hit_rows``.
+
+        The default wraps :meth:`recollect`.
+        """
+        out = self.recollect(view, torch.from_numpy(q0), torch.from_numpy(seg), config,
+                             level0=(torch.from_numpy(level0[0]), torch.from_numpy(level0[1])),
+                             active=torch.from_numpy(active), **({} if sel is None else {"sel": sel}))  # fmt: skip
+        return out.host()
 
     # ------------------------------------------------------------ filtered search
     def selection_view(self, view: BankView, sel: RowSelection) -> tuple[BankView, torch.Tensor]:
