@@ -155,7 +155,9 @@ def to_device(array: np.ndarray | torch.Tensor, device: str | torch.device) -> t
         torch.Tensor on ``device`` (same dtype).
     """
     t = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    if dev.type == "cpu" and isinstance(array, np.ndarray):
+        return t  # (from_numpy made a CPU tensor: nothing to move)
     if dev.type != "cuda" or t.device.type == "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)

@@ -257,9 +257,10 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.n
     item_ids = snap.item_ids
     texts = snap.texts  # None when no item has a text
     rows, probe_rows = t["rows"], t["probe_rows"]
+    full, probe_full = _unpadded(rows), _unpadded(probe_rows)
     return dict(
-        ids=_lookup(item_ids, rows),
-        texts=_lookup(texts, rows),
+        ids=_lookup(item_ids, rows, full),
+        texts=_lookup(texts, rows, full),
         rows=rows,
         scores=t["scores"].astype(np.float32, copy=False),
         route=t["route"].astype(np.int64, copy=False),
@@ -267,8 +268,8 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.n
         entropy=t["entropy"].astype(np.float64, copy=False),
         rule=t["rule"].astype(np.int64, copy=False),
         rounds=t["rounds"].astype(np.int64, copy=False),
-        probe_ids=_lookup(item_ids, probe_rows),
-        probe_texts=_lookup(texts, probe_rows),
+        probe_ids=_lookup(item_ids, probe_rows, probe_full),
+        probe_texts=_lookup(texts, probe_rows, probe_full),
         probe_scores=t["probe_scores"].astype(np.float32, copy=False),
         dense_scores=t["dense_scores"].astype(np.float32, copy=False),
         lexical_scores=t["lexical_scores"].astype(np.float32, copy=False),
@@ -369,7 +370,9 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
              device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None,
              filters: Any = None) -> tuple:  # fmt: skip
     """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts,
-    the compiled filters: a RowSelection or None)."""
+    the compiled filters: a RowSelection or None). ``Q`` / ``qseg``: numpy arrays for host
+    queries and a CPU backend (no tensor until a chunk needs one), else tensors on the
+    backend's device."""
     config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -385,13 +388,15 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     texts = check_query_texts(query_texts, b, config)
     router = _resolve_router(mode, config, router)
     be = get_backend(backend, device)
-    dev = torch.device(be.device)
+    dev, on_cpu, _ = be.placement()
     if tensor_in:
         Q = _as_query_tensor(queries, bank.dim, dev)
         if expansions is not None:
             Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
-    else:
-        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
+    else:  # host arrays stay numpy for a CPU backend (search_tensors takes both)
+        Q = fold_expansions(q_np, expansions, config.expansion_weight)
+        if not on_cpu:
+            Q = to_device(Q, dev)
     view = be.view(bank)  # one immutable snapshot for the whole call
     snap = view.snapshot
     if snap.vectors.shape[0] == 0:
@@ -401,7 +406,7 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
         lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
-    qseg = to_device(seg, dev)
+    qseg = seg if on_cpu and not tensor_in else to_device(seg, dev)
     if b <= max_batch:  # one chunk (Python ints: a numpy reduction of a few values costs more)
         ll = lens.tolist()
         hints = [(max(ll), float(sum(ll)) * bank.dim)] if b else []
@@ -687,21 +692,31 @@ def search_tensors(
         bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
     parts: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
+    on_host = isinstance(Q, np.ndarray) or Q.device.type == "cpu"
+    # a host chunk without texts, re-ranker, merge or profile prior: numpy between the backend calls
+    fast = (HOST_FAST_PATH and host_output and on_host and query_texts is None and reranker is None and pools is None
+            and config.profile_weight == 0 and config.merge == "none")  # fmt: skip
+    one = b <= max_batch  # (one chunk: the whole batch, without a slice's dispatch)
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
         ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
-        # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
-        with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
-            part = _search_chunk(
-                backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
-                host=host_output and Q.device.type == "cpu",
-                texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
-                sel=_chunk_selection(selection, c0, max_batch),
-            )  # fmt: skip
+        Qc, sc = (Q, qseg) if one else (Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch])
+        sel_c = _chunk_selection(selection, c0, max_batch)
+        if fast:
+            part = _host_chunk(backend, view, Qc, sc, ml, work, config, mode, router, sel_c)
+        else:
+            # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
+            with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
+                part = _search_chunk(
+                    backend, view, _tensor_in(Qc), _tensor_in(sc), ml, config, mode, router, reranker, pools,
+                    host=host_output and on_host, texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
+                    sel=sel_c,
+                )  # fmt: skip
         if not host_output:
             parts.append(part)
             continue
-        part = _host_fields({k: v if isinstance(v, np.ndarray) else v.cpu().numpy() for k, v in part.items()},
-                            view.snapshot)  # (a host chunk may come as numpy already: _search_chunk_host)
+        if not fast:  # (a host chunk comes as numpy already: _search_chunk_host)
+            part = {k: v.cpu().numpy() for k, v in part.items()}
+        part = _host_fields(part, view.snapshot)
         if b <= max_batch:
             return part
         if not host:  # written in place: no second copy of a huge batch
@@ -747,9 +762,6 @@ def _search_chunk(
     one-query batch) and a chunk where no query recollects skips the beam driver. Else
     (device-resident batches) nothing here reads a device value on the host (except
     with query texts: the lexical channel runs on the host, :func:`_hybrid`)."""
-    if (HOST_FAST_PATH and host and texts is None and reranker is None and pools is None and config.profile_weight == 0
-            and config.merge == "none"):  # fmt: skip
-        return _search_chunk_host(be, view, Q, qseg, max_len, config, mode, router, sel)
     b = Q.shape[0]
     dev = Q.device
     if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
@@ -916,17 +928,48 @@ def _routes_host(mode: str, router: Router | None, config: RFMemConfig, b: int, 
 HOST_FAST_PATH = True
 
 
-def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tensor, max_len: int,
+def _tensor_in(x: Any) -> torch.Tensor:
+    """A chunk's queries / segments as a tensor (a host array shares its memory)."""
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _host_in(x: Any, dtype: type, tdtype: torch.dtype) -> np.ndarray:
+    """A chunk's queries / segments as a C-contiguous host array of ``dtype`` (no copy when it is one)."""
+    return np.ascontiguousarray(x, dtype=dtype) if isinstance(x, np.ndarray) else host_array(x, tdtype)
+
+
+def _host_chunk(be: Backend, view: Any, Q: Any, qseg: Any, max_len: int, work: float | None, config: RFMemConfig,
+                mode: str, router: Router | None, sel: RowSelection | None) -> dict[str, np.ndarray]:  # fmt: skip
+    """A host chunk of :func:`search_tensors` through :func:`_search_chunk_host` (host arrays
+    ``Q`` / ``qseg``, or CPU tensors), with one torch thread for a small chunk unless it
+    runs no torch operation (a backend whose ``host_torch_free`` holds, in mode "dense" or
+    with its fused driver)."""
+    Qh, seg = _host_in(Q, np.float32, torch.float32), _host_in(qseg, np.int64, torch.int64)
+    if work is None or (be.host_torch_free and (mode == "dense" or be.fused_driver())):
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel)
+    with limit_torch_threads(work, be.device):
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel)
+
+
+def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, max_len: int,
                        config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None
                        ) -> dict[str, np.ndarray]:  # fmt: skip
     """:func:`_search_chunk` on a host chunk without texts, re-ranker, merge or profile
     prior: the same steps and values (probe, routing, the beam driver, the hits' exact
-    dense scores) with numpy arrays between the backend calls instead of torch tensors,
-    so a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch.
+    dense scores) with numpy arrays between the backend calls
+    (:meth:`~rfmem_fast.backends.base.Backend.probe_host`,
+    :meth:`~rfmem_fast.backends.base.Backend.recollect_host`) instead of torch tensors:
+    a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch, and,
+    right after a kernel's scan has evicted the caches, ~5 us per numpy call where a
+    torch call costs 10-20 us (bench/bench_single_query.py, issue 21).
+
+    Args:
+        Qh: float32 [c, d] C-contiguous unit queries; seg: int64 [c] their segments;
+        the others as :func:`_search_chunk`.
+
     Returns :func:`_host_fields`' input (host arrays of the tensor fields)."""
-    b = Q.shape[0]
+    b = Qh.shape[0]
     k0, probe_k, out_k = _widths(config, max_len)
-    Qh, seg = host_array(Q, torch.float32), host_array(qseg, torch.int64)
     ps, pr, mean_np, ent_np, cnt_np = be.probe_host(view, Qh, seg, k0, probe_k, config.temperature, config.entropy, sel)
     if ps.dtype != np.float32:
         ps = ps.astype(np.float32)
@@ -1597,10 +1640,17 @@ def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:
     return torch.nn.functional.pad(a, (0, width - a.shape[1]), value=value)
 
 
-def _lookup(item_ids: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+def _unpadded(rows: np.ndarray) -> bool:
+    """Whether ``rows`` (int64, any shape) is non-empty and holds no padding (-1)."""
+    return bool(rows.size) and int(np.minimum.reduce(rows, axis=None)) >= 0
+
+
+def _lookup(item_ids: np.ndarray | None, rows: np.ndarray, full: bool | None = None) -> np.ndarray:
     """object [rows.shape]: ``item_ids[rows]`` where rows >= 0, None elsewhere (all None
-    when ``item_ids`` is None)."""
-    if item_ids is not None and item_ids.dtype == object and rows.size and rows.min() >= 0:  # no padding: one gather
+    when ``item_ids`` is None). ``full``: :func:`_unpadded` of ``rows`` when known."""
+    if full is None:
+        full = _unpadded(rows)
+    if item_ids is not None and item_ids.dtype == object and full:  # no padding: one gather
         return item_ids[rows]
     out = np.empty(rows.shape, dtype=object)  # an empty object array holds None
     if item_ids is not None:

@@ -130,6 +130,20 @@ class Backend:
     #: :meth:`fused_topk` (the native one); :func:`rfmem_fast.search.search` fuses on the
     #: host with numpy for the others. Both give the same rows and scores.
     has_fused_topk: bool = False
+    #: True for a backend whose :meth:`probe_host` and :meth:`recollect_host` (its fused
+    #: driver) run no torch operation (the native one): the search's host fast path then
+    #: leaves torch's intra-op threads alone (:func:`rfmem_fast.threads.limit_torch_threads`)
+    host_torch_free: bool = False
+
+    def placement(self) -> tuple[torch.device, bool, tuple]:
+        """(``self.device`` as a torch.device, whether it is the CPU, the key of :meth:`view`'s
+        cache), computed once per device object (a search reads them on every call)."""
+        dev = self.device
+        got = self.__dict__.get("_placement")
+        if got is None or got[0] is not dev:
+            d = dev if isinstance(dev, torch.device) else torch.device(dev)
+            got = self.__dict__["_placement"] = (dev, (d, d.type == "cpu", ("view", self.name, str(d))))
+        return got[1]
 
     def bm25_hits(self, users: list, quser: np.ndarray, qterms: np.ndarray, qcnt: np.ndarray,
                   qptr: np.ndarray) -> tuple:  # fmt: skip
@@ -231,7 +245,7 @@ class Backend:
                 X = X.to(self.device)
             return BankView(X=X, offsets=offsets_cpu.to(self.device), offsets_cpu=offsets_cpu, snapshot=snap, Xs=Xs)
 
-        return bank.cached(("view", self.name, str(self.device)), build)
+        return bank.cached(self.placement()[2], build)
 
     # ------------------------------------------------------------ primitives
     def segmented_topk(

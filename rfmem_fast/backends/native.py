@@ -175,6 +175,7 @@ class NativeBackend(Backend):
     name = "native"
     device = torch.device("cpu")
     scans_half = True
+    host_torch_free = True
 
     def __init__(
         self,
