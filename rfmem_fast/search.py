@@ -54,7 +54,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from ._validate import _NORM_EPS, as_float_matrix, l2_normalize_rows
+from ._validate import _NORM_EPS, unit_rows
 from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
@@ -277,8 +277,7 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.n
 
 
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
-    q = as_float_matrix(queries, "queries", dim)
-    return l2_normalize_rows(q, "queries")
+    return unit_rows(queries, "queries", dim)
 
 
 def _as_query_tensor(queries: torch.Tensor, dim: int, device: torch.device) -> torch.Tensor:
@@ -401,18 +400,32 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     snap = view.snapshot
     if snap.vectors.shape[0] == 0:
         raise ValueError("bank is empty: add items before searching")
-    seg = bank.segments_for(users, snapshot=snap)
+    segs = bank.segment_list(users, snapshot=snap)
+    seg = np.asarray(segs, dtype=np.int64)
     sel = compile_filters(bank, snap, seg, filters)
+    qseg = seg if on_cpu and not tensor_in else to_device(seg, dev)
+    if b <= max_batch and sel is None:  # one chunk: Python ints (a numpy call of a few values costs more)
+        seg_len = _segment_lengths(view)
+        ll = [seg_len[u] for u in segs]
+        return config, max_batch, be, view, Q, qseg, [(max(ll), float(sum(ll)) * bank.dim)] if b else [], router, texts, sel
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
         lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
-    qseg = seg if on_cpu and not tensor_in else to_device(seg, dev)
-    if b <= max_batch:  # one chunk (Python ints: a numpy reduction of a few values costs more)
+    if b <= max_batch:
         ll = lens.tolist()
         hints = [(max(ll), float(sum(ll)) * bank.dim)] if b else []
     else:
         hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
     return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
+
+
+def _segment_lengths(view: BankView) -> list[int]:
+    """The rows of every user segment of ``view``'s snapshot as Python ints (memoised on
+    the view, i.e. per snapshot: a write makes a new view)."""
+    got = view._memo.get("segment_lengths")
+    if got is None:
+        got = view._memo["segment_lengths"] = np.diff(view.snapshot.offsets).tolist()
+    return got
 
 
 @dataclass
