@@ -116,17 +116,17 @@ def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
 
 
 def _row_norms(arr: np.ndarray) -> np.ndarray:
-    """float64 [n]: the L2 norm of each row of float32 ``arr`` [n, d] (squares summed in float64)."""
-    a64 = arr.astype(np.float64)
-    return np.sqrt(np.add.reduce(a64 * a64, axis=1))  # np.linalg.norm(a64, axis=1), without its overhead
+    """float64 [n, 1]: the L2 norm of each row of float32 ``arr`` [n, d] (squares in float64,
+    summed pairwise along the row: np.linalg.norm(arr.astype(np.float64), axis=1), without its overhead)."""
+    return np.sqrt(np.add.reduce(np.square(arr, dtype=np.float64), axis=1, keepdims=True))
 
 
 def _divide_rows(arr: np.ndarray, norms: np.ndarray, name: str, checked: bool = False) -> np.ndarray:
-    """``arr`` [n, d] divided by its row norms, rounded to float32; ValueError for a zero
-    norm (<= 1e-12) unless ``checked`` (every norm already known to be > 1e-12)."""
+    """``arr`` [n, d] divided by its row norms ``norms`` [n, 1] (float64), rounded to float32;
+    ValueError for a zero norm (<= 1e-12) unless ``checked`` (every norm known to be > 1e-12)."""
     if not checked and arr.shape[0] and (norms <= _NORM_EPS).any():
         bad = int(np.flatnonzero(norms <= _NORM_EPS)[0])
         raise ValueError(
             f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised"
         )
-    return (arr / norms[:, None]).astype(np.float32)
+    return (arr / norms).astype(np.float32)

@@ -82,6 +82,7 @@ from .routing.threshold import route, route_tensor
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
+_F32 = np.dtype(np.float32)
 #: what :func:`search` returns: "numpy" (a SearchResult) or "torch" (a TensorSearchResult)
 OUTPUTS = ("numpy", "torch")
 #: default number of queries per internal chunk of :func:`search`
@@ -262,18 +263,22 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.n
         ids=_lookup(item_ids, rows, full),
         texts=_lookup(texts, rows, full),
         rows=rows,
-        scores=t["scores"].astype(np.float32, copy=False),
-        route=t["route"].astype(np.int64, copy=False),
-        mean=t["mean"].astype(np.float64, copy=False),
-        entropy=t["entropy"].astype(np.float64, copy=False),
-        rule=t["rule"].astype(np.int64, copy=False),
-        rounds=t["rounds"].astype(np.int64, copy=False),
         probe_ids=_lookup(item_ids, probe_rows, probe_full),
         probe_texts=_lookup(texts, probe_rows, probe_full),
-        probe_scores=t["probe_scores"].astype(np.float32, copy=False),
-        dense_scores=t["dense_scores"].astype(np.float32, copy=False),
-        lexical_scores=t["lexical_scores"].astype(np.float32, copy=False),
+        **{k: _typed(t[k], dt) for k, dt in _HOST_DTYPES},
     )
+
+
+#: the numeric fields of a SearchResult and their dtypes (rows int64 as the backends give it)
+_HOST_DTYPES = tuple((k, np.dtype(d)) for k, d in (
+    ("scores", np.float32), ("route", np.int64), ("mean", np.float64), ("entropy", np.float64), ("rule", np.int64),
+    ("rounds", np.int64), ("probe_scores", np.float32), ("dense_scores", np.float32), ("lexical_scores", np.float32),
+))  # fmt: skip
+
+
+def _typed(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """``a`` as ``dt`` (itself when it is one already: no call beyond the dtype check)."""
+    return a if a.dtype is dt else a.astype(dt, copy=False)
 
 
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
@@ -984,29 +989,34 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
     b = Qh.shape[0]
     k0, probe_k, out_k = _widths(config, max_len)
     ps, pr, mean_np, ent_np, cnt_np = be.probe_host(view, Qh, seg, k0, probe_k, config.temperature, config.entropy, sel)
-    if ps.dtype != np.float32:
+    if ps.dtype is not _F32 and ps.dtype != _F32:
         ps = ps.astype(np.float32)
     routes, rule = _routes_host(mode, router, config, b, ps[:, :probe_k], mean_np, ent_np, cnt_np)
     rows, scores = pr[:, :out_k], ps[:, :out_k]
     fam_dense = scores
     rounds = np.zeros(b, dtype=np.int64)
-    reco = routes == RECOLLECTION
     out = None
     fam_ok = None  # None: every query kept the Familiarity path, or the driver gave its hits' dense scores
-    nreco = int(np.count_nonzero(reco))
+    if mode == "rfmem":
+        reco = routes == RECOLLECTION
+        nreco = int(np.count_nonzero(reco))
+    else:  # a forced mode: its route is known
+        reco, nreco = None, b if mode == "recollection" else 0
     everyone = nreco == b  # (then the driver's arrays are the result: no selection)
-    if mode != "dense" and nreco:
+    if nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), reco, sel)
+        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), None if everyone else reco, sel)
         o_rows, o_scores, o_rounds, o_dense = out
-        rc = reco[:, None]
-        rows = o_rows if everyone else np.where(rc, o_rows, rows)
-        scores = o_scores if everyone else np.where(rc, o_scores, scores)
+        if not everyone:
+            rc = reco[:, None]
+            o_rows, o_scores = np.where(rc, o_rows, rows), np.where(rc, o_scores, scores)
+            if o_dense is not None:
+                o_dense = np.where(rc, o_dense, fam_dense)
+        rows, scores, rounds = o_rows, o_scores, o_rounds
         if o_dense is not None:
-            fam_dense = o_dense if everyone else np.where(rc, o_dense, fam_dense)
+            fam_dense = o_dense
         else:
-            fam_ok = ~reco
-        rounds = o_rounds
+            fam_ok = np.zeros(b, dtype=np.bool_) if everyone else ~reco
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
     # the native driver (NaN only where there is no hit); the others re-scored exactly
     # (as _hit_scores on the host)
@@ -1032,8 +1042,15 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
         probe_rows=_pad_np(pr[:, :probe_k], P, -1),
         probe_scores=_pad_np(ps[:, :probe_k], P, -np.inf),
         dense_scores=_pad_np(dense, W, np.nan),
-        lexical_scores=np.full((b, W), np.nan, dtype=np.float32),
+        lexical_scores=_nan_f32((b, W)),
     )
+
+
+def _nan_f32(shape: tuple) -> np.ndarray:
+    """A new float32 array of ``shape`` filled with NaN (np.full's work in two C calls)."""
+    out = np.empty(shape, dtype=np.float32)
+    out.fill(np.nan)
+    return out
 
 
 def _pad_np(a: np.ndarray, width: int, value: Any) -> np.ndarray:
@@ -1619,10 +1636,11 @@ def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor,
 
 
 def _recollect_host(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, config: RFMemConfig,
-                    level0: tuple[np.ndarray, np.ndarray], active: np.ndarray, sel: RowSelection | None) -> tuple:
+                    level0: tuple[np.ndarray, np.ndarray], active: np.ndarray | None,
+                    sel: RowSelection | None) -> tuple:  # fmt: skip
     """:func:`_recollect` on host arrays (the host fast path): the backend's fused driver
     through :meth:`~rfmem_fast.backends.base.Backend.recollect_host` when in effect, else
-    the Python driver on tensors sharing the arrays' memory.
+    the Python driver on tensors sharing the arrays' memory. ``active`` None: every query.
 
     Returns:
         (rows [b, out_k], scores, rounds [b], dense [b, out_k] or None) host arrays.
@@ -1630,7 +1648,8 @@ def _recollect_host(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray,
     if be.fused_driver():
         return be.recollect_host(view, Q, seg, config, level0, active, sel)
     t = torch.from_numpy
-    return _recollect(be, view, t(Q), t(seg), config, (t(level0[0]), t(level0[1])), t(active), sel).host()
+    act = None if active is None else t(active)
+    return _recollect(be, view, t(Q), t(seg), config, (t(level0[0]), t(level0[1])), act, sel).host()
 
 
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:
@@ -1663,7 +1682,7 @@ def _lookup(item_ids: np.ndarray | None, rows: np.ndarray, full: bool | None = N
     when ``item_ids`` is None). ``full``: :func:`_unpadded` of ``rows`` when known."""
     if full is None:
         full = _unpadded(rows)
-    if item_ids is not None and item_ids.dtype == object and full:  # no padding: one gather
+    if item_ids is not None and item_ids.dtype.kind == "O" and full:  # no padding: one gather
         return item_ids[rows]
     out = np.empty(rows.shape, dtype=object)  # an empty object array holds None
     if item_ids is not None:

@@ -466,7 +466,7 @@ class Backend:
             view: the bank; q0: float32 [b, d] C-contiguous queries; seg: int64 [b].
             config: as :meth:`recollect`.
             level0: the probe's (scores float32 [b, k0], rows int64 [b, k0]) host arrays.
-            active: bool [b], the queries to recollect.
+            active: bool [b], the queries to recollect (None: every query).
             sel: as :meth:`recollect`.
 
         Returns:
@@ -478,7 +478,8 @@ class Backend:
         """
         out = self.recollect(view, torch.from_numpy(q0), torch.from_numpy(seg), config,
                              level0=(torch.from_numpy(level0[0]), torch.from_numpy(level0[1])),
-                             active=torch.from_numpy(active), **({} if sel is None else {"sel": sel}))  # fmt: skip
+                             active=None if active is None else torch.from_numpy(active),
+                             **({} if sel is None else {"sel": sel}))  # fmt: skip
         return out.host()
 
     # ------------------------------------------------------------ filtered search

@@ -457,7 +457,7 @@ class NativeBackend(Backend):
         if self._compacts(sel, active):
             return super().recollect_host(view, q0, seg, config, level0, active, sel)
         b = q0.shape[0]
-        if active.dtype != np.bool_ or active.shape != (b,):
+        if active is not None and (active.dtype.kind != "b" or active.shape != (b,)):
             raise ValueError(f"active must be a bool array of shape [{b}]")
         ref = _probe_ref(q0, seg, level0[0])
         _LAST_PROBE.value = None
