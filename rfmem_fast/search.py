@@ -253,12 +253,17 @@ _TENSOR_FIELDS = (
 )  # fmt: skip
 
 
-def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.ndarray]:
-    """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``)."""
+def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot, full: bool | None = None,
+                 probe_full: bool | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+    """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``);
+    ``full`` / ``probe_full``: :func:`_unpadded` of the rows / probe rows when known."""
     item_ids = snap.item_ids
     texts = snap.texts  # None when no item has a text
     rows, probe_rows = t["rows"], t["probe_rows"]
-    full, probe_full = _unpadded(rows), _unpadded(probe_rows)
+    if full is None:
+        full = _unpadded(rows)
+    if probe_full is None:
+        probe_full = _unpadded(probe_rows)
     return dict(
         ids=_lookup(item_ids, rows, full),
         texts=_lookup(texts, rows, full),
@@ -732,9 +737,10 @@ def search_tensors(
         if not host_output:
             parts.append(part)
             continue
-        if not fast:  # (a host chunk comes as numpy already: _search_chunk_host)
-            part = {k: v.cpu().numpy() for k, v in part.items()}
-        part = _host_fields(part, view.snapshot)
+        if fast:  # numpy already, and whether its rows hold padding
+            part = _host_fields(part[0], view.snapshot, part[1], part[2])
+        else:
+            part = _host_fields({k: v.cpu().numpy() for k, v in part.items()}, view.snapshot)
         if b <= max_batch:
             return part
         if not host:  # written in place: no second copy of a huge batch
@@ -957,7 +963,7 @@ def _host_in(x: Any, dtype: type, tdtype: torch.dtype) -> np.ndarray:
 
 
 def _host_chunk(be: Backend, view: Any, Q: Any, qseg: Any, max_len: int, work: float | None, config: RFMemConfig,
-                mode: str, router: Router | None, sel: RowSelection | None) -> dict[str, np.ndarray]:  # fmt: skip
+                mode: str, router: Router | None, sel: RowSelection | None) -> tuple:  # fmt: skip
     """A host chunk of :func:`search_tensors` through :func:`_search_chunk_host` (host arrays
     ``Q`` / ``qseg``, or CPU tensors), with one torch thread for a small chunk unless it
     runs no torch operation (a backend whose ``host_torch_free`` holds, in mode "dense" or
@@ -971,7 +977,7 @@ def _host_chunk(be: Backend, view: Any, Q: Any, qseg: Any, max_len: int, work: f
 
 def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, max_len: int,
                        config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None
-                       ) -> dict[str, np.ndarray]:  # fmt: skip
+                       ) -> tuple[dict[str, np.ndarray], bool, bool]:  # fmt: skip
     """:func:`_search_chunk` on a host chunk without texts, re-ranker, merge or profile
     prior: the same steps and values (probe, routing, the beam driver, the hits' exact
     dense scores) with numpy arrays between the backend calls
@@ -985,16 +991,21 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
         Qh: float32 [c, d] C-contiguous unit queries; seg: int64 [c] their segments;
         the others as :func:`_search_chunk`.
 
-    Returns :func:`_host_fields`' input (host arrays of the tensor fields)."""
+    Returns:
+        (:func:`_host_fields`' input: host arrays of the tensor fields; whether the rows and
+        the probe rows are free of padding: :func:`_unpadded`, which the dense scores needed).
+    """
     b = Qh.shape[0]
     k0, probe_k, out_k = _widths(config, max_len)
+    W, P = config.out_k, config.probe_k
     ps, pr, mean_np, ent_np, cnt_np = be.probe_host(view, Qh, seg, k0, probe_k, config.temperature, config.entropy, sel)
     if ps.dtype is not _F32 and ps.dtype != _F32:
         ps = ps.astype(np.float32)
-    routes, rule = _routes_host(mode, router, config, b, ps[:, :probe_k], mean_np, ent_np, cnt_np)
-    rows, scores = pr[:, :out_k], ps[:, :out_k]
+    routes, rule = _routes_host(mode, router, config, b, None if router is None else ps[:, :probe_k], mean_np, ent_np,
+                                cnt_np)  # fmt: skip
+    probe_rows, probe_scores = _fit(pr, probe_k, P, -1), _fit(ps, probe_k, P, -np.inf)
+    rows, scores = _fit(pr, out_k, W, -1), _fit(ps, out_k, W, -np.inf)
     fam_dense = scores
-    rounds = np.zeros(b, dtype=np.int64)
     out = None
     fam_ok = None  # None: every query kept the Familiarity path, or the driver gave its hits' dense scores
     if mode == "rfmem":
@@ -1006,22 +1017,28 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
     if nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), None if everyone else reco, sel)
-        o_rows, o_scores, o_rounds, o_dense = out
+        o_rows, o_scores, rounds, o_dense = (_fit(out[0], out_k, W, -1), _fit(out[1], out_k, W, -np.inf), out[2],
+                                             None if out[3] is None else _fit(out[3], out_k, W, np.nan))  # fmt: skip
         if not everyone:
             rc = reco[:, None]
             o_rows, o_scores = np.where(rc, o_rows, rows), np.where(rc, o_scores, scores)
             if o_dense is not None:
                 o_dense = np.where(rc, o_dense, fam_dense)
-        rows, scores, rounds = o_rows, o_scores, o_rounds
+        rows, scores = o_rows, o_scores
         if o_dense is not None:
             fam_dense = o_dense
         else:
             fam_ok = np.zeros(b, dtype=np.bool_) if everyone else ~reco
+    else:
+        rounds = np.zeros(b, dtype=np.int64)
+    full = probe_full = _unpadded(probe_rows)
+    if rows is not probe_rows:
+        full = _unpadded(rows)
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
-    # the native driver (NaN only where there is no hit); the others re-scored exactly
-    # (as _hit_scores on the host)
-    if out is not None and everyone and fam_ok is None:
-        dense = fam_dense  # the driver's: NaN exactly where there is no hit
+    # the native driver (NaN where there is no hit); the others re-scored exactly (as
+    # _hit_scores on the host)
+    if fam_ok is None and (full or (out is not None and everyone)):  # no NaN to place: the known scores
+        dense = fam_dense.copy() if fam_dense is scores else fam_dense
     else:
         ok = rows >= 0
         keep = ok if fam_ok is None else ok & fam_ok[:, None]
@@ -1030,35 +1047,29 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
         qi, ci = np.nonzero(ok & np.isnan(dense))
         if qi.shape[0]:
             dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Qh, qi, rows[qi, ci])
-    W, P = config.out_k, config.probe_k
-    return dict(
-        rows=_pad_np(rows, W, -1),
-        scores=_pad_np(scores, W, -np.inf),
-        route=routes,
-        mean=mean_np,
-        entropy=ent_np,
-        rule=rule,
-        rounds=rounds,
-        probe_rows=_pad_np(pr[:, :probe_k], P, -1),
-        probe_scores=_pad_np(ps[:, :probe_k], P, -np.inf),
-        dense_scores=_pad_np(dense, W, np.nan),
-        lexical_scores=_nan_f32((b, W)),
-    )
+    fields = dict(rows=rows, scores=scores, route=routes, mean=mean_np, entropy=ent_np, rule=rule, rounds=rounds,
+                  probe_rows=probe_rows, probe_scores=probe_scores, dense_scores=dense,
+                  lexical_scores=_filled((b, W), np.nan, np.float32))  # fmt: skip
+    return fields, full, probe_full
 
 
-def _nan_f32(shape: tuple) -> np.ndarray:
-    """A new float32 array of ``shape`` filled with NaN (np.full's work in two C calls)."""
-    out = np.empty(shape, dtype=np.float32)
-    out.fill(np.nan)
+def _fit(a: np.ndarray, k: int, width: int, value: Any) -> np.ndarray:
+    """The first ``k`` columns of ``a`` [b, w >= k] as a C-contiguous [b, width >= k] array,
+    right-padded with ``value`` (``a`` itself when it has exactly ``k`` = ``width`` columns:
+    the backends' arrays are C-contiguous)."""
+    if a.shape[1] > k:
+        a = np.ascontiguousarray(a[:, :k])
+    if a.shape[1] >= width:
+        return a
+    out = _filled((a.shape[0], width), value, a.dtype)
+    out[:, : a.shape[1]] = a
     return out
 
 
-def _pad_np(a: np.ndarray, width: int, value: Any) -> np.ndarray:
-    """``a`` [b, w] right-padded with ``value`` to ``width`` columns (C-contiguous; as :func:`_pad_t`)."""
-    if a.shape[1] >= width:
-        return np.ascontiguousarray(a)
-    out = np.full((a.shape[0], width), value, dtype=a.dtype)
-    out[:, : a.shape[1]] = a
+def _filled(shape: tuple, value: Any, dtype: Any) -> np.ndarray:
+    """A new array of ``shape`` and ``dtype`` filled with ``value`` (np.full's work in two C calls)."""
+    out = np.empty(shape, dtype=dtype)
+    out.fill(value)
     return out
 
 

@@ -470,9 +470,10 @@ class Backend:
             sel: as :meth:`recollect`.
 
         Returns:
-            (rows int64 [b, out_k], scores float32 [b, out_k], rounds int64 [b], dense
-            float32 [b, out_k] or None) numpy arrays: :class:`RecollectionOutput`'s fields
-            but ``hit_rows``.
+            (rows int64 [b, m], scores float32 [b, m], rounds int64 [b], dense float32
+            [b, out_k] or None) numpy arrays: :class:`RecollectionOutput`'s fields but
+            ``hit_rows``, where rows and scores may be wider (m >= out_k: the native
+            driver's discovery slots), their first out_k columns the result.
 
         The default wraps :meth:`recollect`.
         """

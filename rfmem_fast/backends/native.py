@@ -461,9 +461,7 @@ class NativeBackend(Backend):
             raise ValueError(f"active must be a bool array of shape [{b}]")
         ref = _probe_ref(q0, seg, level0[0])
         _LAST_PROBE.value = None
-        rows, scores, rounds, dense = self._recollect_call(view, q0, seg, config, level0[0], level0[1], active, sel, ref)
-        k = config.out_k
-        return rows[:, :k], scores[:, :k], rounds, dense
+        return self._recollect_call(view, q0, seg, config, level0[0], level0[1], active, sel, ref)
 
     def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
         """The C++ driver for a filtered batch: the filtered queries run on the compacted
