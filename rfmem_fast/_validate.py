@@ -109,7 +109,10 @@ def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     """
     arr = as_float_matrix(x, name, dim, check_finite=False)
     norms = _row_norms(arr)
-    ok = not arr.shape[0] or (np.minimum.reduce(norms) > _NORM_EPS and np.maximum.reduce(norms) < np.inf)
+    if norms.shape[0] == 1:  # one query: its norm as a Python float (NaN fails both comparisons)
+        ok = _NORM_EPS < norms.item() < np.inf
+    else:
+        ok = not arr.shape[0] or (np.minimum.reduce(norms) > _NORM_EPS and np.maximum.reduce(norms) < np.inf)
     if not ok:
         as_float_matrix(x, name, dim)  # raises its error for NaN / Inf values
     return _divide_rows(arr, norms, name, checked=ok)

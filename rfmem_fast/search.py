@@ -941,7 +941,7 @@ def _routes_host(mode: str, router: Router | None, config: RFMemConfig, b: int, 
     if mode == "rfmem":
         return route(mean, entropy, count, config)
     forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
-    return np.full(b, forced[0], dtype=np.int64), np.full(b, forced[1], dtype=np.int64)
+    return _filled(b, forced[0], np.int64), _filled(b, forced[1], np.int64)
 
 
 #: A host chunk without query texts, re-ranker, merge or profile prior runs
@@ -969,15 +969,16 @@ def _host_chunk(be: Backend, view: Any, Q: Any, qseg: Any, max_len: int, work: f
     runs no torch operation (a backend whose ``host_torch_free`` holds, in mode "dense" or
     with its fused driver)."""
     Qh, seg = _host_in(Q, np.float32, torch.float32), _host_in(qseg, np.int64, torch.int64)
-    if work is None or (be.host_torch_free and (mode == "dense" or be.fused_driver())):
-        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel)
+    fused = mode != "dense" and be.fused_driver()  # (read once: RFMEM_BEAM_DRIVER costs an environment look-up)
+    if work is None or (be.host_torch_free and (mode == "dense" or fused)):
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel, fused)
     with limit_torch_threads(work, be.device):
-        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel)
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel, fused)
 
 
 def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, max_len: int,
-                       config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None
-                       ) -> tuple[dict[str, np.ndarray], bool, bool]:  # fmt: skip
+                       config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None,
+                       fused: bool | None = None) -> tuple[dict[str, np.ndarray], bool, bool]:  # fmt: skip
     """:func:`_search_chunk` on a host chunk without texts, re-ranker, merge or profile
     prior: the same steps and values (probe, routing, the beam driver, the hits' exact
     dense scores) with numpy arrays between the backend calls
@@ -989,6 +990,7 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
 
     Args:
         Qh: float32 [c, d] C-contiguous unit queries; seg: int64 [c] their segments;
+        fused: ``be.fused_driver()`` when the caller read it (None: read it if needed);
         the others as :func:`_search_chunk`.
 
     Returns:
@@ -1016,7 +1018,7 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
     everyone = nreco == b  # (then the driver's arrays are the result: no selection)
     if nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), None if everyone else reco, sel)
+        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), None if everyone else reco, sel, fused)
         o_rows, o_scores, rounds, o_dense = (_fit(out[0], out_k, W, -1), _fit(out[1], out_k, W, -np.inf), out[2],
                                              None if out[3] is None else _fit(out[3], out_k, W, np.nan))  # fmt: skip
         if not everyone:
@@ -1648,15 +1650,16 @@ def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor,
 
 def _recollect_host(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, config: RFMemConfig,
                     level0: tuple[np.ndarray, np.ndarray], active: np.ndarray | None,
-                    sel: RowSelection | None) -> tuple:  # fmt: skip
+                    sel: RowSelection | None, fused: bool | None = None) -> tuple:  # fmt: skip
     """:func:`_recollect` on host arrays (the host fast path): the backend's fused driver
-    through :meth:`~rfmem_fast.backends.base.Backend.recollect_host` when in effect, else
-    the Python driver on tensors sharing the arrays' memory. ``active`` None: every query.
+    through :meth:`~rfmem_fast.backends.base.Backend.recollect_host` when in effect
+    (``fused``: ``be.fused_driver()`` if already read), else the Python driver on tensors
+    sharing the arrays' memory. ``active`` None: every query.
 
     Returns:
         (rows [b, out_k], scores, rounds [b], dense [b, out_k] or None) host arrays.
     """
-    if be.fused_driver():
+    if be.fused_driver() if fused is None else fused:
         return be.recollect_host(view, Q, seg, config, level0, active, sel)
     t = torch.from_numpy
     act = None if active is None else t(active)
