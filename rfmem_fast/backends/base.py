@@ -25,7 +25,7 @@ import torch
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..config import RFMemConfig
-from ..device import BankView
+from ..device import BankView, host_array
 from ..precision import scan_tensor
 from ..filters import RowSelection
 from ..signals import familiarity_signals
@@ -91,9 +91,9 @@ class RecollectionOutput:
 
     def host(self) -> tuple:
         """(rows, scores, rounds, dense or None) as host numpy arrays (``hit_rows`` left out):
-        what :meth:`Backend.recollect_host` returns."""
-        rows, scores, rounds = (t.detach().cpu().numpy() for t in (self.rows, self.scores, self.rounds))
-        return rows, scores, rounds, None if self.dense is None else self.dense.detach().cpu().numpy()
+        what :meth:`Backend.recollect_host` returns (C-contiguous)."""
+        rows, scores, rounds = (host_array(t, t.dtype) for t in (self.rows, self.scores, self.rounds))
+        return rows, scores, rounds, None if self.dense is None else host_array(self.dense, self.dense.dtype)
 
 
 def recollection_capacity(config: RFMemConfig) -> int:
@@ -101,6 +101,10 @@ def recollection_capacity(config: RFMemConfig) -> int:
     (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     return config.out_k - 1 + B * (B + R - 1) * F
+
+
+#: Backend.placement's cache: (name, id(device)) -> (device, its facts)
+_PLACEMENTS: dict[tuple[str, int], tuple] = {}
 
 
 class Backend:
@@ -137,12 +141,18 @@ class Backend:
 
     def placement(self) -> tuple[torch.device, bool, tuple]:
         """(``self.device`` as a torch.device, whether it is the CPU, the key of :meth:`view`'s
-        cache), computed once per device object (a search reads them on every call)."""
+        cache), computed once per backend name and device object (a search reads them on
+        every call; ``search(..., backend="native")`` makes a new backend each time, whose
+        device is the class's)."""
         dev = self.device
-        got = self.__dict__.get("_placement")
-        if got is None or got[0] is not dev:
+        key = (self.name, id(dev))
+        got = _PLACEMENTS.get(key)
+        if got is None or got[0] is not dev:  # (the entry holds the device: its id is not reused while cached)
             d = dev if isinstance(dev, torch.device) else torch.device(dev)
-            got = self.__dict__["_placement"] = (dev, (d, d.type == "cpu", ("view", self.name, str(d))))
+            got = (dev, (d, d.type == "cpu", ("view", self.name, str(d))))
+            if len(_PLACEMENTS) >= 64:
+                _PLACEMENTS.clear()
+            _PLACEMENTS[key] = got
         return got[1]
 
     def bm25_hits(self, users: list, quser: np.ndarray, qterms: np.ndarray, qcnt: np.ndarray,
@@ -446,15 +456,15 @@ class Backend:
 
         Returns:
             (scores [b, k], rows int64 [b, k], mean float64 [b], entropy float64 [b],
-            count int64 [b]) numpy arrays (scores float32 but on a backend that returns
-            another float type).
+            count int64 [b]) C-contiguous numpy arrays (scores float32 but on a backend
+            that returns another float type).
 
         The default wraps :meth:`probe` (tensors sharing the arrays' memory); the native
         backend calls its kernel directly.
         """
         out = self.probe(view, torch.from_numpy(Q), torch.from_numpy(seg), k, probe_k, temperature, convention,
                          **({} if sel is None else {"sel": sel}))  # fmt: skip
-        return tuple(t.detach().cpu().numpy() for t in out)
+        return tuple(host_array(t, t.dtype) for t in out)
 
     def recollect_host(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config: RFMemConfig,
                        level0: tuple[np.ndarray, np.ndarray], active: np.ndarray,
@@ -471,7 +481,7 @@ class Backend:
 
         Returns:
             (rows int64 [b, m], scores float32 [b, m], rounds int64 [b], dense float32
-            [b, out_k] or None) numpy arrays: :class:`RecollectionOutput`'s fields but
+            [b, out_k] or None) C-contiguous numpy arrays: :class:`RecollectionOutput`'s fields but
             ``hit_rows``, where rows and scores may be wider (m >= out_k: the native
             driver's discovery slots), their first out_k columns the result.
 
