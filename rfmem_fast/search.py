@@ -673,8 +673,11 @@ def search_tensors(
         backend: the backend (its device is where everything runs).
         view: the bank as that backend holds it (``backend.view(bank)``, or
             :func:`rfmem_fast.device.view_from_tensors`).
-        Q: float32 [b, d] unit-norm queries on the backend's device (not checked).
-        qseg: int64 [b] segment index of each query, in [0, U), same device (not checked).
+        Q: float32 [b, d] unit-norm queries on the backend's device (not checked); for a
+            CPU backend also a numpy array (what :func:`search` passes: a host chunk then
+            reaches the kernels without a tensor).
+        qseg: int64 [b] segment index of each query, in [0, U), same device, or numpy
+            with a numpy ``Q`` (not checked).
         config: RFMemConfig; mode: "rfmem" | "dense" | "recollection".
         max_batch: queries per internal chunk (>= 1).
         chunk_hints: optional (longest queried segment, scan work in multiply-adds) of
