@@ -1036,9 +1036,9 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
             fam_ok = np.zeros(b, dtype=np.bool_) if everyone else ~reco
     else:
         rounds = np.zeros(b, dtype=np.int64)
-    full = probe_full = _unpadded(probe_rows)
+    full = probe_full = _tail_unpadded(probe_rows)
     if rows is not probe_rows:
-        full = _unpadded(rows)
+        full = _tail_unpadded(rows)
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
     # the native driver (NaN where there is no hit); the others re-scored exactly (as
     # _hit_scores on the host)
@@ -1063,7 +1063,9 @@ def _fit(a: np.ndarray, k: int, width: int, value: Any) -> np.ndarray:
     right-padded with ``value`` (``a`` itself when it has exactly ``k`` = ``width`` columns:
     the backends' arrays are C-contiguous)."""
     if a.shape[1] > k:
-        a = np.ascontiguousarray(a[:, :k])
+        a = a[:, :k]
+        if a.shape[0] > 1:  # (one row: the cut is C-contiguous already)
+            a = np.ascontiguousarray(a)
     if a.shape[1] >= width:
         return a
     out = _filled((a.shape[0], width), value, a.dtype)
@@ -1692,6 +1694,17 @@ def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:
 def _unpadded(rows: np.ndarray) -> bool:
     """Whether ``rows`` (int64, any shape) is non-empty and holds no padding (-1)."""
     return bool(rows.size) and int(np.minimum.reduce(rows, axis=None)) >= 0
+
+
+def _tail_unpadded(rows: np.ndarray) -> bool:
+    """:func:`_unpadded` of rows [b, k] whose padding fills each row's tail (the host fast
+    path's: the probe's top-k, the beam driver's hits packed to the left, and their
+    right-padding), read from the last column: one element for one query, no reduction."""
+    if not rows.size:
+        return False
+    if rows.shape[0] == 1:
+        return rows.item(-1) >= 0
+    return _unpadded(rows[:, -1])
 
 
 def _lookup(item_ids: np.ndarray | None, rows: np.ndarray, full: bool | None = None) -> np.ndarray:

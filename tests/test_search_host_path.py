@@ -109,8 +109,9 @@ def test_router_object_mixed_routes(monkeypatch, bank, backend):
 def test_one_query_and_small_chunks(monkeypatch, bank, backend):
     """One query (the latency case the fast path exists for), and a batch split in chunks."""
     Q, users = _queries(9, seed=12)
-    for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4])]:
-        _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode="recollection", backend=backend))
+    for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4]), (Q[2:3], users[2:3])]:  # u2: 7 items, a padded tail
+        for mode in ("dense", "recollection", "rfmem"):
+            _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode=mode, backend=backend))
     _assert_same(*_both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, max_batch=4))
 
 
