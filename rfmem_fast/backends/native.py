@@ -54,7 +54,8 @@ re-read them; contiguous, they stay in cache); the results are the same.
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
-(default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
+(default: :func:`rfmem_fast.threads.get_num_threads` at call time; the recollect that
+follows a probe of the same queries runs with the count the probe read), fewer when a call's
 work is too small to pay for them, when another call of the process holds the thread
 pool or when no core is idle (docs/internals/threads.md); the pool's helpers sleep
 between calls (nothing spins).
@@ -88,25 +89,28 @@ BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
 COMPACT_MIN_QUERIES = 8
 
 
-#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written) on a long
-#: segment, for the recollect of the same queries that follows it (NativeBackend.probe)
+#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written, threads) on a
+#: long segment, for the recollect of the same queries that follows it (NativeBackend.probe)
 _LAST_PROBE = threading.local()
 
 
-def _keep_probe(Q, seg, scores, kept, written) -> None:
-    """Remember a probe's scan scores (None: it kept none) for the recollect of the same
-    queries that follows it on this thread: only for these very objects (identity checked
-    by :func:`_probe_ref`)."""
-    _LAST_PROBE.value = None if kept is None else (Q, seg, scores, kept, written)
+def _keep_probe(Q, seg, scores, kept, written, threads: int) -> None:
+    """Remember a probe's scan scores (None: it kept none) and the thread count it ran
+    with, for the recollect of the same queries that follows it on this thread: only for
+    these very objects (identity checked by :func:`_probe_ref`)."""
+    _LAST_PROBE.value = None if kept is None else (Q, seg, scores, kept, written, threads)
 
 
-def _probe_ref(q0, seg, level0_scores) -> dict:
-    """``_native.recollect``'s ``ref_scores`` / ``ref_ok`` when the last probe on this thread
-    was of these very queries, segments and top-k scores (:func:`_keep_probe`), else {}."""
+def _probe_ref(q0, seg, level0_scores) -> tuple[dict, int | None]:
+    """(``_native.recollect``'s ``ref_scores`` / ``ref_ok``, the probe's thread count) when the
+    last probe on this thread was of these very queries, segments and top-k scores
+    (:func:`_keep_probe`), else ({}, None). The recollect then runs with the count its
+    probe read (``rfmem_fast.threads.get_num_threads`` looks up an environment variable
+    and torch's setting: tens of us with the caches cold after the probe's scan)."""
     last = getattr(_LAST_PROBE, "value", None)
     if last is not None and last[0] is q0 and last[1] is seg and last[2] is level0_scores:
-        return {"ref_scores": last[3], "ref_ok": last[4]}
-    return {}
+        return {"ref_scores": last[3], "ref_ok": last[4]}, last[5]
+    return {}, None
 
 
 #: per config object: the config part of ``_native.recollect``'s arguments (:func:`_driver_params`)
@@ -262,12 +266,14 @@ class NativeBackend(Backend):
 
     def _probe_call(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k, probe_k, temperature, convention,
                     sel) -> tuple:  # fmt: skip
-        """``_native.probe`` on host arrays (float32 [b, d], int64 [b]), keeping the scan scores."""
+        """``_native.probe`` on host arrays (float32 [b, d], int64 [b]), keeping the scan
+        scores: its seven outputs and the thread count it ran with."""
         X, off = self._bank(view)
+        threads = self._threads()
         return _native.probe(
-            X, off, Q, seg, int(k), int(probe_k), float(temperature), str(convention), self._threads(),
+            X, off, Q, seg, int(k), int(probe_k), float(temperature), str(convention), threads,
             view.row_norm_max, keep_scan_scores=True, **self._scan_args(view), **self._sel_args(view, sel),
-        )  # fmt: skip
+        ), threads  # fmt: skip
 
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
@@ -280,11 +286,11 @@ class NativeBackend(Backend):
         Raises:
             ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
         """
-        s, r, mean, ent, cnt, kept, written = self._probe_call(
+        (s, r, mean, ent, cnt, kept, written), threads = self._probe_call(
             view, _np(Q, torch.float32), _np(qseg, torch.int64), k, probe_k, temperature, convention, sel
         )
         st = torch.from_numpy(s)
-        _keep_probe(Q, qseg, st, kept, written)
+        _keep_probe(Q, qseg, st, kept, written, threads)
         return st, torch.from_numpy(r), torch.from_numpy(mean), torch.from_numpy(ent), torch.from_numpy(cnt)
 
     def probe_host(self, view, Q, seg, k, probe_k, temperature, convention, sel=None):
@@ -295,8 +301,9 @@ class NativeBackend(Backend):
         Raises:
             ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
         """
-        s, r, mean, ent, cnt, kept, written = self._probe_call(view, Q, seg, k, probe_k, temperature, convention, sel)
-        _keep_probe(Q, seg, s, kept, written)
+        (s, r, mean, ent, cnt, kept, written), threads = self._probe_call(view, Q, seg, k, probe_k, temperature,
+                                                                          convention, sel)  # fmt: skip
+        _keep_probe(Q, seg, s, kept, written, threads)
         return s, r, mean, ent, cnt
 
     # ---------------------------------------------------------------- lexical channel
@@ -392,11 +399,13 @@ class NativeBackend(Backend):
         return int(np.count_nonzero(filt)) >= COMPACT_MIN_QUERIES
 
     def _recollect_call(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config, l0s, l0r, act, sel,
-                        ref: dict) -> tuple:  # fmt: skip
-        """``_native.recollect`` on host arrays: (rows [b, width], scores, rounds, dense [b, out_k])."""
+                        ref: dict, threads: int | None = None) -> tuple:  # fmt: skip
+        """``_native.recollect`` on host arrays: (rows [b, width], scores, rounds, dense [b, out_k]);
+        ``threads``: the count to use (None: :meth:`_threads`)."""
         X, off = self._bank(view)
         return _native.recollect(
-            X, off, q0, seg, l0s, l0r, *_driver_params(config), self._threads(), view.row_norm_max,
+            X, off, q0, seg, l0s, l0r, *_driver_params(config), self._threads() if threads is None else threads,
+            view.row_norm_max,
             self.memory_budget, act, dense=True, **self._scan_args(view), **self._sel_args(view, sel), **ref,
         )  # fmt: skip
 
@@ -431,14 +440,14 @@ class NativeBackend(Backend):
                 hit_rows=torch.full((b, width), -1, dtype=torch.int64),
                 dense=torch.full((b, config.out_k), float("nan"), dtype=torch.float32),
             )
-        l0s = l0r = None
+        l0s = l0r = threads = None
         ref = {}
         if level0 is not None:
             l0s, l0r = _np(level0[0], torch.float32), _np(level0[1], torch.int64)
-            ref = _probe_ref(q0, qseg, level0[0])
+            ref, threads = _probe_ref(q0, qseg, level0[0])
         _LAST_PROBE.value = None
         rows, scores, rounds, dense = self._recollect_call(view, _np(q0, torch.float32), _np(qseg, torch.int64), config,
-                                                           l0s, l0r, act, sel, ref)  # fmt: skip
+                                                           l0s, l0r, act, sel, ref, threads)  # fmt: skip
         return RecollectionOutput(  # (numpy slices: a torch slice costs a dispatch)
             rows=torch.from_numpy(rows[:, : config.out_k]),
             scores=torch.from_numpy(scores[:, : config.out_k]),
@@ -459,9 +468,9 @@ class NativeBackend(Backend):
         b = q0.shape[0]
         if active is not None and (active.dtype.kind != "b" or active.shape != (b,)):
             raise ValueError(f"active must be a bool array of shape [{b}]")
-        ref = _probe_ref(q0, seg, level0[0])
+        ref, threads = _probe_ref(q0, seg, level0[0])
         _LAST_PROBE.value = None
-        return self._recollect_call(view, q0, seg, config, level0[0], level0[1], active, sel, ref)
+        return self._recollect_call(view, q0, seg, config, level0[0], level0[1], active, sel, ref, threads)
 
     def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
         """The C++ driver for a filtered batch: the filtered queries run on the compacted
