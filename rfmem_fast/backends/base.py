@@ -467,7 +467,7 @@ class Backend:
         return tuple(host_array(t, t.dtype) for t in out)
 
     def recollect_host(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config: RFMemConfig,
-                       level0: tuple[np.ndarray, np.ndarray], active: np.ndarray,
+                       level0: tuple[np.ndarray, np.ndarray], active: np.ndarray | None,
                        sel: RowSelection | None = None) -> tuple:  # fmt: skip
         """:meth:`recollect` (the fused driver, for a backend whose :meth:`fused_driver` is in
         effect) on host arrays, for the search's host fast path; the same values.
@@ -481,9 +481,12 @@ class Backend:
 
         Returns:
             (rows int64 [b, m], scores float32 [b, m], rounds int64 [b], dense float32
-            [b, out_k] or None) C-contiguous numpy arrays: :class:`RecollectionOutput`'s fields but
-            ``hit_rows``, where rows and scores may be wider (m >= out_k: the native
-            driver's discovery slots), their first out_k columns the result.
+            [b, out_k] or None) C-contiguous numpy arrays: :class:`RecollectionOutput`'s
+            fields but ``hit_rows``, where rows and scores may be wider (m >= out_k: the
+            native driver's discovery slots), their first out_k columns the result.
+
+        Raises:
+            ValueError: as :meth:`recollect`.
 
         The default wraps :meth:`recollect`.
         """
