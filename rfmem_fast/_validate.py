@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 _NORM_EPS = 1e-12
+_F32 = np.dtype(np.float32)
 
 
-def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
+def as_float_matrix(x: Any, name: str, dim: int | None = None, check_finite: bool = True) -> np.ndarray:
     """Check and convert a matrix of vectors to C-contiguous float32.
 
     Args:
@@ -27,6 +28,8 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
             copied.
         name: the argument's name, used in error messages.
         dim: the expected d, or None to accept any d >= 1.
+        check_finite: False skips the NaN / Inf check (for a caller that checks the
+            values otherwise: :func:`unit_rows`).
 
     Returns:
         np.ndarray float32 [n, d], C-contiguous (a copy when the input was not already so).
@@ -36,7 +39,7 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
         ValueError: not convertible to an array (ragged), not 2-D, d == 0, wrong d,
             NaN / Inf values, or values that overflow float32.
     """
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
+    if not isinstance(x, np.ndarray) and hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
         x = x.detach().cpu()
         if getattr(x, "is_floating_point", lambda: False)() and x.element_size() < 4:
             x = x.float()  # bfloat16 has no numpy dtype; float16 widens exactly
@@ -56,12 +59,12 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     if dim is not None and arr.shape[1] != dim:
         raise ValueError(f"{name} must have dimension {dim}, got {arr.shape[1]}")
     src = arr
-    if arr.dtype == np.float32:  # nothing to narrow: no overflow to silence
+    if arr.dtype == _F32:  # nothing to narrow: no overflow to silence
         arr = np.ascontiguousarray(arr)
     else:
         with np.errstate(over="ignore", invalid="ignore"):
             arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if arr.size and not np.isfinite(arr).all():
+    if check_finite and arr.size and not np.isfinite(arr).all():
         bad_rows = ~np.isfinite(arr).all(axis=1)
         bad = int(np.flatnonzero(bad_rows)[0])
         if src.dtype.itemsize > 4 and np.isfinite(src[bad]).all():
@@ -85,11 +88,48 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
     Raises:
         ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise).
     """
-    a64 = arr.astype(np.float64)
-    norms = np.sqrt(np.add.reduce(a64 * a64, axis=1))  # np.linalg.norm(a64, axis=1), without its overhead
-    if arr.shape[0] and (norms <= _NORM_EPS).any():
+    return _divide_rows(arr, _row_norms(arr), name)
+
+
+def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
+    """:func:`as_float_matrix` then :func:`l2_normalize_rows`: the same result and the same
+    errors (NaN / Inf before a zero norm), with ONE check of the rows' norms for both (a
+    row is finite and nonzero iff its float64 norm is in (1e-12, inf): the squares of
+    float32 values cannot overflow float64), where the two passes check the values and
+    then the norms.
+
+    Args:
+        x, name, dim: as :func:`as_float_matrix`.
+
+    Returns:
+        float32 [n, d] unit rows (a new array).
+
+    Raises:
+        TypeError / ValueError: as :func:`as_float_matrix` and :func:`l2_normalize_rows`.
+    """
+    arr = as_float_matrix(x, name, dim, check_finite=False)
+    norms = _row_norms(arr)
+    if norms.shape[0] == 1:  # one query: its norm as a Python float (NaN fails both comparisons)
+        ok = _NORM_EPS < norms.item() < np.inf
+    else:
+        ok = not arr.shape[0] or (np.minimum.reduce(norms) > _NORM_EPS and np.maximum.reduce(norms) < np.inf)
+    if not ok:
+        as_float_matrix(x, name, dim)  # raises its error for NaN / Inf values
+    return _divide_rows(arr, norms, name, checked=ok)
+
+
+def _row_norms(arr: np.ndarray) -> np.ndarray:
+    """float64 [n, 1]: the L2 norm of each row of float32 ``arr`` [n, d] (squares in float64,
+    summed pairwise along the row: np.linalg.norm(arr.astype(np.float64), axis=1), without its overhead)."""
+    return np.sqrt(np.add.reduce(np.square(arr, dtype=np.float64), axis=1, keepdims=True))
+
+
+def _divide_rows(arr: np.ndarray, norms: np.ndarray, name: str, checked: bool = False) -> np.ndarray:
+    """``arr`` [n, d] divided by its row norms ``norms`` [n, 1] (float64), rounded to float32;
+    ValueError for a zero norm (<= 1e-12) unless ``checked`` (every norm known to be > 1e-12)."""
+    if not checked and arr.shape[0] and (norms <= _NORM_EPS).any():
         bad = int(np.flatnonzero(norms <= _NORM_EPS)[0])
         raise ValueError(
             f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised"
         )
-    return (arr / norms[:, None]).astype(np.float32)
+    return (arr / norms).astype(np.float32)

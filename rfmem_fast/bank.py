@@ -1126,6 +1126,14 @@ class MemoryBank:
                 with its position.
             KeyError: an unknown user (the message names it and its position).
         """
+        return np.asarray(self.segment_list(users, snapshot), dtype=np.int64)
+
+    def segment_list(self, users: Iterable[Hashable], snapshot: BankSnapshot | None = None) -> list[int]:
+        """:meth:`segments_for` as a list of Python ints (same checks and errors).
+
+        Raises:
+            TypeError / KeyError: as :meth:`segments_for`.
+        """
         limit = snapshot.num_users if snapshot is not None else None
         index = self._uindex
         out = []
@@ -1136,7 +1144,7 @@ class MemoryBank:
             if u is None or (limit is not None and u >= limit):
                 raise KeyError(f"users[{pos}]: unknown user {user!r}")
             out.append(u)
-        return np.asarray(out, dtype=np.int64)
+        return out
 
     def snapshot(self) -> BankSnapshot:
         """The current live rows as an immutable CSR snapshot (built once per write, then cached).

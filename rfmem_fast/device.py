@@ -124,6 +124,22 @@ def check_fits(need_bytes: int, device: str | torch.device, what: str, headroom:
         )
 
 
+def host_array(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A C-contiguous host numpy view of tensor ``t`` as ``dtype`` (a copy only when needed:
+    another dtype or device, strides, or grad).
+
+    Args:
+        t: any tensor; dtype: the torch dtype of the result.
+
+    Returns:
+        np.ndarray sharing ``t``'s memory when ``t`` is already a contiguous CPU tensor of
+        ``dtype`` without grad, else a converted copy.
+    """
+    if t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad and t.is_contiguous():
+        return t.numpy()  # the common case, without four dispatcher round trips
+    return t.detach().to("cpu", dtype).contiguous().numpy()
+
+
 def to_device(array: np.ndarray | torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """A host array on ``device`` without a host synchronisation.
 
@@ -139,7 +155,9 @@ def to_device(array: np.ndarray | torch.Tensor, device: str | torch.device) -> t
         torch.Tensor on ``device`` (same dtype).
     """
     t = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    if dev.type == "cpu" and isinstance(array, np.ndarray):
+        return t  # (from_numpy made a CPU tensor: nothing to move)
     if dev.type != "cuda" or t.device.type == "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)

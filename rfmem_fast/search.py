@@ -54,11 +54,11 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from ._validate import _NORM_EPS, as_float_matrix, l2_normalize_rows
+from ._validate import _NORM_EPS, unit_rows
 from .backends import Backend, BankView, get_backend
 from .bank import BankSnapshot, MemoryBank
 from .config import RFMemConfig
-from .device import to_device
+from .device import host_array, to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
@@ -82,6 +82,7 @@ from .routing.threshold import route, route_tensor
 from .threads import limit_torch_threads
 
 MODES = ("rfmem", "dense", "recollection")
+_F32 = np.dtype(np.float32)
 #: what :func:`search` returns: "numpy" (a SearchResult) or "torch" (a TensorSearchResult)
 OUTPUTS = ("numpy", "torch")
 #: default number of queries per internal chunk of :func:`search`
@@ -252,32 +253,41 @@ _TENSOR_FIELDS = (
 )  # fmt: skip
 
 
-def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot) -> dict[str, np.ndarray]:
-    """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``)."""
+def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot, full: bool | None = None,
+                 probe_full: bool | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+    """SearchResult's arrays from host copies of the tensor fields (ids and texts from ``snap``);
+    ``full`` / ``probe_full``: :func:`_unpadded` of the rows / probe rows when known."""
     item_ids = snap.item_ids
     texts = snap.texts  # None when no item has a text
     rows, probe_rows = t["rows"], t["probe_rows"]
+    if full is None:
+        full = _unpadded(rows)
+    if probe_full is None:
+        probe_full = _unpadded(probe_rows)
     return dict(
-        ids=_lookup(item_ids, rows),
-        texts=_lookup(texts, rows),
+        ids=_lookup(item_ids, rows, full),
+        texts=_lookup(texts, rows, full),
         rows=rows,
-        scores=t["scores"].astype(np.float32, copy=False),
-        route=t["route"].astype(np.int64, copy=False),
-        mean=t["mean"].astype(np.float64, copy=False),
-        entropy=t["entropy"].astype(np.float64, copy=False),
-        rule=t["rule"].astype(np.int64, copy=False),
-        rounds=t["rounds"].astype(np.int64, copy=False),
-        probe_ids=_lookup(item_ids, probe_rows),
-        probe_texts=_lookup(texts, probe_rows),
-        probe_scores=t["probe_scores"].astype(np.float32, copy=False),
-        dense_scores=t["dense_scores"].astype(np.float32, copy=False),
-        lexical_scores=t["lexical_scores"].astype(np.float32, copy=False),
+        probe_ids=_lookup(item_ids, probe_rows, probe_full),
+        probe_texts=_lookup(texts, probe_rows, probe_full),
+        **{k: _typed(t[k], dt) for k, dt in _HOST_DTYPES},
     )
 
 
+#: the numeric fields of a SearchResult and their dtypes (rows int64 as the backends give it)
+_HOST_DTYPES = tuple((k, np.dtype(d)) for k, d in (
+    ("scores", np.float32), ("route", np.int64), ("mean", np.float64), ("entropy", np.float64), ("rule", np.int64),
+    ("rounds", np.int64), ("probe_scores", np.float32), ("dense_scores", np.float32), ("lexical_scores", np.float32),
+))  # fmt: skip
+
+
+def _typed(a: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """``a`` as ``dt`` (itself when it is one already: no call beyond the dtype check)."""
+    return a if a.dtype is dt else a.astype(dt, copy=False)
+
+
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
-    q = as_float_matrix(queries, "queries", dim)
-    return l2_normalize_rows(q, "queries")
+    return unit_rows(queries, "queries", dim)
 
 
 def _as_query_tensor(queries: torch.Tensor, dim: int, device: torch.device) -> torch.Tensor:
@@ -369,7 +379,9 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
              device: Any, max_batch: Any, expansions: Any, router: Any, query_texts: Any = None,
              filters: Any = None) -> tuple:  # fmt: skip
     """:func:`search`'s checks and set-up: (config, max_batch, backend, view, Q, qseg, chunk hints, router, texts,
-    the compiled filters: a RowSelection or None)."""
+    the compiled filters: a RowSelection or None). ``Q`` / ``qseg``: numpy arrays for host
+    queries and a CPU backend (no tensor until a chunk needs one), else tensors on the
+    backend's device."""
     config, max_batch = check_search_args(mode, config, max_batch)
     if not isinstance(bank, MemoryBank):
         raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
@@ -385,29 +397,45 @@ def _prepare(bank: MemoryBank, queries: Any, users: Sequence[Hashable], config: 
     texts = check_query_texts(query_texts, b, config)
     router = _resolve_router(mode, config, router)
     be = get_backend(backend, device)
-    dev = torch.device(be.device)
+    dev, on_cpu, _ = be.placement()
     if tensor_in:
         Q = _as_query_tensor(queries, bank.dim, dev)
         if expansions is not None:
             Q = to_device(fold_expansions(Q.cpu().numpy(), expansions, config.expansion_weight), dev)
-    else:
-        Q = to_device(fold_expansions(q_np, expansions, config.expansion_weight), dev)
+    else:  # host arrays stay numpy for a CPU backend (search_tensors takes both)
+        Q = fold_expansions(q_np, expansions, config.expansion_weight)
+        if not on_cpu:
+            Q = to_device(Q, dev)
     view = be.view(bank)  # one immutable snapshot for the whole call
     snap = view.snapshot
     if snap.vectors.shape[0] == 0:
         raise ValueError("bank is empty: add items before searching")
-    seg = bank.segments_for(users, snapshot=snap)
+    segs = bank.segment_list(users, snapshot=snap)
+    seg = np.asarray(segs, dtype=np.int64)
     sel = compile_filters(bank, snap, seg, filters)
+    qseg = seg if on_cpu and not tensor_in else to_device(seg, dev)
+    if b <= max_batch and sel is None:  # one chunk: Python ints (a numpy call of a few values costs more)
+        seg_len = _segment_lengths(view)
+        ll = [seg_len[u] for u in segs]
+        return config, max_batch, be, view, Q, qseg, [(max(ll), float(sum(ll)) * bank.dim)] if b else [], router, texts, sel
     lens = snap.offsets[seg + 1] - snap.offsets[seg]
     if sel is not None:  # a filtered query searches its selection: widths and work as for a user of that size
         lens = np.where(sel.qsel >= 0, sel.counts[np.maximum(sel.qsel, 0)] if sel.num_selections else 0, lens)
-    qseg = to_device(seg, dev)
-    if b <= max_batch:  # one chunk (Python ints: a numpy reduction of a few values costs more)
+    if b <= max_batch:
         ll = lens.tolist()
         hints = [(max(ll), float(sum(ll)) * bank.dim)] if b else []
     else:
         hints = [(int(lens[c0 : c0 + max_batch].max()), float(lens[c0 : c0 + max_batch].sum()) * bank.dim) for c0 in range(0, b, max_batch)]
     return config, max_batch, be, view, Q, qseg, hints, router, texts, sel
+
+
+def _segment_lengths(view: BankView) -> list[int]:
+    """The rows of every user segment of ``view``'s snapshot as Python ints (memoised on
+    the view, i.e. per snapshot: a write makes a new view)."""
+    got = view._memo.get("segment_lengths")
+    if got is None:
+        got = view._memo["segment_lengths"] = np.diff(view.snapshot.offsets).tolist()
+    return got
 
 
 @dataclass
@@ -645,8 +673,11 @@ def search_tensors(
         backend: the backend (its device is where everything runs).
         view: the bank as that backend holds it (``backend.view(bank)``, or
             :func:`rfmem_fast.device.view_from_tensors`).
-        Q: float32 [b, d] unit-norm queries on the backend's device (not checked).
-        qseg: int64 [b] segment index of each query, in [0, U), same device (not checked).
+        Q: float32 [b, d] unit-norm queries on the backend's device (not checked); for a
+            CPU backend also a numpy array (what :func:`search` passes: a host chunk then
+            reaches the kernels without a tensor).
+        qseg: int64 [b] segment index of each query, in [0, U), same device, or numpy
+            with a numpy ``Q`` (not checked).
         config: RFMemConfig; mode: "rfmem" | "dense" | "recollection".
         max_batch: queries per internal chunk (>= 1).
         chunk_hints: optional (longest queried segment, scan work in multiply-adds) of
@@ -687,21 +718,32 @@ def search_tensors(
         bank_max = int((off[1:] - off[:-1]).max()) if off.shape[0] > 1 else 0
     parts: list[dict[str, Any]] = []
     host: dict[str, np.ndarray] = {}
+    on_host = isinstance(Q, np.ndarray) or Q.device.type == "cpu"
+    # a host chunk without texts, re-ranker, merge or profile prior: numpy between the backend calls
+    fast = (HOST_FAST_PATH and host_output and on_host and query_texts is None and reranker is None and pools is None
+            and config.profile_weight == 0 and config.merge == "none")  # fmt: skip
+    one = b <= max_batch  # (one chunk: the whole batch, without a slice's dispatch)
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
         ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
-        # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
-        with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
-            part = _search_chunk(
-                backend, view, Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch], ml, config, mode, router, reranker, pools,
-                host=host_output and Q.device.type == "cpu",
-                texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
-                sel=_chunk_selection(selection, c0, max_batch),
-            )  # fmt: skip
+        Qc, sc = (Q, qseg) if one else (Q[c0 : c0 + max_batch], qseg[c0 : c0 + max_batch])
+        sel_c = _chunk_selection(selection, c0, max_batch)
+        if fast:
+            part = _host_chunk(backend, view, Qc, sc, ml, work, config, mode, router, sel_c)
+        else:
+            # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
+            with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
+                part = _search_chunk(
+                    backend, view, _tensor_in(Qc), _tensor_in(sc), ml, config, mode, router, reranker, pools,
+                    host=host_output and on_host, texts=None if query_texts is None else query_texts[c0 : c0 + max_batch],
+                    sel=sel_c,
+                )  # fmt: skip
         if not host_output:
             parts.append(part)
             continue
-        part = _host_fields({k: v if isinstance(v, np.ndarray) else v.cpu().numpy() for k, v in part.items()},
-                            view.snapshot)  # (a host chunk may come as numpy already: _search_chunk_host)
+        if fast:  # numpy already, and whether its rows hold padding
+            part = _host_fields(part[0], view.snapshot, part[1], part[2])
+        else:
+            part = _host_fields({k: v.cpu().numpy() for k, v in part.items()}, view.snapshot)
         if b <= max_batch:
             return part
         if not host:  # written in place: no second copy of a huge batch
@@ -747,9 +789,6 @@ def _search_chunk(
     one-query batch) and a chunk where no query recollects skips the beam driver. Else
     (device-resident batches) nothing here reads a device value on the host (except
     with query texts: the lexical channel runs on the host, :func:`_hybrid`)."""
-    if (HOST_FAST_PATH and host and texts is None and reranker is None and pools is None and config.profile_weight == 0
-            and config.merge == "none"):  # fmt: skip
-        return _search_chunk_host(be, view, Q, qseg, max_len, config, mode, router, sel)
     b = Q.shape[0]
     dev = Q.device
     if config.profile_weight > 0:  # the profile prior (rfmem_fast.routing.profile)
@@ -905,7 +944,7 @@ def _routes_host(mode: str, router: Router | None, config: RFMemConfig, b: int, 
     if mode == "rfmem":
         return route(mean, entropy, count, config)
     forced = (FAMILIARITY, RULE_FORCED_DENSE) if mode == "dense" else (RECOLLECTION, RULE_FORCED_RECOLLECTION)
-    return np.full(b, forced[0], dtype=np.int64), np.full(b, forced[1], dtype=np.int64)
+    return _filled(b, forced[0], np.int64), _filled(b, forced[1], np.int64)
 
 
 #: A host chunk without query texts, re-ranker, merge or profile prior runs
@@ -916,47 +955,95 @@ def _routes_host(mode: str, router: Router | None, config: RFMemConfig, b: int, 
 HOST_FAST_PATH = True
 
 
-def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tensor, max_len: int,
-                       config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None
-                       ) -> dict[str, np.ndarray]:  # fmt: skip
+def _tensor_in(x: Any) -> torch.Tensor:
+    """A chunk's queries / segments as a tensor (a host array shares its memory)."""
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _host_in(x: Any, dtype: type, tdtype: torch.dtype) -> np.ndarray:
+    """A chunk's queries / segments as a C-contiguous host array of ``dtype`` (no copy when it is one)."""
+    return np.ascontiguousarray(x, dtype=dtype) if isinstance(x, np.ndarray) else host_array(x, tdtype)
+
+
+def _host_chunk(be: Backend, view: Any, Q: Any, qseg: Any, max_len: int, work: float | None, config: RFMemConfig,
+                mode: str, router: Router | None, sel: RowSelection | None) -> tuple:  # fmt: skip
+    """A host chunk of :func:`search_tensors` through :func:`_search_chunk_host` (host arrays
+    ``Q`` / ``qseg``, or CPU tensors), with one torch thread for a small chunk unless it
+    runs no torch operation (a backend whose ``host_torch_free`` holds, in mode "dense" or
+    with its fused driver)."""
+    Qh, seg = _host_in(Q, np.float32, torch.float32), _host_in(qseg, np.int64, torch.int64)
+    fused = mode != "dense" and be.fused_driver()  # (read once: RFMEM_BEAM_DRIVER costs an environment look-up)
+    if work is None or (be.host_torch_free and (mode == "dense" or fused)):
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel, fused)
+    with limit_torch_threads(work, be.device):
+        return _search_chunk_host(be, view, Qh, seg, max_len, config, mode, router, sel, fused)
+
+
+def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, max_len: int,
+                       config: RFMemConfig, mode: str, router: Router | None, sel: RowSelection | None,
+                       fused: bool | None = None) -> tuple[dict[str, np.ndarray], bool, bool]:  # fmt: skip
     """:func:`_search_chunk` on a host chunk without texts, re-ranker, merge or profile
     prior: the same steps and values (probe, routing, the beam driver, the hits' exact
-    dense scores) with numpy arrays between the backend calls instead of torch tensors,
-    so a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch.
-    Returns :func:`_host_fields`' input (host arrays of the tensor fields)."""
-    b = Q.shape[0]
+    dense scores) with numpy arrays between the backend calls
+    (:meth:`~rfmem_fast.backends.base.Backend.probe_host`,
+    :meth:`~rfmem_fast.backends.base.Backend.recollect_host`) instead of torch tensors:
+    a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch, and,
+    right after a kernel's scan has evicted the caches, ~5 us per numpy call where a
+    torch call costs 10-20 us (bench/bench_single_query.py, issue 21).
+
+    Args:
+        Qh: float32 [c, d] C-contiguous unit queries; seg: int64 [c] their segments;
+        fused: ``be.fused_driver()`` when the caller read it (None: read it if needed);
+        the others as :func:`_search_chunk`.
+
+    Returns:
+        (:func:`_host_fields`' input: host arrays of the tensor fields; whether the rows and
+        the probe rows are free of padding: :func:`_unpadded`, which the dense scores needed).
+    """
+    b = Qh.shape[0]
     k0, probe_k, out_k = _widths(config, max_len)
-    skw = {} if sel is None else {"sel": sel}
-    p_sc, p_rows, mean, ent, count = be.probe(view, Q, qseg, k0, probe_k, config.temperature, config.entropy, **skw)
-    ps, pr = p_sc.numpy(), p_rows.numpy()
-    if ps.dtype != np.float32:
+    W, P = config.out_k, config.probe_k
+    ps, pr, mean_np, ent_np, cnt_np = be.probe_host(view, Qh, seg, k0, probe_k, config.temperature, config.entropy, sel)
+    if ps.dtype is not _F32 and ps.dtype != _F32:
         ps = ps.astype(np.float32)
-    mean_np, ent_np, cnt_np = mean.numpy(), ent.numpy(), count.numpy()
-    routes, rule = _routes_host(mode, router, config, b, ps[:, :probe_k], mean_np, ent_np, cnt_np)
-    rows, scores = pr[:, :out_k], ps[:, :out_k]
+    routes, rule = _routes_host(mode, router, config, b, None if router is None else ps[:, :probe_k], mean_np, ent_np,
+                                cnt_np)  # fmt: skip
+    probe_rows, probe_scores = _fit(pr, probe_k, P, -1), _fit(ps, probe_k, P, -np.inf)
+    rows, scores = _fit(pr, out_k, W, -1), _fit(ps, out_k, W, -np.inf)
     fam_dense = scores
-    rounds = np.zeros(b, dtype=np.int64)
-    reco = routes == RECOLLECTION
     out = None
     fam_ok = None  # None: every query kept the Familiarity path, or the driver gave its hits' dense scores
-    nreco = int(np.count_nonzero(reco))
+    if mode == "rfmem":
+        reco = routes == RECOLLECTION
+        nreco = int(np.count_nonzero(reco))
+    else:  # a forced mode: its route is known
+        reco, nreco = None, b if mode == "recollection" else 0
     everyone = nreco == b  # (then the driver's arrays are the result: no selection)
-    if mode != "dense" and nreco:
+    if nreco:
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
-        out = _recollect(be, view, Q, qseg, cfg, (p_sc, p_rows), torch.from_numpy(reco), sel)
-        rc = reco[:, None]
-        rows = out.rows.numpy() if everyone else np.where(rc, out.rows.numpy(), rows)
-        scores = out.scores.numpy() if everyone else np.where(rc, out.scores.numpy(), scores)
-        if out.dense is not None:
-            fam_dense = out.dense.numpy() if everyone else np.where(rc, out.dense.numpy(), fam_dense)
+        out = _recollect_host(be, view, Qh, seg, cfg, (ps, pr), None if everyone else reco, sel, fused)
+        o_rows, o_scores, rounds, o_dense = (_fit(out[0], out_k, W, -1), _fit(out[1], out_k, W, -np.inf), out[2],
+                                             None if out[3] is None else _fit(out[3], out_k, W, np.nan))  # fmt: skip
+        if not everyone:
+            rc = reco[:, None]
+            o_rows, o_scores = np.where(rc, o_rows, rows), np.where(rc, o_scores, scores)
+            if o_dense is not None:
+                o_dense = np.where(rc, o_dense, fam_dense)
+        rows, scores = o_rows, o_scores
+        if o_dense is not None:
+            fam_dense = o_dense
         else:
-            fam_ok = ~reco
-        rounds = out.rounds.numpy()
+            fam_ok = np.zeros(b, dtype=np.bool_) if everyone else ~reco
+    else:
+        rounds = np.zeros(b, dtype=np.int64)
+    full = probe_full = _tail_unpadded(probe_rows)
+    if rows is not probe_rows:
+        full = _tail_unpadded(rows)
     # the hits' exact dense scores: known on the Familiarity path (the probe's) and from
-    # the native driver (NaN only where there is no hit); the others re-scored exactly
-    # (as _hit_scores on the host)
-    if out is not None and everyone and out.dense is not None:
-        dense = fam_dense  # the driver's: NaN exactly where there is no hit
+    # the native driver (NaN where there is no hit); the others re-scored exactly (as
+    # _hit_scores on the host)
+    if fam_ok is None and (full or (out is not None and everyone)):  # no NaN to place: the known scores
+        dense = fam_dense.copy() if fam_dense is scores else fam_dense
     else:
         ok = rows >= 0
         keep = ok if fam_ok is None else ok & fam_ok[:, None]
@@ -964,30 +1051,32 @@ def _search_chunk_host(be: Backend, view: Any, Q: torch.Tensor, qseg: torch.Tens
     if out is not None and fam_ok is not None:  # (a hit without a known score: only with fam_ok)
         qi, ci = np.nonzero(ok & np.isnan(dense))
         if qi.shape[0]:
-            dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Q.detach().to(torch.float32).numpy(), qi,
-                                                 rows[qi, ci])  # fmt: skip
-    W, P = config.out_k, config.probe_k
-    return dict(
-        rows=_pad_np(rows, W, -1),
-        scores=_pad_np(scores, W, -np.inf),
-        route=routes,
-        mean=mean_np,
-        entropy=ent_np,
-        rule=rule,
-        rounds=rounds,
-        probe_rows=_pad_np(pr[:, :probe_k], P, -1),
-        probe_scores=_pad_np(ps[:, :probe_k], P, -np.inf),
-        dense_scores=_pad_np(dense, W, np.nan),
-        lexical_scores=np.full((b, W), np.nan, dtype=np.float32),
-    )
+            dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Qh, qi, rows[qi, ci])
+    fields = dict(rows=rows, scores=scores, route=routes, mean=mean_np, entropy=ent_np, rule=rule, rounds=rounds,
+                  probe_rows=probe_rows, probe_scores=probe_scores, dense_scores=dense,
+                  lexical_scores=_filled((b, W), np.nan, np.float32))  # fmt: skip
+    return fields, full, probe_full
 
 
-def _pad_np(a: np.ndarray, width: int, value: Any) -> np.ndarray:
-    """``a`` [b, w] right-padded with ``value`` to ``width`` columns (C-contiguous; as :func:`_pad_t`)."""
+def _fit(a: np.ndarray, k: int, width: int, value: Any) -> np.ndarray:
+    """The first ``k`` columns of ``a`` [b, w >= k] as a C-contiguous [b, width >= k] array,
+    right-padded with ``value`` (``a`` itself when it has exactly ``k`` = ``width`` columns:
+    the backends' arrays are C-contiguous)."""
+    if a.shape[1] > k:
+        a = a[:, :k]
+        if a.shape[0] > 1:  # (one row: the cut is C-contiguous already)
+            a = np.ascontiguousarray(a)
     if a.shape[1] >= width:
-        return np.ascontiguousarray(a)
-    out = np.full((a.shape[0], width), value, dtype=a.dtype)
+        return a
+    out = _filled((a.shape[0], width), value, a.dtype)
     out[:, : a.shape[1]] = a
+    return out
+
+
+def _filled(shape: tuple, value: Any, dtype: Any) -> np.ndarray:
+    """A new array of ``shape`` and ``dtype`` filled with ``value`` (np.full's work in two C calls)."""
+    out = np.empty(shape, dtype=dtype)
+    out.fill(value)
     return out
 
 
@@ -1564,6 +1653,24 @@ def _recollect(be: Backend, view: BankView, Q: torch.Tensor, qseg: torch.Tensor,
     return _recollection.recollect(be, view, Q, qseg, config, level0, active, **skw)
 
 
+def _recollect_host(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, config: RFMemConfig,
+                    level0: tuple[np.ndarray, np.ndarray], active: np.ndarray | None,
+                    sel: RowSelection | None, fused: bool | None = None) -> tuple:  # fmt: skip
+    """:func:`_recollect` on host arrays (the host fast path): the backend's fused driver
+    through :meth:`~rfmem_fast.backends.base.Backend.recollect_host` when in effect
+    (``fused``: ``be.fused_driver()`` if already read), else the Python driver on tensors
+    sharing the arrays' memory. ``active`` None: every query.
+
+    Returns:
+        (rows [b, out_k], scores, rounds [b], dense [b, out_k] or None) host arrays.
+    """
+    if be.fused_driver() if fused is None else fused:
+        return be.recollect_host(view, Q, seg, config, level0, active, sel)
+    t = torch.from_numpy
+    act = None if active is None else t(active)
+    return _recollect(be, view, t(Q), t(seg), config, (t(level0[0]), t(level0[1])), act, sel).host()
+
+
 def _resolve_router(mode: str, config: RFMemConfig, router: Any) -> Router | None:
     """The router :func:`search` passes on: None for the spec's thresholds of ``config``
     (evaluated on the device), else a checked Router (``config.router``'s file when set)."""
@@ -1584,10 +1691,28 @@ def _pad_t(a: torch.Tensor, width: int, value: Any) -> torch.Tensor:
     return torch.nn.functional.pad(a, (0, width - a.shape[1]), value=value)
 
 
-def _lookup(item_ids: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+def _unpadded(rows: np.ndarray) -> bool:
+    """Whether ``rows`` (int64, any shape) is non-empty and holds no padding (-1)."""
+    return bool(rows.size) and int(np.minimum.reduce(rows, axis=None)) >= 0
+
+
+def _tail_unpadded(rows: np.ndarray) -> bool:
+    """:func:`_unpadded` of rows [b, k] whose padding fills each row's tail (the host fast
+    path's: the probe's top-k, the beam driver's hits packed to the left, and their
+    right-padding), read from the last column: one element for one query, no reduction."""
+    if not rows.size:
+        return False
+    if rows.shape[0] == 1:
+        return rows.item(-1) >= 0
+    return _unpadded(rows[:, -1])
+
+
+def _lookup(item_ids: np.ndarray | None, rows: np.ndarray, full: bool | None = None) -> np.ndarray:
     """object [rows.shape]: ``item_ids[rows]`` where rows >= 0, None elsewhere (all None
-    when ``item_ids`` is None)."""
-    if item_ids is not None and item_ids.dtype == object and rows.size and rows.min() >= 0:  # no padding: one gather
+    when ``item_ids`` is None). ``full``: :func:`_unpadded` of ``rows`` when known."""
+    if full is None:
+        full = _unpadded(rows)
+    if item_ids is not None and item_ids.dtype.kind == "O" and full:  # no padding: one gather
         return item_ids[rows]
     out = np.empty(rows.shape, dtype=object)  # an empty object array holds None
     if item_ids is not None:

@@ -26,6 +26,8 @@ search_mod = sys.modules["rfmem_fast.search"]
 D = 24
 SIZES = [1200, 90, 7, 300]  # 1200 >= the native driver's pruning size
 BACKENDS = [b for b in ("native", "torch", "reference") if b in available_backends()]
+if "native" in BACKENDS:  # the native kernels under the portable Python beam driver (the host path's other branch)
+    BACKENDS.append("native/python-driver")
 FIELDS = ("ids", "texts", "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids",
           "probe_texts", "probe_scores", "dense_scores", "lexical_scores")  # fmt: skip
 CFG = RFMemConfig(out_k=8, probe_k=8, beam_width=3, max_rounds=4)
@@ -42,8 +44,18 @@ def _queries(n: int, seed: int):
     return rng.normal(size=(n, D)), users
 
 
+def _backend(name):
+    if name == "native/python-driver":
+        from rfmem_fast.backends.native import NativeBackend
+
+        return NativeBackend(beam_driver="python")
+    return name
+
+
 def _both(monkeypatch, bank, *args, **kw):
     """(fast-path result, general-path result) of one search."""
+    if "backend" in kw:
+        kw["backend"] = _backend(kw["backend"])
     fast = search(bank, *args, **kw)
     monkeypatch.setattr(search_mod, "HOST_FAST_PATH", False)
     try:
@@ -57,6 +69,7 @@ def _assert_same(a, b):
     for f in FIELDS:
         x, y = getattr(a, f), getattr(b, f)
         assert x.shape == y.shape and x.dtype == y.dtype, f
+        assert x.flags.c_contiguous, f  # (the fast path cuts columns: never a strided view)
         if x.dtype == object:
             assert x.tolist() == y.tolist(), f
         else:
@@ -96,8 +109,9 @@ def test_router_object_mixed_routes(monkeypatch, bank, backend):
 def test_one_query_and_small_chunks(monkeypatch, bank, backend):
     """One query (the latency case the fast path exists for), and a batch split in chunks."""
     Q, users = _queries(9, seed=12)
-    for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4])]:
-        _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode="recollection", backend=backend))
+    for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4]), (Q[2:3], users[2:3])]:  # u2: 7 items, a padded tail
+        for mode in ("dense", "recollection", "rfmem"):
+            _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode=mode, backend=backend))
     _assert_same(*_both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, max_batch=4))
 
 
@@ -112,3 +126,27 @@ def test_general_path_kept_where_the_fast_path_does_not_apply(monkeypatch, bank)
     calls.clear()
     search(bank, Q, users, CFG, mode="rfmem", backend="torch", output="torch")
     assert not calls  # tensor output: the general path
+
+
+def test_single_query_runs_no_torch_operation(monkeypatch, bank):
+    """On the native backend with its C++ driver, a host search's single query touches no
+    torch function on its way (a torch call right after a kernel's scan costs 10-20 us:
+    the caches are cold), nor the torch thread setting."""
+    if "native" not in available_backends():
+        pytest.skip("the native backend is not built")
+    import torch
+
+    from rfmem_fast.backends.native import NativeBackend
+
+    be = NativeBackend(num_threads=1)
+    Q, users = _queries(2, seed=4)
+    for mode in ("dense", "recollection", "rfmem"):
+        search(bank, Q[:1], users[:1], CFG, mode=mode, backend=be)  # the view built, memos filled
+    touched = []
+    for name in ("from_numpy", "set_num_threads", "get_num_threads", "device", "full", "where"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _n=name, _f=real, **k: touched.append(_n) or _f(*a, **k))
+    for mode in ("dense", "recollection", "rfmem"):
+        res = search(bank, Q[1:2], users[1:2], CFG, mode=mode, backend=be)
+        assert res.rows.shape == (1, CFG.out_k)
+    assert touched == []

@@ -25,7 +25,7 @@ import torch
 from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..config import RFMemConfig
-from ..device import BankView
+from ..device import BankView, host_array
 from ..precision import scan_tensor
 from ..filters import RowSelection
 from ..signals import familiarity_signals
@@ -89,12 +89,22 @@ class RecollectionOutput:
     hit_rows: torch.Tensor | None = None
     dense: torch.Tensor | None = None
 
+    def host(self) -> tuple:
+        """(rows, scores, rounds, dense or None) as host numpy arrays (``hit_rows`` left out):
+        what :meth:`Backend.recollect_host` returns (C-contiguous)."""
+        rows, scores, rounds = (host_array(t, t.dtype) for t in (self.rows, self.scores, self.rounds))
+        return rows, scores, rounds, None if self.dense is None else host_array(self.dense, self.dense.dtype)
+
 
 def recollection_capacity(config: RFMemConfig) -> int:
     """Result slots one query's recollection can fill: ``out_k - 1 + B (B + R - 1) F``
     (a round adds at most ``B (B + level) F`` items and the loop stops at ``out_k``)."""
     B, F, R = config.beam_width, config.fanout, config.max_rounds
     return config.out_k - 1 + B * (B + R - 1) * F
+
+
+#: Backend.placement's cache: (name, id(device)) -> (device, its facts)
+_PLACEMENTS: dict[tuple[str, int], tuple] = {}
 
 
 class Backend:
@@ -124,6 +134,26 @@ class Backend:
     #: :meth:`fused_topk` (the native one); :func:`rfmem_fast.search.search` fuses on the
     #: host with numpy for the others. Both give the same rows and scores.
     has_fused_topk: bool = False
+    #: True for a backend whose :meth:`probe_host` and :meth:`recollect_host` (its fused
+    #: driver) run no torch operation (the native one): the search's host fast path then
+    #: leaves torch's intra-op threads alone (:func:`rfmem_fast.threads.limit_torch_threads`)
+    host_torch_free: bool = False
+
+    def placement(self) -> tuple[torch.device, bool, tuple]:
+        """(``self.device`` as a torch.device, whether it is the CPU, the key of :meth:`view`'s
+        cache), computed once per backend name and device object (a search reads them on
+        every call; ``search(..., backend="native")`` makes a new backend each time, whose
+        device is the class's)."""
+        dev = self.device
+        key = (self.name, id(dev))
+        got = _PLACEMENTS.get(key)
+        if got is None or got[0] is not dev:  # (the entry holds the device: its id is not reused while cached)
+            d = dev if isinstance(dev, torch.device) else torch.device(dev)
+            got = (dev, (d, d.type == "cpu", ("view", self.name, str(d))))
+            if len(_PLACEMENTS) >= 64:
+                _PLACEMENTS.clear()
+            _PLACEMENTS[key] = got
+        return got[1]
 
     def bm25_hits(self, users: list, quser: np.ndarray, qterms: np.ndarray, qcnt: np.ndarray,
                   qptr: np.ndarray) -> tuple:  # fmt: skip
@@ -225,7 +255,7 @@ class Backend:
                 X = X.to(self.device)
             return BankView(X=X, offsets=offsets_cpu.to(self.device), offsets_cpu=offsets_cpu, snapshot=snap, Xs=Xs)
 
-        return bank.cached(("view", self.name, str(self.device)), build)
+        return bank.cached(self.placement()[2], build)
 
     # ------------------------------------------------------------ primitives
     def segmented_topk(
@@ -412,6 +442,59 @@ class Backend:
         scores, rows = self.segmented_topk(view, Q, qseg, k, **({} if sel is None else {"sel": sel}))
         mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
         return scores, rows, mean, ent, count
+
+    # ------------------------------------------------------------ host arrays
+    def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,
+                   convention: str, sel: RowSelection | None = None) -> tuple:  # fmt: skip
+        """:meth:`probe` on host arrays: what the search's host fast path calls for a chunk on
+        the CPU (:func:`rfmem_fast.search._search_chunk_host`); the same values.
+
+        Args:
+            view: the bank (a CPU backend's view).
+            Q: float32 [b, d] C-contiguous queries; seg: int64 [b] segment indices.
+            k, probe_k, temperature, convention, sel: as :meth:`probe`.
+
+        Returns:
+            (scores [b, k], rows int64 [b, k], mean float64 [b], entropy float64 [b],
+            count int64 [b]) C-contiguous numpy arrays (scores float32 but on a backend
+            that returns another float type).
+
+        The default wraps :meth:`probe` (tensors sharing the arrays' memory); the native
+        backend calls its kernel directly.
+        """
+        out = self.probe(view, torch.from_numpy(Q), torch.from_numpy(seg), k, probe_k, temperature, convention,
+                         **({} if sel is None else {"sel": sel}))  # fmt: skip
+        return tuple(host_array(t, t.dtype) for t in out)
+
+    def recollect_host(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config: RFMemConfig,
+                       level0: tuple[np.ndarray, np.ndarray], active: np.ndarray | None,
+                       sel: RowSelection | None = None) -> tuple:  # fmt: skip
+        """:meth:`recollect` (the fused driver, for a backend whose :meth:`fused_driver` is in
+        effect) on host arrays, for the search's host fast path; the same values.
+
+        Args:
+            view: the bank; q0: float32 [b, d] C-contiguous queries; seg: int64 [b].
+            config: as :meth:`recollect`.
+            level0: the probe's (scores float32 [b, k0], rows int64 [b, k0]) host arrays.
+            active: bool [b], the queries to recollect (None: every query).
+            sel: as :meth:`recollect`.
+
+        Returns:
+            (rows int64 [b, m], scores float32 [b, m], rounds int64 [b], dense float32
+            [b, out_k] or None) C-contiguous numpy arrays: :class:`RecollectionOutput`'s
+            fields but ``hit_rows``, where rows and scores may be wider (m >= out_k: the
+            native driver's discovery slots), their first out_k columns the result.
+
+        Raises:
+            ValueError: as :meth:`recollect`.
+
+        The default wraps :meth:`recollect`.
+        """
+        out = self.recollect(view, torch.from_numpy(q0), torch.from_numpy(seg), config,
+                             level0=(torch.from_numpy(level0[0]), torch.from_numpy(level0[1])),
+                             active=None if active is None else torch.from_numpy(active),
+                             **({} if sel is None else {"sel": sel}))  # fmt: skip
+        return out.host()
 
     # ------------------------------------------------------------ filtered search
     def selection_view(self, view: BankView, sel: RowSelection) -> tuple[BankView, torch.Tensor]:

@@ -54,7 +54,8 @@ re-read them; contiguous, they stay in cache); the results are the same.
 
 Tensors cross into C++ without a copy (``tensor.numpy()`` of contiguous CPU
 tensors); the kernels release the GIL and use at most ``num_threads`` threads
-(default: :func:`rfmem_fast.threads.get_num_threads` at call time), fewer when a call's
+(default: :func:`rfmem_fast.threads.get_num_threads` at call time; the recollect that
+follows a probe of the same queries runs with the count the probe read), fewer when a call's
 work is too small to pay for them, when another call of the process holds the thread
 pool or when no core is idle (docs/internals/threads.md); the pool's helpers sleep
 between calls (nothing spins).
@@ -70,6 +71,7 @@ import torch
 
 from .. import _native
 from ..kmeans import draw_table
+from ..device import host_array as _np
 from ..threads import get_num_threads
 from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, RecollectionOutput, check_memory_budget, recollection_capacity
 
@@ -87,9 +89,50 @@ BEAM_DRIVER_ENV = "RFMEM_BEAM_DRIVER"
 COMPACT_MIN_QUERIES = 8
 
 
-#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written) on a long
-#: segment, for the recollect of the same queries that follows it (NativeBackend.probe)
+#: per thread: the last probe's (Q, qseg, scores tensor, scan scores, written, threads) on a
+#: long segment, for the recollect of the same queries that follows it (NativeBackend.probe)
 _LAST_PROBE = threading.local()
+
+
+def _keep_probe(Q, seg, scores, kept, written, threads: int) -> None:
+    """Remember a probe's scan scores (None: it kept none) and the thread count it ran
+    with, for the recollect of the same queries that follows it on this thread: only for
+    these very objects (identity checked by :func:`_probe_ref`)."""
+    _LAST_PROBE.value = None if kept is None else (Q, seg, scores, kept, written, threads)
+
+
+def _probe_ref(q0, seg, level0_scores) -> tuple[dict, int | None]:
+    """(``_native.recollect``'s ``ref_scores`` / ``ref_ok``, the probe's thread count) when the
+    last probe on this thread was of these very queries, segments and top-k scores
+    (:func:`_keep_probe`), else ({}, None). The recollect then runs with the count its
+    probe read (``rfmem_fast.threads.get_num_threads`` looks up an environment variable
+    and torch's setting: tens of us with the caches cold after the probe's scan)."""
+    last = getattr(_LAST_PROBE, "value", None)
+    if last is not None and last[0] is q0 and last[1] is seg and last[2] is level0_scores:
+        return {"ref_scores": last[3], "ref_ok": last[4]}, last[5]
+    return {}, None
+
+
+#: per config object: the config part of ``_native.recollect``'s arguments (:func:`_driver_params`)
+_DRIVER_PARAMS: dict[int, tuple] = {}
+
+
+def _driver_params(config) -> tuple:
+    """``_native.recollect``'s arguments from ``beam_width`` to the slot width: (beam_width,
+    fanout, max_rounds, out_k, alpha, mmr_lambda, score_floor, kmeans_iters, kmeans_tol, the
+    k-means++ draws, the hit width), computed once per config object (a config is frozen;
+    the entry holds the config, so its id cannot be reused while cached)."""
+    hit = _DRIVER_PARAMS.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    c = config
+    params = (c.beam_width, c.fanout, c.max_rounds, c.out_k, float(c.alpha), float(c.mmr_lambda), float(c.score_floor),
+              c.kmeans_iters, float(c.kmeans_tol), _draws_by_clusters(int(c.kmeans_seed), int(c.beam_width)),
+              recollection_capacity(c) + 1)  # fmt: skip
+    if len(_DRIVER_PARAMS) >= 64:
+        _DRIVER_PARAMS.clear()
+    _DRIVER_PARAMS[id(config)] = (config, params)
+    return params
 
 
 def _check_driver(value: object, name: str) -> str:
@@ -104,13 +147,6 @@ def _draws_by_clusters(seed: int, beam_width: int) -> np.ndarray:
     table = draw_table(torch.arange(beam_width + 1), seed).numpy()
     table.setflags(write=False)
     return table
-
-
-def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """A C-contiguous CPU numpy view of ``t`` as ``dtype`` (copies only when needed)."""
-    if t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad and t.is_contiguous():
-        return t.numpy()  # the common case, without four dispatcher round trips
-    return t.detach().to("cpu", dtype).contiguous().numpy()
 
 
 class NativeBackend(Backend):
@@ -143,6 +179,7 @@ class NativeBackend(Backend):
     name = "native"
     device = torch.device("cpu")
     scans_half = True
+    host_torch_free = True
 
     def __init__(
         self,
@@ -227,6 +264,17 @@ class NativeBackend(Backend):
         )
         return torch.from_numpy(s), torch.from_numpy(r)
 
+    def _probe_call(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k, probe_k, temperature, convention,
+                    sel) -> tuple:  # fmt: skip
+        """``_native.probe`` on host arrays (float32 [b, d], int64 [b]), keeping the scan
+        scores: its seven outputs and the thread count it ran with."""
+        X, off = self._bank(view)
+        threads = self._threads()
+        return _native.probe(
+            X, off, Q, seg, int(k), int(probe_k), float(temperature), str(convention), threads,
+            view.row_norm_max, keep_scan_scores=True, **self._scan_args(view), **self._sel_args(view, sel),
+        ), threads  # fmt: skip
+
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
         """See :meth:`Backend.probe`: top-k and signals in one native call (``_native.probe``).
 
@@ -238,32 +286,25 @@ class NativeBackend(Backend):
         Raises:
             ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
         """
-        X, off = self._bank(view)
-        s, r, mean, ent, cnt, kept, written = _native.probe(
-            X,
-            off,
-            _np(Q, torch.float32),
-            _np(qseg, torch.int64),
-            int(k),
-            int(probe_k),
-            float(temperature),
-            str(convention),
-            self._threads(),
-            view.row_norm_max,
-            keep_scan_scores=True,
-            **self._scan_args(view),
-            **self._sel_args(view, sel),
+        (s, r, mean, ent, cnt, kept, written), threads = self._probe_call(
+            view, _np(Q, torch.float32), _np(qseg, torch.int64), k, probe_k, temperature, convention, sel
         )
         st = torch.from_numpy(s)
-        # the scan scores for the driver: only for these very tensors (identity checked)
-        _LAST_PROBE.value = None if kept is None else (Q, qseg, st, kept, written)
-        return (
-            st,
-            torch.from_numpy(r),
-            torch.from_numpy(mean),
-            torch.from_numpy(ent),
-            torch.from_numpy(cnt),
-        )
+        _keep_probe(Q, qseg, st, kept, written, threads)
+        return st, torch.from_numpy(r), torch.from_numpy(mean), torch.from_numpy(ent), torch.from_numpy(cnt)
+
+    def probe_host(self, view, Q, seg, k, probe_k, temperature, convention, sel=None):
+        """See :meth:`Backend.probe_host`: :meth:`probe` on host arrays, the kernel called
+        directly (no tensor on the way; the scan scores kept for :meth:`recollect_host` as
+        :meth:`probe` keeps them for :meth:`recollect`).
+
+        Raises:
+            ValueError: unknown convention, ``k`` or ``probe_k`` < 1.
+        """
+        (s, r, mean, ent, cnt, kept, written), threads = self._probe_call(view, Q, seg, k, probe_k, temperature,
+                                                                          convention, sel)  # fmt: skip
+        _keep_probe(Q, seg, s, kept, written, threads)
+        return s, r, mean, ent, cnt
 
     # ---------------------------------------------------------------- lexical channel
     has_fused_topk = True
@@ -347,6 +388,27 @@ class NativeBackend(Backend):
         return torch.from_numpy(out)
 
     # ---------------------------------------------------------------- beam driver
+    def _compacts(self, sel, active) -> bool:
+        """Whether a recollection with selection ``sel`` runs on the compacted view
+        (at least :data:`COMPACT_MIN_QUERIES` filtered queries to recollect)."""
+        if sel is None or not sel.any():
+            return False
+        filt = sel.qsel >= 0
+        if active is not None:
+            filt = filt & (active if isinstance(active, np.ndarray) else _np(active, torch.bool))
+        return int(np.count_nonzero(filt)) >= COMPACT_MIN_QUERIES
+
+    def _recollect_call(self, view: BankView, q0: np.ndarray, seg: np.ndarray, config, l0s, l0r, act, sel,
+                        ref: dict, threads: int | None = None) -> tuple:  # fmt: skip
+        """``_native.recollect`` on host arrays: (rows [b, width], scores, rounds, dense [b, out_k]);
+        ``threads``: the count to use (None: :meth:`_threads`)."""
+        X, off = self._bank(view)
+        return _native.recollect(
+            X, off, q0, seg, l0s, l0r, *_driver_params(config), self._threads() if threads is None else threads,
+            view.row_norm_max,
+            self.memory_budget, act, dense=True, **self._scan_args(view), **self._sel_args(view, sel), **ref,
+        )  # fmt: skip
+
     def recollect(self, view, q0, qseg, config, level0=None, active=None, sel=None):
         """See :meth:`Backend.recollect`: the C++ beam driver (``_native.recollect``).
 
@@ -361,22 +423,16 @@ class NativeBackend(Backend):
                 row outside its query's segment; ``active`` not a bool tensor of shape
                 [b].
         """
-        if sel is not None and sel.any():
-            filt = sel.qsel >= 0
-            if active is not None:
-                filt = filt & _np(active, torch.bool)
-            if int(filt.sum()) >= COMPACT_MIN_QUERIES:
-                return self._recollect_compacted(view, q0, qseg, config, level0, active, sel)
+        if self._compacts(sel, active):
+            return self._recollect_compacted(view, q0, qseg, config, level0, active, sel)
         b = int(q0.shape[0])
         if active is not None and (
             not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (b,)
         ):
             raise ValueError(f"active must be a bool tensor of shape [{b}]")
-        # every discovered item (hit_rows, the merges' input), as wide as the Python
-        # driver's: the result slots and one spare column
-        width = recollection_capacity(config) + 1
         act = None if active is None else _np(active, torch.bool)
         if act is not None and not np.count_nonzero(act):  # e.g. a familiar query in mode "rfmem": nothing to do
+            width = recollection_capacity(config) + 1
             return RecollectionOutput(
                 rows=torch.full((b, config.out_k), -1, dtype=torch.int64),
                 scores=torch.full((b, config.out_k), float("-inf"), dtype=torch.float32),
@@ -384,42 +440,14 @@ class NativeBackend(Backend):
                 hit_rows=torch.full((b, width), -1, dtype=torch.int64),
                 dense=torch.full((b, config.out_k), float("nan"), dtype=torch.float32),
             )
-        X, off = self._bank(view)
-        l0s = l0r = None
+        l0s = l0r = threads = None
         ref = {}
         if level0 is not None:
             l0s, l0r = _np(level0[0], torch.float32), _np(level0[1], torch.int64)
-            last = getattr(_LAST_PROBE, "value", None)
-            if last is not None and last[0] is q0 and last[1] is qseg and last[2] is level0[0]:
-                ref = {"ref_scores": last[3], "ref_ok": last[4]}  # the probe of these queries: its scan scores
+            ref, threads = _probe_ref(q0, qseg, level0[0])
         _LAST_PROBE.value = None
-        rows, scores, rounds, dense = _native.recollect(
-            X,
-            off,
-            _np(q0, torch.float32),
-            _np(qseg, torch.int64),
-            l0s,
-            l0r,
-            config.beam_width,
-            config.fanout,
-            config.max_rounds,
-            config.out_k,
-            float(config.alpha),
-            float(config.mmr_lambda),
-            float(config.score_floor),
-            config.kmeans_iters,
-            float(config.kmeans_tol),
-            _draws_by_clusters(int(config.kmeans_seed), int(config.beam_width)),
-            width,
-            self._threads(),
-            view.row_norm_max,
-            self.memory_budget,
-            act,
-            dense=True,
-            **self._scan_args(view),
-            **self._sel_args(view, sel),
-            **ref,
-        )
+        rows, scores, rounds, dense = self._recollect_call(view, _np(q0, torch.float32), _np(qseg, torch.int64), config,
+                                                           l0s, l0r, act, sel, ref, threads)  # fmt: skip
         return RecollectionOutput(  # (numpy slices: a torch slice costs a dispatch)
             rows=torch.from_numpy(rows[:, : config.out_k]),
             scores=torch.from_numpy(scores[:, : config.out_k]),
@@ -427,6 +455,22 @@ class NativeBackend(Backend):
             hit_rows=torch.from_numpy(rows),
             dense=torch.from_numpy(dense),
         )
+
+    def recollect_host(self, view, q0, seg, config, level0, active, sel=None):
+        """See :meth:`Backend.recollect_host`: :meth:`recollect` on host arrays, the kernel
+        called directly (a filtered batch that runs compacted goes through :meth:`recollect`).
+
+        Raises:
+            ValueError: as :meth:`recollect` (``active`` not a bool array of shape [b]).
+        """
+        if self._compacts(sel, active):
+            return super().recollect_host(view, q0, seg, config, level0, active, sel)
+        b = q0.shape[0]
+        if active is not None and (active.dtype.kind != "b" or active.shape != (b,)):
+            raise ValueError(f"active must be a bool array of shape [{b}]")
+        ref, threads = _probe_ref(q0, seg, level0[0])
+        _LAST_PROBE.value = None
+        return self._recollect_call(view, q0, seg, config, level0[0], level0[1], active, sel, ref, threads)
 
     def _recollect_compacted(self, view, q0, qseg, config, level0, active, sel):
         """The C++ driver for a filtered batch: the filtered queries run on the compacted

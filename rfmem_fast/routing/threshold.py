@@ -65,15 +65,28 @@ def route_by_thresholds(
     mean: Any, entropy: Any, count: Any, theta_high: float, theta_low: float, tau: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`route` with the three thresholds given directly (same rules, same outputs)."""
-    mean, entropy, count = (_host(x) for x in (mean, entropy, count))
-    rule = np.full(mean.shape, RULE_ENTROPY_HIGH, dtype=np.int64)
-    # lowest priority first: each later rule overrides the earlier ones
-    rule[entropy < tau] = RULE_ENTROPY_LOW
-    rule[mean <= theta_low] = RULE_MEAN_LOW
-    rule[mean >= theta_high] = RULE_MEAN_HIGH
-    rule[count == 0] = RULE_NO_HITS
-    fam = (rule == RULE_MEAN_HIGH) | (rule == RULE_ENTROPY_LOW)
-    return (~fam).astype(np.int64), rule  # FAMILIARITY = 0, RECOLLECTION = 1
+    mean, entropy, count = _host(mean), _host(entropy), _host(count)
+    # the rules nested by priority, the first match outermost (as route_tensor): few numpy
+    # calls, which is what a one-query batch pays for
+    rule = np.where(
+        count == 0,
+        _RULE[RULE_NO_HITS],
+        np.where(
+            mean >= theta_high,
+            _RULE[RULE_MEAN_HIGH],
+            np.where(mean <= theta_low, _RULE[RULE_MEAN_LOW],
+                     np.where(entropy < tau, _RULE[RULE_ENTROPY_LOW], _RULE[RULE_ENTROPY_HIGH])),
+        ),
+    )  # fmt: skip
+    return _ROUTE_OF_RULE[rule], rule  # FAMILIARITY = 0, RECOLLECTION = 1
+
+
+#: the rule codes as int64 scalars (np.where keeps int64 whatever the platform's default int)
+_RULE = np.arange(RULE_NO_HITS + 1, dtype=np.int64)
+#: the route of each threshold rule (familiarity for mean_high and entropy_low)
+_ROUTE_OF_RULE = np.ones(RULE_NO_HITS + 1, dtype=np.int64)
+_ROUTE_OF_RULE[[RULE_MEAN_HIGH, RULE_ENTROPY_LOW]] = 0
+_ROUTE_OF_RULE.setflags(write=False)
 
 
 def route_tensor(
