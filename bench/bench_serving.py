@@ -150,6 +150,8 @@ CONFIGS = {
     # the default server with the torch bfloat16 encoder (passes cut by length): the faster
     # one for batches on a CPU with AMX (docs/benchmarks/serving.md, "Encoder runtimes")
     "torch-bf16": lambda a: ["--max-batch", str(a.max_batch), "--encoder-backend", "torch", "--encoder-dtype", "bfloat16"],
+    "torch-bf16-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-backend", "torch", "--encoder-dtype", "bfloat16",
+                               "--encoder-workers", "2"],
 }
 LABELS = {
     "batched": "micro-batching (default server: pipelined, --encoder-workers auto = max(1, cores // 4))",
@@ -162,6 +164,7 @@ LABELS = {
     "int8": "the default server with --encoder-dtype int8 (ONNX int8 encoder: MatMulNBits, texts over 64 tokens in float32)",
     "float32": "the default server with the ONNX float32 encoder forced (--encoder-backend onnx --encoder-dtype float32)",
     "torch-bf16": "the default server with the torch bfloat16 encoder (--encoder-backend torch --encoder-dtype bfloat16)",
+    "torch-bf16-2": "the torch bfloat16 encoder, 2 encoder workers of 1 thread each",
 }
 #: configurations run from the --baseline-ref tree when one is given (the server before)
 BASELINE_CONFIGS = ("unpipelined",)
