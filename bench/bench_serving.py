@@ -95,13 +95,41 @@ def build_memory(data_dir: Path, path: Path, say: Any) -> tuple[list[str], list[
     pb = personabench_embeddings(data_dir, cache_dir=default_cache_dir(), say=say)
     data = load_personabench(data_dir, noise=0.0)
     snap = pb.bank.snapshot()
+    rows = []
     with Memory(path, encoder=False, dim=snap.vectors.shape[1], batching=False) as mem:
         for u, user in enumerate(data.users):
             a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
             assert list(snap.item_ids[a:b]) == user.chunk_ids
             mem.add(user.chunk_texts, user.key, ids=user.chunk_ids, vectors=snap.vectors[a:b])
+            rows.append({"user": user.key, "texts": list(user.chunk_texts), "ids": [str(i) for i in user.chunk_ids],
+                         "vectors": snap.vectors[a:b].tolist()})
+    (path.parent / f"{path.name}-rows.json").write_text(json.dumps(rows))
     info = {"users": len(data.users), "chunks": int(snap.num_items), "questions": len(data.questions)}
     return [q.question for q in data.questions], [q.user_key for q in data.questions], info
+
+
+#: run in the --baseline-ref tree: the same Memory directory written by that commit's own
+#: code (its store format), from the rows build_memory dumped
+_BASELINE_MEMORY = """
+import json, sys
+import numpy as np
+from rfmem_fast import Memory
+rows = json.load(open(sys.argv[1]))
+with Memory(sys.argv[2], encoder=False, dim=len(rows[0]["vectors"][0]), batching=False) as mem:
+    for r in rows:
+        mem.add(r["texts"], r["user"], ids=r["ids"], vectors=np.asarray(r["vectors"], dtype=np.float32))
+"""
+
+
+def build_baseline_memory(src: Path, path: Path) -> Path:
+    """The Memory directory of :func:`build_memory` (at ``path``) written again by the code
+    of the --baseline-ref tree ``src`` (whose store format may be older), next to it as
+    ``<path>-baseline``; returns that path."""
+    out = path.with_name(f"{path.name}-baseline")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    subprocess.run([sys.executable, "-c", _BASELINE_MEMORY, str(path.parent / f"{path.name}-rows.json"), str(out)],
+                   cwd=src, env=env, check=True, capture_output=True, text=True)
+    return out
 
 
 def free_port() -> int:
@@ -140,6 +168,8 @@ CONFIGS = {
     "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
                               "--switch-interval-ms", "5"]  # and Python's own GIL switch interval, as before
     + ([] if a.baseline_ref else ["--no-fast-path"]),  # (the code of --baseline-ref has no fast path)
+    # the server of --baseline-ref as it was (its defaults), for a commit before the pipeline's flags
+    "before": lambda a: ["--max-batch", str(a.max_batch)],
     "batched-si5": lambda a: ["--max-batch", str(a.max_batch), "--switch-interval-ms", "5"],
     "pipeline-1": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "1"],
     "pipeline-2": lambda a: ["--max-batch", str(a.max_batch), "--encoder-workers", "2"],
@@ -158,6 +188,7 @@ LABELS = {
     "single": "one search per request (thread each)",
     "serial": "one search per request (one worker)",
     "unpipelined": "micro-batching, no pipeline, 1 encoder, 5 ms GIL switch interval (before)",
+    "before": "the server of --baseline-ref with its own defaults (micro-batching, --max-batch)",
     "batched-si5": "the default server with Python's 5 ms GIL switch interval",
     "pipeline-1": "micro-batching, pipelined, 1 encoder worker",
     "pipeline-2": "micro-batching, pipelined, 2 encoder workers",
@@ -167,7 +198,7 @@ LABELS = {
     "torch-bf16-2": "the torch bfloat16 encoder, 2 encoder workers of 1 thread each",
 }
 #: configurations run from the --baseline-ref tree when one is given (the server before)
-BASELINE_CONFIGS = ("unpipelined",)
+BASELINE_CONFIGS = ("unpipelined", "before")
 #: the configurations of --compare-pipeline: before, the default (pipeline, --encoder-workers auto),
 #: the pipeline with two encoder workers (1 vs 2 workers)
 COMPARE_PIPELINE = ("unpipelined", "batched", "pipeline-2")
@@ -205,17 +236,22 @@ class Server:
 
     def __init__(self, path: Path, config: str, args: argparse.Namespace, cache_size: int, dtype: str,
                  name: str = "") -> None:
+        # the server before (--baseline-ref): that commit's code (export_baseline: its own
+        # native module where its C++ differs) and its own memory directory (build_baseline_memory)
+        src = args.baseline_src if getattr(args, "baseline_src", None) and config in BASELINE_CONFIGS else ROOT
+        if src != ROOT:
+            path = path.with_name(f"{path.name}-baseline")
         own = path.with_name(f"{path.name}-{name or config}-{dtype}")
         shutil.copytree(path, own)
         path = own
-        # the server before (--baseline-ref): that commit's code, this checkout's native module
-        src = args.baseline_src if getattr(args, "baseline_src", None) and config in BASELINE_CONFIGS else ROOT
         self.src = src
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "rfmem_fast.cli", "serve", "--path", str(path), "--port", str(self.port),
                "--cache-size", str(cache_size), "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
-               "--encoder-dtype", dtype, "--no-auth"]  # a loopback benchmark: no tokens to send
+               "--encoder-dtype", dtype]
+        if src == ROOT or _has_flag(src, "--no-auth"):  # a loopback benchmark: no tokens to send
+            cmd.append("--no-auth")  # (a server from before issue 17 had no auth unless given a key)
         cmd += CONFIGS[config](args)
         self.cmd = cmd
         self.health: dict[str, Any] = {}
@@ -363,12 +399,15 @@ def run_async(coro: Any) -> Any:
 
 
 def export_baseline(ref: str, dest: Path) -> dict[str, str]:
-    """The source tree of git ``ref`` (``git archive``) in ``dest``, with this checkout's
-    compiled native module(s) copied in (``rfmem_fast/_native*.so``: the tree has the
-    sources only): the server before, run as it was. Returns {"ref", "commit"}.
+    """The source tree of git ``ref`` (``git archive``) in ``dest`` with a compiled native
+    module (the tree has the sources only): this checkout's ``rfmem_fast/_native*.so``
+    copied in where ``ref``'s ``csrc`` is this checkout's, else its own, built in place
+    (``setup.py build_ext --inplace``: needs pybind11): the server before, run as it was.
+    Returns {"ref", "commit", "native_module"}.
 
     Raises:
-        RuntimeError: ``ref`` is not a commit of this repository.
+        RuntimeError: ``ref`` is not a commit of this repository, or its native module
+            had to be built and did not build.
     """
     import io
     import tarfile
@@ -382,9 +421,25 @@ def export_baseline(ref: str, dest: Path) -> dict[str, str]:
     dest.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
-    for so in (ROOT / "rfmem_fast").glob("_native*.so"):
-        shutil.copy2(so, dest / "rfmem_fast" / so.name)
-    return {"ref": ref, "commit": commit}
+    same_cpp = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", "csrc"], cwd=ROOT).returncode == 0
+    native = "this checkout's"
+    if not same_cpp:  # its Python calls its own kernels: build them (pybind11, ~1-2 min)
+        built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dest, capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(dest)})
+        if built.returncode != 0 or not list((dest / "rfmem_fast").glob("_native*.so")):
+            raise RuntimeError(f"--baseline-ref {ref}: its C++ differs from this checkout's and its native module "
+                               f"did not build (pip install pybind11?): {built.stderr.strip()[-800:]}")
+        native = "its own, built from its csrc"
+    else:
+        for so in (ROOT / "rfmem_fast").glob("_native*.so"):
+            shutil.copy2(so, dest / "rfmem_fast" / so.name)
+    return {"ref": ref, "commit": commit, "native_module": native}
+
+
+def _has_flag(src: Path, flag: str) -> bool:
+    """Whether the CLI of the tree ``src`` defines ``flag`` (its sources mention it)."""
+    return any(f'"{flag}"' in f.read_text(encoding="utf-8", errors="replace")
+               for f in (src / "rfmem_fast").rglob("*cli*.py"))
 
 
 def _session(base: str, client: str, limit: int) -> tuple[Any, Any, tuple]:
@@ -945,6 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
             args.baseline_src = tmp / "baseline-src"
             say(f"baseline: {doc['settings']['baseline']} in {args.baseline_src}")
         questions, users, info = build_memory(data, tmp / "mem", say)
+        if args.baseline_ref:
+            build_baseline_memory(args.baseline_src, tmp / "mem")
         doc["data"] = info
         work = list(zip(questions, users))
         for dtype in dtypes:
