@@ -48,10 +48,19 @@ figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
     python bench/bench_serving.py --concurrency 1,8 --requests 100 --open-loop none   # quicker
     python bench/bench_serving.py --compare-pipeline    # before / after the pipeline, ~5 min
 
-6. ``--baseline-ref REF`` runs the ``unpipelined`` server from the code of git commit REF
-   (``git archive``; this checkout's compiled native module copied in): the server
-   before, exactly, next to today's in one run. Issue 21's server goal, with the int8
-   encoder for comparison (~8 min):
+6. ``--baseline-ref REF`` runs the ``unpipelined`` and ``before`` servers from the code of
+   git commit REF (``git archive``; this checkout's compiled native module copied in where
+   REF's ``csrc`` is the same, else REF's own built in place, which needs pybind11; the
+   memory directory written again by REF's code, so an older store format is read; its
+   CLI's flags only: ``before`` = its defaults and ``--max-batch``, ``--no-auth`` only
+   where REF has it): the server before, exactly, next to today's in one run. The server
+   as issue 21 found it (~3 min)::
+
+    python bench/bench_serving.py --baseline-ref 51f1a6b --configs before,batched --open-loop none \
+        --repeats 0 --seconds 12 --rounds 4
+
+   The server of 6fd04da (the ONNX encoder already in) without its pipeline against
+   today's, with the int8 encoder for comparison (~8 min):
 
     python bench/bench_serving.py --compare-pipeline --baseline-ref 6fd04da \
         --configs unpipelined,batched,pipeline-2,int8 --open-loop-configs unpipelined,batched,pipeline-2,int8
