@@ -773,7 +773,7 @@ def _passes(st_model: Any, items: list[str], batch_size: int,
     rounding (cosine > 0.99999 between a text alone and in a batch); it only costs
     time, which this saves: 64 PersonaBench questions padded to the longest of them
     (85 tokens; 15.6 on average) are ~4x the tokens (torch bfloat16, one core of an
-    Intel Xeon with AMX: 6.5 ms of CPU per question in one pass, 2.5-2.7 in passes
+    Intel Xeon with AMX: 6.5 ms of CPU per question in one pass, 2.2-2.7 in passes
     cut this way).
 
     Args:
