@@ -1,7 +1,7 @@
 """Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench (issue 21, item 1).
 
 Side by side in one run, for each option (``--options``, default
-``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:int8``; ``backend:dtype`` of
+``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32:onnx,onnx:float32,onnx:int8``; ``backend:dtype[:long_texts]`` of
 :class:`rfmem_fast.encoders.TextEncoder`; ``st:<dtype>`` is the torch encoder before issue 21,
 sentence-transformers' own ``encode``: :class:`StEncode`, the goals' "today's" encoder):
 
@@ -142,6 +142,11 @@ def _retrieval(run_personabench: Any, data_dir: Path, enc: Any, questions: list[
     return cell
 
 
+def _label(backend: str, dtype: str, long_texts: str = "auto") -> str:
+    """An option's name: ``backend:dtype``, with ``:long_texts`` when not "auto"."""
+    return f"{backend}:{dtype}" + ("" if long_texts == "auto" else f":{long_texts}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -151,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
-    p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:int8",
-                   help="comma list of backend:dtype (backend 'st': sentence-transformers' own encode, "
-                        "the encoder before issue 21); the first is the reference")
+    p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32:onnx,onnx:float32,onnx:int8",
+                   help="comma list of backend:dtype[:long_texts] (backend 'st': sentence-transformers' own encode, "
+                        "the encoder before issue 21; long_texts: TextEncoder's, auto by default); the first is "
+                        "the reference")
     p.add_argument("--calls", default="1,8,64", help="texts per encode call")
     p.add_argument("--questions", type=int, default=128, help="questions timed per cell")
     p.add_argument("--reps", type=int, default=3, help="repetitions per cell (the best is kept)")
@@ -164,15 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     options = []
     for item in args.options.split(","):
-        backend, _, dtype = item.strip().partition(":")
+        backend, _, rest = item.strip().partition(":")
+        dtype, _, long_texts = rest.partition(":")
         if backend == "st":  # StEncode: the torch encoder before issue 21
-            options.append((backend, dtype or "float32"))
+            options.append((backend, dtype or "float32", "auto"))
             continue
+        if long_texts not in ("", "auto", "onnx", "torch"):
+            p.error(f"--options {item!r}: the third field (long_texts) must be auto, onnx or torch")
         try:
             check_backend(backend, dtype or "float32", "--options backend", "--options dtype")
         except (TypeError, ValueError) as e:
             p.error(str(e))
-        options.append((backend, dtype or "float32"))
+        options.append((backend, dtype or "float32", long_texts or "auto"))
     calls = [int(x) for x in args.calls.split(",")]
     data_dir = Path(args.data) if args.data else default_personabench_dir()
     if data_dir is None:
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {**machine_info(), "simd": cpu_flags()}, "versions": vers,
         "load": {"loadavg_start": _loadavg()},
-        "settings": {"options": [f"{b}:{d}" for b, d in options], "calls": calls, "questions": len(timed),
+        "settings": {"options": [_label(*o) for o in options], "calls": calls, "questions": len(timed),
                      "chunks_timed": len(timed_chunks), "pass": 64, "reps": args.reps, "threads": args.threads,
                      "data": str(data_dir), "noise": 0.0,
                      "timing": "CPU ms per text (process_time), best of reps; wall ms too"},
@@ -205,15 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     doc["auto"] = {"auto:auto": ":".join(resolve_backend("auto", "auto")), "quality_floor": QUALITY_FLOOR,
                    "int8_dot": int8_dot()}
     encoders: dict[str, Any] = {}
-    for backend, dtype in options:
-        label = f"{backend}:{dtype}"
+    for backend, dtype, long_texts in options:
+        label = _label(backend, dtype, long_texts)
         t0 = time.perf_counter()
         enc = TextEncoder(show_progress=False, dtype=dtype, backend="torch" if backend == "st" else backend,
-                          batch_size=64)
+                          batch_size=64, long_texts=long_texts)
         if backend == "st":
             enc = StEncode(enc)
         load_s = time.perf_counter() - t0
-        say(f"{label} (runs as {enc.backend}:{enc.dtype}; loaded in {load_s:.1f} s)")
+        say(f"{label} (runs as {enc.backend}:{enc.dtype}, long texts in {getattr(enc, 'long_texts', '-')}; "
+            f"loaded in {load_s:.1f} s)")
         enc.encode(timed[:16])  # warm-up
         encoders[label] = (enc, load_s)
     for what, texts, cs in (("questions", timed, calls), ("chunks", timed_chunks, [64])):

@@ -64,7 +64,7 @@ from .models import default_model_path  # its home: the model files (re-exported
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
     "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
-    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS",
+    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS", "LONG_TEXTS", "resolve_long_texts",
 ]
 
 #: a forward pass (torch and ONNX) holds texts with at least this fraction of the tokens
@@ -80,6 +80,10 @@ PASS_LENGTH_RATIO = 0.75
 #: AVX512-VNNI). Queries are short (PersonaBench questions: 16 tokens on average),
 #: memories and chunks long.
 INT8_MAX_TOKENS = 64
+
+#: accepted values of ``TextEncoder(long_texts=...)``: where an ONNX encoder embeds the
+#: texts of more than :data:`INT8_MAX_TOKENS` tokens (:func:`resolve_long_texts`)
+LONG_TEXTS = ("auto", "onnx", "torch")
 
 #: Below or at this many texts the progress bar is off by default.
 PROGRESS_MIN_TEXTS = 256
@@ -226,6 +230,36 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
                 + ("(device is not the CPU)" if not on_cpu else "(onnxruntime / onnx missing: "
                    + install_hint("onnx") + ")"))
     return "torch", resolve_dtype(dtype, device)
+
+
+def resolve_long_texts(long_texts: Any, backend: str, device: str = "cpu") -> str:
+    """Where an encoder of runtime ``backend`` embeds texts of more than
+    :data:`INT8_MAX_TOKENS` tokens (memories, chunks): "onnx" (its own graph: the float32
+    graph for both ONNX precisions) or "torch" (the model in torch, bfloat16: Linear
+    weights in bfloat16 under ``torch.autocast``, as ``TextEncoder(dtype="bfloat16")``).
+
+    "auto": "torch" for an ONNX encoder on a CPU that multiplies bfloat16 natively
+    (:func:`native_bf16`: AVX512-BF16 / AMX), else "onnx". There the long texts are where
+    torch's bfloat16 passes win: 64 PersonaBench chunks (256 tokens) 21 against 60 ms
+    per text, one alone 24 against 52, texts of ~113 tokens 9-16 against 23-29 (one core
+    of an Intel Xeon with AMX; 37 against 58 on an AMD EPYC with AVX512-BF16), at the
+    cosine of the bfloat16 encoder (>= 0.99996 to float32), while the queries (short)
+    keep ONNX Runtime's float32 graph, the faster one for a query alone. Which side
+    embeds a text depends on its own token count only, never on the other texts of a
+    call. For a torch encoder the value is "torch" (every text runs in torch).
+
+    Raises:
+        TypeError: ``long_texts`` is not a str; ValueError: not one of :data:`LONG_TEXTS`.
+    """
+    if not isinstance(long_texts, str):
+        raise TypeError(f"long_texts must be one of {LONG_TEXTS} (a str), got {long_texts!r}")
+    if long_texts not in LONG_TEXTS:
+        raise ValueError(f"long_texts must be one of {LONG_TEXTS}, got {long_texts!r}")
+    if backend != "onnx":
+        return "torch"
+    if long_texts == "auto":
+        return "torch" if native_bf16(device) else "onnx"
+    return long_texts
 
 
 def int8_dot() -> bool:
@@ -405,6 +439,11 @@ class TextEncoder:
             calling thread for the call (restored after). Several encoders encoding
             at once (``rfmem serve --encoder-workers``) share the cores out this way
             instead of oversubscribing them.
+        long_texts: with the ONNX backend, where texts of more than
+            :data:`INT8_MAX_TOKENS` tokens are embedded: "onnx" (its float32 graph),
+            "torch" (the torch model in bfloat16) or "auto" (default,
+            :func:`resolve_long_texts`: "torch" on a CPU with native bfloat16);
+            :attr:`long_texts` tells the one in use. Ignored by the torch backend.
 
     Raises:
         FileNotFoundError: if ``model`` is not an existing local directory (a hub name
@@ -419,7 +458,8 @@ class TextEncoder:
             not cover (other than Transformer -> mean Pooling -> Normalize).
         TypeError: if ``batch_size`` is not an int, ``device`` not a str or
             ``dtype`` / ``backend`` not a str.
-        ValueError / TypeError: ``num_threads`` not an int >= 1 (or None).
+        ValueError / TypeError: ``num_threads`` not an int >= 1 (or None);
+            ``long_texts`` not one of :data:`LONG_TEXTS`.
         ImportError: ``backend="onnx"`` without onnxruntime / onnx (names the extra).
 
     Thread safety: one instance may be shared by threads; calls to :meth:`encode` on
@@ -441,6 +481,7 @@ class TextEncoder:
         dtype: str = "float32",
         backend: str = "torch",
         num_threads: int | None = None,
+        long_texts: str = "auto",
     ) -> None:
         check_backend(backend, dtype)
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)):
@@ -456,6 +497,7 @@ class TextEncoder:
         if show_progress is not None and not isinstance(show_progress, bool):
             raise TypeError(f"show_progress must be a bool or None, got {show_progress!r}")
         run_backend, run_dtype = resolve_backend(backend, dtype, device)  # bad pairs fail before loading
+        run_long = resolve_long_texts(long_texts, run_backend, device)
         if run_backend == "onnx":  # a missing runtime fails before loading too
             require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
             require("onnx", "onnx", "TextEncoder(backend='onnx')")
@@ -495,12 +537,16 @@ class TextEncoder:
         self._backend, self._dtype = run_backend, run_dtype
         self._autocast: Any = None
         self._onnx: _OnnxRunner | None = None
-        if self._backend == "onnx":
-            self._onnx = _OnnxRunner(self._model, path, self._dtype, num_threads)
-        elif self._dtype != "float32":
+        self._long_texts: str = run_long
+        low_dtype = self._dtype
+        if self._backend == "onnx":  # (exported from the float32 weights, before any cast below)
+            self._onnx = _OnnxRunner(self._model, path, self._dtype, num_threads,
+                                     long_torch=self._torch_long if run_long == "torch" else None)
+            low_dtype = "bfloat16" if run_long == "torch" else "float32"
+        if low_dtype != "float32":
             import torch
 
-            low = getattr(torch, self._dtype)
+            low = getattr(torch, low_dtype)
             # the Linear weights are kept in the low precision (autocast would cast
             # them again on every forward pass: ~2x the cost of a one-text encode);
             # autocast casts the activations into them and keeps LayerNorm, softmax
@@ -585,6 +631,13 @@ class TextEncoder:
         return self._backend
 
     @property
+    def long_texts(self) -> str:
+        """Where texts of more than :data:`INT8_MAX_TOKENS` tokens are embedded: "onnx"
+        (the float32 graph) or "torch" (bfloat16 with an ONNX encoder, :attr:`dtype`
+        with a torch one); "auto" resolved (:func:`resolve_long_texts`)."""
+        return self._long_texts
+
+    @property
     def onnx_file(self) -> str | None:
         """Path (str) of the cached ONNX graph in use (with dtype "int8": the int8 graph,
         for texts of at most :data:`INT8_MAX_TOKENS` tokens; :attr:`onnx_long_file` for
@@ -601,7 +654,8 @@ class TextEncoder:
         return (
             f"TextEncoder(model={self._model_path!r}, device={self._device!r}, "
             f"batch_size={self._batch_size}, dim={self._dim}, dtype={self._dtype!r}, "
-            f"backend={self._backend!r}, num_threads={self.num_threads})"
+            f"backend={self._backend!r}, num_threads={self.num_threads}"
+            + (f", long_texts={self._long_texts!r})" if self._onnx is not None else ")")
         )
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -643,24 +697,37 @@ class TextEncoder:
         if show is None:
             show = n > PROGRESS_MIN_TEXTS and _stderr_isatty()
         if self._onnx is not None:
-            with self._lock:
+            if self._long_texts == "onnx":
+                with self._lock:
+                    return self._onnx.encode(items, self._batch_size)
+            import torch
+
+            with self._lock, self._precision(), self._threads(), torch.inference_mode():
                 return self._onnx.encode(items, self._batch_size)
         import torch
 
         arr = np.empty((n, self._dim), dtype=np.float32)
         with self._lock, self._precision(), self._threads(), torch.inference_mode():
-            self._model.eval()
             with _progress(show, n) as bar:
                 for rows, feats, _ in _passes(self._model, items, self._batch_size):
-                    feats = {k: (v.to(self._device) if isinstance(v, torch.Tensor) else v) for k, v in feats.items()}
-                    emb = self._model(feats)["sentence_embedding"]
-                    if emb.shape != (len(rows), self._dim):  # pragma: no cover - defensive
-                        raise RuntimeError(f"encoder returned shape {tuple(emb.shape)}, expected {(len(rows), self._dim)}")
-                    arr[rows] = emb.float().cpu().numpy()
+                    arr[rows] = self._torch_long(feats, len(rows))
                     bar.update(len(rows))
         # unit norm in float32 whatever the pass computed in
         arr /= np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr
+
+    def _torch_long(self, feats: dict[str, Any], m: int) -> np.ndarray:
+        """One torch forward pass of the model over ``feats`` (a pass of :func:`_passes`,
+        ``m`` texts) -> float32 ``[m, dim]`` (not yet normalised). The caller holds the
+        lock, :meth:`_precision`, :meth:`_threads` and ``torch.inference_mode``."""
+        import torch
+
+        self._model.eval()
+        feats = {k: (v.to(self._device) if isinstance(v, torch.Tensor) else v) for k, v in feats.items()}
+        emb = self._model(feats)["sentence_embedding"]
+        if emb.shape != (m, self._dim):  # pragma: no cover - defensive
+            raise RuntimeError(f"encoder returned shape {tuple(emb.shape)}, expected {(m, self._dim)}")
+        return emb.float().cpu().numpy()
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -703,7 +770,10 @@ class _OnnxRunner:
     the int8 graph for texts of at most :data:`INT8_MAX_TOKENS` tokens and the float32
     graph for longer ones (where int8 does not pay), both exported and loaded here; a
     pass holds texts of one side only, so which graph embeds a text depends on the text
-    alone, never on the others encoded with it.
+    alone, never on the others encoded with it. ``long_torch`` (a callable
+    ``f(features, m) -> float32 [m, d]``: :class:`TextEncoder` ``long_texts="torch"``):
+    the texts over :data:`INT8_MAX_TOKENS` tokens go to it instead of a float32 graph
+    (for int8 no float32 session is loaded then).
 
     Threads: ``intra_op_num_threads = num_threads``, by default
     ``torch.get_num_threads()`` (the torch encoder's count, so both backends use the
@@ -712,7 +782,8 @@ class _OnnxRunner:
     whatever ``OMP_WAIT_POLICY`` says.
     """
 
-    def __init__(self, st_model: Any, model_path: str, dtype: str, num_threads: int | None = None) -> None:
+    def __init__(self, st_model: Any, model_path: str, dtype: str, num_threads: int | None = None,
+                 long_torch: Any = None) -> None:
         from .onnx_export import onnx_model_file
 
         ort = require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
@@ -734,7 +805,9 @@ class _OnnxRunner:
         #: the session for texts longer than INT8_MAX_TOKENS (the float32 graph), or None
         self._long: Any = None
         self.long_file: str | None = None
-        if dtype == "int8":
+        #: ``f(features, m) -> [m, d]``: the torch pass for texts longer than INT8_MAX_TOKENS, or None
+        self._long_torch = long_torch
+        if dtype == "int8" and long_torch is None:
             self.long_file = onnx_model_file(st_model, model_path, "float32")
             self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
         self._inputs = [i.name for i in self._session.get_inputs()]
@@ -745,12 +818,15 @@ class _OnnxRunner:
         passes of :func:`_passes` (int8: split at :data:`INT8_MAX_TOKENS` tokens, the
         longer texts in the float32 graph), L2-normalised in float32."""
         out = np.empty((len(items), 0), dtype=np.float32)
-        for rows, feats, long in _passes(self._st, items, batch_size,
-                                         INT8_MAX_TOKENS if self._long is not None else None):
-            feed = {name: (np.zeros(tuple(feats["attention_mask"].shape), dtype=np.int64) if feats.get(name) is None
-                           else np.ascontiguousarray(feats[name].numpy().astype(np.int64, copy=False)))
-                    for name in self._inputs}
-            emb = (self._long if long else self._session).run(None, feed)[0]
+        split = self._long is not None or self._long_torch is not None
+        for rows, feats, long in _passes(self._st, items, batch_size, INT8_MAX_TOKENS if split else None):
+            if long and self._long_torch is not None:
+                emb = self._long_torch(feats, len(rows))
+            else:
+                feed = {name: (np.zeros(tuple(feats["attention_mask"].shape), dtype=np.int64) if feats.get(name) is None
+                               else np.ascontiguousarray(feats[name].numpy().astype(np.int64, copy=False)))
+                        for name in self._inputs}
+                emb = (self._long if long else self._session).run(None, feed)[0]
             if out.shape[1] == 0:
                 out = np.empty((len(items), emb.shape[1]), dtype=np.float32)
             out[rows] = emb

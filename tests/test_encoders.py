@@ -275,12 +275,12 @@ def onnx_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def enc_onnx(onnx_cache: Path) -> TextEncoder:
-    return TextEncoder(show_progress=False, backend="onnx")
+    return TextEncoder(show_progress=False, backend="onnx", long_texts="onnx")  # every text in the graph
 
 
 @pytest.fixture(scope="module")
 def enc_int8(onnx_cache: Path) -> TextEncoder:
-    return TextEncoder(show_progress=False, backend="onnx", dtype="int8")
+    return TextEncoder(show_progress=False, backend="onnx", dtype="int8", long_texts="onnx")
 
 
 #: documented floor of what "auto" may pick (rfmem_fast.encoders.QUALITY_FLOOR; the int8
@@ -485,7 +485,7 @@ def test_export_cache_is_reused_and_complete(enc_onnx: TextEncoder, onnx_cache: 
 
     monkeypatch.setattr(ox, "_export_float32", no_export)
     monkeypatch.setattr(ox, "_MEMO", {})  # as a new process would
-    again = TextEncoder(show_progress=False, backend="onnx")
+    again = TextEncoder(show_progress=False, backend="onnx", long_texts="onnx")
     assert again.onnx_file == str(f) and f.stat().st_mtime_ns == mtime
 
 
@@ -528,7 +528,7 @@ socket.getaddrinfo = refuse
 import sentence_transformers, onnxruntime
 env = dict(os.environ)
 from rfmem_fast.encoders import TextEncoder
-enc = TextEncoder(show_progress=False, backend="onnx", dtype="int8")  # exports int8 and float32 (long texts)
+enc = TextEncoder(show_progress=False, backend="onnx", dtype="int8", long_texts="onnx")  # exports int8 and float32
 x = enc.encode(["Where did I go to school?"])
 assert x.shape == (1, 384), x.shape
 assert enc.onnx_file.startswith(os.environ["RFMEM_ONNX_CACHE"]), enc.onnx_file
@@ -627,3 +627,43 @@ def test_torch_passes_equal_sentence_transformers_encode(enc: TextEncoder) -> No
     ref = np.stack([enc._model.encode([t], convert_to_numpy=True, normalize_embeddings=True)[0] for t in texts])
     assert got.shape == ref.shape and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, atol=2e-6)
+
+
+def test_resolve_long_texts_rule_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """long_texts "auto": torch (bfloat16) for an ONNX encoder where the CPU multiplies
+    bfloat16 natively, else the ONNX graph; a torch encoder runs every text in torch;
+    a bad value fails before any model is loaded, naming the argument."""
+    import rfmem_fast.encoders as E
+
+    monkeypatch.setattr(E, "native_bf16", lambda device="cpu": True)
+    assert E.resolve_long_texts("auto", "onnx") == "torch" and E.resolve_long_texts("onnx", "onnx") == "onnx"
+    monkeypatch.setattr(E, "native_bf16", lambda device="cpu": False)
+    assert E.resolve_long_texts("auto", "onnx") == "onnx" and E.resolve_long_texts("torch", "onnx") == "torch"
+    assert E.resolve_long_texts("onnx", "torch") == "torch"
+    with pytest.raises(ValueError, match=r"long_texts must be one of \('auto', 'onnx', 'torch'\), got 'gpu'"):
+        TextEncoder(long_texts="gpu")
+    with pytest.raises(TypeError, match="long_texts must be one of"):
+        TextEncoder(long_texts=None)
+
+
+def test_long_texts_in_torch_bfloat16(enc_onnx: TextEncoder, onnx_cache: Path) -> None:
+    """long_texts="torch": texts of more than INT8_MAX_TOKENS tokens get exactly the
+    torch bfloat16 encoder's vectors, the short ones exactly the ONNX float32 graph's,
+    mixed in one call in any order; which side embeds a text depends on its own length."""
+    from rfmem_fast.encoders import INT8_MAX_TOKENS
+
+    mixed_enc = TextEncoder(show_progress=False, backend="onnx", long_texts="torch")
+    bf16 = TextEncoder(show_progress=False, backend="torch", dtype="bfloat16")
+    assert mixed_enc.long_texts == "torch" and mixed_enc.dtype == "float32" and "long_texts='torch'" in repr(mixed_enc)
+    assert enc_onnx.long_texts == "onnx" and bf16.long_texts == "torch"
+    long_texts = ["I moved to Lyon in 2021 and started working at a bakery near the river. " * k for k in (4, 6, 40)]
+    short = ["Where did I go to school?", "What is my favourite sport?"]
+    counts = mixed_enc.count_tokens(long_texts + short)
+    assert min(counts[:3]) > INT8_MAX_TOKENS >= max(counts[3:])
+    got = mixed_enc.encode(short[:1] + long_texts + short[1:])
+    np.testing.assert_array_equal(got[1:4], bf16.encode(long_texts))  # the same passes, the same bits
+    np.testing.assert_array_equal(got[[0, 4]], enc_onnx.encode(short))
+    assert np.abs(got[1:4] - enc_onnx.encode(long_texts)).max() > 1e-5  # bfloat16 really ran
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    alone = np.stack([mixed_enc.encode([t])[0] for t in short + long_texts])
+    assert ((alone * got[[0, 4, 1, 2, 3]]).sum(axis=1) > 0.9999).all()
