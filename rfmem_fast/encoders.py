@@ -35,8 +35,12 @@ other texts of its pass), or "auto" (:func:`resolve_backend`: a static rule, the
 option meeting :data:`QUALITY_FLOOR` -- "onnx" float32 where onnxruntime and onnx
 import (int8 misses the floor's Recall@10 line by 0.02 points: on request only), the
 torch rule of ``dtype="auto"`` elsewhere; the measurement behind it is
-``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). The choice is made when the
-encoder is built and kept for its life.
+``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). An ONNX
+encoder embeds texts of more than :data:`INT8_MAX_TOKENS` tokens (memories, chunks) where
+``long_texts`` says (:func:`resolve_long_texts`): by default in torch bfloat16 on a CPU that
+multiplies bfloat16 natively (3x less CPU per chunk on an Intel Xeon with AMX, the same
+PersonaBench Recall@10 and routes as float32), else in its float32 graph. The choice is
+made when the encoder is built and kept for its life.
 
 ``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
 imported lazily, on the first :class:`TextEncoder`. No process-wide state is changed:
@@ -191,6 +195,8 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
     * ``backend="auto"``: on a CPU with onnxruntime and onnx importable, "onnx" with
       the precision of ``backend="onnx"`` for ``dtype`` "auto" / "float32" / "int8";
       "bfloat16" / "float16", a non-CPU device, or no onnxruntime: the torch rule.
+
+    (Where an ONNX encoder embeds its long texts is :func:`resolve_long_texts`' rule.)
 
     ONNX float32 meets the floor (cosine >= 0.99999, the same retrieval). int8
     (cosine >= 0.9997, routes identical on 100 % of PersonaBench questions, Recall@10
