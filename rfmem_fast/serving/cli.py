@@ -91,9 +91,10 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
                    "bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: cosine >= 0.99997), float32 "
                    "elsewhere; 'int8' with --encoder-backend onnx / auto; shown in /health and /metrics")
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
-                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime (int8 or float32 by --encoder-dtype auto) where onnxruntime and onnx "
-                   "are installed (extra 'onnx'; the graph is exported locally once and cached), torch "
-                   "elsewhere; 'torch' or 'onnx' to force one")
+                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime float32 (int8 with --encoder-dtype int8) where "
+                   "onnxruntime and onnx are installed (extra 'onnx'; the graph is exported locally once and cached), "
+                   "texts over 64 tokens in torch bfloat16 on a CPU with native bfloat16; torch elsewhere; "
+                   "'torch' or 'onnx' to force one")
 
 
 #: ``--switch-interval-ms`` default: the GIL hand-off interval of a server process (ms)
