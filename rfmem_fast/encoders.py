@@ -36,7 +36,7 @@ option meeting :data:`QUALITY_FLOOR` -- "onnx" float32 where onnxruntime and onn
 import (int8 misses the floor's Recall@10 line by 0.02 points: on request only), the
 torch rule of ``dtype="auto"`` elsewhere; the measurement behind it is
 ``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). An ONNX
-encoder embeds texts of more than :data:`INT8_MAX_TOKENS` tokens (memories, chunks) where
+encoder embeds texts of more than :data:`LONG_TEXT_TOKENS` tokens (memories, chunks; with int8 :data:`INT8_MAX_TOKENS`) where
 ``long_texts`` says (:func:`resolve_long_texts`): by default in torch bfloat16 on a CPU that
 multiplies bfloat16 natively (3x less CPU per chunk on an Intel Xeon with AMX, the same
 PersonaBench Recall@10 and routes as float32), else in its float32 graph. The choice is
@@ -68,7 +68,8 @@ from .models import default_model_path  # its home: the model files (re-exported
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
     "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
-    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS", "LONG_TEXTS", "resolve_long_texts",
+    "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS", "LONG_TEXTS", "LONG_TEXT_TOKENS",
+    "resolve_long_texts",
 ]
 
 #: a forward pass (torch and ONNX) holds texts with at least this fraction of the tokens
@@ -85,8 +86,15 @@ PASS_LENGTH_RATIO = 0.75
 #: memories and chunks long.
 INT8_MAX_TOKENS = 64
 
+#: ONNX float32 encoder with ``long_texts="torch"``: texts of more than this many tokens run in
+#: torch bfloat16 (with int8: more than :data:`INT8_MAX_TOKENS`). Above it torch's bfloat16
+#: pass wins even for one text alone (113 tokens: 15.5 against 22.9 ms, AMX Xeon); below,
+#: a rare long query would pay torch's per-op overhead in a server's batch (its p99 at 1
+#: and 8 clients rose from ~16 / 48 to ~24 / 60 ms with a 64-token split)
+LONG_TEXT_TOKENS = 128
+
 #: accepted values of ``TextEncoder(long_texts=...)``: where an ONNX encoder embeds the
-#: texts of more than :data:`INT8_MAX_TOKENS` tokens (:func:`resolve_long_texts`)
+#: long texts (:data:`LONG_TEXT_TOKENS`; :func:`resolve_long_texts`)
 LONG_TEXTS = ("auto", "onnx", "torch")
 
 #: Below or at this many texts the progress bar is off by default.
@@ -240,7 +248,7 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
 
 def resolve_long_texts(long_texts: Any, backend: str, device: str = "cpu") -> str:
     """Where an encoder of runtime ``backend`` embeds texts of more than
-    :data:`INT8_MAX_TOKENS` tokens (memories, chunks): "onnx" (its own graph: the float32
+    :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`; memories, chunks): "onnx" (its own graph: the float32
     graph for both ONNX precisions) or "torch" (the model in torch, bfloat16: Linear
     weights in bfloat16 under ``torch.autocast``, as ``TextEncoder(dtype="bfloat16")``).
 
@@ -446,7 +454,7 @@ class TextEncoder:
             at once (``rfmem serve --encoder-workers``) share the cores out this way
             instead of oversubscribing them.
         long_texts: with the ONNX backend, where texts of more than
-            :data:`INT8_MAX_TOKENS` tokens are embedded: "onnx" (its float32 graph),
+            :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`) are embedded: "onnx" (its float32 graph),
             "torch" (the torch model in bfloat16) or "auto" (default,
             :func:`resolve_long_texts`: "torch" on a CPU with native bfloat16);
             :attr:`long_texts` tells the one in use. Ignored by the torch backend.
@@ -547,7 +555,7 @@ class TextEncoder:
         low_dtype = self._dtype
         if self._backend == "onnx":  # (exported from the float32 weights, before any cast below)
             self._onnx = _OnnxRunner(self._model, path, self._dtype, num_threads,
-                                     long_torch=self._torch_long if run_long == "torch" else None)
+                                     long_torch=self._torch_long_pass if run_long == "torch" else None)
             low_dtype = "bfloat16" if run_long == "torch" else "float32"
         if low_dtype != "float32":
             import torch
@@ -638,7 +646,7 @@ class TextEncoder:
 
     @property
     def long_texts(self) -> str:
-        """Where texts of more than :data:`INT8_MAX_TOKENS` tokens are embedded: "onnx"
+        """Where texts of more than :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`) are embedded: "onnx"
         (the float32 graph) or "torch" (bfloat16 with an ONNX encoder, :attr:`dtype`
         with a torch one); "auto" resolved (:func:`resolve_long_texts`)."""
         return self._long_texts
@@ -703,12 +711,7 @@ class TextEncoder:
         if show is None:
             show = n > PROGRESS_MIN_TEXTS and _stderr_isatty()
         if self._onnx is not None:
-            if self._long_texts == "onnx":
-                with self._lock:
-                    return self._onnx.encode(items, self._batch_size)
-            import torch
-
-            with self._lock, self._precision(), self._threads(), torch.inference_mode():
+            with self._lock:
                 return self._onnx.encode(items, self._batch_size)
         import torch
 
@@ -721,6 +724,16 @@ class TextEncoder:
         # unit norm in float32 whatever the pass computed in
         arr /= np.maximum(np.linalg.norm(arr, axis=1, keepdims=True), 1e-12)
         return arr
+
+    def _torch_long_pass(self, feats: dict[str, Any], m: int) -> np.ndarray:
+        """:meth:`_torch_long` under the precision, threads and ``inference_mode`` contexts:
+        an ONNX encoder's pass of long texts (``long_texts="torch"``). The contexts are
+        entered per long pass only: a call of short texts (queries) sets no torch state
+        (setting torch's threads per call cost a server ~10 % of its requests / s)."""
+        import torch
+
+        with self._precision(), self._threads(), torch.inference_mode():
+            return self._torch_long(feats, m)
 
     def _torch_long(self, feats: dict[str, Any], m: int) -> np.ndarray:
         """One torch forward pass of the model over ``feats`` (a pass of :func:`_passes`,
@@ -778,7 +791,7 @@ class _OnnxRunner:
     pass holds texts of one side only, so which graph embeds a text depends on the text
     alone, never on the others encoded with it. ``long_torch`` (a callable
     ``f(features, m) -> float32 [m, d]``: :class:`TextEncoder` ``long_texts="torch"``):
-    the texts over :data:`INT8_MAX_TOKENS` tokens go to it instead of a float32 graph
+    the texts over :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`) go to it instead of a float32 graph
     (for int8 no float32 session is loaded then).
 
     Threads: ``intra_op_num_threads = num_threads``, by default
@@ -813,6 +826,7 @@ class _OnnxRunner:
         self.long_file: str | None = None
         #: ``f(features, m) -> [m, d]``: the torch pass for texts longer than INT8_MAX_TOKENS, or None
         self._long_torch = long_torch
+        self._int8 = dtype == "int8"
         if dtype == "int8" and long_torch is None:
             self.long_file = onnx_model_file(st_model, model_path, "float32")
             self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
@@ -824,8 +838,9 @@ class _OnnxRunner:
         passes of :func:`_passes` (int8: split at :data:`INT8_MAX_TOKENS` tokens, the
         longer texts in the float32 graph), L2-normalised in float32."""
         out = np.empty((len(items), 0), dtype=np.float32)
-        split = self._long is not None or self._long_torch is not None
-        for rows, feats, long in _passes(self._st, items, batch_size, INT8_MAX_TOKENS if split else None):
+        split = (INT8_MAX_TOKENS if self._int8 else LONG_TEXT_TOKENS) if self._long_torch is not None else (
+            INT8_MAX_TOKENS if self._long is not None else None)
+        for rows, feats, long in _passes(self._st, items, batch_size, split):
             if long and self._long_torch is not None:
                 emb = self._long_torch(feats, len(rows))
             else:

@@ -647,19 +647,20 @@ def test_resolve_long_texts_rule_and_bad_values(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_long_texts_in_torch_bfloat16(enc_onnx: TextEncoder, onnx_cache: Path) -> None:
-    """long_texts="torch": texts of more than INT8_MAX_TOKENS tokens get exactly the
-    torch bfloat16 encoder's vectors, the short ones exactly the ONNX float32 graph's,
-    mixed in one call in any order; which side embeds a text depends on its own length."""
-    from rfmem_fast.encoders import INT8_MAX_TOKENS
+    """long_texts="torch": texts of more than LONG_TEXT_TOKENS tokens get exactly the
+    torch bfloat16 encoder's vectors, the shorter ones (a 70-token text too) exactly the
+    ONNX float32 graph's, mixed in one call in any order; which side embeds a text
+    depends on its own length."""
+    from rfmem_fast.encoders import LONG_TEXT_TOKENS
 
     mixed_enc = TextEncoder(show_progress=False, backend="onnx", long_texts="torch")
     bf16 = TextEncoder(show_progress=False, backend="torch", dtype="bfloat16")
     assert mixed_enc.long_texts == "torch" and mixed_enc.dtype == "float32" and "long_texts='torch'" in repr(mixed_enc)
     assert enc_onnx.long_texts == "onnx" and bf16.long_texts == "torch"
-    long_texts = ["I moved to Lyon in 2021 and started working at a bakery near the river. " * k for k in (4, 6, 40)]
-    short = ["Where did I go to school?", "What is my favourite sport?"]
+    long_texts = ["I moved to Lyon in 2021 and started working at a bakery near the river. " * k for k in (9, 12, 40)]
+    short = ["Where did I go to school?", "I moved to Lyon in 2021 and started working at a bakery near the river. " * 4]
     counts = mixed_enc.count_tokens(long_texts + short)
-    assert min(counts[:3]) > INT8_MAX_TOKENS >= max(counts[3:])
+    assert min(counts[:3]) > LONG_TEXT_TOKENS >= max(counts[3:]) and counts[4] > 64
     got = mixed_enc.encode(short[:1] + long_texts + short[1:])
     np.testing.assert_array_equal(got[1:4], bf16.encode(long_texts))  # the same passes, the same bits
     np.testing.assert_array_equal(got[[0, 4]], enc_onnx.encode(short))
