@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 
 def shared_dir() -> Path | None:
     """The shared folder (data/, golden/, docs/), or None when it is absent."""
@@ -66,3 +68,20 @@ def write_custom_questions(tmp_path: Path, seed: int, n: int, noise: float) -> t
     np.save(tmp_path / "q.npy", np.array(queries))
     (tmp_path / "labels.jsonl").write_text("\n".join(lines) + "\n")
     return bank, np.array(queries), users, lines
+
+
+def nudge_one_coordinate(X: np.ndarray, rng: np.random.Generator) -> None:
+    """In place: one random coordinate of each float32 row moved by one ulp up or down
+    (rows that tie to float rounding: the near-tie banks of the driver tests)."""
+    d = X.shape[1]
+    for i in range(X.shape[0]):
+        j = rng.integers(0, d)
+        X[i, j] = np.nextafter(X[i, j], np.float32(np.inf if rng.random() < 0.5 else -np.inf))
+
+
+def on_grid(X: np.ndarray) -> np.ndarray:
+    """``X`` rounded to integers (float32; an all-zero row gets a 1 in column 0): rows
+    with many exactly equal scores."""
+    X = np.round(X).astype(np.float32)
+    X[np.all(X == 0, axis=1), 0] = 1.0
+    return X

@@ -14,6 +14,7 @@ backends keep the Python driver, and input validation of ``_native.recollect``.
 from __future__ import annotations
 
 import numpy as np
+from _shared import nudge_one_coordinate, on_grid
 import pytest
 import torch
 from hypothesis import given, settings
@@ -72,14 +73,10 @@ def _random_bank(rng: np.random.Generator, d: int, lens: list[int], kind: str) -
         if kind == "dup":
             X[rng.integers(0, n, n // 2)] = X[0]
         elif kind == "near":
-            base = X[rng.integers(0, max(1, n // 4), n)]
-            X = base.copy()
-            for i in range(n):
-                j = rng.integers(0, d)
-                X[i, j] = np.nextafter(X[i, j], np.float32(np.inf if rng.random() < 0.5 else -np.inf))
+            X = X[rng.integers(0, max(1, n // 4), n)].copy()
+            nudge_one_coordinate(X, rng)
         elif kind == "grid":
-            X = np.round(X).astype(np.float32)
-            X[np.all(X == 0, axis=1), 0] = 1.0
+            X = on_grid(X)
         bank.add(f"u{u}", X, [f"u{u}-{i}" for i in range(n)])
     return bank
 

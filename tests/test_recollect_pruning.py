@@ -15,6 +15,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+from _shared import nudge_one_coordinate, on_grid
 import pytest
 import torch
 
@@ -38,12 +39,9 @@ def _bank(rng: np.random.Generator, d: int, lens: list[int], kind: str) -> Memor
             X[rng.integers(0, n, n // 3)] = X[rng.integers(0, 4, n // 3)]
         elif kind == "near":
             X = X[rng.integers(0, n // 8, n)].copy()
-            for i in range(n):
-                j = rng.integers(0, d)
-                X[i, j] = np.nextafter(X[i, j], np.float32(np.inf if rng.random() < 0.5 else -np.inf))
+            nudge_one_coordinate(X, rng)
         elif kind == "grid":
-            X = np.round(X).astype(np.float32)
-            X[np.all(X == 0, axis=1), 0] = 1.0
+            X = on_grid(X)
         bank.add(f"u{u}", X, [f"u{u}-{i}" for i in range(n)])
     return bank
 
