@@ -96,8 +96,10 @@ from rfmem_fast.bench.workloads import default_cache_dir, default_personabench_d
 from rfmem_fast.evaluate import machine_info  # noqa: E402
 
 
-def build_memory(data_dir: Path, path: Path, say: Any) -> tuple[list[str], list[str], dict[str, Any]]:
-    """Write the PersonaBench users' chunks into a Memory at ``path``; return the questions."""
+def build_memory(data_dir: Path, path: Path, say: Any, dump_rows: bool = False
+                 ) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Write the PersonaBench users' chunks into a Memory at ``path``; return the questions.
+    ``dump_rows``: also write them to ``<path>-rows.json`` (:func:`build_baseline_memory`)."""
     from rfmem_fast import Memory
     from rfmem_fast.datasets import load_personabench
 
@@ -110,9 +112,11 @@ def build_memory(data_dir: Path, path: Path, say: Any) -> tuple[list[str], list[
             a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
             assert list(snap.item_ids[a:b]) == user.chunk_ids
             mem.add(user.chunk_texts, user.key, ids=user.chunk_ids, vectors=snap.vectors[a:b])
-            rows.append({"user": user.key, "texts": list(user.chunk_texts), "ids": [str(i) for i in user.chunk_ids],
-                         "vectors": snap.vectors[a:b].tolist()})
-    (path.parent / f"{path.name}-rows.json").write_text(json.dumps(rows))
+            if dump_rows:
+                rows.append({"user": user.key, "texts": list(user.chunk_texts), "ids": [str(i) for i in user.chunk_ids],
+                             "vectors": snap.vectors[a:b].tolist()})
+    if dump_rows:
+        (path.parent / f"{path.name}-rows.json").write_text(json.dumps(rows))
     info = {"users": len(data.users), "chunks": int(snap.num_items), "questions": len(data.questions)}
     return [q.question for q in data.questions], [q.user_key for q in data.questions], info
 
@@ -1008,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["settings"]["baseline"] = export_baseline(args.baseline_ref, tmp / "baseline-src")
             args.baseline_src = tmp / "baseline-src"
             say(f"baseline: {doc['settings']['baseline']} in {args.baseline_src}")
-        questions, users, info = build_memory(data, tmp / "mem", say)
+        questions, users, info = build_memory(data, tmp / "mem", say, dump_rows=bool(args.baseline_ref))
         if args.baseline_ref:
             build_baseline_memory(args.baseline_src, tmp / "mem")
         doc["data"] = info

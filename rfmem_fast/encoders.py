@@ -262,6 +262,14 @@ def resolve_long_texts(long_texts: Any, backend: str, device: str = "cpu") -> st
     embeds a text depends on its own token count only, never on the other texts of a
     call. For a torch encoder the value is "torch" (every text runs in torch).
 
+    Args:
+        long_texts: one of :data:`LONG_TEXTS`.
+        backend: the encoder's runtime, "torch" or "onnx" (:func:`resolve_backend`'s).
+        device: a torch device string.
+
+    Returns:
+        "onnx" or "torch".
+
     Raises:
         TypeError: ``long_texts`` is not a str; ValueError: not one of :data:`LONG_TEXTS`.
     """
@@ -548,13 +556,14 @@ class TextEncoder:
         if dim is None:  # pragma: no cover - models without a fixed output size
             dim = int(self._model.encode(["x"], convert_to_numpy=True).shape[1])
         self._dim: int = int(dim)
+        self._model.eval()  # inference only (no dropout): set once, every pass relies on it
         self._backend, self._dtype = run_backend, run_dtype
         self._autocast: Any = None
         self._onnx: _OnnxRunner | None = None
         self._long_texts: str = run_long
         low_dtype = self._dtype
         if self._backend == "onnx":  # (exported from the float32 weights, before any cast below)
-            self._onnx = _OnnxRunner(self._model, path, self._dtype, num_threads,
+            self._onnx = _OnnxRunner(self._model, path, self._dtype, self._dim, num_threads,
                                      long_torch=self._torch_long_pass if run_long == "torch" else None)
             low_dtype = "bfloat16" if run_long == "torch" else "float32"
         if low_dtype != "float32":
@@ -741,7 +750,6 @@ class TextEncoder:
         lock, :meth:`_precision`, :meth:`_threads` and ``torch.inference_mode``."""
         import torch
 
-        self._model.eval()
         feats = {k: (v.to(self._device) if isinstance(v, torch.Tensor) else v) for k, v in feats.items()}
         emb = self._model(feats)["sentence_embedding"]
         if emb.shape != (m, self._dim):  # pragma: no cover - defensive
@@ -801,7 +809,7 @@ class _OnnxRunner:
     whatever ``OMP_WAIT_POLICY`` says.
     """
 
-    def __init__(self, st_model: Any, model_path: str, dtype: str, num_threads: int | None = None,
+    def __init__(self, st_model: Any, model_path: str, dtype: str, dim: int, num_threads: int | None = None,
                  long_torch: Any = None) -> None:
         from .onnx_export import onnx_model_file
 
@@ -832,12 +840,13 @@ class _OnnxRunner:
             self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
         self._inputs = [i.name for i in self._session.get_inputs()]
         self._st = st_model
+        self._dim = dim
 
     def encode(self, items: list[str], batch_size: int) -> np.ndarray:
         """``items`` (n >= 1 str) -> float32 ``[n, d]`` unit rows, in input order: the
         passes of :func:`_passes` (int8: split at :data:`INT8_MAX_TOKENS` tokens, the
         longer texts in the float32 graph), L2-normalised in float32."""
-        out = np.empty((len(items), 0), dtype=np.float32)
+        out = np.empty((len(items), self._dim), dtype=np.float32)
         split = (INT8_MAX_TOKENS if self._int8 else LONG_TEXT_TOKENS) if self._long_torch is not None else (
             INT8_MAX_TOKENS if self._long is not None else None)
         for rows, feats, long in _passes(self._st, items, batch_size, split):
@@ -848,8 +857,6 @@ class _OnnxRunner:
                                else np.ascontiguousarray(feats[name].numpy().astype(np.int64, copy=False)))
                         for name in self._inputs}
                 emb = (self._long if long else self._session).run(None, feed)[0]
-            if out.shape[1] == 0:
-                out = np.empty((len(items), emb.shape[1]), dtype=np.float32)
             out[rows] = emb
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out
