@@ -1,7 +1,7 @@
 """Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench (issue 21, item 1).
 
 Side by side in one run, for each option (``--options``, default
-``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32:onnx,onnx:float32,onnx:int8``; ``backend:dtype[:long_texts]`` of
+``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:float32:torch,onnx:int8``; ``backend:dtype[:long_texts]`` of
 :class:`rfmem_fast.encoders.TextEncoder`; ``st:<dtype>`` is the torch encoder before issue 21,
 sentence-transformers' own ``encode``: :class:`StEncode`, the goals' "today's" encoder):
 
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
-    p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32:onnx,onnx:float32,onnx:int8",
+    p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:float32:torch,onnx:int8",
                    help="comma list of backend:dtype[:long_texts] (backend 'st': sentence-transformers' own encode, "
-                        "the encoder before issue 21; long_texts: TextEncoder's, auto by default); the first is "
+                        "the encoder before issue 21; long_texts: TextEncoder's, its default when omitted); the first is "
                         "the reference")
     p.add_argument("--calls", default="1,8,64", help="texts per encode call")
     p.add_argument("--questions", type=int, default=128, help="questions timed per cell")

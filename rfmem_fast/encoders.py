@@ -37,10 +37,12 @@ import (int8 misses the floor's Recall@10 line by 0.02 points: on request only),
 torch rule of ``dtype="auto"`` elsewhere; the measurement behind it is
 ``bench/bench_encoder_backends.py``, docs/benchmarks/serving.md "Encoder runtimes"). An ONNX
 encoder embeds texts of more than :data:`LONG_TEXT_TOKENS` tokens (memories, chunks; with int8 :data:`INT8_MAX_TOKENS`) where
-``long_texts`` says (:func:`resolve_long_texts`): by default in torch bfloat16 on a CPU that
-multiplies bfloat16 natively (3x less CPU per chunk on an Intel Xeon with AMX, the same
-PersonaBench Recall@10 and routes as float32), else in its float32 graph. The choice is
-made when the encoder is built and kept for its life.
+``long_texts`` says (:func:`resolve_long_texts`): by default ("onnx") in its float32 graph;
+on request ("torch", or "auto" = torch on a CPU that multiplies bfloat16 natively) in torch
+bfloat16: 3x less CPU per chunk on an Intel Xeon with AMX, but not the float32 retrieval
+everywhere (PersonaBench RF-Mem Recall@10 +0.00 / +0.22 / -0.73 / +1.45 points at noise
+0.0 / 0.3 / 0.5 / 0.7, ``bench/results/long-texts-personabench-noise.json``), so not the
+default. The choice is made when the encoder is built and kept for its life.
 
 ``sentence_transformers`` (extra ``text``: ``pip install "rfmem_fast[text]"``) is
 imported lazily, on the first :class:`TextEncoder`. No process-wide state is changed:
@@ -463,8 +465,9 @@ class TextEncoder:
             instead of oversubscribing them.
         long_texts: with the ONNX backend, where texts of more than
             :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`) are embedded: "onnx" (its float32 graph),
-            "torch" (the torch model in bfloat16) or "auto" (default,
-            :func:`resolve_long_texts`: "torch" on a CPU with native bfloat16);
+            "torch" (the torch model in bfloat16) or "auto"
+            (:func:`resolve_long_texts`: "torch" on a CPU with native bfloat16); default
+            "onnx" (the float32 retrieval: module docstring);
             :attr:`long_texts` tells the one in use. Ignored by the torch backend.
 
     Raises:
@@ -503,7 +506,7 @@ class TextEncoder:
         dtype: str = "float32",
         backend: str = "torch",
         num_threads: int | None = None,
-        long_texts: str = "auto",
+        long_texts: str = "onnx",
     ) -> None:
         check_backend(backend, dtype)
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)):

@@ -93,7 +93,7 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
                    help="runtime of the text encoder: 'auto' (default) = ONNX Runtime float32 (int8 with --encoder-dtype int8) where "
                    "onnxruntime and onnx are installed (extra 'onnx'; the graph is exported locally once and cached), "
-                   "texts over 128 tokens in torch bfloat16 on a CPU with native bfloat16; torch elsewhere; "
+                   "torch elsewhere; "
                    "'torch' or 'onnx' to force one")
 
 
