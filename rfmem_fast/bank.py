@@ -544,7 +544,8 @@ class MemoryBank:
             ``lexical`` extra). Every item's text is tokenised once when it is written.
 
     Raises:
-        ValueError: ``dim`` < 1 or not an int; an unknown ``dtype`` or ``lexical_stemmer``.
+        TypeError: ``dim`` not an int (a bool, float or string).
+        ValueError: ``dim`` < 1; an unknown ``dtype`` or ``lexical_stemmer``.
         ImportError: ``lexical_stemmer="english"`` without PyStemmer.
 
     Writes: :meth:`add`, :meth:`update`, :meth:`delete` (per-user blocks, tombstones,
@@ -558,7 +559,9 @@ class MemoryBank:
     """
 
     def __init__(self, dim: int, dtype: Any = "float32", lexical_stemmer: str | None = None) -> None:
-        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+            raise TypeError(f"dim must be an int >= 1, got {type(dim).__name__} {dim!r}")
+        if dim < 1:
             raise ValueError(f"dim must be an int >= 1, got {dim!r}")
         self._dim = int(dim)
         self._dtype = check_dtype(dtype)

@@ -83,6 +83,9 @@ def test_add_rejects_existing_id_bad_texts_and_user():
         bank.user_index("nobody")
     with pytest.raises(ValueError, match="dim"):
         MemoryBank(0)
+    for bad in ("384", 3.5, True, None):
+        with pytest.raises(TypeError, match="dim must be an int"):
+            MemoryBank(bad)
     assert bank.num_items == 2
 
 
