@@ -142,9 +142,17 @@ def _retrieval(run_personabench: Any, data_dir: Path, enc: Any, questions: list[
     return cell
 
 
-def _label(backend: str, dtype: str, long_texts: str = "onnx") -> str:
-    """An option's name: ``backend:dtype``, with ``:long_texts`` when not TextEncoder's default ("onnx")."""
-    return f"{backend}:{dtype}" + ("" if long_texts == "onnx" else f":{long_texts}")
+def _default_long_texts() -> str:
+    """``TextEncoder``'s default ``long_texts`` (read off its signature: one source)."""
+    import inspect
+
+    from rfmem_fast.encoders import TextEncoder
+    return inspect.signature(TextEncoder).parameters["long_texts"].default
+
+
+def _label(backend: str, dtype: str, long_texts: str) -> str:
+    """An option's name: ``backend:dtype``, with ``:long_texts`` when not TextEncoder's default."""
+    return f"{backend}:{dtype}" + ("" if long_texts == _default_long_texts() else f":{long_texts}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         backend, _, rest = item.strip().partition(":")
         dtype, _, long_texts = rest.partition(":")
         if backend == "st":  # StEncode: the torch encoder before issue 21
-            options.append((backend, dtype or "float32", "onnx"))
+            options.append((backend, dtype or "float32", _default_long_texts()))
             continue
         if long_texts not in ("", "auto", "onnx", "torch"):
             p.error(f"--options {item!r}: the third field (long_texts) must be auto, onnx or torch")
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             check_backend(backend, dtype or "float32", "--options backend", "--options dtype")
         except (TypeError, ValueError) as e:
             p.error(str(e))
-        options.append((backend, dtype or "float32", long_texts or "onnx"))
+        options.append((backend, dtype or "float32", long_texts or _default_long_texts()))
     calls = [int(x) for x in args.calls.split(",")]
     data_dir = Path(args.data) if args.data else default_personabench_dir()
     if data_dir is None:

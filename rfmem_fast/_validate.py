@@ -19,6 +19,27 @@ _NORM_EPS = 1e-12
 _F32 = np.dtype(np.float32)
 
 
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as a Python int >= 1 (a count or a dimension).
+
+    Args:
+        value: a Python or numpy integer; bools are refused.
+        name: the argument's name, for the error.
+
+    Returns:
+        ``int(value)``.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool, float, string, None, ...).
+        ValueError: ``value`` < 1.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    return int(value)
+
+
 def as_float_matrix(x: Any, name: str, dim: int | None = None, check_finite: bool = True) -> np.ndarray:
     """Check and convert a matrix of vectors to C-contiguous float32.
 

@@ -67,7 +67,7 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._validate import as_float_matrix, l2_normalize_rows
+from ._validate import as_float_matrix, check_positive_int, l2_normalize_rows
 from .lexical import Analyzer, LexicalIndex, Vocabulary, concat_segments, docs_segment
 from .precision import HALF_DTYPES, check_dtype, to_scan_copy
 from .store import read_store, write_store
@@ -559,11 +559,7 @@ class MemoryBank:
     """
 
     def __init__(self, dim: int, dtype: Any = "float32", lexical_stemmer: str | None = None) -> None:
-        if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
-            raise TypeError(f"dim must be an int >= 1, got {type(dim).__name__} {dim!r}")
-        if dim < 1:
-            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-        self._dim = int(dim)
+        self._dim = check_positive_int(dim, "dim")
         self._dtype = check_dtype(dtype)
         self._analyzer = Analyzer(lexical_stemmer)
         self._vocab = Vocabulary()

@@ -44,6 +44,8 @@ from typing import Iterator
 
 import torch
 
+from ._validate import check_positive_int
+
 #: the environment variable read at each call when set_num_threads was not called
 ENV_VAR = "RFMEM_NUM_THREADS"
 #: multiply-adds a thread must get before a native kernel call uses it (csrc/cpu/common.h
@@ -60,14 +62,6 @@ _SETTING: list[int | None] = [None]
 _OUTER = threading.local()
 
 
-def _check(n: object, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int >= 1, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
-    return int(n)
-
-
 def set_num_threads(n: int | None) -> None:
     """Set the most threads one rfmem_fast kernel call may use, for this process.
 
@@ -79,7 +73,7 @@ def set_num_threads(n: int | None) -> None:
         TypeError: ``n`` is not an int (or None).
         ValueError: ``n`` < 1.
     """
-    value = None if n is None else _check(n, "n")
+    value = None if n is None else check_positive_int(n, "n")
     with _LOCK:
         _SETTING[0] = value
 
@@ -92,7 +86,7 @@ def using_num_threads(n: int | None) -> Iterator[None]:
     Raises:
         TypeError / ValueError: as :func:`set_num_threads`.
     """
-    value = None if n is None else _check(n, "n")
+    value = None if n is None else check_positive_int(n, "n")
     with _LOCK:
         prev = _SETTING[0]
         _SETTING[0] = value
@@ -119,7 +113,7 @@ def get_num_threads() -> int:
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         try:
-            return _check(int(env), ENV_VAR)
+            return check_positive_int(int(env), ENV_VAR)
         except (TypeError, ValueError):
             raise ValueError(f"{ENV_VAR} must be an int >= 1, got {env!r}") from None
     outer = getattr(_OUTER, "value", None)  # inside limit_torch_threads: the caller's torch setting
