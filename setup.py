@@ -241,7 +241,7 @@ EXTRAS: dict[str, list[str]] = {
 GPU_ONLY = frozenset({"gpu"})
 #: Test runners, added to every CPU extra for [test].
 #: bm25s: the lexical channel's test oracle (tests/_lexical_oracle.py), never imported by the package
-TEST_TOOLS = ["pytest", "hypothesis", "bm25s"]
+TEST_TOOLS = ["pytest", "pytest-xdist", "filelock", "hypothesis", "bm25s"]
 
 
 def extras_require() -> dict[str, list[str]]:

@@ -38,7 +38,7 @@ class EmbeddedPB:
 def _pack() -> dict | None:
     """The PersonaBench pack named by $RFMEM_PB_PACK (bench/gpu_check.py --prepare), if any:
     a machine without the shared data or the encoder (a lent GPU) runs the golden tests from it."""
-    path = os.environ.get("RFMEM_PB_PACK")
+    path = _pack_path()
     if not path:
         return None
     if "pack" not in _PACK:
@@ -49,6 +49,15 @@ def _pack() -> dict | None:
 
 
 _PACK: dict = {}
+
+
+def _pack_path() -> str:
+    """$RFMEM_PB_PACK, or "" when unset."""
+    return os.environ.get("RFMEM_PB_PACK", "")
+
+#: this process's pytest-xdist worker id ("gw0", ...), "" when the suite runs in one process
+#: (the README's command runs two workers: ``-n 2``)
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +74,7 @@ def golden_rows() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def pb_cache_dir(tmp_path_factory):
+def pb_cache_dir(request, tmp_path_factory):
     """Embedding cache of this test session: PersonaBench is encoded once (by
     pb_embedded) and every later CLI / evaluation test reads it with --cache-dir.
     ``$RFMEM_TEST_EMBEDDINGS`` names a folder kept between sessions instead."""
@@ -73,7 +82,11 @@ def pb_cache_dir(tmp_path_factory):
     from pathlib import Path
 
     keep = os.environ.get("RFMEM_TEST_EMBEDDINGS")
-    return Path(keep) if keep else tmp_path_factory.mktemp("embeddings")
+    if keep:
+        return Path(keep)
+    if XDIST_WORKER:  # one folder for every worker of this run (the parent of theirs): encoded once
+        return _pb_shared_cache(request.config)
+    return tmp_path_factory.mktemp("embeddings")
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +98,11 @@ def pb_embedded(golden_rows, pb_cache_dir) -> EmbeddedPB:
         return EmbeddedPB(pack["bank"], pack["queries"], pack["users"], pack["questions"], gold)
     from rfmem_fast.datasets.embedded import personabench_embeddings
 
-    emb = personabench_embeddings(shared_dir() / "data" / "personabench" / "eval_data_v1", 0.0, cache_dir=pb_cache_dir)
+    from filelock import FileLock
+
+    # under pytest-xdist the first worker encodes, the others wait and read its cache file
+    with FileLock(str(pb_cache_dir / "encode.lock")):
+        emb = personabench_embeddings(shared_dir() / "data" / "personabench" / "eval_data_v1", 0.0, cache_dir=pb_cache_dir)
     data = emb.data
     by_key = {(g["community"], g["q_id"]): g for g in golden_rows}
     gold = [by_key[(q.community, q.q_id)] for q in data.questions]
@@ -156,6 +173,15 @@ def pytest_collection_modifyitems(session, config, items):
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
+    if XDIST_WORKER:  # every worker collects every test: the tests start their own jobs, on their worker
+        if _pb_encode_wanted(items):
+            if XDIST_WORKER == "gw0" and "pb_encode" not in EARLY:
+                _start_early("pb_encode", [sys.executable, "-c", _PB_ENCODE, str(_pb_shared_cache(config))],
+                             dict(os.environ), here.parent)  # fmt: skip
+            # the files that wait for that job last (the same order in every worker, as xdist needs)
+            waits = {it.path for it in items if "pb_embedded" in getattr(it, "fixturenames", ())}
+            items.sort(key=lambda it: it.path in waits)
+        return
     if _triton_child_wanted(items) and "triton" not in EARLY:
         env = dict(os.environ, TRITON_INTERPRET="1", **{TRITON_CHILD_ENV: "1"})
         _start_early("triton", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "test_triton.py")],
@@ -170,6 +196,35 @@ def pytest_collection_modifyitems(session, config, items):
             _start_early("gpu_dry_run", [sys.executable, str(here.parent / "bench" / "gpu_check.py"), "--dry-run", "--out", out_dir],
                          env, here.parent)  # fmt: skip
             EARLY_DIRS["gpu_dry_run"] = out_dir
+
+
+#: the early job that encodes PersonaBench into the cache folder argv[1] under its lock (the
+#: workers' pb_embedded then read the cache file; if the job fails they encode themselves)
+_PB_ENCODE = """
+import sys
+from pathlib import Path
+from filelock import FileLock
+sys.path.insert(0, "tests")
+from _shared import shared_dir
+from rfmem_fast.datasets.embedded import personabench_embeddings
+cache = Path(sys.argv[1])
+with FileLock(str(cache / "encode.lock")):
+    personabench_embeddings(shared_dir() / "data" / "personabench" / "eval_data_v1", 0.0, cache_dir=cache)
+"""
+
+
+def _pb_shared_cache(config) -> "os.PathLike":
+    """The embedding cache folder the pytest-xdist workers of this run share (pb_cache_dir)."""
+    shared = config._tmp_path_factory.getbasetemp().parent / "embeddings"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def _pb_encode_wanted(items) -> bool:
+    """Whether a selected test embeds PersonaBench from the shared data (no pack, no kept cache)."""
+    if _pack_path() or os.environ.get("RFMEM_TEST_EMBEDDINGS") or shared_dir() is None:
+        return False
+    return any("pb_embedded" in getattr(it, "fixturenames", ()) for it in items)
 
 
 #: output folders of early jobs (removed at the end of the session)

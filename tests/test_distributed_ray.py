@@ -144,7 +144,8 @@ def expected(data):
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}shard")
+# one shard (the whole bank behind one actor) is the degenerate case of 2 and 3: with -m slow only
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow), 2, 3], ids=lambda n: f"{n}shard")
 def sharded(request, ray_cluster, data):
     mem = ShardedMemory.from_bank(data.initial, request.param, **SHARD_OPTS)
     for op, args in data.writes:
