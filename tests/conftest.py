@@ -55,6 +55,7 @@ def _pack_path() -> str:
     """$RFMEM_PB_PACK, or "" when unset."""
     return os.environ.get("RFMEM_PB_PACK", "")
 
+
 #: this process's pytest-xdist worker id ("gw0", ...), "" when the suite runs in one process
 #: (the README's command runs two workers: ``-n 2``)
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
