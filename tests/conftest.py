@@ -179,9 +179,10 @@ def pytest_collection_modifyitems(session, config, items):
             if XDIST_WORKER == "gw0" and "pb_encode" not in EARLY:
                 _start_early("pb_encode", [sys.executable, "-c", _PB_ENCODE, str(_pb_shared_cache(config))],
                              dict(os.environ), here.parent)  # fmt: skip
-            # the files that wait for that job last (the same order in every worker, as xdist needs)
+            # the files that wait for that job last, the longest files first within each part (the
+            # same order in every worker, as xdist needs; its loadfile scheduler hands out files in order)
             waits = {it.path for it in items if "pb_embedded" in getattr(it, "fixturenames", ())}
-            items.sort(key=lambda it: it.path in waits)
+            items.sort(key=lambda it: (it.path in waits, it.path.name not in LONG_FILES))
         return
     if _triton_child_wanted(items) and "triton" not in EARLY:
         env = dict(os.environ, TRITON_INTERPRET="1", **{TRITON_CHILD_ENV: "1"})
@@ -198,6 +199,11 @@ def pytest_collection_modifyitems(session, config, items):
                          env, here.parent)  # fmt: skip
             EARLY_DIRS["gpu_dry_run"] = out_dir
 
+
+#: the test files that take longest (30-100 s each on 2 cores: the Triton interpreter's
+#: subprocess, Ray's cluster, the ONNX exports, the reference backend over PersonaBench)
+LONG_FILES = frozenset({"test_triton.py", "test_distributed_ray.py", "test_encoders.py",
+                        "test_parity_personabench.py", "test_mcp_server.py", "test_bench_smoke.py"})
 
 #: the early job that encodes PersonaBench into the cache folder argv[1] under its lock (the
 #: workers' pb_embedded then read the cache file; if the job fails they encode themselves)
