@@ -175,14 +175,15 @@ def pytest_collection_modifyitems(session, config, items):
 
     here = Path(__file__).resolve().parent
     if XDIST_WORKER:  # every worker collects every test: the tests start their own jobs, on their worker
+        waits = set()
         if _pb_encode_wanted(items):
             if XDIST_WORKER == "gw0" and "pb_encode" not in EARLY:
                 _start_early("pb_encode", [sys.executable, "-c", _PB_ENCODE, str(_pb_shared_cache(config))],
                              dict(os.environ), here.parent)  # fmt: skip
-            # the files that wait for that job last, the longest files first within each part (the
-            # same order in every worker, as xdist needs; its loadfile scheduler hands out files in order)
             waits = {it.path for it in items if "pb_embedded" in getattr(it, "fixturenames", ())}
-            items.sort(key=lambda it: (it.path in waits, it.path.name not in LONG_FILES))
+        # the files that wait for that job last, the longest files first within each part (the
+        # same order in every worker, as xdist needs; its loadfile scheduler hands out files in order)
+        items.sort(key=lambda it: (it.path in waits, it.path.name not in LONG_FILES))
         return
     if _triton_child_wanted(items) and "triton" not in EARLY:
         env = dict(os.environ, TRITON_INTERPRET="1", **{TRITON_CHILD_ENV: "1"})
