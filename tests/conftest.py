@@ -56,9 +56,11 @@ def _pack_path() -> str:
     return os.environ.get("RFMEM_PB_PACK", "")
 
 
-#: this process's pytest-xdist worker id ("gw0", ...), "" when the suite runs in one process
-#: (the README's command runs two workers: ``-n 2``)
-XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+def xdist_worker(config) -> str:
+    """This process's pytest-xdist worker id ("gw0", ...), "" when the suite runs in one
+    process (the README's command runs two workers: ``-n 2``). Read off the config, not the
+    environment: a pytest that a test starts inherits $PYTEST_XDIST_WORKER but is no worker."""
+    return getattr(config, "workerinput", {}).get("workerid", "")
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +87,7 @@ def pb_cache_dir(request, tmp_path_factory):
     keep = os.environ.get("RFMEM_TEST_EMBEDDINGS")
     if keep:
         return Path(keep)
-    if XDIST_WORKER:  # one folder for every worker of this run (the parent of theirs): encoded once
+    if xdist_worker(request.config):  # one folder for every worker of this run (the parent of theirs): encoded once
         return _pb_shared_cache(request.config)
     return tmp_path_factory.mktemp("embeddings")
 
@@ -174,10 +176,11 @@ def pytest_collection_modifyitems(session, config, items):
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    if XDIST_WORKER:  # every worker collects every test: the tests start their own jobs, on their worker
+    worker = xdist_worker(config)
+    if worker:  # every worker collects every test: the tests start their own jobs, on their worker
         waits = set()
         if _pb_encode_wanted(items):
-            if XDIST_WORKER == "gw0" and "pb_encode" not in EARLY:
+            if worker == "gw0" and "pb_encode" not in EARLY:
                 _start_early("pb_encode", [sys.executable, "-c", _PB_ENCODE, str(_pb_shared_cache(config))],
                              dict(os.environ), here.parent)  # fmt: skip
             waits = {it.path for it in items if "pb_embedded" in getattr(it, "fixturenames", ())}
