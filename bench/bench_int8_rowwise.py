@@ -168,6 +168,7 @@ def bench_qgemm(rows: list[int], reps: int) -> list[dict[str, Any]]:
 
 def bench_roofline(questions: list[str], reps: int) -> dict[str, Any]:
     """Item 1 of the module docstring."""
+    from bench_encoder_precision import cpu_ms_per_text
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from rfmem_fast.encoders import TextEncoder
@@ -188,17 +189,12 @@ def bench_roofline(questions: list[str], reps: int) -> dict[str, Any]:
     res["tokens_per_question_mean"] = float(lens.mean())
     res["encoder"] = []
     timed = questions[:256]
+    enc.encode(timed[:64])  # warm-up
     for call in (1, 32, 64):
-        enc.encode(timed[:64])
-        best = float("inf")
-        for _ in range(reps):
-            t = time.process_time()
-            for i in range(0, len(timed), call):
-                enc.encode(timed[i:i + call])
-            best = min(best, (time.process_time() - t) / len(timed))
-        gf = 2 * MACS_PER_TOKEN * float(lens[: len(timed)].mean()) / best / 1e9
-        res["encoder"].append({"texts_per_call": call, "cpu_ms_per_question": 1e3 * best, "useful_gflops": gf})
-        print(f"  ONNX float32, {call:2d} questions per call: {1e3 * best:.2f} ms CPU per question = {gf:.1f} useful GFLOP/s",
+        cpu_ms, _ = cpu_ms_per_text(enc, timed, call, reps)
+        gf = 2 * MACS_PER_TOKEN * float(lens[: len(timed)].mean()) / cpu_ms / 1e6
+        res["encoder"].append({"texts_per_call": call, "cpu_ms_per_question": cpu_ms, "useful_gflops": gf})
+        print(f"  ONNX float32, {call:2d} questions per call: {cpu_ms:.2f} ms CPU per question = {gf:.1f} useful GFLOP/s",
               flush=True)
     print(f"  one core's SGEMM (OpenBLAS, 1 thread): {res['sgemm_gflops']}", flush=True)
     return res
