@@ -21,7 +21,8 @@ condition is a value (equality) or a dict of operators, AND-ed:
   ``1 == 1.0``; ``true`` is not ``1``; lists and objects compare as whole values);
 * ``$in`` / ``$nin``: equal to one of / none of a list of values;
 * ``$gt`` / ``$gte`` / ``$lt`` / ``$lte``: a range. The bound is a number (compared with
-  the field's numeric values), a string (compared with its string values, by code
+  the field's numeric values exactly by value, as Python compares ints and floats: no
+  rounding of either, at any magnitude), a string (compared with its string values, by code
   point: ISO-8601 dates of one format order correctly) or a timezone-aware
   ``datetime`` (compared with its ISO-8601 string values read as instants, a string
   without an offset read as UTC);
@@ -46,6 +47,23 @@ wrong type (``filters['score']['$gte']: expected a number, a string or a datetim
 list``), and for a range whose bound's type the field never holds among the items of
 the queried user (a number against a field whose values are all strings, and the
 like).
+
+Exact numbers. Python compares an int with a float by their exact values
+(``2**53 + 1 > 9007199254740992.0``); so do the ranges, without evaluating a Python
+comparison per row in the common case. A numeric column (``_Column``) splits its
+values three ways: floats and ints of magnitude <= 2**53 (all exact in float64) in a
+float64 array ``num``; ints of magnitude > 2**53 within int64 in an int64 array
+``wide`` (nanosecond timestamps, 64-bit ids; only when there are such ints); larger
+ints in a list ``huge`` (compared in Python). A bound is translated once per comparison into an equivalent bound for
+each part: for ``num`` a float64 (an int bound that float64 cannot hold lies strictly
+between two adjacent floats ``lo < b < hi``, so ``x > b`` is ``x >= hi`` and ``x < b``
+is ``x <= lo``; beyond the float range ``hi`` / ``lo`` are the infinities / the
+largest finite float), for ``wide`` an int (a non-integral float bound ``b``: ``x > b``
+is ``x > floor(b)``, ``x < b`` is ``x < ceil(b)``; an int beyond int64 makes the
+comparison all true or all false). A column without big ints costs what it did: one
+float64 comparison. Equality (``$eq``, ``$in``, ...) is exact too: values are keyed by
+Python's own ``==`` (an integral float keyed as its int inside lists and objects).
+``created_at`` is float64 seconds; its bounds are read as float64.
 
 Compilation (:func:`compile_filters`): each distinct filter is parsed once per batch;
 for each (filter, user) pair of the batch it is evaluated with numpy over typed
@@ -83,6 +101,9 @@ LIST_MAX_FRACTION = 0.25
 _RANGES: dict[str, Callable[[Any, Any], Any]] = {
     "$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le,
 }  # fmt: skip
+#: ints of at most this magnitude are exact in float64 (a column keeps them in ``num``)
+_FLOAT_EXACT = 2**53
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class FilterTypeError(TypeError):
@@ -129,8 +150,10 @@ def _check_json(v: Any, where: str) -> Any:
 
 
 def _number(v: Any) -> Any:
-    """A JSON number compared by value: a float (an int beyond 2^53 stays an exact int)."""
-    return float(v) if isinstance(v, float) or abs(v) <= 2**53 else v
+    """A JSON number keyed by its exact value: an integral float as its int (``2.0`` -> ``2``,
+    ``float(2**60)`` -> ``2**60``), every other number unchanged (two numbers get equal keys
+    exactly when Python's ``==`` says they are equal, also through ``json.dumps``)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def _normal(v: Any) -> Any:
@@ -171,10 +194,15 @@ def parse_instant(v: Any, where: str) -> float:
 
     Raises:
         TypeError: another type. ValueError: a naive datetime, a string that is not an
-            ISO-8601 date-time or has no offset, a non-finite number.
+            ISO-8601 date-time or has no offset, a non-finite number, an int beyond the
+            float64 range.
     """
     if _is_number(v):
-        f = float(v)
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond the float64 range
+            bits = int(v).bit_length()
+            raise ValueError(f"{where}: expected a finite number of seconds, got an int of {bits} bits") from None
         if not math.isfinite(f):
             raise ValueError(f"{where}: expected a finite number of seconds, got {f!r}")
         return f
@@ -260,11 +288,11 @@ def _parse_value(field_name: str, op: str, v: Any, where: str) -> Any:
             return parse_instant(v, where)
         if isinstance(v, datetime):
             return ("dt", parse_instant(v, where))
-        if _is_number(v):
-            f = float(v)
-            if not math.isfinite(f):
-                raise ValueError(f"{where}: numbers must be finite, got {f!r}")
-            return ("num", f)
+        if _is_number(v):  # kept exact: an int stays an int (ranges compare by exact value)
+            n = float(v) if isinstance(v, (float, np.floating)) else int(v)
+            if isinstance(n, float) and not math.isfinite(n):
+                raise ValueError(f"{where}: numbers must be finite, got {n!r}")
+            return ("num", n)
         if isinstance(v, str):
             return ("str", v)
         raise TypeError(f"{where}: expected a number, a string or a datetime, got {_type_name(v)}")
@@ -382,16 +410,28 @@ _PARSED_MAX = 4096
 
 # --------------------------------------------------------------------------- columns
 class _Column:
-    """One metadata field (path) over a user's rows: value codes and numbers."""
+    """One metadata field (path) over a user's rows: value codes and numbers.
 
-    __slots__ = ("codes", "values", "keys", "num", "has_num", "has_str", "_inst")
+    The numbers are split for exact ranges (module docstring): ``num`` float64 [n] holds
+    the floats and the ints of magnitude <= 2**53 (NaN elsewhere); ``is_wide`` bool [n] /
+    ``wide`` int64 [n] mark and hold the ints beyond 2**53 within int64 (both None when
+    there are none); ``huge_rows`` int64 [h] / ``huge`` (list of int) the rows and values
+    of the ints beyond int64.
+    """
+
+    __slots__ = (
+        "codes", "values", "keys", "num", "is_wide", "wide", "huge_rows", "huge", "has_num", "has_str", "_inst",
+    )  # fmt: skip
 
     def __init__(self, rows: list, path: tuple) -> None:
         n = len(rows)
         codes = np.full(n, -1, dtype=np.int64)
-        num = np.full(n, np.nan)
         keys: dict = {}
         values: list = []
+        num_rows: list[int] = []
+        num_vals: list = []  # exact in float64
+        big: list[tuple[int, int]] = []  # (row, int) of magnitude > 2**53
+        lim = _FLOAT_EXACT
         has_num = has_str = False
         single = path[0] if len(path) == 1 else None
         for j, m in enumerate(rows):
@@ -419,11 +459,29 @@ class _Column:
                 values.append(v)
             codes[j] = c
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                num[j] = float(v)
+                if isinstance(v, float) or -lim <= v <= lim:
+                    num_rows.append(j)
+                    num_vals.append(v)
+                else:
+                    big.append((j, v))
                 has_num = True
             elif isinstance(v, str):
                 has_str = True
+        num = np.full(n, np.nan)
+        if num_rows:
+            num[np.asarray(num_rows, dtype=np.int64)] = np.asarray(num_vals, dtype=np.float64)
         self.codes, self.values, self.keys, self.num = codes, values, keys, num
+        wide = [(j, v) for j, v in big if _INT64_MIN <= v <= _INT64_MAX]
+        huge = [(j, v) for j, v in big if not _INT64_MIN <= v <= _INT64_MAX]
+        self.is_wide = self.wide = None
+        if wide:
+            rows_w = np.asarray([j for j, _ in wide], dtype=np.int64)
+            self.is_wide = np.zeros(n, dtype=np.bool_)
+            self.is_wide[rows_w] = True
+            self.wide = np.zeros(n, dtype=np.int64)
+            self.wide[rows_w] = np.asarray([v for _, v in wide], dtype=np.int64)
+        self.huge_rows = np.asarray([j for j, _ in huge], dtype=np.int64)
+        self.huge = [v for _, v in huge]
         self.has_num, self.has_str = has_num, has_str
         self._inst: np.ndarray | None = None
 
@@ -492,6 +550,54 @@ def _eval_created(node: _Cmp, t: np.ndarray) -> np.ndarray:
     return _RANGES[op](t, v)  # NaN compares False
 
 
+def _float_bound(op: str, b: int | float) -> tuple[str, float]:
+    """``(op2, f)``: a float64 bound with ``op2(x, f) == op(x, b)`` for EVERY float ``x``
+    (infinities included), ``b`` an int of any size or a finite float."""
+    if isinstance(b, float):
+        return op, b
+    try:
+        f = float(b)  # the nearest float
+    except OverflowError:  # beyond the largest finite float
+        f = math.inf if b > 0 else -math.inf
+    if f == b:  # Python's int == float is exact
+        return op, f
+    # b lies strictly between two adjacent floats lo < b < hi; no float equals b
+    if op in ("$gt", "$gte"):
+        return "$gte", f if f > b else math.nextafter(f, math.inf)
+    return "$lte", f if f < b else math.nextafter(f, -math.inf)
+
+
+def _int_bound(op: str, b: int | float) -> tuple[str, int]:
+    """``(op2, n)``: an int bound with ``op2(x, n) == op(x, b)`` for EVERY int ``x``, ``b``
+    an int or a finite float."""
+    if isinstance(b, int):
+        return op, b
+    if b.is_integer():
+        return op, int(b)
+    if op in ("$gt", "$gte"):  # x > b <=> x >= b <=> x > floor(b)
+        return "$gt", math.floor(b)
+    return "$lt", math.ceil(b)  # x < b <=> x <= b <=> x < ceil(b)
+
+
+def _number_range(col: _Column, op: str, b: int | float) -> np.ndarray:
+    """bool [n_u]: the rows whose number ``x`` has ``op(x, b)``, exactly (module docstring)."""
+    fop, f = _float_bound(op, b)
+    out = _RANGES[fop](col.num, f)  # NaN (no number, or a big int) compares False
+    if col.wide is not None:
+        iop, n = _int_bound(op, b)
+        if n > _INT64_MAX:  # every int64 is below n
+            if iop in ("$lt", "$lte"):
+                out |= col.is_wide
+        elif n < _INT64_MIN:  # ... above n
+            if iop in ("$gt", "$gte"):
+                out |= col.is_wide
+        else:
+            out |= col.is_wide & _RANGES[iop](col.wide, np.int64(n))
+    if col.huge:  # beyond int64: Python's exact comparison
+        out[col.huge_rows] = np.fromiter((_RANGES[op](x, b) for x in col.huge), np.bool_, len(col.huge))
+    return out
+
+
 def _eval_meta(node: _Cmp, col: _Column) -> np.ndarray:
     op, v = node.op, node.value
     present = col.codes >= 0
@@ -513,7 +619,7 @@ def _eval_meta(node: _Cmp, col: _Column) -> np.ndarray:
                 f"{node.where}: compares a number with the field {node.field!r}, whose values are strings "
                 f"(give a string bound to compare strings)"
             )
-        return cmp(col.num, bound)
+        return _number_range(col, op, bound)
     if kind == "str":
         if col.has_num and not col.has_str:
             raise FilterTypeError(

@@ -51,7 +51,7 @@ def _json_eq(a, b):
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
+        return a == b  # Python compares int and float by exact value
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_json_eq(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -100,7 +100,7 @@ def _ref_cmp(field, present, v, op, x):
         return _OPS[op](t.timestamp(), x.timestamp())
     if isinstance(x, str):
         return isinstance(v, str) and _OPS[op](v, x)
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and _OPS[op](float(v), float(x))
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and _OPS[op](v, x)
 
 
 def ref_match(meta, created, f):
@@ -372,6 +372,170 @@ def test_bad_filters_type_against_the_users_values_and_per_query_lists():
         search(bank, np.ones((2, 4)), ["s", "n"], mode="dense", filters=[None, None, None])
     with pytest.raises(TypeError, match="filters must be a dict"):
         search(bank, np.ones((2, 4)), ["s", "n"], mode="dense", filters="tag")
+
+
+# --------------------------------------------------------------------------- exact numbers at any magnitude
+def _backend_names():
+    return [n for n in available() if n in ("native", "torch", "reference", "exact")]
+
+
+@pytest.mark.parametrize("backend", _backend_names())
+def test_ranges_beyond_2_53_minimal_cases(backend):
+    bank = MemoryBank(8)
+    bank.add("u", np.random.default_rng(0).normal(size=(4, 8)), ["at", "above", "ns", "ns-1"],
+             metadata=[{"n": 2**53}, {"n": 2**53 + 1}, {"t": 1767225600123456789}, {"t": 1767225600123456788}])
+    cfg = RFMemConfig(out_k=4, probe_k=4)
+
+    def ids(f):
+        return sorted(search(bank, np.ones((1, 8)), ["u"], cfg, mode="dense", backend=backend, filters=f).ids_list(0))
+
+    assert ids({"n": {"$gt": 2**53}}) == ["above"]
+    assert ids({"n": {"$gte": 2**53 + 1, "$lte": 2**53 + 1}}) == ["above"]
+    assert ids({"t": {"$gt": 1767225600123456788}}) == ["ns"]
+    assert ids({"t": {"$gte": 1767225600123456788, "$lt": 1767225600123456789}}) == ["ns-1"]
+    assert ids({"n": {"$gt": 9007199254740992.0}}) == ["above"]  # 2**53 + 1 > float(2**53)
+    assert ids({"n": {"$lte": 2**53 + 0.5}}) == ["at"] and ids({"n": {"$lt": 2**53 + 0.5}}) == []  # it rounds to 2**53
+    # beyond int64 / float64; nothing matches: an empty selection (torch: its compacted view is empty)
+    assert ids({"n": {"$gt": 2**70}}) == [] and ids({"n": {"$lt": -(10**400)}}) == []
+
+
+def test_numbers_compare_exactly_at_every_magnitude():
+    bank = MemoryBank(4)
+    vals = [2**60, float(2**60), 0, 0.5, -0.5, 2**63 - 1, 2**63, 2**70, -(2**70), 10**400, [2**60], {"a": 2**53 + 1}]
+    bank.add("u", np.eye(4)[np.arange(len(vals)) % 4], list(range(len(vals))), metadata=[{"n": v} for v in vals])
+    snap = bank.snapshot()
+
+    def rows(f):
+        return np.flatnonzero(parse_filter(f).mask(bank, snap, 0)).tolist()
+
+    assert rows({"n": {"$gte": 2**60, "$lte": 2**60}}) == [0, 1] == rows({"n": float(2**60)})
+    assert rows({"n": {"$gt": 2**60 - 1, "$lt": 2**60 + 1}}) == [0, 1]
+    assert rows({"n": {"$gt": 0, "$lt": 1}}) == [3] and rows({"n": {"$gt": -0.5, "$lt": 0.5}}) == [2]
+    assert rows({"n": {"$gte": 2**63 - 1, "$lte": 2**63}}) == [5, 6]  # int64's edge, both sides
+    assert rows({"n": {"$gt": 2**63 - 1}}) == [6, 7, 9] and rows({"n": {"$gt": float(2**63)}}) == [7, 9]
+    assert rows({"n": {"$lt": -(2**69)}}) == [8] and rows({"n": {"$gte": 10**400}}) == [9]
+    assert rows({"n": {"$gt": 1e308}}) == [9]  # 10**400 is beyond every float
+    assert rows({"n": [float(2**60)]}) == [10]  # inside lists and objects too
+    assert rows({"n": {"$in": [{"a": 2**53 + 1}]}}) == [11] and rows({"n": {"a": float(2**53 + 1)}}) == []
+    assert rows({"n": {"$nin": [2**60, 0.5, 10**400]}}) == [2, 4, 5, 6, 7, 8, 10, 11]
+    with pytest.raises(ValueError, match=r"filters\['created_at'\]\['\$gt'\]: expected a finite number of seconds"):
+        parse_filter({"created_at": {"$gt": 10**400}})
+
+
+#: centres of the randomized values: float64's exact-int edge, int64's edges, a nanosecond
+#: timestamp, beyond int64, and 0
+_EDGES = (0, 2**53, -(2**53), 2**63, -(2**63), 2**64, 1767225600123456789, 2**70, -(2**70))
+
+
+def _edge_number(rng):
+    """An int or a float within a few units of an edge (rounded, adjacent or halves)."""
+    c = _EDGES[int(rng.integers(len(_EDGES)))]
+    d = int(rng.integers(-3, 4))
+    r = rng.random()
+    if r < 0.5:
+        return c + d
+    if r < 0.75:
+        return float(c + d)
+    if r < 0.9:
+        return math.nextafter(float(c), math.inf if d >= 0 else -math.inf)
+    return float(c) + d / 2
+
+
+def _edge_filter(rng, present):
+    """A random comparison of field 'n' against edge numbers (ranges, equality, membership)."""
+    def bound():
+        r = rng.random()
+        if r < 0.05:
+            return 10**400 if rng.random() < 0.5 else -(10**400)
+        if r < 0.4 and present:  # an item's own value, or it as the other type
+            v = present[int(rng.integers(len(present)))]
+            return v if rng.random() < 0.5 else (float(v) if isinstance(v, int) and abs(v) < 2**1000 else v)
+        return _edge_number(rng)
+
+    kind = int(rng.integers(0, 6))
+    if kind == 0:
+        return {"n": {str(rng.choice(["$gt", "$gte", "$lt", "$lte"])): bound()}}
+    if kind == 1:
+        lo, hi = bound(), bound()
+        return {"n": {"$gte": lo, "$lte": hi}} if rng.random() < 0.5 else {"n": {"$gt": lo, "$lt": hi}}
+    if kind == 2:
+        return {"n": bound()}
+    if kind == 3:
+        return {"n": {"$ne": bound()}}
+    return {"n": {"$in" if kind == 4 else "$nin": [bound() for _ in range(int(rng.integers(1, 4)))]}}
+
+
+def _py_match(meta, cond):
+    """Does metadata ``meta`` match ``{"n": cond}``? Python's own ==, <, > on the stored value."""
+    if meta is None or "n" not in meta:
+        return False
+    v = meta["n"]
+    conds = cond.items() if isinstance(cond, dict) else [("$eq", cond)]
+    for op, x in conds:
+        if op in _OPS:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and _OPS[op](v, x)
+        elif op in ("$eq", "$ne"):
+            ok = (v == x) == (op == "$eq")
+        else:
+            ok = any(v == y for y in x) == (op == "$in")
+        if not ok:
+            return False
+    return True
+
+
+def _edge_bank_items(rng, n):
+    """n items' metadata: edge numbers, with a few strings, missing fields and no metadata."""
+    metas = []
+    for _ in range(n):
+        r = rng.random()
+        metas.append(None if r < 0.04 else {"m": 1} if r < 0.08 else {"n": "s"} if r < 0.12
+                     else {"n": _edge_number(rng)})
+    return metas
+
+
+@pytest.mark.parametrize("backend", _backend_names())
+def test_numbers_against_python_on_every_backend(backend):
+    rng = np.random.default_rng(2053)
+    d, sizes = 8, {"big": 48, "small": 20}
+    bank = MemoryBank(d)
+    metas = {}
+    for user, n in sizes.items():
+        metas[user] = _edge_bank_items(rng, n)
+        if user == "small":  # numbers float64 holds exactly: the vectorised path alone
+            metas[user] = [{"n": int(rng.integers(-5, 6)) if rng.random() < 0.5 else float(rng.integers(-10, 11)) / 2}
+                           for _ in range(n)]
+        bank.add(user, rng.normal(size=(n, d)), [f"{user}-{j}" for j in range(n)], metadata=metas[user])
+    users = [("big", "small")[j % 4 == 3] for j in range(40)]
+    filters = []
+    for user in users:
+        present = [m["n"] for m in metas[user] if m and isinstance(m.get("n"), (int, float))]
+        filters.append(_edge_filter(rng, present))
+    cfg = RFMemConfig(out_k=max(sizes.values()), probe_k=4)
+    res = search(bank, rng.normal(size=(len(users), d)), users, cfg, mode="dense", backend=backend, filters=filters)
+    matched = 0
+    for i, (user, f) in enumerate(zip(users, filters)):
+        want = {f"{user}-{j}" for j, m in enumerate(metas[user]) if _py_match(m, f["n"])}
+        assert set(res.ids_list(i)) == want, (i, f)
+        matched += len(want)
+    assert matched > 100  # the filters match something
+
+
+def test_numbers_against_python_through_memory():
+    from rfmem_fast import Memory
+
+    rng = np.random.default_rng(2063)
+    n = 40
+    metas = _edge_bank_items(rng, n)
+    mem = Memory(encoder=False, dim=8)
+    try:
+        ids = mem.add(None, "ana", vectors=rng.normal(size=(n, 8)), ids=[f"m{j}" for j in range(n)], metadata=metas)
+        present = [m["n"] for m in metas if m and isinstance(m.get("n"), (int, float))]
+        for _ in range(30):
+            f = _edge_filter(rng, present)
+            hits = mem.search(rng.normal(size=8), "ana", k=n, mode="dense", filters=f)
+            assert {h.id for h in hits} == {ids[j] for j, m in enumerate(metas) if _py_match(m, f["n"])}, f
+    finally:
+        mem.close()
 
 
 # --------------------------------------------------------------------------- exact filtered search

@@ -540,6 +540,8 @@ class Backend:
 
         def mapped(out: tuple) -> tuple:
             r = out[1]
+            if back.shape[0] == 0:  # every selection is empty: every row is -1 (nothing to map)
+                return out
             r = torch.where(r >= 0, back.to(r.device)[r.clamp(min=0)], r)
             return (out[0], r) + tuple(out[2:])
 
