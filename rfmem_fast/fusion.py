@@ -77,8 +77,8 @@ TOP_LEXICAL = 10
 _RANKS = np.arange(1, TOP_LEXICAL)  # the 0-based ranks 2..10 of sharpness
 
 __all__ = [
-    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
-    "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
+    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "item_mean",
+    "max_normalised", "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
 ]  # fmt: skip
 
 
@@ -208,12 +208,36 @@ def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarr
     return lex_std, gap
 
 
+def item_mean(rows: np.ndarray, item_of: np.ndarray | None = None) -> np.ndarray:
+    """The mean over items of each item's mean row: float64 [d].
+
+    ``mean = sum_r x_r / (c_item(r) * n_items)`` in float64 (each product summed over the
+    rows in row order), ``c_i`` the rows of item ``i`` among ``rows``: an item stored as
+    several chunk rows counts once, as the mean of its chunks. Without ``item_of`` (every
+    row its own item) it is the rows' plain float64 mean. No row: a zero vector.
+
+    Args:
+        rows: float32 [m, d] the rows; item_of: int [m] the item of each row (any labels),
+            or None.
+    """
+    if rows.shape[0] == 0:
+        return np.zeros(rows.shape[1])
+    X = rows.astype(np.float64)
+    if item_of is None:
+        return X.mean(axis=0)
+    _, inv, cnt = np.unique(np.asarray(item_of), return_inverse=True, return_counts=True)
+    w = 1.0 / (cnt.astype(np.float64)[inv.reshape(-1)] * float(cnt.shape[0]))
+    return (X * w[:, None]).sum(axis=0)
+
+
 def user_means(view: Any, users: np.ndarray) -> np.ndarray:
     """float64 [m, d] mean vectors of the segments ``users`` of a bank view's snapshot.
 
-    Summed in float64 from the snapshot's host vectors, once per (snapshot, user) and
-    memoised on the view, so every backend gets the same values. An empty segment has a
-    zero mean.
+    Each is :func:`item_mean` of the segment's rows: the mean over the user's items of
+    each item's mean row (a chunked item's rows, :attr:`rfmem_fast.lexical.UserPostings.item_row`,
+    count as one item; the plain row mean when no item is chunked). Summed in float64 from
+    the snapshot's host vectors, once per (snapshot, user) and memoised on the view, so
+    every backend gets the same values. An empty segment has a zero mean.
 
     Args:
         view: a :class:`~rfmem_fast.backends.base.BankView` with a snapshot.
@@ -227,8 +251,8 @@ def user_means(view: Any, users: np.ndarray) -> np.ndarray:
         m = memo.get(u)
         if m is None:
             a, b = int(off[u]), int(off[u + 1])
-            m = snap.vectors[a:b].astype(np.float64).mean(axis=0) if b > a else np.zeros(snap.vectors.shape[1])
-            memo[u] = m
+            item_of = snap.lexical.postings(u).item_row if snap.lexical is not None and b > a else None
+            m = memo[u] = item_mean(snap.vectors[a:b], item_of)
         out[j] = m
     return out
 

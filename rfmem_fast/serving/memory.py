@@ -88,6 +88,10 @@ from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
 from ..filters import Filter, parse_filter, parse_instant
+# CHUNK_SEP separates a parent item id from a chunk number in the bank's row ids of a long
+# text's extra chunks ("<parent>\x1f<j>", j >= 1; the lexical index reads them as one item);
+# refused in user-given ids
+from ..lexical import CHUNK_SEP
 from ..routing.files import check_config_files
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -110,9 +114,6 @@ MAX_ID_LENGTH = 256
 #: the longest text of a memory or a query (characters); a memory must also fit the
 #: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
 MAX_TEXT_CHARS = 100_000
-#: separates a parent item id from a chunk number in the bank's row ids of a long text's
-#: extra chunks (``"<parent>\x1f<j>"``, j >= 1); refused in user-given ids
-CHUNK_SEP = "\x1f"
 #: tokens shared by consecutive chunks of a long text (default of ``chunk_overlap``)
 DEFAULT_CHUNK_OVERLAP = 32
 META_FILE = "memory.json"
