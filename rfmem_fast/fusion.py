@@ -34,6 +34,23 @@ All are computed in float64, in the order written (``dense + boost``, the boost
 computed first), and the fused top-k is the k largest fused scores, ties broken by the
 smaller row (the spec's rule), :func:`top_by_score_row`.
 
+Chunked items (an item stored as several rows: its own row with the whole text and
+extra chunk rows, :mod:`rfmem_fast.lexical`). Everything above is per ITEM: an item's
+dense score is its best chunk's cosine, its BM25 its whole text's (one document), and
+every statistic counts each item once. Every row of an item carries the item's BM25,
+so its boost is the item's and ``max over rows (dense_r + x_item) = best chunk's
+dense + x_item``: the fused top-k of rows, collapsed to items (best row first), is the
+per-item fusion. The statistics: ``max_bm25`` and sharpness's top scores over the
+items; zscore's ``sigma(q)`` over the items (n = items, not rows) and its mean dense
+score ``q . mean_u`` with ``mean_u`` the mean over the items of each item's mean chunk
+row (:func:`item_mean`: the mean of the chunks' cosines stands in for an item's dense
+score there, so the mean stays one dot product; it is the plain mean without chunked
+items). rrf ranks items in the lexical list (ties by the item's own row) and rows in
+the dense list; each row of an item in the dense list carries the item's lexical rank,
+and a lexically ranked item with no row in the dense list is a candidate by its best
+chunk (largest exact cosine, ties by the smaller row), so an item scores
+``1 / (k + its best chunk's dense rank) + 1 / (k + its lexical rank)``.
+
 Why two exact channels give the exact fused top-k (what :func:`rfmem_fast.search.search`
 does on every backend). Let ``K`` be the fused width, ``S`` the backend's exact dense
 top-``K`` of the query in its user's segment (ties by row; ``S`` is the whole segment
@@ -89,10 +106,10 @@ class LexicalStats:
     Attributes:
         lex_max: float64 [b] the largest BM25 (0: no lexical hit).
         top: float64 [b, TOP_LEXICAL] the largest BM25 scores over the user's
-            documents (items with text), descending, 0 where fewer hits.
+            documents (items with text, a chunked item once), descending, 0 where fewer hits.
         n_docs: int64 [b] the user's documents ``N``.
         lex_std: float64 [b] or None: the population standard deviation of the query's
-            BM25 over all its user's items (0 for items without a hit); fusion "zscore".
+            BM25 over all its user's items, each once (0 for items without a hit); fusion "zscore".
         dense_gap: float64 [b] or None: ``max(0, top-1 dense score - q . mean_u)``; fusion "zscore".
     """
 
@@ -193,8 +210,9 @@ def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarr
 
     Args:
         s1, s2: float64 [b] each query's sum of its BM25 and of its squares over its user's
-            items, summed in row order one after the other (items without a hit add 0).
-        n: float64 [b] the items counted (>= 1).
+            items (each once, on its own row), summed in row order one after the other
+            (items without a hit add 0).
+        n: float64 [b] the items counted (>= 1; a chunked item once).
         mean_d: float64 [b] ``q . mean_u``, the mean dense score (:func:`user_means`).
         top1: float [b] the exact top-1 dense score; has_top: bool [b] whether there is one.
 

@@ -213,8 +213,11 @@ def item_rows(ids: Sequence[Any], has_text: np.ndarray) -> np.ndarray | None:
         extra chunk row ``"<p>\x1f<j>"`` to the row of ``p``), or None when every row is an
         item of its own.
     """
-    strs = [i for i in ids if isinstance(i, str)]
-    if not strs or CHUNK_SEP not in "".join(strs):  # (one C-speed scan for the common case)
+    try:  # one C-speed scan for the common case (no chunk row)
+        joined = "".join(ids)
+    except TypeError:  # some int ids
+        joined = "".join(i for i in ids if isinstance(i, str))
+    if CHUNK_SEP not in joined:
         return None
     pos = {i: r for r, i in enumerate(ids)}
     out = np.arange(len(ids), dtype=np.int32)
@@ -404,7 +407,8 @@ class LexicalIndex:
 
     def __init__(self, offsets: np.ndarray, ptr: np.ndarray, terms: np.ndarray, tf: np.ndarray,
                  has_text: np.ndarray, vocab: Vocabulary, analyzer: Analyzer,
-                 carried: dict[int, UserPostings] | None = None, item_ids: np.ndarray | None = None) -> None:  # fmt: skip
+                 carried: dict[int, UserPostings] | None = None,
+                 item_ids: np.ndarray | None = None) -> None:  # fmt: skip
         self.offsets = offsets
         self.ptr, self.terms, self.tf, self.has_text = ptr, terms, tf, has_text
         self.vocab, self.analyzer = vocab, analyzer

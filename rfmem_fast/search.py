@@ -1389,7 +1389,7 @@ class _KernelHits:
                 vals.append(v)
             ptr = np.zeros(b + 1, dtype=np.int64)
             np.cumsum([r.shape[0] for r in rows], out=ptr[1:])
-            got[:3] = ptr, np.concatenate(rows).astype(np.int32, copy=False), np.concatenate(vals).astype(np.float64, copy=False)
+            got[:3] = ptr, np.concatenate(rows).astype(np.int32, copy=False), np.concatenate(vals).astype(np.float64)
         return cls(*got, n_docs=n_docs, n_items=n_items)
 
     def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:

@@ -5,7 +5,7 @@ BM25 of its WHOLE text (one document per item, as if unchunked), its dense score
 chunk's cosine, and every fusion is taken per item; a hit reports both channels. The
 reference is a brute force over the user's items (tests/_lexical_oracle.item_topk): whole
 texts scored by the Counter-based BM25, chunk rows scored one by one with the exact
-float32 cosine. Checked on every CPU backend (triton under TRITON_INTERPRET=1), with and
+float32 cosine. Checked on every CPU backend (triton under TRITON_INTERPRET=1 with -m slow), with and
 without filters, after update / delete, after a reopen (log replay, then checkpoint) and
 after export / import, and batch-invariant.
 """
@@ -43,7 +43,8 @@ class Chunkable(HashEncoder):
 def _backends():
     names = [b for b in ("native", "torch", "reference") if b in available_backends()]
     if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in available_backends():
-        names.append("triton")
+        # the interpreter takes minutes per case (~11 for the six): run with -m slow
+        names.append(pytest.param("triton", marks=pytest.mark.slow))
     return names
 
 
@@ -72,6 +73,8 @@ def test_a_chunked_item_keeps_its_lexical_score():
     best = max(float(np.float32(snap.vectors[r].astype(np.float64) @ q.astype(np.float64))) for r in rows)
     assert hits["A"].dense_score == pytest.approx(best, abs=1e-6)
     assert hits["A"].score == pytest.approx(hits["A"].dense_score + 0.03 * hits["A"].lexical_score, abs=1e-6)
+    reco = {h.id: h for h in mem.search("banana", "u", k=2, mode="recollection")}  # the lexical score looked up
+    assert reco["A"].lexical_score == hits["A"].lexical_score
 
 
 # ----------------------------------------------------------------------------- the row -> item map

@@ -640,7 +640,11 @@ class Memory:
             text and each a bank row of its item (row ids ``"<item>\x1f<j>"``, j >= 1
             for the extra ones); hits are collapsed to the item (its best chunk's
             score, whole text and metadata), reads show items, and update / delete
-            of the item replace / remove all its chunks.
+            of the item replace / remove all its chunks. With a lexical channel the
+            item is one document (the BM25 of its whole text, on every chunk row) and
+            each fusion is taken per item: a hit's ``score`` fuses its best chunk's
+            cosine (``dense_score``) with its whole text's BM25 (``lexical_score``;
+            docs/guides/hybrid.md "Chunked items").
 
     Ids: user ids and item ids are str (1-256 characters, valid Unicode, no U+001F);
     an int is converted to its decimal str (``7`` and ``"7"`` are one id), the same
