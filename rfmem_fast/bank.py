@@ -1027,11 +1027,12 @@ class MemoryBank:
             lex = snap.lexical
             if lex is None or lex.analyzer.stemmer != self.lexical_stemmer:  # (re)build from the texts
                 self._vocab = Vocabulary()
-                lex = LexicalIndex.from_texts(snap.offsets, texts, self._vocab, self._analyzer)
+                lex = LexicalIndex.from_texts(snap.offsets, texts, self._vocab, self._analyzer, snap.item_ids)
             else:  # adopt the index with a vocabulary of our own (later writes must not share it)
                 self._vocab = lex.vocab.copy()
                 lex = LexicalIndex(snap.offsets, lex.ptr, lex.terms, lex.tf, lex.has_text, self._vocab,
-                                   self._analyzer, lex.built_postings())  # fmt: skip
+                                   self._analyzer, lex.built_postings() if lex.item_ids is not None else None,
+                                   snap.item_ids)  # fmt: skip  (postings built without the row ids: rebuilt)
             snap = dataclasses.replace(snap, lexical=lex)
             if snap.created_at is None:  # unknown creation times (a store of format < 4): NaN
                 snap = dataclasses.replace(snap, created_at=np.full(snap.num_items, np.nan))
@@ -1195,7 +1196,7 @@ class MemoryBank:
                 if got is not None:
                     carried[u] = got
         ptr, terms, tf, has = concat_segments([r.lex_segment() for r in rows])
-        lex = LexicalIndex(offsets, ptr, terms, tf, has, self._vocab, self._analyzer, carried)
+        lex = LexicalIndex(offsets, ptr, terms, tf, has, self._vocab, self._analyzer, carried, item_ids)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
             r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])

@@ -34,6 +34,23 @@ All are computed in float64, in the order written (``dense + boost``, the boost
 computed first), and the fused top-k is the k largest fused scores, ties broken by the
 smaller row (the spec's rule), :func:`top_by_score_row`.
 
+Chunked items (an item stored as several rows: its own row with the whole text and
+extra chunk rows, :mod:`rfmem_fast.lexical`). Everything above is per ITEM: an item's
+dense score is its best chunk's cosine, its BM25 its whole text's (one document), and
+every statistic counts each item once. Every row of an item carries the item's BM25,
+so its boost is the item's and ``max over rows (dense_r + x_item) = best chunk's
+dense + x_item``: the fused top-k of rows, collapsed to items (best row first), is the
+per-item fusion. The statistics: ``max_bm25`` and sharpness's top scores over the
+items; zscore's ``sigma(q)`` over the items (n = items, not rows) and its mean dense
+score ``q . mean_u`` with ``mean_u`` the mean over the items of each item's mean chunk
+row (:func:`item_mean`: the mean of the chunks' cosines stands in for an item's dense
+score there, so the mean stays one dot product; it is the plain mean without chunked
+items). rrf ranks items in the lexical list (ties by the item's own row) and rows in
+the dense list; each row of an item in the dense list carries the item's lexical rank,
+and a lexically ranked item with no row in the dense list is a candidate by its best
+chunk (largest exact cosine, ties by the smaller row), so an item scores
+``1 / (k + its best chunk's dense rank) + 1 / (k + its lexical rank)``.
+
 Why two exact channels give the exact fused top-k (what :func:`rfmem_fast.search.search`
 does on every backend). Let ``K`` be the fused width, ``S`` the backend's exact dense
 top-``K`` of the query in its user's segment (ties by row; ``S`` is the whole segment
@@ -77,8 +94,8 @@ TOP_LEXICAL = 10
 _RANKS = np.arange(1, TOP_LEXICAL)  # the 0-based ranks 2..10 of sharpness
 
 __all__ = [
-    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "max_normalised",
-    "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
+    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "item_mean",
+    "max_normalised", "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
 ]  # fmt: skip
 
 
@@ -89,10 +106,10 @@ class LexicalStats:
     Attributes:
         lex_max: float64 [b] the largest BM25 (0: no lexical hit).
         top: float64 [b, TOP_LEXICAL] the largest BM25 scores over the user's
-            documents (items with text), descending, 0 where fewer hits.
+            documents (items with text, a chunked item once), descending, 0 where fewer hits.
         n_docs: int64 [b] the user's documents ``N``.
         lex_std: float64 [b] or None: the population standard deviation of the query's
-            BM25 over all its user's items (0 for items without a hit); fusion "zscore".
+            BM25 over all its user's items, each once (0 for items without a hit); fusion "zscore".
         dense_gap: float64 [b] or None: ``max(0, top-1 dense score - q . mean_u)``; fusion "zscore".
     """
 
@@ -193,8 +210,9 @@ def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarr
 
     Args:
         s1, s2: float64 [b] each query's sum of its BM25 and of its squares over its user's
-            items, summed in row order one after the other (items without a hit add 0).
-        n: float64 [b] the items counted (>= 1).
+            items (each once, on its own row), summed in row order one after the other
+            (items without a hit add 0).
+        n: float64 [b] the items counted (>= 1; a chunked item once).
         mean_d: float64 [b] ``q . mean_u``, the mean dense score (:func:`user_means`).
         top1: float [b] the exact top-1 dense score; has_top: bool [b] whether there is one.
 
@@ -208,12 +226,36 @@ def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarr
     return lex_std, gap
 
 
+def item_mean(rows: np.ndarray, item_of: np.ndarray | None = None) -> np.ndarray:
+    """The mean over items of each item's mean row: float64 [d].
+
+    ``mean = sum_r x_r / (c_item(r) * n_items)`` in float64 (each product summed over the
+    rows in row order), ``c_i`` the rows of item ``i`` among ``rows``: an item stored as
+    several chunk rows counts once, as the mean of its chunks. Without ``item_of`` (every
+    row its own item) it is the rows' plain float64 mean. No row: a zero vector.
+
+    Args:
+        rows: float32 [m, d] the rows; item_of: int [m] the item of each row (any labels),
+            or None.
+    """
+    if rows.shape[0] == 0:
+        return np.zeros(rows.shape[1])
+    X = rows.astype(np.float64)
+    if item_of is None:
+        return X.mean(axis=0)
+    _, inv, cnt = np.unique(np.asarray(item_of), return_inverse=True, return_counts=True)
+    w = 1.0 / (cnt.astype(np.float64)[inv.reshape(-1)] * float(cnt.shape[0]))
+    return (X * w[:, None]).sum(axis=0)
+
+
 def user_means(view: Any, users: np.ndarray) -> np.ndarray:
     """float64 [m, d] mean vectors of the segments ``users`` of a bank view's snapshot.
 
-    Summed in float64 from the snapshot's host vectors, once per (snapshot, user) and
-    memoised on the view, so every backend gets the same values. An empty segment has a
-    zero mean.
+    Each is :func:`item_mean` of the segment's rows: the mean over the user's items of
+    each item's mean row (a chunked item's rows, :attr:`rfmem_fast.lexical.UserPostings.item_row`,
+    count as one item; the plain row mean when no item is chunked). Summed in float64 from
+    the snapshot's host vectors, once per (snapshot, user) and memoised on the view, so
+    every backend gets the same values. An empty segment has a zero mean.
 
     Args:
         view: a :class:`~rfmem_fast.backends.base.BankView` with a snapshot.
@@ -227,8 +269,8 @@ def user_means(view: Any, users: np.ndarray) -> np.ndarray:
         m = memo.get(u)
         if m is None:
             a, b = int(off[u]), int(off[u + 1])
-            m = snap.vectors[a:b].astype(np.float64).mean(axis=0) if b > a else np.zeros(snap.vectors.shape[1])
-            memo[u] = m
+            item_of = snap.lexical.postings(u).item_row if snap.lexical is not None and b > a else None
+            m = memo[u] = item_mean(snap.vectors[a:b], item_of)
         out[j] = m
     return out
 

@@ -45,6 +45,19 @@ and, built lazily the first time a user is queried, that user's inverted index
 user unchanged between two snapshots keeps its postings (the bank carries them over);
 the bank caches each item's token ids when the item is added or its text updated, so a
 write to one user never re-tokenises another user's texts.
+
+Items stored as several rows (chunked long texts). A text longer than the encoder's
+window is stored by :class:`rfmem_fast.serving.Memory` as several rows of one item: the
+item's own row (id ``p``, holding the WHOLE text) and its extra chunk rows, ids
+``"<p>\x1f<j>"`` (:data:`CHUNK_SEP`, ``j >= 1``) without text of their own. The
+lexical index treats an item as ONE document: its whole text, so the statistics above
+(``N``, ``df``, ``dl``, ``avgdl``) count it once with its whole length, exactly as if it
+had not been chunked, and every row of the item has the item's BM25
+(:meth:`UserPostings.scores`; the postings themselves hold the item's own row only and
+:attr:`UserPostings.item_row` maps each row to it). A row is an extra chunk row of item
+``p`` (:func:`item_rows`) when its id is a str ``p + CHUNK_SEP + j`` with ``j`` a
+positive decimal number, ``p`` contains no :data:`CHUNK_SEP`, the row has no text and
+the same user holds a row with id ``p``; any other row is an item of its own.
 """
 from __future__ import annotations
 
@@ -70,13 +83,16 @@ B = 0.75
 STEMMERS = (None, "english")
 #: the extra that installs PyStemmer
 STEMMER_EXTRA = "lexical"
+#: separates an item id from a chunk number in the row ids of a long text's extra chunk
+#: rows (``"<item>\x1f<j>"``, j >= 1; :func:`item_rows`)
+CHUNK_SEP = "\x1f"
 
 _TOKEN_RE = re.compile(TOKEN_PATTERN)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 __all__ = [
-    "B", "K1", "STEMMERS", "STOPWORDS_EN", "TOKEN_PATTERN", "Analyzer", "LexicalIndex", "UserPostings",
-    "Vocabulary", "check_stemmer",
+    "B", "CHUNK_SEP", "K1", "STEMMERS", "STOPWORDS_EN", "TOKEN_PATTERN", "Analyzer", "LexicalIndex", "UserPostings",
+    "Vocabulary", "check_stemmer", "item_rows",
 ]  # fmt: skip
 
 
@@ -185,6 +201,40 @@ class Vocabulary:
         return np.fromiter(counts.keys(), np.int32, len(counts)), np.fromiter(counts.values(), np.float64, len(counts))
 
 
+def item_rows(ids: Sequence[Any], has_text: np.ndarray) -> np.ndarray | None:
+    """The item of every row of one user's segment (module docstring, "Items stored as several rows").
+
+    Args:
+        ids: the segment's n row ids (str or int, distinct), in row order.
+        has_text: bool [n], whether each row has a text.
+
+    Returns:
+        int32 [n]: the local row of each row's item (an item's own row maps to itself, an
+        extra chunk row ``"<p>\x1f<j>"`` to the row of ``p``), or None when every row is an
+        item of its own.
+    """
+    try:  # one C-speed scan for the common case (no chunk row)
+        joined = "".join(ids)
+    except TypeError:  # some int ids
+        joined = "".join(i for i in ids if isinstance(i, str))
+    if CHUNK_SEP not in joined:
+        return None
+    pos = {i: r for r, i in enumerate(ids)}
+    out = np.arange(len(ids), dtype=np.int32)
+    found = False
+    for r, i in enumerate(ids):
+        if not isinstance(i, str) or CHUNK_SEP not in i or has_text[r]:
+            continue
+        parent, _, j = i.rpartition(CHUNK_SEP)
+        if CHUNK_SEP in parent or not (j.isascii() and j.isdigit()) or int(j) < 1:
+            continue
+        q = pos.get(parent)
+        if q is not None:
+            out[r] = q
+            found = True
+    return out if found else None
+
+
 @dataclass(frozen=True)
 class UserPostings:
     """One user's inverted index (rows local to its segment; built by :meth:`LexicalIndex.postings`).
@@ -194,8 +244,14 @@ class UserPostings:
         n_docs: ``N``, rows with a text; avgdl: average token count of those (0 when N = 0).
         terms: int32 [T] distinct token ids of the user's documents, ascending.
         ptr: int64 [T + 1] CSR pointers into rows / weight.
-        rows: int32 [P] local rows of each posting (ascending within a term).
+        rows: int32 [P] local rows of each posting (ascending within a term); always an
+            item's own row (the row holding its text).
         weight: float64 [P] ``w(t, d)`` of each posting (module docstring).
+        item_row: int32 [n_rows] the local row of each row's item (:func:`item_rows`), or
+            None when every row is an item of its own (no chunked item).
+        is_item: bool [n_rows] the rows that are items' own rows, or None (all are).
+        chunk_ptr: int64 [n_rows + 1] / chunk_rows: int32 [n_rows - n_items] CSR of each
+            item's extra chunk rows (ascending), or None without chunked items.
     """
 
     n_rows: int
@@ -205,14 +261,46 @@ class UserPostings:
     ptr: np.ndarray
     rows: np.ndarray
     weight: np.ndarray
+    item_row: np.ndarray | None = None
+    is_item: np.ndarray | None = None
+    chunk_ptr: np.ndarray | None = None
+    chunk_rows: np.ndarray | None = None
+
+    @property
+    def n_items(self) -> int:
+        """Items of the segment: its rows less the extra chunk rows."""
+        return self.n_rows if self.chunk_rows is None else self.n_rows - int(self.chunk_rows.shape[0])
 
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays."""
-        return int(self.terms.nbytes + self.ptr.nbytes + self.rows.nbytes + self.weight.nbytes)
+        opt = sum(a.nbytes for a in (self.item_row, self.is_item, self.chunk_ptr, self.chunk_rows) if a is not None)
+        return int(self.terms.nbytes + self.ptr.nbytes + self.rows.nbytes + self.weight.nbytes + opt)
+
+    def scatter(self, v: np.ndarray) -> np.ndarray:
+        """Per-row values ``v`` [..., n_rows] given on items' own rows, as every row's: each
+        row takes its item's value (``v`` itself when no item is chunked)."""
+        return v if self.item_row is None else v[..., self.item_row]
+
+    def scatter_hits(self, rows: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Hits on items' own rows (ascending local rows int32 [h], values [h]) as the hits of
+        every row of those items (ascending local rows int32 [h'], each row its item's value)."""
+        if self.chunk_ptr is None or rows.shape[0] == 0:
+            return rows, vals
+        s = self.chunk_ptr[rows]
+        lens = self.chunk_ptr[rows + 1] - s
+        total = int(lens.sum())
+        if total == 0:
+            return rows, vals
+        sel = np.arange(total, dtype=np.int64) + np.repeat(s - np.cumsum(lens) + lens, lens)
+        r = np.concatenate([rows, self.chunk_rows[sel]])
+        order = np.argsort(r, kind="stable")
+        return r[order].astype(np.int32, copy=False), np.concatenate([vals, np.repeat(vals, lens)])[order]
 
     def scores(self, q_terms: np.ndarray, q_counts: np.ndarray) -> np.ndarray | None:
         """BM25 of every local row for a query (module docstring), or None when no row is a hit.
+
+        Every row of a chunked item has the item's BM25 (its whole text's, :meth:`scatter`).
 
         Args:
             q_terms: int32 [T] the query's distinct known token ids (first-occurrence order).
@@ -224,12 +312,13 @@ class UserPostings:
         got = self.postings_for(q_terms, q_counts)
         if got is None:
             return None
-        return np.bincount(got[0], weights=got[1], minlength=self.n_rows)
+        return self.scatter(np.bincount(got[0], weights=got[1], minlength=self.n_rows))
 
     def postings_for(self, q_terms: np.ndarray, q_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The postings of a query's terms, concatenated in query-term order: (local rows
         int32 [m], ``qtf * w(t, d)`` float64 [m]), or None when no query term occurs.
-        Summing the weights per row in this order (``np.bincount``) gives :meth:`scores`."""
+        Rows are items' own rows: summing the weights per row in this order
+        (``np.bincount``) gives each item's BM25 (:meth:`scores` scatters it to every row)."""
         T = self.terms.shape[0]
         if T == 0 or q_terms.shape[0] == 0:
             return None
@@ -250,18 +339,32 @@ class UserPostings:
         return self.rows[sel], w
 
 
-def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text: np.ndarray) -> UserPostings:
+def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text: np.ndarray,
+                   item_row: np.ndarray | None = None) -> UserPostings:  # fmt: skip
     """One user's :class:`UserPostings` from its slice of a forward index.
 
     Args:
         terms, tf: int32 [m] the user's forward entries (rows in order, terms ascending per row).
         ptr: int64 [n_u + 1] the user's forward pointers, starting at 0.
         has_text: bool [n_u].
+        item_row: int32 [n_u] each row's item (:func:`item_rows`), or None (every row an
+            item). Extra chunk rows have no text, so they hold no posting.
 
     Returns:
         UserPostings (weights by the module docstring's formulas, float64).
     """
     n_u = int(ptr.shape[0] - 1)
+    chunks: dict[str, Any] = {}
+    if item_row is not None:
+        local_rows = np.arange(n_u, dtype=np.int32)
+        is_item = item_row == local_rows
+        extra = np.flatnonzero(~is_item)
+        parents = item_row[extra]
+        order = np.argsort(parents, kind="stable")  # grouped by item, ascending within one
+        cptr = np.zeros(n_u + 1, dtype=np.int64)
+        np.cumsum(np.bincount(parents, minlength=n_u), out=cptr[1:])
+        chunks = dict(item_row=item_row.astype(np.int32, copy=False), is_item=is_item, chunk_ptr=cptr,
+                      chunk_rows=extra[order].astype(np.int32))  # fmt: skip
     lens = np.diff(ptr)
     local = np.repeat(np.arange(n_u, dtype=np.int32), lens)
     dl = np.bincount(local, weights=tf, minlength=n_u) if n_u else np.zeros(0)
@@ -269,7 +372,7 @@ def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text:
     avgdl = float(dl[has_text].sum() / n_docs) if n_docs else 0.0
     if terms.shape[0] == 0:
         z = np.zeros(0, dtype=np.int32)
-        return UserPostings(n_u, n_docs, avgdl, z, np.zeros(1, dtype=np.int64), z, np.zeros(0))
+        return UserPostings(n_u, n_docs, avgdl, z, np.zeros(1, dtype=np.int64), z, np.zeros(0), **chunks)
     order = np.argsort(terms, kind="stable")  # rows stay ascending within a term
     ts = terms[order]
     uniq, start, df = np.unique(ts, return_index=True, return_counts=True)
@@ -282,7 +385,7 @@ def build_postings(terms: np.ndarray, tf: np.ndarray, ptr: np.ndarray, has_text:
     w = np.repeat(idf, df) * (f / (K1 * ((1.0 - B) + B * d / avgdl) + f))
     p = np.zeros(uniq.shape[0] + 1, dtype=np.int64)
     np.cumsum(df, out=p[1:])
-    return UserPostings(n_u, n_docs, avgdl, uniq.astype(np.int32), p, rows.astype(np.int32), w)
+    return UserPostings(n_u, n_docs, avgdl, uniq.astype(np.int32), p, rows.astype(np.int32), w, **chunks)
 
 
 class LexicalIndex:
@@ -295,6 +398,8 @@ class LexicalIndex:
         vocab: the bank's :class:`Vocabulary`; analyzer: its :class:`Analyzer`.
         carried: optional {user index: UserPostings} reused from an older snapshot (users
             whose rows did not change).
+        item_ids: object [n] the snapshot's row ids, which tell the extra chunk rows of
+            chunked items (:func:`item_rows`); None: every row is an item of its own.
 
     Thread safety: postings are built on first use without a lock (the build is
     idempotent: a race builds the same value twice).
@@ -302,25 +407,27 @@ class LexicalIndex:
 
     def __init__(self, offsets: np.ndarray, ptr: np.ndarray, terms: np.ndarray, tf: np.ndarray,
                  has_text: np.ndarray, vocab: Vocabulary, analyzer: Analyzer,
-                 carried: dict[int, UserPostings] | None = None) -> None:  # fmt: skip
+                 carried: dict[int, UserPostings] | None = None,
+                 item_ids: np.ndarray | None = None) -> None:  # fmt: skip
         self.offsets = offsets
         self.ptr, self.terms, self.tf, self.has_text = ptr, terms, tf, has_text
         self.vocab, self.analyzer = vocab, analyzer
+        self.item_ids = item_ids
         self._postings: dict[int, UserPostings] = dict(carried or {})
 
     @classmethod
     def from_docs(cls, offsets: np.ndarray, docs: Sequence[tuple[np.ndarray, np.ndarray] | None], vocab: Vocabulary,
-                  analyzer: Analyzer) -> "LexicalIndex":  # fmt: skip
+                  analyzer: Analyzer, item_ids: np.ndarray | None = None) -> "LexicalIndex":  # fmt: skip
         """An index from per-row encoded documents ((terms, tf) or None for a row without text)."""
         ptr, terms, tf, has = _concat_docs(docs)
-        return cls(offsets, ptr, terms, tf, has, vocab, analyzer)
+        return cls(offsets, ptr, terms, tf, has, vocab, analyzer, item_ids=item_ids)
 
     @classmethod
     def from_texts(cls, offsets: np.ndarray, texts: Iterable[str | None], vocab: Vocabulary,
-                   analyzer: Analyzer) -> "LexicalIndex":  # fmt: skip
+                   analyzer: Analyzer, item_ids: np.ndarray | None = None) -> "LexicalIndex":  # fmt: skip
         """An index tokenising ``texts`` (object [n], str or None) into ``vocab``."""
         docs = [None if t is None else vocab.encode_doc(analyzer.tokens(t)) for t in texts]
-        return cls.from_docs(offsets, docs, vocab, analyzer)
+        return cls.from_docs(offsets, docs, vocab, analyzer, item_ids)
 
     @property
     def num_rows(self) -> int:
@@ -349,7 +456,9 @@ class LexicalIndex:
         if got is None:
             a, b = int(self.offsets[u]), int(self.offsets[u + 1])
             ptr, terms, tf, has = self.segment(a, b)
-            got = self._postings[u] = build_postings(np.asarray(terms), np.asarray(tf), np.asarray(ptr), np.asarray(has))
+            has = np.asarray(has)
+            items = None if self.item_ids is None else item_rows(self.item_ids[a:b], has)
+            got = self._postings[u] = build_postings(np.asarray(terms), np.asarray(tf), np.asarray(ptr), has, items)
         return got
 
     def built_postings(self) -> dict[int, UserPostings]:
@@ -363,7 +472,8 @@ class LexicalIndex:
         return self.vocab.encode_query(self.analyzer.tokens(text))
 
     def scores(self, u: int, text: str | None) -> np.ndarray | None:
-        """float64 [n_u] BM25 of user ``u``'s rows for a query text, or None when no row is a hit."""
+        """float64 [n_u] BM25 of user ``u``'s rows for a query text (a chunked item's rows: the
+        item's), or None when no row is a hit."""
         t, c = self.encode_query(text)
         if t.shape[0] == 0:
             return None

@@ -62,7 +62,7 @@ from .device import host_array, to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
-from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, rrf, top_by_score_row, user_means, zscore_stats
+from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
 from . import recollection as _recollection
 from .routing.base import (
     FAMILIARITY,
@@ -1124,8 +1124,10 @@ def _lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list, sel: RowSele
 
 def _selected_means(view: Any, sel: RowSelection, seg: np.ndarray, means: np.ndarray) -> np.ndarray:
     """``means`` [b, d] (the users' mean vectors) with each filtered query's row replaced by
-    the float64 mean of its selected rows (memoised per selection; zero when none)."""
-    vectors = view.snapshot.vectors
+    the float64 mean of its selected items (:func:`rfmem_fast.fusion.item_mean` of its
+    selected rows; memoised per selection; zero when none)."""
+    snap = view.snapshot
+    vectors = snap.vectors
     memo = sel._memo.setdefault("means", {})
     out = means.copy()
     for i in np.flatnonzero(sel.qsel >= 0).tolist():
@@ -1133,7 +1135,9 @@ def _selected_means(view: Any, sel: RowSelection, seg: np.ndarray, means: np.nda
         m = memo.get(p)
         if m is None:
             r = sel.rows[sel.off[p] : sel.off[p + 1]]
-            m = memo[p] = vectors[r].astype(np.float64).mean(axis=0) if r.shape[0] else np.zeros(vectors.shape[1])
+            u = int(sel.seg[p])
+            items = snap.lexical.postings(u).item_row if snap.lexical is not None and r.shape[0] else None
+            m = memo[p] = item_mean(vectors[r], None if items is None else items[r - int(snap.offsets[u])])
         out[i] = m
     return out
 
@@ -1198,35 +1202,39 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     n_q = off[seg + 1] - a_q
     W = max(int(n_q.max(initial=0)), 1)
     n_docs = np.zeros(b, dtype=np.int64)
+    n_match = n_q.copy()  # the items (zscore's n): a segment's rows less its extra chunk rows
+    chunked = []  # (query, its user's postings) of the queries whose user has chunked items
     flat, wts = [], []
     for i, t in enumerate(texts):
         qt, qc = lex.encode_query(t)
         if qt.shape[0] == 0:
             continue
         P = lex.postings(int(seg[i]))
+        n_match[i] = P.n_items
         got = P.postings_for(qt, qc)
         if got is not None:
             n_docs[i] = P.n_docs
             flat.append(got[0] + i * W)
             wts.append(got[1])
+            if P.item_row is not None:
+                chunked.append((i, P))
+    # V: each item's BM25 on its own row (the postings' rows), 0 on extra chunk rows
     if flat:  # per entry, the weights are summed in query-term order (as UserPostings.scores)
         V = np.bincount(np.concatenate(flat), weights=np.concatenate(wts), minlength=b * W).reshape(b, W)
     else:
         V = np.zeros((b, W))
-    n_match = n_q
+    allows = {}
     if sel is not None:  # filtered queries: their hits outside the selection dropped
-        n_match = n_q.copy()
         for i in np.flatnonzero(sel.qsel >= 0).tolist():
-            allow = sel.allowed(i, int(a_q[i]), int(n_q[i]))
+            allow = allows[i] = sel.allowed(i, int(a_q[i]), int(n_q[i]))
             V[i, : n_q[i]] *= allow
-            n_match[i] = int(allow.sum())
+            P = lex.postings(int(seg[i])) if n_q[i] else None
+            n_match[i] = int(allow.sum() if P is None or P.is_item is None else (allow & P.is_item).sum())
     lex_max = V.max(axis=1)
-    hits = [(int(a_q[i]), V[i, : n_q[i]], int(n_docs[i])) if lex_max[i] > 0 else None for i in range(b)]
     ps = p_sc[:, :kd].cpu().numpy().astype(np.float64)
     pr = p_rows[:, :kd].cpu().numpy()
     valid = pr >= 0
-    loc = np.where(valid, pr - a_q[:, None], 0)
-    lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
+    # the per-query statistics: over items (each once, on its own row)
     top = np.zeros((b, TOP_LEXICAL))
     if config.fusion == "adaptive":
         m = min(TOP_LEXICAL, W)
@@ -1241,6 +1249,12 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
         # sums in row order, sequentially (cumsum; zero padding adds nothing): the kernels' order
         lex_std, dense_gap = zscore_stats(np.cumsum(V, axis=1)[:, -1], np.cumsum(V * V, axis=1)[:, -1],
                                           np.maximum(n_match, 1).astype(np.float64), mean_d, ps[:, 0], valid[:, 0])
+    for i, P in chunked:  # every row of a chunked item: the item's BM25 (rfmem_fast.lexical)
+        n = int(n_q[i])
+        V[i, :n] = P.scatter(V[i, :n]) if i not in allows else P.scatter(V[i, :n]) * allows[i]
+    hits = [(int(a_q[i]), V[i, : n_q[i]], int(n_docs[i])) if lex_max[i] > 0 else None for i in range(b)]
+    loc = np.where(valid, pr - a_q[:, None], 0)
+    lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
     fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
@@ -1319,17 +1333,24 @@ class _KernelHits:
     s1: np.ndarray
     s2: np.ndarray
     n_docs: np.ndarray
+    n_items: np.ndarray
 
     @classmethod
     def of(cls, be: Any, view: Any, seg: np.ndarray, texts: list) -> "_KernelHits":
-        """Tokenise the b query texts and take their hits in their users' postings."""
+        """Tokenise the b query texts and take their hits in their users' postings.
+
+        The kernel scores items on their own rows (the postings' rows), so the statistics
+        (max, top, s1, s2) count each item once; the hits are then scattered to every row
+        of a chunked item (:meth:`rfmem_fast.lexical.UserPostings.scatter_hits`)."""
         lex = view.snapshot.lexical
+        off = view.snapshot.offsets
         b = len(texts)
         slot: dict[int, int] = {}
         users: list = []
-        docs: list[int] = []
+        plist: list = []
         quser = np.full(b, -1, dtype=np.int64)
         n_docs = np.zeros(b, dtype=np.int64)
+        n_items = (off[seg + 1] - off[seg]).astype(np.int64)
         terms, counts = [], []
         qptr = np.zeros(b + 1, dtype=np.int64)
         for i, t in enumerate(texts):
@@ -1343,8 +1364,9 @@ class _KernelHits:
                 P = lex.postings(u)
                 j = slot[u] = len(users)
                 users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
-                docs.append(P.n_docs)
-            n_docs[i] = docs[j]
+                plist.append(P)
+            n_docs[i] = plist[j].n_docs
+            n_items[i] = plist[j].n_items
             quser[i] = j
             terms.append(qt)
             counts.append(qc)
@@ -1355,7 +1377,20 @@ class _KernelHits:
             qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
         else:
             qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
-        return cls(*be.bm25_hits(users, quser, qterms, qcnt, qptr), n_docs=n_docs)
+        got = list(be.bm25_hits(users, quser, qterms, qcnt, qptr))
+        if any(P.chunk_ptr is not None for P in plist):
+            hp, hr, hv = got[:3]
+            rows, vals = [], []
+            for i in range(b):
+                r, v = hr[hp[i] : hp[i + 1]], hv[hp[i] : hp[i + 1]]
+                if quser[i] >= 0:
+                    r, v = plist[quser[i]].scatter_hits(r, v)
+                rows.append(r)
+                vals.append(v)
+            ptr = np.zeros(b + 1, dtype=np.int64)
+            np.cumsum([r.shape[0] for r in rows], out=ptr[1:])
+            got[:3] = ptr, np.concatenate(rows).astype(np.int32, copy=False), np.concatenate(vals).astype(np.float64)
+        return cls(*got, n_docs=n_docs, n_items=n_items)
 
     def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
         """float64 [H] the boost of every hit, :data:`rfmem_fast.fusion.BOOSTS` of ``config.fusion``;
@@ -1399,11 +1434,10 @@ def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc:
     pass: the boosts need the exact dense top-1 (:func:`_hybrid_batched`'s statistics, sums in
     row order), then ``Backend.fused_topk`` fuses the probe's exact dense list with the hits,
     reading their recorded scan scores ``hf`` (no second scoring of any row)."""
-    off = view.snapshot.offsets
     ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
     pr = p_rows.numpy()
     mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
-    n = np.maximum(off[seg + 1] - off[seg], 1).astype(np.float64)
+    n = np.maximum(kh.n_items, 1).astype(np.float64)  # the items (a chunked item once)
     hx = kh.boosts(config, zscore_stats(kh.s1, kh.s2, n, mean_d, ps[:, 0], pr[:, 0] >= 0))
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
     return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
@@ -1460,15 +1494,22 @@ def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Ten
     lex_max, top, n_docs = np.zeros(b), np.zeros((b, TOP_LEXICAL)), np.zeros(b, dtype=np.int64)
     empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0)
     ex_rows, ex_lex, ex_rank = [empty_i] * b, [empty_f] * b, [empty_i] * b
+    ex_dense = [empty_f] * b
+    Qh = None
     for i in range(b):
         h = info[i]
         if h is None:
             continue
         a, vec, n_docs[i] = h
+        P = snap.lexical.postings(int(seg[i]))
         loc = pr[i, valid[i]] - a  # the valid entries are a prefix
         lex_d[i, : loc.shape[0]] = vec[loc]
-        hit = np.flatnonzero(vec)
-        hs = vec[hit]
+        hit = np.flatnonzero(vec)  # every row of a hit item (rfmem_fast.lexical: a chunked item's rows share its BM25)
+        if P.is_item is not None:  # the statistics and the lexical ranks: over items, each once (its own row)
+            hit_items = hit[P.is_item[hit]]
+        else:
+            hit_items = hit
+        hs = vec[hit_items]
         lex_max[i] = hs.max()
         t = hs if hs.shape[0] <= TOP_LEXICAL else np.partition(hs, hs.shape[0] - TOP_LEXICAL)[-TOP_LEXICAL:]
         t = np.sort(t)[::-1]
@@ -1476,11 +1517,29 @@ def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Ten
         mark = np.zeros(vec.shape[0], dtype=np.bool_)
         mark[loc] = True
         if rrf_mode:
-            ranked = hit[np.lexsort((hit, -hs))[:D]]  # BM25 descending, ties by the smaller row
+            ranked = hit_items[np.lexsort((hit_items, -hs))[:D]]  # BM25 descending, ties by the smaller row
             rank = np.zeros(vec.shape[0], dtype=np.int64)
             rank[ranked] = np.arange(1, ranked.shape[0] + 1)
-            lrank_d[i, : loc.shape[0]] = rank[loc]
             e = ranked[~mark[ranked]]
+            if P.item_row is not None:
+                # an item's lexical rank goes with each of its rows in the dense list; an item
+                # with none there enters by its best chunk (largest exact cosine, ties by
+                # the smaller row), whose dense score is then known
+                rank = P.scatter(rank)
+                in_dense = np.zeros(vec.shape[0], dtype=np.bool_)
+                in_dense[P.item_row[loc]] = True
+                e = ranked[~in_dense[ranked]]
+                de = np.full(e.shape[0], np.nan)
+                for j, r in enumerate(e.tolist()):
+                    rs = np.concatenate([[r], P.chunk_rows[P.chunk_ptr[r] : P.chunk_ptr[r + 1]]])
+                    if rs.shape[0] > 1:
+                        if Qh is None:
+                            Qh = Q.detach().to(torch.float32).cpu().numpy()
+                        sc = exact_pair_scores_np(snap.vectors, Qh, np.full(rs.shape[0], i), rs + a)
+                        best = np.lexsort((rs, -sc.astype(np.float64)))[0]
+                        e[j], de[j] = rs[best], sc[best]
+                ex_dense[i] = de
+            lrank_d[i, : loc.shape[0]] = rank[loc]
             ex_rank[i] = rank[e]
         else:
             e = hit[~mark[hit]]
@@ -1490,6 +1549,9 @@ def _hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Ten
     evalid = erows >= 0
     dense_d = np.where(valid, ps, np.nan)
     dense_e = np.full(erows.shape, np.nan)
+    if rrf_mode and any(x.shape[0] for x in ex_dense):
+        dense_e = _pad_lists([x if x.shape[0] else np.full(r.shape[0], np.nan) for x, r in zip(ex_dense, ex_rows)],
+                             b, np.nan, np.float64)  # fmt: skip
     if rrf_mode:
         drank = np.where(valid, np.arange(1, kd + 1)[None, :], 0)
         fd = np.where(valid, rrf(drank, lrank_d, config.lexical_rrf_k), -np.inf)

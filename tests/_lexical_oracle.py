@@ -147,3 +147,95 @@ def fused_topk(bank, queries, users, texts, config, k, stemmer=None):
         rows_out[i, : order.size] = order + a
         sc_out[i, : order.size] = fused[order]
     return rows_out, sc_out
+
+
+# ---------------------------------------------------------------------- chunked items, per item
+def item_topk(snap, user, items, query_vec, query_text, config, k, allowed=None, depth=None, stemmer=None):
+    """The per-item fused top-k of one query, by brute force over the user's ITEMS.
+
+    An item (what a caller stores) may be several bank rows: its own row (its id) and
+    extra chunk rows (ids ``"<id>\\x1f<j>"``). Per item: dense = the largest exact float32
+    cosine of its rows (:func:`_exact_oracle.exact_f32`, row by row), lexical = the BM25
+    of its WHOLE text over the user's items' whole texts (``items``, one document each:
+    :func:`bm25_scores`, as if nothing were chunked). The fusions, per item (the engine's
+    documented definitions; ``M`` the items matching the filter, all without one):
+
+    * convex: ``dense + w * f``, ``f`` the BM25 (raw) or BM25 / max over M (max);
+    * adaptive: ``dense + w * sharpness * BM25 / max``, sharpness over M's documents;
+    * zscore: ``dense + (w * max(0, max dense over M - q . m) / sd) * BM25``, ``sd`` the
+      population std of the BM25 over M, ``m`` the mean over M of each item's mean row;
+    * rrf: ``1 / (k + best dense rank of its rows)`` over the dense top ``depth`` rows of
+      M, plus ``1 / (k + its rank)`` in the lexical top ``depth`` items of M (BM25 > 0,
+      ties by the item's own row); items in neither list are not returned.
+
+    Args:
+        snap: the bank snapshot; user: the user key; items: {item id: whole text or None}
+            of the user's live items (the test's own record); query_vec: float32 [d];
+            query_text: str; config: RFMemConfig; k: items wanted; allowed: the item ids
+            the filter keeps (None: all); depth: rrf's list depth.
+
+    Returns:
+        list of (item id, fused float64, dense float32, BM25 float64) of the top k items
+        by (fused desc, the row the item is found by asc).
+    """
+    from _exact_oracle import exact_f32
+
+    q = l2_normalize_rows(np.asarray(query_vec, dtype=np.float32)[None], "q")[0]
+    u = list(snap.users).index(user)
+    a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
+    rows_of = {}  # item id -> its bank rows
+    for r in range(a, b):
+        rid = snap.item_ids[r]
+        rows_of.setdefault(rid.split("\x1f")[0] if isinstance(rid, str) else rid, []).append(r)
+    assert set(rows_of) == set(items), (sorted(rows_of), sorted(items))
+    ids = list(items)
+    own = {i: min(rows_of[i], key=lambda r: (snap.item_ids[r] != i, r)) for i in ids}  # the row holding its text
+    assert all(snap.item_ids[own[i]] == i for i in ids)
+    cos = {r: float(exact_f32(q, snap.vectors[r])) for i in ids for r in rows_of[i]}
+    lex_all = bm25_scores([items[i] for i in ids], query_text, stemmer)
+    lex = dict(zip(ids, lex_all))
+    M = [i for i in ids if allowed is None or i in allowed]
+    dense = {i: max(cos[r] for r in rows_of[i]) for i in M}
+    best_row = {i: min(rows_of[i], key=lambda r: (-cos[r], r)) for i in M}
+    w = float(config.lexical_weight)
+    fused, found_by = {}, {}
+    if config.fusion == "rrf":
+        kk = float(config.lexical_rrf_k)
+        drows = sorted((r for i in M for r in rows_of[i]), key=lambda r: (-cos[r], r))[:depth]
+        drank = {}
+        for pos, r in enumerate(drows, 1):
+            item = snap.item_ids[r].split("\x1f")[0] if isinstance(snap.item_ids[r], str) else snap.item_ids[r]
+            if item not in drank:
+                drank[item] = (pos, r)
+        lhits = sorted((i for i in M if lex[i] > 0), key=lambda i: (-lex[i], own[i]))[:depth]
+        lrank = {i: pos for pos, i in enumerate(lhits, 1)}
+        for i in M:
+            if i not in drank and i not in lrank:
+                continue
+            d = 1.0 / (kk + float(drank[i][0])) if i in drank else 0.0
+            x = 1.0 / (kk + float(lrank[i])) if i in lrank else 0.0
+            fused[i] = d + x
+            found_by[i] = drank[i][1] if i in drank else best_row[i]
+    else:
+        lm = [lex[i] for i in M]
+        mx = max(lm, default=0.0)
+        if config.fusion == "convex":
+            x = {i: w * (lex[i] if config.lexical_norm == "raw" else (lex[i] / mx if mx > 0 else 0.0)) for i in M}
+        elif config.fusion == "adaptive":
+            docs = [lex[i] if i in dense else 0.0 for i in ids if items[i] is not None]  # M's BM25, 0 for the rest
+            c = sharpness(docs)
+            x = {i: (w * c) * (lex[i] / mx if mx > 0 else 0.0) for i in M}
+        else:  # zscore
+            n = float(max(len(M), 1))
+            mu = sum(lm) / n
+            sd = max(sum(v * v for v in lm) / n - mu * mu, 0.0) ** 0.5
+            mean_vec = np.zeros(q.shape[0])
+            for i in M:
+                mean_vec += np.mean([snap.vectors[r].astype(np.float64) for r in rows_of[i]], axis=0) / len(M)
+            gap = max(max(dense.values(), default=0.0) - float(q.astype(np.float64) @ mean_vec), 0.0) if M else 0.0
+            x = {i: (w * gap / sd) * lex[i] if sd > 0 else 0.0 for i in M}
+        for i in M:
+            fused[i] = dense[i] + x[i]
+            found_by[i] = best_row[i]
+    order = sorted(fused, key=lambda i: (-fused[i], found_by[i]))[:k]
+    return [(i, fused[i], np.float32(max(cos[r] for r in rows_of[i])), float(lex[i])) for i in order]

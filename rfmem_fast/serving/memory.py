@@ -88,6 +88,10 @@ from .._validate import as_float_matrix, l2_normalize_rows
 from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
 from ..config import RFMemConfig
 from ..filters import Filter, parse_filter, parse_instant
+# CHUNK_SEP separates a parent item id from a chunk number in the bank's row ids of a long
+# text's extra chunks ("<parent>\x1f<j>", j >= 1; the lexical index reads them as one item);
+# refused in user-given ids
+from ..lexical import CHUNK_SEP
 from ..routing.files import check_config_files
 from ..search import MODES, SearchResult, search
 from ..store import StoreError, _fsync_dir
@@ -110,9 +114,6 @@ MAX_ID_LENGTH = 256
 #: the longest text of a memory or a query (characters); a memory must also fit the
 #: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
 MAX_TEXT_CHARS = 100_000
-#: separates a parent item id from a chunk number in the bank's row ids of a long text's
-#: extra chunks (``"<parent>\x1f<j>"``, j >= 1); refused in user-given ids
-CHUNK_SEP = "\x1f"
 #: tokens shared by consecutive chunks of a long text (default of ``chunk_overlap``)
 DEFAULT_CHUNK_OVERLAP = 32
 META_FILE = "memory.json"
@@ -639,7 +640,11 @@ class Memory:
             text and each a bank row of its item (row ids ``"<item>\x1f<j>"``, j >= 1
             for the extra ones); hits are collapsed to the item (its best chunk's
             score, whole text and metadata), reads show items, and update / delete
-            of the item replace / remove all its chunks.
+            of the item replace / remove all its chunks. With a lexical channel the
+            item is one document (the BM25 of its whole text, on every chunk row) and
+            each fusion is taken per item: a hit's ``score`` fuses its best chunk's
+            cosine (``dense_score``) with its whole text's BM25 (``lexical_score``;
+            docs/guides/hybrid.md "Chunked items").
 
     Ids: user ids and item ids are str (1-256 characters, valid Unicode, no U+001F);
     an int is converted to its decimal str (``7`` and ``"7"`` are one id), the same
