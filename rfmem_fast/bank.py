@@ -59,10 +59,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
+from datetime import date, datetime, time as clock_time, timezone
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -71,6 +73,8 @@ from ._validate import as_float_matrix, check_positive_int, l2_normalize_rows
 from .lexical import Analyzer, LexicalIndex, Vocabulary, concat_segments, docs_segment
 from .precision import HALF_DTYPES, check_dtype, to_scan_copy
 from .store import read_store, write_store
+
+log = logging.getLogger("rfmem_fast.bank")
 
 ItemId = Hashable
 
@@ -239,6 +243,22 @@ def _nesting_depth(obj: Any) -> int:
     return depth
 
 
+def _find_value(obj: Any, pred: Any) -> tuple[str, Any] | None:
+    """The first value inside ``obj`` (dicts / lists / tuples, depth first) for which
+    ``pred`` holds, with its path as Python writes it (``['when']``, ``['a'][0]``); None
+    when there is none. Iterative: no recursion limit."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, o = stack.pop()
+        if pred(o):
+            return path, o
+        if isinstance(o, dict):
+            stack.extend(reversed([(f"{path}[{k!r}]", v) for k, v in o.items()]))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed([(f"{path}[{i}]", v) for i, v in enumerate(o)]))
+    return None
+
+
 def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
     """Per-item metadata as stored: m JSON objects (or None), deep-copied through JSON.
 
@@ -246,7 +266,8 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
         TypeError: not a sequence of dicts / None.
         ValueError: wrong length, an entry nested deeper than ``MAX_METADATA_DEPTH``, or
             one that does not survive a JSON round trip unchanged (non-str keys, tuples,
-            NaN / Inf, non-JSON values).
+            NaN / Inf, non-JSON values; a ``datetime`` / ``date`` / ``time`` is named by
+            its path with the advice to store its ``.isoformat()`` string).
     """
     if metadata is None:
         return [None] * n
@@ -266,6 +287,14 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
             dumped = json.dumps(m, allow_nan=False, ensure_ascii=False)
             copied = json.loads(dumped)
         except (TypeError, ValueError, RecursionError) as exc:
+            when = _find_value(m, lambda o: isinstance(o, (date, clock_time)))
+            if when is not None:
+                path, o = when
+                raise ValueError(
+                    f"metadata[{j}]{path} is a {type(o).__name__}, which JSON cannot hold: store it as a string, "
+                    f"value.isoformat() ({o.isoformat()!r}); a filter with a datetime bound compares such strings "
+                    "as instants (rfmem_fast.filters)"
+                ) from None
             raise ValueError(f"metadata[{j}] is not JSON-serialisable: {exc}") from None
         _check_unicode(dumped, f"metadata[{j}] (as JSON)")
         if copied != m:
@@ -275,6 +304,71 @@ def _check_metadata(metadata: Any, n: int) -> list[dict | None]:
             )
         out[j] = copied
     return out
+
+
+#: The instants a creation time may hold: those Python's ``datetime`` represents in UTC,
+#: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z, as float seconds since the Unix
+#: epoch: ``INSTANT_MIN <= t < INSTANT_END`` (the start of year 10000, excluded).
+INSTANT_MIN = -62135596800.0
+INSTANT_END = 253402300800.0
+#: the accepted range as error messages and docs write it
+INSTANT_RANGE = ("0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z, i.e. "
+                 f"{INSTANT_MIN:.0f} <= seconds since the Unix epoch < {INSTANT_END:.0f}")
+#: units an out-of-range time may have been written in by mistake (name, per second)
+_TIME_UNITS = (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9))
+#: the unit hint is given for values at least this far from 0 (so not for one just past
+#: either end of the range) that read as a creation time in 1900-01-01 .. 2200-01-01 (UTC)
+_HINT_FROM = 1e12
+_PLAUSIBLE = (-2208988800.0, 7258118400.0)
+
+
+def instants_known(t: Any) -> np.ndarray:
+    """bool array shaped like ``t``: True where a stored creation time (float seconds
+    since the Unix epoch) is a known instant, within ``INSTANT_MIN <= t < INSTANT_END``;
+    False for NaN (unknown) and for anything outside (not an instant: a value written
+    before the range was checked, e.g. epoch milliseconds)."""
+    t = np.asarray(t, dtype=np.float64)
+    return (t >= INSTANT_MIN) & (t < INSTANT_END)
+
+
+def check_instant(t: float, where: str, given: Any = None) -> float:
+    """A creation time checked at the door: ``t`` when it is an instant Python's
+    ``datetime`` can represent in UTC (:data:`INSTANT_RANGE`).
+
+    The one range check of every write that takes a creation time: :meth:`MemoryBank.add`,
+    :meth:`MemoryBank.update` and :meth:`MemoryBank.from_arrays` (through
+    :func:`check_created_at`), and ``Memory.add`` / ``Memory.add_many``, ``rfmem import``
+    and the HTTP bodies (:mod:`rfmem_fast.serving.memory`), before anything is logged.
+
+    Args:
+        t: float seconds since the Unix epoch (finite).
+        where: the argument's name in the message (``created_at``, ``created_at[3]``,
+            ``items[3].created_at``).
+        given: the value as the caller wrote it when it was no number (a datetime, an
+            ISO-8601 string), shown in the message too.
+
+    Returns:
+        ``t``.
+
+    Raises:
+        ValueError: ``t`` outside the range; the message names ``where``, gives the range
+            and, when ``t`` (at least 1e12 in magnitude) reads as a time of 1900-2200 in
+            milli-, micro- or nanoseconds since the epoch, what to divide it by (``1774747800000 looks like
+            milliseconds since the epoch: divide by 1000 (2026-03-29T01:30:00Z)``).
+    """
+    if INSTANT_MIN <= t < INSTANT_END:
+        return t
+    shown = str(int(t)) if math.isfinite(t) and t == int(t) and abs(t) < 1e21 else repr(float(t))
+    if given is not None and not isinstance(given, (int, float, np.integer, np.floating)):
+        shown = f"{given!r} ({shown} seconds since the Unix epoch)"
+    msg = f"{where}: {shown} is outside the instants a creation time can hold, {INSTANT_RANGE}"
+    for unit, per in _TIME_UNITS if abs(t) >= _HINT_FROM else ():
+        s = t / per
+        if _PLAUSIBLE[0] <= s < _PLAUSIBLE[1]:
+            when = datetime.fromtimestamp(s, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+            msg += f"; {shown} looks like {unit} since the epoch: divide by {per:.0f} ({when})"
+            break
+    raise ValueError(msg)
 
 
 def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[float]:
@@ -290,11 +384,13 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
         now: the time for None (default ``time.time()``).
 
     Returns:
-        list of n floats (finite, or NaN).
+        list of n floats (within :data:`INSTANT_RANGE`, or NaN).
 
     Raises:
         TypeError: not a real number or a sequence of them (bool refused).
-        ValueError: wrong length, an infinite value.
+        ValueError: wrong length, an infinite value, or one outside
+            :data:`INSTANT_RANGE` (:func:`check_instant`: ``created_at`` or
+            ``created_at[i]`` named, with a hint for epoch milliseconds and the like).
     """
     def one(v: Any, where: str) -> float:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
@@ -302,7 +398,7 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
         f = float(v)
         if math.isinf(f):
             raise ValueError(f"{where} must be finite (or NaN: unknown), got {f!r}")
-        return f
+        return f if f != f else check_instant(f, where)
 
     if created_at is None:
         return [float(time.time()) if now is None else float(now)] * n
@@ -1037,6 +1133,12 @@ class MemoryBank:
             if snap.created_at is None:  # unknown creation times (a store of format < 4): NaN
                 snap = dataclasses.replace(snap, created_at=np.full(snap.num_items, np.nan))
             created = snap.created_at
+            odd = ~instants_known(created) & ~np.isnan(created)
+            if odd.any():  # not instants (written before the range was checked): unknown, as NaN
+                log.warning("%d items hold a creation time outside %s (e.g. %r): read as unknown (NaN)",
+                            int(odd.sum()), INSTANT_RANGE, float(created[odd][0]))
+                created = np.where(odd, np.nan, created)
+                snap = dataclasses.replace(snap, created_at=created)
             self._rows = []
             for u in range(snap.num_users):
                 a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])

@@ -83,7 +83,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .bank import BankSnapshot, MemoryBank
+from .bank import INSTANT_END, BankSnapshot, MemoryBank
 
 #: the reserved field: the item's creation time (:attr:`rfmem_fast.bank.BankSnapshot.created_at`)
 CREATED_AT = "created_at"
@@ -190,7 +190,10 @@ def parse_instant(v: Any, where: str) -> float:
         where: the name of the value in error messages.
 
     Returns:
-        float seconds.
+        float seconds. The range is not checked here (a filter bound may lie anywhere);
+        a write checks it with :func:`rfmem_fast.bank.check_instant`. The last
+        microseconds of year 9999, which float rounding would carry to 10000, come back
+        as the largest float before it, so every datetime of that year stays in range.
 
     Raises:
         TypeError: another type. ValueError: a naive datetime, a string that is not an
@@ -212,7 +215,7 @@ def parse_instant(v: Any, where: str) -> float:
                 f"{where}: naive datetime {v.isoformat()!r} names no instant: give a timezone-aware datetime "
                 "(e.g. datetime(..., tzinfo=timezone.utc))"
             )
-        return v.timestamp()
+        return _timestamp(v)
     if isinstance(v, str):
         try:
             dt = datetime.fromisoformat(v)
@@ -221,11 +224,24 @@ def parse_instant(v: Any, where: str) -> float:
         if dt.tzinfo is None:
             raise ValueError(f"{where}: {v!r} has no UTC offset: write e.g. '{v}T00:00:00Z' or '...+00:00'"
                              if "T" not in v else f"{where}: {v!r} has no UTC offset: append 'Z' or '+HH:MM'")
-        return dt.timestamp()
+        return _timestamp(dt)
     raise TypeError(
         f"{where}: expected a number of seconds since the Unix epoch, a datetime or an ISO-8601 string, "
         f"got {_type_name(v)}"
     )
+
+
+#: the last instant a datetime can hold, in UTC
+_LAST_UTC = datetime.max.replace(tzinfo=timezone.utc)
+#: the largest float before INSTANT_END (what 9999-12-31T23:59:59.99997Z and later round to)
+_LAST_SECOND = float(np.nextafter(INSTANT_END, 0.0))
+
+
+def _timestamp(dt: datetime) -> float:
+    """An aware datetime as float seconds since the epoch, kept below ``INSTANT_END``
+    when the datetime is (float rounding carries the last microseconds of 9999 to it)."""
+    t = dt.timestamp()
+    return _LAST_SECOND if t == INSTANT_END and dt <= _LAST_UTC else t
 
 
 def _string_instant(s: str) -> float:

@@ -964,7 +964,8 @@ def test_http_search_filters_and_created_at():
         assert added.status_code == 201
         item = c.get("/v1/users/alice/memories/e").json()
         assert item["created_at"] == "2026-03-01T09:00:00+00:00"
-        assert c.post("/v1/users/alice/memories", json={"texts": ["f"], "created_at": "March"}).status_code == 400
+        bad = c.post("/v1/users/alice/memories", json={"texts": ["f"], "created_at": "March"})
+        assert bad.status_code == 422 and "created_at: 'March' is not an ISO-8601 date-time" in json.dumps(bad.json())
     mem.close()
 
 

@@ -18,7 +18,8 @@ def memory():
     enc = HashEncoder(DIM)
     mem = Memory(encoder=enc, max_wait_ms=5.0)
     mem.add(["alpha fact", "beta fact", "gamma fact"], "alice", ids=["a", "b", "c"],
-            metadata=[{"topic": "greek", "score": "user value"}, None, {"n": 3}])
+            metadata=[{"topic": "greek", "score": "user value"}, None, {"n": 3}],
+            created_at="2026-01-01T10:00:00+02:00")
     mem.add(["alpha fact"], "bob", ids=["x"], metadata={"owner": "bob"})
     return mem
 
@@ -40,7 +41,7 @@ def test_langchain_retriever(memory):
     assert docs[0].metadata["rfmem"] == {"id": "a", "user_id": "alice", "score": ref[0].score, "rank": 0,
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
                                          "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
-                                         "lexical_score": None}
+                                         "lexical_score": None, "created_at": "2026-01-01T08:00:00+00:00"}
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))
@@ -74,6 +75,7 @@ def test_llamaindex_retriever(memory):
     assert [n.node.metadata["rfmem"]["id"] for n in nodes] == [h.id for h in ref]
     assert [n.score for n in nodes] == [h.score for h in ref] and nodes[0].node.metadata["n"] == 3
     assert nodes[0].node.metadata["rfmem"]["rule"] == "forced_dense"
+    assert nodes[0].node.metadata["rfmem"]["created_at"] == "2026-01-01T08:00:00+00:00"  # the hit's, as JSON text
     async_nodes = asyncio.run(r.aretrieve("beta fact"))
     assert async_nodes[0].node.node_id == "alice/b"
     vec = HashEncoder(DIM).vector("alpha fact")  # a bundle with its own embedding is searched by vector

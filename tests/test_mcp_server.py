@@ -525,7 +525,8 @@ def test_mcp_id_model_paged_listing_and_memory_validation(tmp_path, monkeypatch)
                         assert [m["id"] for m in page["memories"]] == ["8", "9"]
                         assert page["total"] == 5 and page["next_offset"] == 3
                         assert pages == [(1, 2)]
-                        assert "text: must hold" in _err(await session.call_tool("update_memory", {"id": 7, "text": " "}))
+                        assert "text is empty or whitespace only" in _err(await session.call_tool(
+                            "update_memory", {"id": 7, "text": " "}))
                         msg = _err(await session.call_tool("get_memory", {"id": "a\x1fb"}))
                         assert "get_memory: id holds the character U+001F" in msg, msg
                         assert "no memory with id '12'" in _err(await session.call_tool("delete_memory", {"id": 12}))
@@ -536,3 +537,64 @@ def test_mcp_id_model_paged_listing_and_memory_validation(tmp_path, monkeypatch)
             anyio.run(run)
     finally:
         mem.close()
+
+
+def test_mcp_hits_show_their_time_and_a_blank_text_gets_the_message_of_python_and_http(tmp_path):
+    """search_memories hits carry ``created_at`` (ISO-8601 UTC, as Python's ``Hit.created_at``);
+    a blank text or query is refused with the Memory's own words on all three surfaces."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rfmem_fast.serving.app import create_app
+
+    mem = Memory(tmp_path / "mem", encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["alice: I live in Lyon", "alice: I like tea"], user_id="alice", ids=["lyon", "tea"],
+            created_at=["2026-03-29T03:30:00+02:00", 1767225600])
+    want = {"lyon": "2026-03-29T01:30:00+00:00", "tea": "2026-01-01T00:00:00+00:00"}
+    assert {h.id: h.created_at.isoformat() for h in mem.search("alice: I live in Lyon", "alice", k=2)} == want
+    python = {}
+    with pytest.raises(ValueError) as err:
+        mem.add(["ok", " \n "], "alice")
+    python["texts"] = str(err.value)
+    with pytest.raises(ValueError) as err:
+        mem.search(" \n ", "alice")
+    python["query"] = str(err.value)
+    with pytest.raises(ValueError) as err:
+        mem.update_many([{"user_id": "alice", "id": "tea", "text": "green tea"},
+                         {"user_id": "alice", "id": "lyon", "text": "\t"}])
+    python["items"] = str(err.value)
+    assert python == {"texts": "texts[1] is empty or whitespace only: a text needs some words",
+                      "query": "query is empty or whitespace only: a query needs some words",
+                      "items": "items[1].text is empty or whitespace only: a text needs some words"}
+    with TestClient(create_app(mem, no_auth=True)) as c:
+        http = {"texts": c.post("/v1/users/alice/memories", json={"texts": ["ok", " \n "]}).json()["detail"],
+                "query": c.post("/v1/users/alice/search", json={"query": " \n "}).json()["detail"]}
+        bulk = c.post("/v1/memories:batchUpdate", json={"items": [{"user_id": "alice", "id": "tea", "text": "green tea"},
+                                                                  {"user_id": "alice", "id": "lyon", "text": "\t"}]})
+        http["items"] = bulk.json()["detail"][0]["msg"]
+        hits = c.post("/v1/users/alice/search", json={"query": "alice: I live in Lyon", "k": 2}).json()["hits"]
+        assert {h["id"]: h["created_at"] for h in hits} == want
+    assert http == python
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> dict:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:
+                        found = _ok(await session.call_tool("search_memories", {"query": "alice: I live in Lyon", "k": 2}))
+                        assert {h["id"]: h["created_at"] for h in found["hits"]} == want
+                        return {
+                            "texts": _err(await session.call_tool("add_memories", {"texts": ["ok", " \n "]})),
+                            "query": _err(await session.call_tool("search_memories", {"query": " \n "})),
+                            "items": _err(await session.call_tool("update_memories", {"items": [
+                                {"id": "tea", "text": "green tea"}, {"id": "lyon", "text": "\t"}]})),
+                        }
+
+            mcp = anyio.run(run)
+    finally:
+        mem.close()
+    for k, msg in python.items():  # the SDK puts "Error executing tool NAME: " before a tool's message
+        assert mcp[k].endswith(f": {msg}"), (k, mcp[k])
+    with Memory(tmp_path / "mem", encoder=HashEncoder(16)) as again:  # the refused calls wrote nothing
+        assert [i.text for i in again.get(["tea", "lyon"], "alice")] == ["alice: I like tea", "alice: I live in Lyon"]
+        assert again.count("alice") == 2

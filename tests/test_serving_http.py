@@ -43,7 +43,7 @@ def test_crud_and_search_over_http(served):
     c, mem = served
     r = c.post("/v1/users/alice/memories", headers=H,
                json={"texts": ["I live in Lyon", "My sister is Ana", "I like tea"], "ids": ["a", "b", "c"],
-                     "metadata": {"source": "chat"}})
+                     "metadata": {"source": "chat"}, "created_at": "2026-03-29T03:30:00+02:00"})
     assert r.status_code == 201 and r.json() == {"ids": ["a", "b", "c"]}
     r = c.post("/v1/users/alice/memories", headers=H, json={"vectors": [[1.0] + [0.0] * 15], "metadata": [None]})
     assert r.status_code == 201 and len(r.json()["ids"]) == 1
@@ -51,7 +51,8 @@ def test_crud_and_search_over_http(served):
     body = r.json()
     assert r.status_code == 200 and body["hits"][0] == {"id": "b", "text": "My sister is Ana", "score": pytest.approx(1.0),
                                                        "metadata": {"source": "chat"}, "rank": 0,
-                                                       "dense_score": pytest.approx(1.0), "lexical_score": None}
+                                                       "dense_score": pytest.approx(1.0), "lexical_score": None,
+                                                       "created_at": "2026-03-29T01:30:00+00:00"}
     assert body["route"] == "familiarity" and body["rule"] == "forced_dense" and len(body["hits"]) == 2
     direct = mem.search("My sister is Ana", "alice", k=2, mode="dense")
     assert [h["id"] for h in body["hits"]] == [h.id for h in direct]

@@ -108,7 +108,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..filters import FilterTypeError, check_filters, parse_filter
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id
+from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id, _created_list
 from .tokens import TOKENS_FILE, TokenStore
 
 __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
@@ -148,8 +148,19 @@ class AddRequest(_Body):
     ids: list[ItemId] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
     metadata: Union[Meta, list[Meta | None], None] = None
     #: when the items were created: an ISO-8601 string with a UTC offset or epoch seconds,
-    #: one for every item or one per item (default: now; Memory.add)
+    #: one for every item or one per item (default: now; Memory.add), each within
+    #: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z (a bad one: 422 naming it)
     created_at: Union[float, str, list[Union[float, str]], None] = None
+
+    @field_validator("created_at")
+    @classmethod
+    def _created_at(cls, v: Any) -> Any:
+        if v is not None:  # checked as Memory.add checks it (the same message)
+            try:
+                _created_list(v, len(v) if isinstance(v, list) else 1)
+            except (TypeError, ValueError) as e:
+                raise ValueError(str(e)) from None
+        return v
 
     @model_validator(mode="after")
     def _lengths(self) -> "AddRequest":
@@ -324,7 +335,8 @@ class MintRequest(_Body):
 
 
 class HitOut(BaseModel):
-    """One hit of a search."""
+    """One hit of a search (``created_at``: the item's creation time, ISO-8601 UTC as in
+    :class:`ItemOut`, null when unknown)."""
 
     id: str
     text: str | None
@@ -333,6 +345,7 @@ class HitOut(BaseModel):
     rank: int
     dense_score: float | None = None
     lexical_score: float | None = None
+    created_at: str | None = None
 
 
 class SearchResponse(BaseModel):
@@ -444,7 +457,8 @@ def _search_doc(user: Any, route: str | None, rule: str, mean: float, entropy: f
         "user_id": str(user), "route": route, "rule": rule, "mean": mean,
         "entropy": entropy, "rounds": rounds, "cached": cached,
         "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
-                  "dense_score": h.dense_score, "lexical_score": h.lexical_score} for h in hits],
+                  "dense_score": h.dense_score, "lexical_score": h.lexical_score,
+                  "created_at": None if h.created_at is None else h.created_at.isoformat()} for h in hits],
     }
 
 

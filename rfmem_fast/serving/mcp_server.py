@@ -11,8 +11,8 @@ starts the server as a subprocess) and streamable HTTP (``--transport http --hos
 Tools (no tool has a user argument)::
 
     add_memories(texts, metadata?)            -> {"ids", "count"}
-    search_memories(query, k=10, mode="rfmem", filters?) -> {"hits": [{"id", "text", "score", "metadata", "rank"}],
-                                                  "route", "mode", "k"}
+    search_memories(query, k=10, mode="rfmem", filters?) -> {"hits": [{"id", "text", "score", "metadata", "rank",
+                                                  "created_at"}], "route", "mode", "k"}
     update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at"}
     update_memories(items: [{id, text?, metadata?}]) -> {"updated": [ids], "count"}   (all or none)
     delete_memory(id)                         -> {"id", "deleted"}
@@ -82,7 +82,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory
+from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory, _check_text
 
 __all__ = [
     "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
@@ -288,8 +288,9 @@ Arguments:
   {"field": {"$exists": true}}; operators $eq $ne $gt $gte $lt $lte $in $nin $exists; "a.b" reads nested
   metadata. A memory without the field matches no comparison.
 
-Returns {"hits": [{"id", "text", "score", "metadata", "rank"}, ...] best first (fewer than k when the user has fewer
-memories; [] when none), "route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
+Returns {"hits": [{"id", "text", "score", "metadata", "rank", "created_at"}, ...] best first (fewer than k when the
+user has fewer memories; [] when none; "created_at": when the memory was added, ISO-8601 UTC, or null when unknown),
+"route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
 
 _UPDATE = """Change one existing memory of the current user, keeping its id: a new text (re-embedded) and / or new
 metadata. The write is durable when this returns.
@@ -398,9 +399,14 @@ def _not_found(item_id: Any) -> ToolError:
     return ToolError(f"id: no memory with id {item_id!r} (list_memories or search_memories show the ids)")
 
 
-def _check_blank(text: str, name: str) -> None:
-    if not text.strip():
-        raise ToolError(f"{name}: must hold some non-space text")
+def _check_text_arg(text: str, name: str, what: str = "text") -> None:
+    """A text argument checked up front by the Memory's own check (blank, lone
+    surrogates, length: :func:`rfmem_fast.serving.memory._check_text`), its message as a
+    tool error, so a tool refuses a text with the words of Python and HTTP."""
+    try:
+        _check_text(text, name, what=what)
+    except (TypeError, ValueError) as exc:
+        raise ToolError(str(exc)) from None
 
 
 _ARG_NAME = re.compile(r"^(texts|ids)(\[0\])?(?![\w\[])")
@@ -511,7 +517,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         if not tx or len(tx) > MAX_TEXTS:
             raise ToolError(f"texts: give 1 to {MAX_TEXTS} texts, got {len(tx)}")
         for i, t in enumerate(tx):
-            _check_blank(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
+            _check_text_arg(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
         if isinstance(metadata, list) and len(metadata) != len(tx):
             raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
         ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
@@ -528,7 +534,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
                         '(e.g. {"source": "chat", "created_at": {"$gte": "2026-11-01T00:00:00Z"}})')] = None,
     ) -> dict[str, Any]:
         user = user_of()
-        _check_blank(query, "query")
+        _check_text_arg(query, "query", what="query")
         try:
             hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode, filters=filters)
         except (ValueError, TypeError) as exc:
@@ -538,8 +544,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         except BatcherClosedError:
             raise ToolError("the memory server is shutting down") from None
         return {
-            "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank}
-                     for h in hits],
+            "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
+                      "created_at": None if h.created_at is None else h.created_at.isoformat()} for h in hits],
             "route": hits.route, "mode": mode, "k": k,
         }
 
@@ -555,7 +561,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         if text is None and metadata is None:
             raise ToolError("text / metadata: give a new text, new metadata, or both")
         if text is not None:
-            _check_blank(text, "text")
+            _check_text_arg(text, "text")
 
         def write() -> Item:
             lookup(id, user)  # another user's id is "not found", like a missing one
@@ -589,7 +595,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             if it.text is None and it.metadata is None:
                 raise ToolError(f"items[{i}]: give a new text, new metadata, or both")
             if it.text is not None:
-                _check_blank(it.text, f"items[{i}].text")
+                _check_text_arg(it.text, f"items[{i}].text")
         changes = [{"user_id": user, "id": it.id, **({"text": it.text} if it.text is not None else {}),
                     **({"metadata": it.metadata} if it.metadata is not None else {})} for it in items]
         await in_thread(lambda: _bulk_tool_errors(lambda: memory.update_many(changes), ids, "items"))

@@ -85,7 +85,8 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import MemoryBank, _check_id_list, _check_metadata, _check_unicode
+from ..bank import (INSTANT_END, INSTANT_MIN, MemoryBank, _check_id_list, _check_metadata, _check_unicode,
+                    check_instant, instants_known)
 from ..config import RFMemConfig
 from ..filters import Filter, parse_filter, parse_instant
 # CHUNK_SEP separates a parent item id from a chunk number in the bank's row ids of a long
@@ -244,6 +245,8 @@ class Hit:
             memory (float, 0.0 for no lexical hit; None when the search was dense-only or
             the query a vector). With a lexical channel (``RFMemConfig.lexical_weight >
             0``, docs "Hybrid retrieval") ``score`` is the fused score of the two.
+        created_at: when the item was added, as :attr:`Item.created_at` (a timezone-aware
+            UTC ``datetime``; None when unknown), read from the snapshot the search ran on.
     """
 
     id: Hashable
@@ -259,10 +262,13 @@ class Hit:
     rounds: int
     dense_score: float | None = None
     lexical_score: float | None = None
+    created_at: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return asdict(self)
+        """A JSON-ready dict of every field (``created_at`` as an ISO-8601 string, or None)."""
+        out = asdict(self)
+        out["created_at"] = None if self.created_at is None else self.created_at.isoformat()
+        return out
 
 
 class Hits(list):
@@ -305,7 +311,9 @@ class Item:
     Attributes:
         created_at: when the item was added (``Memory.add(created_at=...)``, default the
             time of the add), a timezone-aware UTC ``datetime``; None when unknown (an
-            item of a store written before creation times were kept).
+            item of a store written before creation times were kept, or one whose stored
+            time is no instant: outside :data:`rfmem_fast.bank.INSTANT_RANGE`, written
+            before that range was checked).
     """
 
     id: Hashable
@@ -321,26 +329,45 @@ class Item:
 
 
 def _utc(t: float) -> datetime | None:
-    """Epoch seconds as a UTC datetime (None for NaN: unknown)."""
-    return None if t != t else datetime.fromtimestamp(float(t), tz=timezone.utc)
+    """Stored epoch seconds as a UTC datetime; None when unknown: NaN, or a value outside
+    the instants a datetime can hold (:data:`rfmem_fast.bank.INSTANT_RANGE`), which only
+    a store written before the range was checked can hold (a reader never raises)."""
+    return datetime.fromtimestamp(float(t), tz=timezone.utc) if INSTANT_MIN <= t < INSTANT_END else None
 
 
 def _created_list(created_at: Any, m: int) -> list[float]:
     """``Memory.add``'s ``created_at`` as m epoch seconds: None (now), one instant for every
     item, or m of them; an instant is a timezone-aware datetime, an ISO-8601 string with
     a UTC offset, or a number of seconds since the Unix epoch (naive datetimes and
-    offset-less strings are refused: :func:`rfmem_fast.filters.parse_instant`)."""
+    offset-less strings are refused: :func:`rfmem_fast.filters.parse_instant`), within
+    :data:`rfmem_fast.bank.INSTANT_RANGE` (:func:`rfmem_fast.bank.check_instant`:
+    ``created_at`` / ``created_at[i]`` named, with a hint for epoch milliseconds)."""
     if created_at is None:
         return [time.time()] * m
     if isinstance(created_at, (str, datetime, int, float, np.integer, np.floating)) and not isinstance(created_at, bool):
-        return [parse_instant(created_at, "created_at")] * m
+        return [_instant(created_at, "created_at")] * m
     if isinstance(created_at, (bytes, dict, bool)) or not hasattr(created_at, "__iter__"):
         raise TypeError("created_at must be None, a datetime, an ISO-8601 string, a number of seconds, or m of them, "
                         f"got {type(created_at).__name__}")
     out = list(created_at)
     if len(out) != m:
         raise ValueError(f"created_at has {len(out)} entries but there are {m} items")
-    return [parse_instant(v, f"created_at[{j}]") for j, v in enumerate(out)]
+    return [_instant(v, f"created_at[{j}]") for j, v in enumerate(out)]
+
+
+def _instant(v: Any, where: str) -> float:
+    """One instant of a write: parsed (:func:`rfmem_fast.filters.parse_instant`), then
+    range-checked (:func:`rfmem_fast.bank.check_instant`), ``where`` named."""
+    return check_instant(parse_instant(v, where), where, v)
+
+
+def _logged_times(created_at: list | None) -> list | None:
+    """A logged add record's ``created_at`` as the bank takes it: a value outside
+    :data:`rfmem_fast.bank.INSTANT_RANGE` (logged before the range was checked) is an
+    unknown time, NaN, so that the acknowledged write still replays."""
+    if created_at is None:
+        return None
+    return [v if v is None or instants_known(v) else math.nan for v in created_at]
 
 
 @dataclass(frozen=True)
@@ -522,15 +549,17 @@ def _check_meta1(value: Any, label: str) -> dict | None:
 
 def _check_timestamp(value: Any, label: str) -> float:
     """An ISO-8601 date-time (``2024-05-01T12:00:00Z``, any UTC offset; none: UTC) as
-    seconds since the Unix epoch (float, what the bank stores)."""
+    seconds since the Unix epoch (float, what the bank stores), within
+    :data:`rfmem_fast.bank.INSTANT_RANGE` (:func:`rfmem_fast.bank.check_instant`)."""
     if not isinstance(value, str):
         raise TypeError(f"{label} must be an ISO-8601 date-time str, got {type(value).__name__}")
     try:
         t = datetime.fromisoformat(value.strip())
     except ValueError:
         raise ValueError(f"{label} is not an ISO-8601 date-time: {value[:60]!r}") from None
-    t = t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
-    return t.timestamp()
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return check_instant(parse_instant(t, label), label, value)
 
 
 def _check_vector1(mem: "Memory", value: Any, label: str) -> np.ndarray:
@@ -1295,7 +1324,7 @@ class Memory:
         chunks = self._chunks.setdefault(user, {})
         if op == "add":  # (a record of an older version has no created_at: the time of the replay)
             self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"],
-                          created_at=rec.get("created_at"))
+                          created_at=_logged_times(rec.get("created_at")))
             self._note_chunks(chunks, rec["ids"])
         elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
             self.bank.set_metadata(user, rec["ids"], rec["metadata"])
@@ -1473,9 +1502,12 @@ class Memory:
             created_at: when the items were created (default: now): one instant for
                 every item or m of them, each a timezone-aware ``datetime``, an ISO-8601
                 string with a UTC offset (``"2026-11-01T09:30:00Z"``) or a number of
-                seconds since the Unix epoch; naive datetimes are refused (ambiguous).
-                Stored in UTC, logged with the write, returned as ``Item.created_at`` and
-                filterable as ``filters={"created_at": {...}}`` (:meth:`search`).
+                seconds since the Unix epoch; naive datetimes are refused (ambiguous), and
+                so is an instant outside 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z
+                (:data:`rfmem_fast.bank.INSTANT_RANGE`; epoch milliseconds get a hint).
+                Stored in UTC, logged with the write, returned as ``Item.created_at`` /
+                ``Hit.created_at`` and filterable as ``filters={"created_at": {...}}``
+                (:meth:`search`).
 
         Returns:
             list of the m item ids (str).
@@ -1486,7 +1518,7 @@ class Memory:
                 ``texts[i]`` named), a duplicate id or one the user already holds,
                 metadata that is not JSON (``metadata[i]`` named), an empty / blank
                 text or one with a lone surrogate (``texts[i]``), no encoder for texts, a
-                malformed or naive ``created_at`` (``created_at[i]`` named).
+                malformed, naive or out-of-range ``created_at`` (``created_at[i]`` named).
             TypeError: arguments of the wrong type.
             OSError: the log could not be written (nothing is acknowledged).
         """
@@ -1732,9 +1764,9 @@ class Memory:
                 ``vector`` (at least one: a [d] float vector is stored instead of
                 encoding the text, which is then kept as the item's text), ``id``
                 (optional: default a new uuid4 hex), ``metadata`` (a JSON object, or
-                None), ``created_at`` (ISO-8601, without an offset read as UTC;
-                default: the time of the write; a long text's chunk rows get their
-                item's). A None value counts as not given.
+                None), ``created_at`` (ISO-8601, without an offset read as UTC, within
+                0001-01-01 .. 9999-12-31 in UTC; default: the time of the write; a long
+                text's chunk rows get their item's). A None value counts as not given.
 
         Every text without a vector is embedded in ONE encoder call (long texts
         chunked as in :meth:`add`); each user's items become one add record and the
@@ -1857,7 +1889,9 @@ class Memory:
 
         Yields:
             {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
-            {} when none), "created_at" (ISO-8601 UTC; left out when unknown), and
+            {} when none), "created_at" (ISO-8601 UTC; left out when unknown: a store
+            written before creation times were kept, or a stored time that is no instant,
+            :attr:`Item.created_at`), and
             "vector" when asked for}: one consistent version of the memory (taken under
             the read lock at the first ``next``).
         """
@@ -1879,9 +1913,9 @@ class Memory:
                     continue
                 item = {"id": str(iid), "user_id": str(user), "text": None if texts is None else texts[r],
                         "metadata": meta or {}}
-                t = float(created[r])
-                if math.isfinite(t):  # NaN: unknown (an item of a store of format < 4)
-                    item["created_at"] = datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+                when = _utc(created[r])
+                if when is not None:  # NaN: unknown (an item of a store of format < 4)
+                    item["created_at"] = when.isoformat()
                 if (vectors or item["text"] is None) and iid not in chunked[user]:
                     item["vector"] = np.array(snap.vectors[r], dtype=np.float32)
                 yield item
@@ -2189,7 +2223,8 @@ class Memory:
         n = len(queries)
         search_s, searches = 0.0, 0
         with self._rw.read():
-            snap = self.bank.snapshot()
+            snap = self.bank.snapshot()  # the one the searches below run on (writes wait for the lock)
+            created = snap.created_at_or_nan
             known = {u: i for i, u in enumerate(snap.users)}
             groups: dict[tuple[str, int], list[int]] = {}
             for i, q in enumerate(queries):
@@ -2225,13 +2260,13 @@ class Memory:
                     searches += 1
                 texts = res.texts  # taken from the snapshot this search ran on
                 routes, rules = res.route_names, res.rule_names
-                rows = [self._collapse(res, j, texts[j], queries[i].k) for j, i in enumerate(idx)]
+                rows = [self._collapse(res, j, texts[j], queries[i].k, created) for j, i in enumerate(idx)]
                 metas = self._metadata_of([queries[i].user for i in idx], [r[0] for r in rows])
                 parent_texts: dict[Hashable, dict] = {}
                 for j, i in enumerate(idx):
                     q = queries[i]
                     try:
-                        ids, scores, txt, from_chunk, chan = rows[j]
+                        ids, scores, txt, from_chunk, chan, times = rows[j]
                         if any(from_chunk):  # a chunk's hit shows its item's whole text
                             pt = parent_texts.get(q.user)
                             if pt is None:
@@ -2239,7 +2274,7 @@ class Memory:
                                                                      self.bank.texts_of(q.user)))
                             txt = [pt[x] if f else t for x, t, f in zip(ids, txt, from_chunk)]
                         out[i] = ans = self._answer(res, j, q.user, routes[j], rules[j], ids, scores, txt,
-                                                    metas[q.user], chan)
+                                                    metas[q.user], chan, times)
                     except Exception as exc:  # pragma: no cover - defensive: fails this caller only
                         out[i] = exc
                         continue
@@ -2269,22 +2304,27 @@ class Memory:
         return {u: dict(zip(ids, self.bank.get_metadata(u, list(ids)))) if ids else {} for u, ids in wanted.items()}
 
     @staticmethod
-    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int) -> tuple[list, list, list, list, list]:
+    def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int,
+                  created: np.ndarray) -> tuple[list, list, list, list, list, list]:
         """Query ``j``'s hit rows collapsed to items: a long text's chunk rows count as
         their item (its best-ranked row; the first k items). Returns (ids, scores,
-        texts, from_chunk, channels): from_chunk[r] when item r's best row was an extra
-        chunk (its text is then looked up); channels[r] its (dense, lexical) scores
-        (None where unknown)."""
+        texts, from_chunk, channels, times): from_chunk[r] when item r's best row was an
+        extra chunk (its text is then looked up); channels[r] its (dense, lexical) scores
+        (None where unknown); times[r] its creation time (UTC datetime or None), read
+        from ``created`` (float64 [n], the creation times of the snapshot the search ran
+        on: one gather, a chunk row holding its item's time)."""
         ok = res.rows[j] >= 0
         ids, scores, txt = res.ids[j][ok].tolist(), res.scores[j][ok].tolist(), texts[ok].tolist()
         chan = [tuple(_finite_or_none(v) for v in pair) for pair in zip(
             res.dense_scores[j][ok].tolist() if res.dense_scores is not None else [None] * len(ids),
             res.lexical_scores[j][ok].tolist() if res.lexical_scores is not None else [None] * len(ids),
         )]  # fmt: skip
+        times = created[res.rows[j][ok]].tolist()
         if not any(isinstance(i, str) and CHUNK_SEP in i for i in ids):
-            return ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids)), chan[:k]
-        out_ids, out_s, out_t, out_f, out_c, seen = [], [], [], [], [], set()
-        for i, sc, t, c in zip(ids, scores, txt, chan):
+            return (ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids)), chan[:k],
+                    [_utc(t) for t in times[:k]])  # fmt: skip
+        out_ids, out_s, out_t, out_f, out_c, out_w, seen = [], [], [], [], [], [], set()
+        for i, sc, t, c, w in zip(ids, scores, txt, chan, times):
             chunk = isinstance(i, str) and CHUNK_SEP in i
             parent = i.rpartition(CHUNK_SEP)[0] if chunk else i
             if parent in seen:
@@ -2295,19 +2335,20 @@ class Memory:
             out_t.append(None if chunk else t)
             out_f.append(chunk)
             out_c.append(c)
+            out_w.append(_utc(w))
             if len(out_ids) == k:
                 break
-        return out_ids, out_s, out_t, out_f, out_c
+        return out_ids, out_s, out_t, out_f, out_c, out_w
 
     def _answer(self, res: SearchResult, j: int, user: Hashable, route: str, rule: str, ids: list,
-                scores: list, txt: list, metas: dict, chan: list) -> _Answer:
-        """Query ``j`` of ``res`` as an immutable answer (hits with texts and metadata):
-        ``ids`` / ``scores`` / ``txt`` its hits (:meth:`_collapse`), ``metas`` {id:
-        metadata} of its user (:meth:`_metadata_of`)."""
+                scores: list, txt: list, metas: dict, chan: list, times: list) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts, metadata and
+        creation times): ``ids`` / ``scores`` / ``txt`` / ``chan`` / ``times`` its hits
+        (:meth:`_collapse`), ``metas`` {id: metadata} of its user (:meth:`_metadata_of`)."""
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
-            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds, c[0], c[1])
-            for r, (i, t, s, c) in enumerate(zip(ids, txt, scores, chan))
+            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds, c[0], c[1], w)
+            for r, (i, t, s, c, w) in enumerate(zip(ids, txt, scores, chan, times))
         )
         return _Answer(user, hits, route, rule, mean, ent, rounds)
 

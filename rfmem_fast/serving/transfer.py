@@ -13,9 +13,12 @@ One JSON object per line, one line per item, the fields of :meth:`Memory.add_man
   row, d floats (unit norm; each float32 written as the float64 holding it exactly, so
   it reads back bit for bit). An item whose text is stored in several chunk rows (over
   the encoder's window) has none: import embeds its text again.
-* ``created_at`` (optional, ISO-8601; without an offset read as UTC): the item's creation
-  time, written by export (absent when unknown) and stored by import (default: the time
-  of the import); filterable (``filters={"created_at": {...}}``).
+* ``created_at`` (optional, ISO-8601; without an offset read as UTC; 0001-01-01 ..
+  9999-12-31 in UTC): the item's creation time, written by export (absent when unknown:
+  an item of a store written before creation times were kept, or one whose stored time
+  was no instant, :attr:`~rfmem_fast.serving.memory.Item.created_at`; ``rfmem export``
+  counts them) and stored by import (default: the time of the import); filterable
+  (``filters={"created_at": {...}}``).
 
 Export: users in the order they were first written, each user's items in insertion
 order; one consistent version of the memory. Import: lines in batches of ``--batch``
@@ -84,7 +87,8 @@ def export_jsonl(memory: Memory, out: str | os.PathLike[str] | IO[str], user_id:
         vectors: also write each item's stored vector.
 
     Returns:
-        {"items": lines written, "users": users with at least one item}.
+        {"items": lines written, "users": users with at least one item, "unknown_time":
+        lines without a ``created_at`` (the item's creation time is unknown)}.
 
     Raises:
         OSError: the file cannot be written.
@@ -105,14 +109,15 @@ def export_jsonl(memory: Memory, out: str | os.PathLike[str] | IO[str], user_id:
 
 
 def _write_lines(memory: Memory, f: IO[str], user_id: str | None, vectors: bool) -> dict[str, int]:
-    n, users, last = 0, 0, None
+    n, users, unknown, last = 0, 0, 0, None
     for item in memory.export_items(user_id, vectors=vectors):
         f.write(export_line(item))
         f.write("\n")
         n += 1
+        unknown += "created_at" not in item
         if item["user_id"] != last:  # a user's items are consecutive
             users, last = users + 1, item["user_id"]
-    return {"items": n, "users": users}
+    return {"items": n, "users": users, "unknown_time": unknown}
 
 
 # ---------------------------------------------------------------------- import
@@ -315,7 +320,11 @@ def run_export(args: argparse.Namespace) -> int:
     finally:
         memory.close()
     where = "standard output" if args.out == "-" else args.out
-    print(f"rfmem export: {stats['items']} items of {stats['users']} users to {where}", file=sys.stderr)
+    note = ""
+    if stats["unknown_time"]:
+        note = (f"; {stats['unknown_time']} of them without a created_at (creation time unknown: stored before "
+                "creation times were kept, or stored as no valid instant; an import gives them the time of the import)")
+    print(f"rfmem export: {stats['items']} items of {stats['users']} users to {where}{note}", file=sys.stderr)
     return 0
 
 
