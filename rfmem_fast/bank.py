@@ -785,7 +785,8 @@ class MemoryBank:
                 (:mod:`rfmem_fast.filters`).
             created_at: the items' creation times, float64 seconds since the Unix epoch
                 (UTC): None (default: now, ``time.time()``, the same for all m), one
-                number for all m, or m numbers; finite. Kept by :meth:`update` unless
+                number for all m, or m numbers; each within :data:`INSTANT_RANGE`
+                (0001-01-01 .. 9999-12-31 in UTC, :func:`check_instant`). Kept by :meth:`update` unless
                 given, stored in the snapshot (:attr:`BankSnapshot.created_at`), saved
                 with the bank, and filterable as the reserved field ``created_at``; NaN
                 marks an unknown time.
@@ -797,7 +798,10 @@ class MemoryBank:
             TypeError: wrong type of user, ids, texts, metadata or a non-floating dtype.
             ValueError: wrong shape or dimension, no rows, NaN / Inf, a zero vector,
                 mismatched lengths, a duplicate id, an id the user already holds,
-                metadata that is not JSON, or an infinite ``created_at``.
+                metadata that is not JSON (a ``datetime`` named, with the ``.isoformat()``
+                advice), or a ``created_at`` that is infinite or outside
+                :data:`INSTANT_RANGE` (``created_at[i]`` named, with a hint for epoch
+                milliseconds and the like).
             Nothing is written when an error is raised.
         """
         with self._lock:
@@ -945,7 +949,8 @@ class MemoryBank:
                 None to keep the current metadata (:meth:`set_metadata` changes only
                 metadata).
             created_at: None (default) keeps each item's creation time; one number or
-                m numbers (seconds since the Unix epoch, UTC) replace them.
+                m numbers (seconds since the Unix epoch, UTC, within :data:`INSTANT_RANGE`)
+                replace them.
 
         Each item keeps its id and its row position within the user (so ties still
         break as before). Cost: O(m d).
@@ -1061,7 +1066,10 @@ class MemoryBank:
             verify: check every file's sha256 and the rows' finiteness and norms.
 
         Returns:
-            MemoryBank equal to the saved one (users, ids, texts, vectors, version).
+            MemoryBank equal to the saved one (users, ids, texts, vectors, version). A
+            creation time outside :data:`INSTANT_RANGE` (written by a version that did not
+            check it) is read as unknown, NaN, with a warning on the ``rfmem_fast.bank``
+            logger: such an item reads, searches and saves as one of an older store.
 
         Raises:
             StoreError (a ValueError): missing, corrupt, truncated, edited or
@@ -1344,7 +1352,8 @@ class MemoryBank:
 
         Returns:
             float64 [m] seconds since the Unix epoch (UTC), NaN where unknown (an item
-            loaded from a store of format < 4), aligned with ``ids``.
+            loaded from a store of format < 4, or whose stored time was outside
+            :data:`INSTANT_RANGE`: :meth:`load` reads it as NaN), aligned with ``ids``.
 
         Raises:
             KeyError: unknown user, or an id the user does not hold (named).

@@ -85,8 +85,8 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import (INSTANT_END, INSTANT_MIN, MemoryBank, _check_id_list, _check_metadata, _check_unicode,
-                    check_instant, instants_known)
+from ..bank import (INSTANT_END, INSTANT_MIN, INSTANT_RANGE, MemoryBank, _check_id_list, _check_metadata,
+                    _check_unicode, check_instant, instants_known)
 from ..config import RFMemConfig
 from ..filters import Filter, parse_filter, parse_instant
 # CHUNK_SEP separates a parent item id from a chunk number in the bank's row ids of a long
@@ -367,7 +367,12 @@ def _logged_times(created_at: list | None) -> list | None:
     unknown time, NaN, so that the acknowledged write still replays."""
     if created_at is None:
         return None
-    return [v if v is None or instants_known(v) else math.nan for v in created_at]
+    out = [v if v is None or instants_known(v) else math.nan for v in created_at]
+    odd = sum(1 for v, w in zip(created_at, out) if v is not w)
+    if odd:
+        log.warning("a logged add holds %d creation times outside %s (e.g. %r): replayed as unknown (NaN)",
+                    odd, INSTANT_RANGE, next(v for v, w in zip(created_at, out) if v is not w))
+    return out
 
 
 @dataclass(frozen=True)
