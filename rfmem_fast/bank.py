@@ -395,7 +395,10 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
     def one(v: Any, where: str) -> float:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise TypeError(f"{where} must be a real number of seconds since the Unix epoch (UTC), got {type(v).__name__}")
-        f = float(v)
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond the float64 range
+            f = math.inf if v > 0 else -math.inf
         if math.isinf(f):
             raise ValueError(f"{where} must be finite (or NaN: unknown), got {f!r}")
         return f if f != f else check_instant(f, where)

@@ -96,6 +96,8 @@ def test_memory_bank_refuses_it_at_add_update_and_from_arrays():
     with pytest.raises(ValueError) as err:
         MemoryBank.from_arrays(np.eye(2, 4), [0, 2], created_at=[0.0, 253402300800.0])
     _check_refusal(str(err.value), "created_at[1]", None)
+    with pytest.raises(ValueError, match=r"^created_at must be finite \(or NaN: unknown\), got -inf"):
+        bank.add("u", np.eye(1, 4), ["x"], created_at=-(10**400))  # an int beyond float64: no OverflowError
     bank.add("u", np.eye(1, 4), ["nan"], created_at=float("nan"))  # NaN stays "unknown"
     assert np.isnan(bank.created_at_of("u", ["nan"])[0])
 
