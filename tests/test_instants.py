@@ -343,6 +343,27 @@ def test_hits_carry_their_items_creation_time_in_python_and_over_http(monkeypatc
     mem.close()
 
 
+def test_http_hit_times_are_written_alike_by_orjson_and_by_the_standard_library_fallback():
+    """A hit's time is ISO-8601 as ``datetime.isoformat()`` (microseconds kept) whether the
+    answer is written by orjson or, for metadata orjson refuses (an int beyond 64 bits), by
+    the standard library."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rfmem_fast.serving.app import create_app
+
+    mem = Memory(None, encoder=HashEncoder(16), max_wait_ms=1.0)
+    mem.add(["plain", "huge"], "u", ids=["plain", "huge"], metadata=[{"n": 1}, {"n": 2**70}],
+            created_at=["2026-03-29T01:30:00.000100Z", "0001-01-01T00:00:00Z"])
+    with TestClient(create_app(mem, no_auth=True)) as c:
+        for q, want in (("plain", "2026-03-29T01:30:00.000100+00:00"), ("huge", "0001-01-01T00:00:00+00:00")):
+            r = c.post("/v1/users/u/search", json={"query": q, "k": 1, "mode": "dense"})
+            assert r.status_code == 200 and r.json()["hits"][0]["created_at"] == want, r.text
+        assert c.post("/v1/users/u/search", json={"query": "huge", "k": 1, "mode": "dense"}).json()["hits"][0][
+            "metadata"] == {"n": 2**70}
+    mem.close()
+
+
 # ----------------------------------------------------------------------------- clear errors
 def test_a_datetime_in_metadata_is_refused_with_the_isoformat_advice():
     mem = Memory(None, encoder=False, dim=4)

@@ -5,7 +5,7 @@ Routes (JSON bodies validated by pydantic)::
     GET    /health                                   liveness, counts (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
     POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
-                                                     optional "ids", "metadata" -> 201 {"ids"}
+                                                     optional "ids", "metadata", "created_at" -> 201 {"ids"}
     GET    /v1/users/{user_id}/memories              ?offset=0&limit=100 -> {"items", "total",
                                                      "offset", "limit", "next_offset"}
     GET    /v1/users/{user_id}/memories/{item_id}    one item
@@ -88,6 +88,7 @@ import sys
 import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Any, Iterator, Literal, Union
 from urllib.parse import unquote, unquote_to_bytes
 
@@ -458,17 +459,27 @@ def _search_doc(user: Any, route: str | None, rule: str, mean: float, entropy: f
         "entropy": entropy, "rounds": rounds, "cached": cached,
         "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
                   "dense_score": h.dense_score, "lexical_score": h.lexical_score,
-                  "created_at": None if h.created_at is None else h.created_at.isoformat()} for h in hits],
+                  "created_at": h.created_at} for h in hits],  # a datetime: ISO-8601 as isoformat() (_dumps)
     }
 
 
 def _dumps(content: Any) -> bytes:
     """``content`` as JSON bytes: orjson, or the standard library for what orjson
-    refuses (an int beyond 64 bits in metadata), as :class:`FastJSONResponse`."""
+    refuses (an int beyond 64 bits in metadata), as :class:`FastJSONResponse`. A
+    timezone-aware ``datetime`` (a hit's ``created_at``) is written as its
+    ``isoformat()`` by both (orjson in Rust: ~10x cheaper than ``isoformat()`` per hit)."""
     try:
         return orjson.dumps(content)
     except orjson.JSONEncodeError:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"),
+                          default=_iso).encode()
+
+
+def _iso(o: Any) -> str:
+    """``json.dumps``' ``default``: a datetime as its ISO-8601 string (as orjson writes it)."""
+    if isinstance(o, datetime):
+        return o.isoformat()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
 
 
 class _Metrics:
