@@ -31,7 +31,9 @@ condition is a value (equality) or a dict of operators, AND-ed:
 For ``created_at`` every value and bound is an instant: a number of seconds since the
 Unix epoch, a timezone-aware ``datetime``, or an ISO-8601 string with a UTC offset
 (``"2026-11-01T00:00:00Z"``, ``"...+02:00"``). Naive datetimes and offset-less strings
-are refused (they name no instant).
+are refused (they name no instant), and so is a number outside the instants a creation
+time can hold (years 1..9999 UTC: a bound in milliseconds is a ``ValueError`` that says
+to divide by 1000, as a write's is).
 
 Semantics. **An item without the field matches no comparison** (``$eq``, ``$ne``,
 ``$in``, ``$nin`` and the ranges alike; wrap the filter in ``$not`` to include such
@@ -83,7 +85,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .bank import INSTANT_END, BankSnapshot, MemoryBank
+from .bank import INSTANT_END, BankSnapshot, MemoryBank, check_instant
 
 #: the reserved field: the item's creation time (:attr:`rfmem_fast.bank.BankSnapshot.created_at`)
 CREATED_AT = "created_at"
@@ -288,6 +290,14 @@ def _parse_path(name: Any, where: str) -> tuple:
     return parts
 
 
+def _created_value(v: Any, where: str) -> float:
+    """A ``created_at`` value or bound as epoch seconds; a number outside the instants a
+    creation time can hold is refused like a write's (:func:`rfmem_fast.bank.check_instant`:
+    a bound in milliseconds would otherwise match nothing, or everything, silently)."""
+    t = parse_instant(v, where)
+    return check_instant(t, where) if _is_number(v) else t
+
+
 def _parse_value(field_name: str, op: str, v: Any, where: str) -> Any:
     """The checked value of one comparison (instants as floats for ``created_at``)."""
     created = field_name == CREATED_AT
@@ -301,7 +311,7 @@ def _parse_value(field_name: str, op: str, v: Any, where: str) -> Any:
         return tuple(_parse_value(field_name, "$eq", x, f"{where}[{j}]") for j, x in enumerate(v))
     if op in _RANGES:
         if created:
-            return parse_instant(v, where)
+            return _created_value(v, where)
         if isinstance(v, datetime):
             return ("dt", parse_instant(v, where))
         if _is_number(v):  # kept exact: an int stays an int (ranges compare by exact value)
@@ -314,7 +324,7 @@ def _parse_value(field_name: str, op: str, v: Any, where: str) -> Any:
         raise TypeError(f"{where}: expected a number, a string or a datetime, got {_type_name(v)}")
     # $eq / $ne
     if created:
-        return parse_instant(v, where)
+        return _created_value(v, where)
     return _check_json(v, where)
 
 

@@ -121,6 +121,23 @@ def test_the_ends_of_the_range_are_accepted_and_read_back():
     mem.close()
 
 
+@pytest.mark.parametrize("bad, hint", BAD)
+def test_a_filter_on_created_at_refuses_a_number_outside_the_range(bad, hint):
+    """A bound in milliseconds would match every item or none, silently: it is refused as
+    a write's is (an ISO-8601 string or a datetime is always in range)."""
+    mem = Memory(None, encoder=False, dim=8)
+    mem.add(None, "u", vectors=np.eye(8)[:2], created_at=T0)
+    for flt, where in (({"created_at": {"$gte": bad}}, "filters['created_at']['$gte']"),
+                       ({"created_at": bad}, "filters['created_at']"),
+                       ({"created_at": {"$in": [T0, bad]}}, "filters['created_at']['$in'][1]")):
+        with pytest.raises(ValueError) as e:
+            mem.search(np.eye(8)[0], "u", k=2, mode="dense", filters=flt)
+        _check_refusal(str(e.value), where, hint)
+    hits = mem.search(np.eye(8)[0], "u", k=2, mode="dense", filters={"created_at": {"$gte": 1774747800, "$lte": LAST}})
+    assert len(hits) == 2
+    mem.close()
+
+
 def test_bulk_writes_and_import_refuse_it_naming_the_item_and_the_line():
     mem = Memory(None, encoder=False, dim=4)
     items = [{"user_id": "u", "vector": [1.0, 0, 0, 0], "created_at": "2026-01-01T00:00:00Z"},
