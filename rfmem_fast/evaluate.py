@@ -112,8 +112,9 @@ def mode_label(mode: str, config: Any) -> str:
     (``config.lexical_weight > 0``): "dense+bm25" and "rfmem+bm25" (the probe's list and
     the Familiarity path are fused), and "recollection+bm25" only with a ``merge`` other
     than "none" (the Recollection path itself scores densely; a merge mixes in the fused
-    probe list). ``config`` is an RFMemConfig or any object with those attributes."""
-    if getattr(config, "lexical_weight", 0.0) <= 0:
+    probe list). Any other name (the "oracle" column) is returned as it is.
+    ``config`` is an RFMemConfig or any object with those attributes."""
+    if getattr(config, "lexical_weight", 0.0) <= 0 or mode not in MODES:
         return mode
     if mode == "recollection" and getattr(config, "merge", "none") == "none":
         return mode
@@ -450,7 +451,7 @@ def run_personabench(
         names = res.route_names
         rep.routes = {r: names.count(r) for r in ("familiarity", "recollection")}
         reports[mode] = rep
-        say(f"{mode}: Recall@{k} {rep.metrics['Overall']['recall']:.4f}")
+        say(f"{mode_label(mode, config)}: Recall@{k} {rep.metrics['Overall']['recall']:.4f}")
 
     if latency:
         # an encoder object; a name or a folder (a str has an ``encode`` method too) loads the model used above

@@ -313,7 +313,7 @@ def run_dataset(
         names = first.result.route_names
         routes[mode] = {r: names.count(r) for r in ("familiarity", "recollection")}
         batch_ms[mode] = 1e3 * first.seconds / max(len(first.index), 1)
-        say(f"{dataset.name} {mode}: Recall@{k} {metrics_at[mode][k][OVERALL]['recall']:.4f}")
+        say(f"{dataset.name} {mode_label(mode, config)}: Recall@{k} {metrics_at[mode][k][OVERALL]['recall']:.4f}")
     oracle_at: dict[int, dict[str, dict[str, float]]] = {}
     if "dense" in scores and "recollection" in scores:
         for kk in ks_all:
