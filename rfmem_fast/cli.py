@@ -4,7 +4,9 @@
   [--k 5,10,20] [--modes dense,recollection,rfmem] [--preset paper|recommended]
   [--router threshold|logistic|mlp --cv users] [--backend auto] [--out FILE] [--json FILE]
   [--no-latency] [--no-cache] [--set FIELD=VALUE ...]``: the PersonaBench evaluation
-  (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`).
+  (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`). Every ``rfmem eval`` prints
+  first which configuration ran (:func:`rfmem_fast.evaluate.describe_config`) and names
+  the hybrid modes ``dense+bm25`` / ``rfmem+bm25`` (:func:`rfmem_fast.evaluate.mode_label`).
 * ``rfmem eval locomo --data DIR [--conversations 26,30]`` and ``rfmem eval longmemeval
   --data FILE [--granularity session|turn] [--limit N]`` (both: ``--encoder``, ``--k``,
   ``--modes``, ``--preset``, ``--set``, ``--backend``, ``--out``, ``--json``,
