@@ -265,6 +265,9 @@ class Server:
                "--encoder-dtype", dtype]
         if src == ROOT or _has_flag(src, "--no-auth"):  # a loopback benchmark: no tokens to send
             cmd.append("--no-auth")  # (a server from before issue 17 had no auth unless given a key)
+        serve_cli = src / "rfmem_fast" / "serving" / "cli.py"
+        if serve_cli.is_file() and '"--preset"' in serve_cli.read_text(encoding="utf-8", errors="replace"):
+            cmd += ["--preset", "paper"]  # the recorded figures' retrieval (the servers' default before the hybrid one)
         cmd += CONFIGS[config](args)
         self.cmd = cmd
         self.health: dict[str, Any] = {}

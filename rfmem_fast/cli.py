@@ -4,7 +4,9 @@
   [--k 5,10,20] [--modes dense,recollection,rfmem] [--preset paper|recommended]
   [--router threshold|logistic|mlp --cv users] [--backend auto] [--out FILE] [--json FILE]
   [--no-latency] [--no-cache] [--set FIELD=VALUE ...]``: the PersonaBench evaluation
-  (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`).
+  (RFMEM_SPEC.md sections 6-7, :mod:`rfmem_fast.evaluate`). Every ``rfmem eval`` prints
+  first which configuration ran (:func:`rfmem_fast.evaluate.describe_config`) and names
+  the hybrid modes ``dense+bm25`` / ``rfmem+bm25`` (:func:`rfmem_fast.evaluate.mode_label`).
 * ``rfmem eval locomo --data DIR [--conversations 26,30]`` and ``rfmem eval longmemeval
   --data FILE [--granularity session|turn] [--limit N]`` (both: ``--encoder``, ``--k``,
   ``--modes``, ``--preset``, ``--set``, ``--backend``, ``--out``, ``--json``,
@@ -127,14 +129,36 @@ def _add_backend_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESETS, default="default",
-                   help="base configuration: default = paper (the spec's); recommended = RFMemConfig.recommended() "
-                        "for --encoder (mpnet's pick with --encoder mpnet, else MiniLM's)")  # fmt: skip
+                   help="base configuration: default = paper (the spec's, which the paper's figures were measured "
+                        "with); recommended = RFMemConfig.recommended() for --encoder (mpnet's pick with --encoder "
+                        "mpnet or an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25). The first line "
+                        "printed says which configuration ran")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an RFMemConfig field")
 
 
 def _preset_encoder(args: argparse.Namespace) -> str:
-    """The encoder whose ``recommended()`` pick --preset recommended takes ("minilm" unless --encoder mpnet)."""
-    return "mpnet" if getattr(args, "encoder", "minilm") == "mpnet" else "minilm"
+    """The encoder whose ``recommended()`` pick --preset recommended takes: "mpnet" for --encoder
+    mpnet or an all-mpnet-base-v2 folder, else "minilm" (:func:`rfmem_fast.models.recommended_alias`)."""
+    from .models import recommended_alias
+
+    return recommended_alias(getattr(args, "encoder", "minilm"))
+
+
+def _config_header(args: argparse.Namespace, config: RFMemConfig) -> str:
+    """The line ``rfmem eval`` prints (and writes in --json as "configuration") before its tables:
+    the preset, the channels and fusion, the router (:func:`rfmem_fast.evaluate.describe_config`)."""
+    from .evaluate import describe_config
+
+    preset = {"default": "default (the paper's)", "paper": "paper",
+              "recommended": f"recommended ({_preset_encoder(args)})"}[args.preset]  # fmt: skip
+    if args.set:
+        preset += " with --set " + " ".join(args.set)
+    return describe_config(config, preset)
+
+
+def _with_header(doc: dict, args: argparse.Namespace, header: str) -> dict:
+    """``doc`` (an eval's --json) with the preset and the configuration line on top."""
+    return {"preset": args.preset, "configuration": header, **{k: v for k, v in doc.items() if k != "configuration"}}
 
 
 def _cache_arg(args: argparse.Namespace) -> object:
@@ -312,6 +336,7 @@ def _eval_dataset(args: argparse.Namespace, command: str) -> int:
     from .evaluate_datasets import dataset_records, dataset_report_json, format_dataset_report, run_dataset, write_dataset_records
 
     config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    header = _config_header(args, config)
     if args.dataset == "locomo":
         from .datasets.locomo import load_locomo
 
@@ -323,13 +348,14 @@ def _eval_dataset(args: argparse.Namespace, command: str) -> int:
         data = load_longmemeval(args.data, granularity=args.granularity, limit=args.limit)
     rep = run_dataset(data, modes=args.modes, config=config, ks=args.k, encoder=args.encoder, backend=args.backend,
                       cache_dir=_cache_arg(args), progress=_say)  # fmt: skip
+    print(header)
     print(format_dataset_report(rep))
     if args.out:
         recs = dataset_records(rep, data)
         write_dataset_records(recs, args.out)
         print(f"wrote {len(recs)} records to {args.out}")
     if args.json_out:
-        _write_json(dataset_report_json(rep), args.json_out, command)
+        _write_json(_with_header(dataset_report_json(rep), args, header), args.json_out, command)
     return 0
 
 
@@ -342,6 +368,8 @@ def _eval(args: argparse.Namespace, command: str) -> int:
     from .evaluate import format_noise_summary, format_report, report_json, run_personabench, write_records
 
     config = _config_from_sets(args.set, args.preset, _preset_encoder(args))
+    header = _config_header(args, config)
+    print(header)
     reports = []
     for noise in args.noise:
         rep = run_personabench(
@@ -364,7 +392,7 @@ def _eval(args: argparse.Namespace, command: str) -> int:
     if args.json_out:
         docs = [report_json(r) for r in reports]
         doc = docs[0] if len(docs) == 1 else {"runs": docs, "machine": docs[0]["machine"]}
-        _write_json(doc, args.json_out, command)
+        _write_json(_with_header(doc, args, header), args.json_out, command)
     return 0
 
 

@@ -270,6 +270,9 @@ class RFMemConfig:
         banks whose lexical index stems with PyStemmer's English stemmer
         (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory` and
         the evaluations build); ``search`` then needs the query texts (``query_texts=``).
+        It is the default of the text facades (:class:`rfmem_fast.Memory`, ``rfmem serve``,
+        ``rfmem mcp``: :func:`rfmem_fast.models.recommended_alias` picks the encoder);
+        ``RFMemConfig()`` stays the paper's.
 
         Honest figures (MiniLM, Recall@10 gain over dense in points, nested CV of the
         whole procedure; a PersonaBench user is one fold at every noise level, a LoCoMo

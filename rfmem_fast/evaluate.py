@@ -106,6 +106,58 @@ def query_texts_kw(config: RFMemConfig, texts: Sequence[str]) -> dict[str, Any]:
     return {"query_texts": list(texts)} if config.lexical_weight > 0 else {}
 
 
+def mode_label(mode: str, config: Any) -> str:
+    """The name a report shows for ``mode`` run with ``config``: the mode itself, or with
+    ``"+bm25"`` when its results are fused with the lexical channel
+    (``config.lexical_weight > 0``): "dense+bm25" and "rfmem+bm25" (the probe's list and
+    the Familiarity path are fused), and "recollection+bm25" only with a ``merge`` other
+    than "none" (the Recollection path itself scores densely; a merge mixes in the fused
+    probe list). Any other name (the "oracle" column) is returned as it is.
+    ``config`` is an RFMemConfig or any object with those attributes."""
+    if getattr(config, "lexical_weight", 0.0) <= 0 or mode not in MODES:
+        return mode
+    if mode == "recollection" and getattr(config, "merge", "none") == "none":
+        return mode
+    return f"{mode}+bm25"
+
+
+def describe_config(config: RFMemConfig, preset: str | None = None) -> str:
+    """One line saying which retrieval ran: the preset (when given), the channels and the
+    fusion (``fusion``, ``lexical_weight``, ``lexical_norm`` / ``lexical_rrf_k``), and the
+    router (``theta_high`` / ``theta_low`` / ``tau`` or the router file; "never recollects"
+    when ``theta_high <= -1``), the merge and the profile prior when on.
+
+    Args:
+        config: the RFMemConfig the evaluation ran.
+        preset: how it was chosen, e.g. "default (the paper's)" or "recommended (minilm)";
+            None leaves it out.
+
+    Returns:
+        str, starting with "configuration: ".
+    """
+    parts = [] if preset is None else [f"preset {preset}"]
+    w = config.lexical_weight
+    if w > 0:
+        fuse = f"hybrid dense + BM25, fusion {config.fusion}, lexical_weight {w:g}"
+        if config.fusion == "convex":
+            fuse += f", lexical_norm {config.lexical_norm}"
+        elif config.fusion == "rrf":
+            fuse += f", lexical_rrf_k {config.lexical_rrf_k:g}, lexical_depth {config.lexical_depth}"
+        parts.append(fuse)
+    else:
+        parts.append("dense only (lexical_weight 0)")
+    if config.router is not None:
+        parts.append(f"router file {config.router}")
+    else:
+        never = " (never recollects)" if config.theta_high <= -1.0 else ""
+        parts.append(f"theta_high {config.theta_high:g}, theta_low {config.theta_low:g}, tau {config.tau:g}{never}")
+    if config.merge != "none":
+        parts.append(f"merge {config.merge}")
+    if config.profile_weight > 0:
+        parts.append(f"profile_weight {config.profile_weight:g}")
+    return "configuration: " + "; ".join(parts)
+
+
 def _pct(xs: Sequence[float]) -> dict[str, float]:
     if not xs:
         return {}
@@ -399,7 +451,7 @@ def run_personabench(
         names = res.route_names
         rep.routes = {r: names.count(r) for r in ("familiarity", "recollection")}
         reports[mode] = rep
-        say(f"{mode}: Recall@{k} {rep.metrics['Overall']['recall']:.4f}")
+        say(f"{mode_label(mode, config)}: Recall@{k} {rep.metrics['Overall']['recall']:.4f}")
 
     if latency:
         # an encoder object; a name or a folder (a str has an ``encode`` method too) loads the model used above
@@ -549,6 +601,7 @@ def format_report(rep: EvalReport) -> str:
     """The report as plain-text tables (metrics per category, mode and k; routes;
     route quality; latency)."""
     cols = list(rep.modes) + (["oracle"] if rep.oracle else [])
+    label = {c: mode_label(c, rep.config) for c in cols}
     lines = [
         f"PersonaBench noise {rep.noise}: {rep.n_users} users, {rep.n_chunks} chunks, {rep.n_questions} questions "
         f"({rep.n_evaluated} evaluated), encoder {_model_name(rep.encoder)}, backend {rep.backend}",
@@ -559,11 +612,12 @@ def format_report(rep: EvalReport) -> str:
         if rep.oracle:
             table["oracle"] = rep.oracle_at.get(kk, rep.oracle)
         cats = sorted({c for t in table.values() for c in t if c != "Overall"}) + ["Overall"]
-        lines += ["", f"{'category':<24}{'n':>5}" + "".join(f"{c + ' R@' + str(kk):>20}{c + ' N@' + str(kk):>20}" for c in cols)]
+        w = max([20, *(len(f"{label[c]} R@{kk}") + 2 for c in cols)])
+        lines += ["", f"{'category':<24}{'n':>5}" + "".join(f"{label[c] + ' R@' + str(kk):>{w}}{label[c] + ' N@' + str(kk):>{w}}" for c in cols)]
         for cat in cats:
             n = next(int(t[cat]["count"]) for t in table.values() if cat in t)
             cells = "".join(
-                f"{table[c][cat]['recall']:>20.4f}{table[c][cat]['ndcg']:>20.4f}" if cat in table[c] else f"{'-':>20}{'-':>20}"
+                f"{table[c][cat]['recall']:>{w}.4f}{table[c][cat]['ndcg']:>{w}.4f}" if cat in table[c] else f"{'-':>{w}}{'-':>{w}}"
                 for c in cols
             )
             lines.append(f"{cat:<24}{n:>5}{cells}")
@@ -590,11 +644,12 @@ def format_report(rep: EvalReport) -> str:
     cached = " (cached)" if rep.embeddings_cached else ""
     lines.append(f"encoding {rep.n_chunks} chunks: {rep.encode_chunks_s:.2f} s{cached}")
     timed = any(r.search_ms for r in rep.modes.values())  # the single-query loop ran
-    head = f"{'mode':<14}{'batch ms/q':>12}"
+    mw = max([14, *(len(label[m]) + 1 for m in rep.modes)])
+    head = f"{'mode':<{mw}}{'batch ms/q':>12}"
     lines.append(head + (f"{'search p50':>12}{'search p99':>12}{'enc+search p50':>16}{'enc+search p99':>16}" if timed else ""))
     for m, r in rep.modes.items():
         s, e = r.search_ms, r.encode_search_ms
-        line = f"{m:<14}{r.batch_ms_per_query:>12.3f}"
+        line = f"{label[m]:<{mw}}{r.batch_ms_per_query:>12.3f}"
         if timed:
             line += (f"{s.get('p50', float('nan')):>12.3f}{s.get('p99', float('nan')):>12.3f}"
                      f"{e.get('p50', float('nan')):>16.3f}{e.get('p99', float('nan')):>16.3f}")  # fmt: skip
@@ -608,10 +663,12 @@ def format_noise_summary(reports: Sequence[EvalReport]) -> str:
         return ""
     k = reports[0].k
     cols = list(reports[0].modes) + (["oracle"] if reports[0].oracle else [])
-    lines = [f"Overall Recall@{k} by noise level", f"{'noise':<8}" + "".join(f"{c:>14}" for c in cols)]
+    names = [mode_label(c, reports[0].config) for c in cols]
+    w = max([14, *(len(n) + 2 for n in names)])
+    lines = [f"Overall Recall@{k} by noise level", f"{'noise':<8}" + "".join(f"{n:>{w}}" for n in names)]
     for rep in reports:
         vals = [rep.modes[c].metrics["Overall"]["recall"] if c in rep.modes else (rep.oracle or {}).get("Overall", {}).get("recall", float("nan")) for c in cols]
-        lines.append(f"{rep.noise:<8}" + "".join(f"{v:>14.4f}" for v in vals))
+        lines.append(f"{rep.noise:<8}" + "".join(f"{v:>{w}.4f}" for v in vals))
     return "\n".join(lines)
 
 
@@ -631,6 +688,7 @@ def report_json(rep: EvalReport) -> dict[str, Any]:
         "machine": rep.machine,
         "backend": rep.backend,
         "config": rep.config.to_dict(),
+        "configuration": describe_config(rep.config),
         "k": rep.k,
         "ks": rep.ks,
         "noise": rep.noise,
@@ -643,6 +701,7 @@ def report_json(rep: EvalReport) -> dict[str, Any]:
         "encode_chunks_s": rep.encode_chunks_s,
         "modes": {
             m: {
+                "label": mode_label(m, rep.config),
                 "metrics": r.metrics,
                 "metrics_at": {str(kk): v for kk, v in r.metrics_at.items()},
                 "batch_ms_per_query": r.batch_ms_per_query,

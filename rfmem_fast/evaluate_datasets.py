@@ -26,7 +26,7 @@ import numpy as np
 
 from .config import RFMemConfig
 from .datasets.embedded import DatasetEmbeddings, dataset_embeddings, default_embedding_cache_dir
-from .evaluate import query_texts_kw, write_records
+from .evaluate import describe_config, mode_label, query_texts_kw, write_records
 from .metrics import OVERALL
 from .search import MODES, SearchResult, search
 
@@ -313,7 +313,7 @@ def run_dataset(
         names = first.result.route_names
         routes[mode] = {r: names.count(r) for r in ("familiarity", "recollection")}
         batch_ms[mode] = 1e3 * first.seconds / max(len(first.index), 1)
-        say(f"{dataset.name} {mode}: Recall@{k} {metrics_at[mode][k][OVERALL]['recall']:.4f}")
+        say(f"{dataset.name} {mode_label(mode, config)}: Recall@{k} {metrics_at[mode][k][OVERALL]['recall']:.4f}")
     oracle_at: dict[int, dict[str, dict[str, float]]] = {}
     if "dense" in scores and "recollection" in scores:
         for kk in ks_all:
@@ -345,6 +345,7 @@ def format_dataset_report(rep: DatasetReport) -> str:
     from .evaluate import _model_name
 
     cols = list(rep.metrics_at) + (["oracle"] if rep.oracle_at else [])
+    label = {c: mode_label(c, rep.config) for c in cols}
     shown = _shown(rep.metric_names)
     lines = [
         f"{rep.dataset}: {rep.n_users} users, {rep.n_items} items, {rep.n_questions} questions ({rep.n_scored} scored), "
@@ -359,9 +360,9 @@ def format_dataset_report(rep: DatasetReport) -> str:
         # two metrics: one table with every mode side by side; more: one table per mode
         groups = [cols] if len(shown) <= 2 else [[c] for c in cols]
         for group in groups:
-            heads = [(f"{c} " if len(group) > 1 else "") + f"{m}@{kk}" for c in group for m in shown]
+            heads = [(f"{label[c]} " if len(group) > 1 else "") + f"{m}@{kk}" for c in group for m in shown]
             w = max(12, max(len(h) for h in heads) + 2)
-            title = "" if len(group) > 1 else f"{group[0]}: "
+            title = "" if len(group) > 1 else f"{label[group[0]]}: "
             lines += ["", f"{title + 'category':<28}{'n':>5}" + "".join(f"{h:>{w}}" for h in heads)]
             for cat in cats:
                 cells = "".join(f"{table[c][cat][m]:>{w}.4f}" for c in group for m in shown)
@@ -375,7 +376,7 @@ def format_dataset_report(rep: DatasetReport) -> str:
     cached = " (cached)" if rep.embeddings_cached else ""
     lines.append(f"encoding {rep.n_items} items: {rep.encode_items_s:.2f} s{cached}")
     for m, ms in rep.batch_ms_per_query.items():
-        lines.append(f"{m:<14} batch {ms:.3f} ms/query")
+        lines.append(f"{mode_label(m, rep.config):<14} batch {ms:.3f} ms/query")
     return "\n".join(lines)
 
 
@@ -387,6 +388,7 @@ def dataset_report_json(rep: DatasetReport) -> dict[str, Any]:
         "backend": rep.backend,
         "encoder": rep.encoder,
         "config": rep.config.to_dict(),
+        "configuration": describe_config(rep.config),
         "k": rep.k,
         "ks": rep.ks,
         "n_users": rep.n_users,
@@ -398,6 +400,7 @@ def dataset_report_json(rep: DatasetReport) -> dict[str, Any]:
         "encode_items_s": rep.encode_items_s,
         "modes": {
             m: {
+                "label": mode_label(m, rep.config),
                 "metrics": rep.metrics_at[m][rep.k],
                 "metrics_at": {str(kk): v for kk, v in rep.metrics_at[m].items()},
                 "batch_ms_per_query": rep.batch_ms_per_query[m],

@@ -27,6 +27,7 @@ import tempfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from ._optional import install_hint
 
@@ -41,6 +42,7 @@ __all__ = [
     "resolve_model",
     "available_models",
     "model_fingerprint",
+    "recommended_alias",
 ]
 
 #: distribution names of the five pieces of the all-mpnet-base-v2 zip, in order
@@ -265,3 +267,39 @@ def model_fingerprint(folder: str | os.PathLike[str]) -> str:
         if size < 65536:
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def recommended_alias(encoder: Any) -> str:
+    """Which encoder's pick of ``RFMemConfig.recommended()`` fits ``encoder``: "mpnet" or "minilm".
+
+    The rule: "mpnet" for the MPNet model -- the alias "mpnet", or a folder named as the
+    package assembles it (``all-mpnet-base-v2``, case-insensitive; also a name ending with
+    it, such as ``sentence-transformers_all-mpnet-base-v2``), given as a path or as an
+    encoder object's ``model_path`` (:class:`rfmem_fast.encoders.TextEncoder`); "minilm"
+    for everything else: the default encoder (None, "default", "minilm"), any other
+    local model or encoder object, and no encoder at all (False, "none": a vectors-only
+    memory, whose vector queries search dense). Only the name is read: no file is opened.
+
+    Args:
+        encoder: None, False, an alias or "default" / "none", a folder path (str or
+            path-like), an encoder object, or a list of encoder objects (the first one
+            is read).
+
+    Returns:
+        "minilm" or "mpnet" (an argument of ``RFMemConfig.recommended``).
+    """
+    if isinstance(encoder, (list, tuple)):
+        encoder = encoder[0] if encoder else None
+    if encoder is None or encoder is False:
+        return "minilm"
+    if not isinstance(encoder, (str, os.PathLike)):
+        encoder = getattr(encoder, "model_path", None)
+        if not isinstance(encoder, (str, os.PathLike)):
+            return "minilm"
+    name = os.fspath(encoder)
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
+    if name == "mpnet":
+        return "mpnet"
+    base = Path(name.rstrip("/\\")).name.lower()
+    return "mpnet" if base.endswith(_MPNET_DIR) else "minilm"

@@ -272,6 +272,67 @@ def test_cli_eval_locomo(tmp_path, capsys, monkeypatch):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_eval_says_which_configuration_ran(tmp_path, capsys, monkeypatch):
+    """`rfmem eval` prints a configuration line (preset, channels and fusion, router) first
+    and names the hybrid modes "dense+bm25" / "rfmem+bm25" (the Recollection path stays
+    dense), in the tables and in --json; the default preset (the paper's) keeps the names."""
+    patch_encoder(monkeypatch)
+    folder = _tiny_locomo(tmp_path)
+    figs = tmp_path / "f.json"
+    assert main(["eval", "locomo", "--data", str(folder), "--no-cache", "--k", "1", "--preset", "recommended",
+                 "--json", str(figs)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    head = ("configuration: preset recommended (minilm); hybrid dense + BM25, fusion convex, lexical_weight 0.03, "
+            "lexical_norm raw; theta_high -1, theta_low -1, tau 0 (never recollects)")  # fmt: skip
+    assert text.splitlines()[0] == head
+    assert "dense+bm25 recall@1" in text and "rfmem+bm25 recall@1" in text and "recollection recall@1" in text
+    assert "recollection+bm25" not in text and " dense recall@1" not in text and "oracle recall@1" in text
+    doc = json.loads(figs.read_text())
+    assert (doc["preset"], doc["configuration"]) == ("recommended", head)
+    assert {m: v["label"] for m, v in doc["modes"].items()} == {"dense": "dense+bm25", "rfmem": "rfmem+bm25",
+                                                                "recollection": "recollection"}  # fmt: skip
+    assert doc["config"] == RFMemConfig.recommended().to_dict()
+    assert main(["eval", "locomo", "--data", str(folder), "--no-cache", "--k", "1", "--json", str(figs),
+                 "--set", "lexical_weight=0.1", "--set", "merge=rrf", "--preset", "recommended",
+                 "--encoder", "/models/all-mpnet-base-v2"]) == 0  # fmt: skip
+    doc = json.loads(figs.read_text())
+    assert doc["configuration"] == ("configuration: preset recommended (mpnet) with --set lexical_weight=0.1 merge=rrf; "
+                                    "hybrid dense + BM25, fusion zscore, lexical_weight 0.1; theta_high -1, theta_low -1, "
+                                    "tau 0 (never recollects); merge rrf")  # fmt: skip
+    assert doc["modes"]["recollection"]["label"] == "recollection+bm25"  # a merge mixes the fused probe list in
+    capsys.readouterr()
+    assert main(["eval", "locomo", "--data", str(folder), "--no-cache", "--k", "1", "--json", str(figs)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == ("configuration: preset default (the paper's); dense only (lexical_weight 0); "
+                                    "theta_high 0.6, theta_low 0.2, tau 0.2")  # fmt: skip
+    assert "+bm25" not in text and "dense recall@1" in text
+    doc = json.loads(figs.read_text())
+    assert doc["preset"] == "default" and {v["label"] for v in doc["modes"].values()} == {"dense", "rfmem", "recollection"}
+
+
+def test_personabench_report_names_the_hybrid_modes():
+    """format_report / format_noise_summary / report_json of `rfmem eval personabench` label
+    the modes as :func:`mode_label` does (built from a report, no data needed)."""
+    from rfmem_fast.evaluate import EvalReport, ModeReport, format_noise_summary, format_report, report_json
+
+    def rep(config):
+        m = {"Overall": {"recall": 0.5, "ndcg": 0.25, "count": 2}}
+        modes = {x: ModeReport(metrics=m, batch_ms_per_query=1.0, metrics_at={10: m}) for x in ("rfmem", "dense", "recollection")}
+        return EvalReport(modes=modes, oracle=m, records=[], n_questions=2, n_evaluated=2, n_users=1, n_chunks=3,
+                          encode_chunks_s=0.0, backend="native", config=config, k=10, machine={}, ks=[10], oracle_at={10: m})  # fmt: skip
+
+    hy, paper = rep(RFMemConfig.recommended()), rep(RFMemConfig())
+    text = format_report(hy)
+    assert "dense+bm25 R@10" in text and "rfmem+bm25 N@10" in text and "recollection R@10" in text and "oracle R@10" in text
+    assert "\ndense+bm25 " in text  # the latency table too
+    assert format_noise_summary([hy]).splitlines()[1].split() == ["noise", "rfmem+bm25", "dense+bm25", "recollection", "oracle"]
+    doc = report_json(hy)
+    assert [doc["modes"][m]["label"] for m in ("rfmem", "dense", "recollection")] == ["rfmem+bm25", "dense+bm25", "recollection"]
+    assert doc["configuration"].startswith("configuration: hybrid dense + BM25, fusion convex")
+    assert "+bm25" not in format_report(paper) + format_noise_summary([paper])
+    assert report_json(paper)["modes"]["dense"]["label"] == "dense"
+
+
 def test_cli_eval_locomo_real_data_dense(tmp_path, capsys):
     """Dense Recall@10 of MiniLM on the five conversations: 0.5401 (0.5394 with "D8:6; D9:17" kept
     as one unmatchable id; the loader splits it). Runs only with cached embeddings

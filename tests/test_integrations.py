@@ -37,11 +37,13 @@ def test_langchain_retriever(memory):
     ref = memory.search("alpha fact", "alice", k=2, mode="dense")
     assert all(isinstance(d, Document) for d in docs) and len(docs) == 2
     assert [d.id for d in docs] == [h.id for h in ref] and docs[0].page_content == "alpha fact"
-    assert docs[0].metadata["topic"] == "greek" and docs[0].metadata["score"] == pytest.approx(1.0)
+    # the Memory's default config is hybrid: score = cosine (1.0 here) + 0.03 * BM25
+    assert ref[0].dense_score == pytest.approx(1.0) and ref[0].lexical_score > 0
+    assert docs[0].metadata["topic"] == "greek" and docs[0].metadata["score"] == pytest.approx(1.0 + 0.03 * ref[0].lexical_score)
     assert docs[0].metadata["rfmem"] == {"id": "a", "user_id": "alice", "score": ref[0].score, "rank": 0,
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
                                          "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
-                                         "lexical_score": None, "created_at": "2026-01-01T08:00:00+00:00"}
+                                         "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00"}
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))
@@ -80,7 +82,8 @@ def test_llamaindex_retriever(memory):
     assert async_nodes[0].node.node_id == "alice/b"
     vec = HashEncoder(DIM).vector("alpha fact")  # a bundle with its own embedding is searched by vector
     by_vec = r.retrieve(QueryBundle(query_str="ignored", embedding=vec.tolist()))
-    assert by_vec[0].node.node_id == "alice/a" and by_vec[0].score == pytest.approx(1.0)
+    assert by_vec[0].node.node_id == "alice/a" and by_vec[0].score == pytest.approx(1.0)  # dense: no text to score
+    assert by_vec[0].node.metadata["rfmem"]["lexical_score"] is None
     assert [n.node.node_id for n in RFMemRetriever(memory, user_id="bob", mode="dense").retrieve("x")] == ["bob/x"]
     with pytest.raises(TypeError, match="memory must be a rfmem_fast.Memory"):
         RFMemRetriever(object(), user_id="alice")

@@ -53,17 +53,17 @@ def test_hybrid_memory_equals_a_direct_hybrid_search(enc):
             for h in hits:  # fused = cosine + 0.03 * BM25, per hit
                 assert h.score == pytest.approx(h.dense_score + cfg.lexical_weight * h.lexical_score, abs=1e-6)
         assert got[0][0].id == "m0" and got[0][0].lexical_score > 0
-        # a vector query has no text: dense only, lexical scores 0 ("no hit")
+        # a vector query has no text: dense only, no lexical score (None: the channel did not score it)
         vec = mem.search(enc.encode(queries[:1])[0], "u")
         assert [h.id for h in vec] == search(mem.bank, enc.encode(queries[:1]), ["u"], cfg, mode="rfmem",
                                              query_texts=[None]).ids_list(0)  # fmt: skip
-        assert all(h.lexical_score == 0.0 for h in vec)
+        assert vec and all(h.lexical_score is None for h in vec)
     finally:
         mem.close()
 
 
 def test_dense_memory_has_dense_scores_and_no_lexical_scores(enc):
-    mem = Memory(encoder=enc)
+    mem = Memory(encoder=enc, config=RFMemConfig.paper())
     try:
         mem.add(TEXTS, "u")
         hits = mem.search("when did I see Maria in Lisbon?", "u", k=3)

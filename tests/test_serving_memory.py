@@ -24,7 +24,10 @@ DIM = 16
 
 
 def new_memory(**kw) -> Memory:
+    """A Memory with the paper's RF-Mem (both paths, dense), what these tests compare with the
+    engine; a Memory's own default (hybrid, never recollecting) is tests/test_serving_defaults.py's."""
     kw.setdefault("encoder", HashEncoder(DIM))
+    kw.setdefault("config", RFMemConfig.paper())
     return Memory(**kw)
 
 
@@ -74,7 +77,7 @@ def test_text_add_search_matches_direct_search():
 
 def test_vectors_instead_of_text_and_vectors_only_memory(clustered):
     items, queries = clustered
-    mem = Memory(encoder=False, dim=DIM, batching=False)
+    mem = Memory(encoder=False, dim=DIM, batching=False, config=RFMemConfig.paper())
     fill(mem, items)
     user, q = queries[0]
     assert as_dict(mem.search(q, user, k=4)) == reference(mem, q, user, 4, "rfmem")
@@ -652,7 +655,7 @@ def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable)
     for c in chunks:  # the query equal to a chunk's text scores 1.0 on that chunk's row
         hits = mem.search(c, "u", k=2, mode="dense")
         assert [h.id for h in hits] == ["long", "s"] and hits[0].text == long_text and hits[0].metadata == {"m": 1}
-        assert hits[0].score == pytest.approx(1.0)
+        assert hits[0].dense_score == pytest.approx(1.0)  # the cosine (the default config adds BM25 to .score)
     assert [h.id for h in mem.search(chunks[2], "u", k=10, mode="dense")] == ["long", "s"]  # one hit per item
     with pytest.raises(ValueError, match="U\\+001F"):
         mem.add(["x"], "u", ids=["long\x1f1"])
@@ -663,8 +666,8 @@ def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable)
     new_text = " ".join(f"v{i}" for i in range(10))  # 2 chunks now
     mem.update("long", "u", texts=new_text)
     assert mem.bank.user_size("u") == 3 and mem.get("long", "u")[0].text == new_text
-    assert mem.search(chunks[2], "u", k=1, mode="dense")[0].score < 0.9  # the old chunks are gone
-    assert mem.search(" ".join(f"v{i}" for i in range(4, 10)), "u", k=1, mode="dense")[0].score == pytest.approx(1.0)
+    assert mem.search(chunks[2], "u", k=1, mode="dense")[0].dense_score < 0.9  # the old chunks are gone
+    assert mem.search(" ".join(f"v{i}" for i in range(4, 10)), "u", k=1, mode="dense")[0].dense_score == pytest.approx(1.0)
     if durable:
         mem.close()  # checkpoint: the store holds the chunk rows, the map is rebuilt from it
         mem = Memory(path, encoder=enc, chunk_overlap=2, cache_size=0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from _serving_helpers import HashEncoder, clustered_memory_data
 
-from rfmem_fast import Memory, search
+from rfmem_fast import Memory, RFMemConfig, search
 from rfmem_fast.serving import BatcherClosedError, QueueFullError, RequestTimeoutError
 from rfmem_fast.serving.batcher import MicroBatcher
 from rfmem_fast.serving.memory import default_encoder_workers, encoder_threads
@@ -340,7 +340,7 @@ def test_pipelined_memory_with_two_encoder_workers_gives_each_caller_its_unbatch
     items, queries = clustered_memory_data(dim=DIM)
     seen: list = []
     encs = [CountingEncoder(DIM, n, seen) for n in ("a", "b")]
-    mem = Memory(encoder=encs, max_batch=8, max_wait_ms=5.0, cache_size=0)
+    mem = Memory(encoder=encs, max_batch=8, max_wait_ms=5.0, cache_size=0, config=RFMemConfig.paper())  # both paths
     assert mem.stats()["batcher"]["workers"] == 2
     for user, X in items.items():
         mem.add([f"{user} item {i}" for i in range(len(X))], user, vectors=X)
@@ -527,7 +527,7 @@ def test_a_lone_batch_is_shared_out_over_the_idle_encoders_and_never_waits_for_a
     is encoded by the other alone, at once. Answers equal a direct search either way."""
     seen: list = []
     a, b = CountingEncoder(DIM, "a", seen), CountingEncoder(DIM, "b", seen)
-    mem = Memory(encoder=[a, b], cache_size=0, timeout=WAIT)
+    mem = Memory(encoder=[a, b], cache_size=0, timeout=WAIT, config=RFMemConfig.paper())  # dense: reference() below
     rng = np.random.default_rng(3)
     X = rng.normal(size=(30, DIM)).astype(np.float32)
     mem.add(None, "u", ids=[f"i{j}" for j in range(30)], vectors=X)

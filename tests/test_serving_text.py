@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from _shared import shared_dir
 
-from rfmem_fast import Memory, search
+from rfmem_fast import Memory, RFMemConfig, search
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_batched_text_queries_match_one_text_encodes(pb_small, text_encoder):
     a one-text encode and one search call: same ids and routes, scores within float32
     rounding of the encoder (RFMEM_SPEC.md "Vectors and scores")."""
     user, questions = pb_small
-    mem = Memory(encoder=text_encoder, cache_size=0)
+    mem = Memory(encoder=text_encoder, cache_size=0, config=RFMemConfig.paper())  # both paths, dense
     # the texts are cut to the encoder's window here, so the bank holds one row per item
     # and a direct search is the reference (chunked long texts: test_long_memory_... below)
     texts = [text_encoder._model.tokenizer.convert_tokens_to_string(

@@ -1107,7 +1107,7 @@ def serve(
     encoder: str = "default",
     encoder_dtype: str = "auto",
     encoder_backend: str = "auto",
-    preset: str = "paper",
+    preset: str = "recommended",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -1148,8 +1148,9 @@ def serve(
             "auto" (default: ONNX Runtime where onnxruntime / onnx are installed -- int8
             on a CPU with int8 dot products, float32 elsewhere, for ``encoder_dtype``
             "auto" -- torch elsewhere), "torch" or "onnx".
-        preset: the retrieval configuration, "paper" (default) or "recommended" (hybrid
-            dense + BM25; :func:`rfmem_fast.serving.launch.open_memory`).
+        preset: the retrieval configuration, "recommended" (default: hybrid dense +
+            BM25, ``RFMemConfig.recommended()`` for the encoder) or "paper" (the authors'
+            RF-Mem, dense only); :func:`rfmem_fast.serving.launch.open_memory`.
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.

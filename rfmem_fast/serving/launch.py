@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import RFMemConfig
 from ..encoders import TextEncoder, check_backend
+from ..models import recommended_alias
 from .memory import ENCODE_BATCH_SIZE, Memory, default_encoder_workers, encoder_threads, usable_cores
 
 __all__ = ["open_memory", "resolve_encoder_workers"]
@@ -41,7 +42,7 @@ def open_memory(
     encoder: str = "default",
     encoder_dtype: str = "auto",
     encoder_backend: str = "auto",
-    preset: str = "paper",
+    preset: str = "recommended",
     dim: int | None = None,
     backend: str = "auto",
     batching: bool = True,
@@ -70,8 +71,12 @@ def open_memory(
             ignored with encoder "none".
         encoder_backend: "auto" | "torch" | "onnx" (:func:`rfmem_fast.encoders.resolve_backend`);
             ignored with encoder "none".
-        preset: "paper" (``RFMemConfig.paper()``, dense) or "recommended"
-            (``RFMemConfig.recommended()``: hybrid dense + BM25, docs "Hybrid retrieval").
+        preset: "recommended" (default: ``RFMemConfig.recommended(alias)``, hybrid dense
+            + BM25 over the stored texts, docs "Hybrid retrieval"; ``alias`` "mpnet" for
+            an MPNet model directory, else "minilm": :func:`rfmem_fast.models.recommended_alias`;
+            with encoder "none" every query is a vector and gets the dense top-k) or
+            "paper" (``RFMemConfig.paper()``: the authors' RF-Mem, dense only). The
+            preset is not stored in ``path``: each start searches with the one given.
         dim: vector dimension of a new vectors-only memory.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size, pipeline:
             as :class:`rfmem_fast.Memory`.
@@ -90,7 +95,7 @@ def open_memory(
     """
     if preset not in ("paper", "recommended"):
         raise ValueError(f"preset must be 'paper' or 'recommended', got {preset!r}")
-    config = RFMemConfig.recommended() if preset == "recommended" else RFMemConfig.paper()
+    config = RFMemConfig.recommended(recommended_alias(encoder)) if preset == "recommended" else RFMemConfig.paper()
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
     workers = resolve_encoder_workers(encoder_workers, encoder, batching, pipeline)
     dtype: str | None = encoder_dtype

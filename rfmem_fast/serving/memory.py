@@ -20,6 +20,11 @@ What it adds to the engine
   all-MiniLM-L6-v2 :class:`~rfmem_fast.encoders.TextEncoder`, loaded on first use).
   Vectors may be passed instead (``add(vectors=...)``, a 1-D vector as the query) by
   stacks that embed elsewhere; ``encoder=False`` makes a vectors-only memory.
+* Retrieval: by default ``RFMemConfig.recommended()`` for the encoder (hybrid dense +
+  BM25 over the items' texts, never recollecting; docs "Hybrid retrieval"), where the
+  vector-level engine (``RFMemConfig()``, :func:`~rfmem_fast.search`) keeps the paper's
+  RF-Mem: ``Memory(config=RFMemConfig.paper())`` searches as the paper. A vector query
+  (no text) gets the dense top-k.
 * Micro-batching (:mod:`rfmem_fast.serving.batcher`): concurrent :meth:`Memory.search`
   (threads) and :meth:`Memory.asearch` (asyncio) calls are gathered for at most
   ``max_wait_ms`` or ``max_batch`` queries and run as ONE batched encode and one batched
@@ -638,8 +643,17 @@ class Memory:
             default), "onnx" (ONNX Runtime, extra ``onnx``) or "auto"
             (:func:`rfmem_fast.encoders.resolve_backend`: ONNX where it is installed,
             int8 on a CPU with int8 dot products, float32 elsewhere). Only for the default encoder, like ``encoder_dtype``.
-        config: RFMemConfig (default: the spec's defaults); ``k`` in :meth:`search`
-            overrides its ``out_k`` per call.
+        config: RFMemConfig; ``k`` in :meth:`search` overrides its ``out_k`` per call.
+            Default: ``RFMemConfig.recommended(alias)``, hybrid dense + BM25 over the
+            items' texts (docs "Hybrid retrieval"), ``alias`` "mpnet" for an MPNet
+            encoder and "minilm" otherwise (:func:`rfmem_fast.models.recommended_alias`).
+            The vector-level engine (``RFMemConfig()``, :func:`rfmem_fast.search`) keeps
+            the paper's RF-Mem; pass ``config=RFMemConfig.paper()`` for it here. A query
+            given as a vector has no text: it gets the dense top-k, as
+            ``recommended(lexical_weight=0)`` would return (``Hit.lexical_score`` None).
+            The config is not stored in ``path``: a memory directory reopened without
+            ``config`` searches with this default (hybrid over its stored texts, with the
+            lexical stemmer its bank store was built with).
         backend, device: as :func:`rfmem_fast.search` ("auto": native on a CPU).
         dim: vector dimension of a new memory (default: ``encoder.dim``, else 384).
         batching: gather concurrent searches into batches (default True); False runs
@@ -722,8 +736,10 @@ class Memory:
         checkpoint_bytes: int | None = 64 << 20,
         chunk_overlap: int = DEFAULT_CHUNK_OVERLAP,
     ) -> None:
-        if config is None:
-            config = RFMemConfig()
+        if config is None:  # the recommended retrieval for this encoder (hybrid dense + BM25)
+            from ..models import recommended_alias
+
+            config = RFMemConfig.recommended(recommended_alias(encoder))
         if not isinstance(config, RFMemConfig):
             raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
         encoders: list | None = None
@@ -2272,6 +2288,8 @@ class Memory:
                     q = queries[i]
                     try:
                         ids, scores, txt, from_chunk, chan, times = rows[j]
+                        if q.text is None:  # a vector query: the lexical channel did not score it
+                            chan = [(c[0], None) for c in chan]
                         if any(from_chunk):  # a chunk's hit shows its item's whole text
                             pt = parent_texts.get(q.user)
                             if pt is None:
