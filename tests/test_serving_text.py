@@ -74,3 +74,20 @@ def test_long_memory_is_chunked_so_its_end_is_found(text_encoder):
     assert parts[-1].endswith("My favourite colour is green.") and long_text.startswith(parts[0])
     mem.delete("long", "u")
     assert mem.bank.user_size("u") == 2
+
+
+def test_health_names_the_runtime_and_precision_of_the_real_encoder(text_encoder):
+    """/health with the offline MiniLM (torch float32, as the session fixture builds it):
+    the runtime, precision, device, model directory and dimension it runs with."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from rfmem_fast.encoders import default_model_path
+    from rfmem_fast.serving.app import create_app
+
+    mem = Memory(encoder=text_encoder)
+    with TestClient(create_app(mem, no_auth=True)) as c:
+        enc = c.get("/health").json()["encoder"]
+    assert enc == {"model": str(default_model_path()), "backend": "torch", "dtype": "float32", "device": "cpu",
+                   "dim": 384, "loaded": True}
