@@ -230,7 +230,12 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_mcp(args: argparse.Namespace) -> int:
     """Run ``rfmem mcp`` from parsed arguments until the client disconnects (stdio) or
     SIGINT / SIGTERM (HTTP); returns the exit code (2 on a configuration error, printed
-    to stderr: stdout belongs to the MCP protocol on stdio)."""
+    to stderr: stdout belongs to the MCP protocol on stdio).
+
+    The handshake is answered before the text encoder is loaded: the Memory opens here
+    (a locked or bad directory exits 2 at once), its default encoder loads on a thread
+    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`)."""
+    _passive_omp(args)  # first: the re-executed process imports the MCP SDK once, not twice
     try:
         from . import mcp_server
     except ImportError as exc:
@@ -243,10 +248,9 @@ def run_mcp(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
-    _passive_omp(args)
     set_switch_interval(args.switch_interval_ms)
     try:
-        memory = open_memory(args.path, **memory_kwargs(args))
+        memory = open_memory(args.path, **memory_kwargs(args), load_encoder=False)
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
