@@ -646,3 +646,26 @@ def test_rfmem_mcp_serves_before_loading_the_encoder(tmp_path, monkeypatch):
     monkeypatch.setattr(mcp_mod, "serve_mcp", fake_serve)
     assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--user", "alice", "--keep-omp-wait-policy"]) == 0
     assert events == ["serve loaded=False", "load"]
+
+
+def test_every_tool_argument_of_the_schema_is_in_the_guide_table_and_the_readme(tmp_path):
+    """docs/guides/mcp.md's tool table names every argument of each tool's input schema
+    (`name` in the tool's row), and README.md's "MCP server" section lists each tool with
+    every argument in its signature."""
+    import re
+
+    mem = Memory(encoder=HashEncoder(16))
+    server = create_server(mem, McpScope(user="alice"))
+    schema = {t.name: set(t.input_schema.get("properties", {})) for t in anyio.run(server.list_tools)}
+    assert set(schema) == TOOLS
+    guide = (ROOT / "docs" / "guides" / "mcp.md").read_text(encoding="utf-8")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \|", guide, re.M)}
+    readme = re.search(r"^## MCP server\n.*?(?=^## )", (ROOT / "README.md").read_text(encoding="utf-8"),
+                       re.S | re.M).group(0)
+    for tool, args in schema.items():
+        documented = set(re.findall(r"`(\w+)`", rows[tool]))
+        assert args <= documented, (tool, args - documented)
+        signature = re.search(rf"`{tool}\(([^`]*)\)`", readme)
+        assert signature, f"README.md lists no {tool}(...)"
+        named = set(re.findall(r"\b(\w+)(?=[?=,)]|$)", signature.group(1)))
+        assert args <= named, (tool, args - named)
