@@ -439,14 +439,17 @@ class EncoderLoad:
 
     Args:
         memory: an open Memory; a vectors-only one, or one whose encoder is loaded
-            already, starts no thread (:attr:`done` at once).
+            already, needs no load (:attr:`done` at once).
+        start: start the load now (default); False: at :meth:`start` (``create_server``
+            starts it once its tools are registered, which takes a second of Python
+            that a load beside it would slow down).
 
     The load is ``memory.encoder`` (:meth:`rfmem_fast.serving.Memory.encoder`) on a daemon
     thread named "rfmem-encoder-load"; an exception there is kept in :attr:`error` and
     printed to stderr (stdout belongs to the protocol on stdio), never raised on the thread.
     """
 
-    def __init__(self, memory: Memory) -> None:
+    def __init__(self, memory: Memory, start: bool = True) -> None:
         self._memory = memory
         self._done = threading.Event()
         #: the exception the load raised (None: loaded, still loading, or nothing to load)
@@ -457,6 +460,12 @@ class EncoderLoad:
         self._thread: threading.Thread | None = None
         if info is None or info["loaded"]:
             self._done.set()
+        elif start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the load on its thread (once; nothing when there is nothing to load)."""
+        if self._thread is not None or self._done.is_set():
             return
         self._thread = threading.Thread(target=self._load, name="rfmem-encoder-load", daemon=True)
         self._thread.start()
@@ -479,7 +488,10 @@ class EncoderLoad:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the load has ended or ``timeout`` seconds passed; returns :attr:`done`."""
+        """Block until the load has ended or ``timeout`` seconds passed; returns :attr:`done`
+        (False at once for a load never started)."""
+        if self._thread is None and not self._done.is_set():
+            return False
         return self._done.wait(timeout)
 
     async def ready(self) -> None:
@@ -566,7 +578,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         return tok.client_id
 
     server._user_of = user_of
-    loading = server.encoder_load = EncoderLoad(memory)  # the model loads beside the server
+    loading = server.encoder_load = EncoderLoad(memory, start=False)  # started below, tools registered
 
     one = {"texts": "text", "ids": "id"}  # the Memory's argument names -> the one-item tools'
 
@@ -740,6 +752,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ResourceNotFoundError(f"no memory with id {id!r}") from None
         return json.dumps(_item_json(item), ensure_ascii=False)
 
+    loading.start()  # the model loads beside the server from here on
     return server
 
 
