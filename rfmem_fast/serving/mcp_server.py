@@ -433,9 +433,9 @@ def _tool_errors(fn: Callable[[], T], item_id: Any = None, rename: Mapping[str, 
 
 
 class EncoderLoad:
-    """A Memory's text encoder, loaded on a thread beside the server (started here), so
-    that the server answers the MCP handshake at once instead of after the model load
-    (~5-15 s of CPU: torch, sentence-transformers, the ONNX session).
+    """A Memory's text encoder, loaded on a thread of its own beside the server, so that
+    the server answers the MCP handshake at once instead of after the model load (~5-10 s
+    of CPU: sentence-transformers, the model, the ONNX session).
 
     Args:
         memory: an open Memory; a vectors-only one, or one whose encoder is loaded
