@@ -71,7 +71,7 @@ __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
     "PROGRESS_MIN_TEXTS", "BACKENDS", "ENCODER_DTYPES", "check_backend", "resolve_backend",
     "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS", "LONG_TEXTS", "LONG_TEXT_TOKENS",
-    "resolve_long_texts",
+    "resolve_long_texts", "AUTO_ENCODER_RULE",
 ]
 
 #: a forward pass (torch and ONNX) holds texts with at least this fraction of the tokens
@@ -130,6 +130,17 @@ ENCODER_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
 #: perturbations of the embeddings 10 times smaller than int8's (docs/benchmarks/serving.md
 #: "Encoder runtimes"); int8 measures -0.22 and is therefore not picked.
 QUALITY_FLOOR = {"cosine_min": 0.9995, "identical_routes": 0.99, "recall10_drop_points": 0.2}
+
+#: what ``backend="auto"`` with ``dtype="auto"`` runs (:func:`resolve_backend`), stated
+#: once: the help of ``--encoder-backend`` (``rfmem serve``, ``rfmem mcp``, ``rfmem import``)
+#: is built from it, and ``tests/test_encoders.py`` checks each clause against
+#: :func:`resolve_backend`. No CPU feature turns int8 on: it runs only when asked for.
+AUTO_ENCODER_RULE = (
+    "ONNX Runtime float32 where onnxruntime and onnx are installed (extra 'onnx'; the graph is "
+    "exported locally once and cached), on every CPU; else torch, bfloat16 where the CPU "
+    "multiplies it natively (AVX512-BF16 / AMX), float32 elsewhere. int8 (ONNX) runs only when "
+    "asked for (--encoder-dtype int8)"
+)
 
 #: CPU features (``torch.cpu.get_capabilities()`` names) with int8 dot products, which
 #: the int8 graph's ``MatMulNBits`` kernels use (:func:`int8_dot`)
@@ -451,8 +462,8 @@ class TextEncoder:
             (default), "bfloat16", "float16" or "auto" (:func:`resolve_dtype`). The
             output is float32 in every case; :attr:`dtype` tells the one in use.
             With ``backend="onnx"``: "float32", "int8" (blockwise int8,
-            :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`: int8 on
-            a CPU with int8 dot products, else float32).
+            :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`: float32
+            on every CPU; int8 runs only when asked for).
         backend: "torch" (default, the reference), "onnx" (ONNX Runtime, CPU; the
             graph is exported from the model's weights on first use and cached:
             :mod:`rfmem_fast.onnx_export`) or "auto" (:func:`resolve_backend`);

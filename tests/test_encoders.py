@@ -464,6 +464,54 @@ def test_resolve_backend_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("auto", "int8")
 
 
+@pytest.mark.parametrize("onnx_installed", [True, False])
+@pytest.mark.parametrize("features, bf16", [
+    ({}, False), ({"avx512_vnni": True}, False), ({"avx_vnni": True}, False), ({"amx_int8": True}, False),
+    ({"avx512_bf16": True}, True), ({"amx_bf16": True, "amx_int8": True, "avx512_vnni": True}, True),
+])
+def test_auto_encoder_rule_is_what_resolve_backend_runs(monkeypatch, onnx_installed, features, bf16) -> None:
+    """AUTO_ENCODER_RULE, clause by clause, on a CPU with / without onnxruntime and with
+    each int8 / bfloat16 feature: ONNX float32 wherever ONNX is installed (int8 dot
+    products never turn int8 on), else torch bfloat16 with native bfloat16, float32
+    without; int8 when asked for."""
+    import torch
+
+    import rfmem_fast.onnx_export as ox
+    from rfmem_fast.encoders import AUTO_ENCODER_RULE, resolve_backend
+
+    monkeypatch.setattr(ox, "onnx_available", lambda: onnx_installed)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, **features})
+    torch_rule = ("torch", "bfloat16" if bf16 else "float32")
+    assert resolve_backend("auto", "auto") == (("onnx", "float32") if onnx_installed else torch_rule)
+    assert resolve_backend("onnx", "auto") == ("onnx", "float32")
+    assert resolve_backend("torch", "auto") == torch_rule
+    if onnx_installed:
+        assert resolve_backend("auto", "int8") == ("onnx", "int8")
+    # the clauses the rule states
+    assert "ONNX Runtime float32 where onnxruntime and onnx are installed" in AUTO_ENCODER_RULE
+    assert "else torch, bfloat16 where the CPU multiplies it natively" in AUTO_ENCODER_RULE
+    assert "float32 elsewhere" in AUTO_ENCODER_RULE and "int8 (ONNX) runs only when asked for" in AUTO_ENCODER_RULE
+
+
+@pytest.mark.parametrize("command", ["serve", "mcp", "import"])
+def test_encoder_help_states_the_auto_rule_once(command) -> None:
+    """``rfmem serve / mcp / import --help``: --encoder-backend shows AUTO_ENCODER_RULE
+    (the one statement of what "auto" runs), --encoder-dtype refers to it, and neither
+    says that a CPU feature (VNNI) turns int8 on."""
+    import re
+
+    from rfmem_fast.cli import build_parser
+    from rfmem_fast.encoders import AUTO_ENCODER_RULE
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    actions = {a.dest: a.help for a in sub.choices[command]._actions}
+    norm = lambda t: re.sub(r"\s+", " ", t)  # noqa: E731
+    assert norm(AUTO_ENCODER_RULE) in norm(actions["encoder_backend"])
+    assert "--encoder-backend rule" in actions["encoder_dtype"]
+    for text in (actions["encoder_backend"], actions["encoder_dtype"]):
+        assert "VNNI" not in text and text.count("ONNX Runtime float32") <= 1
+
+
 def test_export_cache_is_reused_and_complete(enc_onnx: TextEncoder, onnx_cache: Path, monkeypatch) -> None:
     """One folder per (model fingerprint, dtype, onnxruntime version), complete (graph +
     info), no temporary folder left; a new lookup (another process) reuses it without

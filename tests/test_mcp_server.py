@@ -598,3 +598,136 @@ def test_mcp_hits_show_their_time_and_a_blank_text_gets_the_message_of_python_an
     with Memory(tmp_path / "mem", encoder=HashEncoder(16)) as again:  # the refused calls wrote nothing
         assert [i.text for i in again.get(["tea", "lyon"], "alice")] == ["alice: I like tea", "alice: I live in Lyon"]
         assert again.count("alice") == 2
+
+
+# ----------------------------------------------------------------------------- start-up: the encoder loads beside
+def test_mcp_answers_the_handshake_while_the_encoder_loads_and_text_tools_wait(tmp_path, monkeypatch):
+    """The default encoder loads on a thread beside the server (create_server starts it):
+    initialize, tools/list, list_memories and get_memory answer while the load is held;
+    search_memories / add_memories wait for it and then answer."""
+    import rfmem_fast.serving.memory as memory_mod
+
+    gate, started = threading.Event(), threading.Event()
+    loads: list[str] = []
+
+    def slow_default(**kwargs):  # the model load, held until the test lets it go
+        loads.append(threading.current_thread().name)
+        started.set()
+        assert gate.wait(60)
+        return HashEncoder(16)
+
+    monkeypatch.setattr(memory_mod, "_default_encoder", slow_default)
+    with Memory(tmp_path / "seed", encoder=HashEncoder(16)) as seed:
+        seed.add(["alice: I live in Lyon"], user_id="alice", ids=["a1"])
+    mem = Memory(tmp_path / "seed", dim=16, max_wait_ms=1.0)  # default encoder: not loaded
+    assert mem.encoder_info()["loaded"] is False
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:  # initialize answered
+                        assert started.wait(10) and not gate.is_set()
+                        assert {t.name for t in (await session.list_tools()).tools} == TOOLS
+                        listed = _ok(await session.call_tool("list_memories", {}))
+                        assert [m["id"] for m in listed["memories"]] == ["a1"]
+                        assert _ok(await session.call_tool("get_memory", {"id": "a1"}))["text"] == "alice: I live in Lyon"
+                        found: dict = {}
+
+                        async def search() -> None:
+                            found.update(_ok(await session.call_tool(
+                                "search_memories", {"query": "alice: I live in Lyon", "k": 1, "mode": "dense"})))
+
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(search)
+                            await anyio.sleep(0.5)
+                            assert not found and mem.encoder_info()["loaded"] is False  # waiting for the load
+                            gate.set()
+                        assert [h["id"] for h in found["hits"]] == ["a1"]
+                        assert _ok(await session.call_tool("add_memories", {"texts": "alice: a cello"}))["count"] == 1
+
+            anyio.run(run)
+    finally:
+        gate.set()
+        mem.close()
+    assert loads == ["rfmem-encoder-load"]  # loaded once, on the loader thread
+
+
+def test_mcp_encoder_load_failure_is_a_clear_tool_error(tmp_path, monkeypatch):
+    """A load that fails: the tools that embed text answer a tool error naming the cause;
+    list / get / delete still work."""
+    import rfmem_fast.serving.memory as memory_mod
+
+    def broken(**kwargs):
+        raise FileNotFoundError("no model at /nowhere")
+
+    monkeypatch.setattr(memory_mod, "_default_encoder", broken)
+    with Memory(tmp_path / "m", encoder=HashEncoder(16)) as seed:
+        seed.add(["alice: one", "alice: two"], user_id="alice", ids=["a1", "a2"])
+    mem = Memory(tmp_path / "m", dim=16, max_wait_ms=1.0)
+    try:
+        with _serve_in_thread(mem, McpScope(user="alice")) as url:
+
+            async def run() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(url, None) as session:
+                        for tool, args in (("search_memories", {"query": "one"}), ("add_memories", {"texts": "x"}),
+                                           ("update_memory", {"id": "a1", "text": "new"}),
+                                           ("update_memories", {"items": [{"id": "a1", "text": "new"}]})):
+                            msg = _err(await session.call_tool(tool, args))
+                            assert "text encoder could not be loaded" in msg and "no model at /nowhere" in msg, tool
+                        assert _ok(await session.call_tool("list_memories", {}))["total"] == 2
+                        assert _ok(await session.call_tool("update_memory", {"id": "a1", "metadata": {"k": 1}}))
+                        assert _ok(await session.call_tool("delete_memory", {"id": "a2"}))["deleted"] is True
+
+            anyio.run(run)
+    finally:
+        mem.close()
+    with Memory(tmp_path / "m", encoder=False) as after:
+        assert [(i.id, i.text, i.metadata) for i in after.get_all("alice")] == [("a1", "alice: one", {"k": 1})]
+
+
+def test_rfmem_mcp_serves_before_loading_the_encoder(tmp_path, monkeypatch):
+    """``rfmem mcp`` opens the Memory (a locked directory still exits 2 at once) and hands
+    it to the server with the default encoder not loaded: the server's thread loads it."""
+    import rfmem_fast.serving.mcp_server as mcp_mod
+    import rfmem_fast.serving.memory as memory_mod
+
+    events: list[str] = []
+
+    def default(**kwargs):
+        events.append("load")
+        return HashEncoder(384)
+
+    def fake_serve(memory, scope, **kwargs):
+        events.append(f"serve loaded={memory.encoder_info()['loaded']}")
+        load = mcp_mod.EncoderLoad(memory)  # what create_server starts
+        assert load.wait(30) and load.error is None and memory.encoder_info()["loaded"]
+
+    monkeypatch.setattr(memory_mod, "_default_encoder", default)
+    monkeypatch.setattr(mcp_mod, "serve_mcp", fake_serve)
+    assert rfmem_main(["mcp", "--data-dir", str(tmp_path / "m"), "--user", "alice", "--keep-omp-wait-policy"]) == 0
+    assert events == ["serve loaded=False", "load"]
+
+
+def test_every_tool_argument_of_the_schema_is_in_the_guide_table_and_the_readme(tmp_path):
+    """docs/guides/mcp.md's tool table names every argument of each tool's input schema
+    (`name` in the tool's row), and README.md's "MCP server" section lists each tool with
+    every argument in its signature."""
+    import re
+
+    mem = Memory(encoder=HashEncoder(16))
+    server = create_server(mem, McpScope(user="alice"))
+    schema = {t.name: set(t.input_schema.get("properties", {})) for t in anyio.run(server.list_tools)}
+    assert set(schema) == TOOLS
+    guide = (ROOT / "docs" / "guides" / "mcp.md").read_text(encoding="utf-8")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \|", guide, re.M)}
+    readme = re.search(r"^## MCP server\n.*?(?=^## )", (ROOT / "README.md").read_text(encoding="utf-8"),
+                       re.S | re.M).group(0)
+    for tool, args in schema.items():
+        documented = set(re.findall(r"`(\w+)`", rows[tool]))
+        assert args <= documented, (tool, args - documented)
+        signature = re.search(rf"`{tool}\(([^`]*)\)`", readme)
+        assert signature, f"README.md lists no {tool}(...)"
+        named = set(re.findall(r"\b(\w+)(?=[?=,)]|$)", signature.group(1)))
+        assert args <= named, (tool, args - named)

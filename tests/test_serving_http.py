@@ -278,15 +278,33 @@ def test_rfmem_serve_killed_with_sigkill_restarts_with_every_acknowledged_write(
     assert (tmp_path / "mem" / "wal.jsonl").stat().st_size == 0
 
 
-def test_health_and_metrics_report_the_encoder_precision(tmp_path):
+def test_health_and_metrics_report_the_encoder_runtime_and_precision(tmp_path, monkeypatch):
+    """/health's "encoder" names the runtime ("backend"), precision, device and dimension
+    the encoder runs with, as the encoder says them; None where a custom encoder does not
+    say; the asked values while the default encoder is not loaded yet."""
+    import rfmem_fast.serving.memory as memory_module
+
     enc = HashEncoder(DIM)
-    enc.dtype, enc.device = "bfloat16", "cpu"
+    enc.backend, enc.dtype, enc.device = "onnx", "float32", "cpu"
     mem = Memory(tmp_path / "m", encoder=enc)
     with TestClient(create_app(mem, no_auth=True)) as c:
-        assert c.get("/health").json()["encoder"] == {"model": "HashEncoder", "dtype": "bfloat16", "device": "cpu",
-                                                      "loaded": True}
-        assert 'rfmem_encoder_info{device="cpu",dtype="bfloat16",model="HashEncoder"} 1.0' in c.get("/metrics").text
+        assert c.get("/health").json()["encoder"] == {"model": "HashEncoder", "backend": "onnx", "dtype": "float32",
+                                                      "device": "cpu", "dim": DIM, "loaded": True}
+        assert ('rfmem_encoder_info{backend="onnx",device="cpu",dtype="float32",model="HashEncoder"} 1.0'
+                in c.get("/metrics").text)
     mem.close()
+    custom = Memory(encoder=HashEncoder(DIM))  # an encode() object that says nothing of its runtime
+    with TestClient(create_app(custom, no_auth=True)) as c:
+        assert c.get("/health").json()["encoder"] == {"model": "HashEncoder", "backend": None, "dtype": None,
+                                                      "device": None, "dim": DIM, "loaded": True}
+        assert 'rfmem_encoder_info{backend="None",device="None",dtype="None",model="HashEncoder"} 1.0' in c.get(
+            "/metrics").text
+    monkeypatch.setattr(memory_module, "_default_encoder", lambda **kw: pytest.fail("loaded by /health"))
+    lazy = Memory(dim=DIM, encoder_backend="auto", encoder_dtype="auto")
+    with TestClient(create_app(lazy, no_auth=True)) as c:
+        assert c.get("/health").json()["encoder"] == {
+            "model": "all-MiniLM-L6-v2 (default, not loaded yet)", "backend": "auto", "dtype": "auto",
+            "device": "cpu", "dim": DIM, "loaded": False}
     vec_only = Memory(encoder=False, dim=DIM)
     with TestClient(create_app(vec_only, no_auth=True)) as c:
         assert c.get("/health").json()["encoder"] is None

@@ -438,18 +438,19 @@ def test_encoder_dtype_option(monkeypatch):
 
     monkeypatch.setattr(memory_module, "_default_encoder", fake_default)
     mem = Memory(dim=DIM, encoder_dtype="bfloat16")
-    assert mem.encoder_info() == {"model": "all-MiniLM-L6-v2 (default, not loaded yet)", "dtype": "bfloat16",
-                                  "device": "cpu", "loaded": False}
+    assert mem.encoder_info() == {"model": "all-MiniLM-L6-v2 (default, not loaded yet)", "backend": "torch",
+                                  "dtype": "bfloat16", "device": "cpu", "dim": DIM, "loaded": False}
     assert made == []  # nothing loaded yet
     mem.add(["a text"], "u")
     assert made == [{"dtype": "bfloat16"}]
-    assert mem.encoder_info() == {"model": "HashEncoder", "dtype": "bfloat16", "device": "cpu", "loaded": True}
+    assert mem.encoder_info() == {"model": "HashEncoder", "backend": None, "dtype": "bfloat16", "device": "cpu",
+                                  "dim": DIM, "loaded": True}
     assert mem.stats()["encoder"]["dtype"] == "bfloat16"
     Memory(dim=DIM).add(["a text"], "u")
     assert made[-1] == {}  # no encoder_dtype: the encoder's own default (float32)
     assert Memory(encoder=False, dim=DIM).encoder_info() is None
-    assert Memory(encoder=HashEncoder(DIM)).encoder_info() == {"model": "HashEncoder", "dtype": None, "device": None,
-                                                               "loaded": True}
+    assert Memory(encoder=HashEncoder(DIM)).encoder_info() == {"model": "HashEncoder", "backend": None, "dtype": None,
+                                                               "device": None, "dim": DIM, "loaded": True}
     with pytest.raises(ValueError, match=r"encoder_dtype must be one of .*'int8'"):
         Memory(dim=DIM, encoder_dtype="int8")
     with pytest.raises(TypeError, match="encoder_dtype must be one of"):

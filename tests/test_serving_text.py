@@ -74,3 +74,51 @@ def test_long_memory_is_chunked_so_its_end_is_found(text_encoder):
     assert parts[-1].endswith("My favourite colour is green.") and long_text.startswith(parts[0])
     mem.delete("long", "u")
     assert mem.bank.user_size("u") == 2
+
+
+def test_health_names_the_runtime_and_precision_of_the_real_encoder(text_encoder):
+    """/health with the offline MiniLM (torch float32, as the session fixture builds it):
+    the runtime, precision, device, model directory and dimension it runs with."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from rfmem_fast.encoders import default_model_path
+    from rfmem_fast.serving.app import create_app
+
+    mem = Memory(encoder=text_encoder)
+    with TestClient(create_app(mem, no_auth=True)) as c:
+        enc = c.get("/health").json()["encoder"]
+    assert enc == {"model": str(default_model_path()), "backend": "torch", "dtype": "float32", "device": "cpu",
+                   "dim": 384, "loaded": True}
+
+
+@pytest.mark.parametrize("vectors", [False, True])
+def test_import_without_vectors_reembeds_within_the_encoders_tolerance(tmp_path, text_encoder, vectors):
+    """docs/guides/import-export.md: an export imported into a fresh memory by the same
+    encoder gives the same ids, users, texts, metadata and creation times in the same
+    order; without --vectors the rows are embedded again (other passes: other float32
+    rounding), each component within 1e-6 of the original and cosine >= 1 - 1e-6; with
+    --vectors the stored rows, bit for bit."""
+    from rfmem_fast.serving.transfer import export_jsonl, import_jsonl
+
+    rng = np.random.default_rng(7)
+    words = "I my sister moved to Lyon in 2021 allergic peanuts cello plays Ana bank Tuesday coffee Japan".split()
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(3, 40)))) + f" ({i})" for i in range(40)]
+    src = Memory(tmp_path / "one", encoder=text_encoder, batching=False)
+    src.add(texts, "alice", metadata=[{"n": i} for i in range(40)])  # one encoder call: 40 texts
+    export_jsonl(src, tmp_path / "one.jsonl", vectors=vectors)
+    dst = Memory(tmp_path / "two", encoder=text_encoder, batching=False)
+    import_jsonl(dst, tmp_path / "one.jsonl", batch=3)  # other passes: 3 texts each
+    items = lambda m: [(i.id, i.text, i.metadata, i.created_at) for i in m.get_all("alice")]  # noqa: E731
+    assert items(dst) == items(src) and len(items(src)) == 40
+    a, b = src.bank.snapshot(), dst.bank.snapshot()
+    assert list(a.item_ids) == list(b.item_ids)
+    if vectors:
+        assert np.array_equal(a.vectors, b.vectors)
+    else:
+        assert np.abs(a.vectors - b.vectors).max() < 1e-6
+        cos = (a.vectors.astype(np.float64) * b.vectors.astype(np.float64)).sum(axis=1)
+        assert cos.min() >= 1 - 1e-6
+    src.close()
+    dst.close()

@@ -73,8 +73,8 @@ Metrics (``/metrics``): ``rfmem_http_requests_total{method,route,status}``,
 per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_queue_depth``, ``rfmem_items``, ``rfmem_users``, ``rfmem_writes_total``,
 ``rfmem_wal_bytes``, ``rfmem_encoder_seconds_total`` / ``rfmem_encoded_texts_total`` (the
-encoder's time and texts, writes included), ``rfmem_encoder_info{model,dtype,device}`` (the encoder's precision;
-also in ``/health``).
+encoder's time and texts, writes included), ``rfmem_encoder_info{model,backend,dtype,device}`` (the encoder's
+runtime and precision; also in ``/health``, with its dimension).
 """
 from __future__ import annotations
 
@@ -547,9 +547,9 @@ class _MemoryCollector:
                                   value=st["encoded"])
         enc = st["encoder"]
         if enc is not None:
-            info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, precision, device",
-                                     labels=["model", "dtype", "device"])
-            info.add_metric([enc["model"], str(enc["dtype"]), str(enc["device"])], 1)
+            info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, runtime, precision, "
+                                     "device", labels=["model", "backend", "dtype", "device"])
+            info.add_metric([enc["model"], str(enc["backend"]), str(enc["dtype"]), str(enc["device"])], 1)
             yield info
 
 
@@ -1139,15 +1139,15 @@ def serve(
             listens), "none" (vectors only) or a local sentence-transformers directory.
         encoder_dtype: precision of the text encoder (:func:`rfmem_fast.encoders.resolve_dtype`):
             "auto" (default: :func:`rfmem_fast.encoders.resolve_backend` -- with ONNX
-            int8 on a CPU with int8 dot products, else float32; with torch bfloat16 where
-            the CPU has native bfloat16 matmul, e.g. AVX512-BF16 / AMX, else float32),
-            "float32", "bfloat16", "float16" or "int8".
-            Shown in ``/health`` and ``/metrics`` (``rfmem_encoder_info``). "int8" with an
-            ``encoder_backend`` of "onnx" / "auto" only.
+            float32 on every CPU; with torch bfloat16 where the CPU has native bfloat16
+            matmul, e.g. AVX512-BF16 / AMX, else float32), "float32", "bfloat16",
+            "float16" or "int8" (only when asked for; with an ``encoder_backend`` of
+            "onnx" / "auto" only). Shown in ``/health`` and ``/metrics``
+            (``rfmem_encoder_info``), with the runtime.
         encoder_backend: runtime of the text encoder (:func:`rfmem_fast.encoders.resolve_backend`):
-            "auto" (default: ONNX Runtime where onnxruntime / onnx are installed -- int8
-            on a CPU with int8 dot products, float32 elsewhere, for ``encoder_dtype``
-            "auto" -- torch elsewhere), "torch" or "onnx".
+            "auto" (default: :data:`rfmem_fast.encoders.AUTO_ENCODER_RULE` -- ONNX
+            Runtime float32 where onnxruntime / onnx are installed, torch elsewhere),
+            "torch" or "onnx".
         preset: the retrieval configuration, "recommended" (default: hybrid dense +
             BM25, ``RFMemConfig.recommended()`` for the encoder) or "paper" (the authors'
             RF-Mem, dense only); :func:`rfmem_fast.serving.launch.open_memory`.

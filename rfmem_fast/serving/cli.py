@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from ..encoders import BACKENDS, ENCODER_DTYPES
+from ..encoders import AUTO_ENCODER_RULE, BACKENDS, ENCODER_DTYPES, INT8_MAX_TOKENS
 from .launch import open_memory, resolve_encoder_workers
 
 __all__ = ["add_mcp_parser", "add_memory_args", "add_parser", "memory_kwargs", "open_memory", "run", "run_mcp"]
@@ -86,16 +86,14 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
-                   help="precision of the text encoder's matmuls: 'auto' (default) = with the ONNX backend int8 "
-                   "on a CPU with int8 dot products (AVX512-VNNI / AVX-VNNI / AMX-INT8: queries in blockwise int8, "
-                   "texts over 64 tokens in float32; cosine >= 0.9995 to float32), float32 elsewhere; with torch "
-                   "bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: cosine >= 0.99997), float32 "
-                   "elsewhere; 'int8' with --encoder-backend onnx / auto; shown in /health and /metrics")
+                   help="precision of the text encoder's matmuls: 'auto' (default) = the one the --encoder-backend "
+                   "rule picks (with --encoder-backend torch: bfloat16 where the CPU multiplies it natively, else "
+                   f"float32; with onnx: float32); 'int8' (queries in blockwise int8, texts over {INT8_MAX_TOKENS} "
+                   "tokens in float32; cosine >= 0.9997 to float32) with --encoder-backend onnx / auto only; shown "
+                   "in /health and /metrics")
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
-                   help="runtime of the text encoder: 'auto' (default) = ONNX Runtime float32 (int8 with --encoder-dtype int8) where "
-                   "onnxruntime and onnx are installed (extra 'onnx'; the graph is exported locally once and cached), "
-                   "torch elsewhere; "
-                   "'torch' or 'onnx' to force one")
+                   help=f"runtime of the text encoder: 'auto' (default; with --encoder-dtype auto) = "
+                   f"{AUTO_ENCODER_RULE}; 'torch' or 'onnx' to force one")
 
 
 #: ``--switch-interval-ms`` default: the GIL hand-off interval of a server process (ms)
@@ -233,7 +231,12 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_mcp(args: argparse.Namespace) -> int:
     """Run ``rfmem mcp`` from parsed arguments until the client disconnects (stdio) or
     SIGINT / SIGTERM (HTTP); returns the exit code (2 on a configuration error, printed
-    to stderr: stdout belongs to the MCP protocol on stdio)."""
+    to stderr: stdout belongs to the MCP protocol on stdio).
+
+    The handshake is answered before the text encoder is loaded: the Memory opens here
+    (a locked or bad directory exits 2 at once), its default encoder loads on a thread
+    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`)."""
+    _passive_omp(args)  # first: the re-executed process imports the MCP SDK once, not twice
     try:
         from . import mcp_server
     except ImportError as exc:
@@ -246,10 +249,9 @@ def run_mcp(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
-    _passive_omp(args)
     set_switch_interval(args.switch_interval_ms)
     try:
-        memory = open_memory(args.path, **memory_kwargs(args))
+        memory = open_memory(args.path, **memory_kwargs(args), load_encoder=False)
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2

@@ -53,9 +53,11 @@ def open_memory(
     cache_size: int = 4096,
     pipeline: bool = True,
     encoder_workers: int | str = "auto",
+    load_encoder: bool = True,
 ) -> Any:
     """Open (or create) the durable :class:`~rfmem_fast.serving.Memory` a server serves,
-    its encoder loaded before the first request.
+    its encoder loaded before the first request (or, with ``load_encoder=False``, by the
+    caller: ``rfmem mcp`` loads it on a thread beside its server).
 
     The Memory has a write-ahead log in ``path`` (fsynced per write), so a write is
     acknowledged only once it is durable. The encoder options mean what they mean for
@@ -84,6 +86,11 @@ def open_memory(
             >= 1, or "auto": :func:`resolve_encoder_workers`); with a model directory,
             that many :class:`~rfmem_fast.encoders.TextEncoder` are loaded, each with
             :func:`rfmem_fast.serving.memory.encoder_threads` threads.
+        load_encoder: True (default): the default encoder is loaded here, before this
+            returns (``rfmem serve``: the server listens only once it is ready); False:
+            it is not (the Memory loads it on first use, or the caller does, e.g.
+            :class:`rfmem_fast.serving.mcp_server.EncoderLoad`). A model directory's
+            encoders are built here either way: their dimension sizes the memory.
 
     Returns:
         the open Memory (the caller closes it).
@@ -113,7 +120,7 @@ def open_memory(
     memory = Memory(path, encoder=enc, config=config, encoder_dtype=dtype, encoder_backend=enc_backend, backend=backend, dim=dim, batching=batching,
                     max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout,
                     cache_size=cache_size, pipeline=pipeline, encoder_workers=workers)
-    if enc is not False:
+    if enc is not False and load_encoder:
         try:
             memory.encoder  # load the model now, not on the first request
         except BaseException:

@@ -44,6 +44,12 @@ refusals come back as tool errors naming the tool's own argument (``text``, ``id
 Texts longer than the encoder's window (256 tokens for all-MiniLM-L6-v2) are chunked by the
 Memory and stay one memory each.
 
+Start-up: the server answers the MCP handshake (``initialize``, ``tools/list``) at once, while
+the Memory's default text encoder loads on a thread beside it (:class:`EncoderLoad`, started
+by :func:`create_server`); the tools that embed text (add_memories, search_memories, and
+update_memory(ies) with a new text) wait for it, and answer a tool error naming the cause
+if it could not be loaded; the others (list, get, delete, the resources) answer at once.
+
 Another user's memories are unreachable: searches run within the scoped user's segment
 of the bank, ids are looked up among that user's items only (another user's id is
 "not found", exactly like an id that does not exist), and a resource URI naming another
@@ -57,6 +63,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar
@@ -86,7 +94,7 @@ from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory, _check_te
 
 __all__ = [
     "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
-    "create_http_app", "serve_mcp",
+    "create_http_app", "serve_mcp", "EncoderLoad",
 ]
 
 #: environment variable read for the token map when ``--tokens`` is not given
@@ -430,10 +438,90 @@ def _tool_errors(fn: Callable[[], T], item_id: Any = None, rename: Mapping[str, 
         raise ToolError(msg) from None
 
 
+class EncoderLoad:
+    """A Memory's text encoder, loaded on a thread of its own beside the server, so that
+    the server answers the MCP handshake at once instead of after the model load (~5-10 s
+    of CPU: sentence-transformers, the model, the ONNX session).
+
+    Args:
+        memory: an open Memory; a vectors-only one, or one whose encoder is loaded
+            already, needs no load (:attr:`done` at once).
+        start: start the load now (default); False: at :meth:`start` (``create_server``
+            starts it once its tools are registered, which takes a second of Python
+            that a load beside it would slow down).
+
+    The load is ``memory.encoder`` (:meth:`rfmem_fast.serving.Memory.encoder`) on a daemon
+    thread named "rfmem-encoder-load"; an exception there is kept in :attr:`error` and
+    printed to stderr (stdout belongs to the protocol on stdio), never raised on the thread.
+    """
+
+    def __init__(self, memory: Memory, start: bool = True) -> None:
+        self._memory = memory
+        self._done = threading.Event()
+        #: the exception the load raised (None: loaded, still loading, or nothing to load)
+        self.error: BaseException | None = None
+        #: seconds the load took (None until it ended)
+        self.seconds: float | None = None
+        info = memory.encoder_info()
+        self._thread: threading.Thread | None = None
+        if info is None or info["loaded"]:
+            self._done.set()
+        elif start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the load on its thread (once; nothing when there is nothing to load)."""
+        if self._thread is not None or self._done.is_set():
+            return
+        self._thread = threading.Thread(target=self._load, name="rfmem-encoder-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._memory.encoder  # noqa: B018 - loads the default encoder(s)
+        except BaseException as exc:  # kept for the tools; the thread ends quietly
+            self.error = exc
+            print(f"rfmem mcp: error: the text encoder could not be loaded: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the load has ended (loaded, failed, or nothing to load)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the load has ended or ``timeout`` seconds passed; returns :attr:`done`
+        (False at once for a load never started)."""
+        if self._thread is None and not self._done.is_set():
+            return False
+        return self._done.wait(timeout)
+
+    async def ready(self) -> None:
+        """Wait, without blocking the event loop, until the encoder is loaded.
+
+        Raises:
+            ToolError: the load failed (the message names the exception; the tools that
+                do not embed text still work).
+        """
+        while not self._done.is_set():
+            await anyio.sleep(0.02)
+        if self.error is not None:
+            raise ToolError(
+                f"the text encoder could not be loaded ({type(self.error).__name__}: {self.error}), so texts cannot "
+                "be embedded; list_memories, get_memory and delete_memory still work. Fix the encoder options of "
+                "rfmem mcp (--encoder, --encoder-backend, --encoder-dtype) and restart it")
+
+
 class _RFMemMCP(MCPServer):
     """MCPServer whose ``resources/list`` shows the scoped user's memory listing."""
 
     _user_of: Callable[[], str]
+    #: the text encoder's background load (:class:`EncoderLoad`)
+    encoder_load: EncoderLoad
 
     async def list_resources(self) -> list[MCPResource]:
         out = await super().list_resources()
@@ -461,7 +549,10 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         name: the server name shown to clients.
 
     Returns:
-        the MCPServer: ``.run("stdio")``, or :func:`create_http_app` for HTTP.
+        the MCPServer: ``.run("stdio")``, or :func:`create_http_app` for HTTP. Its
+        ``encoder_load`` (:class:`EncoderLoad`) is the text encoder's load, started here on
+        a thread when ``memory``'s default encoder is not loaded yet: the handshake and the
+        tools that embed no text answer at once, the others wait for the load.
 
     Raises:
         TypeError: ``memory`` is not a Memory, ``scope`` not an McpScope.
@@ -493,6 +584,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
         return tok.client_id
 
     server._user_of = user_of
+    loading = server.encoder_load = EncoderLoad(memory, start=False)  # started below, tools registered
 
     one = {"texts": "text", "ids": "id"}  # the Memory's argument names -> the one-item tools'
 
@@ -520,6 +612,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             _check_text_arg(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
         if isinstance(metadata, list) and len(metadata) != len(tx):
             raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
+        await loading.ready()
         ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
         return {"ids": ids, "count": len(ids)}
 
@@ -535,6 +628,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
     ) -> dict[str, Any]:
         user = user_of()
         _check_text_arg(query, "query", what="query")
+        await loading.ready()
         try:
             hits: Hits = await memory.asearch(query, user_id=user, k=k, mode=mode, filters=filters)
         except (ValueError, TypeError) as exc:
@@ -562,6 +656,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ToolError("text / metadata: give a new text, new metadata, or both")
         if text is not None:
             _check_text_arg(text, "text")
+            await loading.ready()
 
         def write() -> Item:
             lookup(id, user)  # another user's id is "not found", like a missing one
@@ -596,6 +691,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
                 raise ToolError(f"items[{i}]: give a new text, new metadata, or both")
             if it.text is not None:
                 _check_text_arg(it.text, f"items[{i}].text")
+        if any(it.text is not None for it in items):
+            await loading.ready()
         changes = [{"user_id": user, "id": it.id, **({"text": it.text} if it.text is not None else {}),
                     **({"metadata": it.metadata} if it.metadata is not None else {})} for it in items]
         await in_thread(lambda: _bulk_tool_errors(lambda: memory.update_many(changes), ids, "items"))
@@ -661,6 +758,7 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ResourceNotFoundError(f"no memory with id {id!r}") from None
         return json.dumps(_item_json(item), ensure_ascii=False)
 
+    loading.start()  # the model loads beside the server from here on
     return server
 
 
@@ -683,7 +781,9 @@ def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: s
               port: int = 8765, log_level: str = "warning") -> None:
     """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP).
 
-    The caller closes ``memory`` afterwards (which checkpoints it).
+    The handshake is answered at once; a default encoder not loaded yet loads beside the
+    server (:class:`EncoderLoad`), and this returns only once that load has ended. The
+    caller closes ``memory`` afterwards (which checkpoints it).
 
     Args:
         memory: an open Memory (:func:`rfmem_fast.serving.cli.open_memory`).
@@ -695,15 +795,18 @@ def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: s
     Raises:
         ValueError: an unknown transport.
     """
-    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
-    server = create_server(memory, scope, url=f"http://{netloc}")
-    if transport == "stdio":
-        server.run("stdio")
-    elif transport == "http":
-        import uvicorn
-
-        app = create_http_app(server, host)
-        print(f"rfmem mcp: serving http://{netloc}/mcp", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
-    else:
+    if transport not in ("stdio", "http"):
         raise ValueError(f"transport must be 'stdio' or 'http', got {transport!r}")
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+    server = create_server(memory, scope, url=f"http://{netloc}")  # starts the encoder's load beside it
+    try:
+        if transport == "stdio":
+            server.run("stdio")
+        else:
+            import uvicorn
+
+            app = create_http_app(server, host)
+            print(f"rfmem mcp: serving http://{netloc}/mcp", file=sys.stderr, flush=True)
+            uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        server.encoder_load.wait()  # a load still running ends before the caller closes the memory

@@ -641,8 +641,11 @@ class Memory:
             ``encoder_backend`` "onnx" / "auto" only.
         encoder_backend: runtime of the default encoder, "torch" (None, the
             default), "onnx" (ONNX Runtime, extra ``onnx``) or "auto"
-            (:func:`rfmem_fast.encoders.resolve_backend`: ONNX where it is installed,
-            int8 on a CPU with int8 dot products, float32 elsewhere). Only for the default encoder, like ``encoder_dtype``.
+            (:func:`rfmem_fast.encoders.resolve_backend`,
+            :data:`~rfmem_fast.encoders.AUTO_ENCODER_RULE`: with ``encoder_dtype``
+            "auto", ONNX float32 where onnxruntime and onnx are installed, on every
+            CPU, else the torch rule of ``encoder_dtype``; int8 only when asked for).
+            Only for the default encoder, like ``encoder_dtype``.
         config: RFMemConfig; ``k`` in :meth:`search` overrides its ``out_k`` per call.
             Default: ``RFMemConfig.recommended(alias)``, hybrid dense + BM25 over the
             items' texts (docs "Hybrid retrieval"), ``alias`` "mpnet" for an MPNet
@@ -1024,22 +1027,26 @@ class Memory:
 
         Returns:
             None for a vectors-only memory, else {"model": the model directory or the
-            encoder's class name, "dtype": the precision in use ("float32",
-            "bfloat16", "float16"; the one asked, e.g. "auto", while the default
-            encoder is not loaded yet; None when the encoder does not say),
-            "device": str or None, "loaded": bool}. The encoder workers and the
-            pipeline are in ``stats()["batcher"]`` ("workers", "pipeline").
+            encoder's class name, "backend": the runtime in use ("torch" or "onnx";
+            the one asked, e.g. "auto", while the default encoder is not loaded yet;
+            None when the encoder does not say, e.g. a custom ``encode`` object),
+            "dtype": the precision in use ("float32", "bfloat16", "float16", "int8";
+            the one asked while not loaded; None when the encoder does not say),
+            "device": str or None, "dim": the vector dimension (int), "loaded": bool}.
+            The encoder workers and the pipeline are in ``stats()["batcher"]``
+            ("workers", "pipeline").
         """
         if not self._has_encoder:
             return None
         enc = self._encoder
         if enc is None:
             return {"model": "all-MiniLM-L6-v2 (default, not loaded yet)",
-                    "dtype": self._encoder_kwargs.get("dtype", "float32"), "device": "cpu", "loaded": False}
-        dtype, device = getattr(enc, "dtype", None), getattr(enc, "device", None)
+                    "backend": self._encoder_kwargs.get("backend", "torch"),
+                    "dtype": self._encoder_kwargs.get("dtype", "float32"), "device": "cpu", "dim": self.dim,
+                    "loaded": False}
+        said = {k: getattr(enc, k, None) for k in ("backend", "dtype", "device")}
         return {"model": str(getattr(enc, "model_path", type(enc).__name__)),
-                "dtype": None if dtype is None else str(dtype), "device": None if device is None else str(device),
-                "loaded": True}
+                **{k: None if v is None else str(v) for k, v in said.items()}, "dim": self.dim, "loaded": True}
 
     def __repr__(self) -> str:
         return (f"Memory(path={str(self._path) if self._path else None!r}, users={self.bank.num_users}, "

@@ -272,7 +272,10 @@ def add_parsers(subparsers: Any) -> None:
     ex.add_argument("--out", required=True, help="the JSON-lines file to write ('-': standard output)")
     ex.add_argument("--user", default=None, help="export this user only")
     ex.add_argument("--vectors", action="store_true",
-                    help="also write each item's stored vector (float32, exact), so an import needs no encoder")
+                    help="also write each item's stored vector (float32, exact), so an import needs no encoder and "
+                    "stores the same rows bit for bit (without it, import embeds the texts again: equal to the "
+                    "stored vectors to the encoder's run-to-run tolerance, ~1e-7 per component, with the same "
+                    "encoder)")
     ex.set_defaults(func=run_export)
 
     im = subparsers.add_parser(
@@ -280,7 +283,8 @@ def add_parsers(subparsers: Any) -> None:
         description="Add one item per JSON line (id?, user_id, text and / or vector, metadata?, created_at?) "
         "to a Memory directory (created if absent), --batch lines per write, each all or nothing. The first bad "
         "line stops the import with its number; earlier batches stay. Texts without a vector are embedded by "
-        "the encoder (--encoder ...).",
+        "the encoder (--encoder ...): with the encoder that wrote them, vectors equal to the exported memory's "
+        "to its run-to-run tolerance (~1e-7 per component), not bit for bit; export --vectors for that.",
     )
     im.add_argument("--memory-dir", required=True, help="the Memory directory (created if absent)")
     im.add_argument("--in", dest="src", required=True, help="the JSON-lines file to read ('-': standard input)")
