@@ -41,7 +41,17 @@ struct TopkOptions {
   /// round(X[r, i]) to nearest even) that the scan reads instead of X; nullptr: scan X.
   /// The exact re-scoring reads X either way, for the candidates only.
   const uint16_t* scan = nullptr;
-  ScanType scan_type = ScanType::kF32;  ///< type of ``scan`` (kF16 or kBF16 when given)
+  ScanType scan_type = ScanType::kF32;  ///< type of ``scan`` (kF16 or kBF16 when given; kI8 with scan_i8)
+  /// An int8 copy of X (int8 [n, d], C-contiguous) and its per-row data scan_meta (float32
+  /// [n, 3]: the row's scale s, an upper bound of ||X[r] - s x8||, an upper bound of
+  /// ||X[r]||; rfmem_fast.precision.to_scan_copy) that the scan reads instead of X
+  /// (scan_type kI8; ``scan`` must then be null). The queries are quantised to int16 per
+  /// query, every row gets its own proven bound, and the rows that can reach the top-k
+  /// are re-scored exactly from X (topk.cpp "int8 scan"). Queries or dimensions the int8
+  /// scan cannot bound (d > (2^31 - 1) / 127, a query norm times xnorm >= 2^100, a
+  /// non-finite query) make the call scan X instead; results never depend on it.
+  const int8_t* scan_i8 = nullptr;
+  const float* scan_meta = nullptr;
   TopkPath path = TopkPath::kAuto;
   int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
   double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))

@@ -79,11 +79,11 @@ constexpr int kGroup = 16;                 // queries of one segment scored per 
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
 constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item of its own (parts)
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
-// SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
-// holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
-// a cosine) and the segment is rarely rescanned; the re-scored set is decided by the
-// error bound, not by this.
-constexpr int64_t kScanMargin[3] = {8, 16, 32};
+// SCAN_MARGINS): float32 8, float16 16, bfloat16 32, int8 64, so that the kept list
+// usually holds every row within the wider bound of a half-precision or int8 scan (2B ~
+// 1e-3 / 8e-3 / 3e-2 of a cosine) and the segment is rarely rescanned; the re-scored set
+// is decided by the error bound, not by this.
+constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -220,6 +220,8 @@ struct ScanSrc {
   const float* f32;
   const uint16_t* half;  // nullptr: scan the float32 rows
   ScanType type;
+  const int8_t* i8 = nullptr;    // the int8 copy (type kI8), or nullptr
+  const float* meta = nullptr;   // its per-row data [n, 3] (simd.h i8_score)
 };
 
 // Scan scores of 4 rows of the scan copy (the scan path's lanes, any precision).
@@ -335,13 +337,206 @@ void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, c
   emit(hp.h, hp.size, c.k, out_s, out_r);
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 scan (TopkOptions::scan_i8; the derivation is rfmem_fast/backends/exact.py, "int8
+// scan copies"). Row x is stored as x8 = round(x / s_x) (int8, |x8| <= 127, s_x = max|x| /
+// 127) with meta (s_x, rho_x >= ||x - s_x x8||, N_x >= ||x||); query q is quantised here
+// to q16 = round(q / s) (int16, s = max|q| / i8_qmax(d)). The integer I = q16 . x8 is
+// exact (simd.h i8_dots), and with a, b per query (i8_prepare) every row's upper key
+// U = i8_upper(...) >= RN32(q.x) >= i8_lower(...) = lo. The heaps keep the k + 64 best
+// keys U; with L the k-th largest lo of the kept rows (a lower bound of the k-th exact
+// score T), a row of the exact top-k has U >= e >= T >= L: the kept rows with U >= L are
+// re-scored exactly, and when a heap dropped rows whose U may reach L (its worst kept U
+// >= L) the segment (or list) is rescanned, every row with U >= L re-scored. So
+// ``cut`` on this path is L itself, in the same key space as the heaps (finish_query).
+
+/// Most queries whose int32 dots one i8_dots call takes (the rest in further calls).
+constexpr int kI8Chunk = 64;
+
+/// The queries of a call as the int8 scan reads them (codes[i * dq ..], dq = d rounded up
+/// to 16, zero beyond d); false when the int8 scan cannot bound them (d too large, a
+/// non-finite query, ||q|| xnorm >= 2^100: then the call scans the float32 rows).
+bool i8_prepare(const float* Q, int64_t b, int64_t d, double xnorm, std::vector<int16_t>& codes,
+                std::vector<I8Query>& out) {
+  const int32_t qmax = i8_qmax(d);
+  if (qmax < 1 || !(xnorm >= 0.0) || !(xnorm < 1e30)) return false;
+  const int64_t dq = (d + 15) / 16 * 16;
+  codes.assign(static_cast<size_t>(b * dq), 0);
+  out.resize(static_cast<size_t>(b));
+  const double inv = 1.0 / (1.0 - gamma_n(static_cast<double>(d + 3), kU64));  // sums of d squares
+  const double f16 = 1.0 + 16.0 * kU32;
+  const double big = 1.2676506002282294e+30;  // 2^100
+  auto up32 = [](double v) {  // the float32 >= v nearest v
+    float f = static_cast<float>(v);
+    if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    return f;
+  };
+  for (int64_t i = 0; i < b; ++i) {
+    const float* q = Q + i * d;
+    int16_t* c = codes.data() + i * dq;
+    double mx = 0.0, qq = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      const double v = static_cast<double>(q[j]);
+      mx = std::max(mx, std::fabs(v));
+      qq += v * v;
+    }
+    if (!std::isfinite(qq) || !(mx < 3.5e38)) return false;
+    const double qn = std::sqrt(qq * inv) * kSlack;  // >= ||q||
+    if (qn * xnorm >= big) return false;
+    float s = static_cast<float>(mx / static_cast<double>(qmax));
+    double rr = 0.0, S = 0.0;
+    if (s > 0.0f) {
+      const double sd = static_cast<double>(s);
+      for (int64_t j = 0; j < d; ++j) {
+        double t = std::nearbyint(static_cast<double>(q[j]) / sd);
+        t = std::min<double>(qmax, std::max<double>(-qmax, t));
+        c[j] = static_cast<int16_t>(t);
+        S += t * t;  // an exact integer (< 2^53)
+        const double r = static_cast<double>(q[j]) - sd * t;  // sd * t exact; one rounding
+        rr += r * r;
+      }
+    } else {
+      s = 0.0f;
+      rr = qq;
+    }
+    const double qt = std::sqrt(S) * static_cast<double>(s) * kSlack;  // >= ||s q16||
+    const double rq = std::sqrt(rr * inv) * kSlack;                      // >= ||q - s q16||
+    const double av = qt * f16 * kSlack;
+    const double bv = ((rq + kU32 * qn) * f16 + 16.0 * kU32 * qt) * kSlack;
+    out[static_cast<size_t>(i)] = I8Query{c, s, up32(av), up32(bv)};
+  }
+  return true;
+}
+
+// The int8 scan's keys of the rows xr[0:cnt] (global rows ids[0:cnt], increasing) for
+// the queries qs[0:nq], pushed into heaps[0:nq].
+RFMEM_MULTIVERSION
+void i8_push(const ScanSrc& src, const SimdKernels& K, int64_t d, const int8_t* const* xr, const int64_t* ids,
+             int cnt, const I8Query* const* qs, int nq, Heap* heaps) {
+  const int16_t* qc[kI8Chunk];
+  int32_t dots[4 * kI8Chunk];
+  for (int q0 = 0; q0 < nq; q0 += kI8Chunk) {
+    const int m = std::min(kI8Chunk, nq - q0);
+    for (int j = 0; j < m; ++j) qc[j] = qs[q0 + j]->q;
+    K.i8_dots(xr, cnt, qc, m, d, dots);
+    for (int j = 0; j < m; ++j) {
+      const I8Query& iq = *qs[q0 + j];
+      Heap& hp = heaps[q0 + j];
+      float thr = hp.threshold();
+      for (int i = 0; i < cnt; ++i) {
+        const float key = i8_upper(iq, src.meta + 3 * ids[i], dots[i * m + j]);
+        if (key > thr) {
+          hp.push(key, ids[i]);
+          thr = hp.threshold();
+        }
+      }
+    }
+  }
+}
+
+// The int8 scan of rows [r0, r1) (contiguous) for nq queries: 4 rows per i8_dots call,
+// every query of the group (or GEMM unit) scoring them while they are in L1.
+void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+             const I8Query* const* qs, int nq, Heap* heaps) {
+  const int8_t* xr[4];
+  int64_t ids[4];
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    for (int i = 0; i < cnt; ++i) {
+      ids[i] = r + i;
+      xr[i] = src.i8 + (r + i) * d;
+    }
+    i8_push(src, K, d, xr, ids, cnt, qs, nq, heaps);
+  }
+}
+
+// The same over the listed rows rows[0:m] (increasing), the next rows prefetched.
+void i8_scan_list(const ScanSrc& src, const SimdKernels& K, int64_t d, const int64_t* rows, int64_t m,
+                  const I8Query* const* qs, int nq, Heap* heaps) {
+  const int8_t* xr[4];
+  for (int64_t j = 0; j < m; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, m - j));
+    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + rows[j + i] * d;
+    for (int64_t t = j + 4; t < std::min(m, j + 8); ++t) {
+      const char* p = reinterpret_cast<const char*>(src.i8 + rows[t] * d);
+      for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o);
+    }
+    i8_push(src, K, d, xr, rows + j, cnt, qs, nq, heaps);
+  }
+}
+
+// L: the k-th largest lower bound lo of the kept candidates cand[0:nc] (their rows
+// re-scored in int8 exactly as the scan did), -inf when there are fewer than k; ``tmp``
+// holds k entries (used as a bounded heap).
+double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq,
+                    const Entry* cand, int64_t nc, Entry* tmp) {
+  if (nc < c.k) return kNegInfD;
+  Heap hp;
+  hp.h = tmp;
+  hp.k = c.k;
+  hp.size = 0;
+  const int16_t* qc[1] = {iq.q};
+  const int8_t* xr[4];
+  int32_t dots[4];
+  for (int64_t j = 0; j < nc; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, nc - j));
+    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + cand[j + i].r * c.d;
+    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
+    for (int i = 0; i < cnt; ++i) hp.push(i8_lower(iq, src.meta + 3 * cand[j + i].r, dots[i]), j + i);
+  }
+  return hp.size < hp.k ? kNegInfD : static_cast<double>(hp.h[0].s);
+}
+
+// Rescan of one query over the rows row_at(0 .. m-1) (increasing) with the int8 keys:
+// every row whose key reaches L is re-scored exactly into a running top-k (heap of
+// capacity k at store, refusing the rows ``mask`` leaves out).
+template <class RowAt>
+void i8_rescan(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq, const float* q,
+               int64_t m, const RowAt& row_at, double L, Entry* store, float* out_s, int64_t* out_r,
+               const uint8_t* mask, int64_t mask_base) {
+  Heap hp;
+  hp.h = store;
+  hp.k = c.k;
+  hp.size = 0;
+  hp.mask = mask;
+  hp.mask_base = mask_base;
+  const int16_t* qc[1] = {iq.q};
+  const int8_t* xr[4];
+  int64_t ids[4];
+  int32_t dots[4];
+  for (int64_t j = 0; j < m; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, m - j));
+    for (int i = 0; i < cnt; ++i) {
+      ids[i] = row_at(j + i);
+      xr[i] = src.i8 + ids[i] * c.d;
+    }
+    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
+    for (int i = 0; i < cnt; ++i) {
+      if (static_cast<double>(i8_upper(iq, src.meta + 3 * ids[i], dots[i])) < L) continue;
+      if (mask != nullptr && !mask[ids[i] - mask_base]) continue;
+      const float ex = exact_score(q, c.X + ids[i] * c.d, c.d, c.g64);
+      if (ex > hp.threshold() || hp.size < hp.k) hp.push(ex, ids[i]);
+    }
+  }
+  emit(hp.h, hp.size, c.k, out_s, out_r);
+}
+
 // The exact top-k of one query from its kept scan candidates (cand[0:nc], disjoint rows
 // of its segment [a, e)); ``dropped``(cut) says whether rows of scan score >= cut may
-// have been left out, in which case the segment is rescanned.
+// have been left out, in which case the segment is rescanned. ``iq``: the query's int8
+// form when the scan read the int8 copy (keys are then upper bounds, and cut is L).
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
-                  const Dropped& dropped, const uint8_t* mask) {
+                  const Dropped& dropped, const uint8_t* mask, const I8Query* iq = nullptr) {
+  if (iq != nullptr) {
+    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store);
+    if (dropped(L))
+      i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
+    else
+      rescore(c, q, cand, nc, L, out_s, out_r);
+    return;
+  }
   const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
   const double lower = kth_lower(cand, nc, c.k, Bp);
   const double cut = cut_below(lower, Bp);
@@ -380,7 +575,7 @@ RFMEM_INLINE void scan4_list(const ScanSrc& src, const SimdKernels& K, const flo
 RFMEM_MULTIVERSION
 void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* const* qs, int nq,
                 const int64_t* rows, int64_t m, int64_t kw, int64_t tile_rows, Entry* store, float* const* out_s,
-                int64_t* const* out_r) {
+                int64_t* const* out_r, const I8Query* const* iqs) {
   const int64_t d = c.d;
   float sc[4];
   Heap hps[kGroup];
@@ -388,6 +583,22 @@ void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
     hps[i].h = store + static_cast<size_t>(i) * kw;
     hps[i].k = kw;
     hps[i].size = 0;
+  }
+  if (iqs != nullptr) {  // the int8 scan of the listed rows, then its exact finish (finish_query)
+    i8_scan_list(src, K, d, rows, m, iqs, nq, hps);
+    Entry* ex = store + static_cast<size_t>(nq) * kw;
+    for (int i = 0; i < nq; ++i) {
+      Heap& hp = hps[i];
+      const bool filled = hp.size == kw && m > kw;
+      const float worst = hp.size ? hp.h[0].s : kNegInf;
+      const double L = i8_kth_lower(c, src, K, *iqs[i], hp.h, hp.size, ex);
+      if (filled && static_cast<double>(worst) >= L)
+        i8_rescan(c, src, K, *iqs[i], qs[i], m, [rows](int64_t j) { return rows[j]; }, L, ex, out_s[i], out_r[i],
+                  nullptr, 0);
+      else
+        rescore(c, qs[i], hp.h, hp.size, L, out_s[i], out_r[i]);
+    }
+    return;
   }
   for (int64_t t0 = 0; t0 < m; t0 += tile_rows) {
     const int64_t t1 = std::min(m, t0 + tile_rows);
@@ -551,9 +762,20 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   (void)U;
   if (b == 0 || k == 0) return;
   const SimdKernels& K = simd_kernels();
-  const ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
+  ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
   double xnorm = opt.xnorm;
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
+  // the int8 scan: every query quantised once (falls back to the float32 rows when the
+  // int8 scan cannot bound the call's queries)
+  std::vector<int16_t> i8codes;
+  std::vector<I8Query> i8q;
+  if (opt.scan_i8 != nullptr && opt.scan_meta != nullptr && i8_prepare(Q, b, d, xnorm, i8codes, i8q)) {
+    src.i8 = opt.scan_i8;
+    src.meta = opt.scan_meta;
+    src.type = ScanType::kI8;
+    src.half = nullptr;
+  }
+  auto iqp = [&](int64_t qi) -> const I8Query* { return src.i8 ? &i8q[static_cast<size_t>(qi)] : nullptr; };
   const ExactCtx ctx{X,
                      d,
                      k,
@@ -618,16 +840,18 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       const int nq = static_cast<int>(g1 - g0);
       const int64_t p = opt.qsel[listed[static_cast<size_t>(g0)]];
       const float* qs[kGroup];
+      const I8Query* iqs[kGroup];
       float* os[kGroup];
       int64_t* orr[kGroup];
       for (int i = 0; i < nq; ++i) {
         const int64_t qi = listed[static_cast<size_t>(g0 + i)];
         qs[i] = Q + qi * d;
+        iqs[i] = iqp(qi);
         os[i] = out_scores + qi * k;
         orr[i] = out_rows + qi * k;
       }
       list_group(ctx, src, K, qs, nq, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl, ltile,
-                 lstore.data() + static_cast<size_t>(tid) * per, os, orr);
+                 lstore.data() + static_cast<size_t>(tid) * per, os, orr, src.i8 ? iqs : nullptr);
     });
   }
   const int64_t nm = static_cast<int64_t>(order.size());
@@ -690,8 +914,9 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
   std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
+  std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
-  if (max_gemm_nq > 0) {
+  if (max_gemm_nq > 0 && !src.i8) {  // (the int8 scan needs no panels: i8_scan takes any number of queries)
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
     gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
@@ -721,6 +946,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t r0 = a + len * p / parts, r1 = a + len * (p + 1) / parts;
     Heap* heaps = heap_objs.data() + static_cast<size_t>(tid) * max_nq;
     const float** qs = qptrs.data() + static_cast<size_t>(tid) * max_nq;
+    const I8Query** iqs = src.i8 ? iqptrs.data() + static_cast<size_t>(tid) * max_nq : nullptr;
     Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread;
     for (int i = 0; i < g.nq; ++i) {
       heaps[i].h = store + static_cast<size_t>(i) * kw;
@@ -729,10 +955,13 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].mask = qmask(order[g.first + i]);
       heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
+      if (iqs) iqs[i] = iqp(order[g.first + i]);
     }
     if (r1 > r0) {
       int64_t rows = r1 - r0;
-      if (g.gemm)
+      if (src.i8)  // both paths: a scan group (up to kGroup queries) or a GEMM unit (many more)
+        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps);
+      else if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
@@ -757,7 +986,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
-                     hp.mask);
+                     hp.mask, iqp(qi));
         hp.size = 0;
       } else {
         const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
@@ -767,7 +996,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
-  if (opt.scores_out && opt.scores_written && !src.half && K.scan_rows_f32 && !opt.prune_ref)
+  if (opt.scores_out && opt.scores_written && !src.half && !src.i8 && K.scan_rows_f32 && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
         for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
@@ -798,7 +1027,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi));
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi));
       }
     });
   }
