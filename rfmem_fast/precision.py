@@ -57,7 +57,7 @@ _NORM_SLACK = 1.0 + 2.0**-30
 #: (unit roundoff u_in of the rounding to the type, absolute error a of its subnormal range)
 _INPUT = {"float32": (0.0, 0.0), "float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
 _NUMPY = {"float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def check_dtype(dtype, name: str = "dtype") -> str:

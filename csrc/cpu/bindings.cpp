@@ -1217,4 +1217,49 @@ Raises:
       "padded to whole panels (32 at level 2, 16 below) at the micro-kernel's rate, the scan path every query at "
       "the lanes' rate (csrc/cpu/topk.cpp, measured rates); segments of fewer than 128 rows always scan.");
   mod.attr("GEMM_KC") = rfmem::kGemmKc;
+  mod.def(
+      "int8_bounds",
+      [](const py::object& codes_, const py::object& meta_, const py::object& Q_, double xnorm) {
+        const char* fn = "int8_bounds";
+        py::array codes = checked<int8_t>(codes_, fn, "codes", 2, "int8");
+        py::array meta = checked<float>(meta_, fn, "meta", 2, "float32");
+        py::array Q = checked<float>(Q_, fn, "Q", 2, "float32");
+        const int64_t n = codes.shape(0), d = codes.shape(1), b = Q.shape(0);
+        if (meta.shape(0) != n || meta.shape(1) != 3)
+          throw py::value_error(std::string(fn) + ": meta must have shape (" + std::to_string(n) + ", 3), got " +
+                                shape_str(meta));
+        if (Q.shape(1) != d)
+          throw py::value_error(std::string(fn) + ": Q must have " + std::to_string(d) + " columns (codes' d), got " +
+                                shape_str(Q));
+        if (!(xnorm >= 0.0)) throw py::value_error(std::string(fn) + ": xnorm must be >= 0 (an upper bound of ||x||)");
+        py::array_t<float> lo({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(n)});
+        py::array_t<float> up({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(n)});
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = rfmem::int8_bounds(cptr<int8_t>(codes), cptr<float>(meta), n, d, cptr<float>(Q), b, xnorm,
+                                  lo.mutable_data(), up.mutable_data());
+        }
+        if (!ok)
+          throw py::value_error(std::string(fn) + ": the int8 scan cannot bound these queries (a non-finite query, "
+                                "||q|| xnorm >= 2^100, or d > (2^31 - 1) / 127): segmented_topk scans the float32 "
+                                "rows for them");
+        return py::make_tuple(lo, up);
+      },
+      py::arg("codes"), py::arg("meta"), py::arg("Q"), py::arg("xnorm"),
+      R"doc(The int8 scan's proven bounds of every (query, row) score (tests, diagnostics).
+
+Args:
+    codes: int8 [n, d], meta: float32 [n, 3] (rfmem_fast.precision.int8_scan_copy of float32
+        rows X); Q: float32 [b, d]; xnorm: an upper bound of the rows' norms (>= 0).
+
+Returns:
+    (lower float32 [b, n], upper float32 [b, n]): lower <= RN32(Q[i] . X[r]) <= upper, as
+    segmented_topk's int8 scan computes them at the SIMD level in use (queries quantised
+    to int16 per query, exact int32 dots, rfmem_fast/backends/exact.py "int8 scan copies").
+
+Raises:
+    TypeError: wrong dtypes. ValueError: wrong shapes, or queries the int8 scan cannot
+    bound (then segmented_topk scans the float32 rows).
+)doc");
 }

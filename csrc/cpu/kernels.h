@@ -123,6 +123,14 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 /// An upper bound of max_i ||X[i]|| (float64 sums, inflated by their error bound).
 double row_norm_bound(const float* X, int64_t n, int64_t d);
 
+/// The int8 scan's bounds of every (query, row) pair, as segmented_topk's int8 scan
+/// computes them (the queries quantised the same way, the dots of the SIMD level in use):
+/// lower[i * n + r] <= RN32(Q[i] . x_r) <= upper[i * n + r] for the float32 row x_r whose
+/// int8 copy is codes[r] with meta[r] (TopkOptions::scan_i8). Returns false (nothing
+/// written) where the int8 scan would fall back to the float32 rows (TopkOptions).
+bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
+                 float* lower, float* upper);
+
 /// Entropy conventions of familiarity_signals (spec section 1).
 enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };
 

@@ -1033,6 +1033,30 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   }
 }
 
+bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
+                 float* lower, float* upper) {
+  std::vector<int16_t> qc;
+  std::vector<I8Query> iq;
+  if (!i8_prepare(Q, b, d, xnorm, qc, iq)) return false;
+  const SimdKernels& K = simd_kernels();
+  const int8_t* xr[4];
+  const int16_t* qp[1];
+  int32_t dots[4];
+  for (int64_t i = 0; i < b; ++i) {
+    qp[0] = iq[static_cast<size_t>(i)].q;
+    for (int64_t r = 0; r < n; r += 4) {
+      const int cnt = static_cast<int>(std::min<int64_t>(4, n - r));
+      for (int t = 0; t < cnt; ++t) xr[t] = codes + (r + t) * d;
+      K.i8_dots(xr, cnt, qp, 1, d, dots);
+      for (int t = 0; t < cnt; ++t) {
+        lower[i * n + r + t] = i8_lower(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+        upper[i * n + r + t] = i8_upper(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+      }
+    }
+  }
+  return true;
+}
+
 double row_norm_bound(const float* X, int64_t n, int64_t d) {
   double m = 0.0;
   for (int64_t i = 0; i < n; ++i) {
