@@ -110,6 +110,17 @@ struct SimdKernels {
   /// multiple of 16 elements); |qs[j][.]| <= i8_qmax(d).
   void (*i8_dots)(const int8_t* const* xr, int nr, const int16_t* const* qs, int nq, int64_t d, int32_t* out);
 
+  /// The int8 GEMM micro-kernel (level 1, also used at level 2; nullptr at level 0):
+  /// rows T[0:nrows] (int16 [nrows, dp], the int8 rows sign-extended, zero past d; dp =
+  /// d rounded up to even; global row of T[0] is row0, its data meta[0..]) against the
+  /// packed panel P of up to 16 queries (int32 [dp / 2][16]: P[j * 16 + q] holds query q's
+  /// int16 codes 2j and 2j + 1, zero past nq), register blocks of 6 rows x 16 queries of
+  /// int32 accumulators (vpmaddwd of a broadcast pair of a row with the panel); every key
+  /// i8_upper (the same float32 operations, vectorised) above its query's heap threshold
+  /// is pushed into heaps[q] (q < nq).
+  void (*i8_gemm_panel)(const int16_t* T, int64_t nrows, int64_t dp, const int32_t* P, int nq, int64_t row0,
+                        const float* meta, const I8Query* const* qs, Heap* heaps);
+
   /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
   void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,
                     const uint16_t* x3, int64_t d, ScanType t, float* out);

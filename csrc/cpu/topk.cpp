@@ -702,6 +702,44 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
+// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of 6 rows in kGemmTileBytes.
+int64_t i8_tile_rows(int64_t dp) { return std::max<int64_t>(6, (kGemmTileBytes / (dp * 2)) / 6 * 6); }
+
+// The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
+// once into panels of 16 (int16 pairs as int32, simd.h i8_gemm_panel), the rows converted
+// tile by tile to int16 (zero past d) and scored against every panel while in L2.
+void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+                  const I8Query* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
+  const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
+  int32_t* P = reinterpret_cast<int32_t*>(scratch);
+  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
+  const int npan = (nq + 15) / 16;
+  for (int p = 0; p < npan; ++p) {
+    int32_t* Pp = P + static_cast<int64_t>(p) * np * 16;
+    for (int q = 0; q < 16; ++q) {
+      const int qi = p * 16 + q;
+      const int16_t* c = qi < nq ? qs[qi]->q : nullptr;  // (codes zero-padded to a multiple of 16 >= dp)
+      for (int64_t j = 0; j < np; ++j) {
+        const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
+        Pp[j * 16 + q] = static_cast<int32_t>(lo | (hi << 16));
+      }
+    }
+  }
+  const int64_t rt = i8_tile_rows(dp);
+  for (int64_t t0 = r0; t0 < r1; t0 += rt) {
+    const int64_t cnt = std::min(rt, r1 - t0);
+    for (int64_t i = 0; i < cnt; ++i) {
+      const int8_t* x = src.i8 + (t0 + i) * d;
+      int16_t* t = tile + i * dp;
+      for (int64_t j = 0; j < d; ++j) t[j] = x[j];
+      if (dp > d) t[d] = 0;
+    }
+    for (int p = 0; p < npan; ++p)
+      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * 16, std::min(16, nq - p * 16), t0,
+                      src.meta + 3 * t0, qs + p * 16, heaps + p * 16);
+  }
+}
+
 // The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
 // skip row x once ref[x] + rad_i < t_i - B_i, t_i its heap's worst kept scan score
 // (kw >= k rows scan >= t_i, each within B_i of its exact score: t_i - B_i is a lower
@@ -916,7 +954,11 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
-  if (max_gemm_nq > 0 && !src.i8) {  // (the int8 scan needs no panels: i8_scan takes any number of queries)
+  if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
+    const int64_t round = 16, dp = (d + 1) / 2 * 2;
+    gs.panels = ((max_gemm_nq + 15) / 16 * 16 * (dp / 2) + round - 1) / round * round;
+    gs.tile = (i8_tile_rows(dp) * dp / 2 + round - 1) / round * round;
+  } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
     gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
@@ -959,7 +1001,9 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     }
     if (r1 > r0) {
       int64_t rows = r1 - r0;
-      if (src.i8)  // both paths: a scan group (up to kGroup queries) or a GEMM unit (many more)
+      if (src.i8 && g.gemm && K.i8_gemm_panel)
+        i8_gemm_scan(src, K, d, r0, r1, iqs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+      else if (src.i8)  // the scan path (level 0: its GEMM units too)
         i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps);
       else if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
