@@ -42,6 +42,14 @@
 //      segment is rescanned (scan kernel, its own bound B') and every row with
 //      f' >= t - B - B' is re-scored into a running exact top-k (rescan_query).
 //
+// int8 scan copy (TopkOptions::scan_i8, section "int8 scan" below; the proof is in
+// docs/internals/exactness.md and rfmem_fast/backends/exact.py): the queries quantised to
+// int16 once per call, exact int32 dots of int8 rows (simd.h i8_dots on the scan path,
+// i8_gemm_panel on the GEMM path), a proven bound per (query, row) from the row's
+// residual and norm bounds; the heaps keep upper keys U >= e, and step 4 becomes: L = the
+// k-th largest lower key of the kept rows, re-score the kept rows with U >= L, rescan
+// when the heap's worst kept U >= L.
+//
 // Filtered search (kernels.h SelTable, rfmem_fast/filters.py): a query of a mask-mode
 // selection runs in its group like any other, its heap refusing the unselected rows
 // (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
