@@ -9,7 +9,9 @@ row, the user keys, and the bank's write counter. A bank made with
 ``dtype="float16"`` / ``"bfloat16"`` adds ``scan``: the same rows rounded to that type,
 which the fast backends scan instead of ``vectors`` (half the bytes per query), the
 float32 rows being read only to re-score the candidates exactly
-(:mod:`rfmem_fast.precision`; results are those of the float32 bank). Every row is L2-normalised on the
+(:mod:`rfmem_fast.precision`; results are those of the float32 bank); ``dtype="int8"``
+adds an int8 ``scan`` (a quarter of the bytes) and its per-row ``scan_meta``, which the
+native backend scans. Every row is L2-normalised on the
 way in, so the inner product is the cosine score. Deleted items are never in a
 snapshot, so no search mode or backend can return one. A snapshot is immutable: a
 search holding it is unaffected by later writes.
@@ -71,7 +73,7 @@ import numpy as np
 
 from ._validate import as_float_matrix, check_positive_int, l2_normalize_rows
 from .lexical import Analyzer, LexicalIndex, Vocabulary, concat_segments, docs_segment
-from .precision import HALF_DTYPES, check_dtype, to_scan_copy
+from .precision import SCAN_DTYPES, check_dtype, scan_copies
 from .store import read_store, write_store
 
 log = logging.getLogger("rfmem_fast.bank")
@@ -99,8 +101,9 @@ class BankSnapshot:
             the snapshot was made by hand without texts.
         scan: None for a float32 bank; for a float16 / bfloat16 bank the scan copy
             [n, d] of ``vectors`` rounded to that type (numpy float16, or uint16
-            holding the bfloat16 bits; :mod:`rfmem_fast.precision`).
-        dtype: "float32", "float16" or "bfloat16": the type the rows are scanned in.
+            holding the bfloat16 bits); for an int8 bank the int8 codes [n, d]
+            (:mod:`rfmem_fast.precision`).
+        dtype: "float32", "float16", "bfloat16" or "int8": the type the rows are scanned in.
         lexical: the snapshot's :class:`rfmem_fast.lexical.LexicalIndex` (forward CSR
             of every row's token ids and, built on demand, per-user BM25 postings);
             None for a snapshot made by hand (no lexical channel).
@@ -108,6 +111,9 @@ class BankSnapshot:
             epoch (UTC; :meth:`MemoryBank.add`), NaN where unknown (rows loaded from a
             store written before timestamps, format < 4); None for a snapshot made by
             hand (every time unknown: :attr:`created_at_or_nan`).
+        scan_meta: float32 [n, 3] for an int8 bank (per row: the scale, an upper bound of
+            the residual norm, an upper bound of the norm:
+            :func:`rfmem_fast.precision.int8_scan_copy`), else None.
 
     Nothing here may be written: banks and searches share these arrays.
     """
@@ -122,6 +128,7 @@ class BankSnapshot:
     dtype: str = "float32"
     lexical: Any = None
     created_at: np.ndarray | None = None
+    scan_meta: np.ndarray | None = None
 
     @property
     def created_at_or_nan(self) -> np.ndarray:
@@ -147,15 +154,16 @@ class BankSnapshot:
 
     @property
     def scan_vectors(self) -> np.ndarray:
-        """The rows a scan reads: ``scan`` for a half-precision bank, else ``vectors``."""
+        """The rows a scan reads: ``scan`` for a half-precision or int8 bank, else ``vectors``."""
         return self.scan if self.scan is not None else self.vectors
 
     @property
     def scan_nbytes(self) -> int:
-        """Bytes of :attr:`scan_vectors`: what a scan of every row reads, and what the
-        backends hold resident on their device for scanning (n d 4 for float32, n d 2
-        for a half-precision bank)."""
-        return int(self.scan_vectors.nbytes)
+        """Bytes of :attr:`scan_vectors` (and of :attr:`scan_meta`): what a scan of every
+        row reads, and what the backends hold resident for scanning (n d 4 for float32,
+        n d 2 for a half-precision bank, n (d + 12) for int8)."""
+        meta = 0 if self.scan_meta is None else int(self.scan_meta.nbytes)
+        return int(self.scan_vectors.nbytes) + meta
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -636,7 +644,11 @@ class MemoryBank:
             (about k rows per query); results equal the float32 bank's
             (:mod:`rfmem_fast.precision`, README "Half-precision banks"). In a bank
             loaded with ``MemoryBank.load(path, mmap=True)`` the float32 rows stay in the
-            store file and only the re-scored rows' pages are read.
+            store file and only the re-scored rows' pages are read. "int8": an int8
+            copy with a scale per row and two norm bounds (d + 12 bytes per row), which
+            the native backend scans with integer dot products and a proven bound per
+            (query, row); the other backends scan the float32 rows; results are the
+            float32 bank's too (:func:`rfmem_fast.precision.int8_scan_copy`).
 
         lexical_stemmer: None (default) or "english": the stemmer of the bank's lexical
             (BM25) index (:mod:`rfmem_fast.lexical`; "english" needs PyStemmer, the
@@ -1080,7 +1092,7 @@ class MemoryBank:
         """
         c = read_store(path, mmap=mmap, verify=verify)
         snap = BankSnapshot(c.vectors, c.offsets, c.item_ids, c.version, c.users, c.texts, c.scan, c.dtype, c.lexical,
-                            c.created_at)  # fmt: skip
+                            c.created_at, c.scan_meta)  # fmt: skip
         bank = cls(c.dim, dtype=c.dtype, lexical_stemmer=c.lexical_stemmer)
         bank._install(snap, c.metadata)  # a store without a lexical index (format 1 / 2) is indexed here
         bank._store = (c.path, c.mmap)
@@ -1090,14 +1102,14 @@ class MemoryBank:
         """A bank of another scan type holding this bank's current users, items and rows.
 
         Args:
-            dtype: "float32", "float16" or "bfloat16" (see :class:`MemoryBank`).
+            dtype: "float32", "float16", "bfloat16" or "int8" (see :class:`MemoryBank`).
 
         Returns:
             a new MemoryBank of ``dtype`` whose snapshot has this bank's float32 rows,
             offsets, users, item ids, texts and version, and a copy of the items'
             metadata. The float32 rows are SHARED with this bank's current snapshot (no
             copy: snapshots are immutable and neither bank ever writes them); the scan
-            copy of a half type is computed here (O(n d)). Later writes to either bank do
+            copy of a half or int8 type is computed here (O(n d)). Later writes to either bank do
             not affect the other.
 
         Raises:
@@ -1115,15 +1127,16 @@ class MemoryBank:
                         for r in range(int(snap.offsets[u]), int(snap.offsets[u + 1])):
                             m = store.get(snap.item_ids[r])
                             meta[r] = None if m is None else copy.deepcopy(m)
-        scan = to_scan_copy(snap.vectors, dtype) if dtype in HALF_DTYPES else None
+        scan, scan_meta = scan_copies(snap.vectors, dtype)
         out = MemoryBank(self._dim, dtype=dtype, lexical_stemmer=self.lexical_stemmer)
-        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype), meta)
+        out._install(dataclasses.replace(snap, scan=scan, dtype=dtype, scan_meta=scan_meta), meta)
         return out
 
     def _install(self, snap: BankSnapshot, metadata: Sequence[dict | None] | None = None) -> None:
         """Make ``snap`` the bank's content (used by the store loader; no copy), with the
         rows' metadata (list [n] of dict / None) when given."""
-        if snap.dtype != self._dtype or (snap.scan is None) != (self._dtype not in HALF_DTYPES):
+        if (snap.dtype != self._dtype or (snap.scan is None) != (self._dtype not in SCAN_DTYPES)
+                or (snap.scan_meta is None) != (self._dtype != "int8")):
             raise ValueError(f"snapshot of dtype {snap.dtype!r} cannot be installed in a {self._dtype} bank")
         with self._lock:
             self._users = list(snap.users)
@@ -1176,7 +1189,7 @@ class MemoryBank:
 
     @property
     def dtype(self) -> str:
-        """The type the rows are scanned in: "float32", "float16" or "bfloat16"."""
+        """The type the rows are scanned in: "float32", "float16", "bfloat16" or "int8"."""
         return self._dtype
 
     @property
@@ -1313,10 +1326,10 @@ class MemoryBank:
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
             r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])
-        scan = to_scan_copy(vectors, self._dtype) if self._dtype in HALF_DTYPES else None
+        scan, scan_meta = scan_copies(vectors, self._dtype)
         created.setflags(write=False)
         return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype, lex,
-                            created)  # fmt: skip
+                            created, scan_meta)  # fmt: skip
 
     def texts_of(self, user: Hashable) -> list[str | None]:
         """The texts of ``user``'s live items in row order (None where none was given)."""

@@ -340,7 +340,7 @@ class BankView:
         Used by the error bound of the exact top-k (:mod:`rfmem_fast.backends.exact`;
         the norm bounds are :func:`rfmem_fast.precision.row_norm_max` and
         :func:`rfmem_fast.precision.row_norm_bound_from_scan`).
-        For a half-precision bank it is computed from the scan copy
+        For a half-precision or int8 bank it is computed from the scan copy
         (:func:`rfmem_fast.precision.row_norm_bound_from_scan`), so that float32 rows
         memory-mapped from a store are not read. A view without a snapshot (built from
         device tensors) computes it where X lives: squared norms summed in float64
@@ -349,7 +349,7 @@ class BankView:
         if "xnorm" not in self._memo:
             snap = self.snapshot
             if snap is not None and snap.scan is not None:
-                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype)
+                self._memo["xnorm"] = row_norm_bound_from_scan(snap.scan, snap.dtype, meta=snap.scan_meta)
             elif snap is not None:
                 self._memo["xnorm"] = row_norm_max(snap.vectors)
             else:

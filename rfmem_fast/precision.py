@@ -13,6 +13,16 @@ Storage of the scan copy: numpy ``float16`` for float16; numpy ``uint16`` holdin
 upper 16 bits of the rounded float32 for bfloat16 (numpy has no bfloat16); as torch
 tensors ``torch.float16`` / ``torch.bfloat16`` (:func:`scan_tensor`).
 
+``dtype="int8"``: the scan copy is one int8 code per element with a symmetric scale per
+row (:func:`int8_scan_copy`): ``s = RN32(max_i |x_i| / 127)``, ``x8_i = round(x_i / s)``
+(to nearest even, clipped to [-127, 127]; all zeros when ``s`` is 0), plus three float32
+per row (``scan_meta``): ``s``, an upper bound ``rho`` of the residual norm ``||x - s
+x8||`` and an upper bound ``N`` of ``||x||`` (both computed in float64 and rounded up).
+The native scan quantises each query to int16 and bounds every (query, row) score with
+``rho`` and ``N`` (:mod:`rfmem_fast.backends.exact`, "int8 scan copies"): a quarter of
+the float32 bytes plus 12 bytes per row. The other backends scan the float32 rows of an
+int8 bank (same results).
+
 The rounding model the error bounds build on lives here too, below the backends: the
 float32 unit roundoff :data:`U32`, Higham's :func:`gamma`, the underflow term
 :func:`abs_error_term` and the bounds of the rows' largest norm (:func:`row_norm_max` of
@@ -32,13 +42,22 @@ import torch
 U32 = 2.0**-24
 
 #: the bank dtypes (``MemoryBank(dim, dtype=...)``), the default first
-BANK_DTYPES = ("float32", "float16", "bfloat16")
+BANK_DTYPES = ("float32", "float16", "bfloat16", "int8")
 HALF_DTYPES = ("float16", "bfloat16")
+#: the bank dtypes with a scan copy (the half types and int8)
+SCAN_DTYPES = HALF_DTYPES + ("int8",)
+#: the columns of an int8 copy's per-row data (``scan_meta``, float32 [n, 3])
+INT8_META_COLUMNS = ("scale", "residual_norm", "norm")
+#: largest |code| of a row of the int8 copy (symmetric: -128 is never used)
+INT8_MAX = 127
+#: relative slack of the stored norm bounds (covers their float64 evaluation; a stored
+#: bound may be checked against a recomputation within it: :func:`int8_copy_mismatch`)
+_NORM_SLACK = 1.0 + 2.0**-30
 
 #: (unit roundoff u_in of the rounding to the type, absolute error a of its subnormal range)
 _INPUT = {"float32": (0.0, 0.0), "float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
 _NUMPY = {"float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def check_dtype(dtype, name: str = "dtype") -> str:
@@ -62,8 +81,89 @@ def check_dtype(dtype, name: str = "dtype") -> str:
 
 
 def storage_dtype(dtype: str) -> np.dtype:
-    """numpy dtype of a half scan copy in memory and in a store (``<f2`` / ``<u2``)."""
-    return _NUMPY[dtype]
+    """numpy dtype of a scan copy in memory and in a store (``<f2`` / ``<u2`` / ``|i1``)."""
+    return np.dtype("|i1") if dtype == "int8" else _NUMPY[dtype]
+
+
+def _norm_bounds(sq: np.ndarray, d: int) -> np.ndarray:
+    """float32 upper bounds of ``sqrt`` of float64 sums of d squares (each term rounded
+    at most twice: one subtraction, one product; the sum within gamma_{d+1}), rounded up."""
+    v = np.sqrt(sq / (1.0 - gamma(d + 3, 2.0**-53))) * _NORM_SLACK
+    f = v.astype(np.float32)
+    low = f.astype(np.float64) < v
+    f[low] = np.nextafter(f[low], np.float32(np.inf))
+    return f
+
+
+def int8_scan_copy(vectors: np.ndarray, chunk: int = 1 << 15) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 scan copy of float32 rows: codes and per-row data (module docstring).
+
+    Args:
+        vectors: float32 [n, d], finite.
+        chunk: rows converted per step (bounds the float64 temporaries).
+
+    Returns:
+        (codes int8 [n, d], meta float32 [n, 3]) with meta[r] = (scale s, rho >= ||x - s
+        x8||, N >= ||x||), C-contiguous. ``rho`` and ``N`` are proven upper bounds (float64
+        sums with their error bound, rounded up to float32), whatever rounding the codes
+        got: the scan's bound rests on them only.
+
+    Raises:
+        ValueError: non-finite values.
+    """
+    n, d = vectors.shape
+    codes = np.empty((n, d), dtype=np.int8)
+    meta = np.empty((n, 3), dtype=np.float32)
+    for a in range(0, n, chunk):
+        x = np.asarray(vectors[a : a + chunk], dtype=np.float64)
+        if x.size and not np.isfinite(x).all():
+            raise ValueError("vectors hold NaN or Inf: an int8 scan copy needs finite rows")
+        mx = np.abs(x).max(axis=1) if d else np.zeros(x.shape[0])
+        s = (mx / INT8_MAX).astype(np.float32)
+        sd = s.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(sd > 0, np.rint(x / np.where(sd > 0, sd, 1.0)), 0.0)
+        np.clip(t, -INT8_MAX, INT8_MAX, out=t)
+        r = x - sd * t  # sd * t is exact in float64: one rounding per element
+        codes[a : a + chunk] = t.astype(np.int8)
+        meta[a : a + chunk, 0] = s
+        meta[a : a + chunk, 1] = _norm_bounds(np.einsum("ij,ij->i", r, r), d)
+        meta[a : a + chunk, 2] = _norm_bounds(np.einsum("ij,ij->i", x, x), d)
+    return codes, meta
+
+
+def int8_copy_mismatch(vectors: np.ndarray, codes: np.ndarray, meta: np.ndarray) -> int:
+    """The first row whose stored int8 copy is not that of its float32 row, or -1.
+
+    Codes and scales must be equal; the two norm bounds within ``2^-30`` relative of a
+    recomputation (the float64 sums behind them may differ in their last bits between
+    numpy builds; that slack is inside the bound's own, so such a bound still holds).
+
+    Args:
+        vectors: float32 [m, d]; codes: int8 [m, d]; meta: float32 [m, 3].
+    """
+    want_c, want_m = int8_scan_copy(vectors)
+    bad = (want_c != codes).any(axis=1) | (want_m[:, 0].view(np.uint32) != np.asarray(meta[:, 0]).view(np.uint32))
+    got = np.asarray(meta[:, 1:], dtype=np.float64)
+    ref = want_m[:, 1:].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        bad |= ~((got >= ref * (1.0 - 2.0**-30)) & (got <= ref * _NORM_SLACK * (1.0 + 2.0**-30))).all(axis=1)
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else -1
+
+
+def scan_copies(vectors: np.ndarray, dtype: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The scan copy of float32 rows for a bank of ``dtype``, and its per-row data.
+
+    Returns:
+        (None, None) for float32; (:func:`to_scan_copy`, None) for a half type;
+        :func:`int8_scan_copy` for int8.
+    """
+    if dtype == "int8":
+        return int8_scan_copy(vectors)
+    if dtype in HALF_DTYPES:
+        return to_scan_copy(vectors, dtype), None
+    return None, None
 
 
 def to_scan_copy(vectors: np.ndarray, dtype: str, chunk: int = 1 << 16) -> np.ndarray:
@@ -164,15 +264,18 @@ def row_norm_max(X: np.ndarray, chunk: int = 1 << 16) -> float:
     return math.sqrt((m + abs_error_term(d)) / (1.0 - gamma(max(d, 1), U32))) * (1.0 + 2.0**-30)
 
 
-def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16) -> float:
+def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16, meta: np.ndarray | None = None) -> float:
     """An upper bound of the float32 rows' largest norm, read from the scan copy only.
 
     ``||x|| <= (||x'|| + sqrt(d) a) / (1 - u_in)`` (:func:`input_terms`), so the float32
-    copy (memory-mapped from a store, say) is not read.
+    copy (memory-mapped from a store, say) is not read; for int8, the largest of the
+    per-row norm bounds ``meta[:, 2]`` (``meta`` required).
 
     Returns:
         float >= 0.
     """
+    if dtype == "int8":
+        return float(meta[:, 2].max()) if meta is not None and meta.shape[0] else 0.0
     n, d = scan.shape
     m = 0.0
     for a in range(0, n, chunk):
@@ -186,6 +289,12 @@ def row_norm_bound_from_scan(scan: np.ndarray, dtype: str, chunk: int = 1 << 16)
 __all__ = [
     "BANK_DTYPES",
     "HALF_DTYPES",
+    "INT8_MAX",
+    "INT8_META_COLUMNS",
+    "SCAN_DTYPES",
+    "int8_copy_mismatch",
+    "int8_scan_copy",
+    "scan_copies",
     "U32",
     "abs_error_term",
     "check_dtype",

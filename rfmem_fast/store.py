@@ -24,7 +24,10 @@ Layout of a store directory ``PATH``::
                                        store without it, older ones included, loads as
                                        "no metadata"; covered by the manifest's checksums)
     PATH/snap-00000007/scan.npy        float16 "<f2" / bfloat16 bits "<u2" [n, d]: the scan
-                                       copy of a half-precision bank (format >= 2)
+                                       copy of a half-precision bank (format >= 2); int8
+                                       "|i1" [n, d]: the codes of an int8 bank (format 5)
+    PATH/snap-00000007/scan_meta.npy   float32 "<f4" [n, 3]: an int8 bank's per-row scale,
+                                       residual-norm bound and norm bound (format 5)
     PATH/snap-00000007/lex_ptr.npy     int64 [n + 1]  } the lexical forward index
     PATH/snap-00000007/lex_terms.npy   int32 [nnz]    } (rfmem_fast.lexical): each row's
     PATH/snap-00000007/lex_tf.npy      int32 [nnz]    } distinct token ids and counts
@@ -36,8 +39,10 @@ the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
 ``scan.npy``; format 3 adds the lexical index (the four ``lex_*`` files: the token ids
 of every item, so a load does not re-tokenise; the per-user postings are rebuilt from
 them on first use); format 4 adds ``created_at.npy`` (the items' creation times,
-:meth:`~rfmem_fast.bank.MemoryBank.add`). Every bank is written as format 4; this code
-reads all four (a format 1 / 2 store builds its lexical index from its texts at load,
+:meth:`~rfmem_fast.bank.MemoryBank.add`); format 5 adds ``dtype`` "int8" (``scan.npy`` int8
+codes and ``scan_meta.npy``: :func:`rfmem_fast.precision.int8_scan_copy`). An int8 bank is
+written as format 5, every other bank as format 4 (readable by the code before int8
+banks); this code reads all five (a format 1 / 2 store builds its lexical index from its texts at load,
 with no stemmer; a store of format 1 to 3 loads with every creation time unknown,
 ``NaN``, which no ``created_at`` comparison matches: :mod:`rfmem_fast.filters`), and
 refuses newer versions with a StoreError.
@@ -86,12 +91,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .lexical import STEMMERS, Analyzer, LexicalIndex, Vocabulary
-from .precision import BANK_DTYPES, HALF_DTYPES, storage_dtype, to_scan_copy
+from .precision import BANK_DTYPES, HALF_DTYPES, SCAN_DTYPES, int8_copy_mismatch, storage_dtype, to_scan_copy
 
 FORMAT_NAME = "rfmem_fast.store"
-#: the newest format this code reads. It writes version 1 for a float32 bank (readable by
-#: rfmem_fast before half-precision banks) and version 2 for a float16 / bfloat16 bank.
-FORMAT_VERSION = 4
+#: the newest format this code reads. It writes version 5 for an int8 bank and version 4
+#: for the others (format_version_for).
+FORMAT_VERSION = 5
 #: the lexical index's files (format 3)
 LEXICAL_FILES = ("lex_ptr.npy", "lex_terms.npy", "lex_tf.npy", "lex_vocab.json")
 #: what the manifest's "lexical" entry names as the tokenizer (rfmem_fast.lexical)
@@ -106,18 +111,21 @@ OPTIONAL_FILES = ("metadata.json",)
 #: the scan copy of a half-precision bank (format 2): float16 ``<f2``, or the bfloat16
 #: bits as ``<u2``, [n, d], the rounding of vectors.npy
 SCAN_FILE = "scan.npy"
+#: an int8 bank's per-row data (format 5): float32 ``<f4`` [n, 3]
+SCAN_META_FILE = "scan_meta.npy"
 
 
 def data_files(dtype: str, version: int = FORMAT_VERSION) -> tuple[str, ...]:
     """The data files a store of a bank of ``dtype`` in format ``version`` must hold (besides OPTIONAL_FILES)."""
     base = DATA_FILES if version >= 4 else tuple(f for f in DATA_FILES if f != CREATED_FILE)
-    return base + ((SCAN_FILE,) if dtype in HALF_DTYPES else ()) + (LEXICAL_FILES if version >= 3 else ())
+    scan = (SCAN_FILE, SCAN_META_FILE) if dtype == "int8" else (SCAN_FILE,) if dtype in HALF_DTYPES else ()
+    return base + scan + (LEXICAL_FILES if version >= 3 else ())
 
 
 def format_version_for(dtype: str) -> int:
-    """The format version a bank of ``dtype`` is written in: 4 (every dtype; the lexical
-    index and the creation times)."""
-    return FORMAT_VERSION
+    """The format version a bank of ``dtype`` is written in: 5 for int8 (its scan copy),
+    4 for the others (the lexical index and the creation times)."""
+    return FORMAT_VERSION if dtype == "int8" else 4
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22  # bytes per read while hashing / verifying
@@ -140,13 +148,14 @@ class StoreContents:
 
     Attributes:
         dim: vector dimension d (int >= 1).
-        dtype: "float32", "float16" or "bfloat16".
+        dtype: "float32", "float16", "bfloat16" or "int8".
         version: the bank's write counter when it was saved.
         vectors: float32 [n, d] unit rows in CSR order (read, or memory-mapped).
         offsets: int64 [U + 1] CSR offsets.
         users: the U user keys (tuple of str / int).
         item_ids: object [n] item ids (str / int); texts: object [n] (str / None).
-        scan: the half-precision scan copy [n, d] (:mod:`rfmem_fast.precision`), or None.
+        scan: the half-precision or int8 scan copy [n, d] (:mod:`rfmem_fast.precision`), or None.
+        scan_meta: the int8 copy's per-row data float32 [n, 3], or None.
         metadata: list [n] of dict / None, or None when the store has no metadata.json.
         lexical_stemmer: the lexical index's stemmer (None or "english").
         lexical: the stored :class:`~rfmem_fast.lexical.LexicalIndex` (format 3), or
@@ -171,6 +180,7 @@ class StoreContents:
     path: str
     mmap: bool
     created_at: np.ndarray | None = None
+    scan_meta: np.ndarray | None = None
 
 
 class StoreError(ValueError):
@@ -298,7 +308,7 @@ def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: 
             replaced atomically; an existing directory that is not a store (non-empty
             and without ``CURRENT``) is refused.
         snapshot: a :class:`~rfmem_fast.bank.BankSnapshot` (read through its attributes
-            ``vectors``, ``offsets``, ``users``, ``item_ids``, ``texts``, ``scan``,
+            ``vectors``, ``offsets``, ``users``, ``item_ids``, ``texts``, ``scan``, ``scan_meta``,
             ``dtype``, ``version``, ``lexical``, ``num_items``, ``num_users``).
         metadata: list [n] of JSON-serialisable dict / None, one per row, or None (no
             metadata.json is written).
@@ -348,6 +358,8 @@ def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: 
             ]
             if snap.scan is not None:
                 payload.append((SCAN_FILE, _write_array(snap.scan)))
+            if getattr(snap, "scan_meta", None) is not None:
+                payload.append((SCAN_META_FILE, _write_array(np.asarray(snap.scan_meta, dtype="<f4"))))
             lex = snap.lexical
             if lex is None:  # a hand-made snapshot: index its texts
                 texts = snap.texts if snap.texts is not None else [None] * snap.num_items
@@ -482,26 +494,32 @@ def _npy_header(path: Path, dtype: np.dtype, shape: tuple) -> int:
 
 def _read_rows(
     data_dir: Path, files: dict, n: int, d: int, dtype: str, mmap: bool, verify: bool
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """vectors.npy as float32 [n, d] (and scan.npy for a half-precision bank): read (or map)
-    them, hashing and checking rows in chunks.
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """vectors.npy as float32 [n, d] (and scan.npy for a half-precision or int8 bank, and
+    scan_meta.npy for int8): read (or map) them, hashing and checking rows in chunks.
 
     With ``verify`` every byte is hashed, every row checked (finite, unit norm) and every
-    row of the scan copy checked to be the rounding of its float32 row, in one streaming
-    pass over both files; under ``mmap`` that pass reads the files with ordinary reads
+    row of the scan copy checked to be the rounding (int8: the quantisation,
+    :func:`rfmem_fast.precision.int8_copy_mismatch`) of its float32 row, in one streaming
+    pass over the files; under ``mmap`` that pass reads the files with ordinary reads
     into small buffers, so the mappings themselves stay untouched (not resident).
 
     Returns:
-        (vectors, scan or None).
+        (vectors, scan or None, scan_meta or None).
     """
     half = dtype in HALF_DTYPES
-    specs = [("vectors.npy", np.dtype("<f4"))] + ([("scan.npy", storage_dtype(dtype))] if half else [])
-    paths = [data_dir / name for name, _ in specs]
-    offsets = [_npy_header(path, dt, (n, d)) for path, (_, dt) in zip(paths, specs)]
-    outs = [None if mmap else np.empty((n, d), dtype=dt) for _, dt in specs]
+    i8 = dtype == "int8"
+    specs = [("vectors.npy", np.dtype("<f4"), d)]
+    if dtype in SCAN_DTYPES:
+        specs.append((SCAN_FILE, storage_dtype(dtype), d))
+    if i8:
+        specs.append((SCAN_META_FILE, np.dtype("<f4"), 3))
+    paths = [data_dir / name for name, _, _ in specs]
+    offsets = [_npy_header(path, dt, (n, w)) for path, (_, dt, w) in zip(paths, specs)]
+    outs = [None if mmap else np.empty((n, w), dtype=dt) for _, dt, w in specs]
     if verify or not mmap:
         rows_per = max(1, _CHUNK // max(1, d * 4))
-        bufs = [np.empty((rows_per, d), dtype=dt) if mmap else None for _, dt in specs]
+        bufs = [np.empty((rows_per, w), dtype=dt) if mmap else None for _, dt, w in specs]
         shas = [hashlib.sha256() for _ in specs]
         bad: list[str | None] = [None] * len(specs)
         handles = []
@@ -531,6 +549,10 @@ def _read_rows(
                     same = (to_scan_copy(blocks[0], dtype).view(np.uint16) == blocks[1].view(np.uint16)).all(axis=1)
                     if not same.all():
                         bad[1] = f"row {a + int(np.flatnonzero(~same)[0])} is not the {dtype} rounding of its float32 row"
+                if verify and i8 and bad[0] is None and bad[1] is None:
+                    first = int8_copy_mismatch(blocks[0], blocks[1], blocks[2])
+                    if first >= 0:
+                        bad[1] = f"row {a + first} is not the int8 quantisation of its float32 row (with scan_meta.npy)"
             if verify:
                 for f, sha in zip(handles, shas):
                     sha.update(f.read())
@@ -540,16 +562,16 @@ def _read_rows(
             for f in handles:
                 f.close()
         if verify:
-            for path, (name, _), sha in zip(paths, specs, shas):
+            for path, (name, _, _), sha in zip(paths, specs, shas):
                 if sha.hexdigest() != files[name]["sha256"]:
                     raise StoreError(path, "sha256 checksum mismatch (corrupt or edited)")
         for path, msg in zip(paths, bad):
             if msg is not None:  # checksums fine: the store was written with bad rows
                 raise StoreError(path, msg)
     if mmap:
-        for i, (path, (_, dt)) in enumerate(zip(paths, specs)):
+        for i, (path, (_, dt, w)) in enumerate(zip(paths, specs)):
             if n == 0:
-                outs[i] = np.zeros((0, d), dtype=dt)
+                outs[i] = np.zeros((0, w), dtype=dt)
                 continue
             try:
                 # copy-on-write map: writable in memory (torch wraps it without a copy or a
@@ -557,14 +579,14 @@ def _read_rows(
                 mm = np.load(path, mmap_mode="c", allow_pickle=False)
             except (ValueError, OSError, EOFError) as exc:
                 raise StoreError(path, f"cannot be mapped: {exc}") from None
-            if half and i == 0:
+            if len(specs) > 1 and i == 0:
                 _random_access(path, mm)
             outs[i] = np.asarray(mm)
-    return outs[0], (outs[1] if half else None)
+    return outs[0], (outs[1] if len(specs) > 1 else None), (outs[2] if i8 else None)
 
 
 def _random_access(path: Path, mm: np.memmap) -> None:
-    """Hints for the float32 rows of a half-precision bank, which searches read only for
+    """Hints for the float32 rows of a half-precision or int8 bank, which searches read only for
     the candidates they re-score (a few rows per query, at random): drop the file's
     clean pages from the page cache (the verify pass read them) and map it for random
     access (no read-ahead), so that a search makes resident only the pages of the rows
@@ -652,7 +674,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> St
             raise StoreError(mpath, f"{key} must be an int >= {lo}, got {v!r}")
         ints[key] = v
     dtype = man.get("dtype")
-    allowed = BANK_DTYPES if man["format_version"] >= 2 else ("float32",)
+    allowed = ("float32",) if man["format_version"] < 2 else BANK_DTYPES if man["format_version"] >= 5 else HALF_DTYPES + ("float32",)
     if dtype not in allowed:
         raise StoreError(mpath, f"dtype must be one of {allowed} (format_version {man['format_version']}), got {dtype!r}")
     fv = man["format_version"]
@@ -709,7 +731,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> St
         if not all(m is None or isinstance(m, dict) for m in metadata):
             raise StoreError(mdpath, "entries must be JSON objects or null")
 
-    vectors, scan = _read_rows(data_dir, files, n, d, dtype, mmap, verify)
+    vectors, scan, scan_meta = _read_rows(data_dir, files, n, d, dtype, mmap, verify)
     item_ids = np.empty(n, dtype=object)
     text_arr = np.empty(n, dtype=object)
     if n:
@@ -729,7 +751,7 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> St
     return StoreContents(dim=d, dtype=dtype, version=ints["bank_version"], vectors=vectors, offsets=offsets,
                          users=tuple(users), item_ids=item_ids, texts=text_arr, scan=scan, metadata=metadata,
                          lexical_stemmer=stemmer, lexical=lex, path=str(root), mmap=bool(mmap),
-                         created_at=created)  # fmt: skip
+                         created_at=created, scan_meta=scan_meta)  # fmt: skip
 
 
 def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: bool) -> np.ndarray:
@@ -801,14 +823,16 @@ def read_store(path: Any, mmap: bool = False, verify: bool = True) -> StoreConte
             The first snapshot after a write to the loaded bank copies all rows into
             memory. Do not truncate or rewrite the mapped file in place while the bank
             lives (``save`` never does: it writes a new directory). A half-precision
-            bank maps ``scan.npy`` too; its ``vectors.npy`` is then only read for the
-            rows searches re-score, so it is mapped for random access and its pages are
-            dropped from the page cache after the verify pass: the process keeps
-            resident the scan copy (half the float32 bytes) plus the pages of the rows
+            bank maps ``scan.npy`` too (an int8 bank also ``scan_meta.npy``); its
+            ``vectors.npy`` is then only read for the rows searches re-score, so it is
+            mapped for random access and its pages are dropped from the page cache after
+            the verify pass: the process keeps resident the scan copy (half the float32
+            bytes; a quarter plus 12 bytes per row for int8) plus the pages of the rows
             it re-scored (README "Half-precision banks").
         verify: if True (default), every data file's sha256 is checked and every row
-            is checked to be finite and of unit norm (and, for a half-precision bank,
-            every row of ``scan.npy`` to be the rounding of its float32 row), in one
+            is checked to be finite and of unit norm (and, for a half-precision or int8
+            bank, every row of ``scan.npy`` to be the rounding / quantisation of its
+            float32 row), in one
             streaming pass over the files (under ``mmap`` with ordinary reads, so the
             mappings are not made resident). If False these checks are skipped (the manifest's own
             checksum, file sizes, headers, shapes, offsets, ids and texts are still

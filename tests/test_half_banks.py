@@ -1,4 +1,4 @@
-"""Half-precision banks (issue 11, item 3): ``MemoryBank(dim, dtype="float16" | "bfloat16")``.
+"""Half-precision and int8 banks: ``MemoryBank(dim, dtype="float16" | "bfloat16" | "int8")``.
 
 Pinned here:
 * the scan copy is each float32 element rounded to nearest even (checked against
@@ -6,14 +6,17 @@ Pinned here:
   bfloat16), ties and subnormals included;
 * results equal the float32 bank's, ids and scores, on native (every SIMD level, scan
   and GEMM paths) and torch (both scan strategies), against the exact oracle on banks of
-  exact and 1-ulp near duplicates (whose float16 / bfloat16 roundings tie massively),
-  after writes, and on PersonaBench (263 / 263 golden ids per mode);
-* the store: round trip per dtype (format 2, scan.npy) with and without mmap, a scan
-  copy that is not the rounding of its float32 rows refused, and a float32 store
+  exact and 1-ulp near duplicates (whose float16 / bfloat16 roundings and int8 codes tie
+  massively), after writes, and on PersonaBench (263 / 263 golden ids per mode); the
+  same for int8 banks (the native backend scans the int8 copy, the others the float32
+  rows; tests/test_int8_scan.py has the int8 scan's own adversarial cases);
+* the store: round trip per dtype (format 4, scan.npy; int8: format 5 with
+  scan_meta.npy) with and without mmap, a scan copy that is not the rounding (the int8
+  quantisation) of its float32 rows refused, and a float32 store
   written by the code before this change (tests/data/store_v1_float32) still loads;
-* memory: the scan copy the backends read and hold is half the float32 bytes, and a
-  store loaded with mmap keeps resident the scan copy plus only the float32 pages of
-  the rows a search re-scores (Linux /proc/self/smaps).
+* memory: the scan copy the backends read and hold is half the float32 bytes (int8: a
+  quarter plus 12 bytes per row), and a store loaded with mmap keeps resident the scan
+  copy plus only the float32 pages of the rows a search re-scores (Linux /proc/self/smaps).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from rfmem_fast.precision import scan_to_float32, to_scan_copy
 
 NATIVE = "native" in available()
 HALF = ("float16", "bfloat16")
+SCAN = HALF + ("int8",)  # every bank dtype with a scan copy
 DATA = Path(__file__).parent / "data"
 GOLD_KEY = {"dense": "dense_ids", "recollection": "recollection_ids", "rfmem": "rfmem_ids"}
 
@@ -106,13 +110,14 @@ def test_dtype_argument():
     assert MemoryBank(4, dtype=np.float16).dtype == "float16"
     assert MemoryBank(4, dtype=torch.bfloat16).dtype == "bfloat16"
     assert "dtype=bfloat16" in repr(MemoryBank(4, dtype="bfloat16"))
-    for bad in ("int8", "float64", 3, None):
+    assert MemoryBank(4, dtype=np.int8).dtype == "int8" and MemoryBank(4, dtype=torch.int8).dtype == "int8"
+    for bad in ("int16", "float64", 3, None):
         with pytest.raises(ValueError, match="dtype must be one of"):
             MemoryBank(4, dtype=bad)
 
 
 # ------------------------------------------------------------------ results equal float32
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 @pytest.mark.parametrize("seed, d, n", [(1, 384, 60), (2, 17, 90), (3, 64, 40), (4, 1, 12)])
 def test_near_duplicates_equal_oracle(dtype, seed, d, n):
     """Exact and 1-ulp near duplicates round to the SAME half-precision vector, so the scan
@@ -127,10 +132,11 @@ def test_near_duplicates_equal_oracle(dtype, seed, d, n):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native backend not built")
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 def test_every_simd_level_scans_half_copies_exactly(dtype):
     """The float16 / bfloat16 scan of each SIMD level (F16C or shift conversions, or the
-    baseline's integer ones) on both paths gives the float32 bank's exact top-k."""
+    baseline's integer ones) and the int8 scan (AVX2 vpmaddwd or plain C++) on both paths
+    give the float32 bank's exact top-k."""
     bank32, Q, qseg = near_duplicate_bank(9, 100, 70)
     bank = _as(bank32, dtype)
     want = [NativeBackend().segmented_topk(NativeBackend().view(bank32), torch.from_numpy(Q), torch.from_numpy(qseg), 9)]
@@ -145,7 +151,7 @@ def test_every_simd_level_scans_half_copies_exactly(dtype):
         _native.set_simd_cap(-1)
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 def test_search_after_writes_equals_float32_bank(dtype):
     """add / update / delete on a half bank and on a float32 bank: every mode gives the
     same ids and scores (the scan copy is rebuilt with the snapshot)."""
@@ -169,7 +175,7 @@ def test_search_after_writes_equals_float32_bank(dtype):
 
 
 @pytest.mark.skipif(not NATIVE, reason="native backend not built")
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 def test_both_beam_drivers_scan_the_half_copy_exactly(dtype):
     """The C++ beam driver's rounds and the Python driver's use the half copy (scan and
     GEMM paths: a shared segment with many branches): same rows, scores and rounds as
@@ -193,7 +199,7 @@ def test_both_beam_drivers_scan_the_half_copy_exactly(dtype):
 _PB_FLOAT32: dict = {}  # (backend, mode) -> the float32 bank's result
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_personabench_golden_ids(pb_embedded, dtype, backend):
     """PersonaBench embedded with MiniLM, in a float16 / bfloat16 bank: 263 / 263 questions
@@ -222,7 +228,7 @@ def _snapdir(path: Path) -> Path:
     return path / json.loads((path / "CURRENT").read_text())["dir"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", *HALF])
+@pytest.mark.parametrize("dtype", ["float32", *SCAN])
 def test_store_round_trip(tmp_path, dtype):
     rng = np.random.default_rng(7)
     bank = MemoryBank(24, dtype=dtype)
@@ -230,8 +236,9 @@ def test_store_round_trip(tmp_path, dtype):
     bank.add(3, rng.normal(size=(9, 24)), ids=list(range(9)))
     bank.save(tmp_path / "s")
     man = json.loads((_snapdir(tmp_path / "s") / "manifest.json").read_text())
-    assert man["dtype"] == dtype and man["format_version"] == 4
+    assert man["dtype"] == dtype and man["format_version"] == (5 if dtype == "int8" else 4)
     assert ("scan.npy" in man["files"]) == (dtype != "float32")
+    assert ("scan_meta.npy" in man["files"]) == (dtype == "int8")
     q = rng.normal(size=(4, 24))
     want = search(bank, q, ["u", "u", 3, "u"], RFMemConfig(out_k=5, probe_k=5), mode="rfmem", backend="torch")
     for mmap in (False, True):
@@ -241,9 +248,28 @@ def test_store_round_trip(tmp_path, dtype):
             assert back.dtype == dtype and b.dtype == dtype
             assert a.vectors.tobytes() == b.vectors.tobytes()
             assert (a.scan is None and b.scan is None) or (a.scan.dtype == b.scan.dtype and a.scan.tobytes() == b.scan.tobytes())
+            assert (a.scan_meta is None and b.scan_meta is None) or a.scan_meta.tobytes() == b.scan_meta.tobytes()
             assert list(b.item_ids) == list(a.item_ids) and list(b.texts) == list(a.texts)
-            got = search(back, q, ["u", "u", 3, "u"], RFMemConfig(out_k=5, probe_k=5), mode="rfmem", backend="torch")
-            assert got.ids.tolist() == want.ids.tolist()
+            for be in ["torch"] + (["native"] if NATIVE else []):
+                got = search(back, q, ["u", "u", 3, "u"], RFMemConfig(out_k=5, probe_k=5), mode="rfmem", backend=be)
+                assert got.ids.tolist() == want.ids.tolist()
+                np.testing.assert_array_equal(got.scores, want.scores)
+
+
+def _rewrite_checksums(root: Path, names: list[str]) -> tuple[dict, dict]:
+    """Re-hash ``names`` of the current snapshot into its manifest and CURRENT (an edit
+    only the consistency checks can see); returns (manifest, CURRENT)."""
+    d = _snapdir(root)
+    man = json.loads((d / "manifest.json").read_text())
+    for name in names:
+        raw = (d / name).read_bytes()
+        man["files"][name] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+    mraw = json.dumps(man).encode()
+    (d / "manifest.json").write_bytes(mraw)
+    cur = json.loads((root / "CURRENT").read_text())
+    cur["manifest_sha256"] = hashlib.sha256(mraw).hexdigest()
+    (root / "CURRENT").write_text(json.dumps(cur))
+    return man, cur
 
 
 def test_store_refuses_a_scan_copy_that_is_not_the_rounding(tmp_path):
@@ -256,14 +282,7 @@ def test_store_refuses_a_scan_copy_that_is_not_the_rounding(tmp_path):
     arr = np.load(d / "scan.npy")
     arr[13, 2] = np.float16(0.5) if arr[13, 2] != np.float16(0.5) else np.float16(0.25)
     np.save(d / "scan.npy", arr)
-    man = json.loads((d / "manifest.json").read_text())
-    raw = (d / "scan.npy").read_bytes()
-    man["files"]["scan.npy"] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
-    mraw = json.dumps(man).encode()
-    (d / "manifest.json").write_bytes(mraw)
-    cur = json.loads((tmp_path / "s" / "CURRENT").read_text())
-    cur["manifest_sha256"] = hashlib.sha256(mraw).hexdigest()
-    (tmp_path / "s" / "CURRENT").write_text(json.dumps(cur))
+    man, cur = _rewrite_checksums(tmp_path / "s", ["scan.npy"])
     with pytest.raises(StoreError, match=r"scan\.npy: row 13 is not the float16 rounding"):
         MemoryBank.load(tmp_path / "s")
     with pytest.raises(StoreError, match="dtype"):  # a format-1 manifest cannot hold a half bank
@@ -272,6 +291,37 @@ def test_store_refuses_a_scan_copy_that_is_not_the_rounding(tmp_path):
         (d / "manifest.json").write_bytes(mraw)
         cur["manifest_sha256"] = hashlib.sha256(mraw).hexdigest()
         (tmp_path / "s" / "CURRENT").write_text(json.dumps(cur))
+        MemoryBank.load(tmp_path / "s")
+
+
+@pytest.mark.parametrize("edit", ["code", "scale", "residual_bound", "norm_bound"])
+def test_store_refuses_an_int8_copy_that_is_not_the_quantisation(tmp_path, edit):
+    """An int8 store whose codes, scales or norm bounds were edited (checksums rewritten):
+    a smaller bound would void the scan's proof, so load refuses it, naming the row; a
+    format-4 manifest cannot hold an int8 bank."""
+    bank = MemoryBank(8, dtype="int8")
+    bank.add("u", np.random.default_rng(1).normal(size=(20, 8)), ids=list(range(20)))
+    bank.save(tmp_path / "s")
+    assert MemoryBank.load(tmp_path / "s").snapshot().scan_meta is not None
+    d = _snapdir(tmp_path / "s")
+    codes, meta = np.load(d / "scan.npy"), np.load(d / "scan_meta.npy")
+    if edit == "code":
+        codes[11, 3] = codes[11, 3] + 1 if codes[11, 3] < 127 else 126
+    else:
+        col = {"scale": 0, "residual_bound": 1, "norm_bound": 2}[edit]
+        meta[11, col] = np.float32(meta[11, col] * np.float32(0.999))
+    np.save(d / "scan.npy", codes)
+    np.save(d / "scan_meta.npy", meta)
+    man, cur = _rewrite_checksums(tmp_path / "s", ["scan.npy", "scan_meta.npy"])
+    with pytest.raises(StoreError, match=r"scan\.npy: row 11 is not the int8 quantisation"):
+        MemoryBank.load(tmp_path / "s")
+    MemoryBank.load(tmp_path / "s", verify=False)  # (the checks are the verify pass's)
+    man["format_version"] = 4
+    mraw = json.dumps(man).encode()
+    (d / "manifest.json").write_bytes(mraw)
+    cur["manifest_sha256"] = hashlib.sha256(mraw).hexdigest()
+    (tmp_path / "s" / "CURRENT").write_text(json.dumps(cur))
+    with pytest.raises(StoreError, match="dtype must be one of"):
         MemoryBank.load(tmp_path / "s")
 
 
@@ -297,13 +347,21 @@ def test_store_written_before_half_banks_still_loads(tmp_path):
 
 
 # ------------------------------------------------------------------ memory
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 def test_scan_bytes_are_halved(dtype):
     """What a scan reads and what the scanning backends hold: n d 2 bytes instead of
-    n d 4; the float32 rows are shared with the snapshot (no second float32 copy)."""
+    n d 4 (int8: n (d + 12)); the float32 rows are shared with the snapshot (no second
+    float32 copy)."""
     rng = np.random.default_rng(2)
     X = rng.normal(size=(1000, 64)).astype(np.float32)
     b32, bh = MemoryBank.from_arrays(X, [0, 600, 1000]), MemoryBank.from_arrays(X, [0, 600, 1000], dtype=dtype)
+    if dtype == "int8":
+        assert bh.snapshot().scan_nbytes == 1000 * (64 + 12) and b32.snapshot().scan_nbytes == X.nbytes
+        assert bh.snapshot().scan.dtype == np.int8 and bh.snapshot().scan_meta.shape == (1000, 3)
+        for be in [TorchBackend("cpu")] + ([NativeBackend()] if NATIVE else []):  # no torch copy: the
+            v = be.view(bh)  # native kernels read the snapshot's int8 copy, torch the float32 rows
+            assert v.Xs is None and v.X.data_ptr() == torch.from_numpy(bh.snapshot().vectors).data_ptr()
+        return
     assert bh.snapshot().scan_nbytes * 2 == b32.snapshot().scan_nbytes == X.nbytes
     for be in [TorchBackend("cpu")] + ([NativeBackend()] if NATIVE else []):
         v = be.view(bh)
@@ -324,7 +382,7 @@ def _mapped_rss(paths: list[Path]) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not NATIVE, reason="/proc/self/smaps; native backend")
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", SCAN)
 def test_memory_mapped_store_keeps_half_the_bytes_resident(tmp_path, dtype):
     """A store of 20,480 x 384 rows (30 MiB float32) loaded with mmap; 16 dense queries:
     the float32 bank makes its whole vectors.npy resident; the half bank makes scan.npy
@@ -347,8 +405,9 @@ def test_memory_mapped_store_keeps_half_the_bytes_resident(tmp_path, dtype):
     full = X.nbytes
     assert resident["float32"]["vectors.npy"] >= 0.95 * full
     half = resident[dtype]
-    assert half["scan.npy"] >= 0.95 * full / 2 and half["scan.npy"] <= full / 2 + 4096
-    margin = {"float16": 16, "bfloat16": 32}[dtype]
+    part = 4 if dtype == "int8" else 2  # int8: a quarter (scan_meta.npy, 12 bytes a row, is not counted)
+    assert half["scan.npy"] >= 0.8 * full / part and half["scan.npy"] <= full / part + 4096  # (read-ahead maps most)
+    margin = {"float16": 16, "bfloat16": 32, "int8": 64}[dtype]
     assert half["vectors.npy"] <= 16 * (10 + margin) * 2 * 4096, half
     assert half["vectors.npy"] + half["scan.npy"] <= 0.6 * resident["float32"]["vectors.npy"], resident
 
@@ -368,3 +427,15 @@ def test_native_scan_argument_is_checked():
         _native.segmented_topk(*args, scan=X.astype(np.float16), scan_type="float16")
     with pytest.raises(ValueError, match="scan_type must be one of"):
         _native.segmented_topk(*args, scan=h, scan_type="fp8")
+    c8 = np.zeros((4, 4), np.int8)
+    m8 = np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match="needs scan_meta"):
+        _native.segmented_topk(*args, scan=c8, scan_type="int8")
+    with pytest.raises(TypeError, match="scan must have dtype int8"):
+        _native.segmented_topk(*args, scan=h, scan_meta=m8, scan_type="int8")
+    with pytest.raises(ValueError, match=r"scan_meta must have shape \(4, 3\)"):
+        _native.segmented_topk(*args, scan=c8, scan_meta=m8[:, :2].copy(), scan_type="int8")
+    with pytest.raises(ValueError, match="scan_meta is only for scan_type='int8'"):
+        _native.segmented_topk(*args, scan=h, scan_meta=m8, scan_type="float16")
+    with pytest.raises(ValueError, match="scan_meta is the int8 copy's per-row data"):
+        _native.segmented_topk(*args, scan_meta=m8)

@@ -114,12 +114,13 @@ TopkInputs check_topk(const char* fn, const py::object& X_, const py::object& of
 
 // The options of a top-k call: the scan copy (checked against X), its type, the path.
 struct ScanArg {
-  py::array arr;  // keeps the scan copy alive while the GIL is released
+  py::array arr;   // keeps the scan copy alive while the GIL is released
+  py::array meta;  // (the int8 copy's per-row data)
   rfmem::TopkOptions opt;
 };
 
 ScanArg check_scan(const char* fn, const TopkInputs& in, const py::object& scan_, const std::string& scan_type,
-                   const std::string& path, int num_threads, double xnorm) {
+                   const std::string& path, int num_threads, double xnorm, const py::object& scan_meta_) {
   ScanArg s;
   s.opt.num_threads = num_threads;
   s.opt.xnorm = xnorm;
@@ -127,17 +128,39 @@ ScanArg check_scan(const char* fn, const TopkInputs& in, const py::object& scan_
   else if (path == "scan") s.opt.path = rfmem::TopkPath::kScan;
   else if (path == "gemm") s.opt.path = rfmem::TopkPath::kGemm;
   else throw py::value_error(std::string(fn) + ": path must be one of ('auto', 'scan', 'gemm'), got '" + path + "'");
-  if (scan_type != "float32" && scan_type != "float16" && scan_type != "bfloat16")
-    throw py::value_error(std::string(fn) + ": scan_type must be one of ('float32', 'float16', 'bfloat16'), got '" +
-                          scan_type + "'");
+  if (scan_type != "float32" && scan_type != "float16" && scan_type != "bfloat16" && scan_type != "int8")
+    throw py::value_error(std::string(fn) + ": scan_type must be one of ('float32', 'float16', 'bfloat16', 'int8'), "
+                          "got '" + scan_type + "'");
   if (scan_.is_none()) {
     if (scan_type != "float32")
       throw py::value_error(std::string(fn) + ": scan_type '" + scan_type + "' needs the scan copy (scan=None given)");
+    if (!scan_meta_.is_none())
+      throw py::value_error(std::string(fn) + ": scan_meta is the int8 copy's per-row data: give it with "
+                            "scan_type='int8' and its scan");
     return s;
   }
   if (scan_type == "float32")
-    throw py::value_error(std::string(fn) + ": a scan copy was given but scan_type is 'float32' (say 'float16' or "
-                          "'bfloat16')");
+    throw py::value_error(std::string(fn) + ": a scan copy was given but scan_type is 'float32' (say 'float16', "
+                          "'bfloat16' or 'int8')");
+  if (scan_type == "int8") {
+    s.arr = checked<int8_t>(scan_, fn, "scan", 2, "int8 (the int8 codes)");
+    if (s.arr.shape(0) != in.n || s.arr.shape(1) != in.d)
+      throw py::value_error(std::string(fn) + ": scan must have X's shape (" + std::to_string(in.n) + ", " +
+                            std::to_string(in.d) + "), got " + shape_str(s.arr));
+    if (scan_meta_.is_none())
+      throw py::value_error(std::string(fn) + ": scan_type 'int8' needs scan_meta (float32 [n, 3]: scale, residual "
+                            "norm bound, norm bound per row)");
+    s.meta = checked<float>(scan_meta_, fn, "scan_meta", 2, "float32");
+    if (s.meta.shape(0) != in.n || s.meta.shape(1) != 3)
+      throw py::value_error(std::string(fn) + ": scan_meta must have shape (" + std::to_string(in.n) + ", 3), got " +
+                            shape_str(s.meta));
+    s.opt.scan_i8 = cptr<int8_t>(s.arr);
+    s.opt.scan_meta = cptr<float>(s.meta);
+    s.opt.scan_type = rfmem::ScanType::kI8;
+    return s;
+  }
+  if (!scan_meta_.is_none())
+    throw py::value_error(std::string(fn) + ": scan_meta is only for scan_type='int8'");
   s.arr = checked<uint16_t>(scan_, fn, "scan", 2, "uint16 (the float16 / bfloat16 bits)");
   if (s.arr.shape(0) != in.n || s.arr.shape(1) != in.d)
     throw py::value_error(std::string(fn) + ": scan must have X's shape (" + std::to_string(in.n) + ", " +
@@ -236,11 +259,12 @@ py::tuple py_segmented_topk(const py::object& X_, const py::object& offsets_, co
                             const py::object& qseg_, int64_t k, int num_threads, double xnorm, const py::object& scan_,
                             const std::string& scan_type, const std::string& path, const py::object& qsel_,
                             const py::object& sel_seg_, const py::object& sel_off_, const py::object& sel_rows_,
-                            const py::object& sel_mask_, const py::object& sel_mask_off_) {
+                            const py::object& sel_mask_, const py::object& sel_mask_off_,
+                            const py::object& scan_meta_) {
   const char* fn = "segmented_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
-  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm, scan_meta_);
   SelArg sel;
   check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
   apply_select(sel, sa.opt);
@@ -269,11 +293,11 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                    double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path,
                    const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
                    const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_,
-                   bool keep_scan_scores) {
+                   bool keep_scan_scores, const py::object& scan_meta_) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
-  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm, scan_meta_);
   SelArg sel;
   check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
   apply_select(sel, sa.opt);
@@ -643,7 +667,8 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
                        const std::string& scan_type, const std::string& path, const py::object& qsel_,
                        const py::object& sel_seg_, const py::object& sel_off_, const py::object& sel_rows_,
                        const py::object& sel_mask_, const py::object& sel_mask_off_, const py::object& stats_,
-                       const py::object& ref_scores_, const py::object& ref_ok_, bool dense) {
+                       const py::object& ref_scores_, const py::object& ref_ok_, bool dense,
+                       const py::object& scan_meta_) {
   const char* fn = "recollect";
   check_threads(fn, num_threads);
   auto check_range = [fn](const char* name, int64_t v, int64_t lo, int64_t hi) {
@@ -666,7 +691,7 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
   if (memory_budget < 1)
     throw py::value_error(std::string(fn) + ": memory_budget must be >= 1 byte, got " + std::to_string(memory_budget));
   TopkInputs in = check_topk(fn, X_, offsets_, Q0_, qseg_, 1);
-  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm);
+  ScanArg sa = check_scan(fn, in, scan_, scan_type, path, num_threads, xnorm, scan_meta_);
   SelArg sel;
   check_select(fn, in, qsel_, sel_seg_, sel_off_, sel_rows_, sel_mask_, sel_mask_off_, sel);
   apply_select(sel, sa.opt);
@@ -799,7 +824,7 @@ PYBIND11_MODULE(_native, mod) {
           py::arg("k"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0, py::arg("scan") = py::none(),
           py::arg("scan_type") = "float32", py::arg("path") = "auto", py::arg("qsel") = py::none(),
           py::arg("sel_seg") = py::none(), py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(),
-          py::arg("sel_mask") = py::none(), py::arg("sel_mask_off") = py::none(),
+          py::arg("sel_mask") = py::none(), py::arg("sel_mask_off") = py::none(), py::arg("scan_meta") = py::none(),
           R"doc(Top-k inner products of each query within its own user's segment (spec "Vectors and scores").
 
 Args:
@@ -817,7 +842,13 @@ Args:
         (numpy ``X.astype(np.float16).view(np.uint16)``; torch ``.to(torch.bfloat16)``).
         The scan then reads these 2-byte rows (half the bytes), and X is read only for
         the candidates it re-scores exactly; the results are those of X.
-    scan_type: "float32" (no scan copy), "float16" or "bfloat16" (the type of ``scan``).
+        Or an int8 copy: int8 [n, d] (rfmem_fast.precision.to_scan_copy(X, "int8")), with
+        scan_meta float32 [n, 3] (per row: the scale s, an upper bound of ||X[r] - s
+        scan[r]||, an upper bound of ||X[r]||): a quarter of the bytes, integer dot
+        products with per-query int16 queries, a proven bound per (query, row)
+        (rfmem_fast/backends/exact.py "int8 scan copies"); the results are those of X.
+    scan_type: "float32" (no scan copy), "float16", "bfloat16" or "int8" (the type of ``scan``).
+    scan_meta: None, or (scan_type "int8" only, required there) the int8 copy's per-row data.
     path: "auto" (default: per segment, the cheaper of the scan and GEMM paths by the
         cost rule, see gemm_pays), "scan" or "gemm" (forced; results are the same).
     qsel, sel_seg, sel_off, sel_rows, sel_mask, sel_mask_off: a filtered search (all six,
@@ -844,7 +875,8 @@ Raises:
     TypeError: an argument is not a numpy array or has the wrong dtype.
     ValueError: wrong rank, shape or contiguity; malformed offsets; qseg out of range; k < 1;
         an unknown path or scan_type, a scan copy of another shape than X, or a scan_type
-        that does not match whether ``scan`` is given; malformed selections (only some of
+        that does not match whether ``scan`` is given; an int8 copy without scan_meta of
+        shape [n, 3], or scan_meta with another scan type; malformed selections (only some of
         the six arrays, rows outside their segment or not increasing, a mask that does not
         mark exactly the rows, a qsel out of range or naming another segment).
 )doc");
@@ -854,11 +886,11 @@ Raises:
           py::arg("xnorm") = -1.0, py::arg("scan") = py::none(), py::arg("scan_type") = "float32",
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
-          py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false,
+          py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false, py::arg("scan_meta") = py::none(),
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
-    X, offsets, Q, qseg, k, num_threads, xnorm, scan, scan_type, path, qsel, sel_seg,
+    X, offsets, Q, qseg, k, num_threads, xnorm, scan, scan_type, scan_meta, path, qsel, sel_seg,
         sel_off, sel_rows, sel_mask, sel_mask_off: as segmented_topk (a filtered query's
         signals are those of its selected rows' top-k).
     probe_k: K of the signals (>= 1; capped at k).
@@ -873,7 +905,7 @@ Returns:
     With keep_scan_scores=True, two more: scan_scores float32 [b, L] (L = the longest
     queried segment) and written bool [b], or (None, None) unless L >= PRUNE_MIN_ROWS
     (the driver's pruning threshold) and b * L <= 2^22: for a query whose scan took the
-    float32 scan path (SIMD level >= 1; not GEMM, not a half-precision copy), written[i]
+    float32 scan path (SIMD level >= 1; not GEMM, not a half-precision or int8 copy), written[i]
     and scan_scores[i, j] = the scan score of row offsets[qseg[i]] + j (within the scan
     path's error bound of the exact score), for the beam driver (recollect's
     ref_scores); other entries unspecified.
@@ -968,7 +1000,7 @@ Raises:
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
           py::arg("sel_mask_off") = py::none(), py::arg("stats") = py::none(), py::arg("ref_scores") = py::none(),
-          py::arg("ref_ok") = py::none(), py::arg("dense") = false,
+          py::arg("ref_ok") = py::none(), py::arg("dense") = false, py::arg("scan_meta") = py::none(),
           R"doc(The whole Recollection path (spec section 4) for a batch of queries: the native beam driver.
 
 The C++ twin of rfmem_fast.recollection.recollect (the Python driver): same rows, scores
@@ -997,8 +1029,9 @@ Args:
         fit; one thread at least).
     active: bool [b] or None (all): queries with False are not recollected (padding rows,
         -inf scores, 0 rounds, no work).
-    scan, scan_type, path: the rounds' top-k calls, as segmented_topk's (a half-precision
-        scan copy of X, its type, a forced path); the results do not depend on them.
+    scan, scan_type, scan_meta, path: the rounds' top-k calls, as segmented_topk's (a
+        half-precision or int8 scan copy of X, its type, the int8 copy's per-row data, a
+        forced path); the results do not depend on them.
     qsel, sel_seg, sel_off, sel_rows, sel_mask, sel_mask_off: a filtered search, as
         segmented_topk's (qsel per query of the batch): every round's candidates of a
         filtered query come from its selected rows (level0 must be filtered alike).
@@ -1184,4 +1217,49 @@ Raises:
       "padded to whole panels (32 at level 2, 16 below) at the micro-kernel's rate, the scan path every query at "
       "the lanes' rate (csrc/cpu/topk.cpp, measured rates); segments of fewer than 128 rows always scan.");
   mod.attr("GEMM_KC") = rfmem::kGemmKc;
+  mod.def(
+      "int8_bounds",
+      [](const py::object& codes_, const py::object& meta_, const py::object& Q_, double xnorm) {
+        const char* fn = "int8_bounds";
+        py::array codes = checked<int8_t>(codes_, fn, "codes", 2, "int8");
+        py::array meta = checked<float>(meta_, fn, "meta", 2, "float32");
+        py::array Q = checked<float>(Q_, fn, "Q", 2, "float32");
+        const int64_t n = codes.shape(0), d = codes.shape(1), b = Q.shape(0);
+        if (meta.shape(0) != n || meta.shape(1) != 3)
+          throw py::value_error(std::string(fn) + ": meta must have shape (" + std::to_string(n) + ", 3), got " +
+                                shape_str(meta));
+        if (Q.shape(1) != d)
+          throw py::value_error(std::string(fn) + ": Q must have " + std::to_string(d) + " columns (codes' d), got " +
+                                shape_str(Q));
+        if (!(xnorm >= 0.0)) throw py::value_error(std::string(fn) + ": xnorm must be >= 0 (an upper bound of ||x||)");
+        py::array_t<float> lo({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(n)});
+        py::array_t<float> up({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(n)});
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = rfmem::int8_bounds(cptr<int8_t>(codes), cptr<float>(meta), n, d, cptr<float>(Q), b, xnorm,
+                                  lo.mutable_data(), up.mutable_data());
+        }
+        if (!ok)
+          throw py::value_error(std::string(fn) + ": the int8 scan cannot bound these queries (a non-finite query, "
+                                "||q|| xnorm >= 2^100, or d > (2^31 - 1) / 127): segmented_topk scans the float32 "
+                                "rows for them");
+        return py::make_tuple(lo, up);
+      },
+      py::arg("codes"), py::arg("meta"), py::arg("Q"), py::arg("xnorm"),
+      R"doc(The int8 scan's proven bounds of every (query, row) score (tests, diagnostics).
+
+Args:
+    codes: int8 [n, d], meta: float32 [n, 3] (rfmem_fast.precision.int8_scan_copy of float32
+        rows X); Q: float32 [b, d]; xnorm: an upper bound of the rows' norms (>= 0).
+
+Returns:
+    (lower float32 [b, n], upper float32 [b, n]): lower <= RN32(Q[i] . X[r]) <= upper, as
+    segmented_topk's int8 scan computes them at the SIMD level in use (queries quantised
+    to int16 per query, exact int32 dots, rfmem_fast/backends/exact.py "int8 scan copies").
+
+Raises:
+    TypeError: wrong dtypes. ValueError: wrong shapes, or queries the int8 scan cannot
+    bound (then segmented_topk scans the float32 rows).
+)doc");
 }

@@ -41,7 +41,17 @@ struct TopkOptions {
   /// round(X[r, i]) to nearest even) that the scan reads instead of X; nullptr: scan X.
   /// The exact re-scoring reads X either way, for the candidates only.
   const uint16_t* scan = nullptr;
-  ScanType scan_type = ScanType::kF32;  ///< type of ``scan`` (kF16 or kBF16 when given)
+  ScanType scan_type = ScanType::kF32;  ///< type of ``scan`` (kF16 or kBF16 when given; kI8 with scan_i8)
+  /// An int8 copy of X (int8 [n, d], C-contiguous) and its per-row data scan_meta (float32
+  /// [n, 3]: the row's scale s, an upper bound of ||X[r] - s x8||, an upper bound of
+  /// ||X[r]||; rfmem_fast.precision.to_scan_copy) that the scan reads instead of X
+  /// (scan_type kI8; ``scan`` must then be null). The queries are quantised to int16 per
+  /// query, every row gets its own proven bound, and the rows that can reach the top-k
+  /// are re-scored exactly from X (topk.cpp "int8 scan"). Queries or dimensions the int8
+  /// scan cannot bound (d > (2^31 - 1) / 127, a query norm times xnorm >= 2^100, a
+  /// non-finite query) make the call scan X instead; results never depend on it.
+  const int8_t* scan_i8 = nullptr;
+  const float* scan_meta = nullptr;
   TopkPath path = TopkPath::kAuto;
   int num_threads = 0;  ///< most threads to use (0 = the machine's); fewer for small work
   double xnorm = -1.0;  ///< an upper bound of the row norms of X (< 0: computed, O(n d))
@@ -112,6 +122,14 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
 /// An upper bound of max_i ||X[i]|| (float64 sums, inflated by their error bound).
 double row_norm_bound(const float* X, int64_t n, int64_t d);
+
+/// The int8 scan's bounds of every (query, row) pair, as segmented_topk's int8 scan
+/// computes them (the queries quantised the same way, the dots of the SIMD level in use):
+/// lower[i * n + r] <= RN32(Q[i] . x_r) <= upper[i * n + r] for the float32 row x_r whose
+/// int8 copy is codes[r] with meta[r] (TopkOptions::scan_i8). Returns false (nothing
+/// written) where the int8 scan would fall back to the float32 rows (TopkOptions).
+bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
+                 float* lower, float* upper);
 
 /// Entropy conventions of familiarity_signals (spec section 1).
 enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };

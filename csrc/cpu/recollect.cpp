@@ -573,9 +573,10 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
-  // pruning needs the float32 scan (no half-precision copy) and its SIMD kernels, and
-  // pays only when later rounds scan (max_rounds > 1)
-  const bool prune = simd_kernels().scores_f32 != nullptr && (topk == nullptr || topk->scan == nullptr) &&
+  // pruning needs the float32 scan (no half-precision or int8 copy) and its SIMD kernels,
+  // and pays only when later rounds scan (max_rounds > 1)
+  const bool prune = simd_kernels().scores_f32 != nullptr &&
+                     (topk == nullptr || (topk->scan == nullptr && topk->scan_i8 == nullptr)) &&
                      cfg.max_rounds > 1 && max_len >= kPruneMinRows;
   for (Workspace& w : ws) {
     w.prune = prune;

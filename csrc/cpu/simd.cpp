@@ -61,13 +61,17 @@ namespace simd_l2 {
 namespace {
 
 const SimdKernels kLevels[] = {
-    {0, "baseline", simd_l0::MR, simd_l0::NR, &simd_l0::gemm_panel, &simd_l0::to_f32, &simd_l0::dot4_half,
+    {0, "baseline", simd_l0::MR, simd_l0::NR, &simd_l0::gemm_panel, &simd_l0::to_f32, &simd_l0::i8_dots,
+     nullptr, &simd_l0::dot4_half,
      &simd_l0::scan_rows_half, nullptr, nullptr, nullptr},
 #if RFMEM_SIMD_X86
-    {1, "avx2", simd_l1::MR, simd_l1::NR, &simd_l1::gemm_panel, &simd_l1::to_f32, &simd_l1::dot4_half,
+    {1, "avx2", simd_l1::MR, simd_l1::NR, &simd_l1::gemm_panel, &simd_l1::to_f32, &simd_l1::i8_dots,
+     &simd_l1::i8_gemm_panel, &simd_l1::dot4_half,
      &simd_l1::scan_rows_half, &simd_l1::scan_rows_f32,
      &simd_l1::scan_rows_f32_pruned, &simd_l1::scores_f32},
-    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l2::dot4_half,
+    // level 2's int8 kernels are level 1's (AVX2): no AVX-512 int8 code (simd.h)
+    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l1::i8_dots,
+     &simd_l1::i8_gemm_panel, &simd_l2::dot4_half,
      &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32,
      &simd_l2::scan_rows_f32_pruned, &simd_l2::scores_f32},
 #endif

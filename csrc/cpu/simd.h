@@ -23,6 +23,14 @@
 //     and prefetch the rows ahead, level 0 multiplies then adds: their scan scores may
 //     differ in the last bits, the exact results never do.
 //   * to_f32: float16 / bfloat16 -> float32, exact.
+//   * i8_dots: the int32 inner products of up to 4 int8 rows with int16 queries (the int8
+//     scan copy, ScanType kI8): exact integers, so every level (and both paths) gives the
+//     same value. Level 1: the row's bytes sign-extended to int16 (vpmovsxbw) and
+//     multiplied pairwise into int32 (vpmaddwd), register blocks of 4 rows x 2 queries;
+//     level 0: plain C++. Level 2 (AVX-512) uses level 1's kernel: it has no AVX-512
+//     int8 code of its own (none could be tested on the AVX2 machines it was written on).
+//     Ranges: |x| <= 127, |q| <= QMAX(d) with d * 127 * QMAX(d) <= 2^31 - 1 (i8_qmax),
+//     so no product, pair sum (<= 2 * 127 * 32767) or lane sum overflows an int32.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +40,43 @@
 namespace rfmem {
 
 /// Element type of the bank copy a scan reads (the exact re-scoring always reads float32).
-enum class ScanType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum class ScanType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+
+/// Largest |q| of an int16-quantised query of dimension d for the int8 scan: the int32
+/// sums of d products |q_j x_j| <= QMAX * 127 never overflow (min(32767, (2^31 - 1) /
+/// (127 d)); 0 when d > (2^31 - 1) / 127, where the int8 scan is not used).
+inline int32_t i8_qmax(int64_t d) {
+  const int64_t m = d > 0 ? (int64_t{2147483647} / (127 * d)) : 32767;
+  return static_cast<int32_t>(m < 32767 ? m : 32767);
+}
+
+/// One query of the int8 scan (topk.cpp i8_prepare; the derivation of a and b is in
+/// rfmem_fast/backends/exact.py, "int8 scan copies"): q = s * q16 + r_q, q16 int16
+/// [ceil(d / 16) * 16] (zero beyond d).
+struct I8Query {
+  const int16_t* q;  // the int16 codes
+  float s;           // the query's scale
+  float a;           // coefficient of a row's residual norm in its bound
+  float b;           // coefficient of a row's norm in its bound
+};
+
+/// The absolute term of the int8 scan's bound: covers every underflow of its float32
+/// evaluation (exact.py).
+constexpr float kI8Abs = 4.81482486096809e-35f;  // 2^-114
+
+/// Per-row data of the int8 scan copy, meta[3 r .. 3 r + 2]: the row's scale s_x, an upper
+/// bound of its residual norm ||x - s_x x8||, an upper bound of its norm ||x||.
+/// The scan score of row x: f = fl(fl(I) * fl(s * s_x)) (I = q16 . x8, exact), its bound
+/// B = fl(fl(a rho) + fl(fl(b N) + kI8Abs)); |f - RN32(q.x)| <= B (1 - u)^2 with room for
+/// the two float32 roundings of f + B and f - B, so i8_upper >= RN32(q.x) >= i8_lower for
+/// every row (exact.py). Compiled without contraction: the same bits at every level.
+inline float i8_score(const I8Query& q, const float* m, int32_t I) {
+  const float c = q.s * m[0];
+  return static_cast<float>(I) * c;
+}
+inline float i8_bound(const I8Query& q, const float* m) { return q.a * m[1] + (q.b * m[2] + kI8Abs); }
+inline float i8_upper(const I8Query& q, const float* m, int32_t I) { return i8_score(q, m, I) + i8_bound(q, m); }
+inline float i8_lower(const I8Query& q, const float* m, int32_t I) { return i8_score(q, m, I) - i8_bound(q, m); }
 
 /// Terms of d summed from zero before they are added to the running sum (GEMM path).
 constexpr int64_t kGemmKc = 64;
@@ -60,6 +104,22 @@ struct SimdKernels {
 
   /// dst[0:count] = src[0:count] as float32 (exact).
   void (*to_f32)(const uint16_t* src, int64_t count, ScanType t, float* dst);
+
+  /// The exact int32 inner products out[i * nq + j] = qs[j] . xr[i] of nr <= 4 int8 rows
+  /// (stride-free pointers, d bytes each) with nq int16 queries (each zero-padded to a
+  /// multiple of 16 elements); |qs[j][.]| <= i8_qmax(d).
+  void (*i8_dots)(const int8_t* const* xr, int nr, const int16_t* const* qs, int nq, int64_t d, int32_t* out);
+
+  /// The int8 GEMM micro-kernel (level 1, also used at level 2; nullptr at level 0):
+  /// rows T[0:nrows] (int16 [nrows, dp], the int8 rows sign-extended, zero past d; dp =
+  /// d rounded up to even; global row of T[0] is row0, its data meta[0..]) against the
+  /// packed panel P of up to 16 queries (int32 [dp / 2][16]: P[j * 16 + q] holds query q's
+  /// int16 codes 2j and 2j + 1, zero past nq), register blocks of 6 rows x 16 queries of
+  /// int32 accumulators (vpmaddwd of a broadcast pair of a row with the panel); every key
+  /// i8_upper (the same float32 operations, vectorised) above its query's heap threshold
+  /// is pushed into heaps[q] (q < nq).
+  void (*i8_gemm_panel)(const int16_t* T, int64_t nrows, int64_t dp, const int32_t* P, int nq, int64_t row0,
+                        const float* meta, const I8Query* const* qs, Heap* heaps);
 
   /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
   void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,

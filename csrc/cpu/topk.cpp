@@ -42,6 +42,14 @@
 //      segment is rescanned (scan kernel, its own bound B') and every row with
 //      f' >= t - B - B' is re-scored into a running exact top-k (rescan_query).
 //
+// int8 scan copy (TopkOptions::scan_i8, section "int8 scan" below; the proof is in
+// docs/internals/exactness.md and rfmem_fast/backends/exact.py): the queries quantised to
+// int16 once per call, exact int32 dots of int8 rows (simd.h i8_dots on the scan path,
+// i8_gemm_panel on the GEMM path), a proven bound per (query, row) from the row's
+// residual and norm bounds; the heaps keep upper keys U >= e, and step 4 becomes: L = the
+// k-th largest lower key of the kept rows, re-score the kept rows with U >= L, rescan
+// when the heap's worst kept U >= L.
+//
 // Filtered search (kernels.h SelTable, rfmem_fast/filters.py): a query of a mask-mode
 // selection runs in its group like any other, its heap refusing the unselected rows
 // (heap.h; the rescan of step 4 too), so its kept list and its k-th scan score are
@@ -79,11 +87,11 @@ constexpr int kGroup = 16;                 // queries of one segment scored per 
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
 constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item of its own (parts)
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
-// SCAN_MARGINS): float32 8, float16 16, bfloat16 32, so that the kept list usually
-// holds every row within the wider bound of a half-precision scan (2B ~ 1e-3 / 8e-3 of
-// a cosine) and the segment is rarely rescanned; the re-scored set is decided by the
-// error bound, not by this.
-constexpr int64_t kScanMargin[3] = {8, 16, 32};
+// SCAN_MARGINS): float32 8, float16 16, bfloat16 32, int8 64, so that the kept list
+// usually holds every row within the wider bound of a half-precision or int8 scan (2B ~
+// 1e-3 / 8e-3 / 3e-2 of a cosine) and the segment is rarely rescanned; the re-scored set
+// is decided by the error bound, not by this.
+constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -220,6 +228,8 @@ struct ScanSrc {
   const float* f32;
   const uint16_t* half;  // nullptr: scan the float32 rows
   ScanType type;
+  const int8_t* i8 = nullptr;    // the int8 copy (type kI8), or nullptr
+  const float* meta = nullptr;   // its per-row data [n, 3] (simd.h i8_score)
 };
 
 // Scan scores of 4 rows of the scan copy (the scan path's lanes, any precision).
@@ -335,13 +345,206 @@ void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, c
   emit(hp.h, hp.size, c.k, out_s, out_r);
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 scan (TopkOptions::scan_i8; the derivation is rfmem_fast/backends/exact.py, "int8
+// scan copies"). Row x is stored as x8 = round(x / s_x) (int8, |x8| <= 127, s_x = max|x| /
+// 127) with meta (s_x, rho_x >= ||x - s_x x8||, N_x >= ||x||); query q is quantised here
+// to q16 = round(q / s) (int16, s = max|q| / i8_qmax(d)). The integer I = q16 . x8 is
+// exact (simd.h i8_dots), and with a, b per query (i8_prepare) every row's upper key
+// U = i8_upper(...) >= RN32(q.x) >= i8_lower(...) = lo. The heaps keep the k + 64 best
+// keys U; with L the k-th largest lo of the kept rows (a lower bound of the k-th exact
+// score T), a row of the exact top-k has U >= e >= T >= L: the kept rows with U >= L are
+// re-scored exactly, and when a heap dropped rows whose U may reach L (its worst kept U
+// >= L) the segment (or list) is rescanned, every row with U >= L re-scored. So
+// ``cut`` on this path is L itself, in the same key space as the heaps (finish_query).
+
+/// Most queries whose int32 dots one i8_dots call takes (the rest in further calls).
+constexpr int kI8Chunk = 64;
+
+/// The queries of a call as the int8 scan reads them (codes[i * dq ..], dq = d rounded up
+/// to 16, zero beyond d); false when the int8 scan cannot bound them (d too large, a
+/// non-finite query, ||q|| xnorm >= 2^100: then the call scans the float32 rows).
+bool i8_prepare(const float* Q, int64_t b, int64_t d, double xnorm, std::vector<int16_t>& codes,
+                std::vector<I8Query>& out) {
+  const int32_t qmax = i8_qmax(d);
+  if (qmax < 1 || !(xnorm >= 0.0) || !(xnorm < 1e30)) return false;
+  const int64_t dq = (d + 15) / 16 * 16;
+  codes.assign(static_cast<size_t>(b * dq), 0);
+  out.resize(static_cast<size_t>(b));
+  const double inv = 1.0 / (1.0 - gamma_n(static_cast<double>(d + 3), kU64));  // sums of d squares
+  const double f16 = 1.0 + 16.0 * kU32;
+  const double big = 1.2676506002282294e+30;  // 2^100
+  auto up32 = [](double v) {  // the float32 >= v nearest v
+    float f = static_cast<float>(v);
+    if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    return f;
+  };
+  for (int64_t i = 0; i < b; ++i) {
+    const float* q = Q + i * d;
+    int16_t* c = codes.data() + i * dq;
+    double mx = 0.0, qq = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      const double v = static_cast<double>(q[j]);
+      mx = std::max(mx, std::fabs(v));
+      qq += v * v;
+    }
+    if (!std::isfinite(qq) || !(mx < 3.5e38)) return false;
+    const double qn = std::sqrt(qq * inv) * kSlack;  // >= ||q||
+    if (qn * xnorm >= big) return false;
+    float s = static_cast<float>(mx / static_cast<double>(qmax));
+    double rr = 0.0, S = 0.0;
+    if (s > 0.0f) {
+      const double sd = static_cast<double>(s);
+      for (int64_t j = 0; j < d; ++j) {
+        double t = std::nearbyint(static_cast<double>(q[j]) / sd);
+        t = std::min<double>(qmax, std::max<double>(-qmax, t));
+        c[j] = static_cast<int16_t>(t);
+        S += t * t;  // an exact integer (< 2^53)
+        const double r = static_cast<double>(q[j]) - sd * t;  // sd * t exact; one rounding
+        rr += r * r;
+      }
+    } else {
+      s = 0.0f;
+      rr = qq;
+    }
+    const double qt = std::sqrt(S) * static_cast<double>(s) * kSlack;  // >= ||s q16||
+    const double rq = std::sqrt(rr * inv) * kSlack;                      // >= ||q - s q16||
+    const double av = qt * f16 * kSlack;
+    const double bv = ((rq + kU32 * qn) * f16 + 16.0 * kU32 * qt) * kSlack;
+    out[static_cast<size_t>(i)] = I8Query{c, s, up32(av), up32(bv)};
+  }
+  return true;
+}
+
+// The int8 scan's keys of the rows xr[0:cnt] (global rows ids[0:cnt], increasing) for
+// the queries qs[0:nq], pushed into heaps[0:nq].
+RFMEM_MULTIVERSION
+void i8_push(const ScanSrc& src, const SimdKernels& K, int64_t d, const int8_t* const* xr, const int64_t* ids,
+             int cnt, const I8Query* const* qs, int nq, Heap* heaps) {
+  const int16_t* qc[kI8Chunk];
+  int32_t dots[4 * kI8Chunk];
+  for (int q0 = 0; q0 < nq; q0 += kI8Chunk) {
+    const int m = std::min(kI8Chunk, nq - q0);
+    for (int j = 0; j < m; ++j) qc[j] = qs[q0 + j]->q;
+    K.i8_dots(xr, cnt, qc, m, d, dots);
+    for (int j = 0; j < m; ++j) {
+      const I8Query& iq = *qs[q0 + j];
+      Heap& hp = heaps[q0 + j];
+      float thr = hp.threshold();
+      for (int i = 0; i < cnt; ++i) {
+        const float key = i8_upper(iq, src.meta + 3 * ids[i], dots[i * m + j]);
+        if (key > thr) {
+          hp.push(key, ids[i]);
+          thr = hp.threshold();
+        }
+      }
+    }
+  }
+}
+
+// The int8 scan of rows [r0, r1) (contiguous) for nq queries: 4 rows per i8_dots call,
+// every query of the group (or GEMM unit) scoring them while they are in L1.
+void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+             const I8Query* const* qs, int nq, Heap* heaps) {
+  const int8_t* xr[4];
+  int64_t ids[4];
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    for (int i = 0; i < cnt; ++i) {
+      ids[i] = r + i;
+      xr[i] = src.i8 + (r + i) * d;
+    }
+    i8_push(src, K, d, xr, ids, cnt, qs, nq, heaps);
+  }
+}
+
+// The same over the listed rows rows[0:m] (increasing), the next rows prefetched.
+void i8_scan_list(const ScanSrc& src, const SimdKernels& K, int64_t d, const int64_t* rows, int64_t m,
+                  const I8Query* const* qs, int nq, Heap* heaps) {
+  const int8_t* xr[4];
+  for (int64_t j = 0; j < m; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, m - j));
+    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + rows[j + i] * d;
+    for (int64_t t = j + 4; t < std::min(m, j + 8); ++t) {
+      const char* p = reinterpret_cast<const char*>(src.i8 + rows[t] * d);
+      for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o);
+    }
+    i8_push(src, K, d, xr, rows + j, cnt, qs, nq, heaps);
+  }
+}
+
+// L: the k-th largest lower bound lo of the kept candidates cand[0:nc] (their rows
+// re-scored in int8 exactly as the scan did), -inf when there are fewer than k; ``tmp``
+// holds k entries (used as a bounded heap).
+double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq,
+                    const Entry* cand, int64_t nc, Entry* tmp) {
+  if (nc < c.k) return kNegInfD;
+  Heap hp;
+  hp.h = tmp;
+  hp.k = c.k;
+  hp.size = 0;
+  const int16_t* qc[1] = {iq.q};
+  const int8_t* xr[4];
+  int32_t dots[4];
+  for (int64_t j = 0; j < nc; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, nc - j));
+    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + cand[j + i].r * c.d;
+    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
+    for (int i = 0; i < cnt; ++i) hp.push(i8_lower(iq, src.meta + 3 * cand[j + i].r, dots[i]), j + i);
+  }
+  return hp.size < hp.k ? kNegInfD : static_cast<double>(hp.h[0].s);
+}
+
+// Rescan of one query over the rows row_at(0 .. m-1) (increasing) with the int8 keys:
+// every row whose key reaches L is re-scored exactly into a running top-k (heap of
+// capacity k at store, refusing the rows ``mask`` leaves out).
+template <class RowAt>
+void i8_rescan(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq, const float* q,
+               int64_t m, const RowAt& row_at, double L, Entry* store, float* out_s, int64_t* out_r,
+               const uint8_t* mask, int64_t mask_base) {
+  Heap hp;
+  hp.h = store;
+  hp.k = c.k;
+  hp.size = 0;
+  hp.mask = mask;
+  hp.mask_base = mask_base;
+  const int16_t* qc[1] = {iq.q};
+  const int8_t* xr[4];
+  int64_t ids[4];
+  int32_t dots[4];
+  for (int64_t j = 0; j < m; j += 4) {
+    const int cnt = static_cast<int>(std::min<int64_t>(4, m - j));
+    for (int i = 0; i < cnt; ++i) {
+      ids[i] = row_at(j + i);
+      xr[i] = src.i8 + ids[i] * c.d;
+    }
+    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
+    for (int i = 0; i < cnt; ++i) {
+      if (static_cast<double>(i8_upper(iq, src.meta + 3 * ids[i], dots[i])) < L) continue;
+      if (mask != nullptr && !mask[ids[i] - mask_base]) continue;
+      const float ex = exact_score(q, c.X + ids[i] * c.d, c.d, c.g64);
+      if (ex > hp.threshold() || hp.size < hp.k) hp.push(ex, ids[i]);
+    }
+  }
+  emit(hp.h, hp.size, c.k, out_s, out_r);
+}
+
 // The exact top-k of one query from its kept scan candidates (cand[0:nc], disjoint rows
 // of its segment [a, e)); ``dropped``(cut) says whether rows of scan score >= cut may
-// have been left out, in which case the segment is rescanned.
+// have been left out, in which case the segment is rescanned. ``iq``: the query's int8
+// form when the scan read the int8 copy (keys are then upper bounds, and cut is L).
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
-                  const Dropped& dropped, const uint8_t* mask) {
+                  const Dropped& dropped, const uint8_t* mask, const I8Query* iq = nullptr) {
+  if (iq != nullptr) {
+    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store);
+    if (dropped(L))
+      i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
+    else
+      rescore(c, q, cand, nc, L, out_s, out_r);
+    return;
+  }
   const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
   const double lower = kth_lower(cand, nc, c.k, Bp);
   const double cut = cut_below(lower, Bp);
@@ -380,7 +583,7 @@ RFMEM_INLINE void scan4_list(const ScanSrc& src, const SimdKernels& K, const flo
 RFMEM_MULTIVERSION
 void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const float* const* qs, int nq,
                 const int64_t* rows, int64_t m, int64_t kw, int64_t tile_rows, Entry* store, float* const* out_s,
-                int64_t* const* out_r) {
+                int64_t* const* out_r, const I8Query* const* iqs) {
   const int64_t d = c.d;
   float sc[4];
   Heap hps[kGroup];
@@ -388,6 +591,22 @@ void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
     hps[i].h = store + static_cast<size_t>(i) * kw;
     hps[i].k = kw;
     hps[i].size = 0;
+  }
+  if (iqs != nullptr) {  // the int8 scan of the listed rows, then its exact finish (finish_query)
+    i8_scan_list(src, K, d, rows, m, iqs, nq, hps);
+    Entry* ex = store + static_cast<size_t>(nq) * kw;
+    for (int i = 0; i < nq; ++i) {
+      Heap& hp = hps[i];
+      const bool filled = hp.size == kw && m > kw;
+      const float worst = hp.size ? hp.h[0].s : kNegInf;
+      const double L = i8_kth_lower(c, src, K, *iqs[i], hp.h, hp.size, ex);
+      if (filled && static_cast<double>(worst) >= L)
+        i8_rescan(c, src, K, *iqs[i], qs[i], m, [rows](int64_t j) { return rows[j]; }, L, ex, out_s[i], out_r[i],
+                  nullptr, 0);
+      else
+        rescore(c, qs[i], hp.h, hp.size, L, out_s[i], out_r[i]);
+    }
+    return;
   }
   for (int64_t t0 = 0; t0 < m; t0 += tile_rows) {
     const int64_t t1 = std::min(m, t0 + tile_rows);
@@ -491,6 +710,44 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
+// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of 6 rows in kGemmTileBytes.
+int64_t i8_tile_rows(int64_t dp) { return std::max<int64_t>(6, (kGemmTileBytes / (dp * 2)) / 6 * 6); }
+
+// The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
+// once into panels of 16 (int16 pairs as int32, simd.h i8_gemm_panel), the rows converted
+// tile by tile to int16 (zero past d) and scored against every panel while in L2.
+void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+                  const I8Query* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
+  const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
+  int32_t* P = reinterpret_cast<int32_t*>(scratch);
+  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
+  const int npan = (nq + 15) / 16;
+  for (int p = 0; p < npan; ++p) {
+    int32_t* Pp = P + static_cast<int64_t>(p) * np * 16;
+    for (int q = 0; q < 16; ++q) {
+      const int qi = p * 16 + q;
+      const int16_t* c = qi < nq ? qs[qi]->q : nullptr;  // (codes zero-padded to a multiple of 16 >= dp)
+      for (int64_t j = 0; j < np; ++j) {
+        const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
+        Pp[j * 16 + q] = static_cast<int32_t>(lo | (hi << 16));
+      }
+    }
+  }
+  const int64_t rt = i8_tile_rows(dp);
+  for (int64_t t0 = r0; t0 < r1; t0 += rt) {
+    const int64_t cnt = std::min(rt, r1 - t0);
+    for (int64_t i = 0; i < cnt; ++i) {
+      const int8_t* x = src.i8 + (t0 + i) * d;
+      int16_t* t = tile + i * dp;
+      for (int64_t j = 0; j < d; ++j) t[j] = x[j];
+      if (dp > d) t[d] = 0;
+    }
+    for (int p = 0; p < npan; ++p)
+      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * 16, std::min(16, nq - p * 16), t0,
+                      src.meta + 3 * t0, qs + p * 16, heaps + p * 16);
+  }
+}
+
 // The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
 // skip row x once ref[x] + rad_i < t_i - B_i, t_i its heap's worst kept scan score
 // (kw >= k rows scan >= t_i, each within B_i of its exact score: t_i - B_i is a lower
@@ -551,9 +808,20 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   (void)U;
   if (b == 0 || k == 0) return;
   const SimdKernels& K = simd_kernels();
-  const ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
+  ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
   double xnorm = opt.xnorm;
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
+  // the int8 scan: every query quantised once (falls back to the float32 rows when the
+  // int8 scan cannot bound the call's queries)
+  std::vector<int16_t> i8codes;
+  std::vector<I8Query> i8q;
+  if (opt.scan_i8 != nullptr && opt.scan_meta != nullptr && i8_prepare(Q, b, d, xnorm, i8codes, i8q)) {
+    src.i8 = opt.scan_i8;
+    src.meta = opt.scan_meta;
+    src.type = ScanType::kI8;
+    src.half = nullptr;
+  }
+  auto iqp = [&](int64_t qi) -> const I8Query* { return src.i8 ? &i8q[static_cast<size_t>(qi)] : nullptr; };
   const ExactCtx ctx{X,
                      d,
                      k,
@@ -618,16 +886,18 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       const int nq = static_cast<int>(g1 - g0);
       const int64_t p = opt.qsel[listed[static_cast<size_t>(g0)]];
       const float* qs[kGroup];
+      const I8Query* iqs[kGroup];
       float* os[kGroup];
       int64_t* orr[kGroup];
       for (int i = 0; i < nq; ++i) {
         const int64_t qi = listed[static_cast<size_t>(g0 + i)];
         qs[i] = Q + qi * d;
+        iqs[i] = iqp(qi);
         os[i] = out_scores + qi * k;
         orr[i] = out_rows + qi * k;
       }
       list_group(ctx, src, K, qs, nq, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl, ltile,
-                 lstore.data() + static_cast<size_t>(tid) * per, os, orr);
+                 lstore.data() + static_cast<size_t>(tid) * per, os, orr, src.i8 ? iqs : nullptr);
     });
   }
   const int64_t nm = static_cast<int64_t>(order.size());
@@ -690,8 +960,13 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
   std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
+  std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
-  if (max_gemm_nq > 0) {
+  if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
+    const int64_t round = 16, dp = (d + 1) / 2 * 2;
+    gs.panels = ((max_gemm_nq + 15) / 16 * 16 * (dp / 2) + round - 1) / round * round;
+    gs.tile = (i8_tile_rows(dp) * dp / 2 + round - 1) / round * round;
+  } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
     gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
@@ -721,6 +996,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t r0 = a + len * p / parts, r1 = a + len * (p + 1) / parts;
     Heap* heaps = heap_objs.data() + static_cast<size_t>(tid) * max_nq;
     const float** qs = qptrs.data() + static_cast<size_t>(tid) * max_nq;
+    const I8Query** iqs = src.i8 ? iqptrs.data() + static_cast<size_t>(tid) * max_nq : nullptr;
     Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread;
     for (int i = 0; i < g.nq; ++i) {
       heaps[i].h = store + static_cast<size_t>(i) * kw;
@@ -729,10 +1005,15 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].mask = qmask(order[g.first + i]);
       heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
+      if (iqs) iqs[i] = iqp(order[g.first + i]);
     }
     if (r1 > r0) {
       int64_t rows = r1 - r0;
-      if (g.gemm)
+      if (src.i8 && g.gemm && K.i8_gemm_panel)
+        i8_gemm_scan(src, K, d, r0, r1, iqs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+      else if (src.i8)  // the scan path (level 0: its GEMM units too)
+        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps);
+      else if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
         K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
@@ -757,7 +1038,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
-                     hp.mask);
+                     hp.mask, iqp(qi));
         hp.size = 0;
       } else {
         const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
@@ -767,7 +1048,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
-  if (opt.scores_out && opt.scores_written && !src.half && K.scan_rows_f32 && !opt.prune_ref)
+  if (opt.scores_out && opt.scores_written && !src.half && !src.i8 && K.scan_rows_f32 && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
         for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
@@ -798,10 +1079,34 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi));
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi));
       }
     });
   }
+}
+
+bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
+                 float* lower, float* upper) {
+  std::vector<int16_t> qc;
+  std::vector<I8Query> iq;
+  if (!i8_prepare(Q, b, d, xnorm, qc, iq)) return false;
+  const SimdKernels& K = simd_kernels();
+  const int8_t* xr[4];
+  const int16_t* qp[1];
+  int32_t dots[4];
+  for (int64_t i = 0; i < b; ++i) {
+    qp[0] = iq[static_cast<size_t>(i)].q;
+    for (int64_t r = 0; r < n; r += 4) {
+      const int cnt = static_cast<int>(std::min<int64_t>(4, n - r));
+      for (int t = 0; t < cnt; ++t) xr[t] = codes + (r + t) * d;
+      K.i8_dots(xr, cnt, qp, 1, d, dots);
+      for (int t = 0; t < cnt; ++t) {
+        lower[i * n + r + t] = i8_lower(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+        upper[i * n + r + t] = i8_upper(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+      }
+    }
+  }
+  return true;
 }
 
 double row_norm_bound(const float* X, int64_t n, int64_t d) {

@@ -26,7 +26,7 @@ from .. import device as _device
 from ..bank import BankSnapshot, MemoryBank
 from ..config import RFMemConfig
 from ..device import BankView, host_array
-from ..precision import scan_tensor
+from ..precision import HALF_DTYPES, scan_tensor
 from ..filters import RowSelection
 from ..signals import familiarity_signals
 
@@ -240,7 +240,7 @@ class Backend:
         def build() -> BankView:
             snap = bank.snapshot()
             n, d = snap.vectors.shape
-            half = self.scans_half and snap.scan is not None
+            half = self.scans_half and snap.dtype in HALF_DTYPES  # (an int8 copy: NativeBackend reads the snapshot's)
             on_device = snap.scan if half else snap.vectors
             _device.check_fits(
                 on_device.nbytes + snap.offsets.nbytes, self.device,

@@ -65,6 +65,29 @@ sqrt(d) a) / (1 - u_in)``. For d = 384 and unit vectors ``B`` ~ 4.9e-4 (float16)
 3.9e-3 (bfloat16): wider windows, so the scan keeps more candidates
 (:data:`SCAN_MARGINS`, the over-fetch) and the certified rule below stays unchanged.
 
+**int8 scan copies** (``dtype="int8"``, native backend; docs/internals/exactness.md
+"int8 scan copies" has the full derivation). Row ``x`` is stored as ``x8 = round(x /
+s_x)`` (int8, ``s_x = RN32(max|x| / 127)``) with ``rho_x >= ||x - s_x x8||`` and ``N_x >=
+||x||`` (:func:`rfmem_fast.precision.int8_scan_copy`); the kernel quantises each query to
+``q16 = round(q / s)`` (int16, ``|q16| <= Q = min(32767, (2^31 - 1) / (127 d))``, so the
+integer ``I = q16 . x8`` is exact in int32). From ``q.x = s s_x I + (s q16).r_x + r_q.x``
+(``r_x = x - s_x x8``, ``r_q = q - s q16``) and Cauchy-Schwarz,
+``|q.x - s s_x I| <= Qt rho_x + Rq N_x`` (``Qt >= ||s q16||``, ``Rq >= ||r_q||``); the
+float32 score ``f = RN32(RN32(I) RN32(s s_x))`` and ``e = RN32(q.x)`` add
+``gamma_3 Qt (N_x + rho_x) + u Qn N_x + 2^-118``, so
+
+    |f - e| <= rho_x Qt (1 + gamma_3) + N_x (Rq + u Qn + gamma_3 Qt) + 2^-118.
+
+The scan evaluates ``B = RN32(RN32(a rho_x) + RN32(RN32(b N_x) + 2^-114))`` with ``a >= Qt
+(1 + 16u)``, ``b >= (Rq + u Qn)(1 + 16u) + 16u Qt`` (float32, rounded up), which leaves
+room for its own four roundings and for the rounding of ``f +- B``: ``lo = RN32(f - B) <=
+e <= U = RN32(f + B)`` for every pair (csrc/cpu/simd.h ``i8_upper`` / ``i8_lower``). The
+rule then works on these per-row keys: the heaps keep the ``k + 64`` largest ``U``
+(:data:`SCAN_MARGINS`), ``L`` is the k-th largest ``lo`` of the kept rows (``<=`` the k-th
+exact score), every kept row with ``U >= L`` is re-scored exactly, and a heap whose worst
+kept ``U`` is still ``>= L`` has its segment rescanned (every row with ``U >= L``
+re-scored). For unit rows at d = 384, ``U - lo`` is about 0.018.
+
 **The rule.** Let ``t`` be the k-th largest scan score of a query. The k rows of largest
 scan score each have ``e >= t - B``, so the k-th largest exact score ``T >= t - B``, and
 a row of the exact top-k has ``f >= e - B >= T - B >= t - 2B``. Every row with
@@ -98,7 +121,7 @@ U64 = 2.0**-53
 #: extra scan candidates kept beyond k (the re-scored set is decided by the bound, not by this)
 SCAN_MARGIN = 8
 #: the same per scan-copy type (the over-fetch of half-precision scans, whose bound is wider)
-SCAN_MARGINS = {"float32": SCAN_MARGIN, "float16": 16, "bfloat16": 32}
+SCAN_MARGINS = {"float32": SCAN_MARGIN, "float16": 16, "bfloat16": 32, "int8": 64}
 #: terms of d summed from zero per block on the native GEMM path (csrc/cpu/simd.h kGemmKc)
 GEMM_KC = 64
 #: input rounding unit of float32 matmuls under torch.get_float32_matmul_precision()

@@ -16,8 +16,11 @@
   never approached). :meth:`probe` fuses the familiarity signals (float64, the three
   conventions of :func:`rfmem_fast.signals.familiarity_signals`). A float16 / bfloat16
   bank is scanned in its half-precision copy (F16C conversion / a 16-bit shift to
-  float32, float32 accumulation), the float32 rows being read only to re-score the
-  candidates exactly (:mod:`rfmem_fast.precision`).
+  float32, float32 accumulation), an int8 bank in its int8 copy (each query quantised
+  to int16, exact int32 dot products, a proven bound per query and row), the float32
+  rows being read only to re-score the candidates exactly (:mod:`rfmem_fast.precision`).
+  The hybrid probe and the fused top-k of the lexical channel, and the C++ beam driver
+  on a compacted selection (:data:`COMPACT_MIN_QUERIES`), scan the float32 rows.
 * batched KMeans: :func:`rfmem_fast.kmeans.lloyd` (scikit-learn's greedy k-means++ with
   the same random draws, then Lloyd with scikit-learn's stopping rules), one problem
   per work item of the kernel's threads, float64 arithmetic; labels equal the torch backend's on inputs
@@ -229,8 +232,11 @@ class NativeBackend(Backend):
         return arrays
 
     def _scan_args(self, view: BankView) -> dict:
-        """The kernel's scan options: the half-precision copy (uint16 bits) when the view has one."""
+        """The kernel's scan options: the half-precision copy (uint16 bits) when the view has
+        one, or the snapshot's int8 copy and its per-row data."""
         snap = view.snapshot
+        if snap is not None and snap.scan_meta is not None:  # an int8 bank
+            return {"scan": snap.scan, "scan_meta": snap.scan_meta, "scan_type": "int8", "path": self.topk_path}
         if view.Xs is None:
             return {"path": self.topk_path}
         if snap is None:  # a compacted selection view (Backend.selection_view): its own scan copy

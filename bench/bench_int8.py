@@ -1,0 +1,259 @@
+"""Dense top-k over an int8 scan copy vs the float32 scan vs faiss, one thread, side by side.
+
+Systems (every one returns the top-10 of each query within its user's rows):
+
+* ``native_f32``: ``_native.segmented_topk`` over the float32 rows (the native scan);
+* ``native_int8``: the same kernel over the bank's int8 copy (``MemoryBank(dtype="int8")``:
+  int8 rows with a scale and two norm bounds per row, int16 queries, exact int32 dots,
+  every row that can still be in the top-k re-scored exactly: ids and scores equal
+  ``native_f32``'s, which the run checks);
+* ``faiss_flat_ip``: faiss ``IndexFlatIP`` (one index per user for the multi-tenant bank),
+  when faiss-cpu is installed; else ``numpy_matmul``: ``X @ q`` and ``np.argpartition``
+  (BLAS on one thread).
+
+Workloads (unit rows: Gaussian centres plus noise, as ``rfmem bench``; queries near an
+item or a centre): ``shared``, one segment of ``--shared-rows`` (1e5) x 384; ``tenants``,
+``--users`` (200) users x ``--per-user`` (4096) rows x 384; each at batch 1 (single-query
+calls, a random user each) and ``--batch`` (1024) queries per call (random users).
+
+Per cell: queries per second (median of ``--repeats`` timed passes of ``--queries``
+queries, the cells taken in turns so that a change of load hits each alike), and for the
+int8 copy: the re-scored fraction (rows whose int8 upper bound reaches the k-th best lower
+bound, from ``_native.int8_bounds`` on a sample of queries: the rows the exact finish
+re-scores when its kept list of k + 64 holds them, which it reports too: the share of
+queries that would rescan), the bytes a query's scan reads (its segment's scan copy plus
+the float32 rows it re-scores) and the extra memory per row (d + 12 bytes beside the
+float32 rows). The JSON (``--out``, default ``bench/results/int8-scan-<time>.json``) holds
+the CPU model and flags, the SIMD level taken, numpy's and faiss's BLAS (threadpoolctl),
+the load average before and after, versions and the exact command.
+
+Usage::
+
+    python bench/bench_int8.py [--shared-rows 100000] [--users 200] [--per-user 4096]
+        [--batch 1024] [--queries 64] [--repeats 3] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+K = 10
+D = 384
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def workload(rng: np.random.Generator, users: int, per_user: int, d: int) -> np.ndarray:
+    """float32 [users * per_user, d] unit rows: per user 8 Gaussian centres plus noise."""
+    out = np.empty((users * per_user, d), dtype=np.float32)
+    for u in range(users):
+        c = rng.normal(size=(8, d))
+        lab = rng.integers(0, 8, size=per_user)
+        out[u * per_user : (u + 1) * per_user] = _unit(c[lab] + 0.9 * rng.normal(size=(per_user, d)))
+    return out
+
+
+def queries(rng: np.random.Generator, X: np.ndarray, off: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n queries (random users), half near one of the user's items, half random directions."""
+    users = rng.integers(0, off.shape[0] - 1, size=n)
+    Q = np.empty((n, X.shape[1]), dtype=np.float32)
+    for i, u in enumerate(users):
+        a, e = int(off[u]), int(off[u + 1])
+        base = X[rng.integers(a, e)] if i % 2 == 0 else rng.normal(size=X.shape[1])
+        Q[i] = _unit((base + 0.5 * rng.normal(size=X.shape[1]) / np.sqrt(X.shape[1]))[None])[0]
+    return Q, users.astype(np.int64)
+
+
+def cpu_facts() -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.startswith("model name") and "model" not in info:
+                info["model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and "flags" not in info:
+                flags = set(line.split(":", 1)[1].split())
+                info["flags"] = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "sse4", "amx")))
+    except OSError:
+        pass
+    return info
+
+
+def build_systems(X: np.ndarray, off: np.ndarray, codes: np.ndarray, meta: np.ndarray, xnorm: float):
+    """{name: fn(Q, qseg) -> (scores, rows)} for the bank (X, off)."""
+    from rfmem_fast import _native
+
+    def f32(Q, seg):
+        return _native.segmented_topk(X, off, Q, seg, K, 1, xnorm)
+
+    def i8(Q, seg):
+        return _native.segmented_topk(X, off, Q, seg, K, 1, xnorm, scan=codes, scan_meta=meta, scan_type="int8")
+
+    systems: dict[str, Callable] = {"native_f32": f32, "native_int8": i8}
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(1)
+        idx = []
+        for u in range(off.shape[0] - 1):
+            ix = faiss.IndexFlatIP(X.shape[1])
+            ix.add(X[off[u] : off[u + 1]])
+            idx.append(ix)
+
+        def fx(Q, seg):
+            s = np.empty((Q.shape[0], K), np.float32)
+            r = np.empty((Q.shape[0], K), np.int64)
+            for u in np.unique(seg):
+                m = np.flatnonzero(seg == u)
+                s[m], rr = idx[u].search(Q[m], K)
+                r[m] = rr + off[u]
+            return s, r
+
+        systems["faiss_flat_ip"] = fx
+    except ImportError:
+
+        def npm(Q, seg):
+            r = np.empty((Q.shape[0], K), np.int64)
+            for i in range(Q.shape[0]):
+                a, e = int(off[seg[i]]), int(off[seg[i] + 1])
+                sc = X[a:e] @ Q[i]
+                top = np.argpartition(-sc, K)[:K]
+                r[i] = a + top[np.argsort(-sc[top])]
+            return None, r
+
+        systems["numpy_matmul"] = npm
+    return systems
+
+
+def rescore_stats(X, off, codes, meta, xnorm, Q, seg) -> dict[str, float]:
+    """Mean re-scored rows per query and the share of queries whose undecided rows exceed
+    the kept list (k + 64): from the int8 scan's own bounds (``_native.int8_bounds``)."""
+    from rfmem_fast import _native
+
+    rescored, rescans, rows = [], 0, []
+    for i in range(Q.shape[0]):
+        a, e = int(off[seg[i]]), int(off[seg[i] + 1])
+        lo, up = _native.int8_bounds(codes[a:e], meta[a:e], Q[i : i + 1], xnorm)
+        L = np.sort(lo[0])[-K] if e - a >= K else -np.inf
+        m = int(np.count_nonzero(up[0] >= L))
+        rescored.append(m)
+        rows.append(e - a)
+        rescans += m > K + 64
+    return {"rescored_rows_per_query": float(np.mean(rescored)),
+            "rescored_fraction": float(np.sum(rescored) / np.sum(rows)),
+            "rescan_share": rescans / Q.shape[0], "sampled_queries": int(Q.shape[0])}  # fmt: skip
+
+
+def run_cells(cells: dict[str, tuple[Callable, list]], repeats: int) -> dict[str, float]:
+    """Median seconds per pass of each cell, the cells taken in turns."""
+    times: dict[str, list[float]] = {n: [] for n in cells}
+    for fn, calls in cells.values():  # warm-up
+        fn(*calls[0])
+    for _ in range(repeats):
+        for name, (fn, calls) in cells.items():
+            t = time.perf_counter()
+            for args in calls:
+                fn(*args)
+            times[name].append(time.perf_counter() - t)
+    return {n: float(np.median(v)) for n, v in times.items()}
+
+
+def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
+    from rfmem_fast.precision import int8_scan_copy
+
+    codes, meta = int8_scan_copy(X)
+    xnorm = float(meta[:, 2].max())
+    systems = build_systems(X, off, codes, meta, xnorm)
+    Q, seg = queries(rng, X, off, max(args.batch, args.queries))
+    # exactness: the int8 copy's results are the float32 scan's, ids and scores
+    want, got = systems["native_f32"](Q[: args.batch], seg[: args.batch]), systems["native_int8"](Q[: args.batch], seg[: args.batch])
+    same = bool(np.array_equal(want[1], got[1]) and np.array_equal(want[0], got[0]))
+    out: dict[str, Any] = {"rows": int(X.shape[0]), "users": int(off.shape[0] - 1), "d": int(X.shape[1]),
+                           "int8_equals_float32": same}  # fmt: skip
+    for batch in (1, args.batch):
+        cells = {}
+        if batch == 1:
+            calls = [(Q[i : i + 1], seg[i : i + 1]) for i in range(args.queries)]
+            nq = args.queries
+        else:
+            calls = [(Q[:batch], seg[:batch])]
+            nq = batch
+        for name, fn in systems.items():
+            cells[name] = (fn, calls)
+        secs = run_cells(cells, args.repeats)
+        out[f"batch_{batch}"] = {name: {"qps": nq / s, "seconds_per_pass": s} for name, s in secs.items()}
+    sample = min(args.sample, Q.shape[0])
+    st = rescore_stats(X, off, codes, meta, xnorm, Q[:sample], seg[:sample])
+    seg_rows = float(np.mean(np.diff(off)[seg[:sample]]))
+    d = X.shape[1]
+    st.update({
+        "scan_bytes_per_query_float32": seg_rows * d * 4,
+        "scan_bytes_per_query_int8": seg_rows * (d + 12) + st["rescored_rows_per_query"] * d * 4,
+        "extra_bytes_per_row_int8": d + 12,
+    })  # fmt: skip
+    out["int8"] = st
+    print(f"{label}: " + json.dumps({k: v for k, v in out.items() if k.startswith("batch")}, default=float), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shared-rows", type=int, default=100_000)
+    ap.add_argument("--users", type=int, default=200)
+    ap.add_argument("--per-user", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--queries", type=int, default=64, help="single-query calls per timed pass")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sample", type=int, default=32, help="queries sampled for the re-scored fraction")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    import rfmem_fast
+    from rfmem_fast import _native
+    from rfmem_fast.evaluate import machine_info
+
+    load0 = os.getloadavg()
+    rng = np.random.default_rng(0)
+    doc: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine_info(),
+                           "cpu": cpu_facts(), "simd_level": int(_native.simd_level()),
+                           "simd_note": "the int8 dots of level 2 (AVX-512) are level 1's AVX2 kernel",
+                           "versions": {"rfmem_fast": rfmem_fast.__version__, "numpy": np.__version__},
+                           "threads": 1, "k": K, "load_avg_before": list(load0)}  # fmt: skip
+    try:
+        import faiss
+
+        doc["versions"]["faiss"] = faiss.__version__
+    except ImportError:
+        doc["versions"]["faiss"] = None
+    with threadpool_limits(1):
+        doc["blas"] = [{k: v for k, v in lib.items() if k in ("user_api", "internal_api", "prefix", "version",
+                                                               "num_threads", "threading_layer", "architecture")}
+                       for lib in threadpool_info()]  # fmt: skip
+        results = {}
+        X = workload(rng, 1, args.shared_rows, D)
+        results["shared"] = bench_bank("shared", X, np.array([0, X.shape[0]], np.int64), args, rng)
+        del X
+        X = workload(rng, args.users, args.per_user, D)
+        results["tenants"] = bench_bank("tenants", X, np.arange(args.users + 1, dtype=np.int64) * args.per_user, args, rng)
+    doc["results"] = results
+    doc["load_avg_after"] = list(os.getloadavg())
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"int8-scan-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=float))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

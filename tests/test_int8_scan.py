@@ -1,0 +1,296 @@
+"""The int8 scan copy (``MemoryBank(dim, dtype="int8")``; csrc/cpu/topk.cpp "int8 scan").
+
+Pinned here (the cases shared with the half-precision banks are parametrized in
+tests/test_half_banks.py):
+
+* the copy: codes and scales equal an independent quantisation (exact rationals), the
+  two per-row norm bounds hold and are tight;
+* the bound: ``_native.int8_bounds`` brackets the exact score RN32(q.x) of every pair
+  (the oracle of tests/_exact_oracle.py), at every SIMD level, on rows built to sit AT
+  the bound (their residual parallel to the query: the Cauchy-Schwarz step is an
+  equality), with large and tiny norms, and its width stays within a few per cent of the
+  rows' residual norms;
+* the top-k over the int8 copy equals the oracle's ids and scores at every SIMD level,
+  on the scan and GEMM paths, for d = 1, 3, 17, 31, 33, 384, 385: rows at the bound whose
+  int8 order is the reverse of their exact order, rows sharing their codes (the scan sees
+  only ties: the kept list overflows and the segment is rescanned), exact and 1-ulp
+  duplicates, non-unit rows (norms 2^+-40), several segments (shared and multi-tenant
+  batches), row lists and masks (filters), threads splitting one segment;
+* the kernels read the int8 copy (a copy that lies changes the answer);
+* banks: add / update / delete / compact keep the copy that of the live rows, and
+  searches (dense, rfmem, filtered) equal the float32 bank's.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from _exact_oracle import exact_f32, oracle_topk
+
+from rfmem_fast import MemoryBank, RFMemConfig, search
+from rfmem_fast.backends import available
+from rfmem_fast.precision import int8_scan_copy
+
+NATIVE = "native" in available()
+pytestmark = pytest.mark.skipif(not NATIVE, reason="native backend not built")
+if NATIVE:
+    from rfmem_fast import _native
+
+    LEVELS = list(range(_native.set_simd_cap(-1) + 1))
+else:
+    LEVELS = [0]
+DIMS = (1, 3, 17, 31, 33, 384, 385)
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    assert _native.set_simd_cap(request.param) == request.param
+    yield request.param
+    _native.set_simd_cap(-1)
+
+
+def _xnorm(meta: np.ndarray) -> float:
+    return float(meta[:, 2].max()) if meta.shape[0] else 0.0
+
+
+def _topk(X, off, Q, qseg, k, path="auto", threads=1, **sel):
+    codes, meta = int8_scan_copy(X)
+    return _native.segmented_topk(X, off, Q, qseg, k, threads, _xnorm(meta), scan=codes, scan_meta=meta,
+                                  scan_type="int8", path=path, **sel)  # fmt: skip
+
+
+# ------------------------------------------------------------------ the copy
+def test_codes_scales_and_bounds_equal_an_independent_quantisation():
+    rng = np.random.default_rng(0)
+    X = np.concatenate([
+        rng.normal(size=(6, 9)).astype(np.float32),
+        np.float32([[0.5, -0.25, 1.0, 0, 0, 0, 0, 0, 0], [0] * 9, [1e-30] + [0] * 8, [3e30, -1e30] + [0] * 7]),
+        (rng.normal(size=(2, 9)) * 2.0**-140).astype(np.float32),  # subnormals: the scale underflows
+    ]).astype(np.float32)
+    codes, meta = int8_scan_copy(X)
+    for r, x in enumerate(X):
+        xs = [Fraction(float(v)) for v in x]
+        s = np.float32(float(max(abs(v) for v in xs) / 127))  # numpy rounds a float64 once to float32
+        assert meta[r, 0] == s
+        want = []
+        for v in xs:
+            t = v / Fraction(float(s)) if s != 0 else Fraction(0)
+            fl = math.floor(t)
+            c = fl + 1 if (t - fl > Fraction(1, 2) or (t - fl == Fraction(1, 2) and fl % 2)) else fl
+            want.append(max(-127, min(127, c)))
+        assert codes[r].tolist() == want, r
+        res2 = sum((v - Fraction(float(s)) * c) ** 2 for v, c in zip(xs, want))
+        nrm2 = sum(v * v for v in xs)
+        for col, exact2 in ((1, res2), (2, nrm2)):
+            b = Fraction(float(meta[r, col]))
+            assert b * b >= exact2, (r, col)  # an upper bound ...
+            assert float(b) <= math.sqrt(float(exact2)) * (1 + 2.0**-20) + 2.0**-149, (r, col)  # ... and a tight one
+
+
+def test_copy_refuses_non_finite_rows():
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        int8_scan_copy(np.float32([[1.0, np.inf]]))
+
+
+# ------------------------------------------------------------------ adversarial banks
+def _at_bound_rows(rng, q: np.ndarray, n: int, scale: float) -> np.ndarray:
+    """Rows s c + alpha q (c int codes, |c| <= 120, coordinate 0 at 127 where q is 0), the
+    residual alpha q parallel to the query (|alpha q_i| < s / 2 keeps the codes): the int8
+    error of q.x is ||q|| ||r||, the Cauchy-Schwarz bound itself. Half the rows share one
+    code vector (their int8 scores tie), the other half move one code up by k while the
+    residual takes the score down, so the int8 order is the exact order reversed."""
+    d = q.shape[0]
+    s = 2.0**-7 * scale  # a power of two: 127 s and s c are exact
+    amax = 0.49 * s / float(np.abs(q).max())
+    base = rng.integers(-40, 41, size=d)
+    base[0] = 127
+    p = 1 + int(np.argmax(np.abs(q[1:])))
+    rows = []
+    for j in range(n):
+        c = base.astype(np.float64).copy()
+        if j % 2 == 0:  # shared codes, residual anywhere in [-amax, amax] along q
+            alpha = amax * (2 * rng.random() - 1)
+        else:  # one code up (in the direction of q_p), the residual cancels it and a bit more
+            kk = j % 7
+            c[p] += kk * np.sign(q[p])
+            alpha = -min(amax, (kk * s * abs(q[p]) + j * 1e-7 * s) / float(q @ q))
+        rows.append(s * c + alpha * q.astype(np.float64))
+    return np.asarray(rows, dtype=np.float32)
+
+
+def _bank(seed: int, d: int, scale: float = 1.0):
+    """(X, offsets, Q, qseg): segment 0 at the bound for Q[0] (and near-duplicates), segment
+    1 random rows with duplicates, segment 2 empty; queries with q_0 = 0."""
+    rng = np.random.default_rng(seed)
+    Q = rng.normal(size=(5, d)).astype(np.float32) * np.float32(scale)
+    if d >= 3:
+        Q[:, 0] = 0
+    if d >= 3:
+        seg0 = _at_bound_rows(rng, Q[0].astype(np.float64) / scale, 200, scale)
+    else:
+        seg0 = (rng.normal(size=(200, d)) * scale).astype(np.float32)
+    dup = seg0[rng.integers(0, seg0.shape[0], size=20)].copy()
+    for row in dup[::2]:  # 1-ulp neighbours
+        j = int(rng.integers(0, d))
+        row[j] = np.nextafter(row[j], np.float32(np.inf))
+    seg1 = (rng.normal(size=(60, d)) * scale).astype(np.float32)
+    seg1 = np.concatenate([seg1, seg1[:8], seg1[:4] * np.float32(1 + 2.0**-23)])
+    X = np.concatenate([seg0, dup, seg1]).astype(np.float32)
+    off = np.array([0, seg0.shape[0] + dup.shape[0], X.shape[0], X.shape[0]], dtype=np.int64)
+    Q = np.concatenate([Q, X[[3, 140, 170]] + np.float32(1e-3 * scale)]).astype(np.float32)
+    qseg = np.array([0, 0, 1, 0, 1, 0, 0, 1], dtype=np.int64)
+    return X, off, Q, qseg
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**40, 2.0**-40])
+def test_bounds_bracket_the_exact_score_and_sit_at_it(level, scale):
+    """lower <= RN32(q.x) <= upper for every pair; on the rows built at the bound the true
+    int8 error reaches ~the bound's own residual term, and the width of every bracket
+    stays within 2 (||q|| rho + small terms)."""
+    d = 48
+    X, off, Q, _ = _bank(3, d, scale)
+    codes, meta = int8_scan_copy(X)
+    lo, up = _native.int8_bounds(codes, meta, Q, _xnorm(meta))
+    at_bound = 0
+    for i in range(Q.shape[0]):
+        qn = float(np.linalg.norm(Q[i].astype(np.float64)))
+        for r in range(X.shape[0]):
+            e = float(exact_f32(Q[i], X[r]))
+            assert lo[i, r] <= e <= up[i, r], (i, r, lo[i, r], e, up[i, r])
+            width = float(up[i, r]) - float(lo[i, r])
+            assert width <= 2 * qn * float(meta[r, 1]) * 1.01 + 2e-4 * qn * float(meta[r, 2]), (i, r)
+            # the int8 score's midpoint against the exact score: how much of the bound is used
+            err = abs((float(up[i, r]) + float(lo[i, r])) / 2 - e)
+            at_bound += r < 200 and i == 0 and err >= 0.9 * qn * float(meta[r, 1])
+    assert at_bound >= 40  # the constructed rows do sit at the bound (their residual is along q)
+
+
+@pytest.mark.parametrize("d", DIMS)
+def test_topk_equals_oracle_every_level_and_path(level, d):
+    X, off, Q, qseg = _bank(10 + d, d)
+    want_r, want_s = oracle_topk(X, off, Q, qseg, 12)
+    for path in ("scan", "gemm"):
+        for k in (1, 5, 12):
+            s, r = _topk(X, off, Q, qseg, k, path)
+            np.testing.assert_array_equal(r, want_r[:, :k], err_msg=f"level {level} d {d} {path} k {k}")
+            np.testing.assert_array_equal(s, want_s[:, :k], err_msg=f"level {level} d {d} {path} k {k}")
+
+
+@pytest.mark.parametrize("scale", [2.0**40, 2.0**-40])
+def test_topk_with_large_and_tiny_norms(level, scale):
+    X, off, Q, qseg = _bank(21, 33, scale)
+    want_r, want_s = oracle_topk(X, off, Q, qseg, 9)
+    for path in ("scan", "gemm"):
+        s, r = _topk(X, off, Q, qseg, 9, path)
+        np.testing.assert_array_equal(r, want_r)
+        np.testing.assert_array_equal(s, want_s)
+
+
+def test_shared_and_multi_tenant_batches_and_threads(level):
+    """Many queries of one long segment (auto takes the GEMM path at levels >= 1: an int8
+    unit of up to ~160 queries), many users at once, and one query whose segment is split
+    over threads (partial lists merged, then the exact finish): the float32 bank's result."""
+    rng = np.random.default_rng(5)
+    d = 64
+    X = rng.normal(size=(3000, d)).astype(np.float32)
+    X[1000:1100] = X[1000]  # a block of exact duplicates (scan ties across parts)
+    off = np.array([0, 2048, 2048, 2600, 3000], dtype=np.int64)
+    Q = np.concatenate([X[rng.integers(0, 3000, size=60)] + 0.1 * rng.normal(size=(60, d)),
+                        rng.normal(size=(40, d))]).astype(np.float32)  # fmt: skip
+    qseg = np.where(np.arange(100) < 70, 0, rng.choice([1, 2, 3], size=100)).astype(np.int64)
+    for threads in (1, 4):
+        want = _native.segmented_topk(X, off, Q, qseg, 10, threads)
+        got = _topk(X, off, Q, qseg, 10, "auto", threads)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[0], want[0])
+    one = _topk(X, off, Q[:1], qseg[:1], 10, "scan", 4)  # parts > 1 for one query
+    np.testing.assert_array_equal(one[1], _native.segmented_topk(X, off, Q[:1], qseg[:1], 10, 1)[1])
+
+
+def test_filters_lists_and_masks(level):
+    """Row selections of the kernel (list mode: only the listed rows scored; mask mode: a
+    GEMM batch over the segment with a mask on its heaps): the exact top-k of the selected
+    rows, as the oracle over a bank of only them."""
+    X, off, Q, qseg = _bank(7, 31)
+    rng = np.random.default_rng(8)
+    a, e = int(off[0]), int(off[1])
+    rows0 = np.sort(rng.choice(np.arange(a, e), size=100, replace=False)).astype(np.int64)  # > 1/4: a mask too
+    rows1 = np.arange(int(off[1]), int(off[2]), 3, dtype=np.int64)
+    mask = np.zeros(e - a, np.uint8)
+    mask[rows0 - a] = 1
+    tab = {"sel_seg": np.array([0, 1], np.int64), "sel_off": np.array([0, 100, 100 + rows1.size], np.int64),
+           "sel_rows": np.concatenate([rows0, rows1]), "sel_mask": mask, "sel_mask_off": np.array([0, -1], np.int64)}
+    qsel = np.where(qseg == 0, 0, 1).astype(np.int64)
+    qsel[3] = -1
+    for path in ("scan", "gemm"):
+        s, r = _topk(X, off, Q, qseg, 8, path, qsel=qsel, **tab)
+        for i in range(Q.shape[0]):
+            rows = np.arange(int(off[qseg[i]]), int(off[qseg[i] + 1])) if qsel[i] < 0 else (rows0 if qsel[i] == 0 else rows1)
+            wr, ws = oracle_topk(X[rows], np.array([0, rows.size]), Q[i : i + 1], np.zeros(1, np.int64), 8)
+            np.testing.assert_array_equal(r[i], np.where(wr[0] >= 0, rows[np.maximum(wr[0], 0)], -1), err_msg=f"{path} {i}")
+            np.testing.assert_array_equal(s[i], ws[0], err_msg=f"{path} {i}")
+
+
+def test_the_kernels_read_the_int8_copy():
+    """A copy whose codes are negated but whose bounds claim to be tight (a broken caller
+    contract) turns the answer around: the top-k reads the int8 rows, not X."""
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(400, 16)).astype(np.float32)
+    off = np.array([0, 400], np.int64)
+    Q = X[:4] + np.float32(0.01)
+    codes, meta = int8_scan_copy(X)
+    lying = meta.copy()
+    lying[:, 1] = 0
+    want = _native.segmented_topk(X, off, Q, np.zeros(4, np.int64), 5)
+    honest = _native.segmented_topk(X, off, Q, np.zeros(4, np.int64), 5, xnorm=_xnorm(meta), scan=codes,
+                                    scan_meta=meta, scan_type="int8")  # fmt: skip
+    liar = _native.segmented_topk(X, off, Q, np.zeros(4, np.int64), 5, xnorm=_xnorm(meta), scan=-codes,
+                                  scan_meta=lying, scan_type="int8")  # fmt: skip
+    np.testing.assert_array_equal(honest[1], want[1])
+    assert not np.array_equal(liar[1], want[1])
+
+
+def test_queries_the_int8_scan_cannot_bound_scan_the_float32_rows():
+    """A query of norm ~1e30 against rows of norm ~1e30 (||q|| xnorm >= 2^100): the call
+    scans X instead (same result as float32); int8_bounds says why."""
+    rng = np.random.default_rng(4)
+    X = (rng.normal(size=(50, 8)) * 1e30).astype(np.float32) / np.float32(1e15)
+    Q = (rng.normal(size=(2, 8)) * 1e20).astype(np.float32)
+    codes, meta = int8_scan_copy(X)
+    with pytest.raises(ValueError, match="cannot bound"):
+        _native.int8_bounds(codes, meta, Q, _xnorm(meta))
+    off = np.array([0, 50], np.int64)
+    np.testing.assert_array_equal(_topk(X, off, Q, np.zeros(2, np.int64), 5)[1],
+                                  _native.segmented_topk(X, off, Q, np.zeros(2, np.int64), 5)[1])  # fmt: skip
+
+
+# ------------------------------------------------------------------ banks
+def test_writes_and_compact_keep_the_copy_of_the_live_rows():
+    rng = np.random.default_rng(9)
+    banks = [MemoryBank(40), MemoryBank(40, dtype="int8")]
+    for b in banks:
+        r = np.random.default_rng(1)
+        b.add("a", r.normal(size=(400, 40)), ids=list(range(400)), metadata=[{"t": i % 3} for i in range(400)])
+        b.add("b", r.normal(size=(50, 40)), ids=list(range(50)))
+        b.delete("a", list(range(0, 400, 3)))
+        b.update("a", [1, 2, 4], r.normal(size=(3, 40)))
+        b.update("b", [5], r.normal(size=(1, 40)))
+        b.add("a", r.normal(size=(30, 40)), ids=list(range(1000, 1030)), metadata=[{"t": 1}] * 30)
+    snap = banks[1].snapshot()
+    codes, meta = int8_scan_copy(snap.vectors)
+    assert np.array_equal(snap.scan, codes) and snap.scan_meta.tobytes() == meta.tobytes()
+    users = ["a"] * 10 + ["b"] * 3
+    Q = rng.normal(size=(13, 40))
+    for step in ("writes", "compact"):
+        if step == "compact":
+            for b in banks:
+                b.compact()
+            assert banks[1].snapshot().scan.tobytes() == int8_scan_copy(banks[1].snapshot().vectors)[0].tobytes()
+        for mode, flt in (("dense", None), ("rfmem", None), ("dense", {"t": 1})):
+            kw = {} if flt is None else {"filters": flt}
+            want = search(banks[0], Q, users, RFMemConfig(), mode=mode, backend="native", **kw)
+            got = search(banks[1], Q, users, RFMemConfig(), mode=mode, backend="native", **kw)
+            assert [got.ids_list(i) for i in range(13)] == [want.ids_list(i) for i in range(13)], (step, mode, flt)
+            np.testing.assert_array_equal(got.scores, want.scores)
