@@ -121,12 +121,33 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(w / s), -127, 127).astype(np.int8), s.astype(np.float32)
 
 
-def rowwise_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """What the "rowwise" graph computes, in numpy (float64 accumulation of exact integers)."""
+def rowwise_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray, saturate: bool = False) -> np.ndarray:
+    """What the "rowwise" graph computes, in numpy (exact integers, float32 scaling).
+
+    Args:
+        x: float32 [m, k] activations; w: float32 [k, n] weights; b: float32 [n] bias.
+        saturate: model ONNX Runtime's AVX2 u8 x s8 kernel (CPUs without VNNI / AMX:
+            ``rfmem_fast.encoders.int8_dot()`` False): ``vpmaddubsw`` adds each pair of
+            products of the uint8 activation (+128) and the int8 weight in int16 with
+            saturation, so a pair beyond 32767 is clipped before the int32 sum (then the
+            zero point's 128 * column sum is taken off). False: the exact integer product,
+            what VNNI / AMX kernels compute.
+
+    Returns:
+        float32 [m, n].
+    """
     wq, ws = quantize_columns(w)
     s = (np.maximum(np.abs(x).max(1, keepdims=True), np.float32(1e-12)) * np.float32(1 / 127)).astype(np.float32)
     xq = np.clip(np.round(x / s), -128, 127).astype(np.int64)
-    acc = xq @ wq.astype(np.int64)
+    wi = wq.astype(np.int64)
+    if saturate:
+        u = xq + 128
+        if u.shape[1] % 2:  # an odd k: the kernel's last pair has a zero partner
+            u, wi = np.pad(u, ((0, 0), (0, 1))), np.pad(wi, ((0, 1), (0, 0)))
+        pairs = u[:, 0::2, None] * wi[None, 0::2] + u[:, 1::2, None] * wi[None, 1::2]  # [m, k/2, n]
+        acc = np.clip(pairs, -32768, 32767).sum(1) - 128 * wi.sum(0)
+    else:
+        acc = xq @ wi
     return (acc.astype(np.float32) * s * ws + b).astype(np.float32)
 
 
