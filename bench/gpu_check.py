@@ -34,7 +34,6 @@ the elapsed time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex

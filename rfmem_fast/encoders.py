@@ -59,7 +59,6 @@ import contextlib
 import os
 import sys
 import threading
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np

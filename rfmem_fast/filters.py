@@ -81,7 +81,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 

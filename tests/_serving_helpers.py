@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 
 import numpy as np
@@ -35,6 +36,25 @@ class HashEncoder:
         if self.gate is not None:
             self.gate.wait(30)
         return np.stack([self.vector(t) for t in texts]) if texts else np.zeros((0, self.dim), np.float32)
+
+
+class WordChunkEncoder(HashEncoder):
+    """A HashEncoder whose tokens are the words, with a window of ``max_tokens`` tokens (2 of
+    them special) and each token's span, so the Memory cuts a text of more than
+    ``max_tokens - 2`` words into chunk rows (default window 8: chunks of 6 words)."""
+
+    max_tokens = 8
+
+    def __init__(self, dim: int = 16, max_tokens: int | None = None) -> None:
+        super().__init__(dim)
+        if max_tokens is not None:
+            self.max_tokens = max_tokens
+
+    def count_tokens(self, texts):
+        return [len(t.split()) + 2 for t in texts]
+
+    def token_spans(self, texts):
+        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
 
 
 def clustered_memory_data(n_users: int = 5, per_user: int = 40, dim: int = 16, seed: int = 0):

@@ -8,29 +8,16 @@ is the same writes made one item at a time through add / update / delete.
 from __future__ import annotations
 
 import json
-import re
 import threading
 
 import numpy as np
 import pytest
-from _serving_helpers import HashEncoder
+from _serving_helpers import HashEncoder, WordChunkEncoder
 
 from rfmem_fast import Memory, StoreError
 from rfmem_fast.serving.memory import WAL_FILE
 
 DIM = 16
-
-
-class Chunkable(HashEncoder):
-    """A window of 8 tokens (2 special; the words are the tokens) that can be cut."""
-
-    max_tokens = 8
-
-    def count_tokens(self, texts):
-        return [len(t.split()) + 2 for t in texts]
-
-    def token_spans(self, texts):
-        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
 
 
 def state(mem: Memory) -> dict:
@@ -101,11 +88,11 @@ def test_add_many_chunks_long_texts_as_add_does():
     words = " ".join(f"w{i}" for i in range(14))  # 3 chunks of 6 tokens, overlap 2
     items = [{"user_id": "u", "text": words, "id": "long"}, {"user_id": "v", "text": "short text", "id": "s"},
              {"user_id": "v", "text": words + " more", "id": "long2", "metadata": {"m": 1}}]
-    enc = Chunkable(DIM)
+    enc = WordChunkEncoder(DIM)
     mem = Memory(encoder=enc, chunk_overlap=2, batching=False)
     mem.add_many(items)
     assert enc.calls == [3 + 1 + 4]  # every chunk of every text in one call (15 words: 4 chunks)
-    ref = Memory(encoder=Chunkable(DIM), chunk_overlap=2, batching=False)
+    ref = Memory(encoder=WordChunkEncoder(DIM), chunk_overlap=2, batching=False)
     one_by_one(ref, items, ["long", "s", "long2"])
     assert state(mem) == state(ref)
     assert mem.count("u") == 1 and mem.count("v") == 2 and mem.bank.user_size("v") == 5
@@ -194,7 +181,7 @@ def test_update_many_and_delete_many_equal_the_single_calls():
     words = " ".join(f"w{i}" for i in range(14))
 
     def build():
-        m = Memory(encoder=Chunkable(DIM), chunk_overlap=2, batching=False)
+        m = Memory(encoder=WordChunkEncoder(DIM), chunk_overlap=2, batching=False)
         m.add(["a one", words, "a three"], "a", ids=["1", "2", "3"], metadata=[{"k": 1}, None, {"k": 3}])
         m.add(["b one", "b two"], "b", ids=["1", "2"])
         return m
@@ -393,13 +380,13 @@ def test_add_many_keeps_created_at_for_items_and_their_chunks_and_filters_see_it
     """created_at of a bulk item is stored (UTC), survives a reopen, is each chunk row's
     too (a filter sees a long item in every row), and a time filter selects by it."""
     words = " ".join(f"w{i}" for i in range(20))  # over the 8-token window: chunked
-    with Memory(tmp_path / "m", encoder=Chunkable(DIM), chunk_overlap=2) as mem:
+    with Memory(tmp_path / "m", encoder=WordChunkEncoder(DIM), chunk_overlap=2) as mem:
         mem.add_many([
             {"user_id": "a", "id": "old", "text": "an old memory", "created_at": "2024-05-01T12:00:00+02:00"},
             {"user_id": "a", "id": "long", "text": words, "created_at": "2024-06-01T00:00:00Z"},
             {"user_id": "a", "id": "new", "text": "a new memory"},  # no created_at: the time of the write
         ])
-    with Memory(tmp_path / "m", encoder=Chunkable(DIM), chunk_overlap=2) as mem:
+    with Memory(tmp_path / "m", encoder=WordChunkEncoder(DIM), chunk_overlap=2) as mem:
         got = {it.id: it.created_at for it in mem.get_all("a")}
         assert got["old"].isoformat() == "2024-05-01T10:00:00+00:00"
         assert got["long"].isoformat() == "2024-06-01T00:00:00+00:00"

@@ -12,12 +12,11 @@ after export / import, and batch-invariant.
 from __future__ import annotations
 
 import os
-import re
 
 import numpy as np
 import pytest
 from _lexical_oracle import bm25_scores, item_topk
-from _serving_helpers import HashEncoder
+from _serving_helpers import HashEncoder, WordChunkEncoder
 
 from rfmem_fast import Memory, MemoryBank, RFMemConfig, available_backends
 from rfmem_fast.lexical import item_rows
@@ -25,19 +24,6 @@ from rfmem_fast.lexical import item_rows
 pytest.importorskip("bm25s")
 
 DIM = 16
-
-
-class Chunkable(HashEncoder):
-    """A window of 8 tokens (2 special; the words are the tokens): a text of more than 6
-    words is cut into chunks of 6 words (overlap 2: a new chunk every 4 words)."""
-
-    max_tokens = 8
-
-    def count_tokens(self, texts):
-        return [len(t.split()) + 2 for t in texts]
-
-    def token_spans(self, texts):
-        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
 
 
 def _backends():
@@ -55,7 +41,7 @@ def test_a_chunked_item_keeps_its_lexical_score():
     filler = " ".join(f"w{i}" for i in range(20))
     texts, ids = [filler + " banana", "banana split"], ["A", "B"]
     cfg = RFMemConfig.recommended()  # convex fusion, cosine + 0.03 * BM25 (raw)
-    enc = Chunkable(DIM)
+    enc = WordChunkEncoder(DIM)
     mem = Memory(encoder=enc, chunk_overlap=2, batching=False, config=cfg, cache_size=0)
     mem.add(texts, "u", ids=ids)
     assert mem.bank.user_size("u") > 2  # A is stored as several chunk rows
@@ -223,7 +209,7 @@ def test_chunked_items_fuse_per_item_on_every_backend(tmp_path, backend, fusion)
     path = tmp_path / "m"
 
     def open_():
-        return Memory(path, encoder=Chunkable(DIM), chunk_overlap=2, config=cfg, backend=backend, batching=False,
+        return Memory(path, encoder=WordChunkEncoder(DIM), chunk_overlap=2, config=cfg, backend=backend, batching=False,
                       cache_size=0, fsync=False)  # fmt: skip
 
     mem = open_()
@@ -243,7 +229,7 @@ def test_chunked_items_fuse_per_item_on_every_backend(tmp_path, backend, fusion)
     _check(mem, model, cfg, "after a checkpoint")
     items = list(mem.export_items())
     mem.close()
-    other = Memory(tmp_path / "imported", encoder=Chunkable(DIM), chunk_overlap=2, config=cfg, backend=backend,
+    other = Memory(tmp_path / "imported", encoder=WordChunkEncoder(DIM), chunk_overlap=2, config=cfg, backend=backend,
                    batching=False, cache_size=0, fsync=False)  # fmt: skip
     other.add_many(items)
     _check(other, model, cfg, "after export / import")

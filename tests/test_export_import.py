@@ -9,11 +9,10 @@ style lines import with --text-field / --ignore-extra / --user.
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
-from _serving_helpers import HashEncoder
+from _serving_helpers import WordChunkEncoder
 
 import rfmem_fast.serving.memory as memory_mod
 from rfmem_fast import Memory
@@ -22,28 +21,15 @@ from rfmem_fast.cli import main
 DIM = 384  # the default encoder's: `rfmem import` opens new memories with it
 
 
-class Chunkable(HashEncoder):
-    """A deterministic stand-in for the default encoder with a window of 40 tokens (the
-    words; 2 special), so texts of more than 38 words are chunked (overlap 32: step 6)."""
-
-    max_tokens = 40
-
-    def count_tokens(self, texts):
-        return [len(t.split()) + 2 for t in texts]
-
-    def token_spans(self, texts):
-        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
-
-
 @pytest.fixture(autouse=True)
 def fake_default_encoder(monkeypatch):
     """Every Memory the commands open gets the deterministic encoder (no model load)."""
-    monkeypatch.setattr(memory_mod, "_default_encoder", lambda **kw: Chunkable(DIM))
+    monkeypatch.setattr(memory_mod, "_default_encoder", lambda **kw: WordChunkEncoder(DIM, max_tokens=40))
 
 
 def build(path) -> Memory:
     rng = np.random.default_rng(0)
-    mem = Memory(path, encoder=Chunkable(DIM), batching=False)
+    mem = Memory(path, encoder=WordChunkEncoder(DIM, max_tokens=40), batching=False)
     mem.add(["I moved to Lyon", "my sister is Ana", " ".join(f"word{i}" for i in range(50))], "alice",
             ids=["a1", "a2", "long"], metadata=[{"src": "chat", "n": [1, 2.5, None]}, None, {"big": 2 ** 70}])
     mem.add_many([{"user_id": "bob", "vector": rng.normal(size=DIM), "id": "v1"},

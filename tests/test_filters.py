@@ -848,34 +848,12 @@ def test_native_recollect_kernel_selection_equals_the_compacted_driver(dtype):
 
 
 # --------------------------------------------------------------------------- the facade
-class _Chunkable:
-    """A hash encoder with a window of 8 tokens (2 special; tokens = words) that tells each
-    token's span, so long texts are chunked by the Memory."""
-
-    max_tokens = 8
-
-    def __init__(self, dim=16):
-        from _serving_helpers import HashEncoder
-
-        self._enc = HashEncoder(dim)
-        self.dim = dim
-
-    def encode(self, texts):
-        return self._enc.encode(texts)
-
-    def count_tokens(self, texts):
-        return [len(t.split()) + 2 for t in texts]
-
-    def token_spans(self, texts):
-        import re
-
-        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
-
-
 def test_memory_created_at_items_filters_and_replay(tmp_path):
+    from _serving_helpers import WordChunkEncoder
+
     from rfmem_fast import Memory
 
-    mem = Memory(tmp_path / "m", encoder=_Chunkable(16), chunk_overlap=2)
+    mem = Memory(tmp_path / "m", encoder=WordChunkEncoder(16), chunk_overlap=2)
     t1 = datetime(2026, 11, 1, 9, 30, tzinfo=timezone.utc)
     long_text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"  # chunked: 3 rows
     ids = mem.add(["alpha one", "beta two", "gamma three", long_text], "u", ids=["a", "b", "c", "long"],
@@ -915,7 +893,7 @@ def test_memory_created_at_items_filters_and_replay(tmp_path):
     mem.update("long", "u", metadata={"tag": "work"})  # the chunk rows follow their item's metadata
     assert "long" in {h.id for h in mem.search("kappa lambda", "u", k=5, mode="dense", filters={"tag": "work"})}
     mem._lock_file.close()  # a crash: the log alone holds the writes
-    again = Memory(tmp_path / "m", encoder=_Chunkable(16), chunk_overlap=2)
+    again = Memory(tmp_path / "m", encoder=WordChunkEncoder(16), chunk_overlap=2)
     assert {i.id: i.created_at for i in again.get_all("u")} == {i.id: i.created_at for i in mem.get_all("u")}
     assert {h.id for h in again.search("kappa lambda", "u", k=5, mode="dense",
                                        filters={"created_at": {"$gte": "2026-11-05T00:00:00Z"}})} == {"long", "d"}

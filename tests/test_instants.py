@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _serving_helpers import HashEncoder
+from _serving_helpers import HashEncoder, WordChunkEncoder
 
 from rfmem_fast import Memory, MemoryBank
 from rfmem_fast.cli import main as rfmem_main
@@ -290,28 +290,8 @@ def test_a_stored_time_outside_the_range_reads_as_unknown_and_breaks_nothing(tmp
 
 
 # ----------------------------------------------------------------------------- hits show their time
-class _Chunky:
-    """A hash encoder with a window of 8 tokens (words; 2 special) that tells each token's
-    span, so the Memory cuts long texts into chunk rows."""
-
-    max_tokens = 8
-
-    def __init__(self, dim: int = 16) -> None:
-        self._enc = HashEncoder(dim)
-        self.dim = dim
-
-    def encode(self, texts):
-        return self._enc.encode(texts)
-
-    def count_tokens(self, texts):
-        return [len(t.split()) + 2 for t in texts]
-
-    def token_spans(self, texts):
-        return [[m.span() for m in re.finditer(r"\S+", t)] for t in texts]
-
-
 def test_hits_carry_their_items_creation_time_in_python_and_over_http(monkeypatch):
-    enc = _Chunky(16)
+    enc = WordChunkEncoder(16)
     mem = Memory(None, encoder=enc, chunk_overlap=2, max_wait_ms=1.0)
     long_text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda"  # several chunk rows
     mem.add(["a one", "b two", long_text], "u", ids=["a", "b", "long"],
@@ -351,7 +331,7 @@ def test_hits_carry_their_items_creation_time_in_python_and_over_http(monkeypatc
     with TestClient(app) as c:
         for body in ({"query": "kappa lambda", "k": 4, "mode": "dense"},  # the fast path
                      {"query": "kappa lambda", "k": 4, "mode": "dense", "filters": {"n": {"$exists": False}}},
-                     {"vector": enc._enc.vector("b two").tolist(), "k": 4}):
+                     {"vector": enc.vector("b two").tolist(), "k": 4}):
             hits = c.post("/v1/users/u/search", json=body).json()["hits"]
             assert len(hits) == 4 and {h["id"]: h["created_at"] for h in hits} == iso, body
         res = c.post("/v1/users/u/search/batch", json={"queries": ["a one", "c three"], "k": 1, "mode": "dense"}).json()

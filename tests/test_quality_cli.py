@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _shared import shared_dir
 
-from rfmem_fast import MemoryBank, RFMemConfig
+from rfmem_fast import RFMemConfig
 from rfmem_fast.cli import main
 from rfmem_fast.evaluate import run_personabench
 from rfmem_fast.models import available_models, resolve_model

@@ -8,7 +8,6 @@ import json
 import os
 from urllib.parse import quote
 
-import numpy as np
 import pytest
 from _serving_helpers import HashEncoder
 
