@@ -128,6 +128,17 @@ def oracle_search(bank, Q, users, config, texts=None, visible=None):
     return rows, cs, bs
 
 
+@pytest.fixture(params=[True, False], ids=["kernel", "numpy"])
+def path(request, monkeypatch):
+    """Run a test with the compiled context kernel (where built) and with the numpy path."""
+    import rfmem_fast.context as C
+
+    if request.param and C._KERNEL is None:
+        pytest.skip("the native extension has no context kernel")
+    monkeypatch.setattr(C, "USE_KERNEL", request.param)
+    return request.param
+
+
 def check(res, oracle):
     rows, cs, bs = oracle
     np.testing.assert_array_equal(res.rows, rows)
@@ -179,7 +190,7 @@ CONFIGS = [
 # --------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ckw", CONFIGS)
-def test_dense_matches_oracle(backend, ckw):
+def test_dense_matches_oracle(backend, ckw, path):
     bank = conversation_bank(1)
     Q = queries(2, 6)
     users = ["user0", "user1", "user2", "user0", "user2", "user1"]
@@ -190,7 +201,7 @@ def test_dense_matches_oracle(backend, ckw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_invariance_and_torch_output(backend):
+def test_batch_invariance_and_torch_output(backend, path):
     bank = conversation_bank(3)
     Q = queries(4, 7)
     users = ["user1", "user0", "user2", "user1", "user0", "user2", "user1"]
@@ -208,7 +219,7 @@ def test_batch_invariance_and_torch_output(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_hybrid_convex_raw_matches_oracle(backend):
+def test_hybrid_convex_raw_matches_oracle(backend, path):
     bank = conversation_bank(5, texts=True)
     Q = queries(6, 5)
     users = ["user0", "user1", "user2", "user2", "user0"]
@@ -326,7 +337,7 @@ def test_chunked_items():
                   wantf)  # fmt: skip
 
 
-def test_deletes_updates_and_store(tmp_path):
+def test_deletes_updates_and_store(tmp_path, path):
     bank = conversation_bank(15)
     snap = bank.snapshot()
     ids0 = bank.item_ids_of("user0")
@@ -344,7 +355,7 @@ def test_deletes_updates_and_store(tmp_path):
     assert snap is not bank.snapshot()
 
 
-def test_near_ties_are_exact():
+def test_near_ties_are_exact(path):
     """Rows that are one-ulp perturbations of a few vectors: scan scores within the scan's
     bound of each other, so the order rests on the exact finish."""
     rng = np.random.default_rng(18)
@@ -430,7 +441,7 @@ def test_rfmem_mode_routes_and_refusals():
 
 
 @pytest.mark.parametrize("ckw", CONFIGS)
-def test_exact_finish_under_adversarial_scan_scores(ckw):
+def test_exact_finish_under_adversarial_scan_scores(ckw, path):
     """context_topk given scan scores off by up to a large declared bound (1e-3): the
     approximate neighbour / thread maxima and the candidates are often wrong, the exact
     finish must still give the oracle's rows and float64 scores exactly."""
@@ -467,11 +478,11 @@ def test_exact_finish_under_adversarial_scan_scores(ckw):
         fs.append(f)
         boosts.append(0.02 * bm25_scores(list(snap.texts[a:e]), qt[i]))
         ptr[i + 1] = ptr[i] + (e - a)
-    scan = SegmentScores(np.concatenate(fs), ptr, np.full(len(users), B))
+    scan = SegmentScores(np.concatenate(fs), ptr, 0.0, B)  # B(q) = B
     flt = [None, {"keep": True}, None, {"$not": {"keep": True}}, {"keep": True}]
     for filters in (None, flt):
         sel = compile_filters(bank, snap, seg, filters)
-        rows, c, base, dense = context_topk(snap, {}, Q, seg, scan, boosts, cfg, cfg.out_k, sel, 1.0)
+        rows, c, base, dense, _ = context_topk(snap, {}, Q, seg, scan, boosts, cfg, cfg.out_k, sel, 1.0)
 
         def visible(i, s, a, e):
             if filters is None or filters[i] is None:
@@ -485,7 +496,7 @@ def test_exact_finish_under_adversarial_scan_scores(ckw):
         np.testing.assert_array_equal(base, w_b)
 
 
-def test_exact_maxima_from_items_that_are_no_candidates():
+def test_exact_maxima_from_items_that_are_no_candidates(path):
     """A neighbour maximum and a thread maximum held by items that are not candidates
     themselves, each a near-tie whose scan scores point to the wrong item: the exact
     finish must score both near-tied items exactly."""
@@ -516,9 +527,9 @@ def test_exact_maxima_from_items_that_are_no_candidates():
         assert ex[hi] > ex[lo]
         f[hi] -= 0.45 * B
         f[lo] += 0.45 * B
-    scan = SegmentScores(f.astype(np.float32), np.array([0, len(names)]), np.array([B]))
+    scan = SegmentScores(f.astype(np.float32), np.array([0, len(names)]), 0.0, B)
     cfg = RFMemConfig(out_k=3, probe_k=3, context_weight=0.5, context_radius=1, thread_weight=0.3)
-    rows, c, base, dense = context_topk(snap, {}, Q, np.array([0]), scan, None, cfg, 3, None, 1.0)
+    rows, c, base, dense, _ = context_topk(snap, {}, Q, np.array([0]), scan, None, cfg, 3, None, 1.0)
     w_rows, w_c, _ = oracle_search(bank, raw, ["u"], cfg)
     np.testing.assert_array_equal(rows, w_rows)
     np.testing.assert_array_equal(c, w_c)

@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "search",
     )),
     ("engine", (
-        "routing.*", "router", "recollection", "fusion", "expansion",
+        "routing.*", "router", "recollection", "fusion", "context", "expansion",
     )),
     ("backends", (
         "backends", "backends.*",

@@ -18,6 +18,7 @@ tie order) is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -41,7 +42,8 @@ __all__ = [
     "all_row_hits",
     "check_memory_budget",
     "recollection_capacity",
-    "scan_bounds",
+    "scan_bound_terms",
+    "segment_ptr",
 ]
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
@@ -108,13 +110,19 @@ class SegmentScores:
         f: float32 [L] the rows' scan scores: query ``i``'s segment rows ``0 .. n_i - 1``
             at ``f[ptr[i] : ptr[i + 1]]``.
         ptr: int64 [b + 1] CSR offsets (``ptr[i + 1] - ptr[i]`` = query i's segment length).
-        bound: float64 [b] ``B(q)``: ``|f - RN32(q . x)| <= B(q)`` for every row of the
-            query's segment (:mod:`rfmem_fast.backends.exact`).
+        scale, abs_term: the scan's bound ``|f - RN32(q . x)| <= B(q) = scale ||q|| (1 + 2^-30)
+            + abs_term`` for every row of the query's segment (:mod:`rfmem_fast.backends.exact`;
+            ``scale`` includes the rows' largest norm).
     """
 
     f: np.ndarray
     ptr: np.ndarray
-    bound: np.ndarray
+    scale: float
+    abs_term: float
+
+    def bounds(self, qnorm: np.ndarray) -> np.ndarray:
+        """float64 [b]: ``B(q)`` of queries of norms ``qnorm`` (float64 [b])."""
+        return self.scale * (qnorm * (1.0 + 2.0**-30)) + self.abs_term
 
 
 def segment_ptr(offsets: np.ndarray, seg: np.ndarray) -> np.ndarray:
@@ -127,20 +135,29 @@ def segment_ptr(offsets: np.ndarray, seg: np.ndarray) -> np.ndarray:
 
 def all_row_hits(ptr: np.ndarray) -> np.ndarray:
     """int32 [ptr[-1]]: the local rows ``0 .. n_i - 1`` of every query's segment, one query
-    after the other (the "hits" that make ``hybrid_probe`` record every row's scan score)."""
+    after the other (the "hits" that make ``hybrid_probe`` record every row's scan score;
+    read-only: one query's is shared)."""
+    if ptr.shape[0] == 2:
+        return _arange32(int(ptr[1]))
     lens = np.diff(ptr)
     return (np.arange(int(ptr[-1]), dtype=np.int64) - np.repeat(ptr[:-1], lens)).astype(np.int32)
 
 
-def scan_bounds(Q: np.ndarray, xnorm: float, depth: int, input_unit: float = 0.0) -> np.ndarray:
-    """float64 [b]: ``B(q)`` of a float32 scan of summation depth ``depth`` (any order:
-    ``depth = d``) over float32 rows of norm <= ``xnorm`` (:func:`rfmem_fast.backends.exact.query_bounds`
-    in numpy)."""
+@lru_cache(maxsize=64)
+def _arange32(n: int) -> np.ndarray:
+    out = np.arange(n, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=256)
+def scan_bound_terms(d: int, xnorm: float, depth: int, input_unit: float = 0.0) -> tuple[float, float]:
+    """``(scale, abs_term)`` of :class:`SegmentScores`: the bound of a float32 scan of summation
+    depth ``depth`` (any order: ``depth = d``) over float32 rows of dimension d and norm <=
+    ``xnorm`` (:func:`rfmem_fast.backends.exact.query_bounds`)."""
     from .exact import abs_error_term, scan_error_coef
 
-    q64 = Q.astype(np.float64)
-    qn = np.sqrt(np.einsum("ij,ij->i", q64, q64)) * (1.0 + 2.0**-30)
-    return (scan_error_coef(depth, input_unit=input_unit) * xnorm) * qn + abs_error_term(Q.shape[1])
+    return scan_error_coef(depth, input_unit=input_unit) * xnorm, abs_error_term(d)
 
 
 def recollection_capacity(config: RFMemConfig) -> int:
@@ -524,21 +541,20 @@ class Backend:
             S = (Qt[torch.from_numpy(idx).to(X.device)] @ X[a:b].T).cpu().numpy()
             for j, i in enumerate(idx.tolist()):
                 f[ptr[i] : ptr[i + 1]] = S[j]
-        return SegmentScores(f, ptr, self.scan_score_bounds(view, Qt.cpu().numpy()))
+        return SegmentScores(f, ptr, *self.scan_score_bound(view))
 
-    def scan_score_bounds(self, view: BankView, Q: np.ndarray) -> np.ndarray:
-        """float64 [b]: the bound ``B(q)`` of the scan scores :meth:`segment_scores` (and, on a
-        backend with ``has_fused_topk``, :meth:`hybrid_probe`'s recorded ones) give.
+    def scan_score_bound(self, view: BankView) -> tuple[float, float]:
+        """``(scale, abs_term)`` of the bound of the scan scores :meth:`segment_scores` (and, on
+        a backend with ``has_fused_topk``, :meth:`hybrid_probe`'s recorded ones) give
+        (:class:`SegmentScores`).
 
         The default: a float32 matrix product on ``view.X``'s device, any summation order
         (depth d), with the matmul's input rounding.
-
-        Args:
-            view: the bank; Q: float32 [b, d] host queries.
         """
         from .exact import matmul_input_unit
 
-        return scan_bounds(Q, view.row_norm_max, Q.shape[1], matmul_input_unit(view.X.device))
+        d = int(view.X.shape[1])
+        return scan_bound_terms(d, view.row_norm_max, d, matmul_input_unit(view.X.device))
 
     # ------------------------------------------------------------ host arrays
     def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,

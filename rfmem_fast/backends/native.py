@@ -85,7 +85,7 @@ from .base import (
     all_row_hits,
     check_memory_budget,
     recollection_capacity,
-    scan_bounds,
+    scan_bound_terms,
     segment_ptr,
 )
 
@@ -382,12 +382,13 @@ class NativeBackend(Backend):
         Qh = _np(Q, torch.float32) if isinstance(Q, torch.Tensor) else np.ascontiguousarray(Q, dtype=np.float32)
         out = _native.hybrid_probe(X, off, Qh, seg, 1, 1, 1.0, "mean", ptr, rows, zeros, zeros, 0, self._threads(),
                                    view.row_norm_max)  # fmt: skip
-        return SegmentScores(out[9], ptr, self.scan_score_bounds(view, Qh))
+        return SegmentScores(out[9], ptr, *self.scan_score_bound(view))
 
-    def scan_score_bounds(self, view, Q):
-        """See :meth:`Backend.scan_score_bounds`: the float32 scan of ``_native.hybrid_probe``
+    def scan_score_bound(self, view):
+        """See :meth:`Backend.scan_score_bound`: the float32 scan of ``_native.hybrid_probe``
         (:func:`native_scan_depth`, no input rounding)."""
-        return scan_bounds(Q, view.row_norm_max, native_scan_depth(Q.shape[1]))
+        d = int(view.X.shape[1])
+        return scan_bound_terms(d, view.row_norm_max, native_scan_depth(d))
 
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
