@@ -126,7 +126,10 @@ class _Layout:
     def __post_init__(self) -> None:
         self.tstart_list = self.tstart.tolist()
         lay32 = np.where(self.lay == self.n, -1, self.lay).astype(np.int32)
-        self.native = (lay32, self.tstart.astype(np.int32))
+        ts32 = self.tstart.astype(np.int32)
+        one = (np.array([0, lay32.shape[0]], dtype=np.int64), np.array([0, ts32.shape[0]], dtype=np.int64),
+               np.array([self.fstart], dtype=np.int64))  # fmt: skip
+        self.native = (lay32, ts32, one)
 
     def rows_of_items(self, items: np.ndarray) -> np.ndarray:
         """int64: every row of the given item rows (the items themselves without chunks)."""
@@ -504,14 +507,14 @@ def context_topk(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
         boosts = [flat[scan.ptr[i] : scan.ptr[i + 1]] for i in range(b)]
     states: list = []
     qi_parts, row_parts = [], []
-    q64 = Qh.astype(np.float64)
-    qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
-    Bq = scan.bounds(qn)
-    f = scan.f
-    ptr = scan.ptr.tolist()
-    for i in range(b):
-        if done is not None and done[0][i]:
-            continue
+    todo = range(b) if done is None else np.flatnonzero(~done[0]).tolist()
+    if len(todo):
+        q64 = Qh.astype(np.float64)
+        qn = np.sqrt(np.einsum("ij,ij->i", q64, q64))
+        Bq = scan.bounds(qn)
+        f = scan.f
+        ptr = scan.ptr.tolist()
+    for i in todo:
         u = int(seg[i])
         a = int(off[u])
         Lo = _layout(memo, snap, u, r)
@@ -607,10 +610,7 @@ def _kernel_part(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
     if not layouts:
         return None
     if len(layouts) == 1:
-        lay, tstart = layouts[0].native
-        lay_ptr = np.array([0, lay.shape[0]], dtype=np.int64)
-        t_ptr = np.array([0, tstart.shape[0]], dtype=np.int64)
-        fstart = np.array([layouts[0].fstart], dtype=np.int64)
+        lay, tstart, (lay_ptr, t_ptr, fstart) = layouts[0].native
     else:
         lay = np.concatenate([Lo.native[0] for Lo in layouts])
         tstart = np.concatenate([Lo.native[1] for Lo in layouts])

@@ -750,7 +750,10 @@ def search_tensors(
             part = _host_chunk(backend, view, Qc, sc, ml, work, config, mode, router, sel_c)
         elif ctx_fast:
             tx = None if query_texts is None else query_texts[c0 : c0 + max_batch]
-            with limit_torch_threads(work, backend.device) if work is not None else nullcontext():
+            # (no torch operation on a backend with the fused kernels and no filter: threads left alone)
+            torch_free = (backend.host_torch_free and backend.has_fused_topk and sel_c is None
+                          and (mode == "dense" or backend.fused_driver()))  # fmt: skip
+            with limit_torch_threads(work, backend.device) if work is not None and not torch_free else nullcontext():
                 part = _context_chunk_host(backend, view, _host_in(Qc, np.float32, torch.float32),
                                            _host_in(sc, np.int64, torch.int64), ml, config, mode, router, sel_c, tx)  # fmt: skip
         else:
