@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     tcx.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
     tcx.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
                      help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
+    tcx.add_argument("--personabench-session-threads", action="store_true",
+                     help="thread PersonaBench's sessions by partner / kind (default: a chunk is a whole session, no thread)")
     tcx.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
     tcx.add_argument("--longmemeval", default=None, help="a LongMemEval JSON file (turn granularity: threads are sessions)")
     tcx.add_argument("--granularity", choices=["session", "turn"], default="turn",
@@ -515,7 +517,8 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
         return 2
     data: list[tuple[str, Any, str]] = []
     if args.personabench:
-        data += [(f"pb {n}", load_personabench(args.personabench, noise=n), "pb:") for n in args.noise]
+        st = bool(getattr(args, "personabench_session_threads", False))
+        data += [(f"pb {n}", load_personabench(args.personabench, noise=n, session_threads=st), "pb:") for n in args.noise]
     if args.locomo:
         data.append(("locomo", load_locomo(args.locomo), "locomo:"))
     if args.longmemeval:

@@ -57,7 +57,10 @@ def test_longmemeval_turns_are_threaded_by_session():
 def test_personabench_sessions_are_threaded_by_partner_and_kind():
     from rfmem_fast.datasets.personabench import load_personabench
 
-    pb = load_personabench(SHARED / "data" / "personabench", noise=0.0, communities=(0,), users_per_community=1)
+    plain = load_personabench(SHARED / "data" / "personabench", noise=0.0, communities=(0,), users_per_community=1)
+    assert user_threads(plain.users[0]) == (None, None)  # a chunk is a whole session: no thread by default
+    pb = load_personabench(SHARED / "data" / "personabench", noise=0.0, communities=(0,), users_per_community=1,
+                           session_threads=True)  # fmt: skip
     u = pb.users[0]
     threads, positions = user_threads(u)
     assert len(threads) == len(u.chunk_ids) == len(positions)

@@ -20,15 +20,17 @@ Questions keep file order (communities in the order given, users in file order, 
 user's ``qa`` in order) and include type "Subjective"; :attr:`PersonaBench.evaluated`
 gives the questions the protocol scores (230 of 263 for the default setting).
 
-Conversation structure (``PBUser.chunk_threads`` / ``chunk_positions``, what the context
-score reads: docs "Conversations"). A chunk is a whole SESSION (every turn of it in one
-text), so there is no turn order inside a chunk; the sessions themselves are ordered in
-threads: the sub-conversations with one partner (``Data[i]``, thread
-``"conversation/{i}"``) session after session (``Conversations[j]``, position j, in file
-order, which is time order), the user-AI interaction sessions (thread
-``"user_ai_interaction"``) and the purchase sessions (thread ``"purchase_history"``), each
-in file order. A chunk's neighbours are thus the sessions before and after it with the same
-partner, or of the same kind.
+Conversation structure (what the context score reads: docs "Conversations"). A chunk is a
+whole SESSION (every turn of it in one text): there are no turns to order inside a
+thread, so by default the chunks have no thread (``PBUser.chunk_threads`` None), as LoCoMo's
+and LongMemEval's threads are sessions. The sessions themselves form series, which
+``load_personabench(..., session_threads=True)`` gives as threads: the sub-conversations
+with one partner (``Data[i]``, thread ``"conversation/{i}"``) session after session
+(``Conversations[j]``, position j, in file order, which is time order), the user-AI
+interaction sessions (thread ``"user_ai_interaction"``) and the purchase sessions (thread
+``"purchase_history"``), each in file order; a chunk's neighbours are then the sessions
+before and after it with the same partner, or of the same kind (measured with ``rfmem tune
+context``: this costs Recall@10 on PersonaBench, docs "Conversations").
 """
 
 from __future__ import annotations
@@ -439,6 +441,7 @@ def load_personabench(
     noise: float = 0.0,
     communities: Sequence[int] = (0, 1),
     users_per_community: int = 3,
+    session_threads: bool = False,
 ) -> PersonaBench:
     """Load PersonaBench users, chunks and questions as the RF-Mem reference does.
 
@@ -453,6 +456,9 @@ def load_personabench(
         communities: community indices to load, in order (ints >= 0, no repeats).
         users_per_community: how many users (the first ones of
             ``eval_info_all.json``) per community, int >= 1.
+        session_threads: False (default): the chunks have no thread (a chunk is a whole
+            session); True: each chunk's thread is its session series (the module
+            docstring), its position its index in the series.
 
     Returns:
         :class:`PersonaBench` with ``users`` (chunk ids/texts per user),
@@ -552,8 +558,9 @@ def load_personabench(
                     texts.append(chunk_text(e))
                     threads.append(thread)
                     positions.append(position)
-            users.append(PBUser(community=c, name=name, chunk_ids=ids, chunk_texts=texts, chunk_threads=threads,
-                                chunk_positions=positions))  # fmt: skip
+            users.append(PBUser(community=c, name=name, chunk_ids=ids, chunk_texts=texts,
+                                chunk_threads=threads if session_threads else None,
+                                chunk_positions=positions if session_threads else None))  # fmt: skip
 
             for qi, q in enumerate(qa):
                 where = f"{name!r} qa[{qi}]"
