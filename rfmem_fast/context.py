@@ -78,6 +78,10 @@ except ImportError:  # pragma: no cover - a build without the extension: numpy o
     _KERNEL = None
 #: False makes every query take the numpy path (tests compare both); results never depend on it
 USE_KERNEL = True
+_ZERO = np.zeros(1, dtype=np.int64)
+_ZERO.setflags(write=False)
+_ONE = np.ones(1, dtype=np.bool_)
+_ONE.setflags(write=False)
 
 U64 = 2.0**-53
 #: relative inflation of the bounds (covers their own float64 evaluation)
@@ -592,6 +596,18 @@ def _kernel_part(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
     without chunk rows) in one call: (bool [b] which, (rows, c, base, dense) [b, k] with
     the others padded), or None when it takes none."""
     b = int(Qh.shape[0])
+    if b == 1 and sel is None:  # one query: no table to build
+        Lo = _layout(memo, snap, int(seg[0]), r)
+        if Lo.item_of is not None:
+            return None
+        lay, tstart, (lay_ptr, t_ptr, fstart) = Lo.native
+        if flat is None and boosts is not None and boosts[0] is not None:
+            flat = np.ascontiguousarray(boosts[0], dtype=np.float64)
+        out = _KERNEL(snap.vectors, snap.offsets, np.ascontiguousarray(Qh, dtype=np.float32),
+                      np.ascontiguousarray(seg, dtype=np.int64), scan.f, np.ascontiguousarray(scan.ptr, dtype=np.int64),
+                      flat, _ZERO, lay, lay_ptr, tstart, t_ptr, fstart, r, w_n, w_s, k, float(scan.scale),
+                      float(scan.abs_term), float(xnorm), 1)  # fmt: skip
+        return _ONE, out
     ok = np.ones(b, dtype=np.bool_) if sel is None else sel.qsel < 0
     quser = np.full(b, -1, dtype=np.int64)
     table: dict = {}
