@@ -20,11 +20,17 @@ namespace rfmem {
 
 namespace {
 
+struct Hit {
+  double c, b;
+  int32_t row;
+  float dense;
+};
+
 struct Scratch {
-  std::vector<double> v, A, Ax, c;
+  std::vector<double> A, c, Tt, heap;
   std::vector<float> dense;
   std::vector<int64_t> cand, need;
-  std::vector<double> heap;
+  std::vector<Hit> hits;
 };
 
 inline double down(double x) { return std::nextafter(x, -std::numeric_limits<double>::infinity()); }
@@ -58,134 +64,130 @@ void one_query(const float* X, int64_t d, const int64_t* offsets, const float* q
   for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
   const double qn = std::sqrt(qq);
   const double B = scale * (qn * (1.0 + 9.313225746154785e-10)) + abs_term;
-  if (s.v.size() < static_cast<size_t>(n)) s.v.resize(static_cast<size_t>(n));
+  // b~ = f + x of every laid-out item (every row: no chunk rows here), -inf at the sentinels
+  if (s.A.size() < static_cast<size_t>(L)) s.A.resize(static_cast<size_t>(L));
+  double* A = s.A.data();
   double xmax = 0.0;
   if (xq) {
-    for (int64_t j = 0; j < n; ++j) {
-      s.v[j] = static_cast<double>(fq[j]) + xq[j];
-      xmax = std::max(xmax, xq[j]);
+    for (int64_t p = 0; p < L; ++p) {
+      const int32_t row = ly[p];
+      if (row < 0) {
+        A[p] = -inf;
+      } else {
+        A[p] = static_cast<double>(fq[row]) + xq[row];
+        xmax = std::max(xmax, xq[row]);
+      }
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) s.v[j] = static_cast<double>(fq[j]);
+    for (int64_t p = 0; p < L; ++p) A[p] = ly[p] < 0 ? -inf : static_cast<double>(fq[ly[p]]);
   }
   const double M = xnorm * qn * (1.0 + 1e-6) + B + xmax;
   const double Bb = (B + 2.0 * kU64 * M) * (1.0 + 1e-9);
   const double Bc = (1.0 + w_n + w_s) * (Bb + 8.0 * kU64 * (M + Bb)) * (1.0 + 1e-9);
-  if (s.A.size() < static_cast<size_t>(L)) s.A.resize(static_cast<size_t>(L));
-  double* A = s.A.data();
-  for (int64_t p = 0; p < L; ++p) A[p] = ly[p] < 0 ? -inf : s.v[ly[p]];
   const bool nb = w_n > 0.0;
-  // approximate c of every item position, block by block (the thread maximum first), and
-  // the k-th largest of them (a min-heap of k)
-  s.heap.clear();
-  auto offer = [&](double c) {
-    if (static_cast<int64_t>(s.heap.size()) < k) {
-      s.heap.push_back(c);
-      std::push_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
-    } else if (c > s.heap.front()) {
-      std::pop_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
-      s.heap.back() = c;
-      std::push_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
-    }
-  };
+  // one pass: c~ of every item (the thread maximum first, per block), the k largest (a
+  // min-heap) and the positions that may still reach the cut (the heap's least minus 2 Bc
+  // only grows: a position below it now stays below the final cut)
   if (s.c.size() < static_cast<size_t>(L)) s.c.resize(static_cast<size_t>(L));
   double* C = s.c.data();
+  s.Tt.resize(static_cast<size_t>(nt));
+  s.heap.clear();
+  s.cand.clear();
+  double bar = -inf;  // the heap's least - 2 Bc once it holds k entries
+  auto offer = [&](int64_t p, double cv) {
+    C[p] = cv;
+    if (static_cast<int64_t>(s.heap.size()) < k) {
+      s.heap.push_back(cv);
+      std::push_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
+      if (static_cast<int64_t>(s.heap.size()) == k) bar = down(s.heap.front() - 2.0 * Bc);
+    } else if (cv > s.heap.front()) {
+      std::pop_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
+      s.heap.back() = cv;
+      std::push_heap(s.heap.begin(), s.heap.end(), std::greater<double>());
+      bar = down(s.heap.front() - 2.0 * Bc);
+    }
+    if (cv >= bar) s.cand.push_back(p);
+  };
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t e = t + 1 < nt ? ts[t + 1] : fs;
     double T = -inf;
     for (int64_t p = ts[t]; p < e; ++p) T = std::max(T, A[p]);
+    s.Tt[t] = T;
     for (int64_t p = ts[t]; p < e; ++p) {
       if (ly[p] < 0) continue;
-      double cv = s.v[ly[p]];
+      double cv = A[p];
       if (nb) cv += w_n * nbr_max(A, p, r);
       if (w_s > 0.0) cv += w_s * T;
-      C[p] = cv;
-      offer(cv);
+      offer(p, cv);
     }
   }
   for (int64_t p = fs; p < L - r; ++p) {  // free items: no neighbour, their own score as T
-    double cv = s.v[ly[p]];
+    double cv = A[p];
     if (w_s > 0.0) cv += w_s * A[p];
-    C[p] = cv;
-    offer(cv);
+    offer(p, cv);
   }
   if (s.heap.empty()) return;
   const double cut = down(s.heap.front() - 2.0 * Bc);
-  s.cand.clear();
+  // the candidates and the positions whose exact scores their exact c needs
+  size_t m = 0;
+  for (int64_t p : s.cand)
+    if (C[p] >= cut) s.cand[m++] = p;
+  s.cand.resize(m);
   s.need.clear();
-  for (int64_t t = 0; t < nt; ++t) {
-    const int64_t e = t + 1 < nt ? ts[t + 1] : fs;
-    double T = -inf;
-    for (int64_t p = ts[t]; p < e; ++p) T = std::max(T, A[p]);
-    bool any = false;
-    for (int64_t p = ts[t]; p < e; ++p) {
-      if (ly[p] < 0 || C[p] < cut) continue;
-      any = true;
-      s.cand.push_back(p);
-      s.need.push_back(p);
-      if (nb) {  // the neighbours near the neighbour maximum
-        const double thr = down(nbr_max(A, p, r) - 2.0 * Bb);
-        for (int64_t o = -r; o <= r; ++o)
-          if (o != 0 && ly[p + o] >= 0 && A[p + o] >= thr) s.need.push_back(p + o);
-      }
+  for (int64_t p : s.cand) {
+    s.need.push_back(p);
+    if (p >= fs) continue;
+    if (nb) {  // the neighbours near the neighbour maximum
+      const double thr = down(nbr_max(A, p, r) - 2.0 * Bb);
+      for (int64_t o = -r; o <= r; ++o)
+        if (o != 0 && ly[p + o] >= 0 && A[p + o] >= thr) s.need.push_back(p + o);
     }
-    if (any && w_s > 0.0) {  // the thread's items near its maximum
-      const double thr = down(T - 2.0 * Bb);
-      for (int64_t p = ts[t]; p < e; ++p)
-        if (ly[p] >= 0 && A[p] >= thr) s.need.push_back(p);
-    }
-  }
-  for (int64_t p = fs; p < L - r; ++p) {
-    if (C[p] >= cut) {
-      s.cand.push_back(p);
-      s.need.push_back(p);
+    if (w_s > 0.0) {  // the thread's items near its maximum
+      const int64_t t = block_of(ts, nt, p);
+      const int64_t e = t + 1 < nt ? ts[t + 1] : fs;
+      const double thr = down(s.Tt[t] - 2.0 * Bb);
+      for (int64_t p2 = ts[t]; p2 < e; ++p2)
+        if (ly[p2] >= 0 && A[p2] >= thr) s.need.push_back(p2);
     }
   }
   std::sort(s.need.begin(), s.need.end());
   s.need.erase(std::unique(s.need.begin(), s.need.end()), s.need.end());
-  // exact base scores at those positions (the others keep their approximate ones)
-  if (s.Ax.size() < static_cast<size_t>(L)) s.Ax.resize(static_cast<size_t>(L));
+  // exact base scores at those positions, written into A (every later read of A is of
+  // the candidates' windows and threads, where exact and approximate values mix as the
+  // exactness argument allows)
   if (s.dense.size() < static_cast<size_t>(L)) s.dense.resize(static_cast<size_t>(L));
-  double* Ax = s.Ax.data();
-  std::copy(A, A + L, Ax);
   for (int64_t p : s.need) {
     const int32_t row = ly[p];
     const float e = exact_score(q, X + (a + row) * d, d, g64);
     s.dense[p] = e;
-    Ax[p] = static_cast<double>(e) + (xq ? xq[row] : 0.0);
+    A[p] = static_cast<double>(e) + (xq ? xq[row] : 0.0);
   }
   // the candidates' exact c: b + w_n M + w_s T in float64, in that order
-  struct Hit {
-    double c, b;
-    int32_t row;
-    float dense;
-  };
-  std::vector<Hit> hits;
-  hits.reserve(s.cand.size());
+  s.hits.clear();
   for (int64_t p : s.cand) {
-    const double bx = Ax[p];
+    const double bx = A[p];
     double Mx = 0.0, T = bx;
     if (p < fs) {
       if (nb) {
-        Mx = nbr_max(Ax, p, r);
+        Mx = nbr_max(A, p, r);
         if (Mx == -inf) Mx = 0.0;
       }
       const int64_t t = block_of(ts, nt, p);
       const int64_t e = t + 1 < nt ? ts[t + 1] : fs;
       T = -inf;
-      for (int64_t p2 = ts[t]; p2 < e; ++p2) T = std::max(T, Ax[p2]);
+      for (int64_t p2 = ts[t]; p2 < e; ++p2) T = std::max(T, A[p2]);
     }
     const double cx = bx + w_n * Mx + w_s * T;
-    hits.push_back(Hit{cx, bx, ly[p], s.dense[p]});
+    s.hits.push_back(Hit{cx, bx, ly[p], s.dense[p]});
   }
-  const int64_t kh = std::min<int64_t>(k, static_cast<int64_t>(hits.size()));
-  std::partial_sort(hits.begin(), hits.begin() + kh, hits.end(),
+  const int64_t kh = std::min<int64_t>(k, static_cast<int64_t>(s.hits.size()));
+  std::partial_sort(s.hits.begin(), s.hits.begin() + kh, s.hits.end(),
                     [](const Hit& x, const Hit& y) { return x.c > y.c || (x.c == y.c && x.row < y.row); });
   for (int64_t j = 0; j < kh; ++j) {
-    orow[j] = a + hits[j].row;
-    oc[j] = hits[j].c;
-    ob[j] = hits[j].b;
-    od[j] = hits[j].dense;
+    orow[j] = a + s.hits[j].row;
+    oc[j] = s.hits[j].c;
+    ob[j] = s.hits[j].b;
+    od[j] = s.hits[j].dense;
   }
 }
 
