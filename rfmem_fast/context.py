@@ -283,13 +283,12 @@ _PY_CANDIDATES = 256
 
 
 def _approximate(Lo: _Layout, buf: np.ndarray, vis: np.ndarray | None, Bb: float, Bc: float, k: int, w_n: float,
-                 w_s: float, seeds: np.ndarray | None) -> tuple:  # fmt: skip
+                 w_s: float) -> tuple:  # fmt: skip
     """The approximate pass of one query (module docstring, step 2 and the candidates of step 3).
 
     Args:
         buf: float64 [n + 1] approximate base scores of the rows (invisible rows -inf),
             ``buf[n] = -inf``.
-        seeds: distinct item rows of at least k visible items (a cheap first threshold), or None.
 
     Returns:
         (cands, windows, block_of, block_near, need, fstart) of :class:`_Query`.
@@ -471,7 +470,7 @@ def _finish(Lo: _Layout, st: _Query, exact_b: list, k: int, w_n: float, w_s: flo
 
 def context_topk(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray, scan: SegmentScores,
                  boosts: list | None, config: Any, k: int, sel: Any = None, xnorm: float = 1.0,
-                 seeds: np.ndarray | None = None, lexical: list | None = None) -> tuple:  # fmt: skip
+                 lexical: list | None = None) -> tuple:  # fmt: skip
     """The exact top-k of every query by its context score (module docstring).
 
     Args:
@@ -487,9 +486,6 @@ def context_topk(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
         k: the width.
         sel: the batch's :class:`rfmem_fast.filters.RowSelection`, or None.
         xnorm: an upper bound of the rows' norms (the bound's magnitudes).
-        seeds: optional int64 [b, s] global rows, each query's rows of a list it returned
-            (-1 padding), all visible to it: when they hold at least k items, the smallest
-            of their approximate c is a first threshold (results never depend on it).
         lexical: optional b entries: float64 [n_i] every row's BM25 (or None: no hit), to
             report the hits' lexical scores.
 
@@ -538,12 +534,7 @@ def context_topk(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
         M = xnorm * float(qn[i]) * (1.0 + 1e-6) + B + (float(x.max()) if x is not None and n else 0.0)
         Bb = (B + 2.0 * U64 * M) * _SLACK
         Bc = (1.0 + w_n + w_s) * (Bb + 8.0 * U64 * (M + Bb)) * _SLACK
-        sd = None
-        if seeds is not None:
-            sr = seeds[i]
-            sr = sr[sr >= 0] - a
-            sd = np.unique(sr if Lo.item_of is None else Lo.item_of[sr])
-        out = _approximate(Lo, buf, vis, Bb, Bc, k, w_n, w_s, sd)
+        out = _approximate(Lo, buf, vis, Bb, Bc, k, w_n, w_s)
         states.append(_Query(i, a, *out))
         need = out[-2]
         qi_parts.append(np.full(need.shape[0], i, dtype=np.int64))

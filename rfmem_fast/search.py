@@ -897,9 +897,8 @@ def _search_chunk(
         Qh = Q.detach().to(torch.float32).cpu().numpy()
         if scan is None:
             scan = be.segment_scores(view, Q, seg_np)
-        seeds = hyb.rows if hyb is not None else p_rows.cpu().numpy()  # rows of a list each query returned
         c_rows, c_ctx, c_base, c_dense, c_lex = context_topk(view.snapshot, view._memo, Qh, seg_np, scan, boosts, config,
-                                                             out_k, sel, view.row_norm_max, seeds,
+                                                             out_k, sel, view.row_norm_max,
                                                              None if texts is None else lex_rows)  # fmt: skip
         rows = torch.from_numpy(c_rows).to(dev)
         scores = torch.from_numpy(c_base.astype(np.float32)).to(dev)
@@ -1157,8 +1156,7 @@ def _context_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray,
         lex_rows = [None if h is None else h[1] for h in _lexical_hits(view.snapshot, seg, texts, sel)]
     routes, rule = _routes_host(mode, router, config, b, None if router is None else ps[:, :probe_k], mean, ent, cnt)
     c_rows, c_ctx, c_base, c_dense, c_lex = context_topk(
-        view.snapshot, view._memo, Qh, seg, scan, boosts, config, out_k, sel, view.row_norm_max,
-        hyb.rows if hyb is not None else pr, lex_rows,
+        view.snapshot, view._memo, Qh, seg, scan, boosts, config, out_k, sel, view.row_norm_max, lex_rows,
     )  # fmt: skip
     rows, scores = _fit(c_rows, out_k, W, -1), _fit(c_base.astype(np.float32), out_k, W, -np.inf)
     ctx, dense = _fit(c_ctx.astype(np.float32), out_k, W, np.nan), _fit(c_dense, out_k, W, np.nan)
