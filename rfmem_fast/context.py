@@ -46,9 +46,17 @@ does not depend on the batch):
    taken by (``c`` descending, row ascending).
 
 So every backend returns the same rows and the same float64 ``c`` as a plain float64
-oracle that scores every row exactly (tests/test_context.py). Cost per query: the rows'
-scan scores (free on the native backend's hybrid probe), ~20 numpy calls over the
-segment (a few microseconds each for 4,096 rows) and the exact scores of a few dozen rows.
+oracle that scores every row exactly (tests/test_context.py). A first threshold keeps the
+candidate search short: the k-th largest of the threads' best ``c~`` (and the free
+items'), which k distinct entries reach, so it is at most ``t``.
+
+Two implementations of steps 2 and 3, one result: the compiled kernel
+``_native.context_topk`` (csrc/cpu/context.cpp: one pass over the layout per query, the
+neighbours read directly, the k largest in a heap; ~30 us for 4,096 rows) takes the
+unfiltered queries on users without chunk rows when the extension is built; the numpy code
+here takes the others (filters, chunked items) and every query without the extension
+(``USE_KERNEL = False`` forces it; tests/test_context.py runs both against the oracle).
+The rows' scan scores are free on the native backend (the hybrid probe records them).
 
 Filters: a filtered query's invisible rows get ``-inf``; its layout is compacted to the
 visible items (ranks among the visible items of a thread), so a filter that drops a turn
