@@ -118,7 +118,7 @@ class RFMemConfig:
 
     * ``context_weight`` (float in [0, 1e6], default 0.0): ``w_n``, weight of the best
       neighbour in the item's thread.
-    * ``context_radius`` (int in [1, 4096], default 2): ``r``, how many ranks on each side
+    * ``context_radius`` (int in [1, 64], default 2): ``r``, how many ranks on each side
       of an item count as its neighbours.
     * ``thread_weight`` (float in [0, 1e6], default 0.0): ``w_s``, weight of the best item
       of the item's thread.
@@ -225,7 +225,7 @@ class RFMemConfig:
         _check_float("lexical_rrf_k", self.lexical_rrf_k, 0.0, 1e6, lo_open=True)
         _check_int("lexical_depth", self.lexical_depth, 1, 1 << 20)
         _check_float("context_weight", self.context_weight, 0.0, 1e6)
-        _check_int("context_radius", self.context_radius, 1, 4096)
+        _check_int("context_radius", self.context_radius, 1, 64)
         _check_float("thread_weight", self.thread_weight, 0.0, 1e6)
         if self.context_on:
             if self.reranker is not None:
