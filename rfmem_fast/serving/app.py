@@ -55,7 +55,8 @@ encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), i
 1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
-field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python; a bad
+field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python, and so
+are ``true`` / ``false`` or a numeric string in a vector or a ``created_at``; a bad
 search ``filters``, :mod:`rfmem_fast.filters`, names the part of the filter in its
 ``msg``: ``filters['score']['$gte']: expected a number, a string or a datetime, got
 list``, and a range the user's values never match in type is 422 too); a
@@ -127,7 +128,8 @@ MAX_PAGE = 1000  # items per page of GET /memories
 
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 ItemId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH)]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+#: a JSON number, finite; strict: ``true`` / ``false`` and numeric strings are refused (not 1.0 / "1.0")
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
 Meta = dict[str, Any]
 # path segments as routed: the decoded id with "%" and "/" escaped (_PathSegments)
@@ -151,12 +153,12 @@ class AddRequest(_Body):
     #: when the items were created: an ISO-8601 string with a UTC offset or epoch seconds,
     #: one for every item or one per item (default: now; Memory.add), each within
     #: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z (a bad one: 422 naming it)
-    created_at: Union[float, str, list[Union[float, str]], None] = None
+    created_at: Union[Finite, str, list[Union[Finite, str]], None] = None
 
-    @field_validator("created_at")
+    @field_validator("created_at", mode="before")
     @classmethod
     def _created_at(cls, v: Any) -> Any:
-        if v is not None:  # checked as Memory.add checks it (the same message)
+        if v is not None:  # the value as sent, checked as Memory.add checks it (the same message; true: 422)
             try:
                 _created_list(v, len(v) if isinstance(v, list) else 1)
             except (TypeError, ValueError) as e:
