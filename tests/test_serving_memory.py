@@ -159,7 +159,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.search(np.zeros(16), "u"), ValueError, "query row 0 has zero norm"),
         (lambda m: m.search([[1.0] * 16], "u"), ValueError, "1-D vector"),
         (lambda m: m.search_batch(["a", "b"], ["u"]), ValueError, "user_ids has 1 entries but queries has 2"),
-        (lambda m: m.search_batch(["a", 3], "u"), ValueError, r"queries\[1\] must be a str or a 1-D vector"),
+        (lambda m: m.search_batch(["a", 3], "u"), TypeError, r"queries\[1\] must be a str or a 1-D vector"),
         (lambda m: m.add(None, "u"), ValueError, "needs texts or vectors"),
         (lambda m: m.add(["a", "b"], "u", ids=["1"]), ValueError, "ids has 1 entries but there are 2 items"),
         (lambda m: m.add(["a"], "u", vectors=np.ones((2, 16))), ValueError, "texts has 1 entries but vectors has 2"),
@@ -421,6 +421,52 @@ def test_config_and_construction_errors(tmp_path):
     mem = Memory(encoder=False, dim=DIM, config=RFMemConfig(out_k=2))
     mem.add(None, "u", vectors=np.eye(DIM)[:5] + 0.01)
     assert len(mem.search(np.ones(DIM), "u")) == 2 and len(mem.search(np.ones(DIM), "u", k=4)) == 4
+
+
+def test_first_use_mistakes_get_messages_that_say_what_to_do(tmp_path):
+    """The messages a new user meets: a path of another type names ``path`` (a config or an
+    encoder in its place: pass it by keyword); a bare number as a query says a text or a
+    vector was expected; vectors of another dimension in a Memory whose dimension was
+    defaulted (no encoder, no dim) say how to set it; per-item lists say "one per item"."""
+    for bad, hint in ((123, "got int$"), (b"dir", "got bytes$"), (RFMemConfig.paper(), r"config=\.\.\.\)$"),
+                      (HashEncoder(DIM), r"encoder=\.\.\.\)$")):
+        with pytest.raises(TypeError, match=r"^path must be a directory as a str or os.PathLike .*" + hint):
+            Memory(bad)
+    assert not list(tmp_path.iterdir())
+    mem = new_memory(batching=False)
+    mem.add(["a", "b"], "u")
+    for query in (5, 2.5, np.float32(1.0), np.array(3.0), True):
+        with pytest.raises(TypeError, match=r"^query must be a str or a 1-D vector of floats: a text \(str\) or a "
+                                            r"vector \(16 floats\) was expected, got "):
+            mem.search(query, "u")
+    with pytest.raises(TypeError, match=r"^queries\[0\] must be a str .* got int"):
+        mem.search_batch([7], "u")
+    for call, match in (
+        (lambda: mem.add(["a", "b"], "u", ids=["1"]), "^ids has 1 entries but there are 2 items: give one per item$"),
+        (lambda: mem.add(["a", "b"], "u", metadata=[{}]),
+         "^metadata has 1 entries but there are 2 items: give one per item, or one dict for every item$"),
+        (lambda: mem.add(["a", "b"], "u", created_at=[0.0]),
+         "^created_at has 1 entries but there are 2 items: give one per item, or one instant for every item$"),
+        (lambda: mem.add(["a"], "u", vectors=np.ones((2, DIM))), "give one vector per text$"),
+        (lambda: mem.update(mem.get_all("u")[0].id, "u", texts=["x", "y"]),
+         "^texts has 2 entries but ids has 1: give one per item$"),
+        (lambda: mem.search_batch(["a", "b"], ["u"]),
+         "^user_ids has 1 entries but queries has 2: give one per query, or one user for every query$"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    bare = Memory(encoder=False, batching=False)  # no encoder, no dim: the default 384
+    for call, name in ((lambda: bare.add(None, "u", vectors=np.ones((2, 8))), "vectors"),
+                       (lambda: bare.search(np.ones(8), "u"), "query")):
+        with pytest.raises(ValueError, match=rf"^{name} must have dimension 384, got 8: .*no encoder and no dim.* "
+                                             r"dim=8 \(Memory\(\.\.\., encoder=False, dim=8\)\)$"):
+            call()
+    sized = Memory(encoder=False, dim=16, batching=False)  # a dimension chosen: the plain message
+    with pytest.raises(ValueError, match=r"^vectors must have dimension 16, got 8$"):
+        sized.add(None, "u", vectors=np.ones((1, 8)))
+    Memory(tmp_path / "m", encoder=False).close()  # a stored memory keeps its (default) dimension
+    with Memory(tmp_path / "m", encoder=False) as reopened, pytest.raises(ValueError, match=r"got 8$"):
+        reopened.add(None, "u", vectors=np.ones((1, 8)))
 
 
 def test_encoder_dtype_option(monkeypatch):

@@ -110,7 +110,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..filters import FilterTypeError, check_filters, parse_filter
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id, _created_list
+from .memory import (MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id, _count_error,
+                     _created_list)
 from .tokens import TOKENS_FILE, TokenStore
 
 __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
@@ -174,7 +175,7 @@ class AddRequest(_Body):
                           ("metadata", self.metadata if isinstance(self.metadata, list) else None),
                           ("created_at", self.created_at if isinstance(self.created_at, list) else None)):
             if val is not None and len(val) != m:
-                raise ValueError(f"{name} has {len(val)} entries but there are {m} items")
+                raise _count_error(name, len(val), m)
         return self
 
 
@@ -326,7 +327,7 @@ class BatchSearchRequest(_Body):
             raise ValueError("exactly one of queries and vectors is required")
         n = len(self.queries if self.queries is not None else self.vectors)
         if isinstance(self.filters, list) and len(self.filters) != n:
-            raise ValueError(f"filters has {len(self.filters)} entries but there are {n} queries")
+            raise _count_error("filters", len(self.filters), n, "query", single="one filter (or null)")
         return self
 
 

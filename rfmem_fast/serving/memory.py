@@ -340,6 +340,15 @@ def _utc(t: float) -> datetime | None:
     return datetime.fromtimestamp(float(t), tz=timezone.utc) if INSTANT_MIN <= t < INSTANT_END else None
 
 
+def _count_error(name: str, n: int, m: int, unit: str = "item", of: str | None = None,
+                 single: str | None = None) -> ValueError:
+    """The error of a per-item (per-query) list of the wrong length: ``name`` has ``n``
+    entries for ``m`` items, and how to give it (one per item, or ``single`` for all)."""
+    count = f"there are {m} {'queries' if unit == 'query' else unit + 's'}" if of is None else f"{of} has {m}"
+    alt = f", or {single} for every {unit}" if single else ""
+    return ValueError(f"{name} has {n} entries but {count}: give one per {unit}{alt}")
+
+
 def _created_list(created_at: Any, m: int) -> list[float]:
     """``Memory.add``'s ``created_at`` as m epoch seconds: None (now), one instant for every
     item, or m of them; an instant is a timezone-aware datetime, an ISO-8601 string with
@@ -356,7 +365,7 @@ def _created_list(created_at: Any, m: int) -> list[float]:
                         f"got {type(created_at).__name__}")
     out = list(created_at)
     if len(out) != m:
-        raise ValueError(f"created_at has {len(out)} entries but there are {m} items")
+        raise _count_error("created_at", len(out), m, single="one instant")
     return [_instant(v, f"created_at[{j}]") for j, v in enumerate(out)]
 
 
@@ -466,6 +475,25 @@ def _canon_id(x: Any, name: str) -> str:
     return _check_unicode(x, name)
 
 
+def _check_path(path: Any) -> Path:
+    """``Memory(path)`` as a Path: a str or an ``os.PathLike`` of a str.
+
+    Raises:
+        TypeError: anything else, named ``path`` (a config or an encoder given in its
+            place gets a hint to pass it by keyword)."""
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if isinstance(p, str):
+            return Path(p)
+    hint = ""
+    if isinstance(path, RFMemConfig):
+        hint = " (a configuration: pass it as config=...)"
+    elif callable(getattr(path, "encode", None)) and not isinstance(path, (str, bytes)):
+        hint = " (an encoder: pass it as encoder=...)"
+    raise TypeError(f"path must be a directory as a str or os.PathLike (or None for an in-memory Memory), "
+                    f"got {type(path).__name__}{hint}")
+
+
 def _user_key(user: Any, name: str = "user_id") -> str:
     return _canon_id(user, name)
 
@@ -523,7 +551,7 @@ def _metadata_list(metadata: Any, m: int) -> list | None:
         raise TypeError(f"metadata must be a dict, a sequence of dicts (or None) or None, got {type(metadata).__name__}")
     out = list(metadata)
     if len(out) != m:
-        raise ValueError(f"metadata has {len(out)} entries but there are {m} items")
+        raise _count_error("metadata", len(out), m, single="one dict")
     return _check_metadata(out, m)
 
 
@@ -821,11 +849,13 @@ class Memory:
         self._lock_file: Any = None
         self._store_gen = 0
         enc_dim = getattr(self._encoder, "dim", None) if self._encoder is not None else None
+        # vectors of another dimension get a hint: this Memory's dimension was not chosen
+        self._dim_defaulted = encoder is False and dim is None
         if path is None:
             self.bank = MemoryBank(self._resolve_dim(dim, enc_dim, None), lexical_stemmer=default_stemmer())
         else:
             try:
-                self._open(Path(os.fspath(path)), dim, enc_dim, fsync)
+                self._open(_check_path(path), dim, enc_dim, fsync)
             except BaseException:
                 if self._lock_file is not None:
                     self._lock_file.close()
@@ -891,6 +921,7 @@ class Memory:
             self._take_lock(path)
             meta = self._read_meta(meta_path)
             stored_dim = meta["dim"]
+            self._dim_defaulted = False  # the stored memory's dimension
             self._resolve_dim(dim, enc_dim, stored_dim)
             store = meta["store"]
             self.bank = MemoryBank.load(path / store) if store else MemoryBank(stored_dim, lexical_stemmer=default_stemmer())
@@ -1215,6 +1246,11 @@ class Memory:
                 raise ValueError(f"{name} must be a [m, d] or [d] array of floats: {exc}") from None
         if getattr(arr, "ndim", None) == 1:
             arr = arr[None, :]
+        shape = getattr(arr, "shape", ())
+        if self._dim_defaulted and len(shape) == 2 and shape[1] not in (0, self.dim):
+            raise ValueError(f"{name} must have dimension {self.dim}, got {shape[1]}: this Memory has no encoder "
+                             f"and no dim, so it took the default dimension {DEFAULT_DIM}; for {shape[1]}-dimensional "
+                             f"vectors create it with dim={shape[1]} (Memory(..., encoder=False, dim={shape[1]}))")
         out = as_float_matrix(arr, name, self.dim)
         l2_normalize_rows(out, name)  # refuses zero rows now, before anything is logged
         return out
@@ -1558,12 +1594,12 @@ class Memory:
             raise ValueError("add needs texts or vectors")
         m = len(tx) if tx is not None else vec.shape[0]
         if vec is not None and tx is not None and vec.shape[0] != m:
-            raise ValueError(f"texts has {m} entries but vectors has {vec.shape[0]} rows")
+            raise ValueError(f"texts has {m} entries but vectors has {vec.shape[0]} rows: give one vector per text")
         if m == 0:
             raise ValueError("add needs at least one item")
         id_list = [uuid.uuid4().hex for _ in range(m)] if ids is None else _id_list(ids)
         if len(id_list) != m:
-            raise ValueError(f"ids has {len(id_list)} entries but there are {m} items")
+            raise _count_error("ids", len(id_list), m)
         meta = _metadata_list(metadata, m)
         created = _created_list(created_at, m)
         extra_ids: list[str] = []
@@ -1642,7 +1678,7 @@ class Memory:
         vec = None if vectors is None else self._vectors(vectors)
         for name, n in (("texts", None if tx is None else len(tx)), ("vectors", None if vec is None else vec.shape[0])):
             if n is not None and n != m:
-                raise ValueError(f"{name} has {n} entries but ids has {m}")
+                raise _count_error(name, n, m, of="ids")
         meta = _metadata_list(metadata, m)
         if tx is None and vec is None and meta is None:
             raise ValueError("update needs texts, vectors or metadata")
@@ -2050,8 +2086,10 @@ class Memory:
                 raise ValueError(f"{name}: this Memory has no text encoder (encoder=False); pass a vector")
             query = _check_text(query, name, what="query")
             return _Query(user, query, None, k, mode, ("text", query) + fk, flt)
-        if isinstance(query, bytes) or query is None:
-            raise TypeError(f"{name} must be a str or a 1-D vector of floats, got {type(query).__name__}")
+        if isinstance(query, (bytes, bool, int, float, complex, np.number, np.bool_)) or query is None \
+                or getattr(query, "ndim", None) == 0:
+            raise TypeError(f"{name} must be a str or a 1-D vector of floats: a text (str) or a vector "
+                            f"({self.dim} floats) was expected, got {type(query).__name__}")
         if name == "query" and isinstance(query, (list, tuple)) and query and isinstance(query[0], str):
             raise TypeError("query must be one str or one 1-D vector; for several queries use "
                             "Memory.search_batch(queries, user_ids)")
@@ -2170,7 +2208,7 @@ class Memory:
         else:
             users = list(user_ids)
             if len(users) != len(qs):
-                raise ValueError(f"user_ids has {len(users)} entries but queries has {len(qs)}")
+                raise _count_error("user_ids", len(users), len(qs), "query", of="queries", single="one user")
         if filters is None or isinstance(filters, dict):
             flist, fnames = [filters] * len(qs), ["filters"] * len(qs)
         elif isinstance(filters, (str, bytes)) or not hasattr(filters, "__len__"):
@@ -2178,7 +2216,7 @@ class Memory:
         else:
             flist, fnames = list(filters), [f"filters[{i}]" for i in range(len(qs))]
             if len(flist) != len(qs):
-                raise ValueError(f"filters has {len(flist)} entries but queries has {len(qs)}")
+                raise _count_error("filters", len(flist), len(qs), "query", of="queries", single="one filter")
         prepared = [self._prepare(x, u, k, mode, name=f"queries[{i}]", filters=f, fname=fn)
                     for i, (x, u, f, fn) in enumerate(zip(qs, users, flist, fnames))]  # fmt: skip
         out: list[Any] = [None] * len(prepared)
