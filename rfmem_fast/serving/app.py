@@ -211,14 +211,16 @@ class DeleteRequest(_Body):
 
 class BulkAddItem(_Body):
     """One item of a bulk add: its user, a text and / or a vector, optional id,
-    metadata and ``created_at`` (ISO-8601, without an offset read as UTC; default: now)."""
+    metadata and ``created_at`` (as :class:`AddRequest`'s: epoch seconds or ISO-8601,
+    a string without an offset read as UTC; default: now; checked by
+    :meth:`Memory.add_many`, a bad one a 422 at ``["body", "items", i, "created_at"]``)."""
 
     user_id: ItemId
     id: ItemId | None = None
     text: Text | None = None
     vector: Vector | None = None
     metadata: Meta | None = None
-    created_at: Annotated[str, StringConstraints(max_length=64)] | None = None
+    created_at: Union[Finite, Annotated[str, StringConstraints(max_length=64)], None] = None
 
     @model_validator(mode="after")
     def _some(self) -> "BulkAddItem":

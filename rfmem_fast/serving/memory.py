@@ -369,10 +369,39 @@ def _created_list(created_at: Any, m: int) -> list[float]:
     return [_instant(v, f"created_at[{j}]") for j, v in enumerate(out)]
 
 
-def _instant(v: Any, where: str) -> float:
-    """One instant of a write: parsed (:func:`rfmem_fast.filters.parse_instant`), then
-    range-checked (:func:`rfmem_fast.bank.check_instant`), ``where`` named."""
-    return check_instant(parse_instant(v, where), where, v)
+def _instant(v: Any, where: str, *, offsetless_utc: bool = False) -> float:
+    """One creation time of a write as float seconds since the Unix epoch: the ONE parser of
+    every write door (:meth:`Memory.add`, :meth:`Memory.add_many`, the HTTP add and bulk add
+    bodies, ``rfmem import`` lines).
+
+    Args:
+        v: a number of seconds since the epoch (int / float / numpy number; not a bool),
+            a timezone-aware ``datetime``, or an ISO-8601 string with a UTC offset
+            (:func:`rfmem_fast.filters.parse_instant`).
+        where: the value's name in messages (``created_at``, ``items[3].created_at``).
+        offsetless_utc: an ISO-8601 string WITHOUT an offset reads as UTC (the item
+            doors: ``add_many`` items, the bulk route, import lines, whose JSON formats
+            say so); False refuses it, as :meth:`Memory.add` and the filters do (it names
+            no instant). A naive ``datetime`` is refused either way.
+
+    Returns:
+        float seconds, within :data:`rfmem_fast.bank.INSTANT_RANGE`.
+
+    Raises:
+        TypeError: another type (a bool included). ValueError: a string that is no
+            ISO-8601 date-time, a naive value, a non-finite number, an instant outside
+            the range (:func:`rfmem_fast.bank.check_instant`: with a hint for epoch
+            milliseconds); each message names ``where``.
+    """
+    t = v
+    if offsetless_utc and isinstance(v, str):
+        try:
+            dt = datetime.fromisoformat(v.strip())
+        except ValueError:
+            pass  # parse_instant names the string
+        else:
+            t = dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
+    return check_instant(parse_instant(t, where), where, v)
 
 
 def _logged_times(created_at: list | None) -> list | None:
@@ -558,9 +587,10 @@ def _metadata_list(metadata: Any, m: int) -> list | None:
 # ---------------------------------------------------------------------- bulk items
 #: The fields of one item of :meth:`Memory.add_many` / :meth:`Memory.update_many` /
 #: :meth:`Memory.delete_many`, which are also the keys of a line of ``rfmem export`` /
-#: ``rfmem import``: field -> the bulk operations that take it. ``created_at`` (an
-#: ISO-8601 timestamp, without an offset read as UTC; default: the time of the write) is
-#: stored as seconds since the epoch and filterable (:mod:`rfmem_fast.filters`). A new
+#: ``rfmem import``: field -> the bulk operations that take it. ``created_at`` (what
+#: :meth:`Memory.add` takes: epoch seconds, an aware datetime or an ISO-8601 string; a
+#: string without an offset read as UTC: :func:`_instant`; default: the time of the write)
+#: is stored as seconds since the epoch and filterable (:mod:`rfmem_fast.filters`). A new
 #: per-item field is one entry here, its checker in ``_FIELD_CHECKS`` and, to be
 #: stored, its column in ``_RECORD_COLUMNS``.
 ITEM_FIELDS: dict[str, tuple[str, ...]] = {
@@ -583,21 +613,6 @@ def _check_meta1(value: Any, label: str) -> dict | None:
         return _check_metadata([value], 1)[0]
     except (TypeError, ValueError) as exc:
         raise type(exc)(str(exc).replace("metadata[0]", label, 1)) from None
-
-
-def _check_timestamp(value: Any, label: str) -> float:
-    """An ISO-8601 date-time (``2024-05-01T12:00:00Z``, any UTC offset; none: UTC) as
-    seconds since the Unix epoch (float, what the bank stores), within
-    :data:`rfmem_fast.bank.INSTANT_RANGE` (:func:`rfmem_fast.bank.check_instant`)."""
-    if not isinstance(value, str):
-        raise TypeError(f"{label} must be an ISO-8601 date-time str, got {type(value).__name__}")
-    try:
-        t = datetime.fromisoformat(value.strip())
-    except ValueError:
-        raise ValueError(f"{label} is not an ISO-8601 date-time: {value[:60]!r}") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
-    return check_instant(parse_instant(t, label), label, value)
 
 
 def _check_vector1(mem: "Memory", value: Any, label: str) -> np.ndarray:
@@ -625,7 +640,7 @@ _FIELD_CHECKS: dict[str, Callable[["Memory", Any, str], Any]] = {
     "text": lambda mem, v, label: _check_text(v, label),
     "vector": _check_vector1,
     "metadata": lambda mem, v, label: _check_meta1(v, label),
-    "created_at": lambda mem, v, label: _check_timestamp(v, label),
+    "created_at": lambda mem, v, label: _instant(v, label, offsetless_utc=True),
 }
 
 
@@ -1828,9 +1843,11 @@ class Memory:
                 ``vector`` (at least one: a [d] float vector is stored instead of
                 encoding the text, which is then kept as the item's text), ``id``
                 (optional: default a new uuid4 hex), ``metadata`` (a JSON object, or
-                None), ``created_at`` (ISO-8601, without an offset read as UTC, within
-                0001-01-01 .. 9999-12-31 in UTC; default: the time of the write; a long
-                text's chunk rows get their item's). A None value counts as not given.
+                None), ``created_at`` (the forms of :meth:`add`, one parser: seconds
+                since the Unix epoch, a timezone-aware ``datetime`` or an ISO-8601
+                string, one without an offset read as UTC; within 0001-01-01 ..
+                9999-12-31 in UTC; default: the time of the write; a long text's chunk
+                rows get their item's). A None value counts as not given.
 
         Every text without a vector is embedded in ONE encoder call (long texts
         chunked as in :meth:`add`); each user's items become one add record and the

@@ -13,8 +13,10 @@ One JSON object per line, one line per item, the fields of :meth:`Memory.add_man
   row, d floats (unit norm; each float32 written as the float64 holding it exactly, so
   it reads back bit for bit). An item whose text is stored in several chunk rows (over
   the encoder's window) has none: import embeds its text again.
-* ``created_at`` (optional, ISO-8601; without an offset read as UTC; 0001-01-01 ..
-  9999-12-31 in UTC): the item's creation time, written by export (absent when unknown:
+* ``created_at`` (optional: an ISO-8601 string, one without an offset read as UTC, or
+  a number of seconds since the Unix epoch, as ``Memory.add`` / ``add_many`` take it;
+  0001-01-01 .. 9999-12-31 in UTC): the item's creation time, written by export as
+  ISO-8601 UTC (absent when unknown:
   an item of a store written before creation times were kept, or one whose stored time
   was no instant, :attr:`~rfmem_fast.serving.memory.Item.created_at`; ``rfmem export``
   counts them) and stored by import (default: the time of the import); filterable
