@@ -40,6 +40,14 @@ def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = Fa
         raise ValueError(f"RFMemConfig.{name} must be in {left}{lo}, {hi}], got {value}")
 
 
+_NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
+#: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
+_RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
+    "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **_NEVER_RECOLLECT},
+    "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **_NEVER_RECOLLECT},
+}
+
+
 @dataclass(frozen=True)
 class RFMemConfig:
     """All knobs of RF-Mem retrieval, validated on construction.
@@ -297,14 +305,10 @@ class RFMemConfig:
             ValueError: an unknown encoder (the message lists the known ones), or an
                 invalid override.
         """
-        never = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
-        picks: dict[str, dict[str, Any]] = {
-            "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **never},
-            "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **never},
-        }
-        if encoder not in picks:
-            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
-        return cls(**{**picks[encoder], **overrides})
+        if encoder not in _RECOMMENDED_PICKS:
+            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(_RECOMMENDED_PICKS)}, "
+                             f"got {encoder!r}")
+        return cls(**{**_RECOMMENDED_PICKS[encoder], **overrides})
 
     @classmethod
     def paper_text(cls, **overrides: Any) -> "RFMemConfig":
@@ -329,3 +333,43 @@ class RFMemConfig:
     def to_dict(self) -> dict[str, Any]:
         """All fields as a plain dict (JSON-serialisable)."""
         return dataclasses.asdict(self)
+
+    def preset(self) -> str:
+        """The name of the preset this configuration is, found by comparing it with them.
+
+        Every field but ``out_k`` is compared (``out_k`` is the default number of hits,
+        which each search may set with its ``k``), exactly (floats by value).
+
+        Returns:
+            "recommended" (:meth:`recommended` for an encoder it knows, "minilm" or
+            "mpnet": what ``--preset recommended`` and the text facades pick), "paper"
+            (:meth:`paper`, ``RFMemConfig()``), "paper_text" (:meth:`paper_text`), or
+            "custom" (any other: a field changed, a router or re-ranker file).
+        """
+        mine = {**self.to_dict(), "out_k": None}
+        candidates = [("recommended", RFMemConfig.recommended(e)) for e in _RECOMMENDED_PICKS]
+        candidates += [("paper", RFMemConfig.paper()), ("paper_text", RFMemConfig.paper_text())]
+        for name, cfg in candidates:
+            if {**cfg.to_dict(), "out_k": None} == mine:
+                return name
+        return "custom"
+
+    def summary(self) -> dict[str, Any]:
+        """The configuration by name and its main fields, for a status report (the HTTP
+        service's ``/health`` "config"): ``{"preset": :meth:`preset`, "out_k",
+        "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
+        "max_rounds", "score_floor", "merge", "router", "reranker"}``, ``router`` /
+        ``reranker`` as booleans (whether a calibrated file is used; its path is not shown).
+
+        Returns:
+            dict of JSON values.
+        """
+        out: dict[str, Any] = {"preset": self.preset()}
+        out.update({f: getattr(self, f) for f in _SUMMARY_FIELDS})
+        out.update(router=self.router is not None, reranker=self.reranker is not None)
+        return out
+
+
+#: the fields :meth:`RFMemConfig.summary` reports besides the preset's name
+_SUMMARY_FIELDS = ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau", "max_rounds",
+                   "score_floor", "merge")

@@ -324,6 +324,25 @@ def test_health_and_metrics_report_the_encoder_runtime_and_precision(tmp_path, m
         assert "rfmem_encoder_info" not in c.get("/metrics").text
 
 
+def test_health_reports_the_retrieval_configuration_by_name(tmp_path):
+    """/health's "config": the Memory's configuration by preset name and its main fields
+    (RFMemConfig.summary), for the default (recommended), the paper's and a custom one."""
+    from rfmem_fast import RFMemConfig
+
+    for config, preset in ((None, "recommended"), (RFMemConfig.paper(), "paper"),
+                           (RFMemConfig.paper(score_floor=-0.5, out_k=7), "custom")):
+        mem = Memory(encoder=HashEncoder(DIM), config=config)
+        with TestClient(create_app(mem, no_auth=True)) as c:
+            got = c.get("/health").json()["config"]
+        want = (config or RFMemConfig.recommended()).to_dict()
+        assert got["preset"] == preset
+        assert {k: v for k, v in got.items() if k not in ("preset", "router", "reranker")} == {
+            k: want[k] for k in ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
+                                 "max_rounds", "score_floor", "merge")}
+        assert got["router"] is False and got["reranker"] is False
+        mem.close()
+
+
 def test_json_responses_keep_what_orjson_refuses(served):
     """Answers are serialised by orjson; an int beyond 64 bits in metadata (valid JSON,
     refused by orjson) falls back to the standard library instead of a 500."""

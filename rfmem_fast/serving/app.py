@@ -2,7 +2,7 @@
 
 Routes (JSON bodies validated by pydantic)::
 
-    GET    /health                                   liveness, counts (no auth)
+    GET    /health                                   liveness, counts, encoder, retrieval config (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
     POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
                                                      optional "ids", "metadata", "created_at" -> 201 {"ids"}
@@ -76,6 +76,12 @@ per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_wal_bytes``, ``rfmem_encoder_seconds_total`` / ``rfmem_encoded_texts_total`` (the
 encoder's time and texts, writes included), ``rfmem_encoder_info{model,backend,dtype,device}`` (the encoder's
 runtime and precision; also in ``/health``, with its dimension).
+
+Health (``/health``): ``{"status": "ok", "users", "items", "batching", "encoder": {"model",
+"backend", "dtype", "device", "dim", "loaded"} (null: vectors only), "config"}``, ``config``
+the retrieval configuration by name and its main fields
+(:meth:`rfmem_fast.RFMemConfig.summary`: ``{"preset": "recommended" | "paper" |
+"paper_text" | "custom", "out_k", "lexical_weight", "fusion", ...}``).
 """
 from __future__ import annotations
 
@@ -957,6 +963,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         raise TypeError(f"tokens must be a TokenStore, got {type(tokens).__name__}")
     metrics = _Metrics(memory)
     key = api_key.strip().encode() if api_key else None
+    config_summary = memory.config.summary()  # the Memory's configuration never changes
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:
@@ -984,7 +991,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def health() -> dict[str, Any]:
         users, items = memory.counts()
         return {"status": "ok", "users": users, "items": items,
-                "batching": memory.batching, "encoder": memory.encoder_info()}
+                "batching": memory.batching, "encoder": memory.encoder_info(), "config": config_summary}
 
     @app.get("/metrics")
     def prometheus() -> Response:
