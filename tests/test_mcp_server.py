@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _serving_helpers import HashEncoder
 
@@ -222,6 +223,70 @@ def test_mcp_http_bearer_session_and_sigkill_keeps_acknowledged_writes(tmp_path)
         items = {i.id: i for i in mem.get_all("alice")}
         assert set(items) == {ids["lyon"], ids["ana"], ids["cello"]}
         assert items[ids["ana"]].metadata == {"source": "correction"}
+
+
+@pytest.mark.parametrize("transport, sig", [("stdio", signal.SIGTERM), ("stdio", signal.SIGINT),
+                                             ("http", signal.SIGTERM)])
+def test_rfmem_mcp_checkpoints_the_memory_on_sigterm_and_ctrl_c(tmp_path, transport, sig):
+    """As ``rfmem serve``: SIGTERM (or Ctrl-C) closes the memory before the process ends, so
+    the directory reopens from its store with an empty write-ahead log (nothing to replay):
+    the writes logged before the start and a write made through the server are all there."""
+    data = tmp_path / "mem"
+    mem = Memory(data, encoder=False, dim=8, batching=False)
+    mem.add(None, "alice", vectors=np.eye(8)[:3], ids=["a", "b", "c"])
+    crash(mem)  # the writes are in the log only: the server replays them, then must checkpoint them
+    cmd = [sys.executable, "-m", "rfmem_fast.cli", "mcp", "--transport", transport, "--user", "alice",
+           "--data-dir", str(data), "--encoder", "none"]
+    port = _free_port()
+    if transport == "http":
+        cmd += ["--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **_env()), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if transport == "stdio":  # the protocol by hand: initialize, then one write through a tool
+            def rpc(msg: dict) -> None:
+                proc.stdin.write((json.dumps({"jsonrpc": "2.0", **msg}) + "\n").encode())
+                proc.stdin.flush()
+
+            rpc({"id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                                                             "clientInfo": {"name": "t", "version": "0"}}})
+            assert json.loads(proc.stdout.readline())["id"] == 1
+            rpc({"method": "notifications/initialized"})
+            rpc({"id": 2, "method": "tools/call", "params": {"name": "delete_memory", "arguments": {"id": "a"}}})
+            answer = json.loads(proc.stdout.readline())
+            assert answer["id"] == 2 and answer["result"]["structuredContent"] == {"id": "a", "deleted": True}
+        else:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "rfmem mcp did not listen"
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+            async def delete() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(f"http://127.0.0.1:{port}/mcp", None) as session:
+                        assert _ok(await session.call_tool("delete_memory", {"id": "a"}))["deleted"]
+
+            anyio.run(delete)
+        proc.send_signal(sig)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+    assert (data / "wal.jsonl").stat().st_size == 0  # checkpointed on the way out
+    with Memory(data, encoder=False) as again:
+        assert again.stats()["replayed"] == 0 and [i.id for i in again.get_all("alice")] == ["b", "c"]
+
+
+def crash(mem: Memory) -> None:
+    """Drop ``mem`` as a killed process would (its lock released, no checkpoint)."""
+    mem._lock_file.close()
 
 
 # ----------------------------------------------------------------------------- user scope

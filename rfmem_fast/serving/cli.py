@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from ..encoders import AUTO_ENCODER_RULE, BACKENDS, ENCODER_DTYPES, INT8_MAX_TOKENS
@@ -230,12 +232,17 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_mcp(args: argparse.Namespace) -> int:
     """Run ``rfmem mcp`` from parsed arguments until the client disconnects (stdio) or
-    SIGINT / SIGTERM (HTTP); returns the exit code (2 on a configuration error, printed
-    to stderr: stdout belongs to the MCP protocol on stdio).
+    SIGINT / SIGTERM (either transport); returns the exit code (2 on a configuration
+    error, printed to stderr: stdout belongs to the MCP protocol on stdio).
 
     The handshake is answered before the text encoder is loaded: the Memory opens here
     (a locked or bad directory exits 2 at once), its default encoder loads on a thread
-    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`)."""
+    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`).
+
+    Shutdown (:func:`_close_on_signals`): however the server stops -- the stdio client
+    leaving, SIGTERM or Ctrl-C on either transport -- the memory is closed, which
+    checkpoints it (its write-ahead log folded into the store: the next start replays
+    nothing), as ``rfmem serve`` does; the exit code is then 0."""
     _passive_omp(args)  # first: the re-executed process imports the MCP SDK once, not twice
     try:
         from . import mcp_server
@@ -255,9 +262,83 @@ def run_mcp(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
+    close = _closer(memory)
+    restore = _close_on_signals(close, args.transport)
     try:
         mcp_server.serve_mcp(memory, scope, transport=args.transport, host=args.host, port=args.port,
                              log_level=args.log_level)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM after uvicorn's graceful shutdown (HTTP)
+        pass
     finally:
-        memory.close()
+        close()
+        restore()
     return 0
+
+
+def _closer(memory: Any) -> Any:
+    """``memory.close`` made safe to call from several threads (the signal handler's and
+    the main thread): the first call closes (checkpoints), the others wait for it."""
+    lock = threading.Lock()
+
+    def close() -> None:
+        with lock:
+            memory.close()
+
+    return close
+
+
+def _close_on_signals(close: Any, transport: str) -> Any:
+    """Make SIGTERM / SIGINT stop ``rfmem mcp`` with ``close()`` (the memory checkpointed),
+    as ``rfmem serve``'s shutdown does; returns a function restoring the previous handlers.
+
+    * HTTP: uvicorn takes both signals while it serves, shuts the server down gracefully
+      (requests in flight finish), then restores the handlers it found and raises the
+      signal again: SIGTERM's handler installed here raises ``KeyboardInterrupt`` then
+      (Python's own SIGINT handler does too), so that :func:`run_mcp` closes the memory
+      and returns. Without it SIGTERM's default action killed the process first.
+    * stdio: the SDK reads stdin on a worker thread that no exception can interrupt (the
+      process would wait for the client's next line), so the handler starts a thread that
+      closes the memory -- writes in flight finish first, later calls are refused -- and
+      ends the process with exit code 0. A second signal meanwhile ends it at once (exit
+      code 1; the write-ahead log holds every acknowledged write, replayed on the next start).
+
+    Only from the main thread (signal handlers can be set nowhere else): elsewhere nothing
+    is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    closing: list[int] = []
+
+    def on_stdio_signal(signum: int, _frame: Any) -> None:
+        if closing:
+            os._exit(1)
+        closing.append(signum)
+
+        def stop() -> None:
+            code = 0
+            try:
+                close()
+                print(f"rfmem mcp: {signal.Signals(signum).name}: the memory is checkpointed and closed",
+                      file=sys.stderr, flush=True)
+            except BaseException as exc:  # the log still holds every acknowledged write
+                print(f"rfmem mcp: error while closing the memory: {exc}", file=sys.stderr, flush=True)
+                code = 1
+            finally:
+                os._exit(code)
+
+        threading.Thread(target=stop, name="rfmem-mcp-shutdown", daemon=True).start()
+
+    def on_http_sigterm(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if transport == "stdio":
+        handlers = {signal.SIGTERM: on_stdio_signal, signal.SIGINT: on_stdio_signal}
+    else:
+        handlers = {signal.SIGTERM: on_http_sigterm}
+    previous = {sig: signal.signal(sig, fn) for sig, fn in handlers.items()}
+
+    def restore() -> None:
+        for sig, fn in previous.items():
+            signal.signal(sig, fn)
+
+    return restore

@@ -779,7 +779,9 @@ def create_http_app(server: MCPServer, host: str = "127.0.0.1") -> Any:
 
 def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: str = "127.0.0.1",
               port: int = 8765, log_level: str = "warning") -> None:
-    """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP).
+    """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP:
+    uvicorn's graceful shutdown; ``rfmem mcp`` also closes the memory on these signals over
+    stdio, :func:`rfmem_fast.serving.cli.run_mcp`).
 
     The handshake is answered at once; a default encoder not loaded yet loads beside the
     server (:class:`EncoderLoad`), and this returns only once that load has ended. The
