@@ -527,6 +527,49 @@ def test_mcp_docs_commands_and_client_configs_parse():
         assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
 
 
+def test_mcp_help_and_the_frameworks_guide_claim_only_what_the_mcp_server_serves(capsys):
+    """``rfmem mcp --help`` speaks of no HTTP endpoint the MCP server lacks (/health, /metrics,
+    HTTP statuses), where ``rfmem serve --help`` keeps them; the frameworks guide's MCP
+    section points at the MCP guide and its command parses."""
+    import re
+    import shlex
+
+    from rfmem_fast.cli import build_parser
+
+    for command, has in (("mcp", False), ("serve", True)):
+        with pytest.raises(SystemExit):
+            rfmem_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for claim in ("/health", "/metrics", "503", "504"):
+            assert (claim in text) is has, (command, claim)
+    section = re.search(r"^## MCP\n.*", (ROOT / "docs" / "guides" / "frameworks.md").read_text(encoding="utf-8"),
+                        re.S | re.M).group(0)
+    assert "](mcp.md)" in section and "/health" in section  # says there is none
+    commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
+                if ln.startswith("rfmem mcp")]
+    assert commands and all(build_parser().parse_args(shlex.split(c)[1:]).func.__name__ == "run_mcp" for c in commands)
+
+
+def test_rfmem_mcp_warns_that_a_fixed_user_over_http_is_unauthenticated(tmp_path, capsys, monkeypatch):
+    """``--transport http --user U``: a warning on stderr that the endpoint has no
+    authentication; none with --tokens or over stdio (a client's own subprocess)."""
+    from rfmem_fast.serving import mcp_server
+
+    served = []
+    monkeypatch.setattr(mcp_server, "serve_mcp", lambda memory, scope, **kw: served.append((scope, kw["transport"])))
+    base = ["mcp", "--encoder", "none", "--dim", "8", "--keep-omp-wait-policy"]
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "a"), "--transport", "http", "--user", "alice",
+                              "--port", "8799"]) == 0
+    err = capsys.readouterr().err
+    assert "rfmem mcp: WARNING: --user over HTTP serves WITHOUT authentication" in err
+    assert "http://127.0.0.1:8799/mcp" in err and "'alice'" in err and "--tokens" in err
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "b"), "--transport", "stdio", "--user", "alice"]) == 0
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "c"), "--transport", "http",
+                              "--tokens", str(_tokens_file(tmp_path))]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert [(s.user, t) for s, t in served] == [("alice", "http"), ("alice", "stdio"), (None, "http")]
+
+
 def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):
     from rfmem_fast.serving.cli import open_memory
 

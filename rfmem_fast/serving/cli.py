@@ -45,11 +45,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def add_memory_args(p: argparse.ArgumentParser) -> None:
+#: what each server answers when its search queue is full / a search waited too long
+#: (the help of ``--max-queue`` / ``--timeout``), and where it shows its encoder
+_SERVER_WORDS = {
+    "serve": ("503", "504", "; shown in /health and /metrics"),
+    "mcp": ("a tool error: the memory is overloaded", "a tool error", ""),
+}
+
+
+def add_memory_args(p: argparse.ArgumentParser, server: str = "serve") -> None:
     """Add the options of the served Memory (encoder, backend, batching, cache, OpenMP
-    policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp``; :func:`open_memory`
-    takes the parsed values (:func:`memory_kwargs`)."""
-    add_encoder_args(p)
+    policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp`` (``server``: "serve" or
+    "mcp", whose help words say what that server does: an HTTP status, or an MCP tool
+    error; ``/health`` is ``rfmem serve``'s only); :func:`open_memory` takes the parsed
+    values (:func:`memory_kwargs`)."""
+    full, late, shown = _SERVER_WORDS[server]
+    add_encoder_args(p, shown=shown)
     p.add_argument("--preset", choices=["paper", "recommended"], default="recommended",
                    help="retrieval configuration: 'recommended' (default: RFMemConfig.recommended() for the encoder, "
                    "MPNet's pick for an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25 over the stored "
@@ -66,8 +77,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    "batch is encoded while the current one is searched)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
-    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help=f"most searches waiting; beyond it a search is refused ({full}; default 1024)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help=f"seconds a search may wait for its batch (then {late}; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
     p.add_argument(
         "--switch-interval-ms", type=_interval_arg, default=DEFAULT_SWITCH_INTERVAL_MS,
@@ -81,18 +94,18 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_encoder_args(p: argparse.ArgumentParser) -> None:
+def add_encoder_args(p: argparse.ArgumentParser, shown: str = "") -> None:
     """Add the text encoder's options (``--encoder``, ``--encoder-dtype``,
     ``--encoder-backend``) to ``p``: part of :func:`add_memory_args`, and what
-    ``rfmem import`` takes of them."""
+    ``rfmem import`` takes of them; ``shown`` ends ``--encoder-dtype``'s help (where the
+    command reports the precision in use: ``rfmem serve``'s ``/health``)."""
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
                    help="precision of the text encoder's matmuls: 'auto' (default) = the one the --encoder-backend "
                    "rule picks (with --encoder-backend torch: bfloat16 where the CPU multiplies it natively, else "
                    f"float32; with onnx: float32); 'int8' (queries in blockwise int8, texts over {INT8_MAX_TOKENS} "
-                   "tokens in float32; cosine >= 0.9997 to float32) with --encoder-backend onnx / auto only; shown "
-                   "in /health and /metrics")
+                   f"tokens in float32; cosine >= 0.9997 to float32) with --encoder-backend onnx / auto only{shown}")
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
                    help=f"runtime of the text encoder: 'auto' (default; with --encoder-dtype auto) = "
                    f"{AUTO_ENCODER_RULE}; 'torch' or 'onnx' to force one")
@@ -217,7 +230,7 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--user", default=None,
                        help="the one user every client of this server reads and writes (required with stdio; "
-                       "over HTTP: no authentication, loopback --host only)")
+                       "over HTTP: no authentication, loopback --host only, with a warning on stderr)")
     scope.add_argument("--tokens", default=None,
                        help="HTTP only: JSON file mapping sha256 hashes of bearer tokens to users "
                        '({"tokens": [{"user": "alice", "sha256": "<hex>"}]}); default $RFMEM_MCP_TOKENS '
@@ -225,7 +238,7 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP: interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="HTTP: port (default 8765)")
     p.add_argument("--log-level", default="warning", help="log level of the server on stderr (default warning)")
-    add_memory_args(p)
+    add_memory_args(p, server="mcp")
     p.set_defaults(func=run_mcp)
     return p
 
@@ -256,6 +269,10 @@ def run_mcp(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
+    if args.transport == "http" and scope.user is not None:
+        print(f"rfmem mcp: WARNING: --user over HTTP serves WITHOUT authentication: any process that can reach "
+              f"http://{args.host}:{args.port}/mcp reads and changes the memories of user {scope.user!r} (every local "
+              "user and program of this machine); use --tokens for bearer tokens", file=sys.stderr, flush=True)
     set_switch_interval(args.switch_interval_ms)
     try:
         memory = open_memory(args.path, **memory_kwargs(args), load_encoder=False)
