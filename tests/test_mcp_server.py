@@ -570,6 +570,47 @@ def test_rfmem_mcp_warns_that_a_fixed_user_over_http_is_unauthenticated(tmp_path
     assert [(s.user, t) for s, t in served] == [("alice", "http"), ("alice", "stdio"), (None, "http")]
 
 
+def test_mcp_numbers_are_strict_and_argument_errors_are_one_short_line():
+    """Integer arguments are strict (``"k": "5"``, 5.0 and true are refused, not read as 5 / 1,
+    as over HTTP); an argument that fails the tool's schema is answered by ONE short line
+    naming it (no pydantic report: no "validation error for", error types, input values or
+    links), for the shape the value was sent in."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    mem = Memory(encoder=HashEncoder(16), batching=False)
+    mem.add(["alice: fact"], "alice", ids=["a"])
+    server = create_server(mem, McpScope(user="alice"))
+
+    def call(tool: str, args: dict):
+        async def go():
+            return await server.call_tool(tool, args)
+        return anyio.run(go)
+
+    cases = [
+        ("search_memories", {"query": "x", "k": "5"}, "k: input should be a valid integer (got a string)"),
+        ("search_memories", {"query": "x", "k": 5.0}, "k: input should be a valid integer (got a number)"),
+        ("search_memories", {"query": "x", "k": True}, "k: input should be a valid integer (got a boolean)"),
+        ("search_memories", {"query": "x", "k": 0}, "k: input should be greater than or equal to 1"),
+        ("search_memories", {"k": 3}, "query: required"),
+        ("search_memories", {"query": "x", "mode": "fuzzy"}, "mode: input should be 'rfmem', 'dense' or 'recollection'"),
+        ("list_memories", {"limit": "3"}, "limit: input should be a valid integer (got a string)"),
+        ("list_memories", {"offset": 1.0}, "offset: input should be a valid integer (got a number)"),
+        ("add_memories", {"texts": ["ok", 1]}, "texts[1]: input should be a valid string (got an integer)"),
+        ("add_memories", {"texts": 5}, "texts: input should be a valid string (got an integer)"),
+        ("update_memories", {"items": [{"id": "a", "bogus": 1}]}, "items[0].bogus: not a field this tool takes"),
+        ("get_memory", {"id": True}, "id: input should be a valid string (got a boolean)"),
+    ]
+    try:
+        for tool, args, clause in cases:
+            with pytest.raises(ToolError) as err:
+                call(tool, args)
+            assert str(err.value) == f"Error executing tool {tool}: {clause}", (tool, args)
+        assert call("search_memories", {"query": "alice: fact", "k": 2}).structured_content["k"] == 2
+        assert call("list_memories", {"offset": 0, "limit": 1}).structured_content["total"] == 1
+    finally:
+        mem.close()
+
+
 def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):
     from rfmem_fast.serving.cli import open_memory
 

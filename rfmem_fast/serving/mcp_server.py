@@ -41,6 +41,10 @@ from Python with int ids are reached here, and every id returned is a str.
 Validation: :class:`~rfmem_fast.serving.Memory` checks every text, query, id and metadata
 object at the door (blank texts, lone surrogates, over-long texts, non-JSON metadata); its
 refusals come back as tool errors naming the tool's own argument (``text``, ``id``, ...).
+Arguments that do not fit a tool's schema get one short line naming each
+(``k: input should be a valid integer (got a string)``: :meth:`_RFMemMCP.call_tool`), and
+the integer arguments (``k``, ``offset``, ``limit``) are strict: ``"5"``, ``5.0`` and
+``true`` are refused, not read as 5 or 1 (as over HTTP).
 Texts longer than the encoder's window (256 tokens for all-MiniLM-L6-v2) are chunked by the
 Memory and stay one memory each.
 
@@ -76,10 +80,10 @@ try:
     from mcp.server.auth.provider import AccessToken
     from mcp.server.auth.settings import AuthSettings
     from mcp.server.mcpserver import MCPServer, ResourceSecurity
-    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError, UnexpectedToolError
     from mcp.types import Resource as MCPResource
     from mcp.types import ToolAnnotations
-    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from .._optional import install_hint
 
@@ -438,6 +442,64 @@ def _tool_errors(fn: Callable[[], T], item_id: Any = None, rename: Mapping[str, 
         raise ToolError(msg) from None
 
 
+#: the JSON type of an argument's value, as an argument error names it
+_JSON_TYPES = ((bool, "a boolean"), (str, "a string"), (int, "an integer"), (float, "a number"), (list, "a list"),
+               (dict, "an object"), (type(None), "null"))
+#: pydantic errors about the value's type: the message adds the type sent
+_TYPE_ERRORS = frozenset(("int_type", "int_parsing", "string_type", "float_type", "bool_type", "list_type",
+                          "dict_type", "int_from_float", "model_type"))
+
+
+def _json_type(v: Any) -> str:
+    return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
+
+
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as the argument's path (``texts[1]``, ``items[0].text``),
+    without the tags pydantic puts between a union's branches (``list[constrained-str]``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}" if out else part
+    return out or "arguments"
+
+
+def _argument_errors(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
+    """The arguments a tool refused, one short clause each: ``k: input should be greater
+    than or equal to 1``, ``texts[0]: input should be a valid string (got an integer)``,
+    ``query: required``; for an argument of several accepted shapes (a text or a list of
+    texts), the errors of the shape the value was sent in."""
+    by_arg: dict[Any, list[dict]] = {}
+    for err in exc.errors(include_url=False):
+        by_arg.setdefault(err["loc"][0] if err["loc"] else None, []).append(err)
+    clauses: list[str] = []
+    for arg, errs in by_arg.items():
+        tags = {e["loc"][1] for e in errs if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)
+                and not e["loc"][1].isidentifier()}
+        if len(tags) > 1:  # a union: the branch of the value's own shape (a list, or not)
+            sent_list = isinstance(arguments.get(arg), list)
+            same = [e for e in errs if len(e["loc"]) > 1 and e["loc"][1] in tags
+                    and str(e["loc"][1]).startswith("list[") == sent_list]
+            errs = same or errs
+        for e in errs:
+            kind = e.get("type")
+            if kind == "missing":
+                text = "required"
+            elif kind == "extra_forbidden":
+                text = "not a field this tool takes"
+            else:
+                msg = str(e.get("msg", "invalid"))
+                text = msg[:1].lower() + msg[1:]
+                if kind in _TYPE_ERRORS:
+                    text += f" (got {_json_type(e.get('input'))})"
+            clause = f"{_loc(tuple(e['loc']))}: {text}"
+            if clause not in clauses:
+                clauses.append(clause)
+    return "; ".join(clauses)
+
+
 class EncoderLoad:
     """A Memory's text encoder, loaded on a thread of its own beside the server, so that
     the server answers the MCP handshake at once instead of after the model load (~5-10 s
@@ -517,11 +579,33 @@ class EncoderLoad:
 
 
 class _RFMemMCP(MCPServer):
-    """MCPServer whose ``resources/list`` shows the scoped user's memory listing."""
+    """MCPServer whose ``resources/list`` shows the scoped user's memory listing, and whose
+    argument errors are short: :meth:`call_tool`."""
 
     _user_of: Callable[[], str]
     #: the text encoder's background load (:class:`EncoderLoad`)
     encoder_load: EncoderLoad
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        """The SDK's ``call_tool``, with arguments that fail the tool's schema answered by a
+        short tool error, one line naming each bad argument (:func:`_argument_errors`:
+        ``Error executing tool search_memories: k: input should be a valid integer (got a
+        string)``) instead of pydantic's multi-line report (its input values, error types
+        and documentation links). Every other failure is the SDK's own.
+
+        Raises:
+            ToolError: as ``MCPServer.call_tool`` (the SDK documents it as the override
+                point: a ToolError whose ``__cause__`` is the pydantic ``ValidationError``
+                of the arguments; the cause is kept, so the server's log still names the
+                fields only).
+        """
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValidationError) and not isinstance(exc, UnexpectedToolError):
+                raise ToolError(f"Error executing tool {name}: {_argument_errors(cause, arguments)}") from cause
+            raise
 
     async def list_resources(self) -> list[MCPResource]:
         out = await super().list_resources()
@@ -619,7 +703,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
     @server.tool(description=_SEARCH, annotations=read_only)
     async def search_memories(
         query: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, description="what to look for")],
-        k: Annotated[int, Field(ge=1, le=MAX_K, description=f"the most memories returned (1 to {MAX_K})")] = 10,
+        k: Annotated[int, Field(strict=True, ge=1, le=MAX_K,
+                                description=f"the most memories returned (1 to {MAX_K})")] = 10,
         mode: Annotated[Literal["rfmem", "dense", "recollection"], Field(
             description='"rfmem" (routed, default), "dense" or "recollection"')] = "rfmem",
         filters: Annotated[dict[str, Any] | None, Field(
@@ -711,8 +796,9 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
 
     @server.tool(description=_LIST, annotations=read_only)
     async def list_memories(
-        offset: Annotated[int, Field(ge=0, description="memories to skip (>= 0)")] = 0,
-        limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
+        offset: Annotated[int, Field(strict=True, ge=0, description="memories to skip (>= 0)")] = 0,
+        limit: Annotated[int, Field(strict=True, ge=1, le=MAX_PAGE,
+                                    description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
     ) -> dict[str, Any]:
         user = user_of()
 
