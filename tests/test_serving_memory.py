@@ -730,6 +730,68 @@ def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable)
         Memory(encoder=enc, chunk_overlap=6).add([long_text], "u")
 
 
+class TopicWords(Chunkable):
+    """Chunkable with bag-of-words vectors plus a shared component (every cosine > 0), so the
+    chunks of one text, drawn from one small vocabulary, lie near one another."""
+
+    def vector(self, text):
+        import zlib
+
+        v = np.zeros(self.dim)
+        for w in text.split():
+            v[zlib.crc32(w.encode()) % (self.dim - 1)] += 1.0
+        v[-1] = 0.5 * np.linalg.norm(v)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+@pytest.mark.parametrize("config", [RFMemConfig.paper(), None], ids=["paper", "recommended"])
+def test_recollection_counts_items_not_the_chunk_rows_of_long_texts(config):
+    """A long text is several bank rows (its chunks, near one another), and the engine's
+    Recollection path fills its result list with rows: collapsed to items, a query got fewer
+    items than the rows recollected (2 of 10). The Memory gives the slots the extra chunks
+    took to the next items of the query's Familiarity ranking (cosine >= score_floor, not
+    already returned), after the recollected items, so min(k, rows recollected) distinct
+    items come back. Reference: direct engine searches, collapsed here."""
+    from rfmem_fast.lexical import CHUNK_SEP
+
+    enc, k = TopicWords(64), 10
+    enc.max_tokens = 8  # chunks of 6 words
+    mem = Memory(encoder=enc, config=config, batching=False, chunk_overlap=1, cache_size=0)
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice([f"t{i}x{j}" for j in range(4)] + ["common"], size=24)) for i in range(30)]
+    mem.add(texts, "u", ids=[f"i{i}" for i in range(30)])
+    assert mem.bank.user_size("u") > 90  # 4-5 rows per item
+    cfg = mem.config.replace(out_k=k + mem.bank.user_size("u") - 30)  # the rows the Memory asks for
+    parent = lambda x: x.rpartition(CHUNK_SEP)[0] if CHUNK_SEP in x else x  # noqa: E731
+    gained = full = 0
+    for q in texts:
+        lex = {"query_texts": [q]} if cfg.lexical_weight > 0 else {}
+        qv = enc.encode([q])
+        rec = search(mem.bank, qv, ["u"], config=cfg, mode="recollection", **lex)
+        fam = search(mem.bank, qv, ["u"], config=cfg, mode="dense", **lex)
+        rows = rec.ids_list(0)
+        want = []
+        for x in rows:
+            if parent(x) not in want:
+                want.append(parent(x))
+        recollected = len(want)
+        for x, cos in zip(fam.ids_list(0), fam.dense_scores[0]):
+            if len(want) >= min(k, len(rows)):
+                break
+            if parent(x) not in want and cos >= cfg.score_floor:
+                want.append(parent(x))
+        hits = mem.search(q, "u", k=k, mode="recollection")
+        assert [h.id for h in hits] == want[:k] and len(hits) == min(k, len(rows))
+        assert len({h.id for h in hits}) == len(hits) and hits.route == "recollection"
+        first_score: dict = {}
+        for x, sc in zip(rows, rec.scores[0]):
+            first_score.setdefault(parent(x), float(sc))
+        assert [h.score for h in hits[:recollected]] == pytest.approx([first_score[h.id] for h in hits[:recollected]])
+        gained += len(hits) - recollected
+        full += len(hits) == k
+    assert gained >= 50 and full >= 18  # the fix matters (105 slots, 21 of 30 queries with k items here)
+
+
 def test_id_model_ints_are_their_decimal_str():
     """Item 13: user ids and item ids are str; ints are converted (7 and "7" are one id)."""
     mem = new_memory()

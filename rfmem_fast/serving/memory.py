@@ -733,7 +733,9 @@ class Memory:
             window less the special tokens (254), each exactly a substring of the
             text and each a bank row of its item (row ids ``"<item>\x1f<j>"``, j >= 1
             for the extra ones); hits are collapsed to the item (its best chunk's
-            score, whole text and metadata), reads show items, and update / delete
+            score, whole text and metadata; on the Recollection path the slots its
+            extra chunks took go to other items, :meth:`_give_back_chunk_slots`), reads
+            show items, and update / delete
             of the item replace / remove all its chunks. With a lexical channel the
             item is one document (the BM25 of its whole text, on every chunk row) and
             each fusion is taken per item: a hit's ``score`` fuses its best chunk's
@@ -2326,12 +2328,7 @@ class Memory:
                 t0 = time.perf_counter()
                 try:
                     cfg = self._config_for(k)
-                    lex = {"query_texts": [queries[i].text for i in idx]} if cfg.lexical_weight > 0 else {}
-                    flt = [queries[i].filters for i in idx]
-                    if any(f is not None for f in flt):
-                        lex["filters"] = flt
-                    res = search(self.bank, np.stack([vecs[i] for i in idx]), [queries[i].user for i in idx],
-                                 config=cfg, mode=mode, backend=self._backend, device=self._device, **lex)
+                    res = self._engine(cfg, mode, [queries[i] for i in idx], [vecs[i] for i in idx])
                 except Exception as exc:
                     if len(idx) > 1:  # find the culprit: search one by one, so only it fails
                         todo[:0] = [((mode, k), [i]) for i in idx]
@@ -2344,6 +2341,16 @@ class Memory:
                 texts = res.texts  # taken from the snapshot this search ran on
                 routes, rules = res.route_names, res.rule_names
                 rows = [self._collapse(res, j, texts[j], queries[i].k, created) for j, i in enumerate(idx)]
+                t0 = time.perf_counter()
+                try:
+                    searches += self._give_back_chunk_slots(cfg, res, rows, [queries[i] for i in idx],
+                                                            [vecs[i] for i in idx], created)
+                except Exception as exc:  # pragma: no cover - defensive: fails these callers only
+                    for i in idx:
+                        out[i] = exc
+                    continue
+                finally:
+                    search_s += time.perf_counter() - t0
                 metas = self._metadata_of([queries[i].user for i in idx], [r[0] for r in rows])
                 parent_texts: dict[Hashable, dict] = {}
                 for j, i in enumerate(idx):
@@ -2379,6 +2386,61 @@ class Memory:
                 except Exception:  # a listener never breaks a search
                     log.exception("batch listener failed")
         return out
+
+    def _engine(self, cfg: RFMemConfig, mode: str, qs: list[_Query], vecs: list[np.ndarray]) -> SearchResult:
+        """One :func:`~rfmem_fast.search` of the queries ``qs`` (their vectors ``vecs``) with
+        ``cfg`` in ``mode``: their texts for the lexical channel, their filters."""
+        lex: dict[str, Any] = {"query_texts": [q.text for q in qs]} if cfg.lexical_weight > 0 else {}
+        flt = [q.filters for q in qs]
+        if any(f is not None for f in flt):
+            lex["filters"] = flt
+        return search(self.bank, np.stack(vecs), [q.user for q in qs], config=cfg, mode=mode,
+                      backend=self._backend, device=self._device, **lex)
+
+    def _give_back_chunk_slots(self, cfg: RFMemConfig, res: SearchResult, rows: list[tuple], qs: list[_Query],
+                               vecs: list[np.ndarray], created: np.ndarray) -> int:
+        """Recollection counts items, not chunk rows: the result slots that extra chunks of
+        an item already returned took are given to other items (``rows`` changed in place;
+        returns the number of extra engine searches made, 0 or 1).
+
+        The engine's Recollection path fills its result list with bank rows, and a long
+        text is several rows (its chunks, near one another), so sibling chunks take slots
+        and recollection rounds that distinct items would have taken: collapsed to items,
+        a query got fewer items than rows (as few as 2 of 10 with 10-word chunks). For each
+        query of a user holding chunked items whose route was recollection and whose
+        collapsed list holds fewer than ``min(k, rows returned)`` items, the list is
+        completed, after its recollected items (their order and scores kept), with the
+        next items of the query's Familiarity ranking (one ``mode="dense"`` search of those
+        queries: the same configuration, texts and filters) that are not in it yet and
+        whose cosine (``dense_score``) is at least ``score_floor``, as the recollection
+        drops lower candidates; they carry their Familiarity-path scores. Users without
+        chunked items, and the engine itself, are untouched.
+        """
+        need = []
+        for j, (q, r) in enumerate(zip(qs, rows)):
+            if res.route_names[j] != "recollection" or not self._chunks.get(q.user):
+                continue
+            want = min(q.k, int((res.rows[j] >= 0).sum()))
+            if len(r[0]) < want:
+                need.append((j, want))
+        if not need:
+            return 0
+        fam = self._engine(cfg, "dense", [qs[j] for j, _ in need], [vecs[j] for j, _ in need])
+        floor = cfg.score_floor
+        for jj, (j, want) in enumerate(need):
+            ids, scores, txt, from_chunk, chan, times = rows[j]
+            have = set(ids)
+            more = self._collapse(fam, jj, fam.texts[jj], max(qs[j].k, 1) + len(ids), created)
+            for extra in zip(*more):
+                if len(ids) == want:
+                    break
+                i, score, _, _, c, _ = extra
+                if i in have or (c[0] if c[0] is not None else score) < floor:
+                    continue
+                have.add(i)
+                for col, v in zip((ids, scores, txt, from_chunk, chan, times), extra):
+                    col.append(v)
+        return 1
 
     def _metadata_of(self, users: list[Hashable], hit_ids: list[list]) -> dict[Hashable, dict]:
         """{user: {item id: metadata or None}} for the hits of a batch: ONE bank lookup
