@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
-from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, LEXICAL_FILES, MANIFEST, StoreError, load_bank
+from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, LEXICAL_FILES, MANIFEST, StoreError
 
 CPU_BACKENDS = [b for b in rfmem_fast.available_backends() if b in ("reference", "torch", "native")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +325,7 @@ def test_fuzz_load_gives_store_error_or_the_bank(fuzz_store, which, edits, verif
                 del data[p:]
         target.write_bytes(bytes(data))
         try:
-            loaded = load_bank(path, mmap=mmap, verify=verify)
+            loaded = MemoryBank.load(path, mmap=mmap, verify=verify)
         except StoreError as exc:
             assert str(exc)  # a clear message naming the file
             return
