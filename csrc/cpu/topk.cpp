@@ -945,8 +945,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
-  if (nthreads > 1 && ng < 2 * nthreads) {
-    parts = (2 * nthreads + ng - 1) / ng;
+  if (nthreads > 1 && ng < 4 * nthreads) {  // >= 4 items a thread: the last item leaves little idle
+    parts = (4 * nthreads + ng - 1) / ng;
     parts = std::max<int64_t>(1, std::min(parts, max_len / kMinPartRows));
   }
   const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);
