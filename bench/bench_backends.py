@@ -1,4 +1,4 @@
-"""Backend benchmark (issue 3): per primitive and end to end, every CPU backend side by side.
+"""Backend benchmark: per primitive and end to end, every CPU backend side by side.
 
 Workload (DESIGN.md "Benchmark workloads"): U users x n items of seeded clustered unit
 vectors (default 1,000 x 4,096, d = 384), a batch of queries each against a random

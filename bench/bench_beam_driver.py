@@ -1,4 +1,4 @@
-"""The native beam driver against the Python one (issue 11, item 2), in ONE run.
+"""The native beam driver against the Python one, in ONE run.
 
 Single queries: ``search`` called with one query at a time over one user's memory of
 128 / 512 / 4,096 chunks x 384 (32K / 128K / 1M tokens at 256 tokens a chunk), in modes
@@ -14,7 +14,7 @@ recollection with 1 and 2 threads, queries per second of each driver.
 
 The JSON (``bench/results/beam-driver-<timestamp>.json`` or ``--out``) holds the
 machine, the load averages before and after, versions, the exact command, every figure
-and the ratios (Python driver / native driver; rfmem p50 / dense p50). The issue's goal
+and the ratios (Python driver / native driver; rfmem p50 / dense p50). The targets
 at 1M tokens: recollection p50 <= 0.5 ms and rfmem p50 / dense p50 <= 1.3 on a quiet
 machine.
 

@@ -1,4 +1,4 @@
-"""Single-query latency on a busy machine (issue 8, item 5): quiet vs CPU contention.
+"""Single-query latency on a busy machine: quiet vs CPU contention.
 
 A serving process answers one query at a time while other processes load the cores.
 This benchmark measures, in ONE run, the latency of single-query ``search`` calls
@@ -19,7 +19,7 @@ This benchmark measures, in ONE run, the latency of single-query ``search`` call
   next request (the kernel's scheduler places a waking task ahead of the ones that
   ran meanwhile, so an idle-then-busy search is rarely made to wait).
 
-The goal (issue 8): p99 under contention <= 3 x p99 quiet with the default threads.
+The target: p99 under contention <= 3 x p99 quiet with the default threads.
 The JSON (``bench/results/contention-<timestamp>.json`` or ``--out``) holds the
 machine, the load averages seen before each condition, versions, the exact command and
 every figure, plus the ratios. The script uses only the public API, so it also runs

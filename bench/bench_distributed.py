@@ -1,4 +1,4 @@
-"""Scale-out benchmark (issue 13): a multi-tenant batch through ShardedMemory with 1, 2, 4 shards.
+"""Scale-out benchmark: a multi-tenant batch through ShardedMemory with 1, 2, 4 shards.
 
 Workload: U users x n items of seeded clustered unit vectors (``rfmem_fast.bench.workloads``,
 default 2,000 x 256, d = 384), one batch of B queries (default 4,096), each against a

@@ -1,4 +1,4 @@
-"""Encoder precision: float32 vs bfloat16 MiniLM on PersonaBench (issue 9 follow-up).
+"""Encoder precision: float32 vs bfloat16 MiniLM on PersonaBench.
 
 Side by side in one run, for each precision (``--dtypes``, default float32,bfloat16):
 

@@ -1,4 +1,4 @@
-"""Cost of filtered search (issue 20 item 1), native backend, CPU.
+"""Cost of filtered search, native backend, CPU.
 
 Workload: ``rfmem bench``'s synthetic clustered vectors (d = 384, 8 centres per user,
 items in random cluster order); item j of a user of n items gets the metadata

@@ -1,4 +1,4 @@
-"""The native top-k kernels per SIMD level and path (issue 11, items 1 and 3): what the
+"""The native top-k kernels per SIMD level and path: what the
 cost rule of the GEMM path and the half-precision scan rest on.
 
 Three measurements, each at every SIMD level this CPU runs (``_native.set_simd_cap``:

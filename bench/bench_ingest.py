@@ -1,5 +1,4 @@
-"""Ingestion throughput: bulk writes vs one item per call, through the facade and over HTTP
-(issue 20 item 3).
+"""Ingestion throughput: bulk writes vs one item per call, through the facade and over HTTP.
 
 Items are PersonaBench memory chunks (the loader of ``rfmem_fast.datasets.personabench``:
 the 527 chunks of the 6 users, ~1,700 characters each, so most are over MiniLM's

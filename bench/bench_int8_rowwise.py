@@ -1,4 +1,4 @@
-"""Row-wise int8 for the MiniLM encoder: what it would gain, what it costs (issue 21, item 1).
+"""Row-wise int8 for the MiniLM encoder: what it would gain, what it costs.
 
 The shipped int8 option (``MatMulNBits``, blocks of 16: :mod:`rfmem_fast.onnx_export`) keeps
 the retrieval close to float32 but is no faster than the float32 graph from ~100 rows per

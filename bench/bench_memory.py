@@ -1,13 +1,13 @@
-"""Peak memory of one search per backend (issue 8, item 2): the issue's workloads.
+"""Peak memory of one search per backend, at sizes where an unchunked path would need gigabytes.
 
 For each scenario and backend, one ``search`` runs in a fresh process
 (:func:`rfmem_fast.bench.memory.measure`: warm-up, peak RSS reset, one call) and the
 growth of its peak RSS (``VmHWM``) over the RSS before the call is recorded, with the
-wall time and a spot check against the exact top-k. Defaults are the issue's sizes:
+wall time and a spot check against the exact top-k. Default sizes:
 
 * ``long_user``: one user with 100,000 items (d = 32), 8,192 queries, mode dense
-  (before the fix: +10 GB on torch, +0 MB on native);
-* ``recollection``: the same bank, 2,048 queries, mode recollection (before: +10 GB);
+  (without the memory budget's chunking: +10 GB on torch, +0 MB on native);
+* ``recollection``: the same bank, 2,048 queries, mode recollection (without the chunking: +10 GB);
 * ``many_users``: 2,000 users sharing 100,000 items, 8,192 queries, mode dense.
 
 Every backend runs with its default ``memory_budget`` (256 MiB) unless ``--budget``.

@@ -21,8 +21,8 @@ directory (``--items`` short texts of one user, written once with the default en
 is copied afresh for every run. The kinds run one after the other, ``--repeats`` rounds
 interleaved (a change of the machine's load hits them alike); the JSON holds every run,
 the medians, the machine (CPU model, cores), the versions, the exact command, the
-checkout run (``--code``: another checkout's ``rfmem_fast``, e.g. the code before a
-change; its git commit is recorded) and the load average before / after each run.
+checkout run (``--code``: another checkout's ``rfmem_fast``, e.g. an older
+commit; its git commit is recorded) and the load average before / after each run.
 
     python bench/bench_startup.py                                   # ~2-4 min on 2 cores
     python bench/bench_startup.py --code /path/to/old/checkout --out bench/results/startup-old.json

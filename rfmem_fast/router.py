@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-#: old name -> the module that holds it now
+#: old name -> the module that holds it
 _MOVED = {
     "FAMILIARITY": "rfmem_fast.routing.base",
     "RECOLLECTION": "rfmem_fast.routing.base",

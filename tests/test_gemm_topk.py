@@ -1,4 +1,4 @@
-"""The GEMM tile path of the native top-k (issue 11, item 1).
+"""The GEMM tile path of the native top-k.
 
 Pinned here, at every SIMD level this CPU runs (the AVX-512, AVX2 + FMA and baseline
 micro-kernels, capped with ``_native.set_simd_cap``):

@@ -1,4 +1,4 @@
-"""Routers (issue 10, item 3): probe features, the threshold router, learned routers
+"""Routers: probe features, the threshold router, learned routers
 against scikit-learn, router files (round trip and every kind of bad file), and routing
 inside search."""
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_bad_router_files_fail_clearly(tmp_path):
 
 
 def test_config_holds_paths_search_memory_and_cli_resolve_them(tmp_path):
-    """RFMemConfig reads no file (issue 19): a bad router / re-ranker path is a field value;
+    """RFMemConfig reads no file: a bad router / re-ranker path is a field value;
     search, Memory (on opening) and the CLI's --set refuse it with the errors (type and
     message) the config raised on construction before."""
     from rfmem_fast import Memory
