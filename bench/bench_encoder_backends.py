@@ -27,7 +27,7 @@ sentence-transformers' own ``encode``: :class:`StEncode`, the speed targets' bas
    263 questions they span about +-0.5 points even at 1 - cosine = 1e-5, so a Recall@10
    delta inside that band is not a difference of the encoders.
 
-The JSON (``--out``, default ``bench/results/encoder-backends.json``) holds the CPU model
+The JSON (``--out``, default ``bench/results/local/encoder-backends.json``) holds the CPU model
 and SIMD flags, versions (torch, onnxruntime, onnx, ...), the load average before and
 after, and the exact command; the markdown table and the goal check (>= 2x texts / s
 over torch bfloat16 at batch 1 and 64, Recall@10 within 0.2 points, routes identical
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch / ONNX Runtime threads (default 1)")
     p.add_argument("--no-quality", action="store_true", help="skip the PersonaBench retrieval")
     p.add_argument("--noise-seeds", type=int, default=5, help="random perturbations per option for the noise band (0: none)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "encoder-backends.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "encoder-backends.json"))
     args = p.parse_args(argv)
     options = []
     for item in args.options.split(","):

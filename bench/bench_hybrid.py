@@ -25,7 +25,7 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
 
 Usage::
 
-    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/hybrid-<time>.json]
+    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/local/hybrid-<time>.json]
 """
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_met": {k: v / batch["dense"] >= 0.6 for k, v in batch.items() if k != "dense"},
         },
     }
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(doc, out)
     print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "batch_qps",
                                           "batch_ratio_over_dense")}, indent=1))  # fmt: skip

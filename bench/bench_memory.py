@@ -11,7 +11,7 @@ wall time and a spot check against the exact top-k. Default sizes:
 * ``many_users``: 2,000 users sharing 100,000 items, 8,192 queries, mode dense.
 
 Every backend runs with its default ``memory_budget`` (256 MiB) unless ``--budget``.
-The JSON (``bench/results/memory-<timestamp>.json`` or ``--out``) holds the machine,
+The JSON (``bench/results/local/memory-<timestamp>.json`` or ``--out``) holds the machine,
 versions, the load averages, the exact command and every figure.
 
 Usage::
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(budget {r['budget_bytes'] / 2**20:.0f} MiB)  {r['seconds']:7.1f} s  correct={r['correct']}",
                   file=sys.stderr)  # fmt: skip
     doc["loadavg_after"] = list(os.getloadavg())
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}", file=sys.stderr)

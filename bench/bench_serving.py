@@ -28,7 +28,7 @@ Per cell: requests/s, client latency p50 / p99 / mean (ms), errors, the server's
 the client's CPU milliseconds per request (both run on the same cores), and from the
 server's ``/metrics`` the batch sizes and the encoder vs search time (per batched run
 and per request); the encoder's precision comes from the server's ``/health``. The
-JSON (``--out``, default ``bench/results/serving-<time>.json``) holds the machine,
+JSON (``--out``, default ``bench/results/local/serving-<time>.json``) holds the machine,
 load (load average, cores busy with other processes), versions, the command and every
 figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
 
@@ -920,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("raw", "aiohttp", "httpx"), default="raw",
                    help="load generator: 'raw' (default: keep-alive HTTP/1.1 on asyncio protocols and uvloop, ~0.05 ms "
                    "CPU per request), 'aiohttp' (~0.2 ms) or 'httpx' (~3.6 ms)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/serving-<time>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/local/serving-<time>.json)")
     p.add_argument("--seconds", type=float, default=None,
                    help="length of each closed-loop cell in seconds (clients cycle their requests); default: "
                    "--requests requests per cell")
@@ -941,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-pipeline", action="store_true",
                    help="the server without / with the pipeline: --configs unpipelined,batched,pipeline-2, open loop on all three, "
                    "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
-                   "out bench/results/serving-pipeline-<time>.json")
+                   "out bench/results/local/serving-pipeline-<time>.json")
     args = p.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     if args.compare_pipeline:
@@ -981,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         print("PersonaBench not found: pass --data", file=sys.stderr)
         return 2
     stem = "serving-pipeline" if args.compare_pipeline else "serving"
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "local" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     tmp = Path(tempfile.mkdtemp(prefix="rfmem-serving-bench-"))
     doc: dict[str, Any] = {

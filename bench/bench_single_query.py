@@ -31,7 +31,7 @@ this one block by block, and reports the two side by side.
 
 The target: search_recollection and search_rfmem_recollecting p50 <= 4 x
 numpy_scan p50 (2-core AMD EPYC, quiet). The JSON (``--out``, default
-``bench/results/single-query-recollection-<time>.json``) holds the machine, the load
+``bench/results/local/single-query-recollection-<time>.json``) holds the machine, the load
 before and after, versions, the exact command and every figure.
 
 Usage::
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["baseline"] = {"path": str(Path(args.baseline).resolve()), **base_facts, "cells": out["result"],
                            "derived": derived(bp50, ["1"]) if "1/driver" in bp50 else None, **out["extra"]}
         doc["baseline"]["cells_run"] = base_cells
-    path = Path(args.out) if args.out else (Path(__file__).with_name("results")
+    path = Path(args.out) if args.out else (Path(__file__).with_name("results") / "local"
                                             / f"single-query-recollection-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))

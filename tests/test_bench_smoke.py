@@ -273,7 +273,7 @@ def test_bench_gemm_script_tiny(tmp_path):
 def test_to_markdown_renders_a_report_of_an_older_version():
     """bench/to_markdown.py renders a committed report written before the per-thread
     ratios existed (by the engine before the GEMM path and half-precision banks)."""
-    name = "bench-before-issue11-20261201.json"
+    name = "bench-scan-path-only-intel-xeon-amx.json"
     root = Path(__file__).resolve().parents[1]
     path = root / "bench" / "results" / name
     if not path.is_file():
