@@ -92,7 +92,7 @@ class RFMemConfig:
       it replaces the merge, so ``merge`` must be "none".
 
     The lexical (BM25) channel (:mod:`rfmem_fast.lexical`, :mod:`rfmem_fast.fusion`,
-    README "Hybrid retrieval"); ``lexical_weight=0`` keeps today's dense behaviour exactly:
+    README "Hybrid retrieval"); ``lexical_weight=0`` keeps the dense-only behaviour exactly:
 
     * ``lexical_weight`` (float in [0, 1e6], default 0.0): weight ``w`` of the lexical
       channel; > 0 turns it on (``search`` then needs ``query_texts``).

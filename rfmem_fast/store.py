@@ -40,7 +40,7 @@ of every item, so a load does not re-tokenise; the per-user postings are rebuilt
 them on first use); format 4 adds ``created_at.npy`` (the items' creation times,
 :meth:`~rfmem_fast.bank.MemoryBank.add`); format 5 adds ``dtype`` "int8" (``scan.npy`` int8
 codes and ``scan_meta.npy``: :func:`rfmem_fast.precision.int8_scan_copy`). An int8 bank is
-written as format 5, every other bank as format 4 (readable by the code before int8
+written as format 5, every other bank as format 4 (readable by versions without int8
 banks); this code reads all five (a format 1 / 2 store builds its lexical index from its texts at load,
 with no stemmer; a store of format 1 to 3 loads with every creation time unknown,
 ``NaN``, which no ``created_at`` comparison matches: :mod:`rfmem_fast.filters`), and

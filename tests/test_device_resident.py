@@ -1,4 +1,4 @@
-"""Device-resident batches (issue 12, item 3), checked on the CPU with the same code path.
+"""Device-resident batches, checked on the CPU with the same code path.
 
 * ``search(..., output="torch")`` on torch queries equals the numpy path field by field
   (native, torch and reference backends), and ``to_result()`` gives the same ids;

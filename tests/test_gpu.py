@@ -1,4 +1,4 @@
-"""GPU tests (issue 12): run by ``bench/gpu_check.py`` on a lent GPU (``pytest -m gpu``).
+"""GPU tests: run by ``bench/gpu_check.py`` on a lent GPU (``pytest -m gpu``).
 
 Every test here is marked ``gpu`` and skips cleanly without CUDA, so CI collects them and
 they cannot rot at import time; ``bench/gpu_check.py --dry-run`` (tests/test_gpu_check_dryrun.py)

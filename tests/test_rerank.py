@@ -1,4 +1,4 @@
-"""The profile prior and the learned re-ranker (issue 10, beyond the merges): per-query
+"""The profile prior and the learned re-ranker: per-query
 references, identical results on every backend, files, fitting, and a nested CV that never
 fits on the held-out user."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routers (issue 10, item 3): probe features, the threshold router, learned routers
+"""Routers: probe features, the threshold router, learned routers
 against scikit-learn, router files (round trip and every kind of bad file), and routing
 inside search."""
 from __future__ import annotations

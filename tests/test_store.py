@@ -1,4 +1,4 @@
-"""Crash-safe persistence: save / load, checksums, hand edits, fuzzing, SIGKILL mid-save (issue 5, items 2, 5, 7)."""
+"""Crash-safe persistence: save / load, checksums, hand edits, fuzzing, SIGKILL mid-save."""
 from __future__ import annotations
 
 import hashlib

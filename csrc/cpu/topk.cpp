@@ -766,7 +766,7 @@ int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& 
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
 // bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
-// with AVX-512, bench/results/gemm-issue21-merge.json): the scan path (groups of 16
+// with AVX-512, bench/results/gemm-rates-crossover-amd-epyc.json): the scan path (groups of 16
 // queries per tile; float32 rows at levels 1, 2 in register blocks of rows x queries,
 // simd_impl.inc) 39 GMAC/s at AVX-512, 18 at AVX2 + FMA, ~15 at the baseline level (its
 // own clones); the GEMM micro-kernel 87 GMAC/s (AVX-512), 45 (AVX2 + FMA), 9 (baseline,
