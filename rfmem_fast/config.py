@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +100,7 @@ class RFMemConfig:
       it replaces the merge, so ``merge`` must be "none".
 
     The lexical (BM25) channel (:mod:`rfmem_fast.lexical`, :mod:`rfmem_fast.fusion`,
-    README "Hybrid retrieval"); ``lexical_weight=0`` keeps today's dense behaviour exactly:
+    README "Hybrid retrieval"); ``lexical_weight=0`` keeps the dense-only behaviour exactly:
 
     * ``lexical_weight`` (float in [0, 1e6], default 0.0): weight ``w`` of the lexical
       channel; > 0 turns it on (``search`` then needs ``query_texts``).
@@ -213,42 +212,6 @@ class RFMemConfig:
                 object.__setattr__(self, "router", os.fspath(self.router))
             if not isinstance(self.router, str) or not self.router:
                 raise TypeError(f"RFMemConfig.router must be None or a router file path, got {self.router!r}")
-
-    def resolved_router(self) -> Any:
-        """Deprecated: :func:`rfmem_fast.routing.files.resolve_router` (``resolve_router(config)``).
-
-        The router this config routes with: ``router``'s file loaded and checked, else
-        the spec's threshold router with this config's thresholds. Emits a
-        DeprecationWarning; the config holds the path only, and the search resolves it.
-
-        Raises:
-            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_router`.
-        """
-        warnings.warn(
-            "RFMemConfig.resolved_router() is deprecated: use rfmem_fast.routing.files.resolve_router(config)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .routing.files import resolve_router
-
-        return resolve_router(self)
-
-    def resolved_reranker(self) -> Any:
-        """Deprecated: :func:`rfmem_fast.routing.files.resolve_reranker` (``resolve_reranker(config)``).
-
-        The re-ranker of ``reranker``'s file, or None. Emits a DeprecationWarning.
-
-        Raises:
-            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_reranker`.
-        """
-        warnings.warn(
-            "RFMemConfig.resolved_reranker() is deprecated: use rfmem_fast.routing.files.resolve_reranker(config)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .routing.files import resolve_reranker
-
-        return resolve_reranker(self)
 
     @classmethod
     def paper(cls, **overrides: Any) -> "RFMemConfig":

@@ -1,4 +1,4 @@
-"""Bulk writes of a Memory (issue 20 item 3): add_many / update_many / delete_many.
+"""Bulk writes of a Memory: add_many / update_many / delete_many.
 
 Many users' items in one call: one encoder call, one write-ahead-log record (a group),
 all-or-nothing (a bad item names its index and nothing is written, also after a

@@ -1,4 +1,4 @@
-"""The bulk HTTP routes (issue 20 item 3): POST /v1/memories:batch, :batchUpdate,
+"""The bulk HTTP routes: POST /v1/memories:batch, :batchUpdate,
 :batchDelete -- many users' items in one all-or-nothing write, 422 located at the bad
 item, per-item user scope for user tokens, the body limit."""
 from __future__ import annotations

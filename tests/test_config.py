@@ -1,4 +1,4 @@
-"""RFMemConfig: spec defaults and validation (issue 2, item 2)."""
+"""RFMemConfig: spec defaults and validation."""
 from __future__ import annotations
 
 import pytest

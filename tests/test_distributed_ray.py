@@ -1,4 +1,4 @@
-"""ShardedMemory on a local Ray cluster (issue 13): equivalence with single-process
+"""ShardedMemory on a local Ray cluster: equivalence with single-process
 ``search``, faults (a shard killed mid-batch, restart from its store), persistence.
 
 The module starts its own cluster with ``ray.init(num_cpus=2)`` and shuts it down at
@@ -366,7 +366,7 @@ def test_readme_sharded_example_runs(ray_cluster, tmp_path, monkeypatch):
 
 
 def test_closed_memory_and_impossible_resources_fail_at_once(ray_cluster):
-    """Issue 17 item 16: every call after close() raises ShardedMemoryClosedError (not
+    """Every call after close() raises ShardedMemoryClosedError (not
     an AttributeError on None); shards the cluster can never hold (3 x 1 CPU on this
     2-CPU cluster) fail at once with the numbers, not after ready_timeout_s."""
     from rfmem_fast.distributed import ShardedMemoryClosedError

@@ -1,4 +1,4 @@
-"""``rfmem export`` / ``rfmem import`` (issue 20 item 4): a memory directory as JSON lines.
+"""``rfmem export`` / ``rfmem import``: a memory directory as JSON lines.
 
 The round trip export -> import into a fresh directory -> export again gives the same
 file byte for byte (ids, users, texts, metadata, and with --vectors the vectors bit for

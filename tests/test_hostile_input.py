@@ -1,4 +1,4 @@
-"""Hostile input catalogue (issue 5, item 5): every bad input gets a clear, named error, never a crash.
+"""Hostile input catalogue: every bad input gets a clear, named error, never a crash.
 
 | input | where | result |
 |---|---|---|

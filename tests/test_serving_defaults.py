@@ -167,7 +167,7 @@ def test_an_old_memory_directory_reopens_and_searches_hybrid_over_its_stored_tex
     enc = HashEncoder(DIM)
     with Memory(path, encoder=enc, batching=False) as mem:
         assert mem.config == RFMemConfig.recommended()
-        assert mem.bank.lexical_stemmer is None  # the store's (no stemmer), not today's default
+        assert mem.bank.lexical_stemmer is None  # the store's (no stemmer), not the default
         assert [i.text for i in mem.get_all("alice")] == exp["texts"][:6]
         q = "alice note 4"
         hits = mem.search(q, "alice", k=3)

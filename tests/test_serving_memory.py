@@ -507,7 +507,7 @@ def test_encoder_dtype_option(monkeypatch):
         Memory(encoder=False, dim=DIM, encoder_dtype="float32")
 
 
-# ----------------------------------------------------------------------------- issue 17
+# ----------------------------------------------------------------------------- edges: bad queries, queues, close, copies, ids
 class ZeroForBlank(HashEncoder):
     """An encoder wrapper as many are: a zero row for a text with no words."""
 
@@ -516,7 +516,7 @@ class ZeroForBlank(HashEncoder):
 
 
 def test_a_bad_query_fails_alone_with_an_error_naming_it():
-    """Item 5: 8 callers share a batch; the encoder gives ONE of them a zero row: only
+    """8 callers share a batch; the encoder gives ONE of them a zero row: only
     that caller fails, and its error names its own query (no internal batch row)."""
     enc = ZeroForBlank(DIM)
     mem = new_memory(encoder=enc, max_batch=8, max_wait_ms=200.0, cache_size=0)
@@ -544,7 +544,7 @@ def test_a_bad_query_fails_alone_with_an_error_naming_it():
 
 
 def test_timed_out_and_cancelled_requests_free_their_queue_slots():
-    """Item 6: max_queue=4, worker blocked: 4 waiters time out (threads) or are
+    """max_queue=4, worker blocked: 4 waiters time out (threads) or are
     cancelled (asyncio); a new search is queued (no QueueFullError) and answered."""
     enc = HashEncoder(DIM)
     mem = new_memory(encoder=enc, max_batch=1, max_queue=4, max_wait_ms=0.0, cache_size=0)
@@ -580,7 +580,7 @@ def test_timed_out_and_cancelled_requests_free_their_queue_slots():
 
 
 def test_search_racing_close_gets_batcher_closed_error_at_once():
-    """Item 7: searches (threads and asyncio, timeout=None) racing close() either finish
+    """Searches (threads and asyncio, timeout=None) racing close() either finish
     or raise BatcherClosedError at once; none waits forever."""
     from rfmem_fast.serving import BatcherClosedError
 
@@ -613,7 +613,7 @@ def test_search_racing_close_gets_batcher_closed_error_at_once():
 
 
 def test_every_caller_gets_its_own_copy_of_cached_hits():
-    """Item 8: mutating returned hits (metadata, an item stored without metadata
+    """Mutating returned hits (metadata, an item stored without metadata
     included) never changes a later (cached) answer or a concurrent caller's."""
     mem = new_memory(max_wait_ms=20.0)
     mem.add(["plain", "tagged"], "u", ids=["p", "t"], metadata=[None, {"tag": ["x"]}])
@@ -632,7 +632,7 @@ def test_every_caller_gets_its_own_copy_of_cached_hits():
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_one_metadata_validation_for_the_in_memory_and_the_durable_memory(tmp_path, durable):
-    """Item 10: the same value gets the same message naming metadata[i], before anything
+    """The same value gets the same message naming metadata[i], before anything
     is logged, whether the Memory has a path or not."""
     import datetime
     import decimal
@@ -670,7 +670,7 @@ class Chunkable(Windowed):
 
 
 def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
-    """Item 12: an encoder that tells its window but not its token spans gets no text
+    """An encoder that tells its window but not its token spans gets no text
     it would truncate; the error names the text and the limit."""
     mem = new_memory(encoder=Windowed(DIM))
     mem.add(["one two three four five six"], "u", ids=["fits"])
@@ -684,7 +684,7 @@ def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable):
-    """Item 12: a text over the window becomes overlapping chunks (6 text tokens each,
+    """A text over the window becomes overlapping chunks (6 text tokens each,
     overlap 2), each a row of its item; a query matching ANY chunk finds the item (its
     whole text, its metadata, once); get / get_all / count see items only; update and
     delete of the item replace / remove all its chunks; all of it survives a reopen."""
@@ -793,7 +793,7 @@ def test_recollection_counts_items_not_the_chunk_rows_of_long_texts(config):
 
 
 def test_id_model_ints_are_their_decimal_str():
-    """Item 13: user ids and item ids are str; ints are converted (7 and "7" are one id)."""
+    """User ids and item ids are str; ints are converted (7 and "7" are one id)."""
     mem = new_memory()
     assert mem.add(["seven"], 7, ids=[7]) == ["7"]
     assert [i.id for i in mem.get("7", "7")] == ["7"] and mem.get(7, 7)[0].text == "seven"
@@ -807,7 +807,7 @@ def test_id_model_ints_are_their_decimal_str():
 
 
 def test_delete_user_forgets_every_memory_durably(tmp_path):
-    """Item 13: delete_user removes all of a user's items, survives a crash and a
+    """delete_user removes all of a user's items, survives a crash and a
     checkpoint; other users stay; an unknown user deletes nothing (idempotent)."""
     mem = new_memory(path=tmp_path / "m")
     mem.add(["a", "b", "c"], "gone", ids=["1", "2", "3"])

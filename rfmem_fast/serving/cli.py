@@ -176,7 +176,7 @@ def _passive_omp(args: argparse.Namespace) -> None:
     so it cannot be changed in a running process. With the default active waiting,
     idle OpenMP threads keep spinning after each encode / search and take the cores
     from the event loop and the batcher thread: on a loaded 2-core machine a
-    micro-batched request took 25x longer (issue 9 notes). Only done when the command
+    micro-batched request took 25x longer (docs/guides/serving.md). Only done when the command
     came from the process's own command line (``rfmem serve ...``).
     """
     if args.keep_omp_wait_policy or os.environ.get("OMP_WAIT_POLICY") or not getattr(args, "from_command_line", False):

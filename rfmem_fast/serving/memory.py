@@ -134,7 +134,7 @@ _STORE_PREFIX = "store-"
 #: texts by length and pads each pass to its longest text: small passes keep padding
 #: low, so a micro-batch of 64 questions costs ~2.7x less CPU per question than 64
 #: single encodes, where passes of 64 cost MORE than single encodes (one 85-token
-#: question pads 63 15-token ones; issue 9 notes).
+#: question pads 63 15-token ones).
 ENCODE_BATCH_SIZE = 8
 
 
