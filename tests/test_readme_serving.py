@@ -97,6 +97,7 @@ def documented_reply(block: str) -> dict:
 
 
 def _kind(v) -> str:
+    """The JSON type of a parsed value (int and float both "number")."""
     return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__
 
 

@@ -747,7 +747,7 @@ class TopicWords(Chunkable):
 @pytest.mark.parametrize("config", [RFMemConfig.paper(), None], ids=["paper", "recommended"])
 def test_recollection_counts_items_not_the_chunk_rows_of_long_texts(config):
     """A long text is several bank rows (its chunks, near one another), and the engine's
-    Recollection path fills its result list with rows: collapsed to items, a query got fewer
+    Recollection path fills its result list with rows: collapsed to items, a query would get fewer
     items than the rows recollected (2 of 10). The Memory gives the slots the extra chunks
     took to the next items of the query's Familiarity ranking (cosine >= score_floor, not
     already returned), after the recollected items, so min(k, rows recollected) distinct

@@ -312,7 +312,7 @@ def _close_on_signals(close: Any, transport: str) -> Any:
       (requests in flight finish), then restores the handlers it found and raises the
       signal again: SIGTERM's handler installed here raises ``KeyboardInterrupt`` then
       (Python's own SIGINT handler does too), so that :func:`run_mcp` closes the memory
-      and returns. Without it SIGTERM's default action killed the process first.
+      and returns (SIGTERM's default action would end the process before the close).
     * stdio: the SDK reads stdin on a worker thread that no exception can interrupt (the
       process would wait for the client's next line), so the handler starts a thread that
       closes the memory -- writes in flight finish first, later calls are refused -- and

@@ -451,6 +451,7 @@ _TYPE_ERRORS = frozenset(("int_type", "int_parsing", "string_type", "float_type"
 
 
 def _json_type(v: Any) -> str:
+    """The JSON type of a parsed argument value, with its article ("a string", "null")."""
     return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
 
 

@@ -2406,7 +2406,7 @@ class Memory:
         The engine's Recollection path fills its result list with bank rows, and a long
         text is several rows (its chunks, near one another), so sibling chunks take slots
         and recollection rounds that distinct items would have taken: collapsed to items,
-        a query got fewer items than rows (as few as 2 of 10 with 10-word chunks). For each
+        a query would get fewer items than rows (as few as 2 of 10 with 6-word chunks). For each
         query of a user holding chunked items whose route was recollection and whose
         collapsed list holds fewer than ``min(k, rows returned)`` items, the list is
         completed, after its recollected items (their order and scores kept), with the
