@@ -116,8 +116,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..filters import FilterTypeError, check_filters, parse_filter
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import (MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id, _count_error,
-                     _created_list)
+from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory
+from .validate import _canon_id, _count_error, _created_list
 from .tokens import TOKENS_FILE, TokenStore
 
 __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]

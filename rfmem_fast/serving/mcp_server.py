@@ -94,7 +94,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory, _check_text
+from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory
+from .validate import _check_text
 
 __all__ = [
     "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
@@ -413,7 +414,7 @@ def _not_found(item_id: Any) -> ToolError:
 
 def _check_text_arg(text: str, name: str, what: str = "text") -> None:
     """A text argument checked up front by the Memory's own check (blank, lone
-    surrogates, length: :func:`rfmem_fast.serving.memory._check_text`), its message as a
+    surrogates, length: :func:`rfmem_fast.serving.validate._check_text`), its message as a
     tool error, so a tool refuses a text with the words of Python and HTTP."""
     try:
         _check_text(text, name, what=what)
