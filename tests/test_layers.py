@@ -38,7 +38,8 @@ PAGE = ROOT / "docs" / "internals" / "layers.md"
 # name without the ``rfmem_fast.`` prefix; the root package is ``rfmem_fast``) that matches it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", (
-        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.mcp_server", "serving.transfer",
+        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.http_*", "serving.mcp_server",
+        "serving.transfer",
     )),
     ("facade, services and tools", (
         "rfmem_fast", "serving", "serving.*", "integrations", "integrations.*",
