@@ -19,6 +19,9 @@
 * ``rfmem tune hybrid [--personabench DIR] [--locomo DIR] [--longmemeval FILE]``: the
   dense + lexical fusion by nested leave-one-user-out CV across datasets
   (:mod:`rfmem_fast.tuning_datasets`).
+* ``rfmem tune context [--personabench DIR] [--locomo DIR] [--longmemeval FILE]``: the
+  context score (``context_weight`` / ``context_radius`` / ``thread_weight``) on top of the
+  hybrid fusions, by the same procedure (:func:`rfmem_fast.tuning_datasets.tune_context`).
 * ``rfmem tune personabench --data DIR [--encoders minilm,mpnet] [--noise all]``: grid
   search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`); ``--grid rerank
   [--model-out FILE]``: the learned re-ranker procedure under the same nested CV.
@@ -283,6 +286,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(thy)
     thy.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
+    tcx = tusub.add_parser("context", help="the context score (neighbours and threads) on top of the hybrid fusions, "
+                                           "nested leave-one-user-out across datasets")  # fmt: skip
+    tcx.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
+    tcx.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
+                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
+    tcx.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+    tcx.add_argument("--longmemeval", default=None, help="a LongMemEval JSON file (turn granularity: threads are sessions)")
+    tcx.add_argument("--granularity", choices=["session", "turn"], default="turn",
+                     help="LongMemEval memory items (default turn: its sessions are the threads)")  # fmt: skip
+    tcx.add_argument("--encoders", default="minilm", help="comma list of encoders, each tuned on its own (default minilm)")
+    tcx.add_argument("--objective", choices=["mean+min", "shortfall"], default="mean+min",
+                     help="selection objective: mean gain + worst condition's gain (default), or shortfall below dense")  # fmt: skip
+    tcx.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    _add_backend_arg(tcx)
+    tcx.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
     mo = sub.add_parser("models", help="the offline encoders")
     mosub = mo.add_subparsers(dest="action", required=True)
     mosub.add_parser("list", help="encoders usable here")
@@ -485,11 +504,14 @@ def _calibrate_reranker(args: argparse.Namespace, config: RFMemConfig, command: 
 
 
 def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
+    """``rfmem tune hybrid`` and ``rfmem tune context`` (the same conditions and procedure,
+    :func:`rfmem_fast.tuning_datasets.tune_hybrid` / ``tune_context``)."""
     from .datasets import load_locomo, load_longmemeval, load_personabench
-    from .tuning_datasets import DatasetCondition, format_hybrid_tune, hybrid_tune_json, tune_hybrid
+    from .tuning_datasets import DatasetCondition, format_hybrid_tune, hybrid_tune_json, tune_context, tune_hybrid
 
+    what = args.dataset
     if not (args.personabench or args.locomo or args.longmemeval):
-        print("rfmem tune hybrid: give at least one of --personabench, --locomo, --longmemeval", file=sys.stderr)
+        print(f"rfmem tune {what}: give at least one of --personabench, --locomo, --longmemeval", file=sys.stderr)
         return 2
     data: list[tuple[str, Any, str]] = []
     if args.personabench:
@@ -498,13 +520,17 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
         data.append(("locomo", load_locomo(args.locomo), "locomo:"))
     if args.longmemeval:
         data.append(("longmemeval", load_longmemeval(args.longmemeval, granularity=args.granularity), "lme:"))
-    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    families = [f.strip() for f in args.families.split(",") if f.strip()] if getattr(args, "families", None) else None
     out: dict[str, Any] = {}
     for enc in [e.strip() for e in args.encoders.split(",") if e.strip()]:
         conds = [DatasetCondition(label, ds, enc, group) for label, ds, group in data]
-        res = tune_hybrid(conds, families=families, k=args.k, backend=args.backend, progress=_say, objective=args.objective)
+        if what == "context":
+            res = tune_context(conds, k=args.k, backend=args.backend, progress=_say, objective=args.objective)
+        else:
+            res = tune_hybrid(conds, families=families, k=args.k, backend=args.backend, progress=_say,
+                              objective=args.objective)  # fmt: skip
         print(f"encoder {enc}:")
-        print(format_hybrid_tune(res))
+        print(format_hybrid_tune(res, what))
         out[enc] = hybrid_tune_json(res)
     if args.json_out:
         _write_json(out, args.json_out, command)
@@ -514,7 +540,7 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
 def _tune(args: argparse.Namespace, command: str) -> int:
     from .tuning import format_tune, tune_json, tune_personabench
 
-    if args.dataset == "hybrid":
+    if args.dataset in ("hybrid", "context"):
         return _tune_hybrid(args, command)
     if args.grid == "rerank":
         return _tune_rerank(args, command)

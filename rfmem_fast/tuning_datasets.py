@@ -40,8 +40,8 @@ import numpy as np
 
 from .config import RFMemConfig
 
-__all__ = ["HYBRID_FAMILIES", "DatasetCondition", "HybridTuneResult", "tune_hybrid", "format_hybrid_tune",
-           "hybrid_tune_json", "hybrid_candidates"]  # fmt: skip
+__all__ = ["HYBRID_FAMILIES", "CONTEXT_GRID", "CONTEXT_BASES", "DatasetCondition", "HybridTuneResult", "tune_hybrid",
+           "tune_context", "context_candidates", "format_hybrid_tune", "hybrid_tune_json", "hybrid_candidates"]  # fmt: skip
 
 #: selection objectives of :func:`tune_hybrid` (module docstring)
 OBJECTIVES = ("mean+min", "shortfall")
@@ -60,6 +60,42 @@ HYBRID_FAMILIES: dict[str, list[dict[str, Any]]] = {
     "rrf": [{"fusion": "rrf", "lexical_weight": 1.0, "lexical_rrf_k": k} for k in (5.0, 10.0, 20.0, 60.0)],
     "zscore": [{"fusion": "zscore", "lexical_weight": w} for w in (0.06, 0.08, 0.1, 0.12, 0.15)],
 }  # fmt: skip
+
+
+#: the context score's grid (``rfmem tune context``): RFMemConfig.context_weight (w_n),
+#: context_radius (r), thread_weight (w_s); r matters only with w_n > 0
+CONTEXT_GRID: dict[str, tuple] = {
+    "context_weight": (0.0, 0.1, 0.2, 0.3, 0.5),
+    "context_radius": (1, 2, 3),
+    "thread_weight": (0.0, 0.1, 0.2, 0.3, 0.5),
+}
+#: the fusions the context grid is tried on: the "convex raw" family of the hybrid grid
+#: (the MiniLM pick of ``rfmem tune hybrid``, RFMemConfig.recommended())
+CONTEXT_BASES: list[dict[str, Any]] = list(HYBRID_FAMILIES["convex raw"])
+
+
+def context_candidates(bases: Sequence[dict[str, Any]] | None = None) -> list[tuple[str, RFMemConfig]]:
+    """The context grid as (family, RFMemConfig) pairs: "dense" first, then per base fusion
+    the fusion alone (family "fusion") and the fusion with every context setting of
+    :data:`CONTEXT_GRID` that turns the score on (family "context"; the radius only with
+    ``context_weight > 0``).
+
+    Args:
+        bases: RFMemConfig overrides of the base fusions (default :data:`CONTEXT_BASES`).
+    """
+    bases = CONTEXT_BASES if bases is None else list(bases)
+    out = [("dense", RFMemConfig(**NEVER_RECOLLECT))]
+    g = CONTEXT_GRID
+    for base in bases:
+        out.append(("fusion", RFMemConfig(**{**NEVER_RECOLLECT, **base})))
+        for wn in g["context_weight"]:
+            for r in g["context_radius"] if wn > 0 else g["context_radius"][1:2]:
+                for ws in g["thread_weight"]:
+                    if wn == 0 and ws == 0:
+                        continue
+                    ctx = {"context_weight": wn, "context_radius": r, "thread_weight": ws}
+                    out.append(("context", RFMemConfig(**{**NEVER_RECOLLECT, **base, **ctx})))
+    return out
 
 
 def hybrid_candidates(families: Sequence[str] | None = None) -> list[tuple[str, RFMemConfig]]:
@@ -123,7 +159,10 @@ def _name(family: str, cfg: RFMemConfig) -> str:
     if cfg.fusion == "rrf":
         return f"rrf k={cfg.lexical_rrf_k:g}"
     norm = f" {cfg.lexical_norm}" if cfg.fusion == "convex" else ""
-    return f"{cfg.fusion}{norm} w={cfg.lexical_weight:g}"
+    name = f"{cfg.fusion}{norm} w={cfg.lexical_weight:g}" if cfg.lexical_weight > 0 else "dense"
+    if cfg.context_on:
+        name += f" + context w_n={cfg.context_weight:g} r={cfg.context_radius} w_s={cfg.thread_weight:g}"
+    return name
 
 
 def tune_hybrid(
@@ -153,6 +192,46 @@ def tune_hybrid(
     Raises:
         ValueError: no condition, fewer than 2 users, k < 1, an unknown family or objective.
     """
+    return _tune_candidates(conditions, hybrid_candidates(families), k, backend, cache_dir, progress, objective, "hybrid")
+
+
+def tune_context(
+    conditions: Sequence[DatasetCondition],
+    bases: Sequence[dict[str, Any]] | None = None,
+    k: int = 10,
+    backend: str = "auto",
+    cache_dir: Any = "default",
+    progress: Callable[[str], None] | None = None,
+    objective: str = "mean+min",
+) -> HybridTuneResult:
+    """``rfmem tune context``: the context score (``RFMemConfig.context_weight`` /
+    ``context_radius`` / ``thread_weight``) on top of the hybrid fusions, chosen by the
+    same nested leave-one-user-out CV across datasets as :func:`tune_hybrid` (module
+    docstring; the datasets' loaders give the items' threads: LoCoMo sessions,
+    PersonaBench session series).
+
+    Candidates (:func:`context_candidates`): dense, each base fusion alone (family
+    "fusion"), each base fusion with each context setting of :data:`CONTEXT_GRID` (family
+    "context"); "all" is the procedure over every candidate (it may pick no context).
+
+    Args:
+        conditions, k, backend, cache_dir, progress, objective: as :func:`tune_hybrid`.
+        bases: the base fusions (RFMemConfig overrides; default :data:`CONTEXT_BASES`).
+
+    Returns:
+        HybridTuneResult (``recommended``: the pick on all users).
+
+    Raises:
+        ValueError: as :func:`tune_hybrid`.
+    """
+    return _tune_candidates(conditions, context_candidates(bases), k, backend, cache_dir, progress, objective, "context")
+
+
+def _tune_candidates(conditions: Sequence[DatasetCondition], cands: list[tuple[str, RFMemConfig]], k: int, backend: str,
+                     cache_dir: Any, progress: Callable[[str], None] | None, objective: str,
+                     what: str) -> HybridTuneResult:  # fmt: skip
+    """The nested leave-one-user-out CV of :func:`tune_hybrid` over the candidates ``cands``
+    ((family, config) pairs, dense first); ``what`` names the grid in progress lines."""
     from .datasets.embedded import dataset_embeddings, default_embedding_cache_dir
     from .evaluate_datasets import evaluate_dataset
     from .tuning import gain_se
@@ -165,7 +244,6 @@ def tune_hybrid(
         raise ValueError("conditions: no condition to tune on")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    cands = hybrid_candidates(families)
     names = [_name(f, c) for f, c in cands]
     ecache = default_embedding_cache_dir() if cache_dir == "default" else cache_dir
     rec: list[np.ndarray] = []  # per condition: [n_candidates, nq]
@@ -178,7 +256,7 @@ def tune_hybrid(
             rows.append(s.recall)
         rec.append(np.stack(rows))
         qusers.append(np.array([f"{cond.group}{u}" for u in s.users], dtype=object))
-        say(f"tune hybrid: {cond.label}: {len(cands)} candidates x {len(s.users)} questions")
+        say(f"tune {what}: {cond.label}: {len(cands)} candidates x {len(s.users)} questions")
     users = sorted(set(u for qu in qusers for u in qu.tolist()))
     if len(users) < 2:
         raise ValueError("leave-one-user-out needs at least 2 users")
@@ -229,10 +307,11 @@ def tune_hybrid(
     )  # fmt: skip
 
 
-def format_hybrid_tune(res: HybridTuneResult) -> str:
-    """A plain-text report: Recall@k of dense and the nested-CV gain of every family per condition."""
+def format_hybrid_tune(res: HybridTuneResult, what: str = "hybrid") -> str:
+    """A plain-text report: Recall@k of dense and the nested-CV gain of every family per condition,
+    and the in-sample gain of the pick on all users (``what``: the grid's name in the title)."""
     labs = res.conditions
-    lines = [f"hybrid tuning, Recall@{res.k}, nested leave-one-user-out over {len(res.users)} users"]
+    lines = [f"{what} tuning, Recall@{res.k}, nested leave-one-user-out over {len(res.users)} users"]
     head = f"{'procedure':<16}" + "".join(f"{lab:>16}" for lab in labs)
     lines += [head, f"{'dense':<16}" + "".join(f"{res.dense[lab]:>16.4f}" for lab in labs)]
     for fam, row in res.nested.items():
@@ -243,7 +322,11 @@ def format_hybrid_tune(res: HybridTuneResult) -> str:
         )
         lines.append(f"{fam:<16}{cells}")
     lines.append("(gains in points over dense, paired standard error in brackets)")
-    lines.append(f"recommended (the pick on all users): {_name(res.recommended_family, res.recommended)}")
+    pick = _name(res.recommended_family, res.recommended)
+    lines.append(f"recommended (the pick on all users): {pick}")
+    if pick in res.in_sample:
+        row = res.in_sample[pick]
+        lines.append("  its in-sample gains: " + ", ".join(f"{lab} {100 * (row[lab] - res.dense[lab]):+.2f}" for lab in labs))
     return "\n".join(lines)
 
 

@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "search",
     )),
     ("engine", (
-        "routing.*", "recollection", "fusion", "expansion",
+        "routing.*", "recollection", "fusion", "context", "expansion",
     )),
     ("backends", (
         "backends", "backends.*",

@@ -122,3 +122,47 @@ def test_rfmem_tune_hybrid_cli(tmp_path, monkeypatch, capsys):
     assert "recommended (the pick on all users)" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["minilm"]["conditions"] == ["locomo"] and doc["minilm"]["users"] == ["locomo:7", "locomo:8"]
+
+
+def _threaded(ds: Dataset) -> Dataset:
+    """``ds`` with every user's items in threads of 5 consecutive items (positions 0..4)."""
+    users = [User(u.key, u.item_ids, u.item_texts, [f"t{j // 5}" for j in range(len(u))], [j % 5 for j in range(len(u))])
+             for u in ds.users]  # fmt: skip
+    return Dataset(ds.name, users, ds.questions, ds.metric_names, ds.scorer)
+
+
+def test_context_grid_and_nested_cv_equal_a_direct_computation():
+    from rfmem_fast.tuning_datasets import CONTEXT_GRID, context_candidates, format_hybrid_tune, tune_context
+
+    bases = [{"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03}]
+    cands = context_candidates(bases)
+    g = CONTEXT_GRID
+    n_ctx = (len(g["context_weight"]) - 1) * len(g["context_radius"]) * len(g["thread_weight"]) + len(g["thread_weight"]) - 1
+    assert [f for f, _ in cands[:2]] == ["dense", "fusion"] and len(cands) == 2 + n_ctx
+    assert all(c.context_on for f, c in cands if f == "context")
+    assert len({(c.context_weight, c.context_radius if c.context_weight > 0 else 0, c.thread_weight) for _, c in cands[2:]}) == n_ctx
+    enc = BagOfWords(dim=8)
+    conds = [DatasetCondition("a", _threaded(_dataset("a", 3, n_users=2, n_items=15)), enc, "a:"),
+             DatasetCondition("b", _threaded(_dataset("b", 4, n_users=2, n_items=15)), enc, "b:")]  # fmt: skip
+    res = tune_context(conds, bases=bases, k=3, cache_dir=None)
+    rec = {c.label: np.stack([evaluate_dataset(c.dataset, c.encoder, cfg, mode="rfmem", k=3, cache_dir=None).recall
+                              for _, cfg in cands]) for c in conds}  # fmt: skip
+    qusers = {c.label: np.array([c.group + q.user_key for q in c.dataset.questions if q.scored]) for c in conds}
+    users = sorted(set(np.concatenate(list(qusers.values())).tolist()))
+
+    def choose(train):
+        objs = []
+        for j in range(len(cands)):
+            gains = [(rec[c][j][np.isin(qusers[c], train)] - rec[c][0][np.isin(qusers[c], train)]).mean() for c in rec]
+            objs.append(round(float(np.mean(gains) + min(gains)), 12))
+        return int(np.argmax(objs))
+
+    held = {c: np.zeros(rec[c].shape[1]) for c in rec}
+    for u in users:
+        j = choose([v for v in users if v != u])
+        for c in rec:
+            held[c][qusers[c] == u] = rec[c][j][qusers[c] == u]
+    for c in rec:
+        assert res.nested["all"][c] == pytest.approx(held[c].mean(), abs=1e-12)
+    assert res.recommended == cands[choose(users)][1]
+    assert "context tuning" in format_hybrid_tune(res, "context")

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common.h"
+#include "context.h"
 #include "kernels.h"
 #include "lexical.h"
 #include "recollect.h"
@@ -517,6 +518,92 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
                       hf_.is_none() ? nullptr : cptr<float>(hf));
   }
   return py::make_tuple(rows, fused, dense, lex);
+}
+
+py::tuple py_context_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
+                          const py::object& qseg_, const py::object& f_, const py::object& fptr_,
+                          const py::object& boosts_, const py::object& quser_, const py::object& lay_,
+                          const py::object& lay_ptr_, const py::object& tstart_, const py::object& t_ptr_,
+                          const py::object& fstart_, int64_t r, double w_n, double w_s, int64_t k, double scale,
+                          double abs_term, double xnorm, int num_threads) {
+  const char* fn = "context_topk";
+  check_threads(fn, num_threads);
+  TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
+  py::array f = checked<float>(f_, fn, "f", 1, "float32");
+  py::array fptr = checked<int64_t>(fptr_, fn, "fptr", 1, "int64");
+  py::array quser = checked<int64_t>(quser_, fn, "quser", 1, "int64");
+  py::array lay = checked<int32_t>(lay_, fn, "lay", 1, "int32");
+  py::array lay_ptr = checked<int64_t>(lay_ptr_, fn, "lay_ptr", 1, "int64");
+  py::array tstart = checked<int32_t>(tstart_, fn, "tstart", 1, "int32");
+  py::array t_ptr = checked<int64_t>(t_ptr_, fn, "t_ptr", 1, "int64");
+  py::array fstart = checked<int64_t>(fstart_, fn, "fstart", 1, "int64");
+  if (r < 1) throw py::value_error(std::string(fn) + ": r must be >= 1, got " + std::to_string(r));
+  if (!(w_n >= 0.0) || !(w_s >= 0.0) || std::isinf(w_n) || std::isinf(w_s))
+    throw py::value_error(std::string(fn) + ": w_n and w_s must be finite and >= 0");
+  const int64_t b = in.b;
+  const int64_t m = fstart.shape(0);
+  if (fptr.shape(0) != b + 1 || quser.shape(0) != b)
+    throw py::value_error(std::string(fn) + ": fptr must have b + 1 entries and quser b");
+  if (lay_ptr.shape(0) != m + 1 || t_ptr.shape(0) != m + 1)
+    throw py::value_error(std::string(fn) + ": lay_ptr and t_ptr must have one entry per layout + 1");
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  const int64_t* fp = cptr<int64_t>(fptr);
+  const int64_t* qu = cptr<int64_t>(quser);
+  const int64_t* lp = cptr<int64_t>(lay_ptr);
+  const int64_t* tp = cptr<int64_t>(t_ptr);
+  const int64_t* fsv = cptr<int64_t>(fstart);
+  const int32_t* ly = cptr<int32_t>(lay);
+  const int32_t* ts = cptr<int32_t>(tstart);
+  if (fp[0] != 0 || fp[b] != f.shape(0)) throw py::value_error(std::string(fn) + ": fptr must run from 0 to len(f)");
+  if (lp[0] != 0 || lp[m] != lay.shape(0) || tp[0] != 0 || tp[m] != tstart.shape(0))
+    throw py::value_error(std::string(fn) + ": lay_ptr / t_ptr must run from 0 to len(lay) / len(tstart)");
+  const double* px = nullptr;
+  py::array boosts;
+  if (!boosts_.is_none()) {
+    boosts = checked<double>(boosts_, fn, "boosts", 1, "float64");
+    if (boosts.shape(0) != f.shape(0)) throw py::value_error(std::string(fn) + ": boosts must have one entry per f entry");
+    px = cptr<double>(boosts);
+  }
+  std::vector<char> checked_layout(static_cast<size_t>(m), 0);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t n = off[seg[i] + 1] - off[seg[i]];
+    if (fp[i + 1] - fp[i] != n)
+      throw py::value_error(std::string(fn) + ": query " + std::to_string(i) + " must have one scan score per row of its segment");
+    const int64_t j = qu[i];
+    if (j < -1 || j >= m) throw py::value_error(std::string(fn) + ": quser[" + std::to_string(i) + "] is not a layout index");
+    if (j < 0) continue;  // a query left to the caller (padding here)
+    if (checked_layout[j]) continue;
+    checked_layout[j] = 1;
+    const int64_t L = lp[j + 1] - lp[j], nt = tp[j + 1] - tp[j];
+    if (L < 2 * r || fsv[j] < r || fsv[j] > L - r)
+      throw py::value_error(std::string(fn) + ": layout " + std::to_string(j) + " is malformed for r = " + std::to_string(r));
+    for (int64_t p = 0; p < L; ++p) {
+      const int32_t row = ly[lp[j] + p];
+      if (row < -1 || row >= n || ((p < r || p >= L - r) && row != -1))
+        throw py::value_error(std::string(fn) + ": layout " + std::to_string(j) + " holds an invalid row at position " + std::to_string(p));
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t s0 = ts[tp[j] + t], e = t + 1 < nt ? ts[tp[j] + t + 1] : fsv[j];
+      if (s0 < r || e <= s0 || e > fsv[j])
+        throw py::value_error(std::string(fn) + ": layout " + std::to_string(j) + " has malformed thread blocks");
+      for (int64_t p = e - r; p < e; ++p)
+        if (ly[lp[j] + p] != -1)
+          throw py::value_error(std::string(fn) + ": layout " + std::to_string(j) + " lacks the sentinels after a block");
+    }
+  }
+  py::array_t<int64_t> rows({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(k)});
+  py::array_t<double> c({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(k)});
+  py::array_t<double> base({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(k)});
+  py::array_t<float> dense({static_cast<py::ssize_t>(b), static_cast<py::ssize_t>(k)});
+  const rfmem::ContextLayouts lo{ly, lp, ts, tp, fsv};
+  {
+    py::gil_scoped_release nogil;
+    rfmem::context_topk(cptr<float>(in.X), in.d, off, cptr<float>(in.Q), seg, b, cptr<float>(f), fp, px, qu, lo, r,
+                        w_n, w_s, k, scale, abs_term, xnorm, num_threads, rows.mutable_data(), c.mutable_data(),
+                        base.mutable_data(), dense.mutable_data());
+  }
+  return py::make_tuple(rows, c, base, dense);
 }
 
 py::tuple py_hybrid_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_,
@@ -1109,6 +1196,29 @@ Returns:
 Raises:
     TypeError: wrong dtype. ValueError: wrong shapes, rows outside the query's segment,
     unsorted hits, negative or non-finite boosts, kf < 1.
+)doc");
+  mod.def("context_topk", &py_context_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
+          py::arg("f"), py::arg("fptr"), py::arg("boosts"), py::arg("quser"), py::arg("lay"), py::arg("lay_ptr"),
+          py::arg("tstart"), py::arg("t_ptr"), py::arg("fstart"), py::arg("r"), py::arg("w_n"), py::arg("w_s"),
+          py::arg("k"), py::arg("scale"), py::arg("abs_term"), py::arg("xnorm"), py::arg("num_threads") = 0,
+          R"doc(The context score's exact top-k of unfiltered queries on users without chunk rows
+(rfmem_fast.context.context_topk's compiled path; the definition and the proof are there).
+
+Args:
+    X: float32 [n, d] rows; offsets: int64 [U + 1]; Q: float32 [b, d]; qseg: int64 [b].
+    f: float32 [F] every segment row's scan score, query after query (fptr: int64 [b + 1]),
+        |f - RN32(q.x)| <= scale ||q|| (1 + 2^-30) + abs_term.
+    boosts: float64 [F] every row's fusion boost (>= 0), or None.
+    quser: int64 [b] each query's layout (-1: the query is skipped, its row padding); lay
+        int32 / lay_ptr int64: the layouts' local item
+        rows (-1: sentinel); tstart int32 / t_ptr int64: their thread blocks' first
+        positions; fstart: int64 each layout's free block.
+    r, w_n, w_s: the config's radius and weights; k: the width; xnorm: the rows' largest norm
+        (an upper bound).
+
+Returns:
+    (rows int64 [b, k] (-1 padding), c float64 [b, k] (NaN), base float64 [b, k] (-inf),
+    dense float32 [b, k] (NaN)), by (c desc, row asc).
 )doc");
   mod.def("hybrid_probe", &py_hybrid_probe, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("k"), py::arg("probe_k"), py::arg("temperature"), py::arg("convention"), py::arg("hptr"),

@@ -18,6 +18,7 @@ tie order) is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -37,8 +38,12 @@ __all__ = [
     "BankSnapshot",
     "BankView",
     "RecollectionOutput",
+    "SegmentScores",
+    "all_row_hits",
     "check_memory_budget",
     "recollection_capacity",
+    "scan_bound_terms",
+    "segment_ptr",
 ]
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
@@ -94,6 +99,65 @@ class RecollectionOutput:
         what :meth:`Backend.recollect_host` returns (C-contiguous)."""
         rows, scores, rounds = (host_array(t, t.dtype) for t in (self.rows, self.scores, self.rounds))
         return rows, scores, rounds, None if self.dense is None else host_array(self.dense, self.dense.dtype)
+
+
+@dataclass(frozen=True)
+class SegmentScores:
+    """The scan score of every row of each query's segment, query after query
+    (:meth:`Backend.segment_scores`; the context score's input, :mod:`rfmem_fast.context`).
+
+    Attributes:
+        f: float32 [L] the rows' scan scores: query ``i``'s segment rows ``0 .. n_i - 1``
+            at ``f[ptr[i] : ptr[i + 1]]``.
+        ptr: int64 [b + 1] CSR offsets (``ptr[i + 1] - ptr[i]`` = query i's segment length).
+        scale, abs_term: the scan's bound ``|f - RN32(q . x)| <= B(q) = scale ||q|| (1 + 2^-30)
+            + abs_term`` for every row of the query's segment (:mod:`rfmem_fast.backends.exact`;
+            ``scale`` includes the rows' largest norm).
+    """
+
+    f: np.ndarray
+    ptr: np.ndarray
+    scale: float
+    abs_term: float
+
+    def bounds(self, qnorm: np.ndarray) -> np.ndarray:
+        """float64 [b]: ``B(q)`` of queries of norms ``qnorm`` (float64 [b])."""
+        return self.scale * (qnorm * (1.0 + 2.0**-30)) + self.abs_term
+
+
+def segment_ptr(offsets: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """int64 [b + 1]: CSR offsets of the b queries' segments laid one after the other."""
+    lens = offsets[seg + 1] - offsets[seg]
+    ptr = np.zeros(seg.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    return ptr
+
+
+def all_row_hits(ptr: np.ndarray) -> np.ndarray:
+    """int32 [ptr[-1]]: the local rows ``0 .. n_i - 1`` of every query's segment, one query
+    after the other (the "hits" that make ``hybrid_probe`` record every row's scan score;
+    read-only: one query's is shared)."""
+    if ptr.shape[0] == 2:
+        return _arange32(int(ptr[1]))
+    lens = np.diff(ptr)
+    return (np.arange(int(ptr[-1]), dtype=np.int64) - np.repeat(ptr[:-1], lens)).astype(np.int32)
+
+
+@lru_cache(maxsize=64)
+def _arange32(n: int) -> np.ndarray:
+    out = np.arange(n, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=256)
+def scan_bound_terms(d: int, xnorm: float, depth: int, input_unit: float = 0.0) -> tuple[float, float]:
+    """``(scale, abs_term)`` of :class:`SegmentScores`: the bound of a float32 scan of summation
+    depth ``depth`` (any order: ``depth = d``) over float32 rows of dimension d and norm <=
+    ``xnorm`` (:func:`rfmem_fast.backends.exact.query_bounds`)."""
+    from .exact import abs_error_term, scan_error_coef
+
+    return scan_error_coef(depth, input_unit=input_unit) * xnorm, abs_error_term(d)
 
 
 def recollection_capacity(config: RFMemConfig) -> int:
@@ -442,6 +506,55 @@ class Backend:
         scores, rows = self.segmented_topk(view, Q, qseg, k, **({} if sel is None else {"sel": sel}))
         mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
         return scores, rows, mean, ent, count
+
+    def segment_scores(self, view: BankView, Q: torch.Tensor | np.ndarray, seg: np.ndarray) -> SegmentScores:
+        """The float32 scan score of EVERY row of each query's segment, with the scan's bound
+        (the context score's input, :mod:`rfmem_fast.context`).
+
+        The default: one float32 matrix product per distinct segment on the backend's
+        device (``view.X``), bound for any summation order (depth d) and the matmul's input
+        rounding (:func:`rfmem_fast.backends.exact.matmul_input_unit`). The native backend
+        overrides it with its scan kernel.
+
+        Args:
+            view: the bank; Q: float32 [b, d] unit queries (tensor on the device or numpy);
+            seg: int64 [b] host segment indices.
+
+        Returns:
+            :class:`SegmentScores` (host arrays).
+        """
+        seg = np.asarray(seg, dtype=np.int64)
+        off = view.offsets_cpu.numpy()
+        ptr = segment_ptr(off, seg)
+        f = np.empty(int(ptr[-1]), dtype=np.float32)
+        X = view.X
+        Qt = Q if isinstance(Q, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(Q, dtype=np.float32))
+        Qt = Qt.to(device=X.device, dtype=torch.float32)
+        order = np.argsort(seg, kind="stable")
+        us, first = np.unique(seg[order], return_index=True)
+        bounds = list(first[1:]) + [order.shape[0]]
+        for u, s0, s1 in zip(us.tolist(), first.tolist(), bounds):
+            idx = order[s0:s1]
+            a, b = int(off[u]), int(off[u + 1])
+            if b == a:
+                continue
+            S = (Qt[torch.from_numpy(idx).to(X.device)] @ X[a:b].T).cpu().numpy()
+            for j, i in enumerate(idx.tolist()):
+                f[ptr[i] : ptr[i + 1]] = S[j]
+        return SegmentScores(f, ptr, *self.scan_score_bound(view))
+
+    def scan_score_bound(self, view: BankView) -> tuple[float, float]:
+        """``(scale, abs_term)`` of the bound of the scan scores :meth:`segment_scores` (and, on
+        a backend with ``has_fused_topk``, :meth:`hybrid_probe`'s recorded ones) give
+        (:class:`SegmentScores`).
+
+        The default: a float32 matrix product on ``view.X``'s device, any summation order
+        (depth d), with the matmul's input rounding.
+        """
+        from .exact import matmul_input_unit
+
+        d = int(view.X.shape[1])
+        return scan_bound_terms(d, view.row_norm_max, d, matmul_input_unit(view.X.device))
 
     # ------------------------------------------------------------ host arrays
     def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,

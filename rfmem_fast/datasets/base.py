@@ -5,7 +5,10 @@ eval`` need to score a retriever, nothing more:
 
 * ``users``: the memory-bank tenants, each a :class:`MemoryUser` -- ``key`` (str, the
   tenant key), ``item_ids`` (list[str], n, unique within the user) and ``item_texts``
-  (list[str], n, aligned with the ids);
+  (list[str], n, aligned with the ids); optionally ``item_threads`` / ``item_positions``
+  (n entries each, or None: the items' conversation threads and their order in them,
+  what ``MemoryBank.add(threads=, positions=)`` takes; a loader fills them from the
+  dataset's sessions and turn order, :func:`user_threads` reads them);
 * ``questions``: each a :class:`MemoryQuestion` -- ``qid`` (str), ``text`` (str, what is
   embedded), ``user_key`` (the tenant it searches), ``ground_truth`` (dataset-specific:
   what ``score`` reads), ``category`` (str, for per-category tables) and ``scored``
@@ -26,7 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-__all__ = ["MemoryUser", "MemoryQuestion", "MemoryDataset", "User", "Question", "Dataset", "check_dataset"]
+__all__ = ["MemoryUser", "MemoryQuestion", "MemoryDataset", "User", "Question", "Dataset", "check_dataset", "user_threads"]
+
+
+def user_threads(user: Any) -> tuple[list | None, list | None]:
+    """(threads, positions) of a dataset user's items (``item_threads`` / ``item_positions``;
+    None for a user without them, e.g. of a dataset whose items have no conversation order)."""
+    return getattr(user, "item_threads", None), getattr(user, "item_positions", None)
 
 
 @runtime_checkable
@@ -87,11 +96,15 @@ class MemoryDataset(Protocol):
 
 @dataclass(frozen=True)
 class User:
-    """A tenant: ``key`` (str), ``item_ids`` (list[str], n, unique), ``item_texts`` (list[str], n)."""
+    """A tenant: ``key`` (str), ``item_ids`` (list[str], n, unique), ``item_texts`` (list[str], n),
+    ``item_threads`` (n str / None, or None: no thread) and ``item_positions`` (n int / None,
+    or None): each item's conversation thread and its position in it."""
 
     key: str
     item_ids: list[str]
     item_texts: list[str]
+    item_threads: list | None = None
+    item_positions: list | None = None
 
     def __len__(self) -> int:
         """Number of items n."""
@@ -153,7 +166,7 @@ def check_dataset(dataset: Any) -> None:
 
     Raises:
         TypeError: ``dataset`` lacks an attribute of :class:`MemoryDataset` (named).
-        ValueError: duplicate user keys, ids and texts of different lengths, a
+        ValueError: duplicate user keys, ids and texts (or threads, positions) of different lengths, a
             question whose ``user_key`` is no user's, "recall" / "ndcg" missing from
             ``metric_names``.
     """
@@ -170,6 +183,9 @@ def check_dataset(dataset: Any) -> None:
         keys.add(u.key)
         if len(u.item_ids) != len(u.item_texts):
             raise ValueError(f"dataset {dataset.name!r}: user {u.key!r} has {len(u.item_ids)} ids but {len(u.item_texts)} texts")
+        for what, vals in zip(("threads", "positions"), user_threads(u)):
+            if vals is not None and len(vals) != len(u.item_ids):
+                raise ValueError(f"dataset {dataset.name!r}: user {u.key!r} has {len(u.item_ids)} ids but {len(vals)} {what}")
     for q in dataset.questions:
         if q.user_key not in keys:
             raise ValueError(f"dataset {dataset.name!r}: question {q.qid!r} asks user {q.user_key!r}, which has no items")

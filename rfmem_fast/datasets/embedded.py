@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..bank import MemoryBank
+from .base import user_threads
 from .personabench import PersonaBench, load_personabench
 
 __all__ = [
@@ -223,11 +224,15 @@ EVAL_STEMMER = "english"
 
 
 def _build_bank(users: Sequence[Any], X: np.ndarray, lexical_stemmer: str | None = EVAL_STEMMER) -> MemoryBank:
+    """One tenant per user: its items' rows of ``X`` (in order), ids, texts, and threads and
+    positions where the loader gives them (:func:`rfmem_fast.datasets.base.user_threads`)."""
     bank = MemoryBank(X.shape[1], lexical_stemmer=lexical_stemmer)
     pos = 0
     for u in users:
         n = len(u.item_ids)
-        bank.add(u.key, X[pos : pos + n], list(u.item_ids), texts=list(u.item_texts))
+        threads, positions = user_threads(u)
+        bank.add(u.key, X[pos : pos + n], list(u.item_ids), texts=list(u.item_texts), threads=threads,
+                 positions=positions)  # fmt: skip
         pos += n
     bank.snapshot()
     return bank

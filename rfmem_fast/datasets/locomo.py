@@ -12,7 +12,10 @@ Protocol:
 * one memory bank user per conversation, its key the file stem (e.g. "26");
 * one item per turn, sessions in N order and turns in file order, id = ``dia_id``,
   text ``"[{session_N_date_time}] {speaker}: {text}"`` plus ``" [shares
-  {blip_caption}]"`` when the turn has a ``blip_caption`` (it shares an image);
+  {blip_caption}]"`` when the turn has a ``blip_caption`` (it shares an image); its
+  conversation thread is its session (``"session_N"``) and its position the turn's index
+  in the session (``User.item_threads`` / ``item_positions``: the context score,
+  docs "Conversations");
 * questions of category 5 (adversarial) and those with no evidence are left out (760
   questions in the five development conversations); question category = ``str(category)``;
 * Recall@k = |top-k ids ∩ evidence| / |evidence| (evidence as a set), averaged over
@@ -144,6 +147,8 @@ def _conversation(path: Path) -> tuple[User, list[Question], dict[str, int]]:
         raise _bad(path, "no 'session_N' lists (expected a LoCoMo conversation file)")
     ids: list[str] = []
     texts: list[str] = []
+    threads: list[str] = []
+    positions: list[int] = []
     seen: set[str] = set()
     for n, key in sessions:
         turns = doc[key]
@@ -163,6 +168,8 @@ def _conversation(path: Path) -> tuple[User, list[Question], dict[str, int]]:
             seen.add(t["dia_id"])
             ids.append(t["dia_id"])
             texts.append(locomo_turn_text(t, doc[date_key]))
+            threads.append(key)
+            positions.append(j)
     stats = {"evidence_split": 0, "evidence_absent": 0, "left_out_adversarial": 0, "left_out_no_evidence": 0}
     questions: list[Question] = []
     for i, q in enumerate(doc["qa"]):
@@ -191,7 +198,7 @@ def _conversation(path: Path) -> tuple[User, list[Question], dict[str, int]]:
                 info={"answer": q.get("answer"), "evidence_raw": list(raw), "qa_index": i},
             )  # fmt: skip
         )
-    return User(key=user, item_ids=ids, item_texts=texts), questions, stats
+    return User(key=user, item_ids=ids, item_texts=texts, item_threads=threads, item_positions=positions), questions, stats
 
 
 def load_locomo(data_dir: str | os.PathLike[str], conversations: Sequence[str] | None = None) -> Dataset:

@@ -18,7 +18,10 @@ authors' repository, reproduced here):
 * **turn** granularity: one item per *user* turn, text = its content; id =
   ``f"{session_id}_{i + 1}"`` with i the turn's index in the session (assistant turns
   counted); in a session whose id contains "answer", a turn without ``has_answer`` true
-  gets the id with "answer" replaced by "noans";
+  gets the id with "answer" replaced by "noans"; its conversation thread is its session
+  (the haystack session id) and its position i (``User.item_threads`` /
+  ``item_positions``: the context score, docs "Conversations"); a session-level item is a
+  whole session, of no thread (the haystack's sessions are separate conversations);
 * ground truth = the item ids that contain "answer" (after those replacements): the
   evidence sessions, or the ``has_answer`` turns of the evidence sessions;
 * metrics at k, of the ranked ids: ``recall_any`` = 1.0 if any ground-truth id is in the
@@ -322,6 +325,8 @@ def load_longmemeval(path: str | os.PathLike[str], granularity: str = "session",
             raise _bad(where, f"'haystack_dates' must be a list as long as 'haystack_session_ids' ({len(sids)})")
         ids: list[str] = []
         texts: list[str] = []
+        threads: list[str] = []
+        positions: list[int] = []
         have: set[str] = set()
         for j, (sid, sess) in enumerate(zip(sids, sessions)):
             s_ids, s_texts = session_items(sess, sid, granularity, f"{where} haystack_sessions[{j}]")
@@ -332,13 +337,17 @@ def load_longmemeval(path: str | os.PathLike[str], granularity: str = "session",
                 have.add(i)
                 ids.append(i)
                 texts.append(t)
+                if granularity == "turn":  # (the turn's index in the session: the id's last "_" part, minus 1)
+                    threads.append(sid)
+                    positions.append(int(i.rsplit("_", 1)[1]) - 1)
         if not ids:
             raise _bad(where, f"its haystack has no user turn (granularity {granularity!r})")
         correct = tuple(sorted(i for i in ids if "answer" in i))
         scored = "_abs" not in qid
         stats["abstention"] += not scored
         stats["no_ground_truth"] += scored and not correct
-        users.append(User(key=qid, item_ids=ids, item_texts=texts))
+        users.append(User(key=qid, item_ids=ids, item_texts=texts, item_threads=threads or None,
+                          item_positions=positions or None))  # fmt: skip
         questions.append(
             Question(
                 qid=qid, text=e["question"], user_key=qid, ground_truth=LMETruth(correct, ids, granularity),

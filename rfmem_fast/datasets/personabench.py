@@ -19,6 +19,16 @@ then every purchase-history entry. Chunk text is ``json.dumps(entry, separators=
 Questions keep file order (communities in the order given, users in file order, each
 user's ``qa`` in order) and include type "Subjective"; :attr:`PersonaBench.evaluated`
 gives the questions the protocol scores (230 of 263 for the default setting).
+
+Conversation structure (``PBUser.chunk_threads`` / ``chunk_positions``, what the context
+score reads: docs "Conversations"). A chunk is a whole SESSION (every turn of it in one
+text), so there is no turn order inside a chunk; the sessions themselves are ordered in
+threads: the sub-conversations with one partner (``Data[i]``, thread
+``"conversation/{i}"``) session after session (``Conversations[j]``, position j, in file
+order, which is time order), the user-AI interaction sessions (thread
+``"user_ai_interaction"``) and the purchase sessions (thread ``"purchase_history"``), each
+in file order. A chunk's neighbours are thus the sessions before and after it with the same
+partner, or of the same kind.
 """
 
 from __future__ import annotations
@@ -68,12 +78,16 @@ class PBUser:
         name: the user's name as in ``eval_info_all.json`` (str).
         chunk_ids: segment ids, one per chunk, unique within the user (list[str], n).
         chunk_texts: chunk texts, aligned with ``chunk_ids`` (list[str], n).
+        chunk_threads: each chunk's thread (list[str], n; module docstring), or None.
+        chunk_positions: each chunk's session index in its thread (list[int], n), or None.
     """
 
     community: int
     name: str
     chunk_ids: list[str]
     chunk_texts: list[str]
+    chunk_threads: list[str] | None = None
+    chunk_positions: list[int] | None = None
 
     @property
     def key(self) -> str:
@@ -94,6 +108,16 @@ class PBUser:
     def item_texts(self) -> list[str]:
         """The chunk texts (``chunk_texts``; :class:`rfmem_fast.datasets.base.MemoryUser`)."""
         return self.chunk_texts
+
+    @property
+    def item_threads(self) -> list[str] | None:
+        """The chunks' threads (``chunk_threads``; :func:`rfmem_fast.datasets.base.user_threads`)."""
+        return self.chunk_threads
+
+    @property
+    def item_positions(self) -> list[int] | None:
+        """The chunks' positions in their threads (``chunk_positions``)."""
+        return self.chunk_positions
 
 
 @dataclass(frozen=True)
@@ -363,15 +387,18 @@ def _by_name(path: Path) -> dict[str, Any]:
     return out
 
 
-def _session_entries(kind: str, data: Any, path: Path, user: str) -> list[dict[str, Any]]:
+def _session_entries(kind: str, data: Any, path: Path, user: str) -> list[tuple[dict[str, Any], str, int]]:
+    """(entry, thread, position) of every session entry of one user in one private-data file
+    (the module docstring's threads)."""
     where = f"Data of {user!r}"
     items = _require_list(data, path, where)
     if kind != "conversation_data_all":
         for j, e in enumerate(items):
             if not isinstance(e, dict):
                 raise _bad(path, f"{where}[{j}] must be an object")
-        return items
-    entries: list[dict[str, Any]] = []
+        thread = kind.replace("_data_all", "")
+        return [(e, thread, j) for j, e in enumerate(items)]
+    entries: list[tuple[dict[str, Any], str, int]] = []
     for j, sub in enumerate(items):
         convs = _require_list(
             _require(sub, "Conversations", path, f"{where}[{j}]"),
@@ -381,7 +408,7 @@ def _session_entries(kind: str, data: Any, path: Path, user: str) -> list[dict[s
         for m, e in enumerate(convs):
             if not isinstance(e, dict):
                 raise _bad(path, f"{where}[{j}]['Conversations'][{m}] must be an object")
-            entries.append(e)
+            entries.append((e, f"conversation/{j}", m))
     return entries
 
 
@@ -501,12 +528,14 @@ def load_personabench(
 
             ids: list[str] = []
             texts: list[str] = []
+            threads: list[str] = []
+            positions: list[int] = []
             seen: dict[str, str] = {}
             for kind in PRIVATE_FILES:
                 if name not in lookups[kind]:
                     continue  # no chunks from this file
                 path = private[kind]
-                for e in _session_entries(kind, lookups[kind][name], path, name):
+                for e, thread, position in _session_entries(kind, lookups[kind][name], path, name):
                     if "segment_id" not in e:
                         raise _bad(path, f"a session entry of {name!r} has no 'segment_id'")
                     sid = e["segment_id"]
@@ -521,7 +550,10 @@ def load_personabench(
                     seen[sid] = str(path)
                     ids.append(sid)
                     texts.append(chunk_text(e))
-            users.append(PBUser(community=c, name=name, chunk_ids=ids, chunk_texts=texts))
+                    threads.append(thread)
+                    positions.append(position)
+            users.append(PBUser(community=c, name=name, chunk_ids=ids, chunk_texts=texts, chunk_threads=threads,
+                                chunk_positions=positions))  # fmt: skip
 
             for qi, q in enumerate(qa):
                 where = f"{name!r} qa[{qi}]"
