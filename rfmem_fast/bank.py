@@ -82,6 +82,10 @@ ItemId = Hashable
 
 #: a user is compacted on the spot once its tombstones reach this many AND outnumber its live rows
 COMPACT_MIN_DEAD = 64
+#: the stored position of an item without one (:attr:`BankSnapshot.positions`)
+NO_POSITION = -1
+#: the largest position an item may hold (positions are int64 >= 0)
+MAX_POSITION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,10 @@ class BankSnapshot:
         scan_meta: float32 [n, 3] for an int8 bank (per row: the scale, an upper bound of
             the residual norm, an upper bound of the norm:
             :func:`rfmem_fast.precision.int8_scan_copy`), else None.
+        threads: object [n], each row's conversation thread (str or int; None for a row
+            without one: :meth:`MemoryBank.add`), or None when no row has a thread.
+        positions: int64 [n], each row's position in its thread (>= 0;
+            :data:`NO_POSITION` = -1 where none was given), or None when no row has one.
 
     Nothing here may be written: banks and searches share these arrays.
     """
@@ -129,6 +137,22 @@ class BankSnapshot:
     lexical: Any = None
     created_at: np.ndarray | None = None
     scan_meta: np.ndarray | None = None
+    threads: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+    @property
+    def threads_or_none(self) -> np.ndarray:
+        """object [n]: :attr:`threads`, or all None when no row has a thread."""
+        if self.threads is not None:
+            return self.threads
+        return np.full(self.num_items, None, dtype=object)
+
+    @property
+    def positions_or_missing(self) -> np.ndarray:
+        """int64 [n]: :attr:`positions`, or all :data:`NO_POSITION` when no row has a position."""
+        if self.positions is not None:
+            return self.positions
+        return np.full(self.num_items, NO_POSITION, dtype=np.int64)
 
     @property
     def created_at_or_nan(self) -> np.ndarray:
@@ -428,6 +452,105 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
     return [one(v, f"created_at[{j}]") for j, v in enumerate(out)]
 
 
+def _thread_key(v: Any, where: str) -> Hashable | None:
+    """One thread as stored: None, or a str / int (numpy scalars converted; bool refused)."""
+    if v is None:
+        return None
+    if isinstance(v, np.integer) and not isinstance(v, np.bool_):
+        return int(v)
+    if isinstance(v, np.str_):
+        return str(v)
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise TypeError(f"{where} must be a str or an int thread id (or None), got {type(v).__name__}")
+    return v
+
+
+def check_threads(threads: Any, n: int) -> list:
+    """Per-item conversation threads as stored: n entries, each None or a str / int.
+
+    Args:
+        threads: None (no item has a thread), one str / int (every item in that thread),
+            or a sequence of n str / int / None (numpy scalars accepted). A thread is an
+            id like an item id: ``"1"`` and ``1`` are different threads.
+        n: the number of items.
+
+    Returns:
+        list of n (str / int / None).
+
+    Raises:
+        TypeError: a thread that is not a str / int / None (``threads[i]`` named; bool refused).
+        ValueError: a sequence of another length than n.
+    """
+    if threads is None:
+        return [None] * n
+    if isinstance(threads, (str, int, np.integer, np.str_)) and not isinstance(threads, (bool, np.bool_)):
+        return [_thread_key(threads, "threads")] * n
+    if isinstance(threads, (bytes, dict)) or not hasattr(threads, "__iter__"):
+        raise TypeError(
+            "threads must be None, one str / int thread id, or a sequence of them (None for an item without "
+            f"a thread), got {type(threads).__name__}"
+        )
+    out = list(threads)
+    if len(out) != n:
+        raise ValueError(f"threads has {len(out)} entries but there are {n} items")
+    return [_thread_key(t, f"threads[{j}]") for j, t in enumerate(out)]
+
+
+def check_positions(positions: Any, n: int) -> list:
+    """Per-item positions in their threads as stored: n entries, each None or an int >= 0.
+
+    Args:
+        positions: None (no item has a position) or a sequence of n ints (>= 0, at most
+            :data:`MAX_POSITION`) or None (numpy integers accepted; bools and floats refused).
+        n: the number of items.
+
+    Returns:
+        list of n (int / None).
+
+    Raises:
+        TypeError: not a sequence, or an entry that is not an int / None (``positions[i]`` named).
+        ValueError: a sequence of another length than n, or a negative / too large position.
+    """
+    if positions is None:
+        return [None] * n
+    if isinstance(positions, (str, bytes, dict)) or not hasattr(positions, "__iter__"):
+        raise TypeError(
+            f"positions must be None or a sequence of ints >= 0 (None for an item without a position), "
+            f"one per item, got {type(positions).__name__}"
+        )
+    out = list(positions)
+    if len(out) != n:
+        raise ValueError(f"positions has {len(out)} entries but there are {n} items")
+    for j, p in enumerate(out):
+        if p is None:
+            continue
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+            raise TypeError(f"positions[{j}] must be an int >= 0 (or None), got {type(p).__name__}")
+        p = int(p)
+        if not 0 <= p <= MAX_POSITION:
+            raise ValueError(f"positions[{j}] must be an int in [0, 2**63 - 1], got {p}")
+        out[j] = p
+    return out
+
+
+def _check_thread_pairs(threads: list, positions: list, where: str = "") -> None:
+    """ValueError when an item has a position but no thread (a position orders an item within its thread)."""
+    for j, (t, p) in enumerate(zip(threads, positions)):
+        if p is not None and t is None:
+            raise ValueError(
+                f"positions[{j}] is {p} but {where}threads[{j}] is None: a position orders an item within its "
+                "thread, so an item with a position needs a thread"
+            )
+
+
+def _positions_array(positions: Sequence[int | None]) -> np.ndarray:
+    """int64 [n] of positions, :data:`NO_POSITION` for None."""
+    out = np.empty(len(positions), dtype=np.int64)
+    if len(positions):
+        out[:] = [NO_POSITION if p is None else p for p in positions]
+    return out
+
+
 def _object_array(values: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     if len(values):
@@ -451,6 +574,7 @@ class _UserRows:
     __slots__ = (
         "base", "tail", "n_tail", "ids", "texts", "alive", "n_dead", "patches",
         "slot_of", "dirty", "ids_arr", "texts_arr", "toks", "lex_src", "created", "created_arr",
+        "threads", "threads_arr", "positions", "positions_arr",
     )
 
     def __init__(self, dim: int) -> None:
@@ -470,6 +594,10 @@ class _UserRows:
         self.lex_src: tuple | None = None
         self.created: list = []
         self.created_arr: np.ndarray | None = None
+        self.threads: list = []
+        self.threads_arr: np.ndarray | None = None
+        self.positions: list = []
+        self.positions_arr: np.ndarray | None = None
 
     # ---------------------------------------------------------------- reading
     @property
@@ -496,6 +624,16 @@ class _UserRows:
     def live_created(self) -> list:
         """Creation times (float seconds, NaN unknown) of the live rows, in row order."""
         return self._live(self.created, self.created_arr)
+
+    def live_threads(self) -> list:
+        """Threads (str / int / None) of the live rows, in row order."""
+        return self._live(self.threads, self.threads_arr)
+
+    def live_positions(self) -> list:
+        """Positions (int / None) of the live rows, in row order."""
+        if not self.dirty:
+            return [None if p == NO_POSITION else p for p in self.positions_arr.tolist()]
+        return self._live(self.positions, None)
 
     def live_toks(self) -> list:
         """Encoded texts ((terms, tf) or None) of the live rows, in row order."""
@@ -557,6 +695,8 @@ class _UserRows:
         self.ids = list(self.ids_arr)
         self.texts = list(self.texts_arr)
         self.created = list(self.created_arr)
+        self.threads = list(self.threads_arr)
+        self.positions = self.live_positions()
         self.toks = self.live_toks()
         self.alive = bytearray(b"\x01") * n
         self.n_dead = 0
@@ -565,7 +705,8 @@ class _UserRows:
         self.n_tail = 0
         self.dirty = True
 
-    def append(self, vec: np.ndarray, ids: list, texts: list, toks: list, created: list) -> None:
+    def append(self, vec: np.ndarray, ids: list, texts: list, toks: list, created: list, threads: list,
+               positions: list) -> None:
         m = vec.shape[0]
         if self.tail is None:
             self.tail, self.n_tail = vec, m  # vec is a fresh array owned by the bank
@@ -585,6 +726,8 @@ class _UserRows:
         self.texts.extend(texts)
         self.toks.extend(toks)
         self.created.extend(created)
+        self.threads.extend(threads)
+        self.positions.extend(positions)
         self.alive.extend(b"\x01" * m)
 
     def set_row(self, slot: int, row: np.ndarray) -> None:
@@ -605,6 +748,7 @@ class _UserRows:
         self.fill(out)
         self.ids, self.texts, self.toks = self.live_ids(), self.live_texts(), self.live_toks()
         self.created = self.live_created()
+        self.threads, self.positions = self.live_threads(), self.live_positions()
         self.base = np.zeros((0, dim), dtype=np.float32)
         self.tail, self.n_tail = out, out.shape[0]
         self.alive = bytearray(b"\x01") * out.shape[0]
@@ -613,19 +757,24 @@ class _UserRows:
         self.slot_of = None
 
     def rebase(self, vectors: np.ndarray, item_ids: np.ndarray, texts: np.ndarray, lex_src: tuple | None = None,
-               created: np.ndarray | None = None) -> None:
+               created: np.ndarray | None = None, threads: np.ndarray | None = None,
+               positions: np.ndarray | None = None) -> None:  # fmt: skip
         """Point a user at its segment of a new snapshot (drops tail, tombstones, patches);
         ``lex_src`` = (the snapshot's LexicalIndex, first row, end row) of the segment,
-        ``created`` its creation times (float64; None: unknown, NaN)."""
+        ``created`` its creation times (float64; None: unknown, NaN), ``threads`` /
+        ``positions`` its threads (object) and positions (int64; None: none)."""
         if self.dirty and self.n_dead:
             self.slot_of = None  # slots shifted
+        n = len(item_ids)
         self.base = vectors
         self.ids_arr, self.texts_arr = item_ids, texts
-        self.created_arr = created if created is not None else np.full(len(item_ids), np.nan)
+        self.created_arr = created if created is not None else np.full(n, np.nan)
+        self.threads_arr = threads if threads is not None else np.full(n, None, dtype=object)
+        self.positions_arr = positions if positions is not None else np.full(n, NO_POSITION, dtype=np.int64)
         self.lex_src = lex_src
         self.tail, self.n_tail = None, 0
         self.ids, self.texts, self.toks, self.alive = [], [], [], bytearray()
-        self.created = []
+        self.created, self.threads, self.positions = [], [], []
         self.n_dead = 0
         self.patches = {}
         self.dirty = False
@@ -721,6 +870,8 @@ class MemoryBank:
         dtype: Any = "float32",
         lexical_stemmer: str | None = None,
         created_at: Any = None,
+        threads: Any = None,
+        positions: Any = None,
     ) -> "MemoryBank":
         """Build a bank from a CSR layout in one call.
 
@@ -737,6 +888,8 @@ class MemoryBank:
             lexical_stemmer: the lexical index's stemmer (see :class:`MemoryBank`).
             created_at: None (every item: now), one number, or n numbers: creation
                 times in seconds since the Unix epoch, UTC (as :meth:`add`).
+            threads: None, one thread id, or n threads (str / int / None), as :meth:`add`.
+            positions: None or n positions (int >= 0 / None), as :meth:`add`.
 
         Returns:
             MemoryBank.
@@ -767,12 +920,16 @@ class MemoryBank:
         if texts is not None and len(texts) != vec.shape[0]:
             raise ValueError(f"texts has {len(texts)} entries but vectors has {vec.shape[0]} rows")
         created = check_created_at(created_at, vec.shape[0])
+        thr = check_threads(threads, vec.shape[0])
+        pos = check_positions(positions, vec.shape[0])
+        _check_thread_pairs(thr, pos)
         bank = cls(vec.shape[1], dtype=dtype, lexical_stemmer=lexical_stemmer)
         for u, user in enumerate(users):
             a, b = int(off[u]), int(off[u + 1])
             ids = list(item_ids[a:b]) if item_ids is not None else list(range(b - a))
             tx = list(texts[a:b]) if texts is not None else None
-            bank._add_unlocked(user, vec[a:b], ids, tx, allow_empty=True, created_at=created[a:b])
+            bank._add_unlocked(user, vec[a:b], ids, tx, allow_empty=True, created_at=created[a:b], threads=thr[a:b],
+                               positions=pos[a:b])  # fmt: skip
         return bank
 
     def add(
@@ -783,6 +940,8 @@ class MemoryBank:
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
         created_at: Any = None,
+        threads: Any = None,
+        positions: Any = None,
     ) -> None:
         """Append items to a user's memory (creating the user if new).
 
@@ -805,6 +964,18 @@ class MemoryBank:
                 given, stored in the snapshot (:attr:`BankSnapshot.created_at`), saved
                 with the bank, and filterable as the reserved field ``created_at``; NaN
                 marks an unknown time.
+            threads: the items' conversation threads (a session, a chat): None (default:
+                no item has one), one str / int thread id for all m, or m entries (str /
+                int / None). Ids like item ids (``"1"`` is not ``1``). Stored in the
+                snapshot (:attr:`BankSnapshot.threads`), saved with the bank, kept by
+                :meth:`update` unless given, filterable as the reserved field ``thread``;
+                read by the context score (``RFMemConfig.context_weight`` /
+                ``thread_weight``, docs "Conversations").
+            positions: the items' positions in their threads (their turn order): None
+                (default) or m entries (int >= 0, or None). Items of one thread are
+                ordered by position, then by row (insertion order); an item without a
+                position comes after those with one. An item with a position must have
+                a thread. Filterable as the reserved field ``position``.
 
         Cost: amortised O(m d) (the user's tail buffer doubles); the next read builds
         a new snapshot (module docstring).
@@ -816,13 +987,17 @@ class MemoryBank:
                 metadata that is not JSON (a ``datetime`` named, with the ``.isoformat()``
                 advice), or a ``created_at`` that is infinite or outside
                 :data:`INSTANT_RANGE` (``created_at[i]`` named, with a hint for epoch
-                milliseconds and the like).
+                milliseconds and the like); a thread that is not a str / int / None
+                (TypeError naming ``threads[i]``), a position that is not an int >= 0
+                (``positions[i]`` named), a position without a thread.
             Nothing is written when an error is raised.
         """
         with self._lock:
-            self._add_unlocked(user, vectors, ids, texts, allow_empty=False, metadata=metadata, created_at=created_at)
+            self._add_unlocked(user, vectors, ids, texts, allow_empty=False, metadata=metadata, created_at=created_at,
+                               threads=threads, positions=positions)  # fmt: skip
 
-    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool, metadata=None, created_at=None) -> None:
+    def _add_unlocked(self, user, vectors, ids, texts, allow_empty: bool, metadata=None, created_at=None,
+                      threads=None, positions=None) -> None:  # fmt: skip
         user = _check_user(user)
         vec = as_float_matrix(vectors, "vectors", self._dim)
         if vec.shape[0] == 0 and not allow_empty:
@@ -832,6 +1007,9 @@ class MemoryBank:
         tx = _check_texts(texts, vec.shape[0])
         meta = _check_metadata(metadata, vec.shape[0])
         created = check_created_at(created_at, vec.shape[0])
+        thr = check_threads(threads, vec.shape[0])
+        pos = check_positions(positions, vec.shape[0])
+        _check_thread_pairs(thr, pos)
         u = self._uindex.get(user)
         if u is not None:
             slots = self._rows[u].slots()
@@ -847,7 +1025,7 @@ class MemoryBank:
             toks = self._encode(tx)
             r = self._rows[u]
             r.begin_write()
-            r.append(vec, id_list, tx, toks, created)
+            r.append(vec, id_list, tx, toks, created, thr, pos)
             self._n_live += vec.shape[0]
             self._set_metadata(user, id_list, meta)
         self._touch()
@@ -952,8 +1130,10 @@ class MemoryBank:
         texts: Sequence[str | None] | None = None,
         metadata: Sequence[dict | None] | None = None,
         created_at: Any = None,
+        threads: Any = None,
+        positions: Any = None,
     ) -> None:
-        """Replace the vectors (and optionally texts, metadata, creation times) of existing items, keeping their ids.
+        """Replace the vectors (and optionally texts, metadata, creation times, threads, positions) of existing items, keeping their ids.
 
         Args:
             user: an existing user key.
@@ -966,6 +1146,12 @@ class MemoryBank:
             created_at: None (default) keeps each item's creation time; one number or
                 m numbers (seconds since the Unix epoch, UTC, within :data:`INSTANT_RANGE`)
                 replace them.
+            threads: None (default) keeps each item's thread; one thread id or m
+                entries (str / int / None: None removes an item's thread) replace them.
+            positions: None (default) keeps each item's position; m entries (int >= 0
+                / None) replace them. The resulting items must not hold a position
+                without a thread (clear both with ``threads=[None] * m,
+                positions=[None] * m``).
 
         Each item keeps its id and its row position within the user (so ties still
         break as before). Cost: O(m d).
@@ -985,6 +1171,17 @@ class MemoryBank:
             tx = None if texts is None else _check_texts(texts, vec.shape[0])
             meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
             created = None if created_at is None else check_created_at(created_at, vec.shape[0])
+            thr = None if threads is None else check_threads(threads, vec.shape[0])
+            pos = None if positions is None else check_positions(positions, vec.shape[0])
+            if (thr is None) != (pos is None):  # the items as they will be: no position without a thread
+                r0 = self._rows[u]
+                cur = {i: j for j, i in enumerate(r0.live_ids())}
+                kept = r0.live_threads() if thr is None else r0.live_positions()
+                old = [kept[cur[i]] if i in cur else None for i in id_list]
+                _check_thread_pairs(old if thr is None else thr, pos if pos is not None else old,
+                                    "the item's " if thr is None else "")  # fmt: skip
+            elif thr is not None:
+                _check_thread_pairs(thr, pos)
             r, slots = self._writable_slots(u, id_list)
             enc = self._encode(tx) if tx is not None else None
             for j, i in enumerate(id_list):
@@ -995,6 +1192,10 @@ class MemoryBank:
                     r.toks[s] = enc[j]
                 if created is not None:
                     r.created[s] = created[j]
+                if thr is not None:
+                    r.threads[s] = thr[j]
+                if pos is not None:
+                    r.positions[s] = pos[j]
             if meta is not None:
                 self._set_metadata(self._users[u], id_list, meta)
             self._touch()
@@ -1092,7 +1293,7 @@ class MemoryBank:
         """
         c = read_store(path, mmap=mmap, verify=verify)
         snap = BankSnapshot(c.vectors, c.offsets, c.item_ids, c.version, c.users, c.texts, c.scan, c.dtype, c.lexical,
-                            c.created_at, c.scan_meta)  # fmt: skip
+                            c.created_at, c.scan_meta, c.threads, c.positions)  # fmt: skip
         bank = cls(c.dim, dtype=c.dtype, lexical_stemmer=c.lexical_stemmer)
         bank._install(snap, c.metadata)  # a store without a lexical index (format 1 / 2) is indexed here
         bank._store = (c.path, c.mmap)
@@ -1163,12 +1364,13 @@ class MemoryBank:
                             int(odd.sum()), INSTANT_RANGE, float(created[odd][0]))
                 created = np.where(odd, np.nan, created)
                 snap = dataclasses.replace(snap, created_at=created)
+            thr, pos = snap.threads_or_none, snap.positions_or_missing
             self._rows = []
             for u in range(snap.num_users):
                 a, b = int(snap.offsets[u]), int(snap.offsets[u + 1])
                 r = _UserRows(self._dim)
                 r.slot_of = None
-                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])
+                r.rebase(snap.vectors[a:b], snap.item_ids[a:b], texts[a:b], (lex, a, b), created[a:b], thr[a:b], pos[a:b])
                 self._rows.append(r)
             self._n_live = snap.num_items
             self._version = int(snap.version)
@@ -1300,6 +1502,8 @@ class MemoryBank:
         item_ids = np.empty(n, dtype=object)
         texts = np.empty(n, dtype=object)
         created = np.empty(n, dtype=np.float64)
+        threads = np.empty(n, dtype=object)
+        positions = np.empty(n, dtype=np.int64)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
             r.fill(vectors[a:b])
@@ -1308,10 +1512,14 @@ class MemoryBank:
                     item_ids[a:b] = r.live_ids()
                     texts[a:b] = r.live_texts()
                     created[a:b] = r.live_created()
+                    threads[a:b] = r.live_threads()
+                    positions[a:b] = [NO_POSITION if p is None else p for p in r.live_positions()]
             else:
                 item_ids[a:b] = r.ids_arr
                 texts[a:b] = r.texts_arr
                 created[a:b] = r.created_arr
+                threads[a:b] = r.threads_arr
+                positions[a:b] = r.positions_arr
         # the lexical forward index: clean users' segments are sliced from their last
         # snapshot's index (no re-tokenising), dirty users' from their cached per-item
         # encodings; clean users keep the postings built for them (rows are segment-local)
@@ -1325,11 +1533,14 @@ class MemoryBank:
         lex = LexicalIndex(offsets, ptr, terms, tf, has, self._vocab, self._analyzer, carried, item_ids)
         for u, r in enumerate(rows):
             a, b = int(offsets[u]), int(offsets[u + 1])
-            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b), created[a:b])
+            r.rebase(vectors[a:b], item_ids[a:b], texts[a:b], (lex, a, b), created[a:b], threads[a:b], positions[a:b])
         scan, scan_meta = scan_copies(vectors, self._dtype)
         created.setflags(write=False)
+        positions.setflags(write=False)
+        has_thr, has_pos = bool(np.not_equal(threads, None).any()), bool((positions != NO_POSITION).any())
         return BankSnapshot(vectors, offsets, item_ids, self._version, tuple(self._users), texts, scan, self._dtype, lex,
-                            created, scan_meta)  # fmt: skip
+                            created, scan_meta, threads if has_thr else None,
+                            positions if has_pos else None)  # fmt: skip
 
     def texts_of(self, user: Hashable) -> list[str | None]:
         """The texts of ``user``'s live items in row order (None where none was given)."""
@@ -1386,6 +1597,51 @@ class MemoryBank:
             if missing:
                 raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
             return np.asarray([live[pos[i]] for i in id_list], dtype=np.float64)
+
+    def _per_item(self, user: Hashable, ids: Sequence[ItemId] | None, live_of: str) -> list:
+        """``_UserRows.<live_of>()`` of ``user`` for ``ids`` (None: all live items in row order), under the lock."""
+        with self._lock:
+            u = self.user_index(user)
+            r = self._rows[u]
+            live = getattr(r, live_of)()
+            if ids is None:
+                return live
+            id_list = _check_id_list(ids)
+            pos = {i: j for j, i in enumerate(r.live_ids())}
+            missing = [i for i in id_list if i not in pos]
+            if missing:
+                raise KeyError(f"ids: user {self._users[u]!r} holds no item id {missing[0]!r}")
+            return [live[pos[i]] for i in id_list]
+
+    def threads_of(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> list:
+        """The conversation threads of some (or all) of ``user``'s live items (:meth:`add`).
+
+        Args:
+            user: an existing user key.
+            ids: item ids the user holds, or None for all its live items in row order.
+
+        Returns:
+            list [m] of str / int, None for an item without a thread, aligned with ``ids``.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+        """
+        return self._per_item(user, ids, "live_threads")
+
+    def positions_of(self, user: Hashable, ids: Sequence[ItemId] | None = None) -> list:
+        """The positions in their threads of some (or all) of ``user``'s live items (:meth:`add`).
+
+        Args:
+            user: an existing user key.
+            ids: item ids the user holds, or None for all its live items in row order.
+
+        Returns:
+            list [m] of int >= 0, None for an item without a position, aligned with ``ids``.
+
+        Raises:
+            KeyError: unknown user, or an id the user does not hold (named).
+        """
+        return self._per_item(user, ids, "live_positions")
 
     def metadata_rows(self, user_index: int, snapshot: BankSnapshot) -> list:
         """The metadata of the rows of segment ``user_index`` of ``snapshot``, in row order.

@@ -120,6 +120,38 @@ class RFMemConfig:
 
     The lexical channel does not combine with ``reranker`` (ValueError).
 
+    The context score (items that know their conversation, :mod:`rfmem_fast.context`,
+    docs "Conversations"); both weights 0 keep today's results exactly:
+
+    * ``context_weight`` (float in [0, 1e6], default 0.0): ``w_n``, weight of the best
+      neighbour in the item's thread.
+    * ``context_radius`` (int in [1, 4096], default 2): ``r``, how many ranks on each side
+      of an item count as its neighbours.
+    * ``thread_weight`` (float in [0, 1e6], default 0.0): ``w_s``, weight of the best item
+      of the item's thread.
+
+    Definition. Let ``b_i`` be item ``i``'s base score under the config: its exact dense
+    score ``RN32(q . x_i)``, or its fused dense + lexical score when the lexical channel is
+    on (:mod:`rfmem_fast.fusion`; an item stored as several chunk rows has its best row's
+    score, as the fusion scores it). Among the VISIBLE items of ``i``'s thread (those the
+    query's filters keep; deleted items are gone), ordered by (position, row; an item
+    without a position after those with one), the neighbours ``N(i)`` are those at most
+    ``r`` ranks from ``i`` (``i`` excluded), and ``T(i) = max_{j visible in thread(i)} b_j``
+    (``i`` included). The context score is, in float64 in this order,
+
+        c_i = b_i + w_n * max_{j in N(i)} b_j + w_s * T(i)
+
+    with the middle term 0 when ``N(i)`` is empty; an item without a thread is a thread of
+    its own (``T(i) = b_i``, no neighbours). A row of a chunked item scores its own base
+    score plus its item's two terms (so its best row scores ``c`` of the item). The
+    Familiarity path returns the exact top ``out_k`` rows by ``c`` (ties by the smaller
+    row), ``SearchResult.scores`` holding each hit's base score and
+    ``SearchResult.context_scores`` its ``c``. With the context on (either weight > 0),
+    mode "recollection" is refused by :func:`rfmem_fast.search.search` (ValueError), a
+    query that mode "rfmem" routes to the Recollection path returns that path's hits
+    unchanged (its ``context_scores`` NaN), and fusion "rrf" and ``reranker`` are refused
+    here (ValueError): neither has a per-row base score to give the neighbours.
+
     Construction validates the fields' types and ranges only: a config is plain data
     and reads no file.
 
@@ -157,6 +189,9 @@ class RFMemConfig:
     lexical_norm: str = "max"
     lexical_rrf_k: float = 10.0
     lexical_depth: int = 100
+    context_weight: float = 0.0
+    context_radius: int = 2
+    thread_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int("probe_k", self.probe_k, 1, 1 << 20)
@@ -196,6 +231,20 @@ class RFMemConfig:
             raise ValueError(f"RFMemConfig.lexical_norm must be one of {LEXICAL_NORMS}, got {self.lexical_norm!r}")
         _check_float("lexical_rrf_k", self.lexical_rrf_k, 0.0, 1e6, lo_open=True)
         _check_int("lexical_depth", self.lexical_depth, 1, 1 << 20)
+        _check_float("context_weight", self.context_weight, 0.0, 1e6)
+        _check_int("context_radius", self.context_radius, 1, 4096)
+        _check_float("thread_weight", self.thread_weight, 0.0, 1e6)
+        if self.context_on:
+            if self.reranker is not None:
+                raise ValueError(
+                    "RFMemConfig.context_weight / thread_weight > 0 do not combine with a reranker "
+                    "(it replaces the final list the context score ranks)"
+                )
+            if self.lexical_weight > 0 and self.fusion == "rrf":
+                raise ValueError(
+                    "RFMemConfig.context_weight / thread_weight > 0 do not combine with fusion 'rrf' (rank fusion "
+                    "gives no per-item base score): use 'convex', 'adaptive' or 'zscore'"
+                )
         if self.lexical_weight > 0 and self.reranker is not None:
             raise ValueError("RFMemConfig.lexical_weight > 0 does not combine with a reranker (set one of them off)")
         if self.reranker is not None:
@@ -288,6 +337,11 @@ class RFMemConfig:
     def replace(self, **changes: Any) -> "RFMemConfig":
         """A copy with some fields changed (validated like the constructor)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def context_on(self) -> bool:
+        """Whether the context score is on (``context_weight > 0`` or ``thread_weight > 0``)."""
+        return self.context_weight > 0 or self.thread_weight > 0
 
     def max_candidates(self) -> int:
         """Largest candidate count of one branch: (B + R - 1) * F (spec section 4)."""

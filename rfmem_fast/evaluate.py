@@ -125,7 +125,7 @@ def describe_config(config: RFMemConfig, preset: str | None = None) -> str:
     """One line saying which retrieval ran: the preset (when given), the channels and the
     fusion (``fusion``, ``lexical_weight``, ``lexical_norm`` / ``lexical_rrf_k``), and the
     router (``theta_high`` / ``theta_low`` / ``tau`` or the router file; "never recollects"
-    when ``theta_high <= -1``), the merge and the profile prior when on.
+    when ``theta_high <= -1``), the merge, the profile prior and the context score when on.
 
     Args:
         config: the RFMemConfig the evaluation ran.
@@ -155,6 +155,9 @@ def describe_config(config: RFMemConfig, preset: str | None = None) -> str:
         parts.append(f"merge {config.merge}")
     if config.profile_weight > 0:
         parts.append(f"profile_weight {config.profile_weight:g}")
+    if config.context_on:
+        parts.append(f"context_weight {config.context_weight:g}, context_radius {config.context_radius}, "
+                     f"thread_weight {config.thread_weight:g}")
     return "configuration: " + "; ".join(parts)
 
 

@@ -13,9 +13,11 @@ The grammar. A filter is a dict; its entries are AND-ed (``{}`` matches every it
 An entry is either a logical operator (``"$and"`` / ``"$or"``: a non-empty list of
 filters; ``"$not"``: one filter) or ``field: condition``. A field is a metadata key,
 or a dotted path (``"a.b"`` reads ``metadata["a"]["b"]``; keys containing ``"."``
-cannot be filtered), or the reserved field ``created_at`` (the item's creation time,
-:meth:`rfmem_fast.bank.MemoryBank.add`; a metadata key of that name is shadowed). A
-condition is a value (equality) or a dict of operators, AND-ed:
+cannot be filtered), or one of the reserved fields ``created_at`` (the item's creation
+time), ``thread`` (its conversation thread, a str or an int) and ``position`` (its
+position in that thread, an int >= 0), all set by :meth:`rfmem_fast.bank.MemoryBank.add`
+(a metadata key of a reserved name is shadowed; an item without a thread or position
+has no such field). A condition is a value (equality) or a dict of operators, AND-ed:
 
 * ``$eq`` / ``$ne``: equal / not equal to a JSON value (numbers compare by value, so
   ``1 == 1.0``; ``true`` is not ``1``; lists and objects compare as whole values);
@@ -85,10 +87,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bank import INSTANT_END, BankSnapshot, MemoryBank, check_instant
+from .bank import INSTANT_END, NO_POSITION, BankSnapshot, MemoryBank, check_instant
 
 #: the reserved field: the item's creation time (:attr:`rfmem_fast.bank.BankSnapshot.created_at`)
 CREATED_AT = "created_at"
+#: the reserved field: the item's conversation thread (:attr:`rfmem_fast.bank.BankSnapshot.threads`)
+THREAD = "thread"
+#: the reserved field: the item's position in its thread (:attr:`rfmem_fast.bank.BankSnapshot.positions`)
+POSITION = "position"
+#: every reserved field (a metadata key of one of these names is shadowed)
+RESERVED_FIELDS = (CREATED_AT, THREAD, POSITION)
 #: comparison operators of a condition
 COMPARISONS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$exists")
 #: logical operators of a filter
@@ -534,6 +542,19 @@ class _Columns:
     def created(self) -> np.ndarray:
         return self.snap.created_at_or_nan[self.a : self.b]
 
+    def reserved(self, name: str) -> _Column:
+        """The column of the reserved field ``thread`` or ``position`` (an item without one has no field)."""
+        snap, a, b = self.snap, self.a, self.b
+
+        def build() -> _Column:
+            if name == THREAD:
+                vals = snap.threads[a:b].tolist() if snap.threads is not None else [None] * (b - a)
+                return _Column([None if v is None else {name: v} for v in vals], (name,))
+            vals = snap.positions[a:b].tolist() if snap.positions is not None else [NO_POSITION] * (b - a)
+            return _Column([None if v == NO_POSITION else {name: v} for v in vals], (name,))
+
+        return self.bank.metadata_cached(snap, ("filter_reserved", self.u, name), build)
+
     def column(self, path: tuple) -> _Column:
         bank, snap, u = self.bank, self.snap, self.u
 
@@ -557,6 +578,8 @@ def _evaluate(node: Any, cols: _Columns) -> np.ndarray:
         return out
     if node.field == CREATED_AT:
         return _eval_created(node, cols.created())
+    if node.field == THREAD or node.field == POSITION:
+        return _eval_meta(node, cols.reserved(node.field))
     return _eval_meta(node, cols.column(node.path))
 
 
@@ -885,6 +908,7 @@ def _compile(bank: MemoryBank, snapshot: BankSnapshot, seg: np.ndarray, parsed: 
 
 
 __all__ = [
-    "COMPARISONS", "CREATED_AT", "LIST_MAX_FRACTION", "LOGICAL", "Filter", "FilterTypeError", "RowSelection", "check_filters",
+    "COMPARISONS", "CREATED_AT", "LIST_MAX_FRACTION", "LOGICAL", "POSITION", "RESERVED_FIELDS", "THREAD", "Filter",
+    "FilterTypeError", "RowSelection", "check_filters",
     "compile_filters", "parse_filter", "parse_instant",
 ]  # fmt: skip

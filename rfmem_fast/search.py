@@ -62,6 +62,8 @@ from .device import host_array, to_device
 from .backends.exact import abs_error_term, exact_pair_scores, exact_pair_scores_np, scan_error_coef
 from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
+from .context import context_topk
+from .backends.base import SegmentScores, all_row_hits, segment_ptr
 from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
 from . import recollection as _recollection
 from .routing.base import (
@@ -142,6 +144,11 @@ class SearchResult:
         lexical_scores: float32 ndarray [b, out_k], each hit's BM25 score within its
             user's memory (0 for an item that is no lexical hit or has no text); NaN
             for padding and when no ``query_texts`` were given.
+        context_scores: float32 ndarray [b, out_k], each hit's context score ``c``
+            (``config.context_weight`` / ``thread_weight`` > 0, :mod:`rfmem_fast.context`:
+            the hits are the exact top ``out_k`` by ``c`` and ``scores`` holds their base
+            scores), rounded to float32; NaN for padding, when the context score is off
+            and for a query that took the Recollection path.
         mode, backend: how the batch was run.
     """
 
@@ -162,6 +169,7 @@ class SearchResult:
     config: RFMemConfig = field(default_factory=RFMemConfig)
     dense_scores: np.ndarray | None = None
     lexical_scores: np.ndarray | None = None
+    context_scores: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -201,9 +209,10 @@ class TensorSearchResult:
         rule: int64 [b] index into ``rfmem_fast.routing.base.RULE_NAMES``.
         rounds: int64 [b] recollection rounds (0 on the Familiarity path).
         probe_rows: int64 [b, probe_k]; probe_scores: float32 [b, probe_k].
-        dense_scores, lexical_scores: float32 [b, out_k], as :class:`SearchResult`; on
-            a device-resident batch without the lexical channel the dense scores of
-            recollected hits are NaN (computing them would synchronise with the host).
+        dense_scores, lexical_scores, context_scores: float32 [b, out_k], as
+            :class:`SearchResult`; on a device-resident batch without the lexical channel
+            the dense scores of recollected hits are NaN (computing them would synchronise
+            with the host).
         snapshot: the BankSnapshot the rows index (None for a view built from device
             tensors, :func:`rfmem_fast.device.view_from_tensors`: no ids to look up).
         mode, backend, config: how the batch was run.
@@ -220,6 +229,7 @@ class TensorSearchResult:
     probe_scores: torch.Tensor
     dense_scores: torch.Tensor
     lexical_scores: torch.Tensor
+    context_scores: torch.Tensor
     snapshot: BankSnapshot | None = None
     mode: str = "rfmem"
     backend: str = ""
@@ -249,7 +259,7 @@ class TensorSearchResult:
 #: the tensor fields of a chunk of :func:`search_tensors`, in the order of TensorSearchResult
 _TENSOR_FIELDS = (
     "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_rows", "probe_scores", "dense_scores",
-    "lexical_scores",
+    "lexical_scores", "context_scores",
 )  # fmt: skip
 
 
@@ -278,6 +288,7 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot, full: bool | None
 _HOST_DTYPES = tuple((k, np.dtype(d)) for k, d in (
     ("scores", np.float32), ("route", np.int64), ("mean", np.float64), ("entropy", np.float64), ("rule", np.int64),
     ("rounds", np.int64), ("probe_scores", np.float32), ("dense_scores", np.float32), ("lexical_scores", np.float32),
+    ("context_scores", np.float32),
 ))  # fmt: skip
 
 
@@ -347,6 +358,11 @@ def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConf
         raise TypeError(f"config must be an RFMemConfig, got {type(config).__name__}")
     if isinstance(max_batch, (bool, np.bool_)) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    if mode == "recollection" and config.context_on:
+        raise ValueError(
+            "mode 'recollection' does not combine with the context score (config.context_weight / thread_weight > 0): "
+            "the context score ranks the Familiarity path's list; use mode 'dense' or 'rfmem'"
+        )
     return config, int(max_batch)
 
 
@@ -721,7 +737,7 @@ def search_tensors(
     on_host = isinstance(Q, np.ndarray) or Q.device.type == "cpu"
     # a host chunk without texts, re-ranker, merge or profile prior: numpy between the backend calls
     fast = (HOST_FAST_PATH and host_output and on_host and query_texts is None and reranker is None and pools is None
-            and config.profile_weight == 0 and config.merge == "none")  # fmt: skip
+            and config.profile_weight == 0 and config.merge == "none" and not config.context_on)  # fmt: skip
     one = b <= max_batch  # (one chunk: the whole batch, without a slice's dispatch)
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):
         ml, work = chunk_hints[j] if chunk_hints is not None and j < len(chunk_hints) else (bank_max, None)
@@ -807,7 +823,14 @@ def _search_chunk(
         k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
     skw = {} if sel is None else {"sel": sel}  # filtered search: every top-k call applies the selection
     hyb = None
-    if one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
+    ctx = config.context_on  # the context score (rfmem_fast.context): every row's scan score too
+    scan = boosts = None
+    if ctx and be.has_fused_topk and sel is None:  # the probe, the fused list and every row's scan score in one pass
+        seg_np = qseg.cpu().numpy()
+        (p_sc, p_rows, mean, ent, count), hyb, scan, boosts = _context_probe(
+            be, view, Q, seg_np, texts if lexical else None, config, k_scan, probe_k, max(probe_k, out_k)
+        )
+    elif one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
         seg_np = qseg.cpu().numpy()
         kh = _KernelHits.of(be, view, seg_np, texts)
         before = config.fusion in ONE_PASS_FUSIONS  # boosts known before the scan
@@ -848,13 +871,26 @@ def _search_chunk(
         k_f = max(probe_k, out_k)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
         if hyb is None:
-            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be, sel)
+            hyb = _hybrid(view, Q, qseg, p_sc_all, p_rows_all, texts, config, k_f, kd, be, sel, want_boosts=ctx)
+            boosts = hyb.boost_rows
         lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
         rows = torch.from_numpy(np.ascontiguousarray(hyb.rows[:, :out_k])).to(dev)
         scores = torch.from_numpy(hyb.fused[:, :out_k].astype(np.float32)).to(dev)
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
         lex_hits = _lexical_hits(view.snapshot, qseg.cpu().numpy(), texts, sel)
-    fam_rows, fam_dense = rows, (scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev))
+    fam_dense = scores if hyb is None else torch.from_numpy(hyb.dense[:, :out_k]).to(dev)
+    ctx_sc = None
+    if ctx:  # the Familiarity path's list: the exact top out_k by the context score
+        seg_np = qseg.cpu().numpy()
+        Qh = Q.detach().to(torch.float32).cpu().numpy()
+        if scan is None:
+            scan = be.segment_scores(view, Q, seg_np)
+        c_rows, c_ctx, c_base, c_dense = context_topk(view.snapshot, view._memo, Qh, seg_np, scan, boosts, config, out_k,
+                                                      sel, view.row_norm_max)  # fmt: skip
+        rows = torch.from_numpy(c_rows).to(dev)
+        scores = torch.from_numpy(c_base.astype(np.float32)).to(dev)
+        ctx_sc = torch.from_numpy(c_ctx.astype(np.float32)).to(dev)
+        fam_dense = torch.from_numpy(c_dense).to(dev)
     rounds = torch.zeros(b, dtype=torch.int64, device=dev)
     reco = routes == RECOLLECTION
     out = None
@@ -892,7 +928,7 @@ def _search_chunk(
     # exact re-scoring of hits whose dense score is not known yet (recollected, re-ranked,
     # rrf's lexical-only ones): on the host path, or whenever the lexical channel ran
     rescore = (host or lex_hits is not None) and not (out is None and reranker is None and (hyb is None or config.fusion != "rrf"))
-    if hyb is not None and out is None and reranker is None and config.fusion != "rrf":
+    if hyb is not None and out is None and reranker is None and config.fusion != "rrf" and not ctx:
         # the final list is the fused one, whose exact dense and lexical scores are known
         dense_sc = torch.from_numpy(hyb.dense[:, :out_k].astype(np.float32)).to(dev)
         lex_sc = torch.from_numpy(hyb.lex[:, :out_k].astype(np.float32)).to(dev)
@@ -906,6 +942,10 @@ def _search_chunk(
         probe_scores = torch.from_numpy(hyb.fused[:, :probe_k].astype(np.float32)).to(dev)
     else:
         probe_rows, probe_scores = p_rows[:, :probe_k], p_sc[:, :probe_k].to(torch.float32)
+    if ctx_sc is None:
+        ctx_sc = torch.full((b, out_k), float("nan"), dtype=torch.float32, device=dev)
+    elif out is not None:  # a query that recollected returns that path's hits: no context score
+        ctx_sc = torch.where(reco[:, None], torch.full_like(ctx_sc, float("nan")), ctx_sc)
     return dict(
         rows=_pad_t(rows, config.out_k, -1),
         scores=_pad_t(scores, config.out_k, float("-inf")),
@@ -918,6 +958,7 @@ def _search_chunk(
         probe_scores=_pad_t(probe_scores, config.probe_k, float("-inf")),
         dense_scores=_pad_t(dense_sc, config.out_k, float("nan")),
         lexical_scores=_pad_t(lex_sc, config.out_k, float("nan")),
+        context_scores=_pad_t(ctx_sc, config.out_k, float("nan")),
     )
 
 
@@ -1054,7 +1095,8 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
             dense[qi, ci] = exact_pair_scores_np(view.snapshot.vectors, Qh, qi, rows[qi, ci])
     fields = dict(rows=rows, scores=scores, route=routes, mean=mean_np, entropy=ent_np, rule=rule, rounds=rounds,
                   probe_rows=probe_rows, probe_scores=probe_scores, dense_scores=dense,
-                  lexical_scores=_filled((b, W), np.nan, np.float32))  # fmt: skip
+                  lexical_scores=_filled((b, W), np.nan, np.float32),
+                  context_scores=_filled((b, W), np.nan, np.float32))  # fmt: skip
     return fields, full, probe_full
 
 
@@ -1090,6 +1132,7 @@ class _Hybrid:
     dense: np.ndarray
     lex: np.ndarray
     hits: Any  # the list, or a zero-argument function that builds it (read through hit_list)
+    boost_rows: list | None = None  # per query: float64 [n_i] every segment row's boost, or None (the context score's)
 
     def hit_list(self) -> list:
         """The per-query lexical scores (built on first use when ``hits`` is a function)."""
@@ -1159,7 +1202,8 @@ HYBRID_MATRIX_ENTRIES = 1 << 22
 
 
 def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-            config: RFMemConfig, k_f: int, kd: int, be: Any, sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
+            config: RFMemConfig, k_f: int, kd: int, be: Any, sel: RowSelection | None = None,
+            want_boosts: bool = False) -> _Hybrid:  # fmt: skip
     """The fused top ``k_f`` of every query (:mod:`rfmem_fast.fusion`, whose docstring proves it exact).
 
     rrf: :func:`_hybrid_loop`. convex / adaptive / zscore: batched numpy over the queries,
@@ -1169,7 +1213,9 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
     (tests/test_lexical.py). ``sel``: the filtered queries' lexical hits outside their
     selection are dropped before the fusion (the dense list ``p_sc`` / ``p_rows`` is
     already filtered); the per-query statistics (the lexical maximum and top scores,
-    zscore's spreads and dense mean) are those of the matching items."""
+    zscore's spreads and dense mean) are those of the matching items. ``want_boosts``: also
+    the boost of every segment row of each query (``_Hybrid.boost_rows``; convex / adaptive
+    / zscore), the context score's."""
     if config.fusion == "rrf":
         return _hybrid_loop(view, Q, qseg, p_sc, p_rows, texts, config, k_f, kd, be.memory_budget, sel)
     snap = view.snapshot
@@ -1184,17 +1230,20 @@ def _hybrid(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tensor, 
             c += 1
         part_sel = None if sel is None else sel.take(slice(a, c))
         parts.append(_hybrid_batched(view, Q[a:c], seg[a:c], p_sc[a:c], p_rows[a:c], texts[a:c], config, k_f, kd,
-                                     part_sel))  # fmt: skip
+                                     part_sel, want_boosts))  # fmt: skip
         a = c
     if len(parts) == 1:
         return parts[0]
     return _Hybrid(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("rows", "fused", "dense", "lex")),
-                   hits=[h for p in parts for h in p.hits])  # fmt: skip
+                   hits=[h for p in parts for h in p.hits],
+                   boost_rows=[x for p in parts for x in p.boost_rows] if want_boosts else None)  # fmt: skip
 
 
 def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor, texts: list,
-                    config: RFMemConfig, k_f: int, kd: int, sel: RowSelection | None = None) -> _Hybrid:  # fmt: skip
-    """convex / adaptive fusion of b queries with one BM25 matrix V [b, longest user] (see :func:`_hybrid_loop`)."""
+                    config: RFMemConfig, k_f: int, kd: int, sel: RowSelection | None = None,
+                    want_boosts: bool = False) -> _Hybrid:  # fmt: skip
+    """convex / adaptive / zscore fusion of b queries with one BM25 matrix V [b, longest user]
+    (see :func:`_hybrid_loop`); ``want_boosts``: every row's boost too (:func:`_hybrid`)."""
     snap = view.snapshot
     lex, off = snap.lexical, snap.offsets
     b = len(texts)
@@ -1257,6 +1306,10 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
     boost = BOOSTS[config.fusion]
+    boost_rows = None
+    if want_boosts:  # every row's boost (0 where no lexical hit), as the fused scores below use it
+        BX = boost(V, stats, config)
+        boost_rows = [BX[i, : n_q[i]] if lex_max[i] > 0 else None for i in range(b)]
     fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
     tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
     s_last = np.where(valid[:, -1], ps[:, -1], -np.inf)
@@ -1300,7 +1353,8 @@ def _hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Ten
     f_sel, r_sel = fused[ri, sel], rows[ri, sel]
     ok = (r_sel >= 0) & (f_sel > -np.inf)
     return _Hybrid(rows=np.where(ok, r_sel, -1), fused=np.where(ok, f_sel, -np.inf),
-                   dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits)  # fmt: skip
+                   dense=np.where(ok, dense[ri, sel], np.nan), lex=np.where(ok, lexc[ri, sel], np.nan), hits=hits,
+                   boost_rows=boost_rows)  # fmt: skip
 
 
 class _SparseBM25:
@@ -1436,11 +1490,65 @@ def _hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc:
     reading their recorded scan scores ``hf`` (no second scoring of any row)."""
     ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
     pr = p_rows.numpy()
-    mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
-    n = np.maximum(kh.n_items, 1).astype(np.float64)  # the items (a chunked item once)
-    hx = kh.boosts(config, zscore_stats(kh.s1, kh.s2, n, mean_d, ps[:, 0], pr[:, 0] >= 0))
+    hx = kh.boosts(config, _zscore_extra(view, Q, seg, ps, pr, kh))
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
     return _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
+
+
+def _zscore_extra(view: Any, Q: torch.Tensor, seg: np.ndarray, ps: np.ndarray, pr: np.ndarray,
+                  kh: _KernelHits) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(lex_std, dense_gap) [b] of fusion "zscore" from the kernel's hits and the exact dense
+    probe (scores ``ps`` / rows ``pr`` [b, k]): :func:`rfmem_fast.fusion.zscore_stats`."""
+    mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
+    n = np.maximum(kh.n_items, 1).astype(np.float64)  # the items (a chunked item once)
+    return zscore_stats(kh.s1, kh.s2, n, mean_d, ps[:, 0], pr[:, 0] >= 0)
+
+
+def _context_probe(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, texts: list | None, config: RFMemConfig,
+                   k: int, probe_k: int, k_f: int) -> tuple:  # fmt: skip
+    """The probe of an unfiltered chunk with the context score on a backend with
+    ``has_fused_topk``: ONE pass (``Backend.hybrid_probe``) gives the dense probe, the fused
+    top ``k_f`` (with ``texts``) and the scan score of EVERY row of each query's segment
+    (every row passed as a "hit": the kernel records each hit's scan score); no second scan.
+
+    Returns:
+        ((scores, rows, mean, entropy, count) of the probe, the fused list as a
+        :class:`_Hybrid` or None without texts, :class:`SegmentScores`, the boosts of every
+        row per query (float64 [n_i] views) or None without texts).
+    """
+    off = view.snapshot.offsets
+    b = seg.shape[0]
+    ptr = segment_ptr(off, seg)
+    arows = all_row_hits(ptr)
+    ax = np.zeros(arows.shape[0])
+    aval = np.zeros(arows.shape[0])
+    kh = flat = None
+    before = texts is not None and config.fusion in ONE_PASS_FUSIONS
+    if texts is not None:
+        kh = _KernelHits.of(be, view, seg, texts)
+        flat = ptr[:-1][np.repeat(np.arange(b), np.diff(kh.hptr))] + kh.hrows
+        aval[flat] = kh.hval
+        if before:
+            ax[flat] = kh.boosts(config, None)
+    p_sc, p_rows, mean, ent, count, fr, ff, fd, fl, hf = be.hybrid_probe(
+        view, Q, torch.from_numpy(seg), k, probe_k, config.temperature, config.entropy, ptr, arows, ax, aval,
+        k_f if before else 0,
+    )  # fmt: skip
+    hyb = boosts = None
+    if texts is not None:
+        if before:
+            hyb = _Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl, hits=lambda: kh.hit_list(view, seg))
+        else:  # zscore: the boosts need the exact dense top-1 of the probe
+            hx = kh.boosts(config, _zscore_extra(view, Q, seg, p_sc.numpy(), p_rows.numpy(), kh))
+            ax[flat] = hx
+            rows, fused, dense, lexv = be.fused_topk(view, Q, seg, p_sc.numpy(), p_rows.numpy(), kh.hptr, kh.hrows, hx,
+                                                     kh.hval, k_f, hf=np.ascontiguousarray(hf[flat]))  # fmt: skip
+            hyb = _Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv,
+                          hits=lambda: kh.hit_list(view, seg))  # fmt: skip
+        boosts = [ax[ptr[i] : ptr[i + 1]] if kh.hptr[i + 1] > kh.hptr[i] else None for i in range(b)]
+    Qh = Q.detach().to(torch.float32).cpu().numpy()
+    scan = SegmentScores(hf, ptr, be.scan_score_bounds(view, Qh))
+    return (p_sc, p_rows, mean, ent, count), hyb, scan, boosts
 
 
 def _screen_scores(X: np.ndarray, off: np.ndarray, Qh: np.ndarray, seg: np.ndarray, qe: np.ndarray,

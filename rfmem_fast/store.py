@@ -32,6 +32,10 @@ Layout of a store directory ``PATH``::
     PATH/snap-00000007/lex_tf.npy      int32 [nnz]    } distinct token ids and counts
     PATH/snap-00000007/lex_vocab.json  [V tokens]     (format 3; manifest "lexical":
                                        {"stemmer": null | "english", "tokenizer"})
+    PATH/snap-00000007/threads.json    [n threads]    (str, int or null: each item's
+                                       conversation thread; format 6)
+    PATH/snap-00000007/positions.npy   int64 "<i8" [n]: each item's position in its
+                                       thread, -1 for none (format 6)
 
 Versions: format 1 holds float32 banks (``dtype`` "float32", the five files above, plus
 the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
@@ -39,12 +43,15 @@ the optional metadata.json); format 2 adds ``dtype`` "float16" / "bfloat16" with
 of every item, so a load does not re-tokenise; the per-user postings are rebuilt from
 them on first use); format 4 adds ``created_at.npy`` (the items' creation times,
 :meth:`~rfmem_fast.bank.MemoryBank.add`); format 5 adds ``dtype`` "int8" (``scan.npy`` int8
-codes and ``scan_meta.npy``: :func:`rfmem_fast.precision.int8_scan_copy`). An int8 bank is
-written as format 5, every other bank as format 4 (readable by versions without int8
-banks); this code reads all five (a format 1 / 2 store builds its lexical index from its texts at load,
-with no stemmer; a store of format 1 to 3 loads with every creation time unknown,
-``NaN``, which no ``created_at`` comparison matches: :mod:`rfmem_fast.filters`), and
-refuses newer versions with a StoreError.
+codes and ``scan_meta.npy``: :func:`rfmem_fast.precision.int8_scan_copy`); format 6 adds
+``threads.json`` and ``positions.npy`` (the items' conversation threads and positions,
+:meth:`~rfmem_fast.bank.MemoryBank.add`). A bank in which some item has a thread or a
+position is written as format 6; otherwise an int8 bank is written as format 5, every other
+bank as format 4 (readable by versions without int8 banks); this code reads all six (a
+format 1 / 2 store builds its lexical index from its texts at load, with no stemmer; a
+store of format 1 to 3 loads with every creation time unknown, ``NaN``, which no
+``created_at`` comparison matches: :mod:`rfmem_fast.filters`; a store of format 1 to 5
+loads with no thread and no position), and refuses newer versions with a StoreError.
 
 JSON is written with ``ensure_ascii=True`` (any Python str, lone surrogates included,
 round-trips exactly) and read as UTF-8.
@@ -93,9 +100,9 @@ from .lexical import STEMMERS, Analyzer, LexicalIndex, Vocabulary
 from .precision import BANK_DTYPES, HALF_DTYPES, SCAN_DTYPES, int8_copy_mismatch, storage_dtype, to_scan_copy
 
 FORMAT_NAME = "rfmem_fast.store"
-#: the newest format this code reads. It writes version 5 for an int8 bank and version 4
-#: for the others (format_version_for).
-FORMAT_VERSION = 5
+#: the newest format this code reads. It writes version 6 for a bank with threads or
+#: positions, else version 5 for an int8 bank and version 4 for the others (format_version_for).
+FORMAT_VERSION = 6
 #: the lexical index's files (format 3)
 LEXICAL_FILES = ("lex_ptr.npy", "lex_terms.npy", "lex_tf.npy", "lex_vocab.json")
 #: what the manifest's "lexical" entry names as the tokenizer (rfmem_fast.lexical)
@@ -112,19 +119,24 @@ OPTIONAL_FILES = ("metadata.json",)
 SCAN_FILE = "scan.npy"
 #: an int8 bank's per-row data (format 5): float32 ``<f4`` [n, 3]
 SCAN_META_FILE = "scan_meta.npy"
+#: the items' threads (JSON list of str / int / null) and positions (int64 ``<i8``, -1: none), format 6
+THREAD_FILES = ("threads.json", "positions.npy")
 
 
 def data_files(dtype: str, version: int = FORMAT_VERSION) -> tuple[str, ...]:
     """The data files a store of a bank of ``dtype`` in format ``version`` must hold (besides OPTIONAL_FILES)."""
     base = DATA_FILES if version >= 4 else tuple(f for f in DATA_FILES if f != CREATED_FILE)
     scan = (SCAN_FILE, SCAN_META_FILE) if dtype == "int8" else (SCAN_FILE,) if dtype in HALF_DTYPES else ()
-    return base + scan + (LEXICAL_FILES if version >= 3 else ())
+    return base + scan + (LEXICAL_FILES if version >= 3 else ()) + (THREAD_FILES if version >= 6 else ())
 
 
-def format_version_for(dtype: str) -> int:
-    """The format version a bank of ``dtype`` is written in: 5 for int8 (its scan copy),
-    4 for the others (the lexical index and the creation times)."""
-    return FORMAT_VERSION if dtype == "int8" else 4
+def format_version_for(dtype: str, threads: bool = False) -> int:
+    """The format version a bank of ``dtype`` is written in: 6 when some item has a thread
+    or a position (``threads``), else 5 for int8 (its scan copy), 4 for the others (the
+    lexical index and the creation times)."""
+    if threads:
+        return 6
+    return 5 if dtype == "int8" else 4
 _SNAP_RE = re.compile(r"^snap-(\d{8,})$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22  # bytes per read while hashing / verifying
@@ -162,6 +174,9 @@ class StoreContents:
         path: the store directory (str); mmap: whether the rows are memory-mapped.
         created_at: float64 [n] the items' creation times (seconds since the Unix epoch,
             UTC; format 4), or None (format < 4: unknown, NaN in the bank).
+        threads: object [n] the items' threads (str / int / None; format 6), or None (no
+            item has one, or format < 6).
+        positions: int64 [n] the items' positions (-1: none; format 6), or None.
     """
 
     dim: int
@@ -180,6 +195,8 @@ class StoreContents:
     mmap: bool
     created_at: np.ndarray | None = None
     scan_meta: np.ndarray | None = None
+    threads: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
 
 class StoreError(ValueError):
@@ -351,6 +368,14 @@ def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: 
                 ("lex_tf.npy", _write_array(np.asarray(lex.tf, dtype=np.int32))),
                 ("lex_vocab.json", _write_json(vocab)),
             ]
+            thr, pos = getattr(snap, "threads", None), getattr(snap, "positions", None)
+            has_threads = thr is not None or pos is not None
+            if has_threads:
+                n = snap.num_items
+                payload += [
+                    ("threads.json", _write_json(thr.tolist() if thr is not None else [None] * n)),
+                    ("positions.npy", _write_array(np.asarray(pos if pos is not None else np.full(n, -1), dtype="<i8"))),
+                ]
             if metadata is not None:
                 payload.append(("metadata.json", _write_json(metadata)))
             for name, write in payload:
@@ -358,7 +383,7 @@ def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: 
                 _stage(f"file:{name}")
             manifest = {
                 "format": FORMAT_NAME,
-                "format_version": format_version_for(snap.dtype),
+                "format_version": format_version_for(snap.dtype, has_threads),
                 "dim": int(dim),
                 "dtype": snap.dtype,
                 "num_users": snap.num_users,
@@ -728,10 +753,38 @@ def _load_once(root: Path, current_bytes: bytes, mmap: bool, verify: bool) -> St
             raise StoreError(cpath, f"must hold {n} creation times (one per item), got {created.shape[0]}")
         if verify and np.isinf(created).any():
             raise StoreError(cpath, "holds an infinite creation time")
+    threads = positions = None  # format < 6: no thread, no position
+    if fv >= 6:
+        threads, positions = _read_threads(data_dir, files, n, verify)
     return StoreContents(dim=d, dtype=dtype, version=ints["bank_version"], vectors=vectors, offsets=offsets,
                          users=tuple(users), item_ids=item_ids, texts=text_arr, scan=scan, metadata=metadata,
                          lexical_stemmer=stemmer, lexical=lex, path=str(root), mmap=bool(mmap),
-                         created_at=created, scan_meta=scan_meta)  # fmt: skip
+                         created_at=created, scan_meta=scan_meta, threads=threads, positions=positions)  # fmt: skip
+
+
+def _read_threads(data_dir: Path, files: dict, n: int, verify: bool) -> tuple:
+    """(threads object [n] or None, positions int64 [n] or None) of a format-6 store, checked:
+    threads str / int / null, positions -1 or >= 0, no position without a thread. None
+    where no item has one."""
+    tpath, ppath = data_dir / "threads.json", data_dir / "positions.npy"
+    thr = _parse_json(tpath, _read_small(tpath, files["threads.json"], verify))
+    if not isinstance(thr, list) or len(thr) != n:
+        raise StoreError(tpath, f"must be a JSON list of {n} entries")
+    if not all(t is None or _is_key(t) for t in thr):
+        raise StoreError(tpath, "threads must be str, int or null")
+    pos = np.array(_read_npy(ppath, files["positions.npy"], np.dtype("<i8"), False, verify), dtype=np.int64)
+    if pos.shape[0] != n:
+        raise StoreError(ppath, f"must hold {n} positions (one per item), got {pos.shape[0]}")
+    if (pos < -1).any():
+        raise StoreError(ppath, "positions must be -1 (none) or >= 0")
+    threads = np.empty(n, dtype=object)
+    if n:
+        threads[:] = thr
+    has_thr = threads != None  # noqa: E711 (elementwise)
+    if (~has_thr & (pos >= 0)).any():
+        raise StoreError(ppath, "an item has a position but no thread")
+    pos.setflags(write=False)
+    return (threads if has_thr.any() else None), (pos if (pos >= 0).any() else None)
 
 
 def _read_npy(path: Path, expect: dict, dtype: np.dtype, mmap: bool, verify: bool) -> np.ndarray:

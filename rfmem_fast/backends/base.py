@@ -37,8 +37,11 @@ __all__ = [
     "BankSnapshot",
     "BankView",
     "RecollectionOutput",
+    "SegmentScores",
+    "all_row_hits",
     "check_memory_budget",
     "recollection_capacity",
+    "scan_bounds",
 ]
 
 #: Default memory budget of one backend call's temporaries (bytes): score blocks,
@@ -94,6 +97,50 @@ class RecollectionOutput:
         what :meth:`Backend.recollect_host` returns (C-contiguous)."""
         rows, scores, rounds = (host_array(t, t.dtype) for t in (self.rows, self.scores, self.rounds))
         return rows, scores, rounds, None if self.dense is None else host_array(self.dense, self.dense.dtype)
+
+
+@dataclass(frozen=True)
+class SegmentScores:
+    """The scan score of every row of each query's segment, query after query
+    (:meth:`Backend.segment_scores`; the context score's input, :mod:`rfmem_fast.context`).
+
+    Attributes:
+        f: float32 [L] the rows' scan scores: query ``i``'s segment rows ``0 .. n_i - 1``
+            at ``f[ptr[i] : ptr[i + 1]]``.
+        ptr: int64 [b + 1] CSR offsets (``ptr[i + 1] - ptr[i]`` = query i's segment length).
+        bound: float64 [b] ``B(q)``: ``|f - RN32(q . x)| <= B(q)`` for every row of the
+            query's segment (:mod:`rfmem_fast.backends.exact`).
+    """
+
+    f: np.ndarray
+    ptr: np.ndarray
+    bound: np.ndarray
+
+
+def segment_ptr(offsets: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """int64 [b + 1]: CSR offsets of the b queries' segments laid one after the other."""
+    lens = offsets[seg + 1] - offsets[seg]
+    ptr = np.zeros(seg.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=ptr[1:])
+    return ptr
+
+
+def all_row_hits(ptr: np.ndarray) -> np.ndarray:
+    """int32 [ptr[-1]]: the local rows ``0 .. n_i - 1`` of every query's segment, one query
+    after the other (the "hits" that make ``hybrid_probe`` record every row's scan score)."""
+    lens = np.diff(ptr)
+    return (np.arange(int(ptr[-1]), dtype=np.int64) - np.repeat(ptr[:-1], lens)).astype(np.int32)
+
+
+def scan_bounds(Q: np.ndarray, xnorm: float, depth: int, input_unit: float = 0.0) -> np.ndarray:
+    """float64 [b]: ``B(q)`` of a float32 scan of summation depth ``depth`` (any order:
+    ``depth = d``) over float32 rows of norm <= ``xnorm`` (:func:`rfmem_fast.backends.exact.query_bounds`
+    in numpy)."""
+    from .exact import abs_error_term, scan_error_coef
+
+    q64 = Q.astype(np.float64)
+    qn = np.sqrt(np.einsum("ij,ij->i", q64, q64)) * (1.0 + 2.0**-30)
+    return (scan_error_coef(depth, input_unit=input_unit) * xnorm) * qn + abs_error_term(Q.shape[1])
 
 
 def recollection_capacity(config: RFMemConfig) -> int:
@@ -442,6 +489,56 @@ class Backend:
         scores, rows = self.segmented_topk(view, Q, qseg, k, **({} if sel is None else {"sel": sel}))
         mean, ent, count = familiarity_signals(scores[:, :probe_k], temperature, convention)
         return scores, rows, mean, ent, count
+
+    def segment_scores(self, view: BankView, Q: torch.Tensor | np.ndarray, seg: np.ndarray) -> SegmentScores:
+        """The float32 scan score of EVERY row of each query's segment, with the scan's bound
+        (the context score's input, :mod:`rfmem_fast.context`).
+
+        The default: one float32 matrix product per distinct segment on the backend's
+        device (``view.X``), bound for any summation order (depth d) and the matmul's input
+        rounding (:func:`rfmem_fast.backends.exact.matmul_input_unit`). The native backend
+        overrides it with its scan kernel.
+
+        Args:
+            view: the bank; Q: float32 [b, d] unit queries (tensor on the device or numpy);
+            seg: int64 [b] host segment indices.
+
+        Returns:
+            :class:`SegmentScores` (host arrays).
+        """
+        seg = np.asarray(seg, dtype=np.int64)
+        off = view.offsets_cpu.numpy()
+        ptr = segment_ptr(off, seg)
+        f = np.empty(int(ptr[-1]), dtype=np.float32)
+        X = view.X
+        Qt = Q if isinstance(Q, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(Q, dtype=np.float32))
+        Qt = Qt.to(device=X.device, dtype=torch.float32)
+        order = np.argsort(seg, kind="stable")
+        us, first = np.unique(seg[order], return_index=True)
+        bounds = list(first[1:]) + [order.shape[0]]
+        for u, s0, s1 in zip(us.tolist(), first.tolist(), bounds):
+            idx = order[s0:s1]
+            a, b = int(off[u]), int(off[u + 1])
+            if b == a:
+                continue
+            S = (Qt[torch.from_numpy(idx).to(X.device)] @ X[a:b].T).cpu().numpy()
+            for j, i in enumerate(idx.tolist()):
+                f[ptr[i] : ptr[i + 1]] = S[j]
+        return SegmentScores(f, ptr, self.scan_score_bounds(view, Qt.cpu().numpy()))
+
+    def scan_score_bounds(self, view: BankView, Q: np.ndarray) -> np.ndarray:
+        """float64 [b]: the bound ``B(q)`` of the scan scores :meth:`segment_scores` (and, on a
+        backend with ``has_fused_topk``, :meth:`hybrid_probe`'s recorded ones) give.
+
+        The default: a float32 matrix product on ``view.X``'s device, any summation order
+        (depth d), with the matmul's input rounding.
+
+        Args:
+            view: the bank; Q: float32 [b, d] host queries.
+        """
+        from .exact import matmul_input_unit
+
+        return scan_bounds(Q, view.row_norm_max, Q.shape[1], matmul_input_unit(view.X.device))
 
     # ------------------------------------------------------------ host arrays
     def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,

@@ -76,7 +76,25 @@ from .. import _native
 from ..kmeans import draw_table
 from ..device import host_array as _np
 from ..threads import get_num_threads
-from .base import DEFAULT_MEMORY_BUDGET, Backend, BankView, RecollectionOutput, check_memory_budget, recollection_capacity
+from .base import (
+    DEFAULT_MEMORY_BUDGET,
+    Backend,
+    BankView,
+    RecollectionOutput,
+    SegmentScores,
+    all_row_hits,
+    check_memory_budget,
+    recollection_capacity,
+    scan_bounds,
+    segment_ptr,
+)
+
+
+def native_scan_depth(d: int) -> int:
+    """Roundings a product term goes through in the native scan path (16 SIMD lanes of
+    ``ceil(d / 16)`` ordered products, then a 4-level tree: :mod:`rfmem_fast.backends.exact`),
+    at least d (the any-order depth), so that the bound also covers every other summation order."""
+    return max(int(d), (int(d) + 15) // 16 + 4)
 
 #: the values of ``NativeBackend(topk_path=...)``
 TOPK_PATHS = ("auto", "scan", "gemm")
@@ -351,6 +369,25 @@ class NativeBackend(Backend):
         )
         tensors = tuple(torch.from_numpy(a) for a in (s, r, mean, ent, cnt))
         return tensors + (fr, ff, fd, fl, hf)
+
+    def segment_scores(self, view, Q, seg):
+        """See :meth:`Backend.segment_scores`: the float32 rows' scan scores from the C++ scan
+        (``_native.hybrid_probe`` with every row as a "hit", which records each hit's scan
+        score; no fused list), bound for its summation order (:func:`native_scan_depth`)."""
+        seg = np.ascontiguousarray(seg, dtype=np.int64)
+        X, off = self._bank(view)
+        ptr = segment_ptr(off, seg)
+        rows = all_row_hits(ptr)
+        zeros = np.zeros(rows.shape[0])
+        Qh = _np(Q, torch.float32) if isinstance(Q, torch.Tensor) else np.ascontiguousarray(Q, dtype=np.float32)
+        out = _native.hybrid_probe(X, off, Qh, seg, 1, 1, 1.0, "mean", ptr, rows, zeros, zeros, 0, self._threads(),
+                                   view.row_norm_max)  # fmt: skip
+        return SegmentScores(out[9], ptr, self.scan_score_bounds(view, Qh))
+
+    def scan_score_bounds(self, view, Q):
+        """See :meth:`Backend.scan_score_bounds`: the float32 scan of ``_native.hybrid_probe``
+        (:func:`native_scan_depth`, no input rounding)."""
+        return scan_bounds(Q, view.row_norm_max, native_scan_depth(Q.shape[1]))
 
     # ---------------------------------------------------------------- KMeans
     def batched_kmeans(self, V, counts, clusters, iters, tol, seed):
