@@ -183,7 +183,7 @@ class _Chunking:
             if p is not None and t is None:
                 plab, tlab = labels(j)
                 raise ValueError(f"{tlab} clears the thread of item {id_list[j]!r}, which keeps its position {p}: "
-                                 f"an item with a position needs a thread, so clear its position too ({plab}: None)")
+                                 f"an item with a position needs a thread, so clear its position too (with {plab})")
         return list(threads), list(positions)
 
     def _update_record(self, user: str, id_list: list[str], tx: list[str] | None, vec: np.ndarray | None,
