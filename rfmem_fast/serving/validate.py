@@ -275,7 +275,7 @@ def _per_item(value: Any, m: int, name: str, check: Any, single: str, scalar: tu
     if isinstance(value, scalar) and not isinstance(value, (bool, np.bool_)):
         v = check(value, name)
         return [v] * m
-    if isinstance(value, (bytes, dict, bool, np.bool_)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes, dict, bool, np.bool_)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be None, {single}, or a sequence of them (None for an item without one), "
                         f"one per item, got {type(value).__name__}")
     out = list(value)
