@@ -1139,7 +1139,8 @@ class MemoryBank:
             user: an existing user key.
             ids: m >= 1 distinct item ids the user holds.
             vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`,
-                or None to keep the items' vectors (change only the other fields).
+                or None to keep the items' vectors (change only the other fields; at
+                least one of them must be given).
             texts: m new texts (str or None), or None to keep the current texts.
             metadata: m new metadata dicts (None entries clear an item's metadata), or
                 None to keep the current metadata (:meth:`set_metadata` changes only
@@ -1160,11 +1161,15 @@ class MemoryBank:
         Raises:
             KeyError: unknown user, or an id the user does not hold (named).
             TypeError / ValueError: as :meth:`add` (shapes, dtype, NaN / Inf, zero
-                rows, lengths, duplicates). Nothing is written when an error is raised.
+                rows, lengths, duplicates); ``vectors`` None with nothing else to change
+                (TypeError). Nothing is written when an error is raised.
         """
         with self._lock:
             u = self.user_index(user)
             if vectors is None:  # the other fields only: the rows are kept bit for bit
+                if texts is None and metadata is None and created_at is None and threads is None and positions is None:
+                    raise TypeError("vectors must be a floating [m, d] array, or None with another field to change "
+                                    "(texts, metadata, created_at, threads, positions); got None and nothing else")
                 vec = None
                 id_list = _check_id_list(ids)
                 if not id_list:
