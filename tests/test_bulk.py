@@ -222,7 +222,7 @@ def test_update_many_and_delete_many_equal_the_single_calls():
 BAD_UPDATES = [
     ("update", [{"user_id": "zed", "id": "1", "text": "x"}], KeyError, r"items\[1\]\.user_id: unknown user 'zed'", 1),
     ("update", [{"user_id": "b", "id": "9", "text": "x"}], KeyError, r"items\[1\]\.id: user 'b' holds no item id '9'", 1),
-    ("update", [{"user_id": "b", "id": "1"}], ValueError, r"items\[1\]: an update needs a text, a vector or metadata", 1),
+    ("update", [{"user_id": "b", "id": "1"}], ValueError, r"items\[1\]: an update needs a text, a vector, metadata, a thread or a position", 1),
     ("update", [{"user_id": "b", "text": "x"}], ValueError, r"items\[1\]\.id is required", 1),
     ("update", [{"user_id": "a", "id": "1", "text": "x"}], ValueError, r"items\[1\]\.id: item '1' of user 'a' is given twice", 1),
     ("update", [{"user_id": "b", "id": "1", "created_at": "2024-01-01"}], ValueError,

@@ -43,7 +43,8 @@ def test_langchain_retriever(memory):
     assert docs[0].metadata["rfmem"] == {"id": "a", "user_id": "alice", "score": ref[0].score, "rank": 0,
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
                                          "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
-                                         "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00"}
+                                         "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00",
+                                         "thread": None, "position": None, "context_score": None}
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))

@@ -122,7 +122,8 @@ async def _crud_session(session: ClientSession) -> dict:
     upd = _ok(await session.call_tool("update_memory", {"id": ana, "text": "My sister is called Ines",
                                                         "metadata": {"source": "correction"}}))
     assert {k: v for k, v in upd.items() if k != "created_at"} == {"id": ana, "text": "My sister is called Ines",
-                                                                    "metadata": {"source": "correction"}}
+                                                                    "metadata": {"source": "correction"}, "thread": None,
+                                                                    "position": None}
     assert _ok(await session.call_tool("get_memory", {"id": ana})) == upd
     assert _ok(await session.call_tool("delete_memory", {"id": peanuts})) == {"id": peanuts, "deleted": True}
     assert "no memory with id" in _err(await session.call_tool("get_memory", {"id": peanuts}))

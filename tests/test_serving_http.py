@@ -53,7 +53,7 @@ def test_crud_and_search_over_http(served):
     assert r.status_code == 200 and top["lexical_score"] > 0 and top == {
         "id": "b", "text": "My sister is Ana", "score": pytest.approx(1.0 + 0.03 * top["lexical_score"]),
         "metadata": {"source": "chat"}, "rank": 0, "dense_score": pytest.approx(1.0), "lexical_score": top["lexical_score"],
-        "created_at": "2026-03-29T01:30:00+00:00"}
+        "created_at": "2026-03-29T01:30:00+00:00", "thread": None, "position": None, "context_score": None}
     assert body["route"] == "familiarity" and body["rule"] == "forced_dense" and len(body["hits"]) == 2
     direct = mem.search("My sister is Ana", "alice", k=2, mode="dense")
     assert [h["id"] for h in body["hits"]] == [h.id for h in direct]
@@ -64,7 +64,7 @@ def test_crud_and_search_over_http(served):
     assert c.patch("/v1/users/alice/memories/c", headers=H, json={"texts": "I like coffee", "metadata": {"v": 2}}).status_code == 200
     item = c.get("/v1/users/alice/memories/c", headers=H).json()
     assert datetime.fromisoformat(item.pop("created_at")).tzinfo is not None  # ISO-8601, UTC
-    assert item == {"id": "c", "text": "I like coffee", "metadata": {"v": 2}}
+    assert item == {"id": "c", "text": "I like coffee", "metadata": {"v": 2}, "thread": None, "position": None}
     assert c.delete("/v1/users/alice/memories/a", headers=H).json() == {"deleted": ["a"]}
     assert c.post("/v1/users/alice/memories/delete", headers=H, json={"ids": ["b"]}).json() == {"deleted": ["b"]}
     assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()["items"]][:1] == ["c"]
@@ -126,7 +126,7 @@ BAD = [
     ("post", "/v1/users/u/search", {"vector": [1.0, 2.0]}, 400, "dimension 16"),
     ("post", "/v1/users/u/search/batch", {"queries": []}, 422, "queries"),
     ("post", "/v1/users/u/search/batch", {"vectors": [[1.0] * 3]}, 400, "dimension 16"),
-    ("patch", "/v1/users/u/memories/taken", {}, 422, "texts, vectors or metadata is required"),
+    ("patch", "/v1/users/u/memories/taken", {}, 422, "texts, vectors, metadata, thread or position is required"),
     ("patch", "/v1/users/u/memories/taken", {"text": "x"}, 422, "use 'texts'"),
     ("patch", "/v1/users/u/memories/taken", {"vector": [1.0] * 16}, 422, "use 'vectors'"),
     ("patch", "/v1/users/u/memories/taken", {"texts": "  "}, 400, "texts is empty or whitespace only"),
@@ -352,7 +352,8 @@ def test_json_responses_keep_what_orjson_refuses(served):
     assert r.status_code == 201
     r = c.get("/v1/users/u/memories/x", headers=H)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-    assert {k: v for k, v in r.json().items() if k != "created_at"} == {"id": "x", "text": "a", "metadata": {"n": big, "s": "é"}}
+    assert {k: v for k, v in r.json().items() if k != "created_at"} == {"id": "x", "text": "a", "metadata": {"n": big, "s": "é"},
+                                                                                "thread": None, "position": None}
     r = c.post("/v1/users/u/search", headers=H, json={"query": "a", "k": 1, "mode": "dense"})
     assert r.status_code == 200 and r.json()["hits"][0]["metadata"] == {"n": big, "s": "é"}
 

@@ -318,7 +318,7 @@ def test_ids_round_trip_between_python_and_http(app_mem):
     assert mem.add(["seven"], 7, ids=[7]) == ["7"]
     item = c.get("/v1/users/7/memories/7", headers=A)
     assert item.status_code == 200 and {k: v for k, v in item.json().items() if k != "created_at"} == {
-        "id": "7", "text": "seven", "metadata": {}}
+        "id": "7", "text": "seven", "metadata": {}, "thread": None, "position": None}
     assert c.post("/v1/users/7/search", headers=A, json={"query": "seven"}).json()["hits"][0]["id"] == "7"
     r = c.post("/v1/users/8/memories", headers=A, json={"texts": ["eight"], "ids": ["8"]})
     assert r.json() == {"ids": ["8"]}

@@ -169,7 +169,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.add([1], "u"), TypeError, r"texts\[0\] must be a str"),
         (lambda m: m.add(["a", "b"], "u", ids=["x", "x"]), ValueError, "duplicate item id 'x'"),
         (lambda m: m.add(["dup"], "u", ids=["taken"]), ValueError, "already holds item id 'taken'"),
-        (lambda m: m.update("taken", "u"), ValueError, "needs texts, vectors or metadata"),
+        (lambda m: m.update("taken", "u"), ValueError, "needs texts, vectors, metadata, thread or position"),
         (lambda m: m.delete([], "u"), ValueError, "at least one item id"),
     ],
 )

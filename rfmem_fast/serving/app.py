@@ -5,20 +5,24 @@ Routes (JSON bodies validated by pydantic)::
     GET    /health                                   liveness, counts, encoder, retrieval config (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
     POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
-                                                     optional "ids", "metadata", "created_at" -> 201 {"ids"}
+                                                     optional "ids", "metadata", "created_at",
+                                                     "thread", "position" -> 201 {"ids"}
     GET    /v1/users/{user_id}/memories              ?offset=0&limit=100 -> {"items", "total",
                                                      "offset", "limit", "next_offset"}
     GET    /v1/users/{user_id}/memories/{item_id}    one item
-    PATCH  /v1/users/{user_id}/memories/{item_id}    {"texts"?: str, "vectors"?: [...], "metadata"?}
+    PATCH  /v1/users/{user_id}/memories/{item_id}    {"texts"?: str, "vectors"?: [...], "metadata"?,
+                                                     "thread"?, "position"?} (null thread / position: clear)
     DELETE /v1/users/{user_id}/memories/{item_id}    delete one item
     POST   /v1/users/{user_id}/memories/delete       {"ids": [...]}
     DELETE /v1/users/{user_id}                       delete ALL of the user's memories ("forget me")
     POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?, "filters"?}
     POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?, "filters"?}
     POST   /v1/memories:batch                        {"items": [{"user_id", "text"?, "vector"?, "id"?,
-                                                     "metadata"?, "created_at"?}, ...]} -> 201 {"ids"}
+                                                     "metadata"?, "created_at"?, "thread"?,
+                                                     "position"?}, ...]} -> 201 {"ids"}
     POST   /v1/memories:batchUpdate                  {"items": [{"user_id", "id", "text"?, "vector"?,
-                                                     "metadata"?}, ...]} -> {"updated": n}
+                                                     "metadata"?, "thread"?, "position"?}, ...]}
+                                                     -> {"updated": n}
     POST   /v1/memories:batchDelete                  {"items": [{"user_id", "id"}, ...]} -> {"deleted": n}
     POST   /v1/checkpoint                            fold the write-ahead log into the store (admin)
     POST   /v1/admin/tokens                          {"user_id", "label"?} -> 201 {"token", "token_id", ...}
@@ -94,6 +98,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import re
 import sys
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -131,6 +136,8 @@ __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MA
 API_KEY_ENV = "RFMEM_API_KEY"
 #: default limit of a request body (bytes): ``rfmem serve --max-body-bytes``
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: ``thread[0]`` / ``position[0]`` in a message of Memory.update about the one item of a PATCH
+_ONE_ITEM_FIELD = re.compile(r"\b(thread|position)\[0\]")
 
 
 def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = False, *,
@@ -216,7 +223,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def add(user: User, body: AddRequest) -> FastJSONResponse:
         with _http_errors():
             ids = memory.add(body.texts, user, ids=body.ids, metadata=body.metadata, vectors=body.vectors,
-                             created_at=body.created_at)
+                             created_at=body.created_at, thread=body.thread, position=body.position)
         return FastJSONResponse({"ids": ids}, status_code=201)
 
     @app.get("/v1/users/{user_id}/memories", response_model=ItemPage)
@@ -239,8 +246,13 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     @app.patch("/v1/users/{user_id}/memories/{item_id}")
     def update_item(user: User, item_id: ItemSeg, body: UpdateRequest) -> dict[str, Any]:
         item_id = _segment(item_id, "item_id")
+        sent = body.model_fields_set  # an explicit null thread / position clears it, a field left out keeps it
+        conv = {k: [None] if getattr(body, k) is None else getattr(body, k) for k in ("thread", "position") if k in sent}
         with _http_errors():
-            memory.update(item_id, user, texts=body.texts, vectors=body.vectors, metadata=body.metadata)
+            try:
+                memory.update(item_id, user, texts=body.texts, vectors=body.vectors, metadata=body.metadata, **conv)
+            except ValueError as e:  # a cleared thread / position was sent to Memory.update as [None]: the field's name
+                raise ValueError(_ONE_ITEM_FIELD.sub(r"\1", str(e))) from None
         return {"updated": [item_id]}
 
     @app.delete("/v1/users/{user_id}/memories/{item_id}")

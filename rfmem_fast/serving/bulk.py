@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .validate import _canon_id, _check_meta1, _check_text, _instant
+from .validate import _canon_id, _check_meta1, _check_pairs, _check_position1, _check_text, _check_thread1, _instant
 
 __all__ = ["ITEM_FIELDS"]
 
@@ -25,8 +25,11 @@ __all__ = ["ITEM_FIELDS"]
 #: ``rfmem import``: field -> the bulk operations that take it. ``created_at`` (what
 #: :meth:`Memory.add` takes: epoch seconds, an aware datetime or an ISO-8601 string; a
 #: string without an offset read as UTC: :func:`_instant`; default: the time of the write)
-#: is stored as seconds since the epoch and filterable (:mod:`rfmem_fast.filters`). A new
-#: per-item field is one entry here, its checker in ``_FIELD_CHECKS`` and, to be
+#: is stored as seconds since the epoch and filterable (:mod:`rfmem_fast.filters`).
+#: ``thread`` (a str or an int) and ``position`` (an int >= 0) are the item's
+#: conversation (:meth:`Memory.add`'s ``thread`` / ``position``: a position needs a
+#: thread; in an update, a None value clears the field, and a field left out is kept).
+#: A new per-item field is one entry here, its checker in ``_FIELD_CHECKS`` and, to be
 #: stored, its column in ``_RECORD_COLUMNS``.
 ITEM_FIELDS: dict[str, tuple[str, ...]] = {
     "user_id": ("add", "update", "delete"),
@@ -35,10 +38,15 @@ ITEM_FIELDS: dict[str, tuple[str, ...]] = {
     "vector": ("add", "update"),
     "metadata": ("add", "update"),
     "created_at": ("add",),
+    "thread": ("add", "update"),
+    "position": ("add", "update"),
 }
 #: item field -> the key of the logged add record holding it per item (``Memory._apply``
 #: hands each to the bank)
-_RECORD_COLUMNS = {"text": "texts", "metadata": "metadata", "created_at": "created_at"}
+_RECORD_COLUMNS = {"text": "texts", "metadata": "metadata", "created_at": "created_at", "thread": "threads",
+                   "position": "positions"}
+#: the fields an update may clear with a None value (any other None counts as not given)
+_CLEARABLE = ("metadata", "thread", "position")
 _ITEM_LABEL = re.compile(r"^items\[(\d+)\](?:\.(\w+))?")
 
 
@@ -68,6 +76,8 @@ _FIELD_CHECKS: dict[str, Callable[[Any, Any, str], Any]] = {
     "vector": _check_vector1,
     "metadata": lambda mem, v, label: _check_meta1(v, label),
     "created_at": lambda mem, v, label: _instant(v, label, offsetless_utc=True),
+    "thread": lambda mem, v, label: _check_thread1(v, label),
+    "position": lambda mem, v, label: _check_position1(v, label),
 }
 
 
@@ -89,7 +99,9 @@ class _BulkItems:
     def _parse_items(self, items: Any, op: str) -> list[dict[str, Any]]:
         """The items of a bulk ``op`` ("add", "update", "delete") checked field by field
         (:data:`ITEM_FIELDS`), as dicts of the fields given (a None value counts as not
-        given, except ``metadata`` in an update, where it clears). Reads no state.
+        given, except ``metadata``, ``thread`` and ``position`` in an update, where it
+        clears). Reads no state (an update's position without a thread is checked
+        against the items' stored threads later, :meth:`_conversation_of`).
 
         Raises:
             TypeError / ValueError: naming ``items[i]`` or ``items[i].<field>``.
@@ -115,7 +127,7 @@ class _BulkItems:
                     continue
                 v = it[f]
                 if v is None:
-                    if f == "metadata" and op == "update":
+                    if f in _CLEARABLE and op == "update":
                         row[f] = None  # clears
                     continue
                 row[f] = _FIELD_CHECKS[f](self, v, f"items[{i}].{f}")
@@ -125,8 +137,11 @@ class _BulkItems:
                 raise ValueError(f"items[{i}].id is required")
             if op == "add" and "text" not in row and "vector" not in row:
                 raise ValueError(f"items[{i}]: an item needs a text or a vector")
-            if op == "update" and not ("text" in row or "vector" in row or "metadata" in row):
-                raise ValueError(f"items[{i}]: an update needs a text, a vector or metadata")
+            if op == "add":
+                _check_pairs([row.get("thread")], [row.get("position")],
+                             lambda j: (f"items[{i}].position", f"items[{i}].thread"))
+            if op == "update" and not any(f in row for f in ("text", "vector", "metadata", "thread", "position")):
+                raise ValueError(f"items[{i}]: an update needs a text, a vector, metadata, a thread or a position")
             if "id" in row:
                 key = (row["user_id"], row["id"])
                 if key in first:
@@ -213,19 +228,24 @@ class _BulkItems:
             self._check_held(parsed, by_user, "update")
             records = []
             for user, idx in by_user.items():
-                kinds: dict[tuple[bool, bool, bool], list[int]] = {}  # one record per set of fields changed
+                kinds: dict[tuple[bool, ...], list[int]] = {}  # one record per set of fields changed
                 for i in idx:
                     it = parsed[i]
-                    kinds.setdefault(("text" in it, "text" in it or "vector" in it, "metadata" in it), []).append(i)
-                for (has_text, has_vec, has_meta), g in kinds.items():
+                    kinds.setdefault(("text" in it, "text" in it or "vector" in it, "metadata" in it,
+                                      "thread" in it, "position" in it), []).append(i)
+                for (has_text, has_vec, has_meta, has_thr, has_pos), g in kinds.items():
                     ids = [parsed[i]["id"] for i in g]
                     vec, extra_ids, extra = None, [], None
                     if has_vec:
                         vec, extra_ids, extra = self._chunk_layout(
                             ids, [chunks[i] if i in chunks else parsed[i]["vector"][None] for i in g])
+                    conv = self._conversation_of(
+                        user, ids, [parsed[i]["thread"] for i in g] if has_thr else None,
+                        [parsed[i]["position"] for i in g] if has_pos else None,
+                        lambda j, g=g: (f"items[{g[j]}].position", f"items[{g[j]}].thread"))
                     records.append(self._update_record(
                         user, ids, [parsed[i]["text"] for i in g] if has_text else None, vec,
-                        [parsed[i]["metadata"] for i in g] if has_meta else None, extra_ids, extra))
+                        [parsed[i]["metadata"] for i in g] if has_meta else None, extra_ids, extra, conv))
             self._commit(records)
 
     def _delete_many(self, items: Any) -> None:

@@ -2,7 +2,7 @@
 window is cut into overlapping chunks (each an exact substring of the text), embedded in
 one encoder call with the other texts, and stored as bank rows of its item (the first
 chunk is the item's row; the extra ones have row ids ``"<item>\x1f<j>"``, j >= 1, and carry
-the item's metadata and creation time). ``_Chunking`` (a mixin of Memory) holds the
+the item's metadata, creation time, thread and position). ``_Chunking`` (a mixin of Memory) holds the
 splitting, the chunk-row layout, the logged add / update / delete records that write
 those rows, and the per-user map of extra chunk rows.
 """
@@ -16,6 +16,7 @@ import numpy as np
 # text's extra chunks ("<parent>\x1f<j>", j >= 1; the lexical index reads them as one item);
 # refused in user-given ids
 from ..lexical import CHUNK_SEP
+from .validate import _check_pairs
 
 
 #: tokens shared by consecutive chunks of a long text (default of ``chunk_overlap``)
@@ -139,27 +140,63 @@ class _Chunking:
         """The logged record of an add to one user: ``vec`` [m, d] the items' rows,
         ``extra_ids`` / ``extra`` the extra chunk rows of long texts (after the items),
         ``columns`` {record key: m per-item values or None} (``texts``, ``metadata``,
-        ``created_at``; a column of only None is None). A chunk row has no text of its
-        own and carries its item's metadata and creation time (so that a filter sees
-        the item in each of its rows)."""
+        ``created_at``, ``threads``, ``positions``; a column of only None is None, and
+        left out for ``threads`` / ``positions``, so a record without a conversation
+        is the record of a version without them). A chunk row has no text of its own and
+        carries its item's metadata, creation time, thread and position (so that a
+        filter sees the item in each of its rows)."""
         pos = {i: j for j, i in enumerate(id_list)}
         parents = [pos[x.rpartition(CHUNK_SEP)[0]] for x in extra_ids]
         rec: dict[str, Any] = {"op": "add", "user": user, "ids": id_list + extra_ids,
                                "vectors": np.concatenate([vec, extra]) if extra_ids else vec}
         for col, vals in columns.items():
             if vals is None or all(v is None for v in vals):
-                rec[col] = None
+                if col not in ("threads", "positions"):
+                    rec[col] = None
             else:
                 pad = [None] * len(parents) if col == "texts" else [vals[j] for j in parents]
                 rec[col] = list(vals) + pad
         return rec
 
+    def _conversation_of(self, user: str, id_list: list[str], threads: list | None, positions: list | None,
+                         labels: Any) -> tuple[list, list] | None:
+        """The threads and positions of an update's items as they will be (call under the
+        write mutex): None when neither is changed, else (m threads, m positions), the
+        ones not given read from the bank (kept), checked by
+        :func:`~rfmem_fast.serving.validate._check_pairs` (``labels(j)``: the names of
+        item ``j``'s position and thread arguments).
+
+        Raises:
+            KeyError: an id the user does not hold (named). ValueError: an item that
+                would hold a position without a thread.
+        """
+        if threads is None and positions is None:
+            return None
+        kept_pos = positions is None
+        if threads is None:
+            threads = self.bank.threads_of(user, id_list)
+        if positions is None:
+            positions = self.bank.positions_of(user, id_list)
+        if not kept_pos:
+            _check_pairs(threads, positions, labels)
+        for j, (t, p) in enumerate(zip(threads, positions)):  # a thread cleared, the position kept
+            if p is not None and t is None:
+                plab, tlab = labels(j)
+                raise ValueError(f"{tlab} clears the thread of item {id_list[j]!r}, which keeps its position {p}: "
+                                 f"an item with a position needs a thread, so clear its position too (with {plab})")
+        return list(threads), list(positions)
+
     def _update_record(self, user: str, id_list: list[str], tx: list[str] | None, vec: np.ndarray | None,
-                       meta: list | None, extra_ids: list[str], extra: np.ndarray | None) -> dict[str, Any]:
+                       meta: list | None, extra_ids: list[str], extra: np.ndarray | None,
+                       conv: tuple[list, list] | None = None) -> dict[str, Any]:
         """The logged record of an update of one user's items (call under the write
         mutex): a new vector (given, or a new text's first chunk) drops the items' old
-        chunk rows and adds ``extra_ids`` / ``extra``, the new text's other chunks."""
+        chunk rows and adds ``extra_ids`` / ``extra``, the new text's other chunks;
+        ``conv`` (:meth:`_conversation_of`) the items' threads and positions as they will
+        be (record keys ``threads`` / ``positions``, left out when they do not change)."""
         rec = {"op": "update", "user": user, "ids": id_list, "texts": tx, "vectors": vec, "metadata": meta}
+        if conv is not None:
+            rec["threads"], rec["positions"] = conv
         if vec is not None:  # a new text / vector replaces the item's chunks
             drop = self._chunk_ids_of(user, id_list)
             if drop or extra_ids:

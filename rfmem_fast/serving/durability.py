@@ -331,16 +331,28 @@ class _Durable:
         if isinstance(vec, dict):
             vec = decode_array(vec)
         chunks = self._chunks.setdefault(user, {})
-        if op == "add":  # (a record of an older version has no created_at: the time of the replay)
+        # (a record of an older version has no created_at: the time of the replay; none
+        # has threads / positions: no conversation, or kept by an update)
+        threads, positions = rec.get("threads"), rec.get("positions")
+        if op == "add":
             self.bank.add(user, vec, rec["ids"], texts=rec["texts"], metadata=rec["metadata"],
-                          created_at=_logged_times(rec.get("created_at")))
+                          created_at=_logged_times(rec.get("created_at")), threads=threads, positions=positions)
             self._note_chunks(chunks, rec["ids"])
-        elif op == "update" and vec is None:  # metadata only (a new text always comes with its vector)
-            self.bank.set_metadata(user, rec["ids"], rec["metadata"])
+        elif op == "update" and vec is None:  # metadata / conversation only (a new text comes with its vector)
             cids = self._chunk_ids_of(user, rec["ids"])
-            if cids:  # the chunk rows keep their item's metadata (filters)
-                of = dict(zip(rec["ids"], rec["metadata"]))
-                self.bank.set_metadata(user, cids, [of[c.rpartition(CHUNK_SEP)[0]] for c in cids])
+            parents = [c.rpartition(CHUNK_SEP)[0] for c in cids]
+            if threads is not None or positions is not None:  # the rows kept bit for bit
+                self.bank.update(user, rec["ids"], None, threads=threads, positions=positions)
+                if cids:  # the chunk rows keep their item's thread and position (filters, context)
+                    of = {i: j for j, i in enumerate(rec["ids"])}
+                    self.bank.update(user, cids, None,
+                                     threads=None if threads is None else [threads[of[p]] for p in parents],
+                                     positions=None if positions is None else [positions[of[p]] for p in parents])
+            if rec["metadata"] is not None:
+                self.bank.set_metadata(user, rec["ids"], rec["metadata"])
+                if cids:  # the chunk rows keep their item's metadata (filters)
+                    of = dict(zip(rec["ids"], rec["metadata"]))
+                    self.bank.set_metadata(user, cids, [of[p] for p in parents])
         elif op == "update":
             drop, extra = rec.get("drop") or [], rec.get("extra_ids") or []
             if drop or extra:  # check first: the update must not fail after its old chunks went
@@ -350,18 +362,22 @@ class _Durable:
                     raise KeyError(f"ids: user {user!r} holds no item id {missing[0]!r}")
             if drop:
                 self.bank.delete(user, drop)
-            self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"])
+            self.bank.update(user, rec["ids"], vec, texts=rec["texts"], metadata=rec["metadata"], threads=threads,
+                             positions=positions)
             for i in rec["ids"]:
                 chunks.pop(i, None)
             if extra:
                 ev = rec["extra_vectors"]
-                parents = [x.rpartition(CHUNK_SEP)[0] for x in extra]  # chunk rows: their item's metadata and time
-                uniq = list(dict.fromkeys(parents))  # (an item's several chunks: one lookup)
+                parents = [x.rpartition(CHUNK_SEP)[0] for x in extra]  # chunk rows: their item's metadata, time,
+                uniq = list(dict.fromkeys(parents))  # thread, position (an item's several chunks: one lookup)
                 pmeta = dict(zip(uniq, self.bank.get_metadata(user, uniq)))
                 ptime = dict(zip(uniq, self.bank.created_at_of(user, uniq).tolist()))
+                pthr = dict(zip(uniq, self.bank.threads_of(user, uniq)))
+                ppos = dict(zip(uniq, self.bank.positions_of(user, uniq)))
                 self.bank.add(user, decode_array(ev) if isinstance(ev, dict) else ev, extra,
                               metadata=[pmeta[p] for p in parents],
-                              created_at=[ptime[p] for p in parents])
+                              created_at=[ptime[p] for p in parents],
+                              threads=[pthr[p] for p in parents], positions=[ppos[p] for p in parents])
                 self._note_chunks(chunks, extra)
         elif op == "delete":
             self.bank.delete(user, rec["ids"])

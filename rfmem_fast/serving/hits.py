@@ -39,6 +39,15 @@ class Hit:
             0``, docs "Hybrid retrieval") ``score`` is the fused score of the two.
         created_at: when the item was added, as :attr:`Item.created_at` (a timezone-aware
             UTC ``datetime``; None when unknown), read from the snapshot the search ran on.
+        thread: the item's conversation thread (str or int, as given to
+            ``Memory.add(thread=...)``; None when it has none), as :attr:`Item.thread`.
+        position: the item's position in its thread (int >= 0; None when it has none).
+        context_score: the item's context score ``c`` (float) when the search ran with
+            the context score on (``RFMemConfig.context_weight`` / ``thread_weight`` > 0,
+            :mod:`rfmem_fast.context`, docs "Conversations"): the hits are then ranked by
+            it, ``score`` holding the item's base score (its cosine, or its fused score
+            with a lexical channel). None when the context score is off, and for a query
+            that took the Recollection path.
     """
 
     id: Hashable
@@ -55,6 +64,9 @@ class Hit:
     dense_score: float | None = None
     lexical_score: float | None = None
     created_at: datetime | None = None
+    thread: str | int | None = None
+    position: int | None = None
+    context_score: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (``created_at`` as an ISO-8601 string, or None)."""
@@ -98,7 +110,8 @@ class Hits(list):
 
 @dataclass(frozen=True)
 class Item:
-    """A stored memory item: id, text (or None), metadata ({} when none) and creation time.
+    """A stored memory item: id, text (or None), metadata ({} when none), creation time
+    and conversation.
 
     Attributes:
         created_at: when the item was added (``Memory.add(created_at=...)``, default the
@@ -106,12 +119,19 @@ class Item:
             item of a store written before creation times were kept, or one whose stored
             time is no instant: outside :data:`rfmem_fast.bank.INSTANT_RANGE`, written
             before that range was checked).
+        thread: the conversation thread the item belongs to (``Memory.add(thread=...)``:
+            a str or an int, kept as given; ``"1"`` and ``1`` are different threads), or
+            None when it has none.
+        position: its position in that thread (``Memory.add(position=...)``, an int >=
+            0), or None when it has none.
     """
 
     id: Hashable
     text: str | None
     metadata: dict
     created_at: datetime | None = None
+    thread: str | int | None = None
+    position: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (``created_at`` as an ISO-8601 string, or None)."""

@@ -14,7 +14,8 @@ from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from ..filters import check_filters, parse_filter
-from .validate import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, _count_error, _created_list
+from .validate import (MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, _check_pairs, _count_error, _created_list,
+                       _entry_label, _position_list, _thread_list)
 
 
 MAX_ITEMS = 1024  # items per add / delete request
@@ -35,6 +36,24 @@ UserSeg = Annotated[str, Path(min_length=1, description="the user whose memory i
 ItemSeg = Annotated[str, Path(min_length=1, description="an item id of that user (percent-encoded)")]
 Mode = Literal["rfmem", "dense", "recollection"]
 K = Annotated[int, Field(strict=True, ge=1, le=MAX_K)]
+#: a conversation thread id: a str (1-256 characters) or an int (signed 64-bit), kept as sent
+#: ("1" and 1 are different threads); strict: ``true`` is refused
+ThreadId = Union[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH)],
+                 Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]]
+#: an item's position in its conversation thread (strict: ``1.0``, ``"1"``, ``true`` are refused)
+Position = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
+
+
+def _checked_conversation(v: Any, name: str) -> Any:
+    """An add body's ``thread`` / ``position`` as sent, checked as :meth:`Memory.add` checks
+    it (the same message, a 422 naming the field; :mod:`rfmem_fast.serving.validate`)."""
+    if v is not None:
+        check = _thread_list if name == "thread" else _position_list
+        try:
+            check(v, len(v) if isinstance(v, list) else 1)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
+    return v
 
 
 class _Body(BaseModel):
@@ -52,6 +71,17 @@ class AddRequest(_Body):
     #: one for every item or one per item (default: now; Memory.add), each within
     #: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z (a bad one: 422 naming it)
     created_at: Union[Finite, str, list[Union[Finite, str]], None] = None
+    #: the items' conversation thread: one thread id for every item or one (or null) per
+    #: item (Memory.add's ``thread``; default: none)
+    thread: Union[ThreadId, list[Union[ThreadId, None]], None] = None
+    #: each item's position in its thread, an int >= 0: one for every item or one (or null)
+    #: per item (Memory.add's ``position``; an item with a position needs a thread)
+    position: Union[Position, list[Union[Position, None]], None] = None
+
+    @field_validator("thread", "position", mode="before")
+    @classmethod
+    def _conversation(cls, v: Any, info: Any) -> Any:
+        return _checked_conversation(v, info.field_name)
 
     @field_validator("created_at", mode="before")
     @classmethod
@@ -70,19 +100,33 @@ class AddRequest(_Body):
         m = len(self.texts) if self.texts is not None else len(self.vectors)
         for name, val in (("vectors", self.vectors), ("ids", self.ids),
                           ("metadata", self.metadata if isinstance(self.metadata, list) else None),
-                          ("created_at", self.created_at if isinstance(self.created_at, list) else None)):
+                          ("created_at", self.created_at if isinstance(self.created_at, list) else None),
+                          ("thread", self.thread if isinstance(self.thread, list) else None),
+                          ("position", self.position if isinstance(self.position, list) else None)):
             if val is not None and len(val) != m:
                 raise _count_error(name, len(val), m)
+        pl, tl = _entry_label("position", self.position), _entry_label("thread", self.thread)
+        _check_pairs(_thread_list(self.thread, m), _position_list(self.position, m), lambda j: (pl(j), tl(j)))
         return self
 
 
 class UpdateRequest(_Body):
-    """New text (re-encoded), vector and / or metadata of one item: the names of
-    :meth:`Memory.update` (``texts``, ``vectors``, ``metadata``), for one item."""
+    """New text (re-encoded), vector, metadata and / or conversation of one item: the
+    names of :meth:`Memory.update` (``texts``, ``vectors``, ``metadata``, ``thread``,
+    ``position``), for one item. ``"thread": null`` / ``"position": null`` clear the
+    item's thread / position (a field left out is kept; an item with a position needs a
+    thread)."""
 
     texts: Text | None = None
     vectors: Vector | None = None
     metadata: Meta | None = None
+    thread: ThreadId | None = None
+    position: Position | None = None
+
+    @field_validator("thread", "position", mode="before")
+    @classmethod
+    def _conversation(cls, v: Any, info: Any) -> Any:
+        return _checked_conversation(v, info.field_name)
 
     @model_validator(mode="before")
     @classmethod
@@ -95,8 +139,9 @@ class UpdateRequest(_Body):
 
     @model_validator(mode="after")
     def _something(self) -> "UpdateRequest":
-        if self.texts is None and self.vectors is None and self.metadata is None:
-            raise ValueError("texts, vectors or metadata is required")
+        if (self.texts is None and self.vectors is None and self.metadata is None
+                and not self.model_fields_set & {"thread", "position"}):
+            raise ValueError("texts, vectors, metadata, thread or position is required")
         return self
 
 
@@ -108,9 +153,10 @@ class DeleteRequest(_Body):
 
 class BulkAddItem(_Body):
     """One item of a bulk add: its user, a text and / or a vector, optional id,
-    metadata and ``created_at`` (as :class:`AddRequest`'s: epoch seconds or ISO-8601,
+    metadata, ``created_at`` (as :class:`AddRequest`'s: epoch seconds or ISO-8601,
     a string without an offset read as UTC; default: now; checked by
-    :meth:`Memory.add_many`, a bad one a 422 at ``["body", "items", i, "created_at"]``)."""
+    :meth:`Memory.add_many`, a bad one a 422 at ``["body", "items", i, "created_at"]``),
+    ``thread`` and ``position`` (the item's conversation, as :class:`AddRequest`'s)."""
 
     user_id: ItemId
     id: ItemId | None = None
@@ -118,6 +164,8 @@ class BulkAddItem(_Body):
     vector: Vector | None = None
     metadata: Meta | None = None
     created_at: Union[Finite, Annotated[str, StringConstraints(max_length=64)], None] = None
+    thread: ThreadId | None = None
+    position: Position | None = None
 
     @model_validator(mode="after")
     def _some(self) -> "BulkAddItem":
@@ -128,18 +176,20 @@ class BulkAddItem(_Body):
 
 class BulkUpdateItem(_Body):
     """One item of a bulk update: its user and id, and what changes (a field left out
-    is kept; ``"metadata": null`` clears)."""
+    is kept; ``"metadata": null``, ``"thread": null``, ``"position": null`` clear)."""
 
     user_id: ItemId
     id: ItemId
     text: Text | None = None
     vector: Vector | None = None
     metadata: Meta | None = None
+    thread: ThreadId | None = None
+    position: Position | None = None
 
     @model_validator(mode="after")
     def _some(self) -> "BulkUpdateItem":
-        if not self.model_fields_set & {"text", "vector", "metadata"}:
-            raise ValueError("text, vector or metadata is required")
+        if not self.model_fields_set & {"text", "vector", "metadata", "thread", "position"}:
+            raise ValueError("text, vector, metadata, thread or position is required")
         return self
 
 
@@ -239,7 +289,10 @@ class MintRequest(_Body):
 
 class HitOut(BaseModel):
     """One hit of a search (``created_at``: the item's creation time, ISO-8601 UTC as in
-    :class:`ItemOut`, null when unknown)."""
+    :class:`ItemOut`, null when unknown; ``thread`` / ``position``: its conversation, null
+    when none; ``context_score``: its context score when the memory's configuration has
+    the context score on, the hits then ranked by it, null otherwise:
+    :class:`~rfmem_fast.serving.memory.Hit`)."""
 
     id: str
     text: str | None
@@ -249,6 +302,9 @@ class HitOut(BaseModel):
     dense_score: float | None = None
     lexical_score: float | None = None
     created_at: str | None = None
+    thread: Union[str, int, None] = None
+    position: int | None = None
+    context_score: float | None = None
 
 
 class SearchResponse(BaseModel):
@@ -265,12 +321,15 @@ class SearchResponse(BaseModel):
 
 
 class ItemOut(BaseModel):
-    """A stored item (``created_at``: ISO-8601 UTC, null when unknown)."""
+    """A stored item (``created_at``: ISO-8601 UTC, null when unknown; ``thread`` /
+    ``position``: its conversation, null when none)."""
 
     id: str
     text: str | None
     metadata: Meta
     created_at: str | None = None
+    thread: Union[str, int, None] = None
+    position: int | None = None
 
 
 class ItemPage(BaseModel):

@@ -86,7 +86,8 @@ def _search_doc(user: Any, route: str | None, rule: str, mean: float, entropy: f
         "entropy": entropy, "rounds": rounds, "cached": cached,
         "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
                   "dense_score": h.dense_score, "lexical_score": h.lexical_score,
-                  "created_at": h.created_at} for h in hits],  # a datetime: ISO-8601 as isoformat() (_dumps)
+                  "created_at": h.created_at,  # a datetime: ISO-8601 as isoformat() (_dumps)
+                  "thread": h.thread, "position": h.position, "context_score": h.context_score} for h in hits],
     }
 
 

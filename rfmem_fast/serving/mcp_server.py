@@ -10,15 +10,16 @@ starts the server as a subprocess) and streamable HTTP (``--transport http --hos
 
 Tools (no tool has a user argument)::
 
-    add_memories(texts, metadata?)            -> {"ids", "count"}
+    add_memories(texts, metadata?, thread?, position?) -> {"ids", "count"}
     search_memories(query, k=10, mode="rfmem", filters?) -> {"hits": [{"id", "text", "score", "metadata", "rank",
-                                                  "created_at"}], "route", "mode", "k"}
-    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at"}
+                                                  "created_at", "thread", "position", "context_score"}],
+                                                  "route", "mode", "k"}
+    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at", "thread", "position"}
     update_memories(items: [{id, text?, metadata?}]) -> {"updated": [ids], "count"}   (all or none)
     delete_memory(id)                         -> {"id", "deleted"}
     delete_memories(ids)                      -> {"deleted": [ids], "count"}            (all or none)
     list_memories(offset=0, limit=50)         -> {"memories", "total", "offset", "next_offset"}
-    get_memory(id)                            -> {"id", "text", "metadata", "created_at"}
+    get_memory(id)                            -> {"id", "text", "metadata", "created_at", "thread", "position"}
 
 Resources: ``memory://{user}/memories`` (every memory of the user, JSON) and
 ``memory://{user}/memories/{id}`` (one memory), readable for the scoped user only;
@@ -71,7 +72,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar
+from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar, Union
 from urllib.parse import quote
 
 try:
@@ -284,6 +285,11 @@ Arguments:
 - texts: one string, or a list of 1 to 256 strings (each 1 to 100000 characters).
 - metadata: optional JSON object stored with every text (e.g. {"source": "chat"}), or a list of one object (or
   null) per text.
+- thread: optional, the conversation the texts come from (a string or an integer id, e.g. "chat-2026-11-04"),
+  one for every text or a list of one (or null) per text; memories of one conversation give each other context
+  when the server ranks with the context score.
+- position: optional, each text's place in its conversation (an integer >= 0, e.g. the turn number): one for
+  every text or a list of one (or null) per text; a memory with a position needs a thread.
 
 Returns {"ids": [one new id per text, in order], "count": number stored}."""
 
@@ -299,10 +305,13 @@ Arguments:
   {"tag": {"$in": ["work", "travel"]}}, {"score": {"$gte": 3, "$lt": 7}}, {"created_at": {"$gte":
   "2026-11-01T00:00:00Z"}} (ISO-8601 with an offset), {"$and": [...]}, {"$or": [...]}, {"$not": {...}},
   {"field": {"$exists": true}}; operators $eq $ne $gt $gte $lt $lte $in $nin $exists; "a.b" reads nested
-  metadata. A memory without the field matches no comparison.
+  metadata. A memory without the field matches no comparison. {"thread": "chat-7"} and {"position": {"$lt": 5}}
+  reach the memories' conversation.
 
-Returns {"hits": [{"id", "text", "score", "metadata", "rank", "created_at"}, ...] best first (fewer than k when the
-user has fewer memories; [] when none; "created_at": when the memory was added, ISO-8601 UTC, or null when unknown),
+Returns {"hits": [{"id", "text", "score", "metadata", "rank", "created_at", "thread", "position", "context_score"},
+...] best first (fewer than k when the user has fewer memories; [] when none; "created_at": when the memory was
+added, ISO-8601 UTC, or null when unknown; "thread" / "position": its conversation, or null; "context_score": the
+score the hits are ranked by when the server ranks with the context of each memory's conversation, else null),
 "route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
 
 _UPDATE = """Change one existing memory of the current user, keeping its id: a new text (re-embedded) and / or new
@@ -314,7 +323,7 @@ Arguments:
 - metadata: a JSON object that REPLACES the memory's metadata ({} clears it), or omit to keep it.
 At least one of text and metadata is required.
 
-Returns the memory as stored now: {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
+Returns the memory as stored now: {"id", "text", "metadata", "created_at", "thread", "position"}. Error when no memory has that id."""
 
 _DELETE = """Delete one memory of the current user, for good (it is never returned again). The deletion is durable
 when this returns.
@@ -350,15 +359,15 @@ Arguments:
 - offset: memories to skip (integer >= 0, default 0).
 - limit: the most memories in this page (1 to 200, default 50).
 
-Returns {"memories": [{"id", "text", "metadata", "created_at"}, ...], "total": the user's number of memories, "offset",
-"next_offset": the offset of the next page, or null after the last page}."""
+Returns {"memories": [{"id", "text", "metadata", "created_at", "thread", "position"}, ...], "total": the user's
+number of memories, "offset", "next_offset": the offset of the next page, or null after the last page}."""
 
 _GET = """Read one memory of the current user by its id.
 
 Arguments:
 - id: the memory's id (from add_memories, search_memories or list_memories).
 
-Returns {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
+Returns {"id", "text", "metadata", "created_at", "thread", "position"}. Error when no memory has that id."""
 
 TextArg = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 
@@ -370,6 +379,11 @@ def _int_id(v: Any) -> Any:
 
 IdArg = Annotated[str, BeforeValidator(_int_id), Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
 Meta = dict[str, Any]
+#: a conversation thread id: a string (1-256 characters) or an integer (kept as sent: "1" and 1 are two threads)
+ThreadArg = Union[Annotated[str, Field(min_length=1, max_length=MAX_ID)],
+                  Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]]
+#: a memory's place in its conversation (strict: 1.0, "1" and true are refused)
+PositionArg = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
 
 
 class MemoryChange(BaseModel):
@@ -405,7 +419,8 @@ def _bulk_tool_errors(fn: Callable[[], T], ids: list[str], arg: str) -> T:
 
 
 def _item_json(item: Item) -> dict[str, Any]:
-    return item.to_dict()  # id, text, metadata, created_at (ISO-8601 UTC, or null when unknown)
+    # id, text, metadata, created_at (ISO-8601 UTC, or null when unknown), thread, position (null when none)
+    return item.to_dict()
 
 
 def _not_found(item_id: Any) -> ToolError:
@@ -689,6 +704,12 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             description="one text, or a list of 1 to 256 texts: each becomes one memory")],
         metadata: Annotated[Meta | list[Meta | None] | None, Field(
             description="optional JSON object stored with every text, or one object (or null) per text")] = None,
+        thread: Annotated[ThreadArg | list[ThreadArg | None] | None, Field(
+            description="optional conversation id (a string or an integer) of every text, or one (or null) per "
+                        "text")] = None,
+        position: Annotated[PositionArg | list[PositionArg | None] | None, Field(
+            description="optional place of each text in its conversation (an integer >= 0, e.g. the turn "
+                        "number): one for every text, or one (or null) per text; needs a thread")] = None,
     ) -> dict[str, Any]:
         user = user_of()
         tx = [texts] if isinstance(texts, str) else list(texts)
@@ -696,10 +717,12 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ToolError(f"texts: give 1 to {MAX_TEXTS} texts, got {len(tx)}")
         for i, t in enumerate(tx):
             _check_text_arg(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
-        if isinstance(metadata, list) and len(metadata) != len(tx):
-            raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
+        for name, value in (("metadata", metadata), ("thread", thread), ("position", position)):
+            if isinstance(value, list) and len(value) != len(tx):
+                raise ToolError(f"{name}: a list needs one entry per text ({len(tx)}), got {len(value)}")
         await loading.ready()
-        ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
+        ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata,
+                                                                      thread=thread, position=position)))
         return {"ids": ids, "count": len(ids)}
 
     @server.tool(description=_SEARCH, annotations=read_only)
@@ -726,7 +749,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ToolError("the memory server is shutting down") from None
         return {
             "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
-                      "created_at": None if h.created_at is None else h.created_at.isoformat()} for h in hits],
+                      "created_at": None if h.created_at is None else h.created_at.isoformat(),
+                      "thread": h.thread, "position": h.position, "context_score": h.context_score} for h in hits],
             "route": hits.route, "mode": mode, "k": k,
         }
 

@@ -12,6 +12,8 @@ LangChain users expect::
     hits[0].text, hits[0].score, hits[0].metadata, hits.route, hits.rule, hits.mean
     mem.add_many([{"user_id": "u2", "text": "I play chess"},          # many users, one write,
                   {"user_id": "u3", "text": "I like tea", "id": "t1"}])  # all or nothing
+    mem.add(["hi, I'm planning a trip", "to Japan, in May"], user_id="u1",
+            thread="chat-7", position=[0, 1])         # turns of a conversation
     mem.close()                                   # checkpoint; or use `with Memory(...)`
 
 What it adds to the engine
@@ -41,6 +43,11 @@ What it adds to the engine
   Searches run one batch at a time, in the order the batches were taken.
 * Long texts (over the encoder's window) are chunked; hits collapse to the item
   (``chunk_overlap`` in :class:`Memory`).
+* Conversations: an item may carry its conversation ``thread`` and its ``position`` in
+  it (:meth:`Memory.add`, every write door, the log, checkpoints, export / import);
+  searches with ``RFMemConfig.context_weight`` / ``thread_weight`` > 0 rank by the
+  context score (:mod:`rfmem_fast.context`, ``Hit.context_score``), and filters reach
+  them as the reserved fields ``thread`` / ``position`` (docs "Conversations").
 * A hot-query cache (:mod:`rfmem_fast.serving.cache`): query embeddings by text, and
   whole answers by (user, that user's write version, query, mode, k); any write to a
   user invalidates that user's answers.
@@ -111,8 +118,9 @@ from .encoding import DEFAULT_DIM, ENCODE_BATCH_SIZE, _EncoderPool, encoder_thre
 from .encoding import default_encoder_workers as default_encoder_workers
 from .hits import Hit, Hits, Item, _Answer, _utc
 from .queries import BatchEvent, _Queries
-from .validate import (MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, _canon_id, _check_path, _count_error, _created_list,
-                       _id_list, _metadata_list, _text_list, _user_key)
+from .validate import (MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, _canon_id, _check_pairs, _check_path, _count_error,
+                       _created_list, _entry_label, _id_list, _metadata_list, _position_list, _text_list,
+                       _thread_list, _user_key)
 from .wal import WriteAheadLog
 
 __all__ = ["Memory", "Hit", "Hits", "Item", "BatchEvent", "DEFAULT_DIM", "MAX_K", "MAX_ID_LENGTH", "MAX_TEXT_CHARS",
@@ -448,6 +456,8 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
         *,
         vectors: Any = None,
         created_at: Any = None,
+        thread: Any = None,
+        position: Any = None,
     ) -> list[Hashable]:
         """Store memories for a user (created on first add); durable once it returns.
 
@@ -472,6 +482,19 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
                 Stored in UTC, logged with the write, returned as ``Item.created_at`` /
                 ``Hit.created_at`` and filterable as ``filters={"created_at": {...}}``
                 (:meth:`search`).
+            thread: the conversation thread of the items (default: none): one thread id
+                for every item or m of them (None for an item without one); a thread id
+                is a str (1-256 characters) or an int (signed 64-bit), kept as given
+                (``"1"`` and ``1`` are different threads). Items of one thread are
+                each other's context when the config's ``context_weight`` /
+                ``thread_weight`` > 0 (:mod:`rfmem_fast.context`); returned as
+                ``Item.thread`` / ``Hit.thread``, filterable as ``filters={"thread": ...}``.
+            position: each item's position in its thread (default: none): one int >= 0
+                for every item or m of them / None. Within a thread, items are ordered by
+                position (those without one after, in insertion order); neighbours are
+                the items at most ``context_radius`` ranks away. An item with a position
+                needs a thread. Returned as ``Item.position`` / ``Hit.position``,
+                filterable as ``filters={"position": {"$lt": 10}}``.
 
         Returns:
             list of the m item ids (str).
@@ -482,8 +505,11 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
                 ``texts[i]`` named), a duplicate id or one the user already holds,
                 metadata that is not JSON (``metadata[i]`` named), an empty / blank
                 text or one with a lone surrogate (``texts[i]``), no encoder for texts, a
-                malformed, naive or out-of-range ``created_at`` (``created_at[i]`` named).
-            TypeError: arguments of the wrong type.
+                malformed, naive or out-of-range ``created_at`` (``created_at[i]`` named),
+                an empty / over-long thread id (``thread[i]``), a negative position
+                (``position[i]``), a position without a thread.
+            TypeError: arguments of the wrong type (a thread that is no str / int, a
+                position that is no int: named).
             OSError: the log could not be written (nothing is acknowledged).
         """
         self._check_open()
@@ -502,12 +528,16 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             raise _count_error("ids", len(id_list), m)
         meta = _metadata_list(metadata, m)
         created = _created_list(created_at, m)
+        thr = _thread_list(thread, m)
+        pos = _position_list(position, m)
+        _check_pairs(thr, pos, lambda j: (_entry_label("position", position)(j), _entry_label("thread", thread)(j)))
         extra_ids: list[str] = []
         extra = None
         if vec is None:
             vec, extra_ids, extra = self._encode_items(tx, id_list)
         self._write(self._add_record(user, id_list, vec, extra_ids, extra,
-                                     {"texts": tx, "metadata": meta, "created_at": created}))
+                                     {"texts": tx, "metadata": meta, "created_at": created, "threads": thr,
+                                      "positions": pos}))
         return id_list
 
 
@@ -519,6 +549,8 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
         *,
         vectors: Any = None,
         metadata: dict | Sequence[dict | None] | None = None,
+        thread: Any = None,
+        position: Any = None,
     ) -> None:
         """Change existing items (keeping their ids); durable once it returns.
 
@@ -528,6 +560,12 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             texts: new texts (re-encoded unless ``vectors`` is given), or None to keep.
             vectors: new [m, d] vectors, or None (keep, or encode the new texts).
             metadata: a dict for every item or m dicts (None clears one), or None to keep.
+            thread: one thread id for every item or m entries (None clears one item's
+                thread), or None to keep (as :meth:`add`).
+            position: one int >= 0 for every item or m entries (None clears one item's
+                position), or None to keep. The items as they will be must not hold a
+                position without a thread (to clear both: ``thread=[None] * m,
+                position=[None] * m``).
 
         Raises:
             KeyError: unknown user or item id (named).
@@ -543,16 +581,20 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             if n is not None and n != m:
                 raise _count_error(name, n, m, of="ids")
         meta = _metadata_list(metadata, m)
-        if tx is None and vec is None and meta is None:
-            raise ValueError("update needs texts, vectors or metadata")
+        thr = _thread_list(thread, m)
+        pos = _position_list(position, m)
+        if tx is None and vec is None and meta is None and thr is None and pos is None:
+            raise ValueError("update needs texts, vectors, metadata, thread or position")
         if user not in self.bank:
             raise KeyError(f"user_id: unknown user {user!r}")
         extra_ids: list[str] = []
         extra = None
         if tx is not None and vec is None:
             vec, extra_ids, extra = self._encode_items(tx, id_list)
+        tl, pl = _entry_label("thread", thread), _entry_label("position", position)
         with self._wmutex:
-            self._write(self._update_record(user, id_list, tx, vec, meta, extra_ids, extra))
+            conv = self._conversation_of(user, id_list, thr, pos, lambda j: (pl(j), tl(j)))
+            self._write(self._update_record(user, id_list, tx, vec, meta, extra_ids, extra, conv))
 
     def delete(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> None:
         """Delete items of a user (never returned again); durable once it returns.
@@ -670,7 +712,8 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             {"id", "user_id", "text" (None for a vector-only item), "metadata" (a dict,
             {} when none), "created_at" (ISO-8601 UTC; left out when unknown: a store
             written before creation times were kept, or a stored time that is no instant,
-            :attr:`Item.created_at`), and
+            :attr:`Item.created_at`), "thread" and "position" (the item's conversation,
+            each left out when it has none), and
             "vector" when asked for}: one consistent version of the memory (taken under
             the read lock at the first ``next``).
         """
@@ -683,6 +726,7 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
         pos = {u: k for k, u in enumerate(snap.users)}
         texts = snap.texts
         created = snap.created_at_or_nan
+        threads, positions = snap.threads, snap.positions
         for user in users:
             k = pos[user]
             a, b = int(snap.offsets[k]), int(snap.offsets[k + 1])
@@ -695,6 +739,10 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
                 when = _utc(created[r])
                 if when is not None:  # NaN: unknown (an item of a store of format < 4)
                     item["created_at"] = when.isoformat()
+                if threads is not None and threads[r] is not None:
+                    item["thread"] = threads[r]
+                if positions is not None and positions[r] >= 0:  # (NO_POSITION = -1: none)
+                    item["position"] = int(positions[r])
                 if (vectors or item["text"] is None) and iid not in chunked[user]:
                     item["vector"] = np.array(snap.vectors[r], dtype=np.float32)
                 yield item
@@ -756,7 +804,9 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
             metas = self.bank.get_metadata(user, ids)
             times = self.bank.created_at_of(user, ids).tolist()
-        return [Item(i, text_of[i], m or {}, _utc(t)) for i, m, t in zip(ids, metas, times)]
+            threads, positions = self.bank.threads_of(user, ids), self.bank.positions_of(user, ids)
+        return [Item(i, text_of[i], m or {}, _utc(t), th, p)
+                for i, m, t, th, p in zip(ids, metas, times, threads, positions)]
 
     def get(self, ids: Sequence[Hashable] | Hashable, user_id: Hashable) -> list[Item]:
         """Some items of a user, in the order asked.
@@ -772,7 +822,9 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
             metas = self.bank.get_metadata(user, id_list)
             text_of = dict(zip(self.bank.item_ids_of(user), self.bank.texts_of(user)))
             times = self.bank.created_at_of(user, id_list).tolist()
-        return [Item(i, text_of[i], m or {}, _utc(t)) for i, m, t in zip(id_list, metas, times)]
+            threads, positions = self.bank.threads_of(user, id_list), self.bank.positions_of(user, id_list)
+        return [Item(i, text_of[i], m or {}, _utc(t), th, p)
+                for i, m, t, th, p in zip(id_list, metas, times, threads, positions)]
 
     def users(self) -> list[Hashable]:
         """Every user key ever written (users whose items were all deleted included)."""

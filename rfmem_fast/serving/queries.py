@@ -21,6 +21,7 @@ from ..lexical import CHUNK_SEP
 from ..search import MODES, SearchResult, search
 from .cache import QueryCache, vector_key
 from .hits import Hit, Hits, _Answer, _utc
+from ..bank import NO_POSITION
 from .validate import _check_k, _check_text, _user_key
 
 __all__ = ["BatchEvent"]
@@ -194,7 +195,7 @@ class _Queries:
         search_s, searches = 0.0, 0
         with self._rw.read():
             snap = self.bank.snapshot()  # the one the searches below run on (writes wait for the lock)
-            created = snap.created_at_or_nan
+            fields = _RowFields(snap.created_at_or_nan, snap.threads, snap.positions)
             known = {u: i for i, u in enumerate(snap.users)}
             groups: dict[tuple[str, int], list[int]] = {}
             for i, q in enumerate(queries):
@@ -225,11 +226,11 @@ class _Queries:
                     searches += 1
                 texts = res.texts  # taken from the snapshot this search ran on
                 routes, rules = res.route_names, res.rule_names
-                rows = [self._collapse(res, j, texts[j], queries[i].k, created) for j, i in enumerate(idx)]
+                rows = [self._collapse(res, j, texts[j], queries[i].k, fields) for j, i in enumerate(idx)]
                 t0 = time.perf_counter()
                 try:
                     searches += self._give_back_chunk_slots(cfg, res, rows, [queries[i] for i in idx],
-                                                            [vecs[i] for i in idx], created)
+                                                            [vecs[i] for i in idx], fields)
                 except Exception as exc:  # pragma: no cover - defensive: fails these callers only
                     for i in idx:
                         out[i] = exc
@@ -241,9 +242,9 @@ class _Queries:
                 for j, i in enumerate(idx):
                     q = queries[i]
                     try:
-                        ids, scores, txt, from_chunk, chan, times = rows[j]
+                        ids, scores, txt, from_chunk, chan, times, conv = rows[j]
                         if q.text is None:  # a vector query: the lexical channel did not score it
-                            chan = [(c[0], None) for c in chan]
+                            chan = [(c[0], None, c[2]) for c in chan]
                         if any(from_chunk):  # a chunk's hit shows its item's whole text
                             pt = parent_texts.get(q.user)
                             if pt is None:
@@ -251,7 +252,7 @@ class _Queries:
                                                                      self.bank.texts_of(q.user)))
                             txt = [pt[x] if f else t for x, t, f in zip(ids, txt, from_chunk)]
                         out[i] = ans = self._answer(res, j, q.user, routes[j], rules[j], ids, scores, txt,
-                                                    metas[q.user], chan, times)
+                                                    metas[q.user], chan, times, conv)
                     except Exception as exc:  # pragma: no cover - defensive: fails this caller only
                         out[i] = exc
                         continue
@@ -283,7 +284,7 @@ class _Queries:
                       backend=self._backend, device=self._device, **lex)
 
     def _give_back_chunk_slots(self, cfg: RFMemConfig, res: SearchResult, rows: list[tuple], qs: list[_Query],
-                               vecs: list[np.ndarray], created: np.ndarray) -> int:
+                               vecs: list[np.ndarray], fields: "_RowFields") -> int:
         """Recollection counts items, not chunk rows: the result slots that extra chunks of
         an item already returned took are given to other items (``rows`` changed in place;
         returns the number of extra engine searches made, 0 or 1).
@@ -313,17 +314,17 @@ class _Queries:
         fam = self._engine(cfg, "dense", [qs[j] for j, _ in need], [vecs[j] for j, _ in need])
         floor = cfg.score_floor
         for jj, (j, want) in enumerate(need):
-            ids, scores, txt, from_chunk, chan, times = rows[j]
+            ids, scores, txt, from_chunk, chan, times, conv = rows[j]
             have = set(ids)
-            more = self._collapse(fam, jj, fam.texts[jj], max(qs[j].k, 1) + len(ids), created)
+            more = self._collapse(fam, jj, fam.texts[jj], max(qs[j].k, 1) + len(ids), fields)
             for extra in zip(*more):
                 if len(ids) == want:
                     break
-                i, score, _, _, c, _ = extra
+                i, score, _, _, c, _, _ = extra
                 if i in have or (c[0] if c[0] is not None else score) < floor:
                     continue
                 have.add(i)
-                for col, v in zip((ids, scores, txt, from_chunk, chan, times), extra):
+                for col, v in zip((ids, scores, txt, from_chunk, chan, times, conv), extra):
                     col.append(v)
         return 1
 
@@ -337,26 +338,33 @@ class _Queries:
 
     @staticmethod
     def _collapse(res: SearchResult, j: int, texts: np.ndarray, k: int,
-                  created: np.ndarray) -> tuple[list, list, list, list, list, list]:
+                  fields: "_RowFields") -> tuple[list, list, list, list, list, list, list]:
         """Query ``j``'s hit rows collapsed to items: a long text's chunk rows count as
         their item (its best-ranked row; the first k items). Returns (ids, scores,
-        texts, from_chunk, channels, times): from_chunk[r] when item r's best row was an
-        extra chunk (its text is then looked up); channels[r] its (dense, lexical) scores
-        (None where unknown); times[r] its creation time (UTC datetime or None), read
-        from ``created`` (float64 [n], the creation times of the snapshot the search ran
-        on: one gather, a chunk row holding its item's time)."""
+        texts, from_chunk, channels, times, conversations): from_chunk[r] when item r's
+        best row was an extra chunk (its text is then looked up); channels[r] its
+        (dense, lexical, context) scores (None where unknown or off); times[r] its
+        creation time (UTC datetime or None) and conversations[r] its (thread,
+        position) (None where none), read from ``fields`` (the per-row columns of the
+        snapshot the search ran on: one gather each, a chunk row holding its item's
+        values)."""
         ok = res.rows[j] >= 0
+        n = int(ok.sum())
         ids, scores, txt = res.ids[j][ok].tolist(), res.scores[j][ok].tolist(), texts[ok].tolist()
-        chan = [tuple(_finite_or_none(v) for v in pair) for pair in zip(
-            res.dense_scores[j][ok].tolist() if res.dense_scores is not None else [None] * len(ids),
-            res.lexical_scores[j][ok].tolist() if res.lexical_scores is not None else [None] * len(ids),
-        )]  # fmt: skip
-        times = created[res.rows[j][ok]].tolist()
+
+        def col(a: np.ndarray | None) -> list:
+            return a[j][ok].tolist() if a is not None else [None] * n
+
+        chan = [tuple(_finite_or_none(v) for v in trio)
+                for trio in zip(col(res.dense_scores), col(res.lexical_scores), col(res.context_scores))]
+        hit_rows = res.rows[j][ok]
+        times = fields.created[hit_rows].tolist()
+        conv = fields.conversations(hit_rows)
         if not any(isinstance(i, str) and CHUNK_SEP in i for i in ids):
             return (ids[:k], scores[:k], txt[:k], [False] * min(k, len(ids)), chan[:k],
-                    [_utc(t) for t in times[:k]])  # fmt: skip
-        out_ids, out_s, out_t, out_f, out_c, out_w, seen = [], [], [], [], [], [], set()
-        for i, sc, t, c, w in zip(ids, scores, txt, chan, times):
+                    [_utc(t) for t in times[:k]], conv[:k])  # fmt: skip
+        out_ids, out_s, out_t, out_f, out_c, out_w, out_v, seen = [], [], [], [], [], [], [], set()
+        for i, sc, t, c, w, v in zip(ids, scores, txt, chan, times, conv):
             chunk = isinstance(i, str) and CHUNK_SEP in i
             parent = i.rpartition(CHUNK_SEP)[0] if chunk else i
             if parent in seen:
@@ -368,18 +376,40 @@ class _Queries:
             out_f.append(chunk)
             out_c.append(c)
             out_w.append(_utc(w))
+            out_v.append(v)
             if len(out_ids) == k:
                 break
-        return out_ids, out_s, out_t, out_f, out_c, out_w
+        return out_ids, out_s, out_t, out_f, out_c, out_w, out_v
 
     def _answer(self, res: SearchResult, j: int, user: Hashable, route: str, rule: str, ids: list,
-                scores: list, txt: list, metas: dict, chan: list, times: list) -> _Answer:
-        """Query ``j`` of ``res`` as an immutable answer (hits with texts, metadata and
-        creation times): ``ids`` / ``scores`` / ``txt`` / ``chan`` / ``times`` its hits
-        (:meth:`_collapse`), ``metas`` {id: metadata} of its user (:meth:`_metadata_of`)."""
+                scores: list, txt: list, metas: dict, chan: list, times: list, conv: list) -> _Answer:
+        """Query ``j`` of ``res`` as an immutable answer (hits with texts, metadata,
+        creation times and conversations): ``ids`` / ``scores`` / ``txt`` / ``chan`` /
+        ``times`` / ``conv`` its hits (:meth:`_collapse`), ``metas`` {id: metadata} of its
+        user (:meth:`_metadata_of`)."""
         mean, ent, rounds = float(res.mean[j]), float(res.entropy[j]), int(res.rounds[j])
         hits = tuple(
-            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds, c[0], c[1], w)
-            for r, (i, t, s, c, w) in enumerate(zip(ids, txt, scores, chan, times))
+            Hit(i, t, s, metas[i] or {}, r, user, route, rule, mean, ent, rounds, c[0], c[1], w,
+                thread=v[0], position=v[1], context_score=c[2])
+            for r, (i, t, s, c, w, v) in enumerate(zip(ids, txt, scores, chan, times, conv))
         )
         return _Answer(user, hits, route, rule, mean, ent, rounds)
+
+
+@dataclass(frozen=True)
+class _RowFields:
+    """The per-row columns of one bank snapshot that a hit shows: ``created`` (float64 [n]
+    creation times, NaN unknown), ``threads`` (object [n] or None: no row has one) and
+    ``positions`` (int64 [n], :data:`~rfmem_fast.bank.NO_POSITION` where none, or None)."""
+
+    created: np.ndarray
+    threads: np.ndarray | None
+    positions: np.ndarray | None
+
+    def conversations(self, rows: np.ndarray) -> list[tuple[Any, int | None]]:
+        """[(thread, position)] of ``rows`` (None where a row has none)."""
+        n = int(rows.shape[0])
+        thr = self.threads[rows].tolist() if self.threads is not None else [None] * n
+        pos = ([None if p == NO_POSITION else p for p in self.positions[rows].tolist()]
+               if self.positions is not None else [None] * n)
+        return list(zip(thr, pos))

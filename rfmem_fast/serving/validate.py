@@ -1,7 +1,10 @@
 """The argument checks of a :class:`~rfmem_fast.serving.memory.Memory`, shared with the
 HTTP app and the MCP server: ids (the id model below), texts, metadata, ``k``, the
-per-item lists of a write, and :func:`_instant`, the ONE parser of an item's creation
-time (every write door: ``add``, ``add_many``, the HTTP bodies, ``rfmem import`` lines).
+per-item lists of a write, :func:`_instant`, the ONE parser of an item's creation
+time (every write door: ``add``, ``add_many``, the HTTP bodies, ``rfmem import`` lines),
+and the conversation fields of an item, its ``thread`` (:func:`_check_thread1`) and
+``position`` (:func:`_check_position1`), with the rule that a position needs a thread
+(:func:`_check_pairs`).
 
 Each check reads no Memory state and raises TypeError / ValueError naming the argument
 (``texts[3]``, ``items[2].created_at``) and what was expected.
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bank import _check_id_list, _check_metadata, _check_unicode, check_instant
+from ..bank import MAX_POSITION, _check_id_list, _check_metadata, _check_unicode, check_instant
 from ..config import RFMemConfig
 from ..filters import parse_instant
 from ..lexical import CHUNK_SEP
@@ -29,6 +32,9 @@ MAX_ID_LENGTH = 256
 #: the longest text of a memory or a query (characters); a memory must also fit the
 #: encoder's window (``TextEncoder.max_tokens``: 256 tokens for all-MiniLM-L6-v2)
 MAX_TEXT_CHARS = 100_000
+#: the range of an int conversation thread id (a signed 64-bit integer: every JSON
+#: client and the bank store carry it exactly)
+THREAD_INT_RANGE = (-(2**63), 2**63 - 1)
 
 
 def _count_error(name: str, n: int, m: int, unit: str = "item", of: str | None = None,
@@ -211,3 +217,121 @@ def _check_k(k: Any) -> None:
         return
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
         raise ValueError(f"k must be an int in [1, {MAX_K}] or None, got {k!r}")
+
+
+# ---------------------------------------------------------------------- conversations
+# An item's conversation: its ``thread`` (a str of 1-MAX_ID_LENGTH characters of valid
+# Unicode, or an int in THREAD_INT_RANGE; ``"1"`` and ``1`` are different threads, as in
+# the bank, and both survive JSON as given) and its ``position`` in that thread (an int in
+# [0, 2**63 - 1]); an item with a position needs a thread. Both optional (None: none).
+# They are what the context score reads (RFMemConfig.context_weight / thread_weight,
+# rfmem_fast.context) and the reserved filter fields ``thread`` / ``position``.
+def _check_thread1(v: Any, where: str) -> str | int:
+    """One conversation thread id as stored: a str or an int (numpy scalars converted).
+
+    Raises:
+        TypeError: not a str / int (a bool included), ``where`` named. ValueError: an
+            empty or over-long str, one with a lone surrogate, an int outside
+            :data:`THREAD_INT_RANGE`.
+    """
+    if isinstance(v, np.integer) and not isinstance(v, np.bool_):
+        v = int(v)
+    elif isinstance(v, np.str_):
+        v = str(v)
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise TypeError(f"{where} must be a str or an int (a conversation thread id), got {type(v).__name__}")
+    if isinstance(v, int):
+        lo, hi = THREAD_INT_RANGE
+        if not lo <= v <= hi:
+            raise ValueError(f"{where} must be an int in [-2**63, 2**63 - 1] (or a str), got {v}")
+        return int(v)
+    if not v:
+        raise ValueError(f"{where} must be a non-empty str (or an int)")
+    if len(v) > MAX_ID_LENGTH:
+        raise ValueError(f"{where} is {len(v)} characters long; a thread id holds at most {MAX_ID_LENGTH}")
+    return _check_unicode(str(v), where)
+
+
+def _check_position1(v: Any, where: str) -> int:
+    """One position in a conversation thread as stored: an int in [0, 2**63 - 1].
+
+    Raises:
+        TypeError: not an int (a bool or a float included), ``where`` named.
+            ValueError: a negative or too large int.
+    """
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{where} must be an int >= 0 (the item's place in its thread), got {type(v).__name__}")
+    v = int(v)
+    if not 0 <= v <= MAX_POSITION:
+        raise ValueError(f"{where} must be an int in [0, 2**63 - 1], got {v}")
+    return v
+
+
+def _per_item(value: Any, m: int, name: str, check: Any, single: str, scalar: tuple) -> list | None:
+    """``value`` as m checked entries (None: not given): one value for every item, or a
+    sequence of m values / None."""
+    if value is None:
+        return None
+    if isinstance(value, scalar) and not isinstance(value, (bool, np.bool_)):
+        v = check(value, name)
+        return [v] * m
+    if isinstance(value, (str, bytes, dict, bool, np.bool_)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be None, {single}, or a sequence of them (None for an item without one), "
+                        f"one per item, got {type(value).__name__}")
+    out = list(value)
+    if len(out) != m:
+        raise _count_error(name, len(out), m, single=single)
+    return [None if v is None else check(v, f"{name}[{j}]") for j, v in enumerate(out)]
+
+
+def _thread_list(thread: Any, m: int, name: str = "thread") -> list | None:
+    """``Memory.add``'s ``thread`` as m entries (str / int / None), or None when not given:
+    one thread id for every item, or m of them / None (:func:`_check_thread1`).
+
+    Raises:
+        TypeError / ValueError: naming ``thread`` or ``thread[i]``; a list of another
+            length than m.
+    """
+    return _per_item(thread, m, name, _check_thread1, "one thread id (a str or an int)",
+                     (str, int, np.integer, np.str_))
+
+
+def _position_list(position: Any, m: int, name: str = "position") -> list | None:
+    """``Memory.add``'s ``position`` as m entries (int >= 0 / None), or None when not given:
+    one position for every item, or m of them / None (:func:`_check_position1`).
+
+    Raises:
+        TypeError / ValueError: naming ``position`` or ``position[i]``; a list of
+            another length than m.
+    """
+    return _per_item(position, m, name, _check_position1, "one int >= 0", (int, np.integer))
+
+
+def _entry_label(name: str, value: Any) -> Any:
+    """``label(j)``: how a message names item ``j``'s entry of an argument ``name`` given as
+    ``value``: ``name[j]`` for a sequence, ``name`` for one value shared by every item."""
+    if isinstance(value, (str, int, np.integer, np.str_)) or value is None:
+        return lambda j: name
+    return lambda j: f"{name}[{j}]"
+
+
+def _check_pairs(threads: list | None, positions: list | None, labels: Any) -> None:
+    """No item may hold a position without a thread (a position orders an item within its thread).
+
+    Args:
+        threads, positions: the items' threads / positions as they will be stored (m
+            entries each, or None: no item has one).
+        labels: ``labels(j) -> (position label, thread label)`` naming item ``j``'s two
+            fields in a message (``("position[2]", "thread[2]")``, ``("items[4].position",
+            "items[4].thread")``).
+
+    Raises:
+        ValueError: naming the first such item's position and thread.
+    """
+    if positions is None:
+        return
+    for j, p in enumerate(positions):
+        if p is not None and (threads is None or threads[j] is None):
+            plab, tlab = labels(j)
+            raise ValueError(f"{plab} is {p} but the item has no thread: a position orders an item within its "
+                             f"conversation thread, so give {tlab} too")
