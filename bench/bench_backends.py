@@ -1,4 +1,4 @@
-"""Backend benchmark (issue 3): per primitive and end to end, every CPU backend side by side.
+"""Backend benchmark: per primitive and end to end, every CPU backend side by side.
 
 Workload (DESIGN.md "Benchmark workloads"): U users x n items of seeded clustered unit
 vectors (default 1,000 x 4,096, d = 384), a batch of queries each against a random
@@ -24,7 +24,7 @@ Usage::
     python bench/bench_backends.py [--users 1000] [--items 4096] [--dim 384] [--queries 1024]
         [--backends native,torch,reference] [--reference-queries 32] [--out FILE]
 
-Results go to ``bench/results/backends-<timestamp>.json`` (machine, versions, command,
+Results go to ``bench/results/local/backends-<timestamp>.json`` (machine, versions, command,
 every figure) and a printed table.
 """
 from __future__ import annotations
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["ratios"] = ratios
     doc["wall_seconds"] = time.perf_counter() - t0
 
-    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"backends-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "local" / f"backends-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
 

@@ -1,4 +1,4 @@
-"""The native beam driver against the Python one (issue 11, item 2), in ONE run.
+"""The native beam driver against the Python one, in ONE run.
 
 Single queries: ``search`` called with one query at a time over one user's memory of
 128 / 512 / 4,096 chunks x 384 (32K / 128K / 1M tokens at 256 tokens a chunk), in modes
@@ -12,9 +12,9 @@ its own driver, as in a serving loop); both drivers' rows are checked to be equa
 ``--mt-items`` items, ``--mt-batch`` queries, each against a random user) in mode
 recollection with 1 and 2 threads, queries per second of each driver.
 
-The JSON (``bench/results/beam-driver-<timestamp>.json`` or ``--out``) holds the
+The JSON (``bench/results/local/beam-driver-<timestamp>.json`` or ``--out``) holds the
 machine, the load averages before and after, versions, the exact command, every figure
-and the ratios (Python driver / native driver; rfmem p50 / dense p50). The issue's goal
+and the ratios (Python driver / native driver; rfmem p50 / dense p50). The targets
 at 1M tokens: recollection p50 <= 0.5 ms and rfmem p50 / dense p50 <= 1.3 on a quiet
 machine.
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mt_batch > 0:
         doc["batch"] = batch(args.mt_users, args.mt_items, args.mt_batch, threads, args.seed + 7)
     doc["loadavg_after"] = list(os.getloadavg())
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"beam-driver-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"beam-driver-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Single-query latency on a busy machine (issue 8, item 5): quiet vs CPU contention.
+"""Single-query latency on a busy machine: quiet vs CPU contention.
 
 A serving process answers one query at a time while other processes load the cores.
 This benchmark measures, in ONE run, the latency of single-query ``search`` calls
@@ -19,8 +19,8 @@ This benchmark measures, in ONE run, the latency of single-query ``search`` call
   next request (the kernel's scheduler places a waking task ahead of the ones that
   ran meanwhile, so an idle-then-busy search is rarely made to wait).
 
-The goal (issue 8): p99 under contention <= 3 x p99 quiet with the default threads.
-The JSON (``bench/results/contention-<timestamp>.json`` or ``--out``) holds the
+The target: p99 under contention <= 3 x p99 quiet with the default threads.
+The JSON (``bench/results/local/contention-<timestamp>.json`` or ``--out``) holds the
 machine, the load averages seen before each condition, versions, the exact command and
 every figure, plus the ratios. The script uses only the public API, so it also runs
 against older versions of the package (for a before/after on one machine).
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios[key] = {"p50": c["p50_ms"] / q["p50_ms"], "p99": c["p99_ms"] / q["p99_ms"],
                        "goal_p99_le_3x": c["p99_ms"] <= 3 * q["p99_ms"]}  # fmt: skip
     doc["ratios_contention_over_quiet"] = ratios
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"contention-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"contention-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}", file=sys.stderr)

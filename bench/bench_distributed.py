@@ -1,4 +1,4 @@
-"""Scale-out benchmark (issue 13): a multi-tenant batch through ShardedMemory with 1, 2, 4 shards.
+"""Scale-out benchmark: a multi-tenant batch through ShardedMemory with 1, 2, 4 shards.
 
 Workload: U users x n items of seeded clustered unit vectors (``rfmem_fast.bench.workloads``,
 default 2,000 x 256, d = 384), one batch of B queries (default 4,096), each against a
@@ -23,7 +23,7 @@ Usage::
     python bench/bench_distributed.py [--users 2000] [--items 256] [--batch 4096]
         [--shards 1,2,4] [--modes dense,rfmem] [--backend native] [--out FILE]
 
-Writes ``bench/results/distributed-<timestamp>.json`` (machine, versions, load before
+Writes ``bench/results/local/distributed-<timestamp>.json`` (machine, versions, load before
 and during the run, the exact command, every figure) and a PNG beside it (queries per
 second against shards, one line per mode, the single-process figures as dashed lines).
 """
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed batches per cell after one warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/distributed-<ts>.json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/local/distributed-<ts>.json)")
     a = p.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in a.modes:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         r["speedup_vs_fewest_shards"] = r["qps_best"] / one["qps_best"] if one else None
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = a.out or ROOT / "results" / f"distributed-{stamp}.json"
+    out = a.out or ROOT / "results" / "local" / f"distributed-{stamp}.json"
     doc = {
         "benchmark": "bench_distributed",
         "command": [sys.executable, *sys.argv],

@@ -1,9 +1,9 @@
-"""Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench (issue 21, item 1).
+"""Encoder backends: torch vs ONNX Runtime MiniLM on PersonaBench.
 
 Side by side in one run, for each option (``--options``, default
 ``torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:float32:torch,onnx:int8``; ``backend:dtype[:long_texts]`` of
-:class:`rfmem_fast.encoders.TextEncoder`; ``st:<dtype>`` is the torch encoder before issue 21,
-sentence-transformers' own ``encode``: :class:`StEncode`, the goals' "today's" encoder):
+:class:`rfmem_fast.encoders.TextEncoder`; ``st:<dtype>`` is the torch encoder of commit 51f1a6b,
+sentence-transformers' own ``encode``: :class:`StEncode`, the speed targets' baseline):
 
 1. speed: milliseconds per text of ``TextEncoder.encode`` called on B PersonaBench
    questions at a time (``--calls``, default 1, 8, 64), and on B = 64 chunks (longer
@@ -27,7 +27,7 @@ sentence-transformers' own ``encode``: :class:`StEncode`, the goals' "today's" e
    263 questions they span about +-0.5 points even at 1 - cosine = 1e-5, so a Recall@10
    delta inside that band is not a difference of the encoders.
 
-The JSON (``--out``, default ``bench/results/encoder-backends.json``) holds the CPU model
+The JSON (``--out``, default ``bench/results/local/encoder-backends.json``) holds the CPU model
 and SIMD flags, versions (torch, onnxruntime, onnx, ...), the load average before and
 after, and the exact command; the markdown table and the goal check (>= 2x texts / s
 over torch bfloat16 at batch 1 and 64, Recall@10 within 0.2 points, routes identical
@@ -91,10 +91,10 @@ class Precomputed:
 
 
 class StEncode:
-    """The torch encoder as it was before issue 21 (the goals' "today's" encoder):
+    """The torch encoder of commit 51f1a6b (the speed targets' baseline):
     sentence-transformers' own ``encode`` of a torch :class:`TextEncoder`'s model, at the
     encoder's precision and threads: its passes are ``batch_size`` texts sorted by
-    characters and padded to the longest, where :class:`TextEncoder` now cuts passes by
+    characters and padded to the longest, where :class:`TextEncoder` cuts passes by
     token count (``rfmem_fast.encoders._passes``). Option ``st:<dtype>``."""
 
     def __init__(self, enc: Any) -> None:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="PersonaBench eval_data_v1 folder (default: ../shared/...)")
     p.add_argument("--options", default="torch:float32,st:bfloat16,torch:bfloat16,onnx:float32,onnx:float32:torch,onnx:int8",
                    help="comma list of backend:dtype[:long_texts] (backend 'st': sentence-transformers' own encode, "
-                        "the encoder before issue 21; long_texts: TextEncoder's, its default when omitted); the first is "
+                        "the encoder of commit 51f1a6b; long_texts: TextEncoder's, its default when omitted); the first is "
                         "the reference")
     p.add_argument("--calls", default="1,8,64", help="texts per encode call")
     p.add_argument("--questions", type=int, default=128, help="questions timed per cell")
@@ -174,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch / ONNX Runtime threads (default 1)")
     p.add_argument("--no-quality", action="store_true", help="skip the PersonaBench retrieval")
     p.add_argument("--noise-seeds", type=int, default=5, help="random perturbations per option for the noise band (0: none)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "encoder-backends.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "encoder-backends.json"))
     args = p.parse_args(argv)
     options = []
     for item in args.options.split(","):
         backend, _, rest = item.strip().partition(":")
         dtype, _, long_texts = rest.partition(":")
-        if backend == "st":  # StEncode: the torch encoder before issue 21
+        if backend == "st":  # StEncode: the torch encoder of commit 51f1a6b
             options.append((backend, dtype or "float32", _default_long_texts()))
             continue
         if long_texts not in ("", "auto", "onnx", "torch"):
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["load"]["loadavg_end"] = _loadavg()
 
     by = {(r["option"], r["texts"], r["call"]): r["cpu_ms_per_text"] for r in doc["speed"]}
-    # the goals' "today's bfloat16 torch encoder": sentence-transformers' encode (st:) where
+    # the speed targets' baseline, commit 51f1a6b's bfloat16 torch encoder: sentence-transformers' encode (st:) where
     # it is among the options, else the torch encoder
     base = "st:bfloat16" if "st:bfloat16" in doc["settings"]["options"] else "torch:bfloat16"
     doc["goals_base"] = base

@@ -1,4 +1,4 @@
-"""Encoder precision: float32 vs bfloat16 MiniLM on PersonaBench (issue 9 follow-up).
+"""Encoder precision: float32 vs bfloat16 MiniLM on PersonaBench.
 
 Side by side in one run, for each precision (``--dtypes``, default float32,bfloat16):
 
@@ -14,7 +14,7 @@ Side by side in one run, for each precision (``--dtypes``, default float32,bfloa
    and the routes, :func:`rfmem_fast.evaluate.run_personabench` with the encoder at
    that precision (items and questions embedded by it; ``--no-quality`` skips it).
 
-The JSON (``--out``, default ``bench/results/encoder-precision.json``) holds the
+The JSON (``--out``, default ``bench/results/local/encoder-precision.json``) holds the
 machine, its CPU features (native bfloat16 or not), versions, load and the command.
 
     python bench/bench_encoder_precision.py            # ~2-3 min on 2 cores
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="repetitions per cell (the best is kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-quality", action="store_true", help="skip the PersonaBench retrieval quality")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "encoder-precision.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "encoder-precision.json"))
     args = p.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):

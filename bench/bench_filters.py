@@ -1,4 +1,4 @@
-"""Cost of filtered search (issue 20 item 1), native backend, CPU.
+"""Cost of filtered search, native backend, CPU.
 
 Workload: ``rfmem bench``'s synthetic clustered vectors (d = 384, 8 centres per user,
 items in random cluster order); item j of a user of n items gets the metadata
@@ -33,7 +33,7 @@ Goal: selective filters (1 %, 10 %, 50 %) cost no more than an unfiltered search
 
 Usage::
 
-    python bench/bench_filters.py [--users 50] [--queries 200] [--out bench/results/filters-<time>.json]
+    python bench/bench_filters.py [--users 50] [--queries 200] [--out bench/results/local/filters-<time>.json]
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_rfmem_same_routes_met": {k: same_routes_batch[k] >= 1.0 for k in selective},
         },
     }
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"filters-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"filters-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(doc, out)
     print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_unfiltered",
                                           "single_rfmem_ratio_over_sub_bank", "single_recollection_share", "batch_qps",

@@ -1,4 +1,4 @@
-"""The native top-k kernels per SIMD level and path (issue 11, items 1 and 3): what the
+"""The native top-k kernels per SIMD level and path: what the
 cost rule of the GEMM path and the half-precision scan rest on.
 
 Three measurements, each at every SIMD level this CPU runs (``_native.set_simd_cap``:
@@ -21,7 +21,7 @@ The cap applies to the GEMM micro-kernels and the half-precision scans; the floa
 path has its own compile-time clones (``target_clones``, csrc/cpu/common.h), so its
 "level 0" figure is its AVX2 clone on an AVX2 machine.
 
-The JSON (``bench/results/gemm-<timestamp>.json`` or ``--out``) holds the machine, the
+The JSON (``bench/results/local/gemm-<timestamp>.json`` or ``--out``) holds the machine, the
 versions, the load averages, the exact command and every figure.
 
 Usage::
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["bandwidth"] = bandwidth(levels, args.users, args.items, args.dim, args.queries, args.repeats)
     doc["loadavg_after"] = list(os.getloadavg())
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = write_json(doc, args.out or Path(__file__).with_name("results") / f"gemm-{stamp}.json")
+    out = write_json(doc, args.out or Path(__file__).with_name("results") / "local" / f"gemm-{stamp}.json")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -1,4 +1,4 @@
-"""Cost of the lexical (BM25) channel (issue 18 cost goals), native backend, CPU.
+"""Cost of the lexical (BM25) channel against its cost targets, native backend, CPU.
 
 Workload: ``rfmem bench``'s synthetic clustered vectors (d = 384, 8 centres per user)
 with a synthetic text per item: ``--words`` (60) words drawn from a Zipf(``--zipf``
@@ -14,7 +14,7 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
   ``search(mode="dense")`` without the lexical channel
   against the same call with ``lexical_weight > 0`` for each fusion (the hybrid dense
   path), and the lexical scoring alone (tokenise + postings). Goal: hybrid p50 <= 1.3x dense.
-* ``batch``: ``--users`` users x ``--chunks`` items (default 200 x 4,096: the issue's
+* ``batch``: ``--users`` users x ``--chunks`` items (default 200 x 4,096: the target's
   1,000 users x 4,096 x 384 float32 is 6.3 GB of vectors plus 250M words of text, more
   than this machine holds next to other work; ``--users 1000`` runs it where it fits),
   ``--batch`` queries on random users per call, best of ``--reps`` calls, q/s. Goal:
@@ -25,7 +25,7 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
 
 Usage::
 
-    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/hybrid-<time>.json]
+    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/local/hybrid-<time>.json]
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from rfmem_fast.bench.workloads import SyntheticSpec, bank_with_texts, query_tex
 from rfmem_fast.evaluate import machine_info
 
 
-#: the fusions timed (lexical_weight as the issue's table used them)
+#: the fusions timed (the lexical weights of the hybrid guide's cost table)
 FUSIONS = {
     "convex_max": dict(lexical_weight=0.2, fusion="convex", lexical_norm="max"),
     "convex_raw": dict(lexical_weight=0.03, fusion="convex", lexical_norm="raw"),  # recommended(), MiniLM
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_met": {k: v / batch["dense"] >= 0.6 for k, v in batch.items() if k != "dense"},
         },
     }
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(doc, out)
     print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "batch_qps",
                                           "batch_ratio_over_dense")}, indent=1))  # fmt: skip

@@ -1,5 +1,4 @@
-"""Ingestion throughput: bulk writes vs one item per call, through the facade and over HTTP
-(issue 20 item 3).
+"""Ingestion throughput: bulk writes vs one item per call, through the facade and over HTTP.
 
 Items are PersonaBench memory chunks (the loader of ``rfmem_fast.datasets.personabench``:
 the 527 chunks of the 6 users, ~1,700 characters each, so most are over MiniLM's
@@ -28,7 +27,7 @@ reported). A cell checks at its end that the memory holds exactly its items.
 Reported per cell: items, wall seconds, items/s, encoder seconds and share, log records
 written, server / client CPU seconds; and per variant and path the speed-up of each
 batch size over ``single``. The JSON (``--out``, default
-``bench/results/ingest-<time>.json``) holds the machine (CPU model, SIMD flags), versions,
+``bench/results/local/ingest-<time>.json``) holds the machine (CPU model, SIMD flags), versions,
 the exact command and the load (load average before / after, cores busy with other
 processes).
 
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder", default="default", help="the server's --encoder for the text variant")
     p.add_argument("--encoder-dtype", default="auto", help="the server's --encoder-dtype (default auto)")
     p.add_argument("--encoder-backend", default="auto", help="the server's --encoder-backend (default auto)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/ingest-<time>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/local/ingest-<time>.json)")
     args = p.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if data is None:
         print("PersonaBench not found: pass --data", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"ingest-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "local" / f"ingest-{time.strftime('%Y%m%d-%H%M%S')}.json"
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     enc = {"encoder": args.encoder, "dtype": args.encoder_dtype, "backend": args.encoder_backend}
     doc: dict[str, Any] = {

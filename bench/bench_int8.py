@@ -23,7 +23,7 @@ bound, from ``_native.int8_bounds`` on a sample of queries: the rows the exact f
 re-scores when its kept list of k + 64 holds them, which it reports too: the share of
 queries that would rescan), the bytes a query's scan reads (its segment's scan copy plus
 the float32 rows it re-scores) and the extra memory per row (d + 12 bytes beside the
-float32 rows). The JSON (``--out``, default ``bench/results/int8-scan-<time>.json``) holds
+float32 rows). The JSON (``--out``, default ``bench/results/local/int8-scan-<time>.json``) holds
 the CPU model and flags, the SIMD level taken, numpy's and faiss's BLAS (threadpoolctl),
 the load average before and after, versions and the exact command.
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         results["tenants"] = bench_bank("tenants", X, np.arange(args.users + 1, dtype=np.int64) * args.per_user, args, rng)
     doc["results"] = results
     doc["load_avg_after"] = list(os.getloadavg())
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"int8-scan-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "local" / f"int8-scan-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=float))
     print(f"wrote {out}")

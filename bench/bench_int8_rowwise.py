@@ -1,4 +1,4 @@
-"""Row-wise int8 for the MiniLM encoder: what it would gain, what it costs (issue 21, item 1).
+"""Row-wise int8 for the MiniLM encoder: what it would gain, what it costs.
 
 The shipped int8 option (``MatMulNBits``, blocks of 16: :mod:`rfmem_fast.onnx_export`) keeps
 the retrieval close to float32 but is no faster than the float32 graph from ~100 rows per
@@ -27,7 +27,7 @@ depend on the other texts of its pass). This script measures, side by side in on
    moved from the activations into the weights, calibrated on 512 LoCoMo turns: another
    data set, no PersonaBench text) at ``--alphas``.
 
-The JSON (``--out``, default ``bench/results/int8-rowwise.json``) holds the machine (CPU
+The JSON (``--out``, default ``bench/results/local/int8-rowwise.json``) holds the machine (CPU
 model, SIMD flags, BLAS kernel), versions, load average before and after and the exact
 command. ``PYTHONPATH=$PWD python bench/bench_int8_rowwise.py``.
 """
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from rfmem_fast.evaluate import machine_info
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "int8-rowwise.json"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "local" / "int8-rowwise.json"))
     p.add_argument("--reps", type=int, default=5, help="repetitions per timing cell (best of; default 5)")
     p.add_argument("--rows", default="16,512,1024", help="rows per linear call in the qgemm part (default 16,512,1024)")
     p.add_argument("--alphas", default="0.5,0.8", help="SmoothQuant migration strengths (default 0.5,0.8)")

@@ -1,17 +1,17 @@
-"""Peak memory of one search per backend (issue 8, item 2): the issue's workloads.
+"""Peak memory of one search per backend, at sizes where an unchunked path would need gigabytes.
 
 For each scenario and backend, one ``search`` runs in a fresh process
 (:func:`rfmem_fast.bench.memory.measure`: warm-up, peak RSS reset, one call) and the
 growth of its peak RSS (``VmHWM``) over the RSS before the call is recorded, with the
-wall time and a spot check against the exact top-k. Defaults are the issue's sizes:
+wall time and a spot check against the exact top-k. Default sizes:
 
 * ``long_user``: one user with 100,000 items (d = 32), 8,192 queries, mode dense
-  (before the fix: +10 GB on torch, +0 MB on native);
-* ``recollection``: the same bank, 2,048 queries, mode recollection (before: +10 GB);
+  (without the memory budget's chunking: +10 GB on torch, +0 MB on native);
+* ``recollection``: the same bank, 2,048 queries, mode recollection (without the chunking: +10 GB);
 * ``many_users``: 2,000 users sharing 100,000 items, 8,192 queries, mode dense.
 
 Every backend runs with its default ``memory_budget`` (256 MiB) unless ``--budget``.
-The JSON (``bench/results/memory-<timestamp>.json`` or ``--out``) holds the machine,
+The JSON (``bench/results/local/memory-<timestamp>.json`` or ``--out``) holds the machine,
 versions, the load averages, the exact command and every figure.
 
 Usage::
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(budget {r['budget_bytes'] / 2**20:.0f} MiB)  {r['seconds']:7.1f} s  correct={r['correct']}",
                   file=sys.stderr)  # fmt: skip
     doc["loadavg_after"] = list(os.getloadavg())
-    out = Path(args.out) if args.out else Path(__file__).with_name("results") / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {out}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Load test of ``rfmem serve`` on the PersonaBench memories (issue 9 figures).
+"""Load test of ``rfmem serve`` on the PersonaBench memories.
 
 What it does, side by side in one run:
 
@@ -28,11 +28,11 @@ Per cell: requests/s, client latency p50 / p99 / mean (ms), errors, the server's
 the client's CPU milliseconds per request (both run on the same cores), and from the
 server's ``/metrics`` the batch sizes and the encoder vs search time (per batched run
 and per request); the encoder's precision comes from the server's ``/health``. The
-JSON (``--out``, default ``bench/results/serving-<time>.json``) holds the machine,
+JSON (``--out``, default ``bench/results/local/serving-<time>.json``) holds the machine,
 load (load average, cores busy with other processes), versions, the command and every
 figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
 
-5. ``--compare-pipeline`` (issue 21): the server as it was (``--no-pipeline
+5. ``--compare-pipeline``: the server without the pipeline (``--no-pipeline
    --encoder-workers 1 --switch-interval-ms 5``: one batch encoded, then searched, on
    one thread), the default server (pipelined, ``--encoder-workers auto``) and the
    pipeline with two encoder workers side by side: closed loop at 1 / 8 / 64 clients for ``--seconds`` each,
@@ -53,14 +53,14 @@ figure; a PNG next to it plots requests/s and p50 / p99 against concurrency.
    REF's ``csrc`` is the same, else REF's own built in place, which needs pybind11; the
    memory directory written again by REF's code, so an older store format is read; its
    CLI's flags only: ``before`` = its defaults and ``--max-batch``, ``--no-auth`` only
-   where REF has it): the server before, exactly, next to today's in one run. The server
-   as issue 21 found it (~3 min)::
+   where REF has it): the server of REF, exactly, next to this checkout's in one run. Against commit
+   51f1a6b (the torch encoder, no pipeline, no fast path; ~3 min)::
 
     python bench/bench_serving.py --baseline-ref 51f1a6b --configs before,batched --open-loop none \
         --repeats 0 --seconds 12 --rounds 4
 
    The server of 6fd04da (the ONNX encoder already in) without its pipeline against
-   today's, with the int8 encoder for comparison (~8 min):
+   this checkout's, with the int8 encoder for comparison (~8 min):
 
     python bench/bench_serving.py --compare-pipeline --baseline-ref 6fd04da \
         --configs unpipelined,batched,pipeline-2,int8 --open-loop-configs unpipelined,batched,pipeline-2,int8
@@ -177,7 +177,7 @@ CONFIGS = {
     "batched": lambda a: ["--max-batch", str(a.max_batch)],  # micro-batching (the default server)
     "single": lambda a: ["--no-batching"],  # each request encodes + searches in its own thread
     "serial": lambda a: ["--max-batch", "1"],  # one worker, one request per encode + search
-    # issue 21: micro-batching before the pipeline (one thread encodes, then searches, a batch)
+    # micro-batching without the pipeline (one thread encodes, then searches, a batch)
     "unpipelined": lambda a: ["--max-batch", str(a.max_batch), "--no-pipeline", "--encoder-workers", "1",
                               "--switch-interval-ms", "5"]  # and Python's own GIL switch interval, as before
     + ([] if a.baseline_ref else ["--no-fast-path"]),  # (the code of --baseline-ref has no fast path)
@@ -264,7 +264,7 @@ class Server:
                "--cache-size", str(cache_size), "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning",
                "--encoder-dtype", dtype]
         if src == ROOT or _has_flag(src, "--no-auth"):  # a loopback benchmark: no tokens to send
-            cmd.append("--no-auth")  # (a server from before issue 17 had no auth unless given a key)
+            cmd.append("--no-auth")  # (a server before commit 17c7299 had no auth unless given a key)
         serve_cli = src / "rfmem_fast" / "serving" / "cli.py"
         if serve_cli.is_file() and '"--preset"' in serve_cli.read_text(encoding="utf-8", errors="replace"):
             cmd += ["--preset", "paper"]  # the recorded figures' retrieval (the servers' default before the hybrid one)
@@ -920,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("raw", "aiohttp", "httpx"), default="raw",
                    help="load generator: 'raw' (default: keep-alive HTTP/1.1 on asyncio protocols and uvloop, ~0.05 ms "
                    "CPU per request), 'aiohttp' (~0.2 ms) or 'httpx' (~3.6 ms)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/serving-<time>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/local/serving-<time>.json)")
     p.add_argument("--seconds", type=float, default=None,
                    help="length of each closed-loop cell in seconds (clients cycle their requests); default: "
                    "--requests requests per cell")
@@ -939,9 +939,9 @@ def main(argv: list[str] | None = None) -> int:
                    "this checkout with the old options (--no-pipeline --encoder-workers 1 --switch-interval-ms 5 "
                    "--no-fast-path)")
     p.add_argument("--compare-pipeline", action="store_true",
-                   help="issue 21 before / after: --configs unpipelined,batched,pipeline-2, open loop on all three, "
+                   help="the server without / with the pipeline: --configs unpipelined,batched,pipeline-2, open loop on all three, "
                    "--profile, --seconds 12 in --rounds 4, --repeats 0 (explicit flags win), "
-                   "out bench/results/serving-pipeline-<time>.json")
+                   "out bench/results/local/serving-pipeline-<time>.json")
     args = p.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     if args.compare_pipeline:
@@ -981,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         print("PersonaBench not found: pass --data", file=sys.stderr)
         return 2
     stem = "serving-pipeline" if args.compare_pipeline else "serving"
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "local" / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     tmp = Path(tempfile.mkdtemp(prefix="rfmem-serving-bench-"))
     doc: dict[str, Any] = {
@@ -1066,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["goal"] = goal
     for cl in [*doc["cells"], *doc["open_loop"], *([doc["cache_cell"]] if "cache_cell" in doc else [])]:
         cl.pop("_lat", None)
-    if "unpipelined" in configs:  # issue 21: the default server against the one before the pipeline
+    if "unpipelined" in configs:  # the default server against the one without the pipeline
         pg: dict[str, Any] = {}
         for dtype in dtypes:
             cells = {c: (by.get(("unpipelined", dtype, c)), by.get(("batched", dtype, c))) for c in conc}

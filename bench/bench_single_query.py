@@ -1,4 +1,4 @@
-"""Where a single RF-Mem query's time goes at 1M tokens (issues 11 and 21), native backend.
+"""Where a single RF-Mem query's time goes at 1M tokens, native backend.
 
 One user of 4,096 chunks x d = 384 (1M tokens at 256 tokens per chunk; the workload
 of ``rfmem bench``'s latency table: 8 Gaussian centres, half the queries near an item,
@@ -6,7 +6,7 @@ half near a centre), single-query calls, p50 in ms. Cells, all in ONE run, taken
 turns (round-robin blocks of calls, so that a change of the machine's load hits every
 cell alike):
 
-* ``numpy_scan``: the yardstick of issue 21, one single-threaded numpy scan of the bank
+* ``numpy_scan``: the yardstick, one single-threaded numpy scan of the bank
   (``X @ q`` plus a top-10 ``np.argpartition``; BLAS held to one thread);
 * ``kernel_topk_1`` / ``kernel_topk_4``: the native top-k of 1 query and of the 4
   branch queries of one recollection round (one pass over the user's rows);
@@ -25,13 +25,13 @@ Each cell runs under thread settings (``--threads``): ``1`` (``NativeBackend(
 num_threads=1)``: one thread, the path before threads), ``auto`` (the defaults: the
 pool adds helpers for idle cores, csrc/cpu/pool.h) and ``always`` (the pool whatever
 the load, to show what threads give when a core is free). ``--baseline PATH`` also runs
-the whole benchmark against another copy of the package (e.g. a checkout of the
-commit before a change, with its ``_native`` built) in a subprocess, interleaved with
+the whole benchmark against another copy of the package (e.g. a checkout of an
+older commit, with its ``_native`` built) in a subprocess, interleaved with
 this one block by block, and reports the two side by side.
 
-The goal of issue 21: search_recollection and search_rfmem_recollecting p50 <= 4 x
+The target: search_recollection and search_rfmem_recollecting p50 <= 4 x
 numpy_scan p50 (2-core AMD EPYC, quiet). The JSON (``--out``, default
-``bench/results/single-query-recollection-<time>.json``) holds the machine, the load
+``bench/results/local/single-query-recollection-<time>.json``) holds the machine, the load
 before and after, versions, the exact command and every figure.
 
 Usage::
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["baseline"] = {"path": str(Path(args.baseline).resolve()), **base_facts, "cells": out["result"],
                            "derived": derived(bp50, ["1"]) if "1/driver" in bp50 else None, **out["extra"]}
         doc["baseline"]["cells_run"] = base_cells
-    path = Path(args.out) if args.out else (Path(__file__).with_name("results")
+    path = Path(args.out) if args.out else (Path(__file__).with_name("results") / "local"
                                             / f"single-query-recollection-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))

@@ -21,11 +21,11 @@ directory (``--items`` short texts of one user, written once with the default en
 is copied afresh for every run. The kinds run one after the other, ``--repeats`` rounds
 interleaved (a change of the machine's load hits them alike); the JSON holds every run,
 the medians, the machine (CPU model, cores), the versions, the exact command, the
-checkout run (``--code``: another checkout's ``rfmem_fast``, e.g. the code before a
-change; its git commit is recorded) and the load average before / after each run.
+checkout run (``--code``: another checkout's ``rfmem_fast``, e.g. an older
+commit; its git commit is recorded) and the load average before / after each run.
 
     python bench/bench_startup.py                                   # ~2-4 min on 2 cores
-    python bench/bench_startup.py --code /path/to/old/checkout --out bench/results/startup-old.json
+    python bench/bench_startup.py --code /path/to/old/checkout --out bench/results/local/startup-old.json
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--omp-wait-policy", default=None,
                     help="OMP_WAIT_POLICY of the processes (default: unset, as a user starts them)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON file (default bench/results/startup-<cpu>.json)")
+                    help="JSON file (default bench/results/local/startup-<cpu>.json)")
     args = ap.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds):
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     code = args.code.resolve()
     extra = {} if args.omp_wait_policy is None else {"OMP_WAIT_POLICY": args.omp_wait_policy}
     cpu = _cpu_model()
-    out = args.out or ROOT / "bench" / "results" / (
+    out = args.out or ROOT / "bench" / "results" / "local" / (
         "startup-" + "".join(c if c.isalnum() else "-" for c in cpu.lower()).strip("-")[:40] + ".json")
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="rfmem-startup-") as tmp:

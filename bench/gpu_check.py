@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One command for a lent GPU (issue 12): environment, CUDA build, GPU tests, GPU benchmark.
+"""One command for a lent GPU: environment, CUDA build, GPU tests, GPU benchmark.
 
     python bench/gpu_check.py --out DIR [--budget-s 420] [--pb-pack FILE]
     python bench/gpu_check.py --out DIR --dry-run         # the same code path on the CPU (CI)
@@ -334,7 +334,7 @@ def stage_cuda_suite(run: Run, rec: dict[str, Any]) -> None:
 
 
 def _settings(run: Run):
-    """The benchmark's settings: the issue's sizes on a GPU, tiny ones in the dry run."""
+    """The benchmark's settings: the target sizes on a GPU, tiny ones in the dry run."""
     import torch
 
     from rfmem_fast.backends import available

@@ -8,7 +8,7 @@ Examples::
     python bench/run_bench.py --workloads latency --scales 32K,128K,1M,4M --backends native
     python bench/run_bench.py --workloads batch --shared-sizes 1e6 --batch-sizes 1,64,1024
 
-Results: bench/results/bench-<timestamp>.json (+ -latency.png, -throughput.png).
+Results: bench/results/local/bench-<timestamp>.json (+ -latency.png, -throughput.png).
 """
 import sys
 from pathlib import Path

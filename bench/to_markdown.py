@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Print a benchmark JSON (bench/results/bench-*.json) as markdown tables, for the README.
+"""Print a benchmark JSON (``rfmem bench``'s report, by default bench/results/local/bench-*.json) as markdown tables, for the README.
 
-    python bench/to_markdown.py bench/results/bench-20250101-120000.json
+    python bench/to_markdown.py bench/results/local/bench-20250101-120000.json
 """
 import json
 import sys

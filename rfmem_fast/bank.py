@@ -1138,7 +1138,9 @@ class MemoryBank:
         Args:
             user: an existing user key.
             ids: m >= 1 distinct item ids the user holds.
-            vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`.
+            vectors: [m, d] floating array, checked and L2-normalised as in :meth:`add`,
+                or None to keep the items' vectors (change only the other fields; at
+                least one of them must be given).
             texts: m new texts (str or None), or None to keep the current texts.
             metadata: m new metadata dicts (None entries clear an item's metadata), or
                 None to keep the current metadata (:meth:`set_metadata` changes only
@@ -1159,20 +1161,31 @@ class MemoryBank:
         Raises:
             KeyError: unknown user, or an id the user does not hold (named).
             TypeError / ValueError: as :meth:`add` (shapes, dtype, NaN / Inf, zero
-                rows, lengths, duplicates). Nothing is written when an error is raised.
+                rows, lengths, duplicates); ``vectors`` None with nothing else to change
+                (TypeError). Nothing is written when an error is raised.
         """
         with self._lock:
             u = self.user_index(user)
-            vec = as_float_matrix(vectors, "vectors", self._dim)
-            if vec.shape[0] == 0:
-                raise ValueError("vectors must hold at least one row")
-            vec = l2_normalize_rows(vec, "vectors")
-            id_list = _check_ids(ids, vec.shape[0])
-            tx = None if texts is None else _check_texts(texts, vec.shape[0])
-            meta = None if metadata is None else _check_metadata(metadata, vec.shape[0])
-            created = None if created_at is None else check_created_at(created_at, vec.shape[0])
-            thr = None if threads is None else check_threads(threads, vec.shape[0])
-            pos = None if positions is None else check_positions(positions, vec.shape[0])
+            if vectors is None:  # the other fields only: the rows are kept bit for bit
+                if texts is None and metadata is None and created_at is None and threads is None and positions is None:
+                    raise TypeError("vectors must be a floating [m, d] array, or None with another field to change "
+                                    "(texts, metadata, created_at, threads, positions); got None and nothing else")
+                vec = None
+                id_list = _check_id_list(ids)
+                if not id_list:
+                    raise ValueError("ids must hold at least one item id")
+            else:
+                vec = as_float_matrix(vectors, "vectors", self._dim)
+                if vec.shape[0] == 0:
+                    raise ValueError("vectors must hold at least one row")
+                vec = l2_normalize_rows(vec, "vectors")
+                id_list = _check_ids(ids, vec.shape[0])
+            m = len(id_list)
+            tx = None if texts is None else _check_texts(texts, m)
+            meta = None if metadata is None else _check_metadata(metadata, m)
+            created = None if created_at is None else check_created_at(created_at, m)
+            thr = None if threads is None else check_threads(threads, m)
+            pos = None if positions is None else check_positions(positions, m)
             if (thr is None) != (pos is None):  # the items as they will be: no position without a thread
                 r0 = self._rows[u]
                 cur = {i: j for j, i in enumerate(r0.live_ids())}
@@ -1186,7 +1199,8 @@ class MemoryBank:
             enc = self._encode(tx) if tx is not None else None
             for j, i in enumerate(id_list):
                 s = slots[i]
-                r.set_row(s, vec[j])
+                if vec is not None:
+                    r.set_row(s, vec[j])
                 if tx is not None:
                     r.texts[s] = tx[j]
                     r.toks[s] = enc[j]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,14 @@ def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = Fa
     if bad:
         left = "(" if lo_open else "["
         raise ValueError(f"RFMemConfig.{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+_NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
+#: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
+_RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
+    "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **_NEVER_RECOLLECT},
+    "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **_NEVER_RECOLLECT},
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class RFMemConfig:
       it replaces the merge, so ``merge`` must be "none".
 
     The lexical (BM25) channel (:mod:`rfmem_fast.lexical`, :mod:`rfmem_fast.fusion`,
-    README "Hybrid retrieval"); ``lexical_weight=0`` keeps today's dense behaviour exactly:
+    README "Hybrid retrieval"); ``lexical_weight=0`` keeps the dense-only behaviour exactly:
 
     * ``lexical_weight`` (float in [0, 1e6], default 0.0): weight ``w`` of the lexical
       channel; > 0 turns it on (``search`` then needs ``query_texts``).
@@ -255,42 +262,6 @@ class RFMemConfig:
             if not isinstance(self.router, str) or not self.router:
                 raise TypeError(f"RFMemConfig.router must be None or a router file path, got {self.router!r}")
 
-    def resolved_router(self) -> Any:
-        """Deprecated: :func:`rfmem_fast.routing.files.resolve_router` (``resolve_router(config)``).
-
-        The router this config routes with: ``router``'s file loaded and checked, else
-        the spec's threshold router with this config's thresholds. Emits a
-        DeprecationWarning; the config holds the path only, and the search resolves it.
-
-        Raises:
-            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_router`.
-        """
-        warnings.warn(
-            "RFMemConfig.resolved_router() is deprecated: use rfmem_fast.routing.files.resolve_router(config)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .routing.files import resolve_router
-
-        return resolve_router(self)
-
-    def resolved_reranker(self) -> Any:
-        """Deprecated: :func:`rfmem_fast.routing.files.resolve_reranker` (``resolve_reranker(config)``).
-
-        The re-ranker of ``reranker``'s file, or None. Emits a DeprecationWarning.
-
-        Raises:
-            FileNotFoundError / ValueError: as :func:`rfmem_fast.routing.files.resolve_reranker`.
-        """
-        warnings.warn(
-            "RFMemConfig.resolved_reranker() is deprecated: use rfmem_fast.routing.files.resolve_reranker(config)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .routing.files import resolve_reranker
-
-        return resolve_reranker(self)
-
     @classmethod
     def paper(cls, **overrides: Any) -> "RFMemConfig":
         """The authors' RF-Mem: their PersonaBench script's configuration (the defaults).
@@ -346,14 +317,10 @@ class RFMemConfig:
             ValueError: an unknown encoder (the message lists the known ones), or an
                 invalid override.
         """
-        never = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
-        picks: dict[str, dict[str, Any]] = {
-            "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **never},
-            "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **never},
-        }
-        if encoder not in picks:
-            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(picks)}, got {encoder!r}")
-        return cls(**{**picks[encoder], **overrides})
+        if encoder not in _RECOMMENDED_PICKS:
+            raise ValueError(f"RFMemConfig.recommended: encoder must be one of {sorted(_RECOMMENDED_PICKS)}, "
+                             f"got {encoder!r}")
+        return cls(**{**_RECOMMENDED_PICKS[encoder], **overrides})
 
     @classmethod
     def paper_text(cls, **overrides: Any) -> "RFMemConfig":
@@ -383,3 +350,43 @@ class RFMemConfig:
     def to_dict(self) -> dict[str, Any]:
         """All fields as a plain dict (JSON-serialisable)."""
         return dataclasses.asdict(self)
+
+    def preset(self) -> str:
+        """The name of the preset this configuration is, found by comparing it with them.
+
+        Every field but ``out_k`` is compared (``out_k`` is the default number of hits,
+        which each search may set with its ``k``), exactly (floats by value).
+
+        Returns:
+            "recommended" (:meth:`recommended` for an encoder it knows, "minilm" or
+            "mpnet": what ``--preset recommended`` and the text facades pick), "paper"
+            (:meth:`paper`, ``RFMemConfig()``), "paper_text" (:meth:`paper_text`), or
+            "custom" (any other: a field changed, a router or re-ranker file).
+        """
+        mine = {**self.to_dict(), "out_k": None}
+        candidates = [("recommended", RFMemConfig.recommended(e)) for e in _RECOMMENDED_PICKS]
+        candidates += [("paper", RFMemConfig.paper()), ("paper_text", RFMemConfig.paper_text())]
+        for name, cfg in candidates:
+            if {**cfg.to_dict(), "out_k": None} == mine:
+                return name
+        return "custom"
+
+    def summary(self) -> dict[str, Any]:
+        """The configuration by name and its main fields, for a status report (the HTTP
+        service's ``/health`` "config"): ``{"preset": :meth:`preset`, "out_k",
+        "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
+        "max_rounds", "score_floor", "merge", "router", "reranker"}``, ``router`` /
+        ``reranker`` as booleans (whether a calibrated file is used; its path is not shown).
+
+        Returns:
+            dict of JSON values.
+        """
+        out: dict[str, Any] = {"preset": self.preset()}
+        out.update({f: getattr(self, f) for f in _SUMMARY_FIELDS})
+        out.update(router=self.router is not None, reranker=self.reranker is not None)
+        return out
+
+
+#: the fields :meth:`RFMemConfig.summary` reports besides the preset's name
+_SUMMARY_FIELDS = ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau", "max_rounds",
+                   "score_floor", "merge")

@@ -120,7 +120,7 @@ BACKEND_DTYPES = {
 ENCODER_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
 
 #: what an option must keep to be picked by "auto" (:func:`resolve_backend`), against the
-#: float32 torch encoder on PersonaBench (questions and chunks, noise 0.0; issue 21): the
+#: float32 torch encoder on PersonaBench (questions and chunks, noise 0.0): the
 #: least cosine of one embedding, the fraction of questions whose RF-Mem route is the
 #: same, and the largest drop of RF-Mem Recall@10 in points. Checked by
 #: ``tests/test_encoders.py`` (cosine, where the data is present) and

@@ -1,4 +1,4 @@
-"""Local ONNX export of a sentence-transformers encoder, cached per model (issue 21, item 1).
+"""Local ONNX export of a sentence-transformers encoder, cached per model.
 
 :class:`rfmem_fast.encoders.TextEncoder` with ``backend="onnx"`` runs the model in ONNX
 Runtime. The ONNX graph is made here, from the local model folder's own weights; nothing
@@ -24,7 +24,7 @@ package runs with, so the export is done directly with torch and onnxruntime's t
    (``FusionOptions.use_multi_head_attention``), whose query / key / value projections
    are separate ``MatMul`` nodes (the ``Attention`` node of the float32 graph holds the
    three in one weight). Measured on PersonaBench's questions (1 - cosine to the float32
-   encoder, mean; the issue 21 notes in docs/benchmarks/serving.md "Encoder runtimes"):
+   encoder, mean; docs/benchmarks/serving.md "Encoder runtimes"):
    every MatMul in blocks of 32, 3.5e-4 (of which the
    value projections alone 1.7e-4, the query and key ones 1e-5 together, the
    feed-forward up / down projections 1.0e-4 / 0.5e-4); value projections in float32,

@@ -1046,7 +1046,7 @@ def _search_chunk_host(be: Backend, view: Any, Qh: np.ndarray, seg: np.ndarray, 
     :meth:`~rfmem_fast.backends.base.Backend.recollect_host`) instead of torch tensors:
     a single query pays ~1 us per step rather than torch's ~3-5 us per dispatch, and,
     right after a kernel's scan has evicted the caches, ~5 us per numpy call where a
-    torch call costs 10-20 us (bench/bench_single_query.py, issue 21).
+    torch call costs 10-20 us (bench/bench_single_query.py).
 
     Args:
         Qh: float32 [c, d] C-contiguous unit queries; seg: int64 [c] their segments;

@@ -3,8 +3,7 @@
 The store reads and writes arrays and manifests only: :func:`write_store` writes a bank
 snapshot's arrays (and its items' metadata), :func:`read_store` reads them back, checked,
 as a :class:`StoreContents`; :class:`~rfmem_fast.bank.MemoryBank` is built from that
-(``MemoryBank.load``). The store imports nothing of the bank (the bank sits above it; only the
-deprecated :func:`load_bank` alias forwards to ``MemoryBank.load``:
+(``MemoryBank.load``). The store imports nothing of the bank (the bank sits above it:
 ``docs/internals/layers.md``).
 
 Layout of a store directory ``PATH``::
@@ -48,7 +47,7 @@ codes and ``scan_meta.npy``: :func:`rfmem_fast.precision.int8_scan_copy`); forma
 ``threads.json`` and ``positions.npy`` (the items' conversation threads and positions,
 :meth:`~rfmem_fast.bank.MemoryBank.add`). A bank in which some item has a thread or a
 position is written as format 6; otherwise an int8 bank is written as format 5, every other
-bank as format 4 (readable by the code before int8 banks); this code reads all six (a
+bank as format 4 (readable by versions without int8 banks); this code reads all six (a
 format 1 / 2 store builds its lexical index from its texts at load, with no stemmer; a
 store of format 1 to 3 loads with every creation time unknown, ``NaN``, which no
 ``created_at`` comparison matches: :mod:`rfmem_fast.filters`; a store of format 1 to 5
@@ -149,7 +148,7 @@ _path_locks: dict[str, threading.Lock] = {}
 _path_locks_guard = threading.Lock()
 
 __all__ = [
-    "StoreError", "StoreContents", "write_store", "read_store", "save_bank", "load_bank",
+    "StoreError", "StoreContents", "write_store", "read_store",
     "FORMAT_VERSION", "FORMAT_NAME",
 ]  # fmt: skip
 
@@ -295,25 +294,6 @@ def _generation(path: Path) -> int:
         if m:
             gen = max(gen, int(m.group(1)))
     return gen + 1
-
-
-def save_bank(bank: Any, path: Any) -> Path:
-    """Deprecated: ``bank.save(path)`` (a MemoryBank writes itself with :func:`write_store`).
-
-    Emits a DeprecationWarning, then writes the bank's current snapshot as ``bank.save``
-    does.
-
-    Returns:
-        Path of the committed data directory (``path/snap-<generation>``).
-
-    Raises:
-        TypeError: ``bank`` is not a MemoryBank. StoreError / OSError: as :func:`write_store`.
-    """
-    if not callable(getattr(bank, "_save", None)):
-        raise TypeError(f"bank must be a MemoryBank, got {type(bank).__name__}")
-    warnings.warn("rfmem_fast.store.save_bank(bank, path) is deprecated: use bank.save(path)",
-                  DeprecationWarning, stacklevel=2)
-    return bank._save(path)
 
 
 def write_store(path: Any, snapshot: Any, metadata: list | None = None, *, dim: int,
@@ -920,19 +900,3 @@ def read_store(path: Any, mmap: bool = False, verify: bool = True) -> StoreConte
             last = exc  # CURRENT moved while we read: try the new store
     assert last is not None
     raise last
-
-
-def load_bank(path: Any, mmap: bool = False, verify: bool = True) -> Any:
-    """Deprecated: ``MemoryBank.load(path, mmap=..., verify=...)`` (the bank is built from
-    :func:`read_store`'s arrays).
-
-    Emits a DeprecationWarning and returns ``MemoryBank.load(path, mmap, verify)``.
-
-    Raises:
-        StoreError: as :func:`read_store`.
-    """
-    warnings.warn("rfmem_fast.store.load_bank(path) is deprecated: use MemoryBank.load(path)",
-                  DeprecationWarning, stacklevel=2)
-    from .bank import MemoryBank  # the bank sits above the store: only this alias looks up
-
-    return MemoryBank.load(path, mmap=mmap, verify=verify)

@@ -127,7 +127,7 @@ def _threshold_points() -> list[dict[str, float]]:
 
 #: the grids of ``rfmem tune --grid NAME``
 GRIDS: dict[str, SearchSpace] = {
-    # everything the issue lists: 48 recollection settings x 6 merges x 2 temperatures x 38 routers
+    # every combination: 48 recollection settings x 6 merges x 2 temperatures x 38 routers
     "full": SearchSpace(
         {"alpha": [0.3, 0.5, 0.8], "beam_width": [3, 4], "fanout": [1, 2], "max_rounds": [3, 10], "mmr_lambda": [0.9, 1.0]},
         MERGES, [20.0, 30.0], _threshold_points(),

@@ -1,4 +1,4 @@
-"""MemoryBank: CSR layout, conversion, normalisation and bad input (issue 2, items 3 and 9)."""
+"""MemoryBank: CSR layout, conversion, normalisation and bad input."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""MemoryBank lifecycle: add / update / delete / compact without a full rebuild (issue 5, item 1)."""
+"""MemoryBank lifecycle: add / update / delete / compact without a full rebuild."""
 from __future__ import annotations
 
 import numpy as np

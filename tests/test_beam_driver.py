@@ -369,7 +369,7 @@ def test_max_similarity_native_matches_default():
         _native.max_similarity(V.astype(np.float64), counts)
 
 
-# ----------------------------------------------------------------- merges (issue 10)
+# ----------------------------------------------------------------- merges
 @pytest.mark.parametrize("merge", ["interleave", "rrf", "rescore"])
 def test_merge_modes_same_on_both_drivers(merge):
     """The merges read every discovered item (``hit_rows``): the native driver returns

@@ -1,4 +1,4 @@
-"""bench/bench_single_query.py at tiny sizes (issue 21): every cell of every thread
+"""bench/bench_single_query.py at tiny sizes: every cell of every thread
 setting is measured, the driver's profile and the pool's counters are recorded, the
 ratios to the numpy scan are derived, and --baseline runs the same cells against a
 second copy of the package (here: this one) in a subprocess, side by side. No timing is

@@ -110,7 +110,7 @@ def test_bench_cli_quick_tiny(tmp_path, capsys):
         assert _finite(rt[name]["value"]), name
     assert rt["rfmem_p50_over_dense_p50"]["paper"] == 1.42
     assert rt["rfmem_qps_over_faiss_dense_qps"]["batch_size"] == 8
-    # issue 11: dtype and thread-count variants side by side, the goals' ratios
+    # dtype and thread-count variants side by side, the targets' ratios
     assert doc["settings"]["dtypes"] == ["float32", "float16"] and doc["settings"]["thread_counts"] == [1, 2]
     variants = {(r["system"], r["dtype"], r["threads"]) for r in mt if r["kind"] == "ours"}
     assert variants == {(b, dt, t) for b in ours for dt in ("float32", "float16") for t in (1, 2)}
@@ -272,8 +272,8 @@ def test_bench_gemm_script_tiny(tmp_path):
 
 def test_to_markdown_renders_a_report_of_an_older_version():
     """bench/to_markdown.py renders a committed report written before the per-thread
-    ratios existed (main before issue 11)."""
-    name = "bench-before-issue11-20261201.json"
+    ratios existed (by the engine before the GEMM path and half-precision banks)."""
+    name = "bench-scan-path-only-intel-xeon-amx.json"
     root = Path(__file__).resolve().parents[1]
     path = root / "bench" / "results" / name
     if not path.is_file():

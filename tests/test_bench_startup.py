@@ -1,7 +1,7 @@
 """bench/bench_startup.py without the model loads: the JSON it writes (machine, versions,
 command, the checkout run, every run with its load averages, the medians), its option
 checks, and the CPU accounting of a child process read from /proc. The measured runs
-themselves start real servers (minutes): their figures are in bench/results/startup-*.json."""
+themselves start real servers (minutes): their figures are in docs/benchmarks/serving.md, "Start-up time"."""
 from __future__ import annotations
 
 import importlib.util

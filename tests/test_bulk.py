@@ -1,4 +1,4 @@
-"""Bulk writes of a Memory (issue 20 item 3): add_many / update_many / delete_many.
+"""Bulk writes of a Memory: add_many / update_many / delete_many.
 
 Many users' items in one call: one encoder call, one write-ahead-log record (a group),
 all-or-nothing (a bad item names its index and nothing is written, also after a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -126,7 +127,14 @@ BAD_ADDS = [  # (items after one good item, exception, message, index, field)
      r"items\[1\]\.metadata is not JSON-serialisable", 1, "metadata"),
     ([{"user_id": "b", "text": "y", "metadata": ["x"]}], TypeError, r"items\[1\]\.metadata must be a dict", 1, "metadata"),
     ([{"user_id": "b", "text": "y", "created_at": "last tuesday"}], ValueError,
-     r"items\[1\]\.created_at is not an ISO-8601 date-time", 1, "created_at"),
+     r"items\[1\]\.created_at: 'last tuesday' is not an ISO-8601 date-time", 1, "created_at"),
+    ([{"user_id": "b", "text": "y", "created_at": True}], TypeError,
+     r"items\[1\]\.created_at: expected a number of seconds since the Unix epoch, a datetime or an ISO-8601 string, "
+     r"got bool", 1, "created_at"),
+    ([{"user_id": "b", "text": "y", "created_at": 1774747800000}], ValueError,
+     r"items\[1\]\.created_at: 1774747800000 is outside .* looks like milliseconds", 1, "created_at"),
+    ([{"user_id": "b", "text": "y", "created_at": datetime(2026, 1, 1)}], ValueError,
+     r"items\[1\]\.created_at: naive datetime", 1, "created_at"),
     (["just a text"], TypeError, r"items\[1\] must be a dict, got str", 1, None),
     ([{"user_id": "b\x1f", "text": "y"}], ValueError, r"items\[1\]\.user_id holds the character U\+001F", 1, "user_id"),
     ([{"user_id": True, "text": "y"}], TypeError, r"items\[1\]\.user_id must be a str or an int", 1, "user_id"),
@@ -214,7 +222,7 @@ def test_update_many_and_delete_many_equal_the_single_calls():
 BAD_UPDATES = [
     ("update", [{"user_id": "zed", "id": "1", "text": "x"}], KeyError, r"items\[1\]\.user_id: unknown user 'zed'", 1),
     ("update", [{"user_id": "b", "id": "9", "text": "x"}], KeyError, r"items\[1\]\.id: user 'b' holds no item id '9'", 1),
-    ("update", [{"user_id": "b", "id": "1"}], ValueError, r"items\[1\]: an update needs a text, a vector or metadata", 1),
+    ("update", [{"user_id": "b", "id": "1"}], ValueError, r"items\[1\]: an update needs a text, a vector, metadata, a thread or a position", 1),
     ("update", [{"user_id": "b", "text": "x"}], ValueError, r"items\[1\]\.id is required", 1),
     ("update", [{"user_id": "a", "id": "1", "text": "x"}], ValueError, r"items\[1\]\.id: item '1' of user 'a' is given twice", 1),
     ("update", [{"user_id": "b", "id": "1", "created_at": "2024-01-01"}], ValueError,
@@ -398,3 +406,29 @@ def test_add_many_keeps_created_at_for_items_and_their_chunks_and_filters_see_it
         hits = mem.search("memory w3", "a", k=5, mode="dense",
                           filters={"created_at": {"$lt": "2025-01-01T00:00:00Z"}})
         assert sorted(h.id for h in hits) == ["long", "old"]
+
+
+def test_add_many_takes_created_at_in_the_forms_of_add(tmp_path):
+    """One parser for every write door: add_many stores each form Memory.add takes (epoch
+    seconds as int / float / numpy number, an aware datetime, ISO-8601 strings with an
+    offset) as the same instant add stores; an ISO string without an offset reads as UTC
+    (the JSON item formats), which add refuses (it names no instant)."""
+    t0 = datetime(2026, 3, 29, 1, 30, tzinfo=timezone.utc)
+    forms = [1774747800, 1774747800.25, np.int64(1774747800), np.float32(1774747800.0), t0,
+             t0.astimezone(timezone(timedelta(hours=-7))), "2026-03-29T01:30:00Z", "2026-03-29T03:30:00.5+02:00",
+             -62135596800, "9999-12-31T23:59:59.999999+00:00"]
+    vec = np.eye(DIM)
+    added, bulk = Memory(encoder=False, dim=DIM), Memory(tmp_path / "m", encoder=False, dim=DIM)
+    for j, t in enumerate(forms):
+        added.add(None, "u", vectors=vec[j], ids=[f"i{j}"], created_at=t)
+    bulk.add_many([{"user_id": "u", "id": f"i{j}", "vector": vec[j], "created_at": t} for j, t in enumerate(forms)])
+    want = [i.created_at for i in added.get_all("u")]
+    assert [i.created_at for i in bulk.get_all("u")] == want
+    assert want[0] == t0 and want[1] == t0 + timedelta(seconds=0.25) and want[7] == t0 + timedelta(seconds=0.5)
+    bulk.add_many([{"user_id": "v", "vector": vec[0], "created_at": "2026-03-29T01:30:00"}])  # no offset: UTC
+    assert bulk.get_all("v")[0].created_at == t0
+    with pytest.raises(ValueError, match="has no UTC offset"):
+        added.add(None, "v", vectors=vec[0], created_at="2026-03-29T01:30:00")
+    bulk.close()
+    with Memory(tmp_path / "m", encoder=False) as again:
+        assert [i.created_at for i in again.get_all("u")] == want

@@ -1,4 +1,4 @@
-"""The bulk HTTP routes (issue 20 item 3): POST /v1/memories:batch, :batchUpdate,
+"""The bulk HTTP routes: POST /v1/memories:batch, :batchUpdate,
 :batchDelete -- many users' items in one all-or-nothing write, 422 located at the bad
 item, per-item user scope for user tokens, the body limit."""
 from __future__ import annotations
@@ -85,6 +85,8 @@ BAD = [  # (route, items, status, loc of the error or a text in the detail)
     ("batch", [{"user_id": "b", "text": "ok"}, {"user_id": "u", "text": "x", "id": "taken"}], 422, ["body", "items", 1, "id"]),
     ("batch", [{"user_id": "a", "text": "ok", "typo": 1}], 422, ["body", "items", 0, "typo"]),
     ("batch", [{"user_id": "a", "text": "ok", "created_at": "soon"}], 422, ["body", "items", 0, "created_at"]),
+    ("batch", [{"user_id": "a", "text": "ok", "created_at": True}], 422, ["body", "items", 0, "created_at", "float"]),
+    ("batch", [{"user_id": "a", "text": "ok", "created_at": 1774747800000}], 422, ["body", "items", 0, "created_at"]),
     ("batch", [], 422, ["body", "items"]),
     ("batch", [{"user_id": "a", "text": "ok"}] * 4097, 422, ["body", "items"]),
     ("batchUpdate", [{"user_id": "u", "id": "taken", "text": "x"}, {"user_id": "u", "id": "nope", "text": "y"}], 404,
@@ -148,3 +150,20 @@ def test_the_body_limit_applies_to_bulk_requests(tmp_path):
         r = c.post("/v1/memories:batch", headers=A, json={"items": big})
         assert r.status_code == 413 and mem.count("a") == 5
     mem.close()
+
+
+def test_batch_created_at_takes_the_forms_of_add(app_mem):
+    """A bulk item's created_at is read as the add route reads it: epoch seconds (JSON
+    int / float) or ISO-8601 (an offset-less string as UTC, the item format)."""
+    c, mem = app_mem
+    forms = [1774747800, 1774747800.5, "2026-03-29T03:30:00+02:00", "2026-03-29T01:30:00"]
+    r = c.post("/v1/memories:batch", headers=A, json={"items": [
+        {"user_id": "t", "id": f"i{j}", "text": f"fact {j}", "created_at": t} for j, t in enumerate(forms)]})
+    assert r.status_code == 201, r.text
+    r = c.post("/v1/users/t/memories", headers=A, json={"texts": ["a", "b", "c"], "ids": ["a0", "a1", "a2"],
+                                                         "created_at": forms[:3]})
+    assert r.status_code == 201, r.text
+    got = {i.id: i.created_at.isoformat() for i in mem.get_all("t")}
+    assert [got[f"i{j}"] for j in range(4)] == ["2026-03-29T01:30:00+00:00", "2026-03-29T01:30:00.500000+00:00",
+                                                  "2026-03-29T01:30:00+00:00", "2026-03-29T01:30:00+00:00"]
+    assert [got[f"a{j}"] for j in range(3)] == [got[f"i{j}"] for j in range(3)]

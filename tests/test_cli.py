@@ -1,4 +1,4 @@
-"""The main job end to end: `rfmem eval personabench` on the real data (issue 2, item 7)."""
+"""The main job end to end: `rfmem eval personabench` on the real data."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Searches from many threads while another thread writes (issue 5, item 3).
+"""Searches from many threads while another thread writes.
 
 Model under test (rfmem_fast/bank.py): one write lock plus immutable copy-on-write
 snapshots. Every vector here is a fingerprint of (item id, generation), so a reader can

@@ -1,4 +1,4 @@
-"""RFMemConfig: spec defaults and validation (issue 2, item 2)."""
+"""RFMemConfig: spec defaults and validation."""
 from __future__ import annotations
 
 import pytest
@@ -68,3 +68,32 @@ def test_presets():
     assert RFMemConfig.recommended(out_k=5).out_k == 5
     with pytest.raises(ValueError, match="encoder"):
         RFMemConfig.recommended("bert")
+
+
+def test_preset_names_a_configuration_by_comparing_every_field_but_out_k():
+    """preset() is "recommended" / "paper" / "paper_text" for the presets (any out_k: the
+    default k), "custom" as soon as any other field differs from all of them."""
+    import dataclasses
+
+    assert RFMemConfig().preset() == RFMemConfig.paper().preset() == "paper"
+    assert RFMemConfig.paper(out_k=3).preset() == "paper"
+    assert RFMemConfig.recommended().preset() == RFMemConfig.recommended("mpnet", out_k=50).preset() == "recommended"
+    assert RFMemConfig.paper_text().preset() == "paper_text"
+    assert RFMemConfig.recommended(lexical_weight=0.05).preset() == "custom"
+    assert RFMemConfig(router="calibrated.json").preset() == "custom"
+    # every field but out_k, moved off the paper's value, makes a custom configuration
+    base = RFMemConfig()
+    changed = {"probe_k": 11, "temperature": 19.5, "entropy": "sum", "theta_high": 0.7, "theta_low": 0.1,
+               "tau": 0.3, "alpha": 0.4, "beam_width": 3, "fanout": 2, "max_rounds": 9, "mmr_lambda": 0.8,
+               "score_floor": -0.1, "kmeans_seed": 7, "kmeans_iters": 100, "kmeans_tol": 1e-3, "merge": "rrf",
+               "rrf_k": 30.0, "rescore_weight": 0.4, "router": "r.json", "expansion_weight": 2.0,
+               "profile_weight": 0.3, "reranker": "x.json", "lexical_weight": 0.5, "fusion": "rrf",
+               "lexical_norm": "raw", "lexical_rrf_k": 5.0, "lexical_depth": 50}
+    assert set(changed) == {f.name for f in dataclasses.fields(RFMemConfig)} - {"out_k"}
+    for name, value in changed.items():
+        assert base.replace(**{name: value}).preset() == "custom", name
+    summary = RFMemConfig.recommended(out_k=5).summary()
+    assert summary == {"preset": "recommended", "out_k": 5, "lexical_weight": 0.03, "fusion": "convex", "probe_k": 10,
+                       "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0, "max_rounds": 10, "score_floor": 0.0,
+                       "merge": "none", "router": False, "reranker": False}
+    assert RFMemConfig(router="/secret/path.json").summary()["router"] is True  # no path on a status page

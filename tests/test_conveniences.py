@@ -1,4 +1,4 @@
-"""Truthful docs and small conveniences (issue 8, item 7).
+"""Truthful docs and small conveniences.
 
 * backend names: one tuple (``rfmem_fast.backends.BACKEND_NAMES``) quoted by
   ``search``'s and ``get_backend``'s docstrings, the CLI help and the error message;

@@ -1,4 +1,4 @@
-"""csrc/cuda builds without a GPU (issue 3, part 3): CI catches a CUDA build break.
+"""csrc/cuda builds without a GPU: CI catches a CUDA build break.
 
 * every ``csrc/cuda/*.cu`` compiles with ``nvcc -std=c++17 -c -arch=sm_90``;
 * the C ABI header ``rfmem_cuda.h`` is valid C and C++ on its own (no CUDA header);

@@ -1,4 +1,4 @@
-"""The loader interface (rfmem_fast.datasets.base), the LoCoMo loader and `rfmem eval locomo` (issue 18, item 4).
+"""The loader interface (rfmem_fast.datasets.base), the LoCoMo loader and `rfmem eval locomo`.
 
 No test here runs the sentence encoder: the end-to-end ones use a tiny deterministic
 bag-of-words encoder (tests/_fake_encoder.py)."""

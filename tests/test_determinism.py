@@ -1,4 +1,4 @@
-"""Determinism and batch invariance on every CPU backend (issue 5, item 6).
+"""Determinism and batch invariance on every CPU backend.
 
 Same inputs give bit-identical outputs (ids AND scores, every field) across calls, fresh
 banks, batch compositions and orders, chunk sizes, and a separate process with another

@@ -1,9 +1,9 @@
-"""Device-resident batches (issue 12, item 3), checked on the CPU with the same code path.
+"""Device-resident batches, checked on the CPU with the same code path.
 
 * ``search(..., output="torch")`` on torch queries equals the numpy path field by field
   (native, torch and reference backends), and ``to_result()`` gives the same ids;
 * torch queries are checked where they live, with the numpy path's errors;
-* the device router (:func:`rfmem_fast.router.route_tensor`) equals the spec's router on
+* the device router (:func:`rfmem_fast.routing.threshold.route_tensor`) equals the spec's router on
   every rule and exactly at the thresholds;
 * a bank too large for the device's free memory is refused before any copy (the free
   memory query monkeypatched on the CPU), and the view is built once per bank version;
@@ -24,7 +24,8 @@ from rfmem_fast.backends import available, get_backend
 from rfmem_fast.backends.torch_backend import TorchBackend
 from rfmem_fast.device import DeviceMemoryError, count_host_syncs, to_device, view_from_tensors
 from rfmem_fast.recollection import recollect
-from rfmem_fast.router import RULE_NAMES, route, route_tensor
+from rfmem_fast.routing.base import RULE_NAMES
+from rfmem_fast.routing.threshold import route, route_tensor
 from rfmem_fast.search import TensorSearchResult, search_tensors
 
 CFG = RFMemConfig(max_rounds=4, tau=0.12)

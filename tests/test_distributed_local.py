@@ -1,4 +1,4 @@
-"""Scale-out pieces that need no Ray (issue 13): the user -> shard hash, the gather of
+"""Scale-out pieces that need no Ray: the user -> shard hash, the gather of
 per-shard results, a shard's durable home (write-ahead log + checkpoint), the manifest,
 and the ImportError that names the ``[ray]`` extra. Ray itself: test_distributed_ray.py."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ShardedMemory on a local Ray cluster (issue 13): equivalence with single-process
+"""ShardedMemory on a local Ray cluster: equivalence with single-process
 ``search``, faults (a shard killed mid-batch, restart from its store), persistence.
 
 The module starts its own cluster with ``ray.init(num_cpus=2)`` and shuts it down at
@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason='ray is not installed (pip install "rfmem_fast[ray]")')
 
 import rfmem_fast  # noqa: E402
-from rfmem_fast import MemoryBank, StoreError, search  # noqa: E402
+from rfmem_fast import MemoryBank, RFMemConfig, StoreError, search  # noqa: E402
 from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank  # noqa: E402
 from rfmem_fast.distributed import ShardedMemory, ShardUnavailableError  # noqa: E402
 from rfmem_fast.distributed import sharded as sharded_mod  # noqa: E402
@@ -366,7 +366,7 @@ def test_readme_sharded_example_runs(ray_cluster, tmp_path, monkeypatch):
 
 
 def test_closed_memory_and_impossible_resources_fail_at_once(ray_cluster):
-    """Issue 17 item 16: every call after close() raises ShardedMemoryClosedError (not
+    """Every call after close() raises ShardedMemoryClosedError (not
     an AttributeError on None); shards the cluster can never hold (3 x 1 CPU on this
     2-CPU cluster) fail at once with the numbers, not after ready_timeout_s."""
     from rfmem_fast.distributed import ShardedMemoryClosedError
@@ -388,3 +388,39 @@ def test_closed_memory_and_impossible_resources_fail_at_once(ray_cluster):
     for call in calls:
         with pytest.raises(ShardedMemoryClosedError, match="closed"):
             call()
+
+
+def test_threads_and_positions_reach_the_shards_and_the_context_score(ray_cluster, tmp_path):
+    """from_bank carries the items' threads / positions, add / update forward them (logged:
+    a reopened store holds them), and a search with the context score on equals the
+    single-process one, context_scores included."""
+    rng = np.random.default_rng(41)
+    d = 8
+    single = MemoryBank(d)
+    for u in range(5):
+        single.add(f"c{u}", rng.normal(size=(9, d)), [f"m{j}" for j in range(9)], threads=["a"] * 4 + [u] * 3 + [None] * 2,
+                   positions=[3, 2, 1, 0, None, 1, 0, None, None])
+    mem = ShardedMemory.from_bank(single, 2, path=tmp_path / "s", **SHARD_OPTS)
+    try:
+        X = rng.normal(size=(3, d))
+        for bank in (mem, single):
+            bank.add("c9", X, ["x", "y", "z"], threads="t", positions=[0, 1, 2])
+            bank.update("c9", ["z"], None, threads=["q"], positions=[0])
+            bank.update("c0", ["m8"], None, threads=["a"], positions=[9])
+        cfg = RFMemConfig(out_k=5, probe_k=5, context_weight=0.5, thread_weight=0.3)
+        Q = rng.normal(size=(7, d)).astype(np.float32)
+        users = ["c0", "c1", "c2", "c3", "c4", "c9", "c0"]
+        ref = search(single, Q, users, config=cfg, mode="dense")
+        res = mem.search(Q, users, config=cfg, mode="dense")
+        assert np.array_equal(res.ids, ref.ids)
+        assert np.array_equal(res.context_scores, ref.context_scores, equal_nan=True)  # (NaN: padding of c9's 3 items)
+        assert np.isfinite(res.context_scores[res.rows >= 0]).all() and (res.rows[5] >= 0).sum() == 3
+    finally:
+        mem.close()
+    again = ShardedMemory.load(tmp_path / "s", **SHARD_OPTS)  # the logged writes replay with their threads
+    try:
+        res = again.search(Q, users, config=cfg, mode="dense")
+        assert np.array_equal(res.ids, ref.ids)
+        assert np.array_equal(res.context_scores, ref.context_scores, equal_nan=True)
+    finally:
+        again.close()

@@ -88,7 +88,7 @@ def test_parity_with_golden_probe(enc: TextEncoder) -> None:
     np.testing.assert_allclose(scores[order], gold["probe_scores"], atol=1e-4)
 
 
-# ---------------------------------------------------------------- no process-wide side effects (issue 8, item 4)
+# ---------------------------------------------------------------- no process-wide side effects
 def test_no_side_effects_in_process(capfd) -> None:
     """Constructing and using an encoder leaves os.environ and transformers' tqdm state
     as they were, and prints nothing with show_progress=False."""
@@ -180,7 +180,7 @@ def test_loads_offline_without_offline_env() -> None:
     assert res.stdout.strip() == "RESULT [] [] False", res.stdout
 
 
-# ---------------------------------------------------------------- precision (issue 9 follow-up: bfloat16 serving)
+# ---------------------------------------------------------------- precision (bfloat16 serving)
 def _pb_questions(n: int) -> list[str]:
     shared = shared_dir()
     if shared is None:
@@ -248,7 +248,7 @@ def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_dtype("fp8", "cpu")
 
 
-# ---------------------------------------------------------------- backends (issue 21, item 1: ONNX Runtime)
+# ---------------------------------------------------------------- backends (ONNX Runtime)
 PROBE_TEXTS = [
     "Where did I go to school?",
     "  The cat sits on the mat.  ",

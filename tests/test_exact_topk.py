@@ -1,9 +1,9 @@
-"""Exact top-k under near-ties (issue 8, item 1), on every CPU backend.
+"""Exact top-k under near-ties, on every CPU backend.
 
 The score is RN32(q . x), the exact inner product rounded once to float32, and the
 top-k is ordered by (score desc, row asc); the oracle (tests/_exact_oracle.py) computes
-it independently (math.fsum, Fraction at float32 midpoints). Pinned here: the issue's
-three cases verbatim, property tests on banks of exact and 1-ulp near duplicates
+it independently (math.fsum, Fraction at float32 midpoints). Pinned here: three reported
+near-tie cases verbatim, property tests on banks of exact and 1-ulp near duplicates
 (d from 1 to 512) for the reference, torch (both strategies) and native backends (ids
 and scores equal the oracle for every k, prefix consistency, identical alone and in
 batches of 1..256), the exact rounding of scores whose float64 sum is too close to a
@@ -37,7 +37,7 @@ def _cpu_backends():
     return out
 
 
-def _issue_bank(v: list[float], j: int, up: bool) -> tuple[MemoryBank, np.ndarray]:
+def _near_tie_bank(v: list[float], j: int, up: bool) -> tuple[MemoryBank, np.ndarray]:
     """14 rows: row 0 is v with v[j] moved one float32 ulp, rows 1..13 are v."""
     v32 = np.array(v, dtype=np.float32)
     v0 = v32.copy()
@@ -54,11 +54,11 @@ V2 = [0.18905338644981384, -0.5227484703063965, -0.41306355595588684, -2.4414672
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "native"])
-def test_issue_case_torch_batch_dependence(backend):
-    """Issue 8.1, first case: top-1 of v is id 0 alone and in batches of 2 and 8."""
+def test_near_tie_top1_is_the_same_alone_and_in_batches(backend):
+    """A 1-ulp near tie: top-1 of v is id 0 alone and in batches of 2 and 8."""
     if backend not in available():
         pytest.skip(f"{backend} not built")
-    bank, v = _issue_bank(V1, 5, up=True)
+    bank, v = _near_tie_bank(V1, 5, up=True)
     cfg = RFMemConfig(out_k=1, probe_k=1)
     for n in (1, 2, 8):
         res = search(bank, np.stack([v] * n), ["u"] * n, cfg, mode="dense", backend=backend)
@@ -66,19 +66,19 @@ def test_issue_case_torch_batch_dependence(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "native"])
-def test_issue_case_native_prefix(backend):
-    """Issue 8.1, second case: top-1 is [0] and top-14 starts [0, 1, 2, ...]."""
+def test_near_tie_top1_is_the_prefix_of_top14(backend):
+    """A 1-ulp near tie: top-1 is [0] and top-14 starts [0, 1, 2, ...]."""
     if backend not in available():
         pytest.skip(f"{backend} not built")
-    bank, v = _issue_bank(V2, 4, up=False)
+    bank, v = _near_tie_bank(V2, 4, up=False)
     top1 = search(bank, v[None], ["u"], RFMemConfig(out_k=1, probe_k=1), mode="dense", backend=backend)
     top14 = search(bank, v[None], ["u"], RFMemConfig(out_k=14, probe_k=14), mode="dense", backend=backend)
     assert top1.ids_list(0) == [0]
     assert top14.ids_list(0) == list(range(14))
 
 
-def test_issue_case_80_near_duplicates_d384():
-    """Issue 8.1, third case: ~80 near duplicates at d = 384 whose exact scores differ by
+def test_80_near_duplicates_d384_exact_top10():
+    """~80 near duplicates at d = 384 whose exact scores differ by
     ~1e-8; the exact top-10 (an item higher by ~1e-8 is never dropped for a lower one)."""
     rng = np.random.default_rng(8)
     u = unit(rng.normal(size=384))

@@ -1,4 +1,4 @@
-"""The query-expansion hook (issue 10, item 7): the folding rule against numpy, search
+"""The query-expansion hook: the folding rule against numpy, search
 with expansions equal to search with the folded query, and bad input."""
 from __future__ import annotations
 

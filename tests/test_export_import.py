@@ -1,4 +1,4 @@
-"""``rfmem export`` / ``rfmem import`` (issue 20 item 4): a memory directory as JSON lines.
+"""``rfmem export`` / ``rfmem import``: a memory directory as JSON lines.
 
 The round trip export -> import into a fresh directory -> export again gives the same
 file byte for byte (ids, users, texts, metadata, and with --vectors the vectors bit for
@@ -116,7 +116,9 @@ def test_a_bad_line_stops_the_import_at_its_number_after_whole_batches(tmp_path,
     ("[1, 2]", "line 2: must be a JSON object (one item), got list"),
     ({"user_id": "u", "txt": "x"}, "line 2: has the unknown field 'txt'"),
     ({"text": "no user"}, "line 2: has no user_id"),
-    ({"user_id": "u", "text": "x", "created_at": "yesterday"}, "line 2: created_at is not an ISO-8601 date-time"),
+    ({"user_id": "u", "text": "x", "created_at": "yesterday"}, "line 2: created_at: 'yesterday' is not an ISO-8601 date-time"),
+    ({"user_id": "u", "text": "x", "created_at": True}, "line 2: created_at: expected a number of seconds"),
+    ({"user_id": "u", "text": "x", "created_at": 1774747800000}, "line 2: created_at: 1774747800000 is outside"),
     ({"user_id": "u", "vector": [1.0, 2.0]}, "line 2: vector must have dimension 384, got 2"),
     ({"user_id": "u", "id": "a", "text": "twice"}, "line 2: id: item 'a' of user 'u' is given twice in this call (also line 1)"),
     ({"user_id": "u", "text": "x", "metadata": [1]}, "line 2: metadata must be a dict or None"),
@@ -171,3 +173,17 @@ def test_vectors_only_import_and_directory_errors(tmp_path, capsys):
                  "--encoder", "none"]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert main(["import", "--memory-dir", str(tmp_path / "m"), "--in", src, "--batch", "0"]) == 2
+
+
+def test_import_takes_created_at_as_epoch_seconds_or_iso_8601(tmp_path, capsys):
+    """An import line's created_at is read by the parser of Memory.add / add_many: epoch
+    seconds (a JSON int or float) or ISO-8601 (an offset-less string as UTC)."""
+    forms = [1774747800, 1774747800.5, "2026-03-29T03:30:00+02:00", "2026-03-29T01:30:00"]
+    src = write(tmp_path / "in.jsonl", [{"user_id": "u", "id": f"i{j}", "text": f"fact {j}", "created_at": t}
+                                        for j, t in enumerate(forms)])
+    assert main(["import", "--memory-dir", str(tmp_path / "m"), "--in", src]) == 0
+    assert "4 lines kept their created_at" in capsys.readouterr().err
+    with Memory(tmp_path / "m", encoder=False) as mem:
+        assert [i.created_at.isoformat() for i in mem.get_all("u")] == [
+            "2026-03-29T01:30:00+00:00", "2026-03-29T01:30:00.500000+00:00", "2026-03-29T01:30:00+00:00",
+            "2026-03-29T01:30:00+00:00"]

@@ -1,4 +1,4 @@
-"""The GEMM tile path of the native top-k (issue 11, item 1).
+"""The GEMM tile path of the native top-k.
 
 Pinned here, at every SIMD level this CPU runs (the AVX-512, AVX2 + FMA and baseline
 micro-kernels, capped with ``_native.set_simd_cap``):
@@ -60,7 +60,7 @@ def test_cost_rule():
         assert _native.gemm_pays(24, 4096, 384, lv)
         assert not _native.gemm_pays(1, 100_000, 384, lv)
         assert not _native.gemm_pays(4, 4096, 384, lv)
-        # the measured crossover (bench/results/gemm-issue21-merge.json): 18 queries at AVX-512, 10 at AVX2
+        # the measured crossover (bench/results/gemm-rates-crossover-amd-epyc.json): 18 queries at AVX-512, 10 at AVX2
         assert [n for n in range(1, 80) if _native.gemm_pays(n, 4096, 384, lv)] == list(range(18 if lv == 2 else 10, 80))
         assert not _native.gemm_pays(1024, 64, 384, lv)  # shorter than the 128-row minimum
     assert not any(_native.gemm_pays(nq, 100_000, 384, 0) for nq in range(1, 300))

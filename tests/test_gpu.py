@@ -1,4 +1,4 @@
-"""GPU tests (issue 12): run by ``bench/gpu_check.py`` on a lent GPU (``pytest -m gpu``).
+"""GPU tests: run by ``bench/gpu_check.py`` on a lent GPU (``pytest -m gpu``).
 
 Every test here is marked ``gpu`` and skips cleanly without CUDA, so CI collects them and
 they cannot rot at import time; ``bench/gpu_check.py --dry-run`` (tests/test_gpu_check_dryrun.py)
@@ -27,7 +27,7 @@ from rfmem_fast.backends import get_backend
 from rfmem_fast.backends.reference import ReferenceBackend
 from rfmem_fast.backends.torch_backend import TorchBackend
 from rfmem_fast.device import DeviceMemoryError, count_host_syncs
-from rfmem_fast.router import route_tensor
+from rfmem_fast.routing.threshold import route_tensor
 from rfmem_fast.search import TensorSearchResult
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -159,7 +159,7 @@ def test_router_runs_on_the_device_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode(old)
     assert r.is_cuda and rule.is_cuda
-    from rfmem_fast.router import route
+    from rfmem_fast.routing.threshold import route
 
     r2, rule2 = route(mean.cpu().numpy(), ent.cpu().numpy(), count.cpu().numpy(), cfg)
     assert r.cpu().numpy().tolist() == r2.tolist() and rule.cpu().numpy().tolist() == rule2.tolist()

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py --dry-run`` (issue 12, item 2): the one-command GPU check runs its
+"""``bench/gpu_check.py --dry-run``: the one-command GPU check runs its
 whole code path on the CPU (device cpu, Triton under TRITON_INTERPRET=1, tiny sizes,
 absent comparators skipped, the CUDA build skipped with a note), so that it cannot rot
 between the rare runs on a lent GPU. About 20 s."""

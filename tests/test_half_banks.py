@@ -13,7 +13,7 @@ Pinned here:
 * the store: round trip per dtype (format 4, scan.npy; int8: format 5 with
   scan_meta.npy) with and without mmap, a scan copy that is not the rounding (the int8
   quantisation) of its float32 rows refused, and a float32 store
-  written by the code before this change (tests/data/store_v1_float32) still loads;
+  written by a version without half-precision banks (tests/data/store_v1_float32) still loads;
 * memory: the scan copy the backends read and hold is half the float32 bytes (int8: a
   quarter plus 12 bytes per row), and a store loaded with mmap keeps resident the scan
   copy plus only the float32 pages of the rows a search re-scores (Linux /proc/self/smaps).
@@ -326,7 +326,7 @@ def test_store_refuses_an_int8_copy_that_is_not_the_quantisation(tmp_path, edit)
 
 
 def test_store_written_before_half_banks_still_loads(tmp_path):
-    """tests/data/store_v1_float32 was written by rfmem_fast before this change (format 1):
+    """tests/data/store_v1_float32 was written by rfmem_fast before half-precision banks (format 1):
     it loads (read and mmap) with its users, ids, texts, version and vectors, searches,
     and saves again in the current format (3)."""
     exp = json.loads((DATA / "store_v1_float32.expected.json").read_text())

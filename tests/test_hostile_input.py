@@ -1,4 +1,4 @@
-"""Hostile input catalogue (issue 5, item 5): every bad input gets a clear, named error, never a crash.
+"""Hostile input catalogue: every bad input gets a clear, named error, never a crash.
 
 | input | where | result |
 |---|---|---|
@@ -244,7 +244,7 @@ _MEM_CHILD = textwrap.dedent(
         res = search(bank, Q, users, mode="dense", backend="torch")
         out["seconds"] = time.perf_counter() - t
         out["peak_growth"] = peak() - r0
-        out["result_bytes"] = sum(getattr(res, f).nbytes for f in ("ids", "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids", "probe_scores", "dense_scores", "lexical_scores"))
+        out["result_bytes"] = sum(getattr(res, f).nbytes for f in ("ids", "rows", "scores", "route", "mean", "entropy", "rule", "rounds", "probe_ids", "probe_scores", "dense_scores", "lexical_scores", "context_scores"))
         # spot-check against brute force
         snap = bank.snapshot()
         ok = True
@@ -267,7 +267,7 @@ _MEM_CHILD = textwrap.dedent(
         for be in backends:
             for mode in ("dense", "recollection", "rfmem"):
                 res = search(bank, Q, [0, 1, 2, 3], cfg, mode=mode, backend=be)
-                out["result_bytes"] = sum(getattr(res, f).nbytes for f in ("ids", "rows", "scores", "probe_ids", "probe_scores", "dense_scores", "lexical_scores"))
+                out["result_bytes"] = sum(getattr(res, f).nbytes for f in ("ids", "rows", "scores", "probe_ids", "probe_scores", "dense_scores", "lexical_scores", "context_scores"))
                 del res
         out["seconds"] = time.perf_counter() - t
         out["peak_growth"] = peak() - r0

@@ -43,7 +43,8 @@ def test_langchain_retriever(memory):
     assert docs[0].metadata["rfmem"] == {"id": "a", "user_id": "alice", "score": ref[0].score, "rank": 0,
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
                                          "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
-                                         "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00"}
+                                         "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00",
+                                         "thread": None, "position": None, "context_score": None}
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))
@@ -93,9 +94,9 @@ def test_llamaindex_retriever(memory):
         RFMemRetriever(memory, user_id="alice", k=np.int64(0))
 
 
-# ----------------------------------------------------------------------------- issue 17
+# ----------------------------------------------------------------------------- adapters at their edges
 def test_langchain_per_call_k_search_kwargs_and_strict_validation(memory):
-    """Item 14: invoke / ainvoke(q, k=2), search_kwargs={"k": 2} give 2 documents; a bad
+    """invoke / ainvoke(q, k=2), search_kwargs={"k": 2} give 2 documents; a bad
     k (True, "3", 0, 10**9) is a validation error, at construction or per call."""
     pytest.importorskip("langchain_core")
     from pydantic import ValidationError
@@ -129,7 +130,7 @@ def test_langchain_per_call_k_search_kwargs_and_strict_validation(memory):
 
 
 def test_llamaindex_content_without_bookkeeping_and_unique_node_ids(memory):
-    """Item 15: LLM / EMBED content holds the text and the item's own metadata, never
+    """LLM / EMBED content holds the text and the item's own metadata, never
     score / rfmem; node ids are unique per (user, item)."""
     pytest.importorskip("llama_index.core")
     from llama_index.core.schema import MetadataMode

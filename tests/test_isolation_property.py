@@ -1,4 +1,4 @@
-"""Tenant isolation, property-based (issue 5, item 4).
+"""Tenant isolation, property-based.
 
 Over random banks, random add / update / delete / compact sequences and random queries:
 no result of any mode (dense, recollection, rfmem) or CPU backend ever holds another

@@ -38,7 +38,8 @@ PAGE = ROOT / "docs" / "internals" / "layers.md"
 # name without the ``rfmem_fast.`` prefix; the root package is ``rfmem_fast``) that matches it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", (
-        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.mcp_server", "serving.transfer",
+        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.http_*", "serving.mcp_server",
+        "serving.transfer",
     )),
     ("facade, services and tools", (
         "rfmem_fast", "serving", "serving.*", "integrations", "integrations.*",
@@ -52,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "search",
     )),
     ("engine", (
-        "routing.*", "router", "recollection", "fusion", "context", "expansion",
+        "routing.*", "recollection", "fusion", "context", "expansion",
     )),
     ("backends", (
         "backends", "backends.*",
@@ -62,19 +63,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "_validate", "_optional", "_paths", "_native",
     )),
 ]
-
-#: The only imports exempt from the layer and cycle checks: the bodies of deprecated
-#: aliases, kept so that old code keeps working after a name moved up a layer. Each one
-#: warns (DeprecationWarning, checked below) and forwards to the name's new home.
-#: (importing module, function qualname) -> the module it may import.
-DEPRECATED_ALIASES: dict[tuple[str, str], str] = {
-    # MemoryBank.load builds a bank from what the store reads (rfmem_fast.store.read_store)
-    ("rfmem_fast.store", "load_bank"): "rfmem_fast.bank",
-    # search and the Memory facade resolve the files (rfmem_fast.routing.files.resolve_*)
-    ("rfmem_fast.config", "RFMemConfig.resolved_router"): "rfmem_fast.routing.files",
-    ("rfmem_fast.config", "RFMemConfig.resolved_reranker"): "rfmem_fast.routing.files",
-}
-
 
 def module_files() -> dict[str, Path]:
     """Every module of the package: dotted name (``rfmem_fast.x.y``) -> its file.
@@ -180,12 +168,6 @@ def import_edges(files: dict[str, Path] | None = None) -> set[tuple[str, str, in
                 if tgt is not None and tgt != mod:
                     edges.add((mod, tgt, node.lineno, scope))
     return edges
-
-
-def split_aliases(edges):
-    """(checked edges, deprecated-alias edges): the second are those :data:`DEPRECATED_ALIASES` allows."""
-    alias = {e for e in edges if DEPRECATED_ALIASES.get((e[0], e[3])) == e[1]}
-    return edges - alias, alias
 
 
 def layer_of(module: str) -> int:
@@ -329,27 +311,8 @@ def test_every_module_is_in_a_layer():
     assert not missing, f"modules in no layer of LAYERS: {missing}"
 
 
-def test_deprecated_aliases_warn_and_exist():
-    """Each allowed alias is a function of its module that warns with DeprecationWarning and
-    imports the module the table names (a stale entry fails: the list stays short)."""
-    files = module_files()
-    _, alias = split_aliases(import_edges(files))
-    seen = {(a, scope) for a, _, _, scope in alias}
-    assert seen == set(DEPRECATED_ALIASES), f"stale or missing DEPRECATED_ALIASES entries: {seen ^ set(DEPRECATED_ALIASES)}"
-    for mod, qualname in DEPRECATED_ALIASES:
-        tree = ast.parse(files[mod].read_text(encoding="utf-8"))
-        node = tree
-        for part in qualname.split("."):
-            node = next(n for n in ast.iter_child_nodes(node)
-                        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
-        warns = [c for c in ast.walk(node) if isinstance(c, ast.Call)
-                 and getattr(c.func, "attr", getattr(c.func, "id", None)) == "warn"
-                 and any(isinstance(a, ast.Name) and a.id == "DeprecationWarning" for a in c.args)]
-        assert warns, f"{mod}.{qualname} is listed as a deprecated alias but emits no DeprecationWarning"
-
-
 def test_no_import_cycle():
-    edges, _ = split_aliases(import_edges())
+    edges = import_edges()
     found = cycles(edges)
     report = []
     for comp in found:
@@ -360,8 +323,7 @@ def test_no_import_cycle():
 
 
 def test_no_upward_import():
-    all_edges = import_edges()
-    edges, alias = split_aliases(all_edges)
+    edges = import_edges()
     up = sorted(
         f"  {e[0]} ({LAYERS[layer_of(e[0])][0]}) -> {e[1]} ({LAYERS[layer_of(e[1])][0]}), {_where(e)}"
         for e in edges if layer_of(e[1]) < layer_of(e[0])
@@ -372,18 +334,16 @@ def test_no_upward_import():
     print(f"{len(pairs)} module-to-module import edges checked ({len(edges)} import statements, "
           f"{inner} of them inside functions) across {len(module_files())} modules: "
           f"{len(up)} upward, {len(cycles(edges))} cycles")
-    for e in sorted(alias):
-        print(f"  deprecated alias (exempt): {e[0]}.{e[3]} -> {e[1]}")
     assert not up, "upward imports:\n" + "\n".join(up)
 
 
-def test_moved_names_resolve_at_their_old_places(tmp_path):
-    """Names moved to untie the layers keep working: moved down, the old module re-exports
-    the same object silently; the deprecated aliases warn and forward."""
+def test_moved_names_resolve_at_their_old_places():
+    """Names moved down to untie the layers keep working: the old module re-exports the same
+    object silently. The aliases that pointed up a layer (``rfmem_fast.router``,
+    ``store.save_bank`` / ``load_bank``, ``RFMemConfig.resolved_router`` / ``resolved_reranker``)
+    were removed, so no import is exempt from the layer and cycle checks."""
     import importlib
     import warnings
-
-    import numpy as np
 
     silent = {  # old place -> new place, the same object, no warning
         "rfmem_fast.backends.base:BankView": "rfmem_fast.device:BankView",
@@ -405,27 +365,12 @@ def test_moved_names_resolve_at_their_old_places(tmp_path):
         warnings.simplefilter("error", DeprecationWarning)
         for old, new in silent.items():
             assert get(old) is get(new), old
-    router = importlib.import_module("rfmem_fast.router")
-    for name, home in router._MOVED.items():
-        with pytest.warns(DeprecationWarning, match=f"rfmem_fast.router.{name} moved to {home}"):
-            got = getattr(router, name)
-        assert got is get(f"{home}:{name}"), name
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        router.nothing  # noqa: B018
-    from rfmem_fast import MemoryBank
-    from rfmem_fast import store
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("rfmem_fast.router")
+    from rfmem_fast import RFMemConfig, store
 
-    bank = MemoryBank(4)
-    bank.add("u", np.eye(4, dtype=np.float32)[:3], ["a", "b", "c"], texts=["x y", None, "z"])
-    with pytest.warns(DeprecationWarning, match="bank.save"):
-        data_dir = store.save_bank(bank, tmp_path / "s")
-    assert data_dir.parent == tmp_path / "s" and data_dir.name.startswith("snap-")
-    with pytest.raises(TypeError, match="bank must be a MemoryBank"):
-        store.save_bank("not a bank", tmp_path / "t")
-    with pytest.warns(DeprecationWarning, match="MemoryBank.load"):
-        back = store.load_bank(tmp_path / "s")
-    assert isinstance(back, MemoryBank) and back.snapshot().item_ids.tolist() == ["a", "b", "c"]
-    np.testing.assert_array_equal(back.snapshot().vectors, bank.snapshot().vectors)
+    assert not hasattr(store, "save_bank") and not hasattr(store, "load_bank")
+    assert not hasattr(RFMemConfig, "resolved_router") and not hasattr(RFMemConfig, "resolved_reranker")
 
 
 def test_the_layers_page_lists_the_table():
@@ -434,8 +379,6 @@ def test_the_layers_page_lists_the_table():
         assert name in text, name
         for p in patterns:
             assert f"`{p}`" in text, f"{p} (layer {name}) is not on {PAGE.name}"
-    for mod, qualname in DEPRECATED_ALIASES:
-        assert f"`{mod}.{qualname}`" in text, f"the deprecated alias {mod}.{qualname} is not on {PAGE.name}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -286,7 +286,7 @@ def test_lexical_weight_zero_changes_nothing():
 
 def test_familiarity_signals_and_recollection_stay_dense():
     """With the lexical channel on, mean / entropy / routes equal the dense probe's, the
-    probe list is fused, and a recollecting query returns today's list."""
+    probe list is fused, and a recollecting query returns the list of the same search without the lexical channel."""
     bank, rng = _bank(9)
     Q = rng.normal(size=(8, 16))
     users = ["a", "b", 7, "a", "b", 7, "a", "b"]

@@ -1,4 +1,4 @@
-"""Light installs (issue 8, item 3): the core needs numpy, torch and scikit-learn only.
+"""Light installs: the core needs numpy, torch and scikit-learn only.
 
 * setup.py: ``install_requires`` is exactly the core; the optional packages live in
   the extras text / bench / triton / gpu, with ``all`` (every CPU extra) and ``test``;

@@ -1,4 +1,4 @@
-"""The LongMemEval loader and metrics against hand-computed values (issue 18, item 4).
+"""The LongMemEval loader and metrics against hand-computed values.
 
 tests/data/longmemeval_tiny.json is hand-written in the published format (three questions:
 one evidence session with a has_answer turn and a turn without; two evidence sessions and

@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _serving_helpers import HashEncoder
 
@@ -121,7 +122,8 @@ async def _crud_session(session: ClientSession) -> dict:
     upd = _ok(await session.call_tool("update_memory", {"id": ana, "text": "My sister is called Ines",
                                                         "metadata": {"source": "correction"}}))
     assert {k: v for k, v in upd.items() if k != "created_at"} == {"id": ana, "text": "My sister is called Ines",
-                                                                    "metadata": {"source": "correction"}}
+                                                                    "metadata": {"source": "correction"}, "thread": None,
+                                                                    "position": None}
     assert _ok(await session.call_tool("get_memory", {"id": ana})) == upd
     assert _ok(await session.call_tool("delete_memory", {"id": peanuts})) == {"id": peanuts, "deleted": True}
     assert "no memory with id" in _err(await session.call_tool("get_memory", {"id": peanuts}))
@@ -222,6 +224,70 @@ def test_mcp_http_bearer_session_and_sigkill_keeps_acknowledged_writes(tmp_path)
         items = {i.id: i for i in mem.get_all("alice")}
         assert set(items) == {ids["lyon"], ids["ana"], ids["cello"]}
         assert items[ids["ana"]].metadata == {"source": "correction"}
+
+
+@pytest.mark.parametrize("transport, sig", [("stdio", signal.SIGTERM), ("stdio", signal.SIGINT),
+                                             ("http", signal.SIGTERM)])
+def test_rfmem_mcp_checkpoints_the_memory_on_sigterm_and_ctrl_c(tmp_path, transport, sig):
+    """As ``rfmem serve``: SIGTERM (or Ctrl-C) closes the memory before the process ends, so
+    the directory reopens from its store with an empty write-ahead log (nothing to replay):
+    the writes logged before the start and a write made through the server are all there."""
+    data = tmp_path / "mem"
+    mem = Memory(data, encoder=False, dim=8, batching=False)
+    mem.add(None, "alice", vectors=np.eye(8)[:3], ids=["a", "b", "c"])
+    crash(mem)  # the writes are in the log only: the server replays them, then must checkpoint them
+    cmd = [sys.executable, "-m", "rfmem_fast.cli", "mcp", "--transport", transport, "--user", "alice",
+           "--data-dir", str(data), "--encoder", "none"]
+    port = _free_port()
+    if transport == "http":
+        cmd += ["--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **_env()), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        if transport == "stdio":  # the protocol by hand: initialize, then one write through a tool
+            def rpc(msg: dict) -> None:
+                proc.stdin.write((json.dumps({"jsonrpc": "2.0", **msg}) + "\n").encode())
+                proc.stdin.flush()
+
+            rpc({"id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                                                             "clientInfo": {"name": "t", "version": "0"}}})
+            assert json.loads(proc.stdout.readline())["id"] == 1
+            rpc({"method": "notifications/initialized"})
+            rpc({"id": 2, "method": "tools/call", "params": {"name": "delete_memory", "arguments": {"id": "a"}}})
+            answer = json.loads(proc.stdout.readline())
+            assert answer["id"] == 2 and answer["result"]["structuredContent"] == {"id": "a", "deleted": True}
+        else:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "rfmem mcp did not listen"
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+            async def delete() -> None:
+                with anyio.fail_after(60):
+                    async with _http_session(f"http://127.0.0.1:{port}/mcp", None) as session:
+                        assert _ok(await session.call_tool("delete_memory", {"id": "a"}))["deleted"]
+
+            anyio.run(delete)
+        proc.send_signal(sig)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            f.close()
+    assert (data / "wal.jsonl").stat().st_size == 0  # checkpointed on the way out
+    with Memory(data, encoder=False) as again:
+        assert again.stats()["replayed"] == 0 and [i.id for i in again.get_all("alice")] == ["b", "c"]
+
+
+def crash(mem: Memory) -> None:
+    """Drop ``mem`` as a killed process would (its lock released, no checkpoint)."""
+    mem._lock_file.close()
 
 
 # ----------------------------------------------------------------------------- user scope
@@ -460,6 +526,90 @@ def test_mcp_docs_commands_and_client_configs_parse():
         stdio, http = configs
         assert stdio["command"] == "rfmem" and build_parser().parse_args(stdio["args"]).user == "alice"
         assert http["url"].endswith("/mcp") and http["headers"]["Authorization"].startswith("Bearer ")
+
+
+def test_mcp_help_and_the_frameworks_guide_claim_only_what_the_mcp_server_serves(capsys):
+    """``rfmem mcp --help`` speaks of no HTTP endpoint the MCP server lacks (/health, /metrics,
+    HTTP statuses), where ``rfmem serve --help`` keeps them; the frameworks guide's MCP
+    section points at the MCP guide and its command parses."""
+    import re
+    import shlex
+
+    from rfmem_fast.cli import build_parser
+
+    for command, has in (("mcp", False), ("serve", True)):
+        with pytest.raises(SystemExit):
+            rfmem_main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for claim in ("/health", "/metrics", "503", "504"):
+            assert (claim in text) is has, (command, claim)
+    section = re.search(r"^## MCP\n.*", (ROOT / "docs" / "guides" / "frameworks.md").read_text(encoding="utf-8"),
+                        re.S | re.M).group(0)
+    assert "](mcp.md)" in section and "/health" in section  # says there is none
+    commands = [ln for b in re.findall(r"```bash\n(.*?)```", section, re.S) for ln in b.splitlines()
+                if ln.startswith("rfmem mcp")]
+    assert commands and all(build_parser().parse_args(shlex.split(c)[1:]).func.__name__ == "run_mcp" for c in commands)
+
+
+def test_rfmem_mcp_warns_that_a_fixed_user_over_http_is_unauthenticated(tmp_path, capsys, monkeypatch):
+    """``--transport http --user U``: a warning on stderr that the endpoint has no
+    authentication; none with --tokens or over stdio (a client's own subprocess)."""
+    from rfmem_fast.serving import mcp_server
+
+    served = []
+    monkeypatch.setattr(mcp_server, "serve_mcp", lambda memory, scope, **kw: served.append((scope, kw["transport"])))
+    base = ["mcp", "--encoder", "none", "--dim", "8", "--keep-omp-wait-policy"]
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "a"), "--transport", "http", "--user", "alice",
+                              "--port", "8799"]) == 0
+    err = capsys.readouterr().err
+    assert "rfmem mcp: WARNING: --user over HTTP serves WITHOUT authentication" in err
+    assert "http://127.0.0.1:8799/mcp" in err and "'alice'" in err and "--tokens" in err
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "b"), "--transport", "stdio", "--user", "alice"]) == 0
+    assert rfmem_main(base + ["--data-dir", str(tmp_path / "c"), "--transport", "http",
+                              "--tokens", str(_tokens_file(tmp_path))]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert [(s.user, t) for s, t in served] == [("alice", "http"), ("alice", "stdio"), (None, "http")]
+
+
+def test_mcp_numbers_are_strict_and_argument_errors_are_one_short_line():
+    """Integer arguments are strict (``"k": "5"``, 5.0 and true are refused, not read as 5 / 1,
+    as over HTTP); an argument that fails the tool's schema is answered by ONE short line
+    naming it (no pydantic report: no "validation error for", error types, input values or
+    links), for the shape the value was sent in."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    mem = Memory(encoder=HashEncoder(16), batching=False)
+    mem.add(["alice: fact"], "alice", ids=["a"])
+    server = create_server(mem, McpScope(user="alice"))
+
+    def call(tool: str, args: dict):
+        async def go():
+            return await server.call_tool(tool, args)
+        return anyio.run(go)
+
+    cases = [
+        ("search_memories", {"query": "x", "k": "5"}, "k: input should be a valid integer (got a string)"),
+        ("search_memories", {"query": "x", "k": 5.0}, "k: input should be a valid integer (got a number)"),
+        ("search_memories", {"query": "x", "k": True}, "k: input should be a valid integer (got a boolean)"),
+        ("search_memories", {"query": "x", "k": 0}, "k: input should be greater than or equal to 1"),
+        ("search_memories", {"k": 3}, "query: required"),
+        ("search_memories", {"query": "x", "mode": "fuzzy"}, "mode: input should be 'rfmem', 'dense' or 'recollection'"),
+        ("list_memories", {"limit": "3"}, "limit: input should be a valid integer (got a string)"),
+        ("list_memories", {"offset": 1.0}, "offset: input should be a valid integer (got a number)"),
+        ("add_memories", {"texts": ["ok", 1]}, "texts[1]: input should be a valid string (got an integer)"),
+        ("add_memories", {"texts": 5}, "texts: input should be a valid string (got an integer)"),
+        ("update_memories", {"items": [{"id": "a", "bogus": 1}]}, "items[0].bogus: not a field this tool takes"),
+        ("get_memory", {"id": True}, "id: input should be a valid string (got a boolean)"),
+    ]
+    try:
+        for tool, args, clause in cases:
+            with pytest.raises(ToolError) as err:
+                call(tool, args)
+            assert str(err.value) == f"Error executing tool {tool}: {clause}", (tool, args)
+        assert call("search_memories", {"query": "alice: fact", "k": 2}).structured_content["k"] == 2
+        assert call("list_memories", {"offset": 0, "limit": 1}).structured_content["total"] == 1
+    finally:
+        mem.close()
 
 
 def test_rfmem_mcp_on_a_locked_directory_and_a_bad_dtype_exit_2(tmp_path, capsys):

@@ -1,12 +1,12 @@
-"""Bounded memory on every backend and path (issue 8, item 2).
+"""Bounded memory on every backend and path.
 
 Each scenario runs one ``search`` in a fresh process (:func:`rfmem_fast.bench.memory.measure`:
 warm-up, peak RSS reset, one call, growth of ``VmHWM``). The budget given to the
 backend (``memory_budget``, a few MiB here) is far below what the unchunked
 intermediates would take (the score matrix of a long user, the gathered rows of many
 users, the beam driver's per-round tensors), so a path that ignored it would grow by
-~10x the allowance (measured before the fix: 666 MB, 50 MB, 50 MB, 108 MB, 42 MB for
-the cases below; after: under 9 MB each). Scenarios: one long user (100,000 items),
+~10x the allowance (measured without the chunking: 666 MB, 50 MB, 50 MB, 108 MB, 42 MB for
+the cases below; with it: under 9 MB each). Scenarios: one long user (100,000 items),
 many users (the per-user and the gather strategies), and recollection; torch and
 native (the native kernels keep no score matrix; the beam driver around them honours
 the budget). Dense results are spot-checked against the exact top-k.

@@ -1,4 +1,4 @@
-"""Path merges (issue 10, item 2): a plain per-query reference, the min(out_k, user size)
+"""Path merges: a plain per-query reference, the min(out_k, user size)
 guarantee, and identical results on every backend."""
 from __future__ import annotations
 

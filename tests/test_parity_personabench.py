@@ -1,4 +1,4 @@
-"""PersonaBench parity (issue 2, item 8): the reference backend against the authors' golden
+"""PersonaBench parity: the reference backend against the authors' golden
 values, and the torch backend against the reference, for the spec's config and others."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Retrieval quality end to end (issue 10): the evaluation harness (k list, route quality,
+"""Retrieval quality end to end: the evaluation harness (k list, route quality,
 leave-one-user-out routers, JSON), `rfmem calibrate`, `rfmem tune`, `rfmem models`, and
 the encoders installed here. PersonaBench embeddings come from the session cache
 (conftest.pb_cache_dir), so nothing here encodes PersonaBench again."""
@@ -65,7 +65,7 @@ def test_eval_k_list_route_quality_and_loo_router(data_dir, pb_cache_dir, pb_emb
     dense = doc["modes"]["dense"]["metrics"]["Overall"]["recall"]
     reco = doc["modes"]["recollection"]["metrics"]["Overall"]["recall"]
     rf = doc["modes"]["rfmem"]["metrics"]["Overall"]["recall"]
-    assert abs(dense - 0.5385) < 1e-3 and abs(reco - 0.5501) < 1e-3  # issue 10: interleave 0.5501
+    assert abs(dense - 0.5385) < 1e-3 and abs(reco - 0.5501) < 1e-3  # recollection with merge=interleave: 0.5501
     assert doc["oracle"]["Overall"]["recall"] >= max(dense, reco) - 1e-12
     assert rq["recall_lost"] == pytest.approx(rq["oracle_recall"] - rf, abs=1e-9)
     assert doc["oracle_at"]["20"]["Overall"]["recall"] >= doc["oracle_at"]["10"]["Overall"]["recall"]

@@ -61,9 +61,10 @@ def test_serving_http_examples_run(tmp_path, text_encoder):
         server.should_exit = True
         thread.join(30)
         mem.close()
-    added, found, rest = outputs
+    added, found, rest, health = outputs
     assert len(json.loads(added)["ids"]) == 2
-    hit = json.loads(found)["hits"][0]
+    reply = json.loads(found)
+    hit = reply["hits"][0]
     assert hit["text"] == "I moved to Lyon in 2021." and hit["metadata"] == {"source": "chat"}
     dec = json.JSONDecoder()
     listed, end = dec.raw_decode(rest)  # curl prints the bodies without newlines
@@ -72,3 +73,41 @@ def test_serving_http_examples_run(tmp_path, text_encoder):
     assert [it["text"] for it in listed["items"]][0] == "I moved to Lyon in 2021."
     assert deleted == {"detail": "ids: user 'alice' holds no item id 'no-such-id'"}
     assert 'rfmem_cache_hit_ratio{cache="results"}' in metrics and "rfmem_batch_size_count 1.0" in metrics
+    # the guide's sample replies: the server's fields, each of the JSON type the server sends
+    search_block = next(b for b in bash if "/search" in b)
+    health_block = next(b for b in bash if "/health" in b)
+    doc_search, doc_health = documented_reply(search_block), documented_reply(health_block)
+    assert same_shape(doc_search, reply) and same_shape(doc_health, json.loads(health))
+    for key in ("user_id", "route", "rule", "rounds", "cached"):  # what the default configuration answers
+        assert doc_search[key] == reply[key], key
+    assert {k: doc_search["hits"][0][k] for k in ("text", "metadata", "rank")} == {
+        k: hit[k] for k in ("text", "metadata", "rank")}
+    real_health = json.loads(health)
+    assert {k: v for k, v in doc_health.items() if k != "encoder"} == {
+        k: v for k, v in real_health.items() if k != "encoder"}
+    assert doc_health["encoder"]["dim"] == real_health["encoder"]["dim"] and doc_health["encoder"]["loaded"]
+
+
+def documented_reply(block: str) -> dict:
+    """The JSON a guide's curl block shows in its ``# {...}`` comment lines (numbers shortened
+    as ``0.2...`` read as 0.2; a note after the object, ``(201, ...)``, left out)."""
+    text = " ".join(ln.lstrip("#").strip() for ln in block.splitlines() if ln.lstrip().startswith("#"))
+    text = re.sub(r"(\d)\.\.\.", r"\1", text)
+    return json.JSONDecoder().raw_decode(text)[0]
+
+
+def _kind(v) -> str:
+    """The JSON type of a parsed value (int and float both "number")."""
+    return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__
+
+
+def same_shape(doc, real, where: str = "reply") -> bool:
+    """Whether the documented JSON has exactly the real reply's keys (recursively; lists by
+    their first element), each value of the same JSON type (int and float both numbers)."""
+    assert _kind(doc) == _kind(real), f"{where}: the guide shows {doc!r}, the server sends {real!r}"
+    if isinstance(doc, dict):
+        assert set(doc) == set(real), f"{where}: the guide shows keys {sorted(doc)}, the server sends {sorted(real)}"
+        return all(same_shape(doc[k], real[k], f"{where}.{k}") for k in doc)
+    if isinstance(doc, list) and doc and real:
+        return same_shape(doc[0], real[0], f"{where}[0]")
+    return True

@@ -1,4 +1,4 @@
-"""The native beam driver's pruned rounds (csrc/cpu/recollect.cpp, issue 21).
+"""The native beam driver's pruned rounds (csrc/cpu/recollect.cpp).
 
 On segments of >= 512 rows the driver scans each original query once and lets every
 later round skip the rows that provably cannot reach a branch query's top-k (the scan

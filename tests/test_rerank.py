@@ -1,4 +1,4 @@
-"""The profile prior and the learned re-ranker (issue 10, beyond the merges): per-query
+"""The profile prior and the learned re-ranker: per-query
 references, identical results on every backend, files, fitting, and a nested CV that never
 fits on the held-out user."""
 from __future__ import annotations
@@ -268,7 +268,7 @@ def test_reranker_file_round_trip_and_bad_files(tmp_path):
     back = load_reranker(path)
     assert back.features == model.features and back.depth == 20 and back.meta == {"fitted_on": "test"}
     np.testing.assert_array_equal(back.weights, model.weights)
-    assert RFMemConfig(reranker=path).resolved_reranker().depth == 20
+    assert resolve_reranker(RFMemConfig(reranker=path)).depth == 20
     good = json.loads((tmp_path / "m.json").read_text())
     cases = {
         "not valid JSON": "{oops",

@@ -1,4 +1,4 @@
-"""Results carry their own texts (issue 8, item 6).
+"""Results carry their own texts.
 
 ``SearchResult.texts`` / ``probe_texts`` come from the snapshot the search ran on, so
 a write after the search never changes them, and a query of one user never carries
@@ -49,8 +49,8 @@ def test_texts_match_ids_and_survive_writes(backend, mode):
         assert res.texts_list(i) == [text_of[(user, x)] for x in res.ids_list(i)]
     before = (res.texts.copy(), res.probe_texts.copy(), res.ids.copy())
 
-    # the issue's scenario: alice loses most of her items, so the rows after hers
-    # now hold bob's items; rows stay snapshot-relative
+    # alice loses most of her items, so the rows after hers then
+    # hold bob's items; rows stay snapshot-relative
     alice_hits = [x for x in res.ids_list(0) if x is not None]
     bank.delete("alice", [f"a{i}" for i in range(30)])
     bank.update("bob", ["b0"], rng.normal(size=(1, 16)), texts=["bob rewrote b0"])

@@ -1,4 +1,4 @@
-"""Routers (issue 10, item 3): probe features, the threshold router, learned routers
+"""Routers: probe features, the threshold router, learned routers
 against scikit-learn, router files (round trip and every kind of bad file), and routing
 inside search."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from rfmem_fast import MemoryBank, RFMemConfig, search
-from rfmem_fast.router import RULE_NAMES, route
+from rfmem_fast.routing.base import RULE_NAMES
+from rfmem_fast.routing.threshold import route
 from rfmem_fast.routing import (
     FEATURE_NAMES,
     LogisticRouter,
@@ -194,11 +195,11 @@ def test_bad_router_files_fail_clearly(tmp_path):
     other = _write(tmp_path / "t30.json", {**good, "probe": {**good["probe"], "temperature": 30.0}})
     with pytest.raises(ValueError, match="temperature"):
         resolve_router(RFMemConfig(router=other))
-    assert RFMemConfig(router=other, temperature=30.0).resolved_router().probe.temperature == 30.0
+    assert resolve_router(RFMemConfig(router=other, temperature=30.0)).probe.temperature == 30.0
 
 
 def test_config_holds_paths_search_memory_and_cli_resolve_them(tmp_path):
-    """RFMemConfig reads no file (issue 19): a bad router / re-ranker path is a field value;
+    """RFMemConfig reads no file: a bad router / re-ranker path is a field value;
     search, Memory (on opening) and the CLI's --set refuse it with the errors (type and
     message) the config raised on construction before."""
     from rfmem_fast import Memory
@@ -229,10 +230,7 @@ def test_config_holds_paths_search_memory_and_cli_resolve_them(tmp_path):
     b = search(bank, q, ["u", "u"], RFMemConfig(), mode="rfmem", backend="torch", router=resolve_router(RFMemConfig(router=path)))
     np.testing.assert_array_equal(a.rule, b.rule)
     np.testing.assert_array_equal(a.rows, b.rows)
-    with pytest.warns(DeprecationWarning, match="resolve_router"):
-        assert isinstance(RFMemConfig().resolved_router(), ThresholdRouter)
-    with pytest.warns(DeprecationWarning, match="resolve_reranker"):
-        assert RFMemConfig().resolved_reranker() is None
+    assert isinstance(resolve_router(RFMemConfig()), ThresholdRouter)
 
 
 def test_calibrate_fits_on_own_labelled_data():

@@ -1,4 +1,4 @@
-"""The float32 scan kernel of the scan path (csrc/cpu/simd_impl.inc scan_rows_f32; issue 21).
+"""The float32 scan kernel of the scan path (csrc/cpu/simd_impl.inc scan_rows_f32).
 
 At SIMD levels 1 and 2 the scan path scores float32 rows with register blocks of rows x
 queries and fused multiply-adds (level 0 keeps the older kernel); its scores must stay

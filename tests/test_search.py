@@ -1,4 +1,4 @@
-"""The search API: results, multi-tenant isolation, padding and bad input (issue 2, items 4, 5, 9)."""
+"""The search API: results, multi-tenant isolation, padding and bad input."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""What a single query's search caches between calls never goes stale (issue 21, item 3).
+"""What a single query's search caches between calls never goes stale.
 
 A one-query search reuses, from one call to the next: the bank view and its memo (the
 native arrays, the row-norm bound, the segment lengths as Python ints:

@@ -167,7 +167,7 @@ def test_an_old_memory_directory_reopens_and_searches_hybrid_over_its_stored_tex
     enc = HashEncoder(DIM)
     with Memory(path, encoder=enc, batching=False) as mem:
         assert mem.config == RFMemConfig.recommended()
-        assert mem.bank.lexical_stemmer is None  # the store's (no stemmer), not today's default
+        assert mem.bank.lexical_stemmer is None  # the store's (no stemmer), not the default
         assert [i.text for i in mem.get_all("alice")] == exp["texts"][:6]
         q = "alice note 4"
         hits = mem.search(q, "alice", k=3)
@@ -242,3 +242,21 @@ def test_open_memory_takes_the_pick_of_its_encoder(tmp_path, monkeypatch):
     m.close()
     with pytest.raises(ValueError, match="preset"):
         launch.open_memory(str(tmp_path / "d"), encoder="none", dim=DIM, preset="hybrid")
+
+
+def test_a_lexical_score_of_zero_means_no_query_word_occurs_in_the_item():
+    """docs/concepts.md "What a search returns": with the default (hybrid) configuration a hit
+    sharing no word with the query has lexical_score 0.0 and its score is its dense_score; a
+    hit sharing a word has a positive lexical_score (score = dense + 0.03 * lexical); with
+    the paper's configuration (no lexical channel) lexical_score is None."""
+    texts = ["the violin lessons start monday", "grandmother bakes bread", "my violin is old"]
+    mem = Memory(encoder=HashEncoder(DIM), batching=False)
+    mem.add(texts, "u", ids=["a", "b", "c"])
+    hits = {h.id: h for h in mem.search("violin concert", "u", k=3, mode="dense")}
+    assert hits["b"].lexical_score == 0.0 and hits["b"].score == pytest.approx(hits["b"].dense_score, abs=1e-6)
+    for i in ("a", "c"):
+        assert hits[i].lexical_score > 0
+        assert hits[i].score == pytest.approx(hits[i].dense_score + 0.03 * hits[i].lexical_score, abs=1e-5)
+    paper = Memory(encoder=HashEncoder(DIM), config=RFMemConfig.paper(), batching=False)
+    paper.add(texts, "u")
+    assert all(h.lexical_score is None for h in paper.search("violin concert", "u", k=3, mode="dense"))

@@ -53,7 +53,7 @@ def test_crud_and_search_over_http(served):
     assert r.status_code == 200 and top["lexical_score"] > 0 and top == {
         "id": "b", "text": "My sister is Ana", "score": pytest.approx(1.0 + 0.03 * top["lexical_score"]),
         "metadata": {"source": "chat"}, "rank": 0, "dense_score": pytest.approx(1.0), "lexical_score": top["lexical_score"],
-        "created_at": "2026-03-29T01:30:00+00:00"}
+        "created_at": "2026-03-29T01:30:00+00:00", "thread": None, "position": None, "context_score": None}
     assert body["route"] == "familiarity" and body["rule"] == "forced_dense" and len(body["hits"]) == 2
     direct = mem.search("My sister is Ana", "alice", k=2, mode="dense")
     assert [h["id"] for h in body["hits"]] == [h.id for h in direct]
@@ -64,7 +64,7 @@ def test_crud_and_search_over_http(served):
     assert c.patch("/v1/users/alice/memories/c", headers=H, json={"texts": "I like coffee", "metadata": {"v": 2}}).status_code == 200
     item = c.get("/v1/users/alice/memories/c", headers=H).json()
     assert datetime.fromisoformat(item.pop("created_at")).tzinfo is not None  # ISO-8601, UTC
-    assert item == {"id": "c", "text": "I like coffee", "metadata": {"v": 2}}
+    assert item == {"id": "c", "text": "I like coffee", "metadata": {"v": 2}, "thread": None, "position": None}
     assert c.delete("/v1/users/alice/memories/a", headers=H).json() == {"deleted": ["a"]}
     assert c.post("/v1/users/alice/memories/delete", headers=H, json={"ids": ["b"]}).json() == {"deleted": ["b"]}
     assert [it["id"] for it in c.get("/v1/users/alice/memories", headers=H).json()["items"]][:1] == ["c"]
@@ -126,7 +126,7 @@ BAD = [
     ("post", "/v1/users/u/search", {"vector": [1.0, 2.0]}, 400, "dimension 16"),
     ("post", "/v1/users/u/search/batch", {"queries": []}, 422, "queries"),
     ("post", "/v1/users/u/search/batch", {"vectors": [[1.0] * 3]}, 400, "dimension 16"),
-    ("patch", "/v1/users/u/memories/taken", {}, 422, "texts, vectors or metadata is required"),
+    ("patch", "/v1/users/u/memories/taken", {}, 422, "texts, vectors, metadata, thread or position is required"),
     ("patch", "/v1/users/u/memories/taken", {"text": "x"}, 422, "use 'texts'"),
     ("patch", "/v1/users/u/memories/taken", {"vector": [1.0] * 16}, 422, "use 'vectors'"),
     ("patch", "/v1/users/u/memories/taken", {"texts": "  "}, 400, "texts is empty or whitespace only"),
@@ -135,6 +135,19 @@ BAD = [
     ("post", "/v1/users/u/search", {"query": "x", "k": 2.0}, 422, "k"),
     ("post", "/v1/users/u/search", {"query": "x", "k": True}, 422, "k"),
     ("post", "/v1/users/u/search/batch", {"queries": ["x"], "k": "2"}, 422, "k"),
+    # JSON true / false are no numbers: not 1.0 / 0.0 in a creation time or a vector (nor a numeric string)
+    ("post", "/v1/users/u/memories", {"texts": ["a"], "created_at": True}, 422, "created_at must be None"),
+    ("post", "/v1/users/u/memories", {"texts": ["a", "b"], "created_at": [1774747800, False]}, 422,
+     "created_at[1]: expected a number of seconds"),
+    ("post", "/v1/users/u/memories", {"vectors": [[True] + [0.0] * 15]}, 422, '"loc":["body","vectors",0,0]'),
+    ("post", "/v1/users/u/memories", {"vectors": [["1.0"] + [0.0] * 15]}, 422, '"loc":["body","vectors",0,0]'),
+    ("patch", "/v1/users/u/memories/taken", {"vectors": [1.0] * 15 + [False]}, 422, '"loc":["body","vectors",15]'),
+    ("post", "/v1/users/u/search", {"vector": [True] + [0.0] * 15}, 422, '"loc":["body","vector",0]'),
+    ("post", "/v1/users/u/search/batch", {"vectors": [[0.0] * 15 + [True]]}, 422, '"loc":["body","vectors",0,15]'),
+    ("post", "/v1/memories:batch", {"items": [{"user_id": "u", "vector": [True] * 16}]}, 422,
+     '"loc":["body","items",0,"vector",0]'),
+    ("post", "/v1/memories:batchUpdate", {"items": [{"user_id": "u", "id": "taken", "vector": [True] * 16}]}, 422,
+     '"loc":["body","items",0,"vector",0]'),
     ("post", "/v1/users/u/search", {"query": ""}, 400, "query is empty or whitespace only"),
     ("post", "/v1/users/u/search", {"query": " \n"}, 400, "query is empty or whitespace only"),
     ("post", "/v1/users/u/search/batch", {"queries": ["ok", ""]}, 400, "queries[1] is empty"),
@@ -311,6 +324,25 @@ def test_health_and_metrics_report_the_encoder_runtime_and_precision(tmp_path, m
         assert "rfmem_encoder_info" not in c.get("/metrics").text
 
 
+def test_health_reports_the_retrieval_configuration_by_name(tmp_path):
+    """/health's "config": the Memory's configuration by preset name and its main fields
+    (RFMemConfig.summary), for the default (recommended), the paper's and a custom one."""
+    from rfmem_fast import RFMemConfig
+
+    for config, preset in ((None, "recommended"), (RFMemConfig.paper(), "paper"),
+                           (RFMemConfig.paper(score_floor=-0.5, out_k=7), "custom")):
+        mem = Memory(encoder=HashEncoder(DIM), config=config)
+        with TestClient(create_app(mem, no_auth=True)) as c:
+            got = c.get("/health").json()["config"]
+        want = (config or RFMemConfig.recommended()).to_dict()
+        assert got["preset"] == preset
+        assert {k: v for k, v in got.items() if k not in ("preset", "router", "reranker")} == {
+            k: want[k] for k in ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
+                                 "max_rounds", "score_floor", "merge")}
+        assert got["router"] is False and got["reranker"] is False
+        mem.close()
+
+
 def test_json_responses_keep_what_orjson_refuses(served):
     """Answers are serialised by orjson; an int beyond 64 bits in metadata (valid JSON,
     refused by orjson) falls back to the standard library instead of a 500."""
@@ -320,7 +352,8 @@ def test_json_responses_keep_what_orjson_refuses(served):
     assert r.status_code == 201
     r = c.get("/v1/users/u/memories/x", headers=H)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-    assert {k: v for k, v in r.json().items() if k != "created_at"} == {"id": "x", "text": "a", "metadata": {"n": big, "s": "é"}}
+    assert {k: v for k, v in r.json().items() if k != "created_at"} == {"id": "x", "text": "a", "metadata": {"n": big, "s": "é"},
+                                                                                "thread": None, "position": None}
     r = c.post("/v1/users/u/search", headers=H, json={"query": "a", "k": 1, "mode": "dense"})
     assert r.status_code == 200 and r.json()["hits"][0]["metadata"] == {"n": big, "s": "é"}
 

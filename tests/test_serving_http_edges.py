@@ -1,4 +1,4 @@
-"""The HTTP service at its edges (issue 17): unambiguous routes for any id, per-user
+"""The HTTP service at its edges: unambiguous routes for any id, per-user
 tokens, no silent no-auth, a bounded request body, one id model with Python, bad
 input refused at the door."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ def app_mem(tmp_path):
     mem.close()
 
 
-# ----------------------------------------------------------------------------- item 1
+# ----------------------------------------------------------------------------- routes name one user
 ADVERSARIAL_USERS = ["u", "u/memories/m", "a/memories", "a", "memories", "..", ".", "u%2Fx", "%", "v/../u",
                      "search", "u/search", "x y", "日本/語"]
 ADVERSARIAL_ITEMS = ["x", "m/memories/x", "memories", "..", "delete", "%2F", "a/b", "search/batch", "%"]
@@ -98,7 +98,7 @@ def test_every_route_changes_or_reads_only_the_user_it_names():
                 mem.add([f"t {user} {it}"], user, ids=[it], metadata={"owner": user})
 
 
-def test_the_issue_examples(app_mem):
+def test_ids_and_users_that_look_like_routes_stay_unambiguous(app_mem):
     c, mem = app_mem
     mem.add(["theirs"], "u", ids=["m/memories/x"])
     mem.add(["mine"], "u/memories/m", ids=["x"])
@@ -112,7 +112,7 @@ def test_the_issue_examples(app_mem):
     assert c.get("/v1/users/a%FF/memories", headers=A).status_code == 400  # not UTF-8
 
 
-# ----------------------------------------------------------------------------- items 2, 3
+# ----------------------------------------------------------------------------- authentication, tokens
 def test_auth_is_never_silently_off(tmp_path, monkeypatch, capsys):
     mem = Memory(encoder=False, dim=DIM)
     for bad in ("", "  "):
@@ -214,7 +214,7 @@ def test_user_tokens_reach_their_own_user_only_on_every_route(app_mem, tmp_path)
         assert c.get("/v1/users/alice/memories", headers=h).status_code == 401
 
 
-# ----------------------------------------------------------------------------- item 4
+# ----------------------------------------------------------------------------- body limit
 def _asgi_post(app, body_chunks, content_length=None, path="/v1/users/u/memories"):
     """Call the ASGI app directly with a body received in chunks; returns (status,
     bytes of the body the app pulled)."""
@@ -312,13 +312,13 @@ def test_a_real_server_refuses_a_streamed_body_early(tmp_path):
         t.join(10)
 
 
-# ----------------------------------------------------------------------------- items 9-13
+# ----------------------------------------------------------------------------- ids, forgetting, pages, bad text, timeouts
 def test_ids_round_trip_between_python_and_http(app_mem):
     c, mem = app_mem
     assert mem.add(["seven"], 7, ids=[7]) == ["7"]
     item = c.get("/v1/users/7/memories/7", headers=A)
     assert item.status_code == 200 and {k: v for k, v in item.json().items() if k != "created_at"} == {
-        "id": "7", "text": "seven", "metadata": {}}
+        "id": "7", "text": "seven", "metadata": {}, "thread": None, "position": None}
     assert c.post("/v1/users/7/search", headers=A, json={"query": "seven"}).json()["hits"][0]["id"] == "7"
     r = c.post("/v1/users/8/memories", headers=A, json={"texts": ["eight"], "ids": ["8"]})
     assert r.json() == {"ids": ["8"]}
@@ -376,7 +376,7 @@ def test_lone_surrogates_sent_as_json_escapes_are_refused_and_the_user_stays_rea
 
 
 def test_requests_that_timed_out_over_http_free_their_slots(tmp_path):
-    """Item 6 over HTTP: queue of 2, worker blocked: 2 searches time out (504); the next
+    """Over HTTP: queue of 2, worker blocked: 2 searches time out (504); the next
     one is queued (not 503) and answered once the worker is free."""
     import threading
 

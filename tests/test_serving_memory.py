@@ -159,7 +159,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.search(np.zeros(16), "u"), ValueError, "query row 0 has zero norm"),
         (lambda m: m.search([[1.0] * 16], "u"), ValueError, "1-D vector"),
         (lambda m: m.search_batch(["a", "b"], ["u"]), ValueError, "user_ids has 1 entries but queries has 2"),
-        (lambda m: m.search_batch(["a", 3], "u"), ValueError, r"queries\[1\] must be a str or a 1-D vector"),
+        (lambda m: m.search_batch(["a", 3], "u"), TypeError, r"queries\[1\] must be a str or a 1-D vector"),
         (lambda m: m.add(None, "u"), ValueError, "needs texts or vectors"),
         (lambda m: m.add(["a", "b"], "u", ids=["1"]), ValueError, "ids has 1 entries but there are 2 items"),
         (lambda m: m.add(["a"], "u", vectors=np.ones((2, 16))), ValueError, "texts has 1 entries but vectors has 2"),
@@ -169,7 +169,7 @@ def test_hit_metadata_is_the_callers_copy():
         (lambda m: m.add([1], "u"), TypeError, r"texts\[0\] must be a str"),
         (lambda m: m.add(["a", "b"], "u", ids=["x", "x"]), ValueError, "duplicate item id 'x'"),
         (lambda m: m.add(["dup"], "u", ids=["taken"]), ValueError, "already holds item id 'taken'"),
-        (lambda m: m.update("taken", "u"), ValueError, "needs texts, vectors or metadata"),
+        (lambda m: m.update("taken", "u"), ValueError, "needs texts, vectors, metadata, thread or position"),
         (lambda m: m.delete([], "u"), ValueError, "at least one item id"),
     ],
 )
@@ -423,6 +423,52 @@ def test_config_and_construction_errors(tmp_path):
     assert len(mem.search(np.ones(DIM), "u")) == 2 and len(mem.search(np.ones(DIM), "u", k=4)) == 4
 
 
+def test_first_use_mistakes_get_messages_that_say_what_to_do(tmp_path):
+    """The messages a new user meets: a path of another type names ``path`` (a config or an
+    encoder in its place: pass it by keyword); a bare number as a query says a text or a
+    vector was expected; vectors of another dimension in a Memory whose dimension was
+    defaulted (no encoder, no dim) say how to set it; per-item lists say "one per item"."""
+    for bad, hint in ((123, "got int$"), (b"dir", "got bytes$"), (RFMemConfig.paper(), r"config=\.\.\.\)$"),
+                      (HashEncoder(DIM), r"encoder=\.\.\.\)$")):
+        with pytest.raises(TypeError, match=r"^path must be a directory as a str or os.PathLike .*" + hint):
+            Memory(bad)
+    assert not list(tmp_path.iterdir())
+    mem = new_memory(batching=False)
+    mem.add(["a", "b"], "u")
+    for query in (5, 2.5, np.float32(1.0), np.array(3.0), True):
+        with pytest.raises(TypeError, match=r"^query must be a str or a 1-D vector of floats: a text \(str\) or a "
+                                            r"vector \(16 floats\) was expected, got "):
+            mem.search(query, "u")
+    with pytest.raises(TypeError, match=r"^queries\[0\] must be a str .* got int"):
+        mem.search_batch([7], "u")
+    for call, match in (
+        (lambda: mem.add(["a", "b"], "u", ids=["1"]), "^ids has 1 entries but there are 2 items: give one per item$"),
+        (lambda: mem.add(["a", "b"], "u", metadata=[{}]),
+         "^metadata has 1 entries but there are 2 items: give one per item, or one dict for every item$"),
+        (lambda: mem.add(["a", "b"], "u", created_at=[0.0]),
+         "^created_at has 1 entries but there are 2 items: give one per item, or one instant for every item$"),
+        (lambda: mem.add(["a"], "u", vectors=np.ones((2, DIM))), "give one vector per text$"),
+        (lambda: mem.update(mem.get_all("u")[0].id, "u", texts=["x", "y"]),
+         "^texts has 2 entries but ids has 1: give one per item$"),
+        (lambda: mem.search_batch(["a", "b"], ["u"]),
+         "^user_ids has 1 entries but queries has 2: give one per query, or one user for every query$"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    bare = Memory(encoder=False, batching=False)  # no encoder, no dim: the default 384
+    for call, name in ((lambda: bare.add(None, "u", vectors=np.ones((2, 8))), "vectors"),
+                       (lambda: bare.search(np.ones(8), "u"), "query")):
+        with pytest.raises(ValueError, match=rf"^{name} must have dimension 384, got 8: .*no encoder and no dim.* "
+                                             r"dim=8 \(Memory\(\.\.\., encoder=False, dim=8\)\)$"):
+            call()
+    sized = Memory(encoder=False, dim=16, batching=False)  # a dimension chosen: the plain message
+    with pytest.raises(ValueError, match=r"^vectors must have dimension 16, got 8$"):
+        sized.add(None, "u", vectors=np.ones((1, 8)))
+    Memory(tmp_path / "m", encoder=False).close()  # a stored memory keeps its (default) dimension
+    with Memory(tmp_path / "m", encoder=False) as reopened, pytest.raises(ValueError, match=r"got 8$"):
+        reopened.add(None, "u", vectors=np.ones((1, 8)))
+
+
 def test_encoder_dtype_option(monkeypatch):
     """encoder_dtype reaches the default encoder (loaded lazily) and is reported by
     encoder_info / stats before and after loading; misuse is refused, naming it."""
@@ -461,7 +507,7 @@ def test_encoder_dtype_option(monkeypatch):
         Memory(encoder=False, dim=DIM, encoder_dtype="float32")
 
 
-# ----------------------------------------------------------------------------- issue 17
+# ----------------------------------------------------------------------------- edges: bad queries, queues, close, copies, ids
 class ZeroForBlank(HashEncoder):
     """An encoder wrapper as many are: a zero row for a text with no words."""
 
@@ -470,7 +516,7 @@ class ZeroForBlank(HashEncoder):
 
 
 def test_a_bad_query_fails_alone_with_an_error_naming_it():
-    """Item 5: 8 callers share a batch; the encoder gives ONE of them a zero row: only
+    """8 callers share a batch; the encoder gives ONE of them a zero row: only
     that caller fails, and its error names its own query (no internal batch row)."""
     enc = ZeroForBlank(DIM)
     mem = new_memory(encoder=enc, max_batch=8, max_wait_ms=200.0, cache_size=0)
@@ -498,7 +544,7 @@ def test_a_bad_query_fails_alone_with_an_error_naming_it():
 
 
 def test_timed_out_and_cancelled_requests_free_their_queue_slots():
-    """Item 6: max_queue=4, worker blocked: 4 waiters time out (threads) or are
+    """max_queue=4, worker blocked: 4 waiters time out (threads) or are
     cancelled (asyncio); a new search is queued (no QueueFullError) and answered."""
     enc = HashEncoder(DIM)
     mem = new_memory(encoder=enc, max_batch=1, max_queue=4, max_wait_ms=0.0, cache_size=0)
@@ -534,7 +580,7 @@ def test_timed_out_and_cancelled_requests_free_their_queue_slots():
 
 
 def test_search_racing_close_gets_batcher_closed_error_at_once():
-    """Item 7: searches (threads and asyncio, timeout=None) racing close() either finish
+    """Searches (threads and asyncio, timeout=None) racing close() either finish
     or raise BatcherClosedError at once; none waits forever."""
     from rfmem_fast.serving import BatcherClosedError
 
@@ -567,7 +613,7 @@ def test_search_racing_close_gets_batcher_closed_error_at_once():
 
 
 def test_every_caller_gets_its_own_copy_of_cached_hits():
-    """Item 8: mutating returned hits (metadata, an item stored without metadata
+    """Mutating returned hits (metadata, an item stored without metadata
     included) never changes a later (cached) answer or a concurrent caller's."""
     mem = new_memory(max_wait_ms=20.0)
     mem.add(["plain", "tagged"], "u", ids=["p", "t"], metadata=[None, {"tag": ["x"]}])
@@ -586,7 +632,7 @@ def test_every_caller_gets_its_own_copy_of_cached_hits():
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_one_metadata_validation_for_the_in_memory_and_the_durable_memory(tmp_path, durable):
-    """Item 10: the same value gets the same message naming metadata[i], before anything
+    """The same value gets the same message naming metadata[i], before anything
     is logged, whether the Memory has a path or not."""
     import datetime
     import decimal
@@ -624,7 +670,7 @@ class Chunkable(Windowed):
 
 
 def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
-    """Item 12: an encoder that tells its window but not its token spans gets no text
+    """An encoder that tells its window but not its token spans gets no text
     it would truncate; the error names the text and the limit."""
     mem = new_memory(encoder=Windowed(DIM))
     mem.add(["one two three four five six"], "u", ids=["fits"])
@@ -638,7 +684,7 @@ def test_texts_over_the_window_of_an_encoder_that_cannot_cut_them_are_refused():
 
 @pytest.mark.parametrize("durable", [False, True])
 def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable):
-    """Item 12: a text over the window becomes overlapping chunks (6 text tokens each,
+    """A text over the window becomes overlapping chunks (6 text tokens each,
     overlap 2), each a row of its item; a query matching ANY chunk finds the item (its
     whole text, its metadata, once); get / get_all / count see items only; update and
     delete of the item replace / remove all its chunks; all of it survives a reopen."""
@@ -684,8 +730,70 @@ def test_long_texts_are_chunked_and_hits_collapse_to_the_item(tmp_path, durable)
         Memory(encoder=enc, chunk_overlap=6).add([long_text], "u")
 
 
+class TopicWords(Chunkable):
+    """Chunkable with bag-of-words vectors plus a shared component (every cosine > 0), so the
+    chunks of one text, drawn from one small vocabulary, lie near one another."""
+
+    def vector(self, text):
+        import zlib
+
+        v = np.zeros(self.dim)
+        for w in text.split():
+            v[zlib.crc32(w.encode()) % (self.dim - 1)] += 1.0
+        v[-1] = 0.5 * np.linalg.norm(v)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+@pytest.mark.parametrize("config", [RFMemConfig.paper(), None], ids=["paper", "recommended"])
+def test_recollection_counts_items_not_the_chunk_rows_of_long_texts(config):
+    """A long text is several bank rows (its chunks, near one another), and the engine's
+    Recollection path fills its result list with rows: collapsed to items, a query would get fewer
+    items than the rows recollected (2 of 10). The Memory gives the slots the extra chunks
+    took to the next items of the query's Familiarity ranking (cosine >= score_floor, not
+    already returned), after the recollected items, so min(k, rows recollected) distinct
+    items come back. Reference: direct engine searches, collapsed here."""
+    from rfmem_fast.lexical import CHUNK_SEP
+
+    enc, k = TopicWords(64), 10
+    enc.max_tokens = 8  # chunks of 6 words
+    mem = Memory(encoder=enc, config=config, batching=False, chunk_overlap=1, cache_size=0)
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice([f"t{i}x{j}" for j in range(4)] + ["common"], size=24)) for i in range(30)]
+    mem.add(texts, "u", ids=[f"i{i}" for i in range(30)])
+    assert mem.bank.user_size("u") > 90  # 4-5 rows per item
+    cfg = mem.config.replace(out_k=k + mem.bank.user_size("u") - 30)  # the rows the Memory asks for
+    parent = lambda x: x.rpartition(CHUNK_SEP)[0] if CHUNK_SEP in x else x  # noqa: E731
+    gained = full = 0
+    for q in texts:
+        lex = {"query_texts": [q]} if cfg.lexical_weight > 0 else {}
+        qv = enc.encode([q])
+        rec = search(mem.bank, qv, ["u"], config=cfg, mode="recollection", **lex)
+        fam = search(mem.bank, qv, ["u"], config=cfg, mode="dense", **lex)
+        rows = rec.ids_list(0)
+        want = []
+        for x in rows:
+            if parent(x) not in want:
+                want.append(parent(x))
+        recollected = len(want)
+        for x, cos in zip(fam.ids_list(0), fam.dense_scores[0]):
+            if len(want) >= min(k, len(rows)):
+                break
+            if parent(x) not in want and cos >= cfg.score_floor:
+                want.append(parent(x))
+        hits = mem.search(q, "u", k=k, mode="recollection")
+        assert [h.id for h in hits] == want[:k] and len(hits) == min(k, len(rows))
+        assert len({h.id for h in hits}) == len(hits) and hits.route == "recollection"
+        first_score: dict = {}
+        for x, sc in zip(rows, rec.scores[0]):
+            first_score.setdefault(parent(x), float(sc))
+        assert [h.score for h in hits[:recollected]] == pytest.approx([first_score[h.id] for h in hits[:recollected]])
+        gained += len(hits) - recollected
+        full += len(hits) == k
+    assert gained >= 50 and full >= 18  # the fix matters (105 slots, 21 of 30 queries with k items here)
+
+
 def test_id_model_ints_are_their_decimal_str():
-    """Item 13: user ids and item ids are str; ints are converted (7 and "7" are one id)."""
+    """User ids and item ids are str; ints are converted (7 and "7" are one id)."""
     mem = new_memory()
     assert mem.add(["seven"], 7, ids=[7]) == ["7"]
     assert [i.id for i in mem.get("7", "7")] == ["7"] and mem.get(7, 7)[0].text == "seven"
@@ -699,7 +807,7 @@ def test_id_model_ints_are_their_decimal_str():
 
 
 def test_delete_user_forgets_every_memory_durably(tmp_path):
-    """Item 13: delete_user removes all of a user's items, survives a crash and a
+    """delete_user removes all of a user's items, survives a crash and a
     checkpoint; other users stay; an unknown user deletes nothing (idempotent)."""
     mem = new_memory(path=tmp_path / "m")
     mem.add(["a", "b", "c"], "gone", ids=["1", "2", "3"])

@@ -1,4 +1,4 @@
-"""The encode / search pipeline of the micro-batcher (issue 21 item 2).
+"""The encode / search pipeline of the micro-batcher.
 
 :class:`MicroBatcher` with a ``prepare`` stage runs it on ``workers`` threads and
 ``run_batch`` on one run thread; :class:`Memory` puts its encoder in the first stage and

@@ -57,8 +57,8 @@ def test_text_memory_end_to_end(tmp_path, text_encoder):
 
 
 def test_long_memory_is_chunked_so_its_end_is_found(text_encoder):
-    """Issue 17 item 12: a memory ending in "My favourite colour is green." after ~400
-    tokens of filler used to be truncated at 256 tokens (rank 3, score 0.125); chunked,
+    """A memory ending in "My favourite colour is green." after ~400 tokens of filler,
+    truncated at 256 tokens, would rank 3rd (score 0.125); chunked,
     it is the top hit for "What is my favourite colour?", with its whole text."""
     filler = " ".join(f"On day {i} I walked to the market and bought some bread and cheese." for i in range(30))
     long_text = filler + " My favourite colour is green."

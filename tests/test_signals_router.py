@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rfmem_fast import RFMemConfig
-from rfmem_fast.router import RULE_NAMES, route
+from rfmem_fast.routing.base import RULE_NAMES
+from rfmem_fast.routing.threshold import route
 from rfmem_fast.signals import familiarity_signals
 
 

@@ -1,4 +1,4 @@
-"""Crash-safe persistence: save / load, checksums, hand edits, fuzzing, SIGKILL mid-save (issue 5, items 2, 5, 7)."""
+"""Crash-safe persistence: save / load, checksums, hand edits, fuzzing, SIGKILL mid-save."""
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
-from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, LEXICAL_FILES, MANIFEST, StoreError, load_bank
+from rfmem_fast.store import CURRENT, DATA_FILES, FORMAT_VERSION, LEXICAL_FILES, MANIFEST, StoreError
 
 CPU_BACKENDS = [b for b in rfmem_fast.available_backends() if b in ("reference", "torch", "native")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +325,7 @@ def test_fuzz_load_gives_store_error_or_the_bank(fuzz_store, which, edits, verif
                 del data[p:]
         target.write_bytes(bytes(data))
         try:
-            loaded = load_bank(path, mmap=mmap, verify=verify)
+            loaded = MemoryBank.load(path, mmap=mmap, verify=verify)
         except StoreError as exc:
             assert str(exc)  # a clear message naming the file
             return
@@ -377,34 +377,44 @@ def _run_child(path: Path, target: str, n: int, kill_after: float | None = None)
     script = _CHILD.format(root=str(ROOT))
     proc = subprocess.Popen(
         [sys.executable, "-c", script, str(path), target, str(n)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
     )
     lines: list[str] = []
+    pending = b""
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + 180  # generous: a loaded CI machine imports torch and fsyncs slowly
     kill_at = None
+    done = False
     try:
-        while True:
+        while not done:
             timeout = deadline - time.monotonic()
             if kill_at is not None:
                 timeout = min(timeout, kill_at - time.monotonic())
             if timeout <= 0:
                 break
-            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            # select on the raw pipe and split lines here: a buffered reader could hold several
+            # lines that select no longer reports, and the test would wait for the child's sleep
+            ready, _, _ = select.select([fd], [], [], timeout)
             if not ready:
                 continue
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 break
-            lines.append(line.strip())
-            if line.strip() == "READY" and kill_after is not None:
-                kill_at = time.monotonic() + kill_after
-            if line.strip() == f"STAGE {target}":
-                break
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            for raw in complete:
+                line = raw.decode().strip()
+                lines.append(line)
+                if line == "READY" and kill_after is not None:
+                    kill_at = time.monotonic() + kill_after
+                if line == f"STAGE {target}":
+                    done = True
+                    break
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, lines, proc.stderr.read())
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, lines, proc.stderr.read().decode(errors="replace"))
     proc.stderr.close()
     proc.stdout.close()
     return lines

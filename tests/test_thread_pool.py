@@ -1,4 +1,4 @@
-"""The native kernels' thread pool (csrc/cpu/pool.h; issue 21, item 3).
+"""The native kernels' thread pool (csrc/cpu/pool.h).
 
 Pinned: a parallel region gives the same results in every pool mode ('auto', 'always',
 'per-call') and thread count, alone, from several Python threads at once (one region

@@ -1,4 +1,4 @@
-"""Thread defaults safe for a serving process (issue 8, item 5; issue 21, item 3).
+"""Thread defaults safe for a serving process.
 
 Pinned: the thread setting's precedence (set_num_threads > RFMEM_NUM_THREADS > torch)
 and its validation; the native kernels use one thread for a small call and more only

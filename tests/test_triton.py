@@ -1,4 +1,4 @@
-"""The triton backend (issue 3, part 2): parity of every primitive with the torch and
+"""The triton backend: parity of every primitive with the torch and
 reference backends, plus end-to-end search.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter: a module-scoped
@@ -218,7 +218,7 @@ def test_fused_probe_signals(convention):
 @settings(max_examples=2)
 @given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([1, 3, 17, 64] + ([384, 512] if CUDA else [])), n=st.integers(2, 60))
 def test_near_duplicates_exact_prefix_batch_invariant(seed, d, n):
-    """Issue 8.1 on the triton backend (float64 and float32 scans): banks of exact and
+    """Exact top-k under near-ties on the triton backend (float64 and float32 scans): banks of exact and
     1-ulp near duplicates give the oracle's ids and scores for every k, prefixes agree,
     and a query's result is identical alone and in batches (tests/_exact_oracle.py; the
     CPU backends run it with more examples in tests/test_exact_topk.py). Triton's

@@ -56,6 +56,9 @@ struct Pool {
   const void* ctx = nullptr;
   int seats = 0, max_seats = 0, inside = 0;
   bool caller_sleeps = false;
+  // helpers not asleep on work_cv (running an item, or on their way to sleep): the
+  // machine's running tasks count them, and their cores are this process's to use
+  std::atomic<int> awake{0};
   std::atomic<int64_t> next{0}, done{0};
   std::atomic<bool> busy{false};
   // counters
@@ -131,7 +134,9 @@ void helper_main(Pool* p, uint64_t seen) {
 #endif
   std::unique_lock<std::mutex> l(p->m);
   for (;;) {
+    p->awake.fetch_sub(1, std::memory_order_relaxed);
     p->work_cv.wait(l, [&] { return p->open && p->gen != seen && p->seats < p->max_seats; });
+    p->awake.fetch_add(1, std::memory_order_relaxed);
     seen = p->gen;
     const int tid = 1 + p->seats++;
     ++p->inside;
@@ -158,9 +163,11 @@ void helper_main(Pool* p, uint64_t seen) {
 void publish(Pool* p, int64_t n, int want, void (*call)(const void*, int64_t, int), const void* ctx) {
   while (p->helpers < want) {
     try {
+      p->awake.fetch_add(1, std::memory_order_relaxed);  // until it first sleeps
       std::thread(helper_main, p, p->gen).detach();  // joins the region published below
       ++p->helpers;
     } catch (const std::system_error&) {
+      p->awake.fetch_sub(1, std::memory_order_relaxed);
       break;  // the OS refuses threads: the caller and the helpers there do the work
     }
   }
@@ -207,8 +214,11 @@ int idle_cpus() {
                           std::chrono::steady_clock::now().time_since_epoch()).count();
   const int64_t at = g_idle_at.load(std::memory_order_acquire);
   if (now - at < static_cast<int64_t>(kIdleSampleSeconds * 1e9)) return g_idle.load(std::memory_order_relaxed);
+  // the pool's own awake helpers are among the running tasks: their cores are not taken
+  // by another job (counting them made every other region of a busy process run inline)
+  const int own = pool()->awake.load(std::memory_order_relaxed);
   const int cpus = online_cpus(), running = running_tasks();
-  const int idle = running < 0 ? cpus : std::max(0, cpus - running);
+  const int idle = running < 0 ? cpus : std::min(cpus, std::max(0, cpus - running + std::max(0, own)));
   g_idle.store(idle, std::memory_order_relaxed);
   g_idle_at.store(now, std::memory_order_release);
   return idle;

@@ -766,7 +766,7 @@ int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& 
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
 // bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
-// with AVX-512, bench/results/gemm-issue21-merge.json): the scan path (groups of 16
+// with AVX-512, bench/results/gemm-rates-crossover-amd-epyc.json): the scan path (groups of 16
 // queries per tile; float32 rows at levels 1, 2 in register blocks of rows x queries,
 // simd_impl.inc) 39 GMAC/s at AVX-512, 18 at AVX2 + FMA, ~15 at the baseline level (its
 // own clones); the GEMM micro-kernel 87 GMAC/s (AVX-512), 45 (AVX2 + FMA), 9 (baseline,
@@ -945,8 +945,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
-  if (nthreads > 1 && ng < 2 * nthreads) {
-    parts = (2 * nthreads + ng - 1) / ng;
+  if (nthreads > 1 && ng < 4 * nthreads) {  // >= 4 items a thread: the last item leaves little idle
+    parts = (4 * nthreads + ng - 1) / ng;
     parts = std::max<int64_t>(1, std::min(parts, max_len / kMinPartRows));
   }
   const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);

@@ -131,7 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", default=None, help=f"embedding cache folder (default {default_cache_dir()})")
     g.add_argument("--no-cache", action="store_true", help="always encode PersonaBench afresh")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=None, help="JSON file (default ./bench/results/bench-<timestamp>.json, under the current directory)")
+    g.add_argument("--out", default=None, help="JSON file (default ./bench/results/local/bench-<timestamp>.json, under the current directory)")
     g.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     g.add_argument("--plain", action="store_true", help="plain-text tables instead of rich")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -150,10 +150,10 @@ def _preset_text(name: str) -> str:
 
 
 def _default_out() -> Path:
-    """``bench/results/bench-<timestamp>.json`` under the current directory (a run from a
-    checkout's root writes next to the committed results; from anywhere else, there)."""
+    """``bench/results/local/bench-<timestamp>.json`` under the current directory (in a
+    checkout, the git-ignored folder beside the committed results; elsewhere, created there)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path.cwd() / "bench" / "results" / f"bench-{stamp}.json"
+    return Path.cwd() / "bench" / "results" / "local" / f"bench-{stamp}.json"
 
 
 def _positive(name: str, v: int | float) -> None:

@@ -1,4 +1,4 @@
-"""The GPU benchmark of ``bench/gpu_check.py`` (issue 12): device-generated banks and
+"""The GPU benchmark of ``bench/gpu_check.py``: device-generated banks and
 device-resident queries, our backends side by side with faiss-gpu and cuML in one run.
 
 Workloads (each a method of :class:`GpuBench`, each returning a JSON-ready dict):
@@ -23,7 +23,7 @@ Workloads (each a method of :class:`GpuBench`, each returning a JSON-ready dict)
 Synthetic data follows :mod:`rfmem_fast.bench.workloads` (clustered unit vectors; half of
 the queries near an item, half near a centre), drawn with a seeded torch generator on the
 device. Every timed call ends with a device synchronisation. :func:`goal_ratios` compares
-the figures with the issue's goals. With ``device="cpu"`` (``gpu_check.py --dry-run``) the
+the figures with the GPU targets (:data:`GOALS`, docs/benchmarks/gpu.md). With ``device="cpu"`` (``gpu_check.py --dry-run``) the
 same code runs at tiny sizes, faiss-gpu falls back to faiss-cpu's ``IndexFlatIP`` (labelled
 as a stand-in) and absent comparators are skipped with a note.
 """
@@ -56,7 +56,7 @@ from .workloads import (
     synthetic_bank,
 )
 
-#: the issue's goals on an H200 (ratios from one run)
+#: the GPU targets on an H200 (ratios from one run; docs/benchmarks/gpu.md)
 GOALS = {
     "rfmem_p50_ms_at_1M_tokens": {"goal": "< 0.5 ms", "op": "<", "value": 0.5},
     "multitenant_rfmem_qps_1000x4096": {"goal": ">= 200,000 q/s", "op": ">=", "value": 200_000.0},
@@ -782,7 +782,7 @@ def _meets(name: str, value: float | None) -> bool | None:
 
 
 def goal_ratios(workloads: dict[str, Any], ours: list[str]) -> dict[str, Any]:
-    """The issue's goals against the figures of this run.
+    """The GPU targets (:data:`GOALS`) against the figures of this run.
 
     Args:
         workloads: {"latency", "multitenant", "shared", "kmeans"} dicts of :class:`GpuBench`.

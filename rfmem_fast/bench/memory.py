@@ -1,4 +1,4 @@
-"""Peak-memory measurement of one search in a fresh process (issue 8, item 2).
+"""Peak-memory measurement of one search in a fresh process.
 
 :func:`measure` runs ``python -m rfmem_fast.bench.memory`` in a subprocess: it builds a
 seeded workload and then, for each backend asked for, warms the path up on a few
@@ -6,7 +6,7 @@ queries, resets the process's peak RSS (``/proc/self/clear_refs`` 5, Linux), run
 ``search`` and reports the growth of ``VmHWM`` over the RSS before the call (the call's
 peak working set), the wall time and a spot check of the results against the exact
 top-k. Used by ``bench/bench_memory.py``
-(the issue's sizes) and ``tests/test_memory_budget.py`` (small budgets).
+(the large sizes) and ``tests/test_memory_budget.py`` (small budgets).
 
 Scenarios (d = 32 unless given):
 

@@ -15,8 +15,8 @@ The ratios (:func:`compute_ratios`) are computed only from figures of the same r
   over the very queries the reference ran); goal >= 50.
 * ``shared_dense_qps_over_faiss_dense_qps``: dense queries per second of our backend /
   faiss IndexFlatIP's on the shared bank at batch 1,024 (the largest batch run), per
-  size and thread count; the value is the smallest over the sizes; goal >= 1.0
-  (issue 11). ``rfmem_qps_over_faiss_dense_qps`` carries the goal >= 0.3 the same way.
+  size and thread count; the value is the smallest over the sizes; goal >= 1.0.
+  ``rfmem_qps_over_faiss_dense_qps`` carries the goal >= 0.3 the same way.
 * ``multitenant_float16_dense_qps_over_float32`` / ``..._rfmem_...``: queries per second
   of our backend on the float16 bank / on the float32 bank, multi-tenant batch, per
   thread count; goals >= 1.6 (dense) and >= 1.4 (RF-Mem).
@@ -27,10 +27,10 @@ The ratios (:func:`compute_ratios`) are computed only from figures of the same r
 * ``hybrid_p50_over_dense_p50``: p50 latency of the hybrid row (the hybrid backend with
   ``RFMemConfig.recommended()``: dense + BM25, given the query texts) / the same
   backend's dense p50, at 1M tokens (the largest scale run otherwise), per scale and on
-  PersonaBench; goal <= 1.3 at 1M tokens (issue 18).
+  PersonaBench; goal <= 1.3 at 1M tokens.
 * ``hybrid_qps_over_dense_qps``: queries per second of the hybrid row / the same
   backend's dense ones on the multi-tenant batch (float32 bank), per thread count, and
-  on PersonaBench's whole-question batch; goal >= 0.6 (issue 18).
+  on PersonaBench's whole-question batch; goal >= 0.6.
 
 With several thread counts, every ratio but ``thread_scaling`` takes its figures at the
 largest count (the headline; per-count values sit under ``per_threads``), and on the

@@ -37,7 +37,7 @@ import numpy as np
 
 from .._validate import as_float_matrix
 from ..backends import Backend, get_backend
-from ..bank import MemoryBank, _check_id_list, _check_user
+from ..bank import MemoryBank, _check_id_list, _check_user, check_positions, check_threads
 from ..config import RFMemConfig
 from ..search import SearchResult, search
 from ..store import CURRENT, StoreError
@@ -53,14 +53,15 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 
-def _apply(bank: MemoryBank, op: str, user: Hashable, ids: list, vectors: Any, texts: Any) -> None:
+def _apply(bank: MemoryBank, op: str, user: Hashable, ids: list, vectors: Any, texts: Any, threads: Any = None,
+           positions: Any = None) -> None:  # fmt: skip
     """Apply one write to ``bank`` (the live path and log replay share this)."""
     if op == "add":
-        bank.add(user, vectors, ids, texts=texts)
+        bank.add(user, vectors, ids, texts=texts, threads=threads, positions=positions)
     elif op == "delete":
         bank.delete(user, ids)
     elif op == "update":
-        bank.update(user, ids, vectors, texts=texts)
+        bank.update(user, ids, vectors, texts=texts, threads=threads, positions=positions)
     else:  # pragma: no cover - the log refuses unknown ops
         raise ValueError(f"unknown write op {op!r}")
 
@@ -157,7 +158,7 @@ class ShardServer:
             for rec in wal.records(bank.version):
                 self._check_users([rec.user], wal.path)
                 try:
-                    _apply(bank, rec.op, rec.user, rec.ids, rec.vectors, rec.texts)
+                    _apply(bank, rec.op, rec.user, rec.ids, rec.vectors, rec.texts, rec.threads, rec.positions)
                 except (KeyError, TypeError, ValueError) as exc:
                     raise StoreError(wal.path, f"record version {rec.version} does not apply ({exc})") from None
                 if bank.version != rec.version:
@@ -182,7 +183,8 @@ class ShardServer:
                 )
 
     # ------------------------------------------------------------------ writes
-    def _write(self, op: str, user: Hashable, ids: Any, vectors: Any, texts: Any) -> int:
+    def _write(self, op: str, user: Hashable, ids: Any, vectors: Any, texts: Any, threads: Any = None,
+               positions: Any = None) -> int:  # fmt: skip
         self._usable()
         # canonical forms first (what the log stores is exactly what the bank applies)
         user = _check_user(user)
@@ -192,9 +194,13 @@ class ShardServer:
             vectors = as_float_matrix(vectors, "vectors", self.dim)
         if texts is not None and not isinstance(texts, (str, bytes)) and hasattr(texts, "__iter__"):
             texts = list(texts)  # a generator is read once, here
-        _apply(self.bank, op, user, ids, vectors, texts)  # validates; writes nothing on error
+        if threads is not None:  # one thread id for every item, or one per item (numpy scalars as int / str)
+            threads = check_threads(threads, len(ids))
+        if positions is not None:
+            positions = check_positions(positions, len(ids))
+        _apply(self.bank, op, user, ids, vectors, texts, threads, positions)  # validates; writes nothing on error
         if self._wal is not None:
-            rec = WalRecord(self.bank.version, op, user, ids, texts, vectors)
+            rec = WalRecord(self.bank.version, op, user, ids, texts, vectors, threads, positions)
             try:
                 self._wal.append(rec)
             except BaseException as exc:
@@ -213,12 +219,15 @@ class ShardServer:
         if s != self.index:
             raise ValueError(f"user {user!r} belongs to shard {s}, not to shard {self.index}")
 
-    def add(self, user: Hashable, vectors: np.ndarray, ids: list, texts: list | None = None) -> int:
+    def add(self, user: Hashable, vectors: np.ndarray, ids: list, texts: list | None = None, threads: Any = None,
+            positions: Any = None) -> int:  # fmt: skip
         """:meth:`MemoryBank.add`, durable before it returns (module docstring).
 
         Args:
             user: a key owned by this shard. vectors: float32 [m, d]. ids: m item ids.
             texts: m texts (str / None) or None.
+            threads, positions: the items' conversation threads and positions, as
+                :meth:`MemoryBank.add` takes them (None: none).
 
         Returns:
             int: the shard bank's version after the write.
@@ -227,7 +236,7 @@ class ShardServer:
             as :meth:`MemoryBank.add`; ValueError: a user of another shard;
             StoreError: the log commit failed (the write is not kept).
         """
-        return self._write("add", user, ids, vectors, texts)
+        return self._write("add", user, ids, vectors, texts, threads, positions)
 
     def delete(self, user: Hashable, ids: list, missing_ok: bool = False) -> int:
         """:meth:`MemoryBank.delete`, durable before it returns. Returns the bank version.
@@ -244,14 +253,18 @@ class ShardServer:
                 return self.bank.version
         return self._write("delete", user, ids, None, None)
 
-    def update(self, user: Hashable, ids: list, vectors: np.ndarray, texts: list | None = None) -> int:
-        """:meth:`MemoryBank.update`, durable before it returns. Returns the bank version."""
-        return self._write("update", user, ids, vectors, texts)
+    def update(self, user: Hashable, ids: list, vectors: np.ndarray | None, texts: list | None = None,
+               threads: Any = None, positions: Any = None) -> int:  # fmt: skip
+        """:meth:`MemoryBank.update` (``vectors`` None keeps the rows; ``threads`` /
+        ``positions`` None keep the items'), durable before it returns. Returns the bank version."""
+        return self._write("update", user, ids, vectors, texts, threads, positions)
 
     def import_arrays(
-        self, vectors: np.ndarray, offsets: np.ndarray, users: list, item_ids: list, texts: list
+        self, vectors: np.ndarray, offsets: np.ndarray, users: list, item_ids: list, texts: list,
+        threads: list | None = None, positions: list | None = None,
     ) -> int:
-        """Fill an empty shard from a CSR layout (:meth:`MemoryBank.from_arrays`) in one call.
+        """Fill an empty shard from a CSR layout (:meth:`MemoryBank.from_arrays`) in one call
+        (``threads`` / ``positions``: the rows' conversation threads and positions, or None).
 
         Durable before it returns when the shard has a home (one checkpoint).
 
@@ -267,7 +280,8 @@ class ShardServer:
             raise ValueError(f"shard {self.index} already holds {self.bank.num_users} users; import needs an empty shard")
         for u in users:
             self._check_owner(u)
-        bank = MemoryBank.from_arrays(vectors, offsets, users=users, item_ids=item_ids, texts=texts)
+        bank = MemoryBank.from_arrays(vectors, offsets, users=users, item_ids=item_ids, texts=texts, threads=threads,
+                                      positions=positions)
         self.bank = bank
         if self._wal is not None:
             try:

@@ -30,7 +30,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from .._validate import as_float_matrix, l2_normalize_rows
-from ..bank import MemoryBank
+from ..bank import NO_POSITION, MemoryBank
 from ..config import RFMemConfig
 from ..search import DEFAULT_MAX_BATCH, SearchResult, check_search_args
 from ..store import StoreError
@@ -278,8 +278,8 @@ class ShardedMemory:
 
         Each shard receives its users' CSR rows in one call
         (:meth:`MemoryBank.from_arrays` inside the actor; a durable shard checkpoints
-        them before acknowledging). Users, item ids, texts and vectors are kept exactly
-        (users with 0 items included).
+        them before acknowledging). Users, item ids, texts, vectors and the items'
+        threads and positions are kept exactly (users with 0 items included).
 
         Args:
             bank: the MemoryBank to copy (its current snapshot).
@@ -309,8 +309,12 @@ class ShardedMemory:
                 lens = (off[us + 1] - off[us]).astype(np.int64)
                 offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
                 texts = None if snap.texts is None else list(snap.texts[rows])
+                threads = None if snap.threads is None else snap.threads[rows].tolist()
+                positions = (None if snap.positions is None
+                             else [None if p == NO_POSITION else p for p in snap.positions[rows].tolist()])
                 calls[s] = mem._actors[s].import_arrays.remote(
-                    snap.vectors[rows], offsets, [users[u] for u in us], list(snap.item_ids[rows]), texts
+                    snap.vectors[rows], offsets, [users[u] for u in us], list(snap.item_ids[rows]), texts, threads,
+                    positions,
                 )
             mem._call_all(calls, None, "import")
         except BaseException:
@@ -398,12 +402,18 @@ class ShardedMemory:
         return self._owner(user)[1]
 
     # ------------------------------------------------------------------ writes
-    def add(self, user: Hashable, vectors: Any, ids: Sequence[Hashable], texts: Sequence[str | None] | None = None) -> None:
+    def add(self, user: Hashable, vectors: Any, ids: Sequence[Hashable], texts: Sequence[str | None] | None = None,
+            threads: Any = None, positions: Any = None) -> None:  # fmt: skip
         """Append items to a user's memory on its shard (:meth:`MemoryBank.add`).
 
         Args:
             user: str or int key. vectors: [m, d] floating array (m >= 1). ids: m item
             ids unique within the user. texts: m optional texts.
+            threads, positions: the items' conversation threads (one str / int for
+                every item, or m of them / None) and positions (m ints >= 0 / None), as
+                :meth:`MemoryBank.add` takes them; logged with the write. A search with
+                ``config.context_weight`` / ``thread_weight`` > 0 ranks each shard's
+                users by the context score (a user's threads live on its shard).
 
         Returns when the write is applied on the shard and, with a ``path``, durable.
 
@@ -412,7 +422,7 @@ class ShardedMemory:
             ShardUnavailableError: the shard is down (the write was not acknowledged).
         """
         key, s = self._owner(user)
-        self._call(s, "add", key, as_float_matrix(vectors, "vectors", self._dim), ids, texts)
+        self._call(s, "add", key, as_float_matrix(vectors, "vectors", self._dim), ids, texts, threads, positions)
 
     def delete(self, user: Hashable, ids: Sequence[Hashable], missing_ok: bool = False) -> None:
         """Delete items of a user (:meth:`MemoryBank.delete`); durable as :meth:`add`.
@@ -431,16 +441,20 @@ class ShardedMemory:
         self._call(s, "delete", key, ids, missing_ok)
 
     def update(
-        self, user: Hashable, ids: Sequence[Hashable], vectors: Any, texts: Sequence[str | None] | None = None
+        self, user: Hashable, ids: Sequence[Hashable], vectors: Any, texts: Sequence[str | None] | None = None,
+        threads: Any = None, positions: Any = None,
     ) -> None:
-        """Replace items' vectors (and texts) keeping their ids (:meth:`MemoryBank.update`).
+        """Replace items' vectors (and texts, threads, positions) keeping their ids
+        (:meth:`MemoryBank.update`: ``vectors`` None keeps the rows, ``texts`` /
+        ``threads`` / ``positions`` None keep the items').
 
         Raises:
             KeyError / TypeError / ValueError: as :meth:`MemoryBank.update`.
             ShardUnavailableError: the shard is down.
         """
         key, s = self._owner(user)
-        self._call(s, "update", key, ids, as_float_matrix(vectors, "vectors", self._dim), texts)
+        vec = None if vectors is None else as_float_matrix(vectors, "vectors", self._dim)
+        self._call(s, "update", key, ids, vec, texts, threads, positions)
 
     # ------------------------------------------------------------------ search
     def search(
@@ -465,7 +479,10 @@ class ShardedMemory:
             queries: [b, d] floating array (float16/32/64, numpy or torch); sent to the
                 shards as float32 and L2-normalised there, as ``search`` does.
             users: b user keys.
-            config: RFMemConfig (default: the spec's defaults).
+            config: RFMemConfig (default: the spec's defaults); with the context score
+                on (``context_weight`` / ``thread_weight`` > 0) each shard ranks its
+                users' items by it (a user's threads live on its shard), and the
+                gathered ``context_scores`` equal the single-process ones.
             mode: "rfmem", "dense" or "recollection".
             backend: a backend name for this call, or None for each shard's default.
             max_batch: queries per internal chunk inside each shard (int >= 1).

@@ -15,7 +15,13 @@ One row per write (:class:`WalRecord`)::
         ids TEXT,                      -- JSON list of item ids
         texts TEXT,                    -- JSON list of str / null, or NULL (update: keep)
         rows INTEGER, dim INTEGER,
-        vectors BLOB)                  -- float32 [rows, dim] C order (NULL for delete)
+        vectors BLOB,                  -- float32 [rows, dim] C order (NULL for delete, and
+                                       -- for an update keeping the vectors)
+        threads TEXT,                  -- JSON list of str / int / null, or NULL (none / keep)
+        positions TEXT)                -- JSON list of int / null, or NULL (none / keep)
+
+A log written before the conversation columns existed gets them on open (``ALTER TABLE``,
+NULL in its rows: writes without threads or positions).
 
 Protocol (:class:`rfmem_fast.distributed.shard.ShardServer`): a write is applied to the
 in-memory bank (which validates it and writes nothing on error), then appended here and
@@ -49,9 +55,14 @@ CREATE TABLE IF NOT EXISTS wal (
     texts TEXT,
     rows INTEGER NOT NULL,
     dim INTEGER NOT NULL,
-    vectors BLOB
+    vectors BLOB,
+    threads TEXT,
+    positions TEXT
 )
 """
+#: columns added after the first version of the table (added to an older log on open)
+_ADDED_COLUMNS = (("threads", "TEXT"), ("positions", "TEXT"))
+_COLUMNS = "version, op, user, ids, texts, rows, dim, vectors, threads, positions"
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,11 @@ class WalRecord:
         user: the user key (str or int).
         ids: the item ids (list of str / int).
         texts: list of str / None per item, or None (update keeping the texts; delete).
-        vectors: float32 [m, d] rows as given to the bank, or None (delete).
+        vectors: float32 [m, d] rows as given to the bank, or None (delete; an update
+            keeping the vectors).
+        threads: the items' conversation threads (str / int / None per item), or None
+            (an add without threads; an update keeping them; delete).
+        positions: the items' positions in their threads (int / None per item), or None.
     """
 
     version: int
@@ -73,6 +88,8 @@ class WalRecord:
     ids: list
     texts: list | None
     vectors: np.ndarray | None
+    threads: list | None = None
+    positions: list | None = None
 
 
 def _dumps(obj: Any) -> str:
@@ -97,6 +114,10 @@ class WriteAheadLog:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(_SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(wal)")}
+            for name, kind in _ADDED_COLUMNS:
+                if name not in have:  # a log of a version without this column: its rows read NULL
+                    self._db.execute(f"ALTER TABLE wal ADD COLUMN {name} {kind}")
         except sqlite3.DatabaseError as exc:
             raise StoreError(self.path, f"is not a readable write-ahead log ({exc})") from None
 
@@ -118,11 +139,13 @@ class WriteAheadLog:
         row = (
             int(rec.version), rec.op, _dumps(rec.user), _dumps(list(rec.ids)),
             None if rec.texts is None else _dumps(list(rec.texts)), rows, dim, vec,
+            None if rec.threads is None else _dumps(list(rec.threads)),
+            None if rec.positions is None else _dumps(list(rec.positions)),
         )  # fmt: skip
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("INSERT INTO wal VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+                self._db.execute(f"INSERT INTO wal ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -138,14 +161,14 @@ class WriteAheadLog:
         """
         try:
             cur = self._db.execute(
-                "SELECT version, op, user, ids, texts, rows, dim, vectors FROM wal "
+                f"SELECT {_COLUMNS} FROM wal "
                 "WHERE version > ? ORDER BY version",
                 (int(after_version),),
             )
             rows = cur.fetchall()
         except sqlite3.Error as exc:
             raise StoreError(self.path, f"cannot read the log ({exc})") from None
-        for version, op, user, ids, texts, n, dim, blob in rows:
+        for version, op, user, ids, texts, n, dim, blob, threads, positions in rows:
             try:
                 vec = None
                 if blob is not None:
@@ -153,6 +176,8 @@ class WriteAheadLog:
                 rec = WalRecord(
                     int(version), str(op), json.loads(user), json.loads(ids),
                     None if texts is None else json.loads(texts), vec,
+                    None if threads is None else json.loads(threads),
+                    None if positions is None else json.loads(positions),
                 )  # fmt: skip
             except (ValueError, TypeError) as exc:
                 raise StoreError(self.path, f"record version {version} is corrupt ({exc})") from None

@@ -51,10 +51,13 @@ def hit_metadata(hit: Any) -> dict[str, Any]:
     Returns:
         the item's own metadata (a copy) plus ``"score"`` (float) and ``"rfmem"``:
         {"id", "user_id", "score", "rank", "route", "rule", "mean", "entropy",
-        "rounds", "dense_score", "lexical_score", "created_at"} (RFMEM_SPEC.md sections 1-4; the two
-        channel scores of docs "Hybrid retrieval", None when unknown; ``created_at`` the
-        item's creation time as an ISO-8601 UTC string, None when unknown). These two keys
-        replace same-named keys of the item's metadata.
+        "rounds", "dense_score", "lexical_score", "created_at", "thread", "position",
+        "context_score"} (RFMEM_SPEC.md sections 1-4; the two channel scores of docs
+        "Hybrid retrieval", None when unknown; ``created_at`` the item's creation time as
+        an ISO-8601 UTC string, None when unknown; ``thread`` / ``position`` the item's
+        conversation, None when none; ``context_score`` the score the hits are ranked by
+        when the memory's configuration has the context score on, else None: docs
+        "Conversations"). These two keys replace same-named keys of the item's metadata.
     """
     meta = dict(hit.metadata)
     meta["score"] = hit.score
@@ -63,5 +66,6 @@ def hit_metadata(hit: Any) -> dict[str, Any]:
         "rule": hit.rule, "mean": hit.mean, "entropy": hit.entropy, "rounds": hit.rounds,
         "dense_score": hit.dense_score, "lexical_score": hit.lexical_score,
         "created_at": None if hit.created_at is None else hit.created_at.isoformat(),
+        "thread": hit.thread, "position": hit.position, "context_score": hit.context_score,
     }
     return meta

@@ -8,9 +8,6 @@ an RFMemConfig's thresholds (what the default search runs on numpy batches),
 :class:`ThresholdRouter` wraps them as a :class:`~rfmem_fast.routing.base.Router`, so the
 router and the default search (thresholds taken from RFMemConfig) agree exactly. The
 thresholds can be calibrated (:func:`rfmem_fast.routing.calibrate.fit_router`).
-
-These functions lived in ``rfmem_fast.router``, which still forwards the old names (with a
-DeprecationWarning).
 """
 from __future__ import annotations
 

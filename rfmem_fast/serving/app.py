@@ -2,23 +2,27 @@
 
 Routes (JSON bodies validated by pydantic)::
 
-    GET    /health                                   liveness, counts (no auth)
+    GET    /health                                   liveness, counts, encoder, retrieval config (no auth)
     GET    /metrics                                  Prometheus text format (no auth)
     POST   /v1/users/{user_id}/memories              {"texts": [...]} or {"vectors": [[...]]},
-                                                     optional "ids", "metadata", "created_at" -> 201 {"ids"}
+                                                     optional "ids", "metadata", "created_at",
+                                                     "thread", "position" -> 201 {"ids"}
     GET    /v1/users/{user_id}/memories              ?offset=0&limit=100 -> {"items", "total",
                                                      "offset", "limit", "next_offset"}
     GET    /v1/users/{user_id}/memories/{item_id}    one item
-    PATCH  /v1/users/{user_id}/memories/{item_id}    {"texts"?: str, "vectors"?: [...], "metadata"?}
+    PATCH  /v1/users/{user_id}/memories/{item_id}    {"texts"?: str, "vectors"?: [...], "metadata"?,
+                                                     "thread"?, "position"?} (null thread / position: clear)
     DELETE /v1/users/{user_id}/memories/{item_id}    delete one item
     POST   /v1/users/{user_id}/memories/delete       {"ids": [...]}
     DELETE /v1/users/{user_id}                       delete ALL of the user's memories ("forget me")
     POST   /v1/users/{user_id}/search                {"query": str | "vector": [...], "k"?, "mode"?, "filters"?}
     POST   /v1/users/{user_id}/search/batch          {"queries": [...] | "vectors": [[...]], "k"?, "mode"?, "filters"?}
     POST   /v1/memories:batch                        {"items": [{"user_id", "text"?, "vector"?, "id"?,
-                                                     "metadata"?, "created_at"?}, ...]} -> 201 {"ids"}
+                                                     "metadata"?, "created_at"?, "thread"?,
+                                                     "position"?}, ...]} -> 201 {"ids"}
     POST   /v1/memories:batchUpdate                  {"items": [{"user_id", "id", "text"?, "vector"?,
-                                                     "metadata"?}, ...]} -> {"updated": n}
+                                                     "metadata"?, "thread"?, "position"?}, ...]}
+                                                     -> {"updated": n}
     POST   /v1/memories:batchDelete                  {"items": [{"user_id", "id"}, ...]} -> {"deleted": n}
     POST   /v1/checkpoint                            fold the write-ahead log into the store (admin)
     POST   /v1/admin/tokens                          {"user_id", "label"?} -> 201 {"token", "token_id", ...}
@@ -55,7 +59,8 @@ encoder's window, 256 tokens for all-MiniLM-L6-v2, are chunked by the Memory), i
 1-256 characters.
 
 Errors: a malformed body gets 422 with pydantic's list of errors (each naming the
-field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python; a bad
+field by its ``loc``; numbers are strict: ``"k": "2"`` is refused as in Python, and so
+are ``true`` / ``false`` or a numeric string in a vector or a ``created_at``; a bad
 search ``filters``, :mod:`rfmem_fast.filters`, names the part of the filter in its
 ``msg``: ``filters['score']['$gte']: expected a number, a string or a datetime, got
 list``, and a range the user's values never match in type is 422 too); a
@@ -75,42 +80,55 @@ per batched run), ``rfmem_cache_hit_ratio{cache}`` with hit / miss counters,
 ``rfmem_wal_bytes``, ``rfmem_encoder_seconds_total`` / ``rfmem_encoded_texts_total`` (the
 encoder's time and texts, writes included), ``rfmem_encoder_info{model,backend,dtype,device}`` (the encoder's
 runtime and precision; also in ``/health``, with its dimension).
+
+Health (``/health``): ``{"status": "ok", "users", "items", "batching", "encoder": {"model",
+"backend", "dtype", "device", "dim", "loaded"} (null: vectors only), "config"}``, ``config``
+the retrieval configuration by name and its main fields
+(:meth:`rfmem_fast.RFMemConfig.summary`: ``{"preset": "recommended" | "paper" |
+"paper_text" | "custom", "out_k", "lexical_weight", "fusion", ...}``).
+
+Modules: the request / response models and limits are in :mod:`rfmem_fast.serving.http_models`,
+the error mapping and JSON rendering in :mod:`rfmem_fast.serving.http_responses`, the metrics
+and ASGI middleware in :mod:`rfmem_fast.serving.http_middleware`, authentication in
+:mod:`rfmem_fast.serving.http_auth` and the search fast path in
+:mod:`rfmem_fast.serving.http_fast_search`; this module builds the app and its routes.
 """
 from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
-import json
-import logging
 import os
+import re
 import sys
-import time
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Annotated, Any, Iterator, Literal, Union
-from urllib.parse import unquote, unquote_to_bytes
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+from urllib.parse import unquote
 
 try:
-    import orjson
-    from fastapi import Depends, FastAPI, HTTPException, Path, Request
+    import orjson  # noqa: F401  (the serve extra: checked here, before the modules below import it)
+    import pydantic  # noqa: F401
+    from fastapi import Depends, FastAPI, HTTPException, Query
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    from fastapi import Query
-    from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+    from fastapi.responses import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "the HTTP service needs the 'serve' extra: pip install 'rfmem_fast[serve]' "
         f"(fastapi, uvicorn, pydantic, prometheus-client, orjson); missing: {exc.name}"
     ) from exc
 
-from ..filters import FilterTypeError, check_filters, parse_filter
-from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_K, MAX_TEXT_CHARS, BatchEvent, Hits, Memory, _canon_id, _created_list
+from .http_auth import User, Who, _admin_only, _bulk_items, _token_admin
+from .http_fast_search import _App, _FastSearch
+from .http_middleware import _BodyLimit, _Metrics, _MetricsMiddleware, _PathSegments, _segment
+from .http_models import MAX_TEXT as MAX_TEXT
+from .http_models import (MAX_PAGE, AddRequest, BatchSearchRequest, BulkAddRequest, BulkDeleteRequest,
+                          BulkUpdateRequest, DeleteRequest, ItemOut, ItemPage, ItemSeg, MintRequest, SearchRequest,
+                          SearchResponse, UpdateRequest)
+from .http_responses import FastJSONResponse, _bulk_errors, _http_errors, _search_json, _validation_error
+from .memory import MAX_K as MAX_K
+from .memory import MAX_ID_LENGTH, Memory
 from .tokens import TOKENS_FILE, TokenStore
+from .validate import _canon_id
 
 __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MAX_BODY_BYTES"]
 
@@ -118,793 +136,8 @@ __all__ = ["create_app", "serve", "uvicorn_speedups", "API_KEY_ENV", "DEFAULT_MA
 API_KEY_ENV = "RFMEM_API_KEY"
 #: default limit of a request body (bytes): ``rfmem serve --max-body-bytes``
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-MAX_ITEMS = 1024  # items per add / delete request
-MAX_BULK_ITEMS = 4096  # items per bulk request (/v1/memories:batch*)
-MAX_QUERIES = 1024  # queries per batch search
-MAX_TEXT = MAX_TEXT_CHARS  # characters per text
-MAX_DIM = 65_536
-MAX_PAGE = 1000  # items per page of GET /memories
-
-Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
-ItemId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH)]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Vector = Annotated[list[Finite], Field(min_length=1, max_length=MAX_DIM)]
-Meta = dict[str, Any]
-# path segments as routed: the decoded id with "%" and "/" escaped (_PathSegments)
-UserSeg = Annotated[str, Path(min_length=1, description="the user whose memory is used (percent-encoded)")]
-ItemSeg = Annotated[str, Path(min_length=1, description="an item id of that user (percent-encoded)")]
-Mode = Literal["rfmem", "dense", "recollection"]
-K = Annotated[int, Field(strict=True, ge=1, le=MAX_K)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
-
-
-class AddRequest(_Body):
-    """Items to add: texts (encoded by the server) and / or vectors, optional ids / metadata."""
-
-    texts: list[Text] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
-    vectors: list[Vector] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
-    ids: list[ItemId] | None = Field(None, min_length=1, max_length=MAX_ITEMS)
-    metadata: Union[Meta, list[Meta | None], None] = None
-    #: when the items were created: an ISO-8601 string with a UTC offset or epoch seconds,
-    #: one for every item or one per item (default: now; Memory.add), each within
-    #: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999Z (a bad one: 422 naming it)
-    created_at: Union[float, str, list[Union[float, str]], None] = None
-
-    @field_validator("created_at")
-    @classmethod
-    def _created_at(cls, v: Any) -> Any:
-        if v is not None:  # checked as Memory.add checks it (the same message)
-            try:
-                _created_list(v, len(v) if isinstance(v, list) else 1)
-            except (TypeError, ValueError) as e:
-                raise ValueError(str(e)) from None
-        return v
-
-    @model_validator(mode="after")
-    def _lengths(self) -> "AddRequest":
-        if self.texts is None and self.vectors is None:
-            raise ValueError("texts or vectors is required")
-        m = len(self.texts) if self.texts is not None else len(self.vectors)
-        for name, val in (("vectors", self.vectors), ("ids", self.ids),
-                          ("metadata", self.metadata if isinstance(self.metadata, list) else None),
-                          ("created_at", self.created_at if isinstance(self.created_at, list) else None)):
-            if val is not None and len(val) != m:
-                raise ValueError(f"{name} has {len(val)} entries but there are {m} items")
-        return self
-
-
-class UpdateRequest(_Body):
-    """New text (re-encoded), vector and / or metadata of one item: the names of
-    :meth:`Memory.update` (``texts``, ``vectors``, ``metadata``), for one item."""
-
-    texts: Text | None = None
-    vectors: Vector | None = None
-    metadata: Meta | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_names(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old, new in (("text", "texts"), ("vector", "vectors")):
-                if old in data:
-                    raise ValueError(f"unknown field {old!r}: use {new!r} (the name of Memory.update and of add)")
-        return data
-
-    @model_validator(mode="after")
-    def _something(self) -> "UpdateRequest":
-        if self.texts is None and self.vectors is None and self.metadata is None:
-            raise ValueError("texts, vectors or metadata is required")
-        return self
-
-
-class DeleteRequest(_Body):
-    """Item ids to delete."""
-
-    ids: list[ItemId] = Field(min_length=1, max_length=MAX_ITEMS)
-
-
-class BulkAddItem(_Body):
-    """One item of a bulk add: its user, a text and / or a vector, optional id,
-    metadata and ``created_at`` (ISO-8601, without an offset read as UTC; default: now)."""
-
-    user_id: ItemId
-    id: ItemId | None = None
-    text: Text | None = None
-    vector: Vector | None = None
-    metadata: Meta | None = None
-    created_at: Annotated[str, StringConstraints(max_length=64)] | None = None
-
-    @model_validator(mode="after")
-    def _some(self) -> "BulkAddItem":
-        if self.text is None and self.vector is None:
-            raise ValueError("text or vector is required")
-        return self
-
-
-class BulkUpdateItem(_Body):
-    """One item of a bulk update: its user and id, and what changes (a field left out
-    is kept; ``"metadata": null`` clears)."""
-
-    user_id: ItemId
-    id: ItemId
-    text: Text | None = None
-    vector: Vector | None = None
-    metadata: Meta | None = None
-
-    @model_validator(mode="after")
-    def _some(self) -> "BulkUpdateItem":
-        if not self.model_fields_set & {"text", "vector", "metadata"}:
-            raise ValueError("text, vector or metadata is required")
-        return self
-
-
-class BulkDeleteItem(_Body):
-    """One item of a bulk delete."""
-
-    user_id: ItemId
-    id: ItemId
-
-
-class BulkAddRequest(_Body):
-    """Items of any users, added in one all-or-nothing write (:meth:`Memory.add_many`)."""
-
-    items: list[BulkAddItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
-
-
-class BulkUpdateRequest(_Body):
-    """Items of any users, changed in one all-or-nothing write (:meth:`Memory.update_many`)."""
-
-    items: list[BulkUpdateItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
-
-
-class BulkDeleteRequest(_Body):
-    """Items of any users, deleted in one all-or-nothing write (:meth:`Memory.delete_many`)."""
-
-    items: list[BulkDeleteItem] = Field(min_length=1, max_length=MAX_BULK_ITEMS)
-
-
-def _checked_filters(v: Any, batch: bool) -> Any:
-    """A search body's ``filters``, checked by :mod:`rfmem_fast.filters` (a bad one: 422
-    whose message names the part, e.g. ``filters['score']['$gte']: ...``)."""
-    if v is None:
-        return None
-    try:
-        if batch and isinstance(v, list):
-            check_filters(v, len(v))
-        else:
-            parse_filter(v, "filters")
-    except (TypeError, ValueError) as e:
-        raise ValueError(str(e)) from None
-    return v
-
-
-class SearchRequest(_Body):
-    """One query: a text or a vector, the number of hits k, the mode, optional filters
-    over the items' metadata and ``created_at`` (:mod:`rfmem_fast.filters`)."""
-
-    query: Text | None = None
-    vector: Vector | None = None
-    k: K | None = None
-    mode: Mode = "rfmem"
-    filters: dict[str, Any] | None = None
-
-    @field_validator("filters")
-    @classmethod
-    def _filters(cls, v: Any) -> Any:
-        return _checked_filters(v, batch=False)
-
-    @model_validator(mode="after")
-    def _one(self) -> "SearchRequest":
-        if (self.query is None) == (self.vector is None):
-            raise ValueError("exactly one of query and vector is required")
-        return self
-
-
-class BatchSearchRequest(_Body):
-    """Many queries of one user: texts or vectors, with one k and mode, and filters: one
-    for every query or one (or null) per query."""
-
-    queries: list[Text] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
-    vectors: list[Vector] | None = Field(None, min_length=1, max_length=MAX_QUERIES)
-    k: K | None = None
-    mode: Mode = "rfmem"
-    filters: Union[dict[str, Any], list[dict[str, Any] | None], None] = None
-
-    @field_validator("filters")
-    @classmethod
-    def _filters(cls, v: Any) -> Any:
-        return _checked_filters(v, batch=True)
-
-    @model_validator(mode="after")
-    def _one(self) -> "BatchSearchRequest":
-        if (self.queries is None) == (self.vectors is None):
-            raise ValueError("exactly one of queries and vectors is required")
-        n = len(self.queries if self.queries is not None else self.vectors)
-        if isinstance(self.filters, list) and len(self.filters) != n:
-            raise ValueError(f"filters has {len(self.filters)} entries but there are {n} queries")
-        return self
-
-
-class MintRequest(_Body):
-    """A user token to mint: the one user it may access, an optional label."""
-
-    user_id: ItemId
-    label: Annotated[str, StringConstraints(max_length=256)] | None = None
-
-
-class HitOut(BaseModel):
-    """One hit of a search (``created_at``: the item's creation time, ISO-8601 UTC as in
-    :class:`ItemOut`, null when unknown)."""
-
-    id: str
-    text: str | None
-    score: float
-    metadata: Meta
-    rank: int
-    dense_score: float | None = None
-    lexical_score: float | None = None
-    created_at: str | None = None
-
-
-class SearchResponse(BaseModel):
-    """A query's hits and its familiarity signals (RFMEM_SPEC.md sections 1-2)."""
-
-    user_id: str
-    route: str | None
-    rule: str
-    mean: float
-    entropy: float
-    rounds: int
-    cached: bool
-    hits: list[HitOut]
-
-
-class ItemOut(BaseModel):
-    """A stored item (``created_at``: ISO-8601 UTC, null when unknown)."""
-
-    id: str
-    text: str | None
-    metadata: Meta
-    created_at: str | None = None
-
-
-class ItemPage(BaseModel):
-    """A page of a user's items (insertion order); ``next_offset`` None on the last page."""
-
-    items: list[ItemOut]
-    total: int
-    offset: int
-    limit: int
-    next_offset: int | None
-
-
-@contextmanager
-def _http_errors() -> Iterator[None]:
-    """Map the memory's errors to HTTP statuses (module docstring)."""
-    try:
-        yield
-    except QueueFullError as e:
-        raise HTTPException(503, str(e), headers={"Retry-After": "1"}) from None
-    except RequestTimeoutError as e:
-        raise HTTPException(504, str(e)) from None
-    except BatcherClosedError as e:
-        raise HTTPException(503, str(e)) from None
-    except KeyError as e:
-        raise HTTPException(404, str(e.args[0]) if e.args else "not found") from None
-    except FilterTypeError as e:  # a filter whose range type the user's values never have
-        raise HTTPException(422, str(e)) from None
-    except (ValueError, TypeError) as e:
-        raise HTTPException(400, str(e)) from None
-
-
-@contextmanager
-def _bulk_errors() -> Iterator[None]:
-    """:func:`_http_errors`, but a bad item (an error with an ``index``, from
-    :meth:`Memory.add_many` and co.) is a 422 in pydantic's form, located at the item."""
-    with _http_errors():
-        try:
-            yield
-        except (ValueError, TypeError) as e:
-            index = getattr(e, "index", None)
-            if index is None:
-                raise
-            field = getattr(e, "field", None)
-            loc = ["body", "items", index] + ([field] if field else [])
-            raise HTTPException(422, [{"type": "value_error", "loc": loc, "msg": str(e)}]) from None
-
-
-def _bulk_items(who: "_Principal", items: list[BaseModel]) -> list[dict[str, Any]]:
-    """The items of a bulk request as :meth:`Memory.add_many` takes them (the fields
-    sent, an explicit null included), after the scope check: a user token may write
-    its own user only (403 naming the first item of another user)."""
-    out = []
-    for i, it in enumerate(items):
-        if not _may_access(who, it.user_id):
-            raise HTTPException(403, f"items[{i}].user_id: this token may not access this user's memories "
-                                     "(a user token writes its own user only)")
-        out.append({k: getattr(it, k) for k in it.model_fields_set})
-    return out
-
-
-class FastJSONResponse(JSONResponse):
-    """A JSON response serialised by orjson (~15x faster than the standard library on a
-    search answer: 3 us instead of 44 us); falls back to the standard library for what
-    orjson refuses (an int beyond 64 bits in metadata)."""
-
-    def render(self, content: Any) -> bytes:
-        return _dumps(content)
-
-
-async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with pydantic's errors (type, loc naming the field, msg), without echoing the
-    input: a NaN in it cannot be written as JSON, and a vector would be echoed whole."""
-    errors = [{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in exc.errors()]
-    return FastJSONResponse({"detail": errors}, status_code=422)
-
-
-def _search_json(hits: Hits) -> dict[str, Any]:
-    """One query's answer as the search routes send it (:class:`SearchResponse`)."""
-    return _search_doc(hits.user_id, hits.route, hits.rule, hits.mean, hits.entropy, hits.rounds, hits.cached, hits)
-
-
-def _search_doc(user: Any, route: str | None, rule: str, mean: float, entropy: float, rounds: int, cached: bool,
-                hits: Any) -> dict[str, Any]:
-    """The JSON object of :class:`SearchResponse` from a query's signals and its
-    :class:`~rfmem_fast.serving.memory.Hit` objects (only read)."""
-    return {
-        "user_id": str(user), "route": route, "rule": rule, "mean": mean,
-        "entropy": entropy, "rounds": rounds, "cached": cached,
-        "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
-                  "dense_score": h.dense_score, "lexical_score": h.lexical_score,
-                  "created_at": h.created_at} for h in hits],  # a datetime: ISO-8601 as isoformat() (_dumps)
-    }
-
-
-def _dumps(content: Any) -> bytes:
-    """``content`` as JSON bytes: orjson, or the standard library for what orjson
-    refuses (an int beyond 64 bits in metadata), as :class:`FastJSONResponse`. A
-    timezone-aware ``datetime`` (a hit's ``created_at``) is written as its
-    ``isoformat()`` by both (orjson in Rust: ~10x cheaper than ``isoformat()`` per hit)."""
-    try:
-        return orjson.dumps(content)
-    except orjson.JSONEncodeError:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"),
-                          default=_iso).encode()
-
-
-def _iso(o: Any) -> str:
-    """``json.dumps``' ``default``: a datetime as its ISO-8601 string (as orjson writes it)."""
-    if isinstance(o, datetime):
-        return o.isoformat()
-    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
-
-
-class _Metrics:
-    """The app's Prometheus metrics in their own registry (several apps per process are fine)."""
-
-    def __init__(self, memory: Memory) -> None:
-        self.registry = reg = CollectorRegistry()
-        self.requests = Counter("rfmem_http_requests", "HTTP requests", ["method", "route", "status"], registry=reg)
-        self.latency = Histogram(
-            "rfmem_http_request_duration_seconds", "HTTP request latency (s)", ["method", "route"], registry=reg,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0),
-        )
-        self.queries = Counter("rfmem_search_queries", "search queries answered, by route and rule",
-                               ["mode", "route", "rule", "cached"], registry=reg)
-        self.batch = Histogram("rfmem_batch_size", "queries per batched run", registry=reg,
-                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-        secs = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-        self.encode = Histogram("rfmem_encode_seconds", "encoder time per batched run (s)", registry=reg, buckets=secs)
-        self.search = Histogram("rfmem_search_seconds", "search time per batched run (s)", registry=reg, buckets=secs)
-        reg.register(_MemoryCollector(memory))
-        memory.add_listener(self.on_batch)
-
-    def on_batch(self, ev: BatchEvent) -> None:
-        self.batch.observe(ev.size)
-        if ev.encoded:
-            self.encode.observe(ev.encode_seconds)
-        if ev.searches:
-            self.search.observe(ev.search_seconds)
-
-    def count(self, mode: str, hits: Hits) -> None:
-        """One answered query in ``rfmem_search_queries_total``."""
-        self.count_signals(mode, hits.route, hits.rule, hits.cached)
-
-    def count_signals(self, mode: str, route: str | None, rule: str, cached: bool) -> None:
-        """:meth:`count` from the query's route, rule and cache flag."""
-        self.queries.labels(mode, route or "none", rule, "true" if cached else "false").inc()
-
-
-class _MemoryCollector:
-    """Reads the memory's counters at scrape time (cache, queue, sizes, writes)."""
-
-    def __init__(self, memory: Memory) -> None:
-        self.memory = memory
-
-    def collect(self) -> Iterator[Any]:
-        st = self.memory.stats()
-        ratio = GaugeMetricFamily("rfmem_cache_hit_ratio", "hot-query cache hits / lookups", labels=["cache"])
-        hits = CounterMetricFamily("rfmem_cache_hits", "hot-query cache hits", labels=["cache"])
-        misses = CounterMetricFamily("rfmem_cache_misses", "hot-query cache misses", labels=["cache"])
-        for name, c in st["cache"].items():
-            ratio.add_metric([name], c["hit_rate"])
-            hits.add_metric([name], c["hits"])
-            misses.add_metric([name], c["misses"])
-        yield from (ratio, hits, misses)
-        b = st["batcher"] or {}
-        yield GaugeMetricFamily("rfmem_queue_depth", "searches waiting for a batch", value=b.get("queue_depth", 0))
-        yield CounterMetricFamily("rfmem_queue_rejected", "searches refused on a full queue", value=b.get("rejected", 0))
-        yield GaugeMetricFamily("rfmem_items", "live memory items", value=st["items"])
-        yield GaugeMetricFamily("rfmem_users", "users", value=st["users"])
-        yield CounterMetricFamily("rfmem_writes", "acknowledged writes", value=st["writes"])
-        yield GaugeMetricFamily("rfmem_wal_bytes", "bytes in the write-ahead log", value=st["wal_bytes"])
-        yield CounterMetricFamily("rfmem_encoder_seconds", "seconds spent in the text encoder (searches and writes)",
-                                  value=st["encode_seconds"])
-        yield CounterMetricFamily("rfmem_encoded_texts", "texts (chunks of long texts) embedded (searches and writes)",
-                                  value=st["encoded"])
-        enc = st["encoder"]
-        if enc is not None:
-            info = GaugeMetricFamily("rfmem_encoder_info", "the text encoder (value 1): model, runtime, precision, "
-                                     "device", labels=["model", "backend", "dtype", "device"])
-            info.add_metric([enc["model"], str(enc["backend"]), str(enc["dtype"]), str(enc["device"])], 1)
-            yield info
-
-
-class _MetricsMiddleware:
-    """ASGI middleware counting requests and timing them per route template."""
-
-    def __init__(self, app: Any, metrics: _Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        status = [500]
-
-        async def send_status(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
-            m = self.metrics
-            m.requests.labels(scope["method"], route, str(status[0])).inc()
-            m.latency.labels(scope["method"], route).observe(time.perf_counter() - t0)
-
-
-async def _send_json(send: Any, status: int, detail: str, headers: tuple = ()) -> None:
-    """Answer an ASGI request with ``{"detail": detail}`` (from a middleware)."""
-    body = orjson.dumps({"detail": detail})
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *headers]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class _BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
-
-    A Content-Length over the limit is refused before any byte of the body is read; a
-    body without one (chunked) is read while it is counted, and refused as soon as the
-    count passes the limit: at most ``limit`` bytes (plus one network chunk) are ever
-    held. A body within the limit is handed to the app whole."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_big = f"request body over the limit of {self.limit} bytes (rfmem serve --max-body-bytes)"
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await _send_json(send, 400, "invalid Content-Length")
-                    return
-                if declared > self.limit:
-                    await _send_json(send, 413, too_big)
-                    return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.limit:
-                await _send_json(send, 413, too_big)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        chunks = []
-        sent = [False]
-
-        async def replay() -> dict:
-            if not sent[0]:
-                sent[0] = True
-                return whole
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-def _escape_segment(text: str) -> str:
-    return text.replace("%", "%25").replace("/", "%2F")
-
-
-class _PathSegments:
-    """ASGI middleware: route on the RAW path, each segment decoded on its own.
-
-    Servers percent-decode the whole path before routing, so ``a%2Fmemories%2Fx`` would
-    become three segments and reach another user. Here ``scope["path"]`` is rebuilt
-    from ``raw_path``: every segment decoded (UTF-8, strict: 400 otherwise), then its
-    ``%`` and ``/`` escaped again, so the router sees exactly one segment per id; the
-    route's parameters are unescaped by :func:`_segment` (exactly the decoded id)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        raw = scope.get("raw_path") if scope["type"] == "http" else None
-        if raw:
-            root = scope.get("root_path", "").encode("latin-1")
-            if root and raw.startswith(root):
-                raw = raw[len(root):]
-            try:
-                segs = [_escape_segment(unquote_to_bytes(seg).decode("utf-8")) for seg in raw.decode("latin-1").split("/")]
-            except UnicodeDecodeError:
-                await _send_json(send, 400, "the request path is not valid percent-encoded UTF-8")
-                return
-            scope["path"] = scope.get("root_path", "") + "/".join(segs)  # in place: outer middlewares read scope["route"]
-        await self.app(scope, receive, send)
-
-
-def _segment(value: str, name: str) -> str:
-    """An id from its routed path segment (:class:`_PathSegments`), checked (400)."""
-    try:
-        return _canon_id(unquote(value), name)
-    except (TypeError, ValueError) as e:
-        raise HTTPException(400, str(e)) from None
-
-
-#: the route template of one search (the fast path's metrics label, as the router's)
-_SEARCH_ROUTE = "/v1/users/{user_id}/search"
-#: the fields of a search body the fast path reads itself (any other: the full route)
-_FAST_FIELDS = frozenset(("query", "k", "mode", "filters", "vector"))
-_MODES = ("rfmem", "dense", "recollection")  # the Mode literal's values
-log = logging.getLogger("rfmem_fast.serving")
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """An ASGI ``receive`` that hands out ``body`` (already read) whole, then defers to ``receive``."""
-    sent = [False]
-
-    async def replay() -> dict:
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-class _FastSearch:
-    """The fast path of ``POST /v1/users/{user_id}/search``: a well-formed text query
-    answered without FastAPI's routing, dependency resolution and pydantic model.
-
-    It answers only a request the full route would answer from the same checks with a
-    search: the path is exactly ``/v1/users/<one segment>/search`` (no root path), the
-    body has a Content-Length within the limit and a JSON Content-Type
-    (``application/json``, optionally with parameters; FastAPI reads no other body as JSON), the
-    bearer token is valid for that user (or auth is off), and the body is a JSON
-    object holding a str ``query`` (at most MAX_TEXT characters) and, optionally, ``k``
-    (an int in [1, MAX_K], or null), ``mode`` (one of the modes), ``filters`` / ``vector``
-    null, nothing else. Anything else -- a bad token, a body the fast JSON parser
-    refuses, a vector or filtered query, any field out of range -- goes to the full
-    route with the body replayed, which answers it (and its errors: 401 / 403 / 413 /
-    422) exactly as it would have. Once it searches, its answer is the full route's:
-    the same JSON (:func:`_search_doc`), the same error statuses (:func:`_http_errors`),
-    and the same metrics (``rfmem_http_requests_total`` / the latency histogram under
-    the route's template, ``rfmem_search_queries_total``).
-
-    Counters: ``served`` (answered here) and ``passed`` (handed to the full route).
-    """
-
-    def __init__(self, memory: Memory, metrics: "_Metrics", tokens: TokenStore, admin_key: bytes | None,
-                 limit: int) -> None:
-        self.memory = memory
-        self.metrics = metrics
-        self.tokens = tokens
-        self.key = admin_key
-        self.limit = limit
-        self._latency = metrics.latency.labels("POST", _SEARCH_ROUTE)
-        self._ok = metrics.requests.labels("POST", _SEARCH_ROUTE, "200")
-        self.served = 0
-        self.passed = 0
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> Any:
-        """Answer the request (returns None), or return the ``receive`` with which the
-        full app must answer it (the body replayed when it was read)."""
-        raw = scope.get("raw_path")
-        if not raw or not raw.startswith(b"/v1/users/") or not raw.endswith(b"/search") or scope.get("root_path"):
-            return receive  # not a search (the common case of the other routes: nothing read)
-        t0 = time.perf_counter()
-        seg = raw[10:-7]
-        length = ctype = auth = None
-        doubled = False
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                doubled, length = doubled or length is not None, value
-            elif name == b"content-type":
-                doubled, ctype = doubled or ctype is not None, value.lower()
-            elif name == b"authorization":
-                doubled, auth = doubled or auth is not None, value
-        if (doubled or not seg or b"/" in seg or length is None or not length.isdigit() or int(length) > self.limit
-                or ctype is None or (ctype != b"application/json" and not ctype.startswith(b"application/json;"))):
-            self.passed += 1  # no / a bad / a doubled header, a body over the limit: the full route decides
-            return receive
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return None
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        query = self._query(seg, auth, body)
-        if query is None:
-            self.passed += 1
-            return _replay(body, receive)
-        self.served += 1
-        user, text, k, mode = query
-        status, extra = 200, ()
-        try:
-            with _http_errors():
-                ans, cached = await self.memory._asearch_answer(text, user, k, mode)
-            payload = _dumps(_search_doc(ans.user, ans.route, ans.rule, ans.mean, ans.entropy, ans.rounds, cached,
-                                         ans.hits))
-            self.metrics.count_signals(mode, ans.route, ans.rule, cached)
-            ctype = b"application/json"
-        except HTTPException as e:
-            status, payload, ctype = e.status_code, _dumps({"detail": e.detail}), b"application/json"
-            extra = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (e.headers or {}).items())
-        except Exception:  # as Starlette's ServerErrorMiddleware: logged, a plain 500
-            log.exception("search failed")
-            status, payload, ctype = 500, b"Internal Server Error", b"text/plain; charset=utf-8"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-length", str(len(payload)).encode()), (b"content-type", ctype), *extra]})
-        await send({"type": "http.response.body", "body": payload})
-        (self._ok if status == 200 else self.metrics.requests.labels("POST", _SEARCH_ROUTE, str(status))).inc()
-        self._latency.observe(time.perf_counter() - t0)
-        return None
-
-    def _query(self, seg: bytes, auth: bytes | None, body: bytes) -> tuple[str, str, int | None, str] | None:
-        """(user, query text, k, mode) of a request the fast path answers, else None."""
-        who = _principal_of(self.key, self.tokens, "" if auth is None else auth.decode("latin-1"))
-        if who is None:
-            return None
-        try:
-            user = _canon_id(unquote_to_bytes(seg).decode("utf-8"), "user_id")
-        except (UnicodeDecodeError, TypeError, ValueError):
-            return None
-        if not _may_access(who, user):
-            return None
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None
-        if type(doc) is not dict or not doc.keys() <= _FAST_FIELDS:
-            return None
-        text, k, mode = doc.get("query"), doc.get("k"), doc.get("mode", "rfmem")
-        if type(text) is not str or len(text) > MAX_TEXT or doc.get("vector") is not None \
-                or doc.get("filters") is not None or type(mode) is not str or mode not in _MODES:
-            return None
-        if k is not None and (type(k) is not int or not 1 <= k <= MAX_K):
-            return None
-        return user, text, k, mode
-
-
-class _App(FastAPI):
-    """The FastAPI app, with :class:`_FastSearch` in front of it (``fast_search``; None:
-    every request through the full stack)."""
-
-    fast_search: _FastSearch | None = None
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        fast = self.fast_search
-        if fast is not None and scope["type"] == "http" and scope["method"] == "POST":
-            receive = await fast(scope, receive, send)
-            if receive is None:
-                return
-        await super().__call__(scope, receive, send)
-
-
-@dataclass(frozen=True)
-class _Principal:
-    """Who a request is: the admin (every route) or the holder of one user's token."""
-
-    admin: bool
-    user: str | None = None
-
-
-_UNAUTHORISED = "missing or invalid bearer token (Authorization: Bearer <token>)"
-
-
-def _principal_of(key: bytes | None, tokens: TokenStore, authorization: str) -> _Principal | None:
-    """Who sent a request with this ``Authorization`` header value ("" when absent):
-    the admin (``key``, or anyone when ``key`` is None: no auth), the user of a user
-    token, or None (no valid bearer token: 401)."""
-    if key is None:
-        return _Principal(admin=True)
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        return None
-    if hmac.compare_digest(token.encode("utf-8", "surrogatepass"), key):
-        return _Principal(admin=True)
-    user = tokens.user_of(token)
-    return None if user is None else _Principal(admin=False, user=user)
-
-
-def _may_access(who: _Principal, user: str) -> bool:
-    """Whether ``who`` may read / write ``user``'s memories (the admin: every user)."""
-    return who.admin or hmac.compare_digest(user.encode("utf-8"), (who.user or "").encode("utf-8"))
-
-
-async def _principal(request: Request) -> _Principal:  # async: no hop to the thread pool per request
-    """Who sent the request: the admin token, a user token (bound to its user), or
-    anyone when the app runs without auth; 401 otherwise."""
-    who = _principal_of(request.app.state.admin_key, request.app.state.tokens,
-                        request.headers.get("authorization", ""))
-    if who is None:
-        raise HTTPException(401, _UNAUTHORISED, headers={"WWW-Authenticate": "Bearer"})
-    return who
-
-
-Who = Annotated[_Principal, Depends(_principal)]
-
-
-def _admin_only(who: Who) -> _Principal:
-    """403 unless the request carries the admin token (or auth is off)."""
-    if not who.admin:
-        raise HTTPException(403, "this route needs the admin token")
-    return who
-
-
-def _token_admin(request: Request, who: Who) -> _Principal:
-    """The token routes: the admin token only, and never without auth (a token minted by
-    anyone on an unauthenticated server would stay valid once auth is switched on): 403."""
-    if request.app.state.admin_key is None:
-        raise HTTPException(403, "token administration needs the admin token: this server runs without "
-                                 "authentication (--no-auth); restart it with --api-key to mint or revoke tokens")
-    return _admin_only(who)
-
-
-async def _scoped_user(user_id: UserSeg, who: Who) -> str:  # async: no hop to the thread pool per request
-    """The path's user id, decoded; a user token may name its own user only (403)."""
-    user = _segment(user_id, "user_id")
-    if not _may_access(who, user):
-        raise HTTPException(403, "this token may not access this user's memories")
-    return user
-
-
-User = Annotated[str, Depends(_scoped_user)]
+#: ``thread[0]`` / ``position[0]`` in a message of Memory.update about the one item of a PATCH
+_ONE_ITEM_FIELD = re.compile(r"\b(thread|position)\[0\]")
 
 
 def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = False, *,
@@ -952,6 +185,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
         raise TypeError(f"tokens must be a TokenStore, got {type(tokens).__name__}")
     metrics = _Metrics(memory)
     key = api_key.strip().encode() if api_key else None
+    config_summary = memory.config.summary()  # the Memory's configuration never changes
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:
@@ -979,7 +213,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def health() -> dict[str, Any]:
         users, items = memory.counts()
         return {"status": "ok", "users": users, "items": items,
-                "batching": memory.batching, "encoder": memory.encoder_info()}
+                "batching": memory.batching, "encoder": memory.encoder_info(), "config": config_summary}
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -989,7 +223,7 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     def add(user: User, body: AddRequest) -> FastJSONResponse:
         with _http_errors():
             ids = memory.add(body.texts, user, ids=body.ids, metadata=body.metadata, vectors=body.vectors,
-                             created_at=body.created_at)
+                             created_at=body.created_at, thread=body.thread, position=body.position)
         return FastJSONResponse({"ids": ids}, status_code=201)
 
     @app.get("/v1/users/{user_id}/memories", response_model=ItemPage)
@@ -1012,8 +246,13 @@ def create_app(memory: Memory, api_key: str | None = None, close_memory: bool = 
     @app.patch("/v1/users/{user_id}/memories/{item_id}")
     def update_item(user: User, item_id: ItemSeg, body: UpdateRequest) -> dict[str, Any]:
         item_id = _segment(item_id, "item_id")
+        sent = body.model_fields_set  # an explicit null thread / position clears it, a field left out keeps it
+        conv = {k: [None] if getattr(body, k) is None else getattr(body, k) for k in ("thread", "position") if k in sent}
         with _http_errors():
-            memory.update(item_id, user, texts=body.texts, vectors=body.vectors, metadata=body.metadata)
+            try:
+                memory.update(item_id, user, texts=body.texts, vectors=body.vectors, metadata=body.metadata, **conv)
+            except ValueError as e:  # a cleared thread / position was sent to Memory.update as [None]: the field's name
+                raise ValueError(_ONE_ITEM_FIELD.sub(r"\1", str(e))) from None
         return {"updated": [item_id]}
 
     @app.delete("/v1/users/{user_id}/memories/{item_id}")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from ..encoders import AUTO_ENCODER_RULE, BACKENDS, ENCODER_DTYPES, INT8_MAX_TOKENS
@@ -43,11 +45,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def add_memory_args(p: argparse.ArgumentParser) -> None:
+#: what each server answers when its search queue is full / a search waited too long
+#: (the help of ``--max-queue`` / ``--timeout``), and where it shows its encoder
+_SERVER_WORDS = {
+    "serve": ("503", "504", "; shown in /health and /metrics"),
+    "mcp": ("a tool error: the memory is overloaded", "a tool error", ""),
+}
+
+
+def add_memory_args(p: argparse.ArgumentParser, server: str = "serve") -> None:
     """Add the options of the served Memory (encoder, backend, batching, cache, OpenMP
-    policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp``; :func:`open_memory`
-    takes the parsed values (:func:`memory_kwargs`)."""
-    add_encoder_args(p)
+    policy) to ``p``: shared by ``rfmem serve`` and ``rfmem mcp`` (``server``: "serve" or
+    "mcp", whose help words say what that server does: an HTTP status, or an MCP tool
+    error; ``/health`` is ``rfmem serve``'s only); :func:`open_memory` takes the parsed
+    values (:func:`memory_kwargs`)."""
+    full, late, shown = _SERVER_WORDS[server]
+    add_encoder_args(p, shown=shown)
     p.add_argument("--preset", choices=["paper", "recommended"], default="recommended",
                    help="retrieval configuration: 'recommended' (default: RFMemConfig.recommended() for the encoder, "
                    "MPNet's pick for an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25 over the stored "
@@ -64,8 +77,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    "batch is encoded while the current one is searched)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries per micro-batch (default 64)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a micro-batch waits to fill (default 2 ms)")
-    p.add_argument("--max-queue", type=int, default=1024, help="most searches waiting; beyond it a search is refused (rfmem serve: 503; default 1024)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a search may wait for its batch (rfmem serve: then 504; default 30)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help=f"most searches waiting; beyond it a search is refused ({full}; default 1024)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help=f"seconds a search may wait for its batch (then {late}; default 30)")
     p.add_argument("--cache-size", type=int, default=4096, help="hot-query cache entries (0 disables; default 4096)")
     p.add_argument(
         "--switch-interval-ms", type=_interval_arg, default=DEFAULT_SWITCH_INTERVAL_MS,
@@ -79,18 +94,18 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_encoder_args(p: argparse.ArgumentParser) -> None:
+def add_encoder_args(p: argparse.ArgumentParser, shown: str = "") -> None:
     """Add the text encoder's options (``--encoder``, ``--encoder-dtype``,
     ``--encoder-backend``) to ``p``: part of :func:`add_memory_args`, and what
-    ``rfmem import`` takes of them."""
+    ``rfmem import`` takes of them; ``shown`` ends ``--encoder-dtype``'s help (where the
+    command reports the precision in use: ``rfmem serve``'s ``/health``)."""
     p.add_argument("--encoder", default="default",
                    help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
                    help="precision of the text encoder's matmuls: 'auto' (default) = the one the --encoder-backend "
                    "rule picks (with --encoder-backend torch: bfloat16 where the CPU multiplies it natively, else "
                    f"float32; with onnx: float32); 'int8' (queries in blockwise int8, texts over {INT8_MAX_TOKENS} "
-                   "tokens in float32; cosine >= 0.9997 to float32) with --encoder-backend onnx / auto only; shown "
-                   "in /health and /metrics")
+                   f"tokens in float32; cosine >= 0.9997 to float32) with --encoder-backend onnx / auto only{shown}")
     p.add_argument("--encoder-backend", default="auto", choices=BACKENDS,
                    help=f"runtime of the text encoder: 'auto' (default; with --encoder-dtype auto) = "
                    f"{AUTO_ENCODER_RULE}; 'torch' or 'onnx' to force one")
@@ -161,7 +176,7 @@ def _passive_omp(args: argparse.Namespace) -> None:
     so it cannot be changed in a running process. With the default active waiting,
     idle OpenMP threads keep spinning after each encode / search and take the cores
     from the event loop and the batcher thread: on a loaded 2-core machine a
-    micro-batched request took 25x longer (issue 9 notes). Only done when the command
+    micro-batched request took 25x longer (docs/guides/serving.md). Only done when the command
     came from the process's own command line (``rfmem serve ...``).
     """
     if args.keep_omp_wait_policy or os.environ.get("OMP_WAIT_POLICY") or not getattr(args, "from_command_line", False):
@@ -215,7 +230,7 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--user", default=None,
                        help="the one user every client of this server reads and writes (required with stdio; "
-                       "over HTTP: no authentication, loopback --host only)")
+                       "over HTTP: no authentication, loopback --host only, with a warning on stderr)")
     scope.add_argument("--tokens", default=None,
                        help="HTTP only: JSON file mapping sha256 hashes of bearer tokens to users "
                        '({"tokens": [{"user": "alice", "sha256": "<hex>"}]}); default $RFMEM_MCP_TOKENS '
@@ -223,19 +238,24 @@ def add_mcp_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP: interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="HTTP: port (default 8765)")
     p.add_argument("--log-level", default="warning", help="log level of the server on stderr (default warning)")
-    add_memory_args(p)
+    add_memory_args(p, server="mcp")
     p.set_defaults(func=run_mcp)
     return p
 
 
 def run_mcp(args: argparse.Namespace) -> int:
     """Run ``rfmem mcp`` from parsed arguments until the client disconnects (stdio) or
-    SIGINT / SIGTERM (HTTP); returns the exit code (2 on a configuration error, printed
-    to stderr: stdout belongs to the MCP protocol on stdio).
+    SIGINT / SIGTERM (either transport); returns the exit code (2 on a configuration
+    error, printed to stderr: stdout belongs to the MCP protocol on stdio).
 
     The handshake is answered before the text encoder is loaded: the Memory opens here
     (a locked or bad directory exits 2 at once), its default encoder loads on a thread
-    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`)."""
+    beside the server (:class:`~rfmem_fast.serving.mcp_server.EncoderLoad`).
+
+    Shutdown (:func:`_close_on_signals`): however the server stops -- the stdio client
+    leaving, SIGTERM or Ctrl-C on either transport -- the memory is closed, which
+    checkpoints it (its write-ahead log folded into the store: the next start replays
+    nothing), as ``rfmem serve`` does; the exit code is then 0."""
     _passive_omp(args)  # first: the re-executed process imports the MCP SDK once, not twice
     try:
         from . import mcp_server
@@ -249,15 +269,93 @@ def run_mcp(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
+    if args.transport == "http" and scope.user is not None:
+        print(f"rfmem mcp: WARNING: --user over HTTP serves WITHOUT authentication: any process that can reach "
+              f"http://{args.host}:{args.port}/mcp reads and changes the memories of user {scope.user!r} (every local "
+              "user and program of this machine); use --tokens for bearer tokens", file=sys.stderr, flush=True)
     set_switch_interval(args.switch_interval_ms)
     try:
         memory = open_memory(args.path, **memory_kwargs(args), load_encoder=False)
     except (ValueError, TypeError, FileNotFoundError, MemoryLockedError) as exc:
         print(f"rfmem mcp: error: {exc}", file=sys.stderr)
         return 2
+    close = _closer(memory)
+    restore = _close_on_signals(close, args.transport)
     try:
         mcp_server.serve_mcp(memory, scope, transport=args.transport, host=args.host, port=args.port,
                              log_level=args.log_level)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM after uvicorn's graceful shutdown (HTTP)
+        pass
     finally:
-        memory.close()
+        close()
+        restore()
     return 0
+
+
+def _closer(memory: Any) -> Any:
+    """``memory.close`` made safe to call from several threads (the signal handler's and
+    the main thread): the first call closes (checkpoints), the others wait for it."""
+    lock = threading.Lock()
+
+    def close() -> None:
+        with lock:
+            memory.close()
+
+    return close
+
+
+def _close_on_signals(close: Any, transport: str) -> Any:
+    """Make SIGTERM / SIGINT stop ``rfmem mcp`` with ``close()`` (the memory checkpointed),
+    as ``rfmem serve``'s shutdown does; returns a function restoring the previous handlers.
+
+    * HTTP: uvicorn takes both signals while it serves, shuts the server down gracefully
+      (requests in flight finish), then restores the handlers it found and raises the
+      signal again: SIGTERM's handler installed here raises ``KeyboardInterrupt`` then
+      (Python's own SIGINT handler does too), so that :func:`run_mcp` closes the memory
+      and returns (SIGTERM's default action would end the process before the close).
+    * stdio: the SDK reads stdin on a worker thread that no exception can interrupt (the
+      process would wait for the client's next line), so the handler starts a thread that
+      closes the memory -- writes in flight finish first, later calls are refused -- and
+      ends the process with exit code 0. A second signal meanwhile ends it at once (exit
+      code 1; the write-ahead log holds every acknowledged write, replayed on the next start).
+
+    Only from the main thread (signal handlers can be set nowhere else): elsewhere nothing
+    is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    closing: list[int] = []
+
+    def on_stdio_signal(signum: int, _frame: Any) -> None:
+        if closing:
+            os._exit(1)
+        closing.append(signum)
+
+        def stop() -> None:
+            code = 0
+            try:
+                close()
+                print(f"rfmem mcp: {signal.Signals(signum).name}: the memory is checkpointed and closed",
+                      file=sys.stderr, flush=True)
+            except BaseException as exc:  # the log still holds every acknowledged write
+                print(f"rfmem mcp: error while closing the memory: {exc}", file=sys.stderr, flush=True)
+                code = 1
+            finally:
+                os._exit(code)
+
+        threading.Thread(target=stop, name="rfmem-mcp-shutdown", daemon=True).start()
+
+    def on_http_sigterm(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if transport == "stdio":
+        handlers = {signal.SIGTERM: on_stdio_signal, signal.SIGINT: on_stdio_signal}
+    else:
+        handlers = {signal.SIGTERM: on_http_sigterm}
+    previous = {sig: signal.signal(sig, fn) for sig, fn in handlers.items()}
+
+    def restore() -> None:
+        for sig, fn in previous.items():
+            signal.signal(sig, fn)
+
+    return restore

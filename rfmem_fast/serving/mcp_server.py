@@ -10,15 +10,16 @@ starts the server as a subprocess) and streamable HTTP (``--transport http --hos
 
 Tools (no tool has a user argument)::
 
-    add_memories(texts, metadata?)            -> {"ids", "count"}
+    add_memories(texts, metadata?, thread?, position?) -> {"ids", "count"}
     search_memories(query, k=10, mode="rfmem", filters?) -> {"hits": [{"id", "text", "score", "metadata", "rank",
-                                                  "created_at"}], "route", "mode", "k"}
-    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at"}
+                                                  "created_at", "thread", "position", "context_score"}],
+                                                  "route", "mode", "k"}
+    update_memory(id, text?, metadata?)       -> {"id", "text", "metadata", "created_at", "thread", "position"}
     update_memories(items: [{id, text?, metadata?}]) -> {"updated": [ids], "count"}   (all or none)
     delete_memory(id)                         -> {"id", "deleted"}
     delete_memories(ids)                      -> {"deleted": [ids], "count"}            (all or none)
     list_memories(offset=0, limit=50)         -> {"memories", "total", "offset", "next_offset"}
-    get_memory(id)                            -> {"id", "text", "metadata", "created_at"}
+    get_memory(id)                            -> {"id", "text", "metadata", "created_at", "thread", "position"}
 
 Resources: ``memory://{user}/memories`` (every memory of the user, JSON) and
 ``memory://{user}/memories/{id}`` (one memory), readable for the scoped user only;
@@ -41,6 +42,10 @@ from Python with int ids are reached here, and every id returned is a str.
 Validation: :class:`~rfmem_fast.serving.Memory` checks every text, query, id and metadata
 object at the door (blank texts, lone surrogates, over-long texts, non-JSON metadata); its
 refusals come back as tool errors naming the tool's own argument (``text``, ``id``, ...).
+Arguments that do not fit a tool's schema get one short line naming each
+(``k: input should be a valid integer (got a string)``: :meth:`_RFMemMCP.call_tool`), and
+the integer arguments (``k``, ``offset``, ``limit``) are strict: ``"5"``, ``5.0`` and
+``true`` are refused, not read as 5 or 1 (as over HTTP).
 Texts longer than the encoder's window (256 tokens for all-MiniLM-L6-v2) are chunked by the
 Memory and stay one memory each.
 
@@ -67,7 +72,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar
+from typing import Annotated, Any, Callable, Literal, Mapping, TypeVar, Union
 from urllib.parse import quote
 
 try:
@@ -76,10 +81,10 @@ try:
     from mcp.server.auth.provider import AccessToken
     from mcp.server.auth.settings import AuthSettings
     from mcp.server.mcpserver import MCPServer, ResourceSecurity
-    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+    from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError, UnexpectedToolError
     from mcp.types import Resource as MCPResource
     from mcp.types import ToolAnnotations
-    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     from .._optional import install_hint
 
@@ -90,7 +95,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
-from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory, _check_text
+from .memory import MAX_ID_LENGTH, MAX_TEXT_CHARS, Hits, Item, Memory
+from .validate import _check_text
 
 __all__ = [
     "TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options", "create_server",
@@ -279,6 +285,11 @@ Arguments:
 - texts: one string, or a list of 1 to 256 strings (each 1 to 100000 characters).
 - metadata: optional JSON object stored with every text (e.g. {"source": "chat"}), or a list of one object (or
   null) per text.
+- thread: optional, the conversation the texts come from (a string or an integer id, e.g. "chat-2026-11-04"),
+  one for every text or a list of one (or null) per text; memories of one conversation give each other context
+  when the server ranks with the context score.
+- position: optional, each text's place in its conversation (an integer >= 0, e.g. the turn number): one for
+  every text or a list of one (or null) per text; a memory with a position needs a thread.
 
 Returns {"ids": [one new id per text, in order], "count": number stored}."""
 
@@ -294,10 +305,13 @@ Arguments:
   {"tag": {"$in": ["work", "travel"]}}, {"score": {"$gte": 3, "$lt": 7}}, {"created_at": {"$gte":
   "2026-11-01T00:00:00Z"}} (ISO-8601 with an offset), {"$and": [...]}, {"$or": [...]}, {"$not": {...}},
   {"field": {"$exists": true}}; operators $eq $ne $gt $gte $lt $lte $in $nin $exists; "a.b" reads nested
-  metadata. A memory without the field matches no comparison.
+  metadata. A memory without the field matches no comparison. {"thread": "chat-7"} and {"position": {"$lt": 5}}
+  reach the memories' conversation.
 
-Returns {"hits": [{"id", "text", "score", "metadata", "rank", "created_at"}, ...] best first (fewer than k when the
-user has fewer memories; [] when none; "created_at": when the memory was added, ISO-8601 UTC, or null when unknown),
+Returns {"hits": [{"id", "text", "score", "metadata", "rank", "created_at", "thread", "position", "context_score"},
+...] best first (fewer than k when the user has fewer memories; [] when none; "created_at": when the memory was
+added, ISO-8601 UTC, or null when unknown; "thread" / "position": its conversation, or null; "context_score": the
+score the hits are ranked by when the server ranks with the context of each memory's conversation, else null),
 "route" ("familiarity" / "recollection", or null without memories), "mode", "k"}."""
 
 _UPDATE = """Change one existing memory of the current user, keeping its id: a new text (re-embedded) and / or new
@@ -309,7 +323,7 @@ Arguments:
 - metadata: a JSON object that REPLACES the memory's metadata ({} clears it), or omit to keep it.
 At least one of text and metadata is required.
 
-Returns the memory as stored now: {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
+Returns the memory as stored now: {"id", "text", "metadata", "created_at", "thread", "position"}. Error when no memory has that id."""
 
 _DELETE = """Delete one memory of the current user, for good (it is never returned again). The deletion is durable
 when this returns.
@@ -345,15 +359,15 @@ Arguments:
 - offset: memories to skip (integer >= 0, default 0).
 - limit: the most memories in this page (1 to 200, default 50).
 
-Returns {"memories": [{"id", "text", "metadata", "created_at"}, ...], "total": the user's number of memories, "offset",
-"next_offset": the offset of the next page, or null after the last page}."""
+Returns {"memories": [{"id", "text", "metadata", "created_at", "thread", "position"}, ...], "total": the user's
+number of memories, "offset", "next_offset": the offset of the next page, or null after the last page}."""
 
 _GET = """Read one memory of the current user by its id.
 
 Arguments:
 - id: the memory's id (from add_memories, search_memories or list_memories).
 
-Returns {"id", "text", "metadata", "created_at"}. Error when no memory has that id."""
+Returns {"id", "text", "metadata", "created_at", "thread", "position"}. Error when no memory has that id."""
 
 TextArg = Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
 
@@ -365,6 +379,11 @@ def _int_id(v: Any) -> Any:
 
 IdArg = Annotated[str, BeforeValidator(_int_id), Field(min_length=1, max_length=MAX_ID, description="the memory's id")]
 Meta = dict[str, Any]
+#: a conversation thread id: a string (1-256 characters) or an integer (kept as sent: "1" and 1 are two threads)
+ThreadArg = Union[Annotated[str, Field(min_length=1, max_length=MAX_ID)],
+                  Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]]
+#: a memory's place in its conversation (strict: 1.0, "1" and true are refused)
+PositionArg = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
 
 
 class MemoryChange(BaseModel):
@@ -400,7 +419,8 @@ def _bulk_tool_errors(fn: Callable[[], T], ids: list[str], arg: str) -> T:
 
 
 def _item_json(item: Item) -> dict[str, Any]:
-    return item.to_dict()  # id, text, metadata, created_at (ISO-8601 UTC, or null when unknown)
+    # id, text, metadata, created_at (ISO-8601 UTC, or null when unknown), thread, position (null when none)
+    return item.to_dict()
 
 
 def _not_found(item_id: Any) -> ToolError:
@@ -409,7 +429,7 @@ def _not_found(item_id: Any) -> ToolError:
 
 def _check_text_arg(text: str, name: str, what: str = "text") -> None:
     """A text argument checked up front by the Memory's own check (blank, lone
-    surrogates, length: :func:`rfmem_fast.serving.memory._check_text`), its message as a
+    surrogates, length: :func:`rfmem_fast.serving.validate._check_text`), its message as a
     tool error, so a tool refuses a text with the words of Python and HTTP."""
     try:
         _check_text(text, name, what=what)
@@ -436,6 +456,65 @@ def _tool_errors(fn: Callable[[], T], item_id: Any = None, rename: Mapping[str, 
         if rename:
             msg = _ARG_NAME.sub(lambda m: rename.get(m.group(1), m.group(0)), msg, count=1)
         raise ToolError(msg) from None
+
+
+#: the JSON type of an argument's value, as an argument error names it
+_JSON_TYPES = ((bool, "a boolean"), (str, "a string"), (int, "an integer"), (float, "a number"), (list, "a list"),
+               (dict, "an object"), (type(None), "null"))
+#: pydantic errors about the value's type: the message adds the type sent
+_TYPE_ERRORS = frozenset(("int_type", "int_parsing", "string_type", "float_type", "bool_type", "list_type",
+                          "dict_type", "int_from_float", "model_type"))
+
+
+def _json_type(v: Any) -> str:
+    """The JSON type of a parsed argument value, with its article ("a string", "null")."""
+    return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
+
+
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as the argument's path (``texts[1]``, ``items[0].text``),
+    without the tags pydantic puts between a union's branches (``list[constrained-str]``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += f".{part}" if out else part
+    return out or "arguments"
+
+
+def _argument_errors(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
+    """The arguments a tool refused, one short clause each: ``k: input should be greater
+    than or equal to 1``, ``texts[0]: input should be a valid string (got an integer)``,
+    ``query: required``; for an argument of several accepted shapes (a text or a list of
+    texts), the errors of the shape the value was sent in."""
+    by_arg: dict[Any, list[dict]] = {}
+    for err in exc.errors(include_url=False):
+        by_arg.setdefault(err["loc"][0] if err["loc"] else None, []).append(err)
+    clauses: list[str] = []
+    for arg, errs in by_arg.items():
+        tags = {e["loc"][1] for e in errs if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)
+                and not e["loc"][1].isidentifier()}
+        if len(tags) > 1:  # a union: the branch of the value's own shape (a list, or not)
+            sent_list = isinstance(arguments.get(arg), list)
+            same = [e for e in errs if len(e["loc"]) > 1 and e["loc"][1] in tags
+                    and str(e["loc"][1]).startswith("list[") == sent_list]
+            errs = same or errs
+        for e in errs:
+            kind = e.get("type")
+            if kind == "missing":
+                text = "required"
+            elif kind == "extra_forbidden":
+                text = "not a field this tool takes"
+            else:
+                msg = str(e.get("msg", "invalid"))
+                text = msg[:1].lower() + msg[1:]
+                if kind in _TYPE_ERRORS:
+                    text += f" (got {_json_type(e.get('input'))})"
+            clause = f"{_loc(tuple(e['loc']))}: {text}"
+            if clause not in clauses:
+                clauses.append(clause)
+    return "; ".join(clauses)
 
 
 class EncoderLoad:
@@ -517,11 +596,33 @@ class EncoderLoad:
 
 
 class _RFMemMCP(MCPServer):
-    """MCPServer whose ``resources/list`` shows the scoped user's memory listing."""
+    """MCPServer whose ``resources/list`` shows the scoped user's memory listing, and whose
+    argument errors are short: :meth:`call_tool`."""
 
     _user_of: Callable[[], str]
     #: the text encoder's background load (:class:`EncoderLoad`)
     encoder_load: EncoderLoad
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        """The SDK's ``call_tool``, with arguments that fail the tool's schema answered by a
+        short tool error, one line naming each bad argument (:func:`_argument_errors`:
+        ``Error executing tool search_memories: k: input should be a valid integer (got a
+        string)``) instead of pydantic's multi-line report (its input values, error types
+        and documentation links). Every other failure is the SDK's own.
+
+        Raises:
+            ToolError: as ``MCPServer.call_tool`` (the SDK documents it as the override
+                point: a ToolError whose ``__cause__`` is the pydantic ``ValidationError``
+                of the arguments; the cause is kept, so the server's log still names the
+                fields only).
+        """
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ValidationError) and not isinstance(exc, UnexpectedToolError):
+                raise ToolError(f"Error executing tool {name}: {_argument_errors(cause, arguments)}") from cause
+            raise
 
     async def list_resources(self) -> list[MCPResource]:
         out = await super().list_resources()
@@ -603,6 +704,12 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             description="one text, or a list of 1 to 256 texts: each becomes one memory")],
         metadata: Annotated[Meta | list[Meta | None] | None, Field(
             description="optional JSON object stored with every text, or one object (or null) per text")] = None,
+        thread: Annotated[ThreadArg | list[ThreadArg | None] | None, Field(
+            description="optional conversation id (a string or an integer) of every text, or one (or null) per "
+                        "text")] = None,
+        position: Annotated[PositionArg | list[PositionArg | None] | None, Field(
+            description="optional place of each text in its conversation (an integer >= 0, e.g. the turn "
+                        "number): one for every text, or one (or null) per text; needs a thread")] = None,
     ) -> dict[str, Any]:
         user = user_of()
         tx = [texts] if isinstance(texts, str) else list(texts)
@@ -610,16 +717,19 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ToolError(f"texts: give 1 to {MAX_TEXTS} texts, got {len(tx)}")
         for i, t in enumerate(tx):
             _check_text_arg(t, f"texts[{i}]" if not isinstance(texts, str) else "texts")
-        if isinstance(metadata, list) and len(metadata) != len(tx):
-            raise ToolError(f"metadata: a list needs one entry per text ({len(tx)}), got {len(metadata)}")
+        for name, value in (("metadata", metadata), ("thread", thread), ("position", position)):
+            if isinstance(value, list) and len(value) != len(tx):
+                raise ToolError(f"{name}: a list needs one entry per text ({len(tx)}), got {len(value)}")
         await loading.ready()
-        ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata)))
+        ids = await in_thread(lambda: _tool_errors(lambda: memory.add(tx, user_id=user, metadata=metadata,
+                                                                      thread=thread, position=position)))
         return {"ids": ids, "count": len(ids)}
 
     @server.tool(description=_SEARCH, annotations=read_only)
     async def search_memories(
         query: Annotated[str, Field(min_length=1, max_length=MAX_TEXT, description="what to look for")],
-        k: Annotated[int, Field(ge=1, le=MAX_K, description=f"the most memories returned (1 to {MAX_K})")] = 10,
+        k: Annotated[int, Field(strict=True, ge=1, le=MAX_K,
+                                description=f"the most memories returned (1 to {MAX_K})")] = 10,
         mode: Annotated[Literal["rfmem", "dense", "recollection"], Field(
             description='"rfmem" (routed, default), "dense" or "recollection"')] = "rfmem",
         filters: Annotated[dict[str, Any] | None, Field(
@@ -639,7 +749,8 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
             raise ToolError("the memory server is shutting down") from None
         return {
             "hits": [{"id": h.id, "text": h.text, "score": h.score, "metadata": h.metadata, "rank": h.rank,
-                      "created_at": None if h.created_at is None else h.created_at.isoformat()} for h in hits],
+                      "created_at": None if h.created_at is None else h.created_at.isoformat(),
+                      "thread": h.thread, "position": h.position, "context_score": h.context_score} for h in hits],
             "route": hits.route, "mode": mode, "k": k,
         }
 
@@ -711,8 +822,9 @@ def create_server(memory: Memory, scope: McpScope, *, url: str = "http://127.0.0
 
     @server.tool(description=_LIST, annotations=read_only)
     async def list_memories(
-        offset: Annotated[int, Field(ge=0, description="memories to skip (>= 0)")] = 0,
-        limit: Annotated[int, Field(ge=1, le=MAX_PAGE, description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
+        offset: Annotated[int, Field(strict=True, ge=0, description="memories to skip (>= 0)")] = 0,
+        limit: Annotated[int, Field(strict=True, ge=1, le=MAX_PAGE,
+                                    description=f"the most memories returned (1 to {MAX_PAGE})")] = 50,
     ) -> dict[str, Any]:
         user = user_of()
 
@@ -779,7 +891,9 @@ def create_http_app(server: MCPServer, host: str = "127.0.0.1") -> Any:
 
 def serve_mcp(memory: Memory, scope: McpScope, transport: str = "stdio", host: str = "127.0.0.1",
               port: int = 8765, log_level: str = "warning") -> None:
-    """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP).
+    """Serve ``memory`` over MCP until the client disconnects (stdio) or SIGINT / SIGTERM (HTTP:
+    uvicorn's graceful shutdown; ``rfmem mcp`` also closes the memory on these signals over
+    stdio, :func:`rfmem_fast.serving.cli.run_mcp`).
 
     The handshake is answered at once; a default encoder not loaded yet loads beside the
     server (:class:`EncoderLoad`), and this returns only once that load has ended. The

@@ -13,12 +13,19 @@ One JSON object per line, one line per item, the fields of :meth:`Memory.add_man
   row, d floats (unit norm; each float32 written as the float64 holding it exactly, so
   it reads back bit for bit). An item whose text is stored in several chunk rows (over
   the encoder's window) has none: import embeds its text again.
-* ``created_at`` (optional, ISO-8601; without an offset read as UTC; 0001-01-01 ..
-  9999-12-31 in UTC): the item's creation time, written by export (absent when unknown:
+* ``created_at`` (optional: an ISO-8601 string, one without an offset read as UTC, or
+  a number of seconds since the Unix epoch, as ``Memory.add`` / ``add_many`` take it;
+  0001-01-01 .. 9999-12-31 in UTC): the item's creation time, written by export as
+  ISO-8601 UTC (absent when unknown:
   an item of a store written before creation times were kept, or one whose stored time
   was no instant, :attr:`~rfmem_fast.serving.memory.Item.created_at`; ``rfmem export``
   counts them) and stored by import (default: the time of the import); filterable
   (``filters={"created_at": {...}}``).
+* ``thread`` and ``position`` (optional): the item's conversation thread (a str or an
+  int, kept as written: ``"1"`` and ``1`` are different threads) and its position in it
+  (an int >= 0; a line with a position needs a thread), as ``Memory.add`` takes them;
+  written by export only for an item that has them (so the export of a memory without
+  conversations is unchanged) and stored by import (docs "Conversations").
 
 Export: users in the order they were first written, each user's items in insertion
 order; one consistent version of the memory. Import: lines in batches of ``--batch``
@@ -265,7 +272,8 @@ def add_parsers(subparsers: Any) -> None:
     ex = subparsers.add_parser(
         "export", help="write a memory directory's items as JSON lines (id, user_id, text, metadata[, vector])",
         description="Write every item of a Memory directory (or one user's) as one JSON object per line: "
-        "id, user_id, text, metadata and, with --vectors, the stored vector. The directory must not be open "
+        "id, user_id, text, metadata, created_at, thread and position (when the item has them) and, with --vectors, "
+        "the stored vector. The directory must not be open "
         "elsewhere (stop `rfmem serve` first).",
     )
     ex.add_argument("--memory-dir", required=True, help="the Memory directory (rfmem serve --path)")
@@ -280,7 +288,8 @@ def add_parsers(subparsers: Any) -> None:
 
     im = subparsers.add_parser(
         "import", help="add the items of a JSON-lines file to a memory directory, in all-or-nothing batches",
-        description="Add one item per JSON line (id?, user_id, text and / or vector, metadata?, created_at?) "
+        description="Add one item per JSON line (id?, user_id, text and / or vector, metadata?, created_at?, "
+        "thread?, position?) "
         "to a Memory directory (created if absent), --batch lines per write, each all or nothing. The first bad "
         "line stops the import with its number; earlier batches stay. Texts without a vector are embedded by "
         "the encoder (--encoder ...): with the encoder that wrote them, vectors equal to the exported memory's "
