@@ -88,7 +88,8 @@ def test_preset_names_a_configuration_by_comparing_every_field_but_out_k():
                "score_floor": -0.1, "kmeans_seed": 7, "kmeans_iters": 100, "kmeans_tol": 1e-3, "merge": "rrf",
                "rrf_k": 30.0, "rescore_weight": 0.4, "router": "r.json", "expansion_weight": 2.0,
                "profile_weight": 0.3, "reranker": "x.json", "lexical_weight": 0.5, "fusion": "rrf",
-               "lexical_norm": "raw", "lexical_rrf_k": 5.0, "lexical_depth": 50}
+               "lexical_norm": "raw", "lexical_rrf_k": 5.0, "lexical_depth": 50, "context_weight": 0.5,
+               "context_radius": 3, "thread_weight": 0.3}
     assert set(changed) == {f.name for f in dataclasses.fields(RFMemConfig)} - {"out_k"}
     for name, value in changed.items():
         assert base.replace(**{name: value}).preset() == "custom", name
