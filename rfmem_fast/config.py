@@ -42,7 +42,8 @@ def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = Fa
 _NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
 #: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
 _RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
-    "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03, **_NEVER_RECOLLECT},
+    "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
+               "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT},
     "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **_NEVER_RECOLLECT},
 }
 
@@ -147,9 +148,9 @@ class RFMemConfig:
     Familiarity path returns the exact top ``out_k`` rows by ``c`` (ties by the smaller
     row), ``SearchResult.scores`` holding each hit's base score and
     ``SearchResult.context_scores`` its ``c``. With the context on (either weight > 0),
-    mode "recollection" is refused by :func:`rfmem_fast.search.search` (ValueError), a
-    query that mode "rfmem" routes to the Recollection path returns that path's hits
-    unchanged (its ``context_scores`` NaN), and fusion "rrf" and ``reranker`` are refused
+    a query of mode "recollection", or one that mode "rfmem" routes to the Recollection
+    path, returns that path's hits unchanged (its ``context_scores`` NaN), and fusion
+    "rrf" and ``reranker`` are refused
     here (ValueError): neither has a per-row base score to give the neighbours.
 
     Construction validates the fields' types and ranges only: a config is plain data
@@ -277,33 +278,40 @@ class RFMemConfig:
 
     @classmethod
     def recommended(cls, encoder: str = "minilm", **overrides: Any) -> "RFMemConfig":
-        """The configuration chosen by nested leave-one-user-out CV across datasets (docs "Hybrid retrieval").
+        """The configuration chosen by nested leave-one-user-out CV across datasets (docs "Hybrid retrieval", "Conversations").
 
-        What ``rfmem tune hybrid`` (:func:`rfmem_fast.tuning_datasets.tune_hybrid`)
-        picks on all users of PersonaBench (noise 0.0 / 0.3 / 0.5 / 0.7) and the five
-        development LoCoMo conversations, per encoder, with the objective "mean gain +
-        gain on the worst dataset / noise level": **hybrid dense + lexical retrieval**,
-        ``fusion="convex"``, ``lexical_norm="raw"``, ``lexical_weight=0.03`` (each item
-        scores ``cosine + 0.03 * BM25``), never recollecting (theta_high = theta_low =
-        -1: every query takes the Familiarity path, the fused top-k); for MPNet the
-        scale-free ``zscore`` fusion (below). It was tuned on
-        banks whose lexical index stems with PyStemmer's English stemmer
-        (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory` and
-        the evaluations build); ``search`` then needs the query texts (``query_texts=``).
-        It is the default of the text facades (:class:`rfmem_fast.Memory`, ``rfmem serve``,
-        ``rfmem mcp``: :func:`rfmem_fast.models.recommended_alias` picks the encoder);
-        ``RFMemConfig()`` stays the paper's.
+        What ``rfmem tune context`` (:func:`rfmem_fast.tuning_datasets.tune_context`; for
+        MPNet ``rfmem tune hybrid``) picks on all users of PersonaBench (noise 0.0 / 0.3 /
+        0.5 / 0.7) and the five development LoCoMo conversations, per encoder, with the
+        objective "mean gain + gain on the worst dataset / noise level":
+        **hybrid dense + lexical retrieval**, ``fusion="convex"``, ``lexical_norm="raw"``,
+        ``lexical_weight=0.03`` (each item's base score is ``cosine + 0.03 * BM25``), with
+        **the conversation context** for MiniLM: ``context_weight=0.5``,
+        ``context_radius=2``, ``thread_weight=0.3`` (an item scores its base score plus
+        0.5 x the best of the two turns on each side of it in its thread plus 0.3 x the
+        best of its thread: :mod:`rfmem_fast.context`; items without a thread rank as
+        without it), never recollecting (theta_high = theta_low = -1: every query takes
+        the Familiarity path); for MPNet the scale-free ``zscore`` fusion without context
+        (below). It was tuned on banks whose lexical index stems with PyStemmer's English
+        stemmer (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory`
+        and the evaluations build); ``search`` then needs the query texts
+        (``query_texts=``). It is the default of the text facades
+        (:class:`rfmem_fast.Memory`, ``rfmem serve``, ``rfmem mcp``:
+        :func:`rfmem_fast.models.recommended_alias` picks the encoder); ``RFMemConfig()``
+        stays the paper's.
 
         Honest figures (MiniLM, Recall@10 gain over dense in points, nested CV of the
-        whole procedure; a PersonaBench user is one fold at every noise level, a LoCoMo
-        conversation one fold): PersonaBench +0.04 / +1.76 / +1.75 / +4.27 at noise 0.0 /
-        0.3 / 0.5 / 0.7, LoCoMo +10.34 (leave one conversation out); the pick itself on
-        all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo +10.34. For MPNet the procedure
-        picks ``fusion="zscore"``, ``lexical_weight=0.1`` (the channels on one scale,
+        whole procedure, ``bench/results/tune-context-minilm.json``; a PersonaBench user is
+        one fold at every noise level, a LoCoMo conversation one fold): PersonaBench +1.52
+        / +2.45 / +2.09 / +4.36 at noise 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +16.31 (the hybrid
+        fusion alone: the same on PersonaBench, whose items carry no thread, and +10.34 on
+        LoCoMo); the pick itself on all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo
+        +16.93. For MPNet the procedure (``rfmem tune hybrid``) picks ``fusion="zscore"``,
+        ``lexical_weight=0.1`` (the channels on one scale,
         :func:`rfmem_fast.fusion.zscore_boost`): nested CV +4.23 / +0.50 / +1.75 / +1.32 on
-        PersonaBench 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +10.60. The previous
-        recommendation (the profile prior, ``profile_weight=0.3``) is -4.4 points on
-        LoCoMo with either encoder and stays available as a field.
+        PersonaBench 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +10.60; its context weights are not
+        tuned yet. The profile prior (``profile_weight=0.3``) is -4.4 points on LoCoMo with
+        either encoder and stays available as a field.
 
         Args:
             encoder: "minilm" (the package's default encoder) or "mpnet".

@@ -359,10 +359,10 @@ def check_search_args(mode: Any, config: Any, max_batch: Any) -> tuple[RFMemConf
     if isinstance(max_batch, (bool, np.bool_)) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if mode == "recollection" and config.context_on:
-        raise ValueError(
-            "mode 'recollection' does not combine with the context score (config.context_weight / thread_weight > 0): "
-            "the context score ranks the Familiarity path's list; use mode 'dense' or 'rfmem'"
-        )
+        # the context score ranks the Familiarity path's list: every query of this mode takes
+        # the Recollection path, whose hits carry no context score (as a query that mode
+        # "rfmem" routes there)
+        config = config.replace(context_weight=0.0, thread_weight=0.0)
     return config, int(max_batch)
 
 

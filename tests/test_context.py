@@ -393,7 +393,7 @@ def test_off_is_bit_for_bit_and_no_threads_is_base_plus_thread_term():
     Q = queries(22, 5)
     users = ["user0", "user1", "user2", "user0", "user1"]
     qt = ["alpha", "beta", "gamma", "delta", "omega"]
-    for cfg in (RFMemConfig(), RFMemConfig.recommended()):
+    for cfg in (RFMemConfig(), RFMemConfig.recommended(context_weight=0.0, thread_weight=0.0)):
         off = cfg.replace(context_radius=4)  # the radius alone changes nothing
         for backend in BACKENDS:
             a = search(bank, Q, users, cfg, backend=backend, query_texts=qt)
@@ -430,8 +430,13 @@ def test_rfmem_mode_routes_and_refusals():
         assert np.isnan(res.context_scores[reco]).all()
         np.testing.assert_array_equal(res.rows[~reco], dense.rows[~reco])
         np.testing.assert_array_equal(res.context_scores[~reco], dense.context_scores[~reco])
-    with pytest.raises(ValueError, match="mode 'recollection' does not combine with the context score"):
-        search(bank, Q, users, cfg, mode="recollection")
+    for backend in BACKENDS:  # mode "recollection": every query the Recollection path's hits, no context score
+        res = search(bank, Q, users, cfg, mode="recollection", backend=backend)
+        plain = search(bank, Q, users, cfg.replace(context_weight=0.0, thread_weight=0.0), mode="recollection",
+                       backend=backend)  # fmt: skip
+        np.testing.assert_array_equal(res.rows, plain.rows)
+        np.testing.assert_array_equal(res.scores, plain.scores)
+        assert np.isnan(res.context_scores).all()
     with pytest.raises(ValueError, match="fusion 'rrf'"):
         RFMemConfig(lexical_weight=1.0, fusion="rrf", thread_weight=0.1)
     with pytest.raises(ValueError, match="context_radius"):

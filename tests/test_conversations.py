@@ -134,10 +134,11 @@ def test_context_score_of_the_hits_is_the_definition():
     assert got_hits(mem.search("cat tea", "u", k=30, filters={"thread": "chat-0", "position": {"$gte": 1}})) == in_thread
     top = mem.search("cat tea", "u", k=3)
     assert [(h.thread, h.position) for h in top] == [(i.thread, i.position) for i in mem.get([h.id for h in top], "u")]
-    with pytest.raises(ValueError, match="recollection"):
-        mem.search("cat tea", "u", mode="recollection")
+    reco = mem.search("cat tea", "u", k=5, mode="recollection")  # the Recollection path's hits, no context score
+    assert len(reco) > 0 and all(h.context_score is None for h in reco)
     mem.close()
-    plain = Memory(encoder=HashEncoder(DIM), batching=False)  # context off: ranked by the base score, no c
+    plain = Memory(encoder=HashEncoder(DIM), batching=False,
+                   config=RFMemConfig.recommended(context_weight=0.0, thread_weight=0.0))  # context off: no c
     seeded(plain, seed=1, n=30)
     hits = plain.search("trip japan kyoto", "u", k=5)
     assert [(h.id, np.float32(h.score)) for h in hits] == [x[:2] for x in oracle_hits(plain, "trip japan kyoto", 5)]

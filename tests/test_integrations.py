@@ -44,7 +44,8 @@ def test_langchain_retriever(memory):
                                          "route": "familiarity", "rule": "forced_dense", "mean": ref.mean,
                                          "entropy": ref.entropy, "rounds": 0, "dense_score": ref[0].dense_score,
                                          "lexical_score": ref[0].lexical_score, "created_at": "2026-01-01T08:00:00+00:00",
-                                         "thread": None, "position": None, "context_score": None}
+                                         "thread": None, "position": None, "context_score": ref[0].context_score}
+    assert ref[0].context_score == pytest.approx(1.3 * ref[0].score)  # the default's context: no thread, c = b + 0.3 b
 
     async def many():
         return await asyncio.gather(*(r.ainvoke(q) for q in ("alpha fact", "beta fact", "gamma fact")))

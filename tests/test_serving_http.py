@@ -49,11 +49,12 @@ def test_crud_and_search_over_http(served):
     assert r.status_code == 201 and len(r.json()["ids"]) == 1
     r = c.post("/v1/users/alice/search", headers=H, json={"query": "My sister is Ana", "k": 2, "mode": "dense"})
     body = r.json()
-    top = body["hits"][0]  # the default config: cosine + 0.03 * BM25 (RFMemConfig.recommended())
+    top = body["hits"][0]  # the default config: cosine + 0.03 * BM25 (RFMemConfig.recommended()), context on
     assert r.status_code == 200 and top["lexical_score"] > 0 and top == {
         "id": "b", "text": "My sister is Ana", "score": pytest.approx(1.0 + 0.03 * top["lexical_score"]),
         "metadata": {"source": "chat"}, "rank": 0, "dense_score": pytest.approx(1.0), "lexical_score": top["lexical_score"],
-        "created_at": "2026-03-29T01:30:00+00:00", "thread": None, "position": None, "context_score": None}
+        "created_at": "2026-03-29T01:30:00+00:00", "thread": None, "position": None,
+        "context_score": pytest.approx(1.3 * top["score"])}  # no thread: c = b + 0.3 b
     assert body["route"] == "familiarity" and body["rule"] == "forced_dense" and len(body["hits"]) == 2
     direct = mem.search("My sister is Ana", "alice", k=2, mode="dense")
     assert [h["id"] for h in body["hits"]] == [h.id for h in direct]
