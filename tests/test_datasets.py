@@ -283,7 +283,8 @@ def test_cli_eval_says_which_configuration_ran(tmp_path, capsys, monkeypatch):
                  "--json", str(figs)]) == 0  # fmt: skip
     text = capsys.readouterr().out
     head = ("configuration: preset recommended (minilm); hybrid dense + BM25, fusion convex, lexical_weight 0.03, "
-            "lexical_norm raw; theta_high -1, theta_low -1, tau 0 (never recollects)")  # fmt: skip
+            "lexical_norm raw; theta_high -1, theta_low -1, tau 0 (never recollects); "
+            "context_weight 0.5, context_radius 2, thread_weight 0.3")  # fmt: skip
     assert text.splitlines()[0] == head
     assert "dense+bm25 recall@1" in text and "rfmem+bm25 recall@1" in text and "recollection recall@1" in text
     assert "recollection+bm25" not in text and " dense recall@1" not in text and "oracle recall@1" in text
