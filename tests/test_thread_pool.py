@@ -146,3 +146,33 @@ def test_mode_validation_and_idle_cpus():
     assert 0 <= _native.idle_cpus() <= (os.cpu_count() or 1)
     c = _native.pool_counters()
     assert set(c) == {"regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "helpers"}
+
+
+@pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="needs /proc/loadavg (Linux)")
+def test_idle_cpus_follows_the_machines_running_tasks():
+    """idle_cpus() is online CPUs minus the running tasks of /proc/loadavg (the caller
+    included), sampled afresh after kIdleSampleSeconds: its very first sample once never
+    happened (an overflowed time difference kept the initial 0 for ever, so mode 'auto'
+    never added a helper). A reading bracketed by two equal /proc/loadavg counts must
+    equal the formula; a fresh process (no pool helper yet) is asked, so its own helpers
+    are none."""
+    code = (
+        "import os, time, rfmem_fast._native as n\n"
+        "cpus = os.sysconf('SC_NPROCESSORS_ONLN')\n"
+        "def running():\n"
+        "    return int(open('/proc/loadavg').read().split()[3].split('/')[0])\n"
+        "hits = 0\n"
+        "for _ in range(200):\n"
+        "    time.sleep(0.003)\n"
+        "    r1 = running(); got = n.idle_cpus(); r2 = running()\n"
+        "    if r1 == r2:\n"
+        "        assert got == max(0, cpus - r1), (got, cpus, r1)\n"
+        "        hits += 1\n"
+        "print(hits)\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip()) >= 1

@@ -69,7 +69,7 @@ std::atomic<Pool*> g_pool{nullptr};
 std::atomic<int> g_mode{static_cast<int>(PoolMode::kAuto)};
 
 // the machine's idle CPUs, sampled at most every kIdleSampleSeconds
-std::atomic<int64_t> g_idle_at{std::numeric_limits<int64_t>::min()};  // steady_clock ns of the sample
+std::atomic<int64_t> g_idle_at{-1};  // steady_clock ns of the sample (>= 0), -1 before the first
 std::atomic<int> g_idle{0};
 
 int online_cpus() {
@@ -213,7 +213,10 @@ int idle_cpus() {
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch()).count();
   const int64_t at = g_idle_at.load(std::memory_order_acquire);
-  if (now - at < static_cast<int64_t>(kIdleSampleSeconds * 1e9)) return g_idle.load(std::memory_order_relaxed);
+  // (the first call samples: ``now - at`` with ``at`` the int64 minimum overflowed, so the
+  // check returned the initial 0 idle CPUs forever and every region of kAuto ran inline)
+  if (at >= 0 && now - at < static_cast<int64_t>(kIdleSampleSeconds * 1e9))
+    return g_idle.load(std::memory_order_relaxed);
   // the pool's own awake helpers are among the running tasks: their cores are not taken
   // by another job (counting them made every other region of a busy process run inline)
   const int own = pool()->awake.load(std::memory_order_relaxed);
