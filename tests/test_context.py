@@ -539,3 +539,42 @@ def test_exact_maxima_from_items_that_are_no_candidates(path):
     np.testing.assert_array_equal(rows, w_rows)
     np.testing.assert_array_equal(c, w_c)
     assert set(np.array(names)[rows[0]]) >= {"I", "H"}
+
+
+def test_kernel_on_several_threads_equals_one_thread():
+    """A hybrid context batch on two threads of the pool (mode 'always') gives the rows and
+    context scores of one thread, with the helpers doing part of the work. (The kernel's
+    per-thread scratch is the calling thread's vector: a helper once indexed its own empty
+    thread_local one and crashed; reproduced with `rfmem tune context --encoders mpnet
+    --noise 0.5`, not by this small case.)"""
+    import rfmem_fast.context as C
+
+    native = pytest.importorskip("rfmem_fast._native")
+    if C._KERNEL is None or "native" not in BACKENDS:
+        pytest.skip("the native extension has no context kernel")
+    rng = np.random.default_rng(40)
+    bank = MemoryBank(D)
+    for u in range(2):  # enough rows that the kernel asks for two threads
+        n = 6000
+        bank.add(f"big{u}", rng.normal(size=(n, D)), ids=list(range(n)),
+                 texts=[" ".join(rng.choice(WORDS, size=4)) for _ in range(n)],
+                 threads=[f"t{j // 12}" for j in range(n)], positions=[j % 12 for j in range(n)])
+    Q = queries(41, 512)
+    users = [f"big{i % 2}" for i in range(512)]
+    qt = [" ".join(rng.choice(WORDS, size=2)) for _ in range(512)]
+    cfg = RFMemConfig.recommended(out_k=10, probe_k=10)
+    prev = native.set_thread_pool("always")
+    try:
+        rfmem_fast.set_num_threads(1)
+        one = search(bank, Q, users, cfg, mode="dense", backend="native", query_texts=qt)
+        rfmem_fast.set_num_threads(2)
+        two = search(bank, Q, users, cfg, mode="dense", backend="native", query_texts=qt)
+        before = native.pool_counters()["items_helper"]
+        search(bank, Q, users, cfg, mode="dense", backend="native", query_texts=qt)
+        helped = native.pool_counters()["items_helper"] - before
+    finally:
+        rfmem_fast.set_num_threads(None)
+        native.set_thread_pool(prev)
+    np.testing.assert_array_equal(two.rows, one.rows)
+    np.testing.assert_array_equal(two.context_scores, one.context_scores)
+    assert helped > 0  # the helpers did run some of the work

@@ -203,7 +203,10 @@ void context_topk(const float* X, int64_t d, const int64_t* offsets, const float
   double work = 0.0;
   for (int64_t i = 0; i < b; ++i) work += 64.0 * static_cast<double>(fptr[i + 1] - fptr[i]);
   const int nthreads = threads_for(num_threads, work, b);
-  static thread_local std::vector<Scratch> scratch;  // grown, never shrunk: no allocation per call
+  static thread_local std::vector<Scratch> scratch_of_caller;  // grown, never shrunk: no allocation per call
+  // the caller's vector, by reference: inside the lambda a thread_local name would be the
+  // RUNNING thread's own (empty) vector on a pool helper
+  std::vector<Scratch>& scratch = scratch_of_caller;
   if (scratch.size() < static_cast<size_t>(nthreads)) scratch.resize(static_cast<size_t>(nthreads));
   parallel_for(b, nthreads, [&](int64_t i, int tid) {
     const int64_t j = quser[i];
