@@ -44,7 +44,8 @@ _NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
 _RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
     "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
                "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT},
-    "mpnet": {"fusion": "zscore", "lexical_weight": 0.1, **_NEVER_RECOLLECT},
+    "mpnet": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.04,
+              "context_weight": 0.2, "context_radius": 2, "thread_weight": 0.5, **_NEVER_RECOLLECT},
 }
 
 
@@ -280,8 +281,8 @@ class RFMemConfig:
     def recommended(cls, encoder: str = "minilm", **overrides: Any) -> "RFMemConfig":
         """The configuration chosen by nested leave-one-user-out CV across datasets (docs "Hybrid retrieval", "Conversations").
 
-        What ``rfmem tune context`` (:func:`rfmem_fast.tuning_datasets.tune_context`; for
-        MPNet ``rfmem tune hybrid``) picks on all users of PersonaBench (noise 0.0 / 0.3 /
+        What ``rfmem tune context`` (:func:`rfmem_fast.tuning_datasets.tune_context`) picks
+        on all users of PersonaBench (noise 0.0 / 0.3 /
         0.5 / 0.7) and the five development LoCoMo conversations, per encoder, with the
         objective "mean gain + gain on the worst dataset / noise level":
         **hybrid dense + lexical retrieval**, ``fusion="convex"``, ``lexical_norm="raw"``,
@@ -291,8 +292,8 @@ class RFMemConfig:
         0.5 x the best of the two turns on each side of it in its thread plus 0.3 x the
         best of its thread: :mod:`rfmem_fast.context`; items without a thread rank as
         without it), never recollecting (theta_high = theta_low = -1: every query takes
-        the Familiarity path); for MPNet the scale-free ``zscore`` fusion without context
-        (below). It was tuned on banks whose lexical index stems with PyStemmer's English
+        the Familiarity path); for MPNet ``lexical_weight=0.04`` with ``context_weight=0.2``,
+        ``context_radius=2``, ``thread_weight=0.5`` (below). It was tuned on banks whose lexical index stems with PyStemmer's English
         stemmer (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory`
         and the evaluations build); ``search`` then needs the query texts
         (``query_texts=``). It is the default of the text facades
@@ -306,11 +307,10 @@ class RFMemConfig:
         / +2.45 / +2.09 / +4.36 at noise 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +16.31 (the hybrid
         fusion alone: the same on PersonaBench, whose items carry no thread, and +10.34 on
         LoCoMo); the pick itself on all users: +2.10 / +2.45 / +1.80 / +4.36, LoCoMo
-        +16.93. For MPNet the procedure (``rfmem tune hybrid``) picks ``fusion="zscore"``,
-        ``lexical_weight=0.1`` (the channels on one scale,
-        :func:`rfmem_fast.fusion.zscore_boost`): nested CV +4.23 / +0.50 / +1.75 / +1.32 on
-        PersonaBench 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +10.60; its context weights are not
-        tuned yet. The profile prior (``profile_weight=0.3``) is -4.4 points on LoCoMo with
+        +16.93. For MPNet (``bench/results/tune-context-mpnet.json``): nested CV +4.26 /
+        +0.36 / +3.90 / +2.18 on PersonaBench 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +14.25 (the
+        fusion alone +10.20; the ``zscore`` fusion of ``rfmem tune hybrid``, the MPNet
+        recommendation before the context: +4.23 / +0.50 / +1.75 / +1.32, LoCoMo +10.60). The profile prior (``profile_weight=0.3``) is -4.4 points on LoCoMo with
         either encoder and stays available as a field.
 
         Args:

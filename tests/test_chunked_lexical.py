@@ -97,7 +97,7 @@ FUSIONS = {
     "convex-raw": RFMemConfig.recommended(),
     "convex-max": RFMemConfig(lexical_weight=0.5, fusion="convex", lexical_norm="max"),
     "adaptive": RFMemConfig(lexical_weight=0.5, fusion="adaptive"),
-    "zscore": RFMemConfig.recommended("mpnet"),
+    "zscore": RFMemConfig(lexical_weight=0.1, fusion="zscore", theta_high=-1.0, theta_low=-1.0, tau=0.0),
     "zscore-heavy": RFMemConfig(lexical_weight=5.0, fusion="zscore"),
     "rrf": RFMemConfig(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0),
 }

@@ -63,7 +63,9 @@ def test_presets():
     assert (r.fusion, r.lexical_norm, r.lexical_weight) == ("convex", "raw", 0.03)
     assert (r.alpha, r.beam_width, r.fanout, r.max_rounds, r.mmr_lambda) == (0.5, 4, 1, 10, 0.9)
     m = RFMemConfig.recommended("mpnet")
-    assert (m.fusion, m.lexical_weight, m.theta_high, m.theta_low) == ("zscore", 0.1, -1.0, -1.0)
+    assert (m.fusion, m.lexical_norm, m.lexical_weight, m.theta_high, m.theta_low) == ("convex", "raw", 0.04, -1.0, -1.0)
+    assert (m.context_weight, m.context_radius, m.thread_weight) == (0.2, 2, 0.5)
+    assert (r.context_weight, r.context_radius, r.thread_weight) == (0.5, 2, 0.3)
     assert RFMemConfig.paper().profile_weight == 0.0 and RFMemConfig.paper().reranker is None
     assert RFMemConfig.recommended(out_k=5).out_k == 5
     with pytest.raises(ValueError, match="encoder"):
