@@ -298,8 +298,9 @@ def test_cli_eval_says_which_configuration_ran(tmp_path, capsys, monkeypatch):
                  "--encoder", "/models/all-mpnet-base-v2"]) == 0  # fmt: skip
     doc = json.loads(figs.read_text())
     assert doc["configuration"] == ("configuration: preset recommended (mpnet) with --set lexical_weight=0.1 merge=rrf; "
-                                    "hybrid dense + BM25, fusion zscore, lexical_weight 0.1; theta_high -1, theta_low -1, "
-                                    "tau 0 (never recollects); merge rrf")  # fmt: skip
+                                    "hybrid dense + BM25, fusion convex, lexical_weight 0.1, lexical_norm raw; "
+                                    "theta_high -1, theta_low -1, tau 0 (never recollects); merge rrf; "
+                                    "context_weight 0.2, context_radius 2, thread_weight 0.5")  # fmt: skip
     assert doc["modes"]["recollection"]["label"] == "recollection+bm25"  # a merge mixes the fused probe list in
     capsys.readouterr()
     assert main(["eval", "locomo", "--data", str(folder), "--no-cache", "--k", "1", "--json", str(figs)]) == 0
