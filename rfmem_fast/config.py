@@ -383,7 +383,8 @@ class RFMemConfig:
         """The configuration by name and its main fields, for a status report (the HTTP
         service's ``/health`` "config"): ``{"preset": :meth:`preset`, "out_k",
         "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
-        "max_rounds", "score_floor", "merge", "router", "reranker"}``, ``router`` /
+        "max_rounds", "score_floor", "merge", "context_weight", "context_radius",
+        "thread_weight", "router", "reranker"}``, ``router`` /
         ``reranker`` as booleans (whether a calibrated file is used; its path is not shown).
 
         Returns:
@@ -397,4 +398,4 @@ class RFMemConfig:
 
 #: the fields :meth:`RFMemConfig.summary` reports besides the preset's name
 _SUMMARY_FIELDS = ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau", "max_rounds",
-                   "score_floor", "merge")
+                   "score_floor", "merge", "context_weight", "context_radius", "thread_weight")

@@ -98,5 +98,6 @@ def test_preset_names_a_configuration_by_comparing_every_field_but_out_k():
     summary = RFMemConfig.recommended(out_k=5).summary()
     assert summary == {"preset": "recommended", "out_k": 5, "lexical_weight": 0.03, "fusion": "convex", "probe_k": 10,
                        "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0, "max_rounds": 10, "score_floor": 0.0,
-                       "merge": "none", "router": False, "reranker": False}
+                       "merge": "none", "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3,
+                       "router": False, "reranker": False}
     assert RFMemConfig(router="/secret/path.json").summary()["router"] is True  # no path on a status page

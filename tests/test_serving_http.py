@@ -339,7 +339,8 @@ def test_health_reports_the_retrieval_configuration_by_name(tmp_path):
         assert got["preset"] == preset
         assert {k: v for k, v in got.items() if k not in ("preset", "router", "reranker")} == {
             k: want[k] for k in ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
-                                 "max_rounds", "score_floor", "merge")}
+                                 "max_rounds", "score_floor", "merge", "context_weight", "context_radius",
+                                 "thread_weight")}
         assert got["router"] is False and got["reranker"] is False
         mem.close()
 
