@@ -67,7 +67,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import date, datetime, time as clock_time, timezone
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -441,15 +441,24 @@ def check_created_at(created_at: Any, n: int, now: float | None = None) -> list[
         created_at = created_at.item()
     if isinstance(created_at, (int, float, np.integer, np.floating)) and not isinstance(created_at, (bool, np.bool_)):
         return [one(created_at, "created_at")] * n
-    if isinstance(created_at, (str, bytes, dict)) or not hasattr(created_at, "__iter__"):
-        raise TypeError(
-            "created_at must be None, a number of seconds since the Unix epoch (UTC) or a sequence of them, "
-            f"got {type(created_at).__name__}"
-        )
-    out = list(created_at)
+    return _per_item(created_at, n, "created_at",
+                     "None, a number of seconds since the Unix epoch (UTC) or a sequence of them", one)
+
+
+def _per_item(values: Any, n: int, name: str, expected: str, one: Callable[[Any, str], Any]) -> list:
+    """The n entries of a per-item sequence argument, each as ``one(value, f"{name}[i]")`` gives it.
+
+    Raises:
+        TypeError: ``values`` is a str / bytes / dict or not iterable (the message says
+            ``name`` must be ``expected``), or what ``one`` raises.
+        ValueError: not n entries, or what ``one`` raises.
+    """
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be {expected}, got {type(values).__name__}")
+    out = list(values)
     if len(out) != n:
-        raise ValueError(f"created_at has {len(out)} entries but there are {n} items")
-    return [one(v, f"created_at[{j}]") for j, v in enumerate(out)]
+        raise ValueError(f"{name} has {len(out)} entries but there are {n} items")
+    return [one(v, f"{name}[{j}]") for j, v in enumerate(out)]
 
 
 def _thread_key(v: Any, where: str) -> Hashable | None:
@@ -485,15 +494,9 @@ def check_threads(threads: Any, n: int) -> list:
         return [None] * n
     if isinstance(threads, (str, int, np.integer, np.str_)) and not isinstance(threads, (bool, np.bool_)):
         return [_thread_key(threads, "threads")] * n
-    if isinstance(threads, (bytes, dict)) or not hasattr(threads, "__iter__"):
-        raise TypeError(
-            "threads must be None, one str / int thread id, or a sequence of them (None for an item without "
-            f"a thread), got {type(threads).__name__}"
-        )
-    out = list(threads)
-    if len(out) != n:
-        raise ValueError(f"threads has {len(out)} entries but there are {n} items")
-    return [_thread_key(t, f"threads[{j}]") for j, t in enumerate(out)]
+    return _per_item(threads, n, "threads",
+                     "None, one str / int thread id, or a sequence of them (None for an item without a thread)",
+                     _thread_key)
 
 
 def check_positions(positions: Any, n: int) -> list:
@@ -513,24 +516,21 @@ def check_positions(positions: Any, n: int) -> list:
     """
     if positions is None:
         return [None] * n
-    if isinstance(positions, (str, bytes, dict)) or not hasattr(positions, "__iter__"):
-        raise TypeError(
-            f"positions must be None or a sequence of ints >= 0 (None for an item without a position), "
-            f"one per item, got {type(positions).__name__}"
-        )
-    out = list(positions)
-    if len(out) != n:
-        raise ValueError(f"positions has {len(out)} entries but there are {n} items")
-    for j, p in enumerate(out):
-        if p is None:
-            continue
-        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
-            raise TypeError(f"positions[{j}] must be an int >= 0 (or None), got {type(p).__name__}")
-        p = int(p)
-        if not 0 <= p <= MAX_POSITION:
-            raise ValueError(f"positions[{j}] must be an int in [0, 2**63 - 1], got {p}")
-        out[j] = p
-    return out
+    return _per_item(positions, n, "positions",
+                     "None or a sequence of ints >= 0 (None for an item without a position), one per item",
+                     _position)
+
+
+def _position(p: Any, where: str) -> int | None:
+    """One position as stored: None, or an int in [0, MAX_POSITION] (numpy integers converted; bool refused)."""
+    if p is None:
+        return None
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)):
+        raise TypeError(f"{where} must be an int >= 0 (or None), got {type(p).__name__}")
+    p = int(p)
+    if not 0 <= p <= MAX_POSITION:
+        raise ValueError(f"{where} must be an int in [0, 2**63 - 1], got {p}")
+    return p
 
 
 def _check_thread_pairs(threads: list, positions: list, where: str = "") -> None:
