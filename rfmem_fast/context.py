@@ -609,19 +609,17 @@ def _kernel_part(snap: BankSnapshot, memo: dict, Qh: np.ndarray, seg: np.ndarray
         return _ONE, out
     ok = np.ones(b, dtype=np.bool_) if sel is None else sel.qsel < 0
     quser = np.full(b, -1, dtype=np.int64)
-    table: dict = {}
     layouts = []
-    for i in np.flatnonzero(ok).tolist():
-        u = int(seg[i])
-        j = table.get(u)
-        if j is None:
-            Lo = _layout(memo, snap, u, r)
-            if Lo.item_of is not None:
-                ok[i] = False
-                continue
-            j = table[u] = len(layouts)
+    idx = np.flatnonzero(ok)
+    users, inv = np.unique(np.asarray(seg)[idx], return_inverse=True)  # one layout per user, not per query
+    j_of = np.full(len(users), -1, dtype=np.int64)
+    for t, u in enumerate(users.tolist()):
+        Lo = _layout(memo, snap, int(u), r)
+        if Lo.item_of is None:  # users with chunk rows are left to the numpy path
+            j_of[t] = len(layouts)
             layouts.append(Lo)
-        quser[i] = j
+    quser[idx] = j_of[inv]
+    ok[idx[quser[idx] < 0]] = False
     if not layouts:
         return None
     if len(layouts) == 1:
