@@ -74,7 +74,7 @@ with ``fl(up(f_i + B) + x_i) < tau`` cannot enter (same argument, ``d_i <= up(f_
 B)``); only the rest get an exact dense score
 (:func:`rfmem_fast.backends.exact.exact_pair_scores_np`: the same float32 value the
 dense scan gives, so an item gets one dense score whichever channel found it).
-(``search`` takes ``S`` :data:`rfmem_fast.search.HYBRID_DENSE_DEPTH` deep, at least
+(``search`` takes ``S`` :data:`rfmem_fast.search_lexical.HYBRID_DENSE_DEPTH` deep, at least
 ``K``: a lower ``s_K`` lets fewer hits through; results do not depend on it.) For rrf every
 item of either list scores > 0 and every other item 0; a list of ``D >= K`` items (or
 the whole segment) guarantees the top-``K`` lies in the union of the two lists, and

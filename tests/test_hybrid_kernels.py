@@ -190,7 +190,7 @@ def test_native_boosts_in_steps_equal_one_step(fz, monkeypatch):
     Q, qu, texts = _queries(bank, rng, ["u0", "u1", "u2"], 15)
     cfg = RFMemConfig(out_k=8, probe_k=8, **fz)
     one = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
-    monkeypatch.setattr(sys.modules["rfmem_fast.search"], "HYBRID_MATRIX_ENTRIES", 7)  # ~1 query per step
+    monkeypatch.setattr(sys.modules["rfmem_fast.search_lexical"], "HYBRID_MATRIX_ENTRIES", 7)  # ~1 query per step
     stepped = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
     np.testing.assert_array_equal(stepped.rows, one.rows)
     np.testing.assert_array_equal(stepped.scores, one.scores)

@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "datasets", "datasets.*", "encoders", "models", "onnx_export", "metrics",
     )),
     ("search", (
-        "search",
+        "search", "search_chunk", "search_lexical",
     )),
     ("engine", (
         "routing.*", "recollection", "fusion", "context", "expansion",

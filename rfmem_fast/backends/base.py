@@ -560,7 +560,7 @@ class Backend:
     def probe_host(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, temperature: float,
                    convention: str, sel: RowSelection | None = None) -> tuple:  # fmt: skip
         """:meth:`probe` on host arrays: what the search's host fast path calls for a chunk on
-        the CPU (:func:`rfmem_fast.search._search_chunk_host`); the same values.
+        the CPU (:class:`rfmem_fast.search_chunk.HostKit`); the same values.
 
         Args:
             view: the bank (a CPU backend's view).

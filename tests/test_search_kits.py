@@ -1,12 +1,13 @@
-"""The host fast path of a search chunk equals the general tensor path, field by field.
+"""The two array kits of a search chunk give the same results, field by field.
 
-``rfmem_fast.search._search_chunk_host`` (numpy arrays between the backend calls) serves a
-host chunk without query texts, re-ranker, merge or profile prior; the general path of
-``_search_chunk`` (torch tensors) serves every other chunk. They repeat the same steps
-(probe, routing, the beam driver, the hits' exact dense scores), so they must give the same
-bits: pinned here for every mode, every CPU backend, the thresholds of the config and a
-router object that sends half of the batch each way, with and without filters, on users
-short and long (the native driver prunes the rounds of the long one).
+``rfmem_fast.search_chunk.run_chunk`` is the search's one implementation of a chunk; it runs
+over numpy arrays (``HostKit``: a host chunk whose results go to the host, ``output="numpy"``)
+or torch tensors (``DeviceKit``: ``output="torch"``, device batches). Pinned here for every
+mode, every CPU backend, the thresholds of the config and a router object that sends half of
+the batch each way, with and without filters, on users short and long (the native driver
+prunes the rounds of the long one). The device kit leaves the dense score of a hit that only
+the Recollection path found NaN unless a host step ran (no host synchronisation); the host
+kit's score there must be the exact ``RN32(q . x)``, checked against a float64 oracle.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from rfmem_fast import RFMemConfig, search
 from rfmem_fast import available_backends
+from rfmem_fast._validate import unit_rows
 from rfmem_fast.routing.base import ProbeSettings
 from rfmem_fast.routing.threshold import ThresholdRouter
 from test_filters import make_bank
@@ -53,25 +55,30 @@ def _backend(name):
 
 
 def _both(monkeypatch, bank, *args, **kw):
-    """(fast-path result, general-path result) of one search."""
+    """(host-kit result, device-kit result as a SearchResult, the unit queries) of one search."""
     if "backend" in kw:
         kw["backend"] = _backend(kw["backend"])
-    fast = search(bank, *args, **kw)
-    monkeypatch.setattr(search_mod, "HOST_FAST_PATH", False)
-    try:
-        general = search(bank, *args, **kw)
-    finally:
-        monkeypatch.setattr(search_mod, "HOST_FAST_PATH", True)
-    return fast, general
+    host = search(bank, *args, **kw)
+    device = search(bank, *args, output="torch", **kw).to_result()
+    return host, device, unit_rows(args[0], "queries")  # (the queries as the search holds them)
 
 
-def _assert_same(a, b):
+def _assert_same(host, device, Q, bank=None):
     for f in FIELDS:
-        x, y = getattr(a, f), getattr(b, f)
+        x, y = getattr(host, f), getattr(device, f)
         assert x.shape == y.shape and x.dtype == y.dtype, f
-        assert x.flags.c_contiguous, f  # (the fast path cuts columns: never a strided view)
+        assert x.flags.c_contiguous, f  # (the host kit cuts columns: never a strided view)
         if x.dtype == object:
             assert x.tolist() == y.tolist(), f
+        elif f == "dense_scores":  # the device kit: NaN for a hit only the Recollection path found
+            unknown = np.isnan(y) & (host.rows >= 0)
+            np.testing.assert_array_equal(np.where(unknown, np.nan, x), y, err_msg=f)
+            qi, ci = np.nonzero(unknown)
+            if qi.shape[0]:
+                assert bank is not None and (host.route[qi] == 1).all()
+                X = bank.snapshot().vectors[host.rows[qi, ci]].astype(np.float64)
+                oracle = np.einsum("ij,ij->i", X, Q[qi].astype(np.float64)).astype(np.float32)
+                np.testing.assert_array_equal(x[qi, ci], oracle)
         else:
             np.testing.assert_array_equal(x, y, err_msg=f)  # NaN equals NaN here
 
@@ -90,8 +97,8 @@ def _half_router(bank, Q, users):
 def test_fast_path_equals_general_path(monkeypatch, bank, backend, mode, filtered):
     Q, users = _queries(24, seed=3)
     fs = [{"rank": {"$lt": 40 + 30 * (j % 4)}} if j % 3 else None for j in range(len(users))] if filtered else None
-    fast, general = _both(monkeypatch, bank, Q, users, CFG, mode=mode, backend=backend, filters=fs)
-    _assert_same(fast, general)
+    fast, general, Q_unit = _both(monkeypatch, bank, Q, users, CFG, mode=mode, backend=backend, filters=fs)
+    _assert_same(fast, general, Q_unit, bank)
     if mode == "recollection":
         assert (fast.rounds > 0).any()
 
@@ -100,8 +107,8 @@ def test_fast_path_equals_general_path(monkeypatch, bank, backend, mode, filtere
 def test_router_object_mixed_routes(monkeypatch, bank, backend):
     Q, users = _queries(32, seed=8)
     router = _half_router(bank, Q, users)
-    fast, general = _both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, router=router)
-    _assert_same(fast, general)
+    fast, general, Q_unit = _both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, router=router)
+    _assert_same(fast, general, Q_unit, bank)
     assert 0 < int(fast.route.sum()) < len(users)  # both paths taken in one chunk
 
 
@@ -111,21 +118,21 @@ def test_one_query_and_small_chunks(monkeypatch, bank, backend):
     Q, users = _queries(9, seed=12)
     for q, u in [(Q[:1], users[:1]), (Q[3:4], users[3:4]), (Q[2:3], users[2:3])]:  # u2: 7 items, a padded tail
         for mode in ("dense", "recollection", "rfmem"):
-            _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode=mode, backend=backend))
-    _assert_same(*_both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, max_batch=4))
+            _assert_same(*_both(monkeypatch, bank, q, u, CFG, mode=mode, backend=backend), bank)
+    _assert_same(*_both(monkeypatch, bank, Q, users, CFG, mode="rfmem", backend=backend, max_batch=4), bank)
 
 
-def test_general_path_kept_where_the_fast_path_does_not_apply(monkeypatch, bank):
-    """Results kept as tensors (output="torch") take the general path: the fast one is never called."""
-    calls = []
-    real = search_mod._search_chunk_host
-    monkeypatch.setattr(search_mod, "_search_chunk_host", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_kit_chosen_by_output(monkeypatch, bank):
+    """A host search (output="numpy" on a CPU backend) runs the host kit; results kept as
+    tensors (output="torch") the device kit; both through the one run_chunk."""
+    chunk_mod = sys.modules["rfmem_fast.search_chunk"]
+    kits = []
+    real = chunk_mod.run_chunk
+    monkeypatch.setattr(search_mod, "run_chunk", lambda kit, *a, **k: kits.append(type(kit).__name__) or real(kit, *a, **k))
     Q, users = _queries(4, seed=1)
     search(bank, Q, users, CFG, mode="rfmem", backend="torch")
-    assert calls  # the plain search took it
-    calls.clear()
     search(bank, Q, users, CFG, mode="rfmem", backend="torch", output="torch")
-    assert not calls  # tensor output: the general path
+    assert kits == ["HostKit", "DeviceKit"]
 
 
 def test_single_query_runs_no_torch_operation(monkeypatch, bank):
