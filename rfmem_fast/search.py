@@ -72,6 +72,8 @@ from .search_chunk import ArrayKit, DeviceKit, HostKit, chunk_threads, run_chunk
 from .search_lexical import HYBRID_DENSE_DEPTH, ONE_PASS_FUSIONS  # noqa: F401 (public constants of the search)
 
 MODES = ("rfmem", "dense", "recollection")
+_HOST_KIT = HostKit()
+_NO_THREADS = nullcontext()  # (reusable: a chunk that leaves the torch threads alone)
 #: what :func:`search` returns: "numpy" (a SearchResult) or "torch" (a TensorSearchResult)
 OUTPUTS = ("numpy", "torch")
 #: default number of queries per internal chunk of :func:`search`
@@ -257,7 +259,7 @@ def _host_fields(t: dict[str, np.ndarray], snap: BankSnapshot, full: bool | None
         rows=rows,
         probe_ids=_lookup(item_ids, probe_rows, probe_full),
         probe_texts=_lookup(texts, probe_rows, probe_full),
-        **{k: _typed(t[k], dt) for k, dt in _HOST_DTYPES},
+        **{k: a if (a := t[k]).dtype is dt else a.astype(dt, copy=False) for k, dt in _HOST_DTYPES},
     )
 
 
@@ -267,11 +269,6 @@ _HOST_DTYPES = tuple((k, np.dtype(d)) for k, d in (
     ("rounds", np.int64), ("probe_scores", np.float32), ("dense_scores", np.float32), ("lexical_scores", np.float32),
     ("context_scores", np.float32),
 ))  # fmt: skip
-
-
-def _typed(a: np.ndarray, dt: np.dtype) -> np.ndarray:
-    """``a`` as ``dt`` (itself when it is one already: no call beyond the dtype check)."""
-    return a if a.dtype is dt else a.astype(dt, copy=False)
 
 
 def _as_queries(queries: Any, dim: int) -> np.ndarray:
@@ -713,7 +710,7 @@ def search_tensors(
     host: dict[str, np.ndarray] = {}
     on_host = isinstance(Q, np.ndarray) or Q.device.type == "cpu"
     # a chunk in host memory whose results go to the host: numpy between the backend calls
-    kit: ArrayKit = HostKit() if host_output and on_host else DeviceKit(backend.device)
+    kit: ArrayKit = _HOST_KIT if host_output and on_host else DeviceKit(backend.device)
     fused = mode != "dense" and backend.fused_driver()  # (read once: RFMEM_BEAM_DRIVER costs an environment look-up)
     plain = query_texts is None and reranker is None and pools is None and config.profile_weight == 0 and (
         config.merge == "none" and not config.context_on)  # fmt: skip
@@ -728,13 +725,12 @@ def search_tensors(
         else:
             Qc, sc = _tensor_in(Qc), _tensor_in(sc)
         # a small chunk runs with one torch thread on the CPU (rfmem_fast.threads, README "Threads")
-        threads = (chunk_threads(backend, work, config, mode, fused, tx, sel_c, plain) if on_host
-                   else nullcontext())  # fmt: skip
-        with threads:
+        threads = chunk_threads(backend, work, config, mode, fused, tx, sel_c, plain) if on_host else None
+        with threads or _NO_THREADS:
             part, full, probe_full = run_chunk(kit, backend, view, Qc, sc, ml, config, mode, router, reranker, pools,
                                                tx, sel_c, fused)  # fmt: skip
         if not host_output:
-            parts.append(part if not kit.host else {k: torch.from_numpy(v) for k, v in part.items()})
+            parts.append(part)  # (device tensors: the host kit serves host outputs only)
             continue
         if not kit.host:
             part = {k: v.cpu().numpy() for k, v in part.items()}

@@ -35,7 +35,6 @@ Both kits give the same rows, scores, routes and signals (tests/test_search_kits
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -69,6 +68,7 @@ from .threads import limit_torch_threads
 __all__ = ["ArrayKit", "HostKit", "DeviceKit", "run_chunk", "recollect", "widths"]
 
 _F32 = np.dtype(np.float32)
+_NAN32 = np.float32(np.nan)
 
 
 def widths(config: RFMemConfig, max_len: int, depth: int = 0) -> tuple[int, int, int]:
@@ -227,11 +227,8 @@ class HostKit(ArrayKit):
     def untensor(self, t):  # noqa: D102
         return t.numpy()
 
-    def full(self, shape, value, dtype):  # noqa: D102
-        return filled(shape, value, dtype)
-
-    def fit(self, a, k, width, value):  # noqa: D102
-        return fit(a, k, width, value)
+    full = staticmethod(filled)
+    fit = staticmethod(fit)
 
     def f32(self, a):  # noqa: D102
         return a if a.dtype is _F32 else a.astype(np.float32)
@@ -239,8 +236,7 @@ class HostKit(ArrayKit):
     def f64(self, a):  # noqa: D102
         return a
 
-    def where(self, cond, a, b):  # noqa: D102
-        return np.where(cond, a, b)
+    where = staticmethod(np.where)
 
     def rescore(self, view, Q, dense, rows, ok, memory_budget):  # noqa: D102
         qi, ci = np.nonzero(ok & np.isnan(dense))
@@ -320,13 +316,13 @@ def chunk_threads(be: Backend, work: float | None, config: RFMemConfig, mode: st
     multiply-adds) unless the chunk runs no torch operation (a backend whose
     ``host_torch_free`` holds, in mode "dense" or with its fused driver, without the
     features that run torch code: ``plain``; with the context score only through the
-    one-pass kernels of a backend with ``has_fused_topk``, unfiltered)."""
+    one-pass kernels of a backend with ``has_fused_topk``, unfiltered). None: leave them."""
     if work is None:
-        return nullcontext()
+        return None
     torch_free = be.host_torch_free and (mode == "dense" or fused) and (
         (plain and texts is None) or (config.context_on and be.has_fused_topk and sel is None and config.merge == "none"
                                       and config.profile_weight == 0))  # fmt: skip
-    return nullcontext() if torch_free else limit_torch_threads(work, be.device)
+    return None if torch_free else limit_torch_threads(work, be.device)
 
 
 def run_chunk(
@@ -379,7 +375,7 @@ def run_chunk(
     lexical = texts is not None and config.lexical_weight > 0
     ctx = config.context_on  # the context score (rfmem_fast.context): every row's scan score too
     k_scan = k0
-    D = max(config.lexical_depth, config.out_k, config.probe_k)
+    D = max(config.lexical_depth, config.out_k, config.probe_k) if lexical else 0
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
         k_scan = max(k0, min(D, max_len))
     # (a filtered batch fuses on the host: the one-pass kernels take no row selection)
@@ -426,7 +422,7 @@ def run_chunk(
     else:
         routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     # the Familiarity path's list
-    rows, scores = kit.fit(p_rows, out_k, out_k, -1), kit.f32(kit.fit(p_sc, out_k, out_k, -np.inf))
+    rows, scores = kit.fit(p_rows, out_k, W, -1), kit.f32(kit.fit(p_sc, out_k, W, -np.inf))
     lex_hits = None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
         k_f = max(probe_k, out_k)
@@ -436,12 +432,12 @@ def run_chunk(
                          config, k_f, kd, be, sel, want_boosts=ctx)  # fmt: skip
             boosts, lex_rows = hyb.boost_rows, hyb.lex_rows
         lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
-        rows = kit.lift(fit(hyb.rows, out_k, out_k, -1))
-        scores = kit.lift(fit(hyb.fused, out_k, out_k, -np.inf).astype(np.float32))
+        rows = kit.lift(fit(hyb.rows, out_k, W, -1))
+        scores = kit.lift(fit(hyb.fused, out_k, W, -np.inf).astype(np.float32))
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
         lex_hits = lexical_hits(view.snapshot, seg_np, texts, sel)
         lex_rows = [None if h is None else h[1] for h in lex_hits]
-    fam_dense = scores if hyb is None else kit.lift(fit(hyb.dense, out_k, out_k, np.nan))
+    fam_dense = scores if hyb is None else kit.lift(fit(hyb.dense, out_k, W, np.nan))
     ctx_sc = ctx_known = None
     if ctx:  # the Familiarity path's list: the exact top out_k by the context score
         Qh = kit.lower(Q) if host else kit.tensor(Q).detach().to(torch.float32).cpu().numpy()
@@ -449,9 +445,10 @@ def run_chunk(
             scan = be.segment_scores(view, Qh if host else kit.tensor(Q), seg_np)
         c_rows, c_ctx, c_base, c_dense, c_lex = context_topk(view.snapshot, view._memo, Qh, seg_np, scan, boosts, config,
                                                              out_k, sel, view.row_norm_max, lex_rows)  # fmt: skip
-        rows, scores = kit.lift(c_rows), kit.lift(c_base.astype(np.float32))
-        ctx_sc, fam_dense = kit.lift(c_ctx.astype(np.float32)), kit.lift(c_dense)
-        ctx_known = (fam_dense, kit.lift(c_lex))
+        rows, scores = kit.lift(fit(c_rows, out_k, W, -1)), kit.lift(fit(c_base.astype(np.float32), out_k, W, -np.inf))
+        ctx_sc = kit.lift(fit(c_ctx.astype(np.float32), out_k, W, np.nan))
+        fam_dense = kit.lift(fit(c_dense, out_k, W, np.nan))
+        ctx_known = (fam_dense, kit.lift(fit(c_lex, out_k, W, np.nan)))
     # the Recollection path
     if mode == "dense":
         reco, everyone, nreco = None, False, 0
@@ -471,15 +468,16 @@ def run_chunk(
         cfg = config if out_k == config.out_k else config.replace(out_k=out_k)
         out = kit.recollect(be, view, Q, seg, cfg, (p_sc, p_rows), None if everyone else reco, sel, fused, need_hits)
         o_rows, o_sc, rounds, o_dense, hit_rows = out
-        o_rows, o_sc = kit.fit(o_rows, out_k, out_k, -1), kit.fit(kit.f32(o_sc), out_k, out_k, -np.inf)
+        o_rows, o_sc = kit.fit(o_rows, out_k, W, -1), kit.fit(kit.f32(o_sc), out_k, W, -np.inf)
         if config.merge == "none":  # the authors' output
+            rc = None if everyone else reco[:, None]
             if everyone:
                 rows, scores = o_rows, o_sc
             else:
-                rows, scores = kit.where(reco[:, None], o_rows, rows), kit.where(reco[:, None], o_sc, scores)
+                rows, scores = kit.where(rc, o_rows, rows), kit.where(rc, o_sc, scores)
             if o_dense is not None and hyb is None:  # the driver's exact dense scores: nothing to re-score
-                o_dense = kit.fit(o_dense, out_k, out_k, np.nan)
-                fam_dense = o_dense if everyone else kit.where(reco[:, None], o_dense, fam_dense)
+                o_dense = kit.fit(o_dense, out_k, W, np.nan)
+                fam_dense = o_dense if everyone else kit.where(rc, o_dense, fam_dense)
                 dense_known = True
         else:
             rows, scores = merged(kit, view, Q, p_rows, hit_rows, reco, everyone, rows, scores, out_k, config)
@@ -498,17 +496,18 @@ def run_chunk(
             sc = reranker.score(feats)
             order_key = np.broadcast_to(np.arange(cand.shape[1])[None, :], cand.shape)
             r_rows, r_sc = select_top(sc, sc, keep, order_key, cand, out_k)
-            rows, scores = kit.lift(r_rows), kit.lift(np.asarray(r_sc, dtype=np.float32))
+            rows = kit.lift(fit(r_rows, out_k, W, -1))
+            scores = kit.lift(fit(np.asarray(r_sc, dtype=np.float32), out_k, W, -np.inf))
             fam_ok = kit.full((b,), False, np.bool_)
     # the hits' exact dense scores and lexical scores
     full = probe_full = None
-    nan = np.float32(np.nan) if host else float("nan")
+    nan = _NAN32 if host else float("nan")
     if ctx_known is not None and out is None:  # the context list: its exact dense and lexical scores are known
         dense_sc, lex_sc = ctx_known
     elif hyb is not None and out is None and reranker is None and config.fusion != "rrf" and not ctx:
         # the final list is the fused one, whose exact dense and lexical scores are known
-        dense_sc = kit.lift(fit(hyb.dense, out_k, out_k, np.nan).astype(np.float32))
-        lex_sc = kit.lift(fit(hyb.lex, out_k, out_k, np.nan).astype(np.float32))
+        dense_sc = kit.lift(fit(hyb.dense, out_k, W, np.nan).astype(np.float32))
+        lex_sc = kit.lift(fit(hyb.lex, out_k, W, np.nan).astype(np.float32))
     else:
         # re-scored exactly: the hits whose dense score is not known yet (recollected,
         # re-ranked, rrf's lexical-only ones), on the host or whenever the lexical channel ran
@@ -527,12 +526,12 @@ def run_chunk(
             dense_sc = kit.f32(kit.where(keep, kit.f32(fam_dense), nan))
             if rescore:
                 dense_sc = kit.rescore(view, Q if host else kit.tensor(Q), dense_sc, rows, ok, be.memory_budget)
-        lex_sc = lexical_scores(kit, rows, lex_hits, b, out_k)
+        lex_sc = kit.full((b, W), np.nan, np.float32) if lex_hits is None else lexical_scores(kit, rows, lex_hits, b, W)
     if hyb is not None:
-        probe_rows = kit.lift(fit(hyb.rows, probe_k, probe_k, -1))
-        probe_scores = kit.lift(fit(hyb.fused, probe_k, probe_k, -np.inf).astype(np.float32))
+        probe_rows = kit.lift(fit(hyb.rows, probe_k, P, -1))
+        probe_scores = kit.lift(fit(hyb.fused, probe_k, P, -np.inf).astype(np.float32))
     else:
-        probe_rows, probe_scores = kit.fit(p_rows, probe_k, probe_k, -1), kit.f32(kit.fit(p_sc, probe_k, probe_k, -np.inf))
+        probe_rows, probe_scores = kit.fit(p_rows, probe_k, P, -1), kit.f32(kit.fit(p_sc, probe_k, P, -np.inf))
         if full is not None:  # (the plain host path: the probe's list, tail-padded)
             probe_full = full if rows is probe_rows else tail_unpadded(probe_rows)
     if ctx_sc is None:
@@ -540,23 +539,19 @@ def run_chunk(
     elif out is not None:  # a query that recollected returns that path's hits: no context score
         ctx_sc = kit.full(ctx_sc.shape, np.nan, np.float32) if everyone else kit.where(reco[:, None], nan, ctx_sc)
     fields = dict(
-        rows=kit.fit(rows, out_k, W, -1),
-        scores=kit.fit(scores, out_k, W, -np.inf),
+        rows=rows,
+        scores=scores,
         route=routes,
-        mean=kit.f64(mean),
-        entropy=kit.f64(ent),
+        mean=mean if host else kit.f64(mean),
+        entropy=ent if host else kit.f64(ent),
         rule=rule,
         rounds=rounds,
-        probe_rows=kit.fit(probe_rows, probe_k, P, -1),
-        probe_scores=kit.fit(probe_scores, probe_k, P, -np.inf),
-        dense_scores=kit.fit(dense_sc, out_k, W, np.nan),
-        lexical_scores=kit.fit(lex_sc, out_k, W, np.nan),
-        context_scores=kit.fit(ctx_sc, out_k, W, np.nan),
+        probe_rows=probe_rows,
+        probe_scores=probe_scores,
+        dense_scores=dense_sc,
+        lexical_scores=lex_sc,
+        context_scores=ctx_sc,
     )
-    if full is not None and W > out_k:
-        full = False  # (right-padded to the config's width)
-    if probe_full is not None and P > probe_k:
-        probe_full = False
     return fields, full, probe_full
 
 
@@ -578,7 +573,7 @@ def lexical_scores(kit: ArrayKit, rows: Any, hits: list | None, b: int, width: i
 
 def merged(kit: ArrayKit, view: Any, Q: Any, p_rows: Any, hit_rows: Any, reco: Any, everyone: bool, rows: Any,
            scores: Any, out_k: int, config: RFMemConfig) -> tuple[Any, Any]:  # fmt: skip
-    """``rows`` / ``scores`` [b, out_k] with the recollecting queries' rows replaced by
+    """``rows`` / ``scores`` [b, w >= out_k] with the recollecting queries' rows replaced by
     ``config.merge`` of their probe top-k and recollection hits (on the host, batched:
     :func:`rfmem_fast.routing.merge_paths`)."""
     b = rows.shape[0]
@@ -592,8 +587,8 @@ def merged(kit: ArrayKit, view: Any, Q: Any, p_rows: Any, hit_rows: Any, reco: A
         config.rescore_weight,
     )  # fmt: skip
     r, s = kit.lower(rows).copy(), kit.lower(scores).copy()
-    r[idx] = np.ascontiguousarray(m_rows, dtype=np.int64)
-    s[idx] = np.ascontiguousarray(m_sc, dtype=np.float32)
+    r[idx] = fit(np.asarray(m_rows, dtype=np.int64), out_k, r.shape[1], -1)
+    s[idx] = fit(np.asarray(m_sc, dtype=np.float32), out_k, s.shape[1], -np.inf)
     return kit.lift(r), kit.lift(s)
 
 

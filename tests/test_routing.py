@@ -76,6 +76,28 @@ def test_threshold_router_equals_the_spec_router():
         ThresholdRouter(0.6, 0.2, float("nan"))
 
 
+def test_one_query_routes_as_the_batch():
+    """A one-query call (its rules on Python numbers) routes as the same query inside a
+    batch (the array rules), on every rule, at each threshold and for NaN signals; the
+    spec's rules written out here are the independent reference."""
+    th, tl, tau = 0.5, 0.25, 0.12
+    means = [0.9, 0.5, 0.4999, 0.3, 0.25, 0.2, float("nan")]
+    ents = [0.0, 0.11, 0.12, 0.5, float("nan")]
+    grid = [(m, h, c) for m in means for h in ents for c in (0, 3)]
+    mean = np.array([g[0] for g in grid])
+    ent = np.array([g[1] for g in grid])
+    cnt = np.array([g[2] for g in grid], dtype=np.int64)
+    cfg = RFMemConfig(theta_high=th, theta_low=tl, tau=tau)
+    batch_r, batch_rule = route(mean, ent, cnt, cfg)
+    for i, (m, h, c) in enumerate(grid):
+        r, rule = route(mean[i : i + 1], ent[i : i + 1], cnt[i : i + 1], cfg)
+        assert r.dtype == rule.dtype == np.int64 and r.shape == rule.shape == (1,)
+        want = ("no_hits" if c == 0 else "mean_high" if m >= th else "mean_low" if m <= tl
+                else "entropy_low" if h < tau else "entropy_high")  # fmt: skip
+        assert RULE_NAMES[rule[0]] == want == RULE_NAMES[batch_rule[i]], (m, h, c)
+        assert r[0] == batch_r[i] == (0 if want in ("mean_high", "entropy_low") else 1)
+
+
 @pytest.mark.parametrize("kind", ["logistic", "mlp"])
 def test_learned_router_reproduces_scikit_learn(kind):
     from sklearn.linear_model import LogisticRegression

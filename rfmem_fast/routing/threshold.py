@@ -63,6 +63,13 @@ def route_by_thresholds(
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`route` with the three thresholds given directly (same rules, same outputs)."""
     mean, entropy, count = _host(mean), _host(entropy), _host(count)
+    if mean.shape == (1,) and entropy.shape == (1,) and count.shape == (1,):
+        # one query (the latency case): the rules on Python numbers, ~10x fewer microseconds
+        # than the array calls below, the same comparisons (a NaN fails each, as there)
+        m, h = mean.item(0), entropy.item(0)
+        r = (RULE_NO_HITS if count.item(0) == 0 else RULE_MEAN_HIGH if m >= theta_high else
+             RULE_MEAN_LOW if m <= theta_low else RULE_ENTROPY_LOW if h < tau else RULE_ENTROPY_HIGH)  # fmt: skip
+        return np.array([_ROUTE_OF_RULE.item(r)], dtype=np.int64), np.array([r], dtype=np.int64)
     # the rules nested by priority, the first match outermost (as route_tensor): few numpy
     # calls, which is what a one-query batch pays for
     rule = np.where(
