@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "backends", "backends.*",
     )),
     ("primitives", (
-        "bank", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
+        "bank", "bank_*", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
         "_validate", "_optional", "_paths", "_native",
     )),
 ]
