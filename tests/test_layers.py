@@ -38,7 +38,7 @@ PAGE = ROOT / "docs" / "internals" / "layers.md"
 # name without the ``rfmem_fast.`` prefix; the root package is ``rfmem_fast``) that matches it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", (
-        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.http_*", "serving.mcp_server",
+        "cli", "_cliargs", "bench", "bench.*", "serving.cli", "serving.app", "serving.http_*", "serving.mcp_*",
         "serving.transfer",
     )),
     ("facade, services and tools", (
@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "backends", "backends.*",
     )),
     ("primitives", (
-        "bank", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
+        "bank", "bank_*", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
         "_validate", "_optional", "_paths", "_native",
     )),
 ]

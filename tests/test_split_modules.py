@@ -1,0 +1,80 @@
+"""Modules split by concept keep every name at the import path callers use.
+
+``rfmem_fast.bank`` re-exports what ``bank_snapshot``, ``bank_validate`` and ``bank_rows``
+define, and ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
+``mcp_encoder`` define: the same objects (identity, not copies), so ``isinstance`` checks,
+monkeypatching through either module's attribute and ``from ... import`` all agree.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+
+BANK_NAMES = {
+    "rfmem_fast.bank_snapshot": ["BankSnapshot", "NO_POSITION"],
+    "rfmem_fast.bank_validate": [
+        "ItemId", "MAX_POSITION", "MAX_METADATA_DEPTH", "INSTANT_MIN", "INSTANT_END", "INSTANT_RANGE",
+        "instants_known", "check_instant", "check_created_at", "check_threads", "check_positions",
+        "_check_user", "_check_id_list", "_check_ids", "_check_texts", "_check_unicode", "_check_metadata",
+        "_check_thread_pairs",
+    ],
+    "rfmem_fast.bank_rows": ["_UserRows"],
+}
+
+MCP_NAMES = {
+    "rfmem_fast.serving.mcp_scope": ["TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options"],
+    "rfmem_fast.serving.mcp_tools": [
+        "MAX_TEXTS", "MAX_TEXT", "MAX_K", "MAX_PAGE", "MAX_ID", "TextArg", "IdArg", "Meta", "ThreadArg",
+        "PositionArg", "MemoryChange",
+    ],
+    "rfmem_fast.serving.mcp_encoder": ["EncoderLoad"],
+}
+
+
+def _same_objects(facade: str, homes: dict[str, list[str]]) -> None:
+    old = importlib.import_module(facade)
+    for home, names in homes.items():
+        mod = importlib.import_module(home)
+        for name in names:
+            assert getattr(old, name) is getattr(mod, name), f"{facade}.{name} is not {home}.{name}"
+
+
+def test_bank_names_are_the_objects_of_their_concept_modules():
+    _same_objects("rfmem_fast.bank", BANK_NAMES)
+    from rfmem_fast import BankSnapshot, MemoryBank
+    from rfmem_fast.bank import COMPACT_MIN_DEAD
+    from rfmem_fast.bank_layout import log
+
+    assert MemoryBank.__module__ == "rfmem_fast.bank" and BankSnapshot.__module__ == "rfmem_fast.bank_snapshot"
+    assert COMPACT_MIN_DEAD == 64
+    assert log is logging.getLogger("rfmem_fast.bank")  # the warnings of load() keep their logger
+
+
+def test_bank_validation_messages_name_the_argument():
+    """The checks answer with the same words wherever they are imported from."""
+    from rfmem_fast.bank import _check_metadata, check_instant, check_positions
+
+    with pytest.raises(ValueError, match=r"created_at\[2\]: 1774747800000 .* divide by 1000"):
+        check_instant(1774747800000.0, "created_at[2]")
+    with pytest.raises(TypeError, match=r"positions\[1\] must be an int >= 0"):
+        check_positions([0, 1.0], 2)
+    with pytest.raises(ValueError, match=r"metadata\[0\] nests deeper than 64 levels"):
+        deep: dict = {}
+        cur = deep
+        for _ in range(70):
+            cur["a"] = {}
+            cur = cur["a"]
+        _check_metadata([deep], 1)
+
+
+def test_mcp_server_names_are_the_objects_of_their_concept_modules():
+    pytest.importorskip("mcp")
+    _same_objects("rfmem_fast.serving.mcp_server", MCP_NAMES)
+    from rfmem_fast.serving import mcp_server
+
+    assert set(mcp_server.__all__) == {"TOKENS_ENV", "TokenMap", "McpScope", "hash_token", "scope_from_options",
+                                       "create_server", "create_http_app", "serve_mcp", "EncoderLoad"}
+    for name in mcp_server.__all__:
+        assert hasattr(mcp_server, name), name
