@@ -1417,6 +1417,41 @@ void hybrid_scan_tile(const float* X, int64_t d, int64_t a, int64_t t0, int64_t 
   }
 }
 
+// hybrid_scan_tile's fused part from scores already taken: sout[qi][r - t0] is query qi's
+// scan score of row r of [t0, t1) (K.scan_rows_f32 scored the tile and pushed the dense
+// heaps: the scan path's lanes, depth and bound, as dot4's). Records the hits' scores and
+// feeds the fused heaps (fused) in row order.
+void hybrid_fuse_tile(int64_t a, int64_t t0, int64_t t1, const float* const* sout, int nq, const int32_t* hrows,
+                      const double* hx, int64_t* hp, const int64_t* hend, FHeap* fh, bool fused, float* hf) {
+  for (int qi = 0; qi < nq; ++qi) {
+    const float* sc = sout[qi];
+    int64_t p = hp[qi];
+    const int64_t pe = hend[qi];
+    if (!fused) {  // the hits' scan scores only
+      for (; p < pe && hrows[p] < t1 - a; ++p) hf[p] = sc[hrows[p] + a - t0];
+      hp[qi] = p;
+      continue;
+    }
+    double fthr = fh[qi].threshold();
+    for (int64_t r = t0; r < t1; ++r) {
+      const float f = sc[r - t0];
+      double x = 0.0;
+      int64_t hi = -1;
+      if (p < pe && hrows[p] == r - a) {
+        hi = p;
+        hf[p] = f;
+        x = hx[p++];
+      }
+      const double A = static_cast<double>(f) + x;
+      if (A > fthr) {
+        fh[qi].push(FEntry{A, r, hi});
+        fthr = fh[qi].threshold();
+      }
+    }
+    hp[qi] = p;
+  }
+}
+
 }  // namespace
 
 void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg,
@@ -1454,6 +1489,9 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
   std::vector<Entry> dstore(static_cast<size_t>(nthreads) * dper);
   std::vector<FEntry> fstore(static_cast<size_t>(nthreads) * fper);
   std::vector<std::vector<FEntry>> fcand(static_cast<size_t>(nthreads));
+  // the tiles' scores of the register-blocked scan (SIMD levels 1, 2): kGroup x tile_rows per thread
+  const bool blocked = K.scan_rows_f32 != nullptr;
+  std::vector<float> tstore(blocked ? static_cast<size_t>(nthreads) * kGroup * static_cast<size_t>(tile_rows) : 0);
   const double inf = std::numeric_limits<double>::infinity();
   parallel_for(ng, nthreads, [&](int64_t gi, int tid) {
     const int64_t first = groups[static_cast<size_t>(gi)].first;
@@ -1479,8 +1517,18 @@ void hybrid_probe(const float* X, int64_t n, int64_t d, const int64_t* offsets, 
       hp[g] = hptr[i];
       hend[g] = hptr[i + 1];
     }
-    for (int64_t t0 = a; t0 < e; t0 += tile_rows)
-      hybrid_scan_tile(X, d, a, t0, std::min(e, t0 + tile_rows), qs, nq, hrows, hx, hp, hend, dhs, fhs, kf > 0, hf);
+    float* sout[kGroup];
+    for (int g = 0; g < nq && blocked; ++g)
+      sout[g] = tstore.data() + (static_cast<size_t>(tid) * kGroup + g) * static_cast<size_t>(tile_rows);
+    for (int64_t t0 = a; t0 < e; t0 += tile_rows) {
+      const int64_t t1 = std::min(e, t0 + tile_rows);
+      if (blocked) {  // every query of the group scores the tile in register blocks, then fuses from the scores
+        K.scan_rows_f32(X, d, t0, t1, qs, nq, dhs, sout);
+        hybrid_fuse_tile(a, t0, t1, sout, nq, hrows, hx, hp, hend, fhs, kf > 0, hf);
+      } else {
+        hybrid_scan_tile(X, d, a, t0, t1, qs, nq, hrows, hx, hp, hend, dhs, fhs, kf > 0, hf);
+      }
+    }
     for (int g = 0; g < nq; ++g) {
     const int64_t i = order[first + g];
     const float* q = qs[g];
