@@ -357,7 +357,7 @@ def run_chunk(
         fused: ``be.fused_driver()`` when the caller read it (None: read here).
 
     Returns:
-        (the tensor fields of :data:`rfmem_fast.search.TENSOR_FIELDS` in the kit's arrays,
+        (the tensor fields of :class:`rfmem_fast.search.TensorSearchResult` in the kit's arrays,
         whether the rows and the probe rows are free of padding: :func:`unpadded` when the
         host kit knows it cheaply, else None).
     """
