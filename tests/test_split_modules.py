@@ -1,8 +1,9 @@
 """Modules split by concept keep every name at the import path callers use.
 
 ``rfmem_fast.bank`` re-exports what ``bank_snapshot``, ``bank_validate`` and ``bank_rows``
-define, and ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
-``mcp_encoder`` define: the same objects (identity, not copies), so ``isinstance`` checks,
+define, ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
+``mcp_encoder`` define, and ``rfmem_fast.filters`` what ``filters_values``, ``filters_parse``,
+``filters_eval`` and ``filters_selection`` define: the same objects (identity, not copies), so ``isinstance`` checks,
 monkeypatching through either module's attribute and ``from ... import`` all agree.
 """
 from __future__ import annotations
@@ -30,6 +31,22 @@ MCP_NAMES = {
         "PositionArg", "MemoryChange",
     ],
     "rfmem_fast.serving.mcp_encoder": ["EncoderLoad"],
+}
+
+FILTERS_NAMES = {
+    "rfmem_fast.filters_values": [
+        "CREATED_AT", "THREAD", "POSITION", "RESERVED_FIELDS", "COMPARISONS", "LOGICAL", "parse_instant",
+        "_RANGES", "_FLOAT_EXACT", "_INT64_MIN", "_INT64_MAX", "_where", "_type_name", "_is_number", "_check_json",
+        "_number", "_normal", "_value_key", "_LAST_UTC", "_LAST_SECOND", "_timestamp", "_string_instant",
+    ],
+    "rfmem_fast.filters_parse": [
+        "_Cmp", "_Bool", "_parse_path", "_created_value", "_parse_value", "_parse", "_canonical",
+    ],
+    "rfmem_fast.filters_eval": [
+        "FilterTypeError", "_Column", "_Columns", "_evaluate", "_eval_created", "_float_bound", "_int_bound",
+        "_number_range", "_eval_meta",
+    ],
+    "rfmem_fast.filters_selection": ["RowSelection", "LIST_MAX_FRACTION"],
 }
 
 
@@ -78,3 +95,20 @@ def test_mcp_server_names_are_the_objects_of_their_concept_modules():
                                        "create_server", "create_http_app", "serve_mcp", "EncoderLoad"}
     for name in mcp_server.__all__:
         assert hasattr(mcp_server, name), name
+
+
+def test_filters_names_are_the_objects_of_their_concept_modules():
+    _same_objects("rfmem_fast.filters", FILTERS_NAMES)
+    from rfmem_fast import filters
+
+    assert set(filters.__all__) == {
+        "COMPARISONS", "CREATED_AT", "LIST_MAX_FRACTION", "LOGICAL", "POSITION", "RESERVED_FIELDS", "THREAD",
+        "Filter", "FilterTypeError", "RowSelection", "check_filters", "compile_filters", "parse_filter",
+        "parse_instant",
+    }
+    for name in filters.__all__:
+        assert hasattr(filters, name), name
+    assert filters.Filter.__module__ == "rfmem_fast.filters"
+    assert filters.RowSelection.__module__ == "rfmem_fast.filters_selection"
+    with pytest.raises(ValueError, match=r"filters\['score'\]\['\$foo'\]: unknown operator '\$foo'"):
+        filters.parse_filter({"score": {"$foo": 1}})
