@@ -59,8 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "backends", "backends.*",
     )),
     ("primitives", (
-        "bank", "bank_*", "store", "lexical", "filters", "filters_*", "signals", "config", "device", "precision",
-        "kmeans", "threads", "_validate", "_optional", "_paths", "_native",
+        "bank", "bank_*", "store", "store_*", "lexical", "filters", "filters_*", "signals", "config", "device",
+        "precision", "kmeans", "threads", "_validate", "_optional", "_paths", "_native",
     )),
 ]
 

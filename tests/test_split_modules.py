@@ -2,8 +2,9 @@
 
 ``rfmem_fast.bank`` re-exports what ``bank_snapshot``, ``bank_validate`` and ``bank_rows``
 define, ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
-``mcp_encoder`` define, and ``rfmem_fast.filters`` what ``filters_values``, ``filters_parse``,
-``filters_eval`` and ``filters_selection`` define: the same objects (identity, not copies), so ``isinstance`` checks,
+``mcp_encoder`` define, ``rfmem_fast.filters`` what ``filters_values``, ``filters_parse``, ``filters_eval`` and
+``filters_selection`` define, and ``rfmem_fast.store`` what ``store_format``, ``store_files``
+and ``store_read`` define: the same objects (identity, not copies), so ``isinstance`` checks,
 monkeypatching through either module's attribute and ``from ... import`` all agree.
 """
 from __future__ import annotations
@@ -47,6 +48,19 @@ FILTERS_NAMES = {
         "_number_range", "_eval_meta",
     ],
     "rfmem_fast.filters_selection": ["RowSelection", "LIST_MAX_FRACTION"],
+}
+
+STORE_NAMES = {
+    "rfmem_fast.store_format": [
+        "FORMAT_NAME", "FORMAT_VERSION", "LEXICAL_FILES", "LEXICAL_TOKENIZER", "CURRENT", "MANIFEST", "DATA_FILES",
+        "CREATED_FILE", "OPTIONAL_FILES", "SCAN_FILE", "SCAN_META_FILE", "THREAD_FILES", "data_files",
+        "format_version_for", "_SNAP_RE", "_HEX64", "StoreContents", "StoreError", "check_format_header",
+    ],
+    "rfmem_fast.store_files": [
+        "_CHUNK", "_NORM_TOL", "_read_bytes", "_read_small", "_parse_json", "_check_size", "_npy_header", "_read_rows",
+        "_random_access", "_read_offsets", "_read_npy",
+    ],
+    "rfmem_fast.store_read": ["_is_key", "_load_once", "_read_threads", "_read_lexical", "read_store"],
 }
 
 
@@ -112,3 +126,24 @@ def test_filters_names_are_the_objects_of_their_concept_modules():
     assert filters.RowSelection.__module__ == "rfmem_fast.filters_selection"
     with pytest.raises(ValueError, match=r"filters\['score'\]\['\$foo'\]: unknown operator '\$foo'"):
         filters.parse_filter({"score": {"$foo": 1}})
+
+
+def test_store_names_are_the_objects_of_their_concept_modules(tmp_path, monkeypatch):
+    _same_objects("rfmem_fast.store", STORE_NAMES)
+    import numpy as np
+
+    from rfmem_fast import MemoryBank, StoreError, store
+
+    assert set(store.__all__) == {"StoreError", "StoreContents", "write_store", "read_store", "FORMAT_VERSION",
+                                  "FORMAT_NAME"}
+    assert StoreError is store.StoreError and store.write_store.__module__ == "rfmem_fast.store"
+    stages: list[str] = []
+    monkeypatch.setattr(store, "_hook", stages.append)  # the testing hook stays on rfmem_fast.store
+    bank = MemoryBank(4)
+    bank.add("u", np.eye(4, dtype=np.float32)[:2], ["a", "b"])
+    bank.save(tmp_path / "s")
+    assert stages[-2:] == ["before_commit", "after_commit"] and "file:vectors.npy" in stages
+    got = store.read_store(tmp_path / "s")
+    assert got.item_ids.tolist() == ["a", "b"] and np.array_equal(got.vectors, np.eye(4, dtype=np.float32)[:2])
+    with pytest.raises(StoreError, match="no store here"):
+        store.read_store(tmp_path / "none")
