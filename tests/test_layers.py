@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "routing", "routing.calibrate",
     )),
     ("datasets and encoders", (
-        "datasets", "datasets.*", "encoders", "models", "onnx_export", "metrics",
+        "datasets", "datasets.*", "encoders", "encoder_*", "models", "onnx_export", "metrics",
     )),
     ("search", (
         "search", "search_chunk", "search_lexical",

@@ -3,8 +3,9 @@
 ``rfmem_fast.bank`` re-exports what ``bank_snapshot``, ``bank_validate`` and ``bank_rows``
 define, ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
 ``mcp_encoder`` define, ``rfmem_fast.filters`` what ``filters_values``, ``filters_parse``, ``filters_eval`` and
-``filters_selection`` define, and ``rfmem_fast.store`` what ``store_format``, ``store_files``
-and ``store_read`` define: the same objects (identity, not copies), so ``isinstance`` checks,
+``filters_selection`` define, ``rfmem_fast.store`` what ``store_format``, ``store_files`` and
+``store_read`` define, and ``rfmem_fast.encoders`` what ``encoder_passes``, ``encoder_onnx``
+and ``encoder_loading`` define: the same objects (identity, not copies), so ``isinstance`` checks,
 monkeypatching through either module's attribute and ``from ... import`` all agree.
 """
 from __future__ import annotations
@@ -61,6 +62,12 @@ STORE_NAMES = {
         "_random_access", "_read_offsets", "_read_npy",
     ],
     "rfmem_fast.store_read": ["_is_key", "_load_once", "_read_threads", "_read_lexical", "read_store"],
+}
+
+ENCODER_NAMES = {
+    "rfmem_fast.encoder_passes": ["PASS_LENGTH_RATIO", "_passes"],
+    "rfmem_fast.encoder_onnx": ["INT8_MAX_TOKENS", "LONG_TEXT_TOKENS", "_OnnxRunner"],
+    "rfmem_fast.encoder_loading": ["_HOOK_LOCK", "_quiet_weight_loading"],
 }
 
 
@@ -147,3 +154,19 @@ def test_store_names_are_the_objects_of_their_concept_modules(tmp_path, monkeypa
     assert got.item_ids.tolist() == ["a", "b"] and np.array_equal(got.vectors, np.eye(4, dtype=np.float32)[:2])
     with pytest.raises(StoreError, match="no store here"):
         store.read_store(tmp_path / "none")
+
+
+def test_encoder_names_are_the_objects_of_their_concept_modules(monkeypatch):
+    """No model is loaded: the option rules answer from this module's ``native_bf16``."""
+    _same_objects("rfmem_fast.encoders", ENCODER_NAMES)
+    from rfmem_fast import encoders
+
+    for name in encoders.__all__:
+        assert hasattr(encoders, name), name
+    assert encoders.TextEncoder.__module__ == "rfmem_fast.encoders"
+    assert (encoders.INT8_MAX_TOKENS, encoders.LONG_TEXT_TOKENS, encoders.PASS_LENGTH_RATIO) == (64, 128, 0.75)
+    for native in (True, False):  # patched where callers patch it: the rules that read it see it
+        monkeypatch.setattr(encoders, "native_bf16", lambda device="cpu", n=native: n)
+        assert encoders.resolve_long_texts("auto", "onnx") == ("torch" if native else "onnx")
+        if native:  # (without it resolve_dtype asks torch about the device)
+            assert encoders.resolve_dtype("auto", "cpu") == "bfloat16"
