@@ -5,7 +5,8 @@ define, ``rfmem_fast.serving.mcp_server`` what ``mcp_scope``, ``mcp_tools`` and
 ``mcp_encoder`` define, ``rfmem_fast.filters`` what ``filters_values``, ``filters_parse``, ``filters_eval`` and
 ``filters_selection`` define, ``rfmem_fast.store`` what ``store_format``, ``store_files`` and
 ``store_read`` define, and ``rfmem_fast.encoders`` what ``encoder_passes``, ``encoder_onnx``
-and ``encoder_loading`` define: the same objects (identity, not copies), so ``isinstance`` checks,
+and ``encoder_loading`` define, and ``rfmem_fast.bench.gpu`` what ``gpu_data``, ``gpu_compare``
+and ``gpu_goals`` define: the same objects (identity, not copies), so ``isinstance`` checks,
 monkeypatching through either module's attribute and ``from ... import`` all agree.
 """
 from __future__ import annotations
@@ -68,6 +69,12 @@ ENCODER_NAMES = {
     "rfmem_fast.encoder_passes": ["PASS_LENGTH_RATIO", "_passes"],
     "rfmem_fast.encoder_onnx": ["INT8_MAX_TOKENS", "LONG_TEXT_TOKENS", "_OnnxRunner"],
     "rfmem_fast.encoder_loading": ["_HOOK_LOCK", "_quiet_weight_loading"],
+}
+
+GPU_NAMES = {
+    "rfmem_fast.bench.gpu_data": ["sync", "timed", "_normalise", "DeviceBank", "device_bank", "device_queries"],
+    "rfmem_fast.bench.gpu_compare": ["FaissFlat", "_cuml_kmeans"],
+    "rfmem_fast.bench.gpu_goals": ["GOALS", "_best", "_meets", "goal_ratios", "plot_doc"],
 }
 
 
@@ -170,3 +177,16 @@ def test_encoder_names_are_the_objects_of_their_concept_modules(monkeypatch):
         assert encoders.resolve_long_texts("auto", "onnx") == ("torch" if native else "onnx")
         if native:  # (without it resolve_dtype asks torch about the device)
             assert encoders.resolve_dtype("auto", "cpu") == "bfloat16"
+
+
+def test_gpu_bench_names_are_the_objects_of_their_concept_modules():
+    pytest.importorskip("torch")
+    _same_objects("rfmem_fast.bench.gpu", GPU_NAMES)
+    from rfmem_fast.bench import gpu
+
+    for name in ("BudgetExceeded", "Deadline", "GpuBenchSettings", "GpuBench", "bank_supports_dtype", "_err"):
+        assert getattr(gpu, name).__module__ == "rfmem_fast.bench.gpu", name
+    got = gpu.goal_ratios({"kmeans": {"problems": [{"m": 8, "results": [
+        {"system": "torch", "total_s": 0.5}, {"kind": "cuml", "total_s": 10.0}]}]}}, ["torch"])
+    assert got["batched_kmeans_over_cuml_per_problem"]["value"] == 20.0
+    assert got["batched_kmeans_over_cuml_per_problem"]["meets_goal"] is True
