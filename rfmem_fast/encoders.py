@@ -51,6 +51,16 @@ request, without setting ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` in
 ``os.environ``), and transformers' "Loading weights" progress bar is silenced for the
 loading thread only, through its tqdm hook, which is restored afterwards
 (:func:`_quiet_weight_loading`).
+
+The parts are split by concept, and the names callers import from here are re-exported:
+:mod:`rfmem_fast.encoder_passes` (the forward passes both runtimes share),
+:mod:`rfmem_fast.encoder_onnx` (the ONNX Runtime sessions, the int8 and long-text token
+counts) and :mod:`rfmem_fast.encoder_loading` (the quiet model load). This module keeps
+what an encoder can be asked for and what "auto" means (the option values and the
+``check_*`` / ``resolve_*`` rules) with :class:`TextEncoder`, which applies them, and its
+torch forward pass; :func:`resolve_long_texts` and :func:`resolve_dtype` look
+:func:`native_bf16` up in this module (patching ``rfmem_fast.encoders.native_bf16``
+reaches them).
 """
 
 from __future__ import annotations
@@ -64,6 +74,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ._optional import install_hint, require
+from .encoder_loading import _HOOK_LOCK  # noqa: F401 (its old place)
+from .encoder_loading import _quiet_weight_loading
+from .encoder_onnx import INT8_MAX_TOKENS as INT8_MAX_TOKENS
+from .encoder_onnx import LONG_TEXT_TOKENS as LONG_TEXT_TOKENS
+from .encoder_onnx import _OnnxRunner
+from .encoder_passes import PASS_LENGTH_RATIO as PASS_LENGTH_RATIO
+from .encoder_passes import _passes
 from .models import default_model_path  # its home: the model files (re-exported here, its old place)
 
 __all__ = [
@@ -72,27 +89,6 @@ __all__ = [
     "int8_dot", "QUALITY_FLOOR", "INT8_DOT_FEATURES", "INT8_MAX_TOKENS", "LONG_TEXTS", "LONG_TEXT_TOKENS",
     "resolve_long_texts", "AUTO_ENCODER_RULE",
 ]
-
-#: a forward pass (torch and ONNX) holds texts with at least this fraction of the tokens
-#: of its longest one (fewer start a new pass: less padding, :func:`_passes`)
-PASS_LENGTH_RATIO = 0.75
-
-#: ONNX int8 encoder: texts of at most this many tokens (special tokens included) run in
-#: the int8 graph, longer ones in the float32 graph (:class:`_OnnxRunner`). int8
-#: (``MatMulNBits``) pays where a pass has few rows, its weights a quarter of float32's
-#: to stream: 2.0x less CPU per token than float32 for one 16-token text, 1.2x at 64
-#: tokens, even at ~100-1000 rows, and 1.1-1.3x *more* for passes of long texts (256
-#: tokens: one text 1.0x, 16 texts 1.1x, 64 chunks 1.3x; one core, AMD EPYC with
-#: AVX512-VNNI). Queries are short (PersonaBench questions: 16 tokens on average),
-#: memories and chunks long.
-INT8_MAX_TOKENS = 64
-
-#: ONNX float32 encoder with ``long_texts="torch"``: texts of more than this many tokens run in
-#: torch bfloat16 (with int8: more than :data:`INT8_MAX_TOKENS`). Above it torch's bfloat16
-#: pass wins even for one text alone (113 tokens: 15.5 against 22.9 ms, AMX Xeon); below,
-#: a rare long query would pay torch's per-op overhead in a server's batch (its p99 at 1
-#: and 8 clients rose from ~16 / 48 to ~24 / 60 ms with a 64-token split)
-LONG_TEXT_TOKENS = 128
 
 #: accepted values of ``TextEncoder(long_texts=...)``: where an ONNX encoder embeds the
 #: long texts (:data:`LONG_TEXT_TOKENS`; :func:`resolve_long_texts`)
@@ -372,59 +368,6 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
         return "float16"
     return "float32"
 
-
-#: serialises the install / removal of the tqdm hook (two encoders loading at once)
-_HOOK_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _quiet_weight_loading() -> Iterator[None]:
-    """Silence transformers' "Loading weights" bar in the calling thread, for the block.
-
-    transformers draws that bar with ``transformers.utils.logging.tqdm``, whose
-    ``set_tqdm_hook`` (it returns the previous hook) lets a caller decide how each bar
-    is made. The hook installed here makes the calling thread's bars with
-    ``disable=True`` and hands every other thread's bars to the previous hook (or to
-    tqdm as usual), so a model loading concurrently elsewhere keeps its bar; the
-    previous hook is put back when the block ends, even on an error. With a
-    transformers without ``set_tqdm_hook`` the module switch
-    (``disable_progress_bar`` / ``enable_progress_bar``) is flipped for the block and
-    restored to its former state. Nothing else (log levels, environment) is touched.
-    """
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # a model that does not use transformers: nothing to silence
-        yield
-        return
-    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
-    with _HOOK_LOCK:
-        if set_hook is None:  # pragma: no cover - transformers < 5
-            was_on = hf_logging.is_progress_bar_enabled()
-            if was_on:
-                hf_logging.disable_progress_bar()
-            try:
-                yield
-            finally:
-                if was_on:
-                    hf_logging.enable_progress_bar()
-            return
-        me = threading.get_ident()
-        previous: Any = None
-
-        def hook(factory: Any, args: tuple, kwargs: dict) -> Any:
-            if threading.get_ident() == me:
-                return factory(*args, **{**kwargs, "disable": True})
-            if previous is not None:
-                return previous(factory, args, kwargs)
-            return factory(*args, **kwargs)
-
-        previous = set_hook(hook)
-        try:
-            yield
-        finally:
-            current = set_hook(previous)
-            if current is not hook:  # someone replaced ours meanwhile: keep theirs
-                set_hook(current)
 
 
 def _text_list(texts: Sequence[str]) -> list[str]:
@@ -798,137 +741,6 @@ class TextEncoder:
         kind, low = self._autocast
         return torch.autocast(kind, dtype=low)
 
-
-class _OnnxRunner:
-    """ONNX Runtime sessions over the exported graphs of a sentence-transformers model.
-
-    Tokenises with the model's own ``preprocess`` (the same ids, truncation and padding
-    as the torch path), in the passes of :func:`_passes` (as the torch path),
-    runs the graph (masked mean pooling inside) and L2-normalises in float32.
-
-    ``dtype="float32"``: one session, the float32 graph. ``dtype="int8"``: two sessions,
-    the int8 graph for texts of at most :data:`INT8_MAX_TOKENS` tokens and the float32
-    graph for longer ones (where int8 does not pay), both exported and loaded here; a
-    pass holds texts of one side only, so which graph embeds a text depends on the text
-    alone, never on the others encoded with it. ``long_torch`` (a callable
-    ``f(features, m) -> float32 [m, d]``: :class:`TextEncoder` ``long_texts="torch"``):
-    the texts over :data:`LONG_TEXT_TOKENS` tokens (int8: :data:`INT8_MAX_TOKENS`) go to it instead of a float32 graph
-    (for int8 no float32 session is loaded then).
-
-    Threads: ``intra_op_num_threads = num_threads``, by default
-    ``torch.get_num_threads()`` (the torch encoder's count, so both backends use the
-    same cores; :class:`TextEncoder` ``num_threads`` to share the cores out between
-    encoders); the pool's threads never spin (``session.intra_op.allow_spinning`` = 0),
-    whatever ``OMP_WAIT_POLICY`` says.
-    """
-
-    def __init__(self, st_model: Any, model_path: str, dtype: str, dim: int, num_threads: int | None = None,
-                 long_torch: Any = None) -> None:
-        from .onnx_export import onnx_model_file
-
-        ort = require("onnxruntime", "onnx", "TextEncoder(backend='onnx')")
-        import torch
-
-        self.file = onnx_model_file(st_model, model_path, dtype)
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.num_threads = int(num_threads) if num_threads is not None else max(1, int(torch.get_num_threads()))
-        opts.intra_op_num_threads = self.num_threads
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        # never spin: with 2 threads on 2 shared cores, spinning between and after runs
-        # cost 2-2.5x the CPU per text and more wall time (load ~3.7, one-text calls:
-        # 8.7-11.3 against 4.2-4.5 ms CPU per text); without it, CPU as with 1 thread
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = ["CPUExecutionProvider"]
-        self._session = ort.InferenceSession(self.file, opts, providers=providers)
-        #: the session for texts longer than INT8_MAX_TOKENS (the float32 graph), or None
-        self._long: Any = None
-        self.long_file: str | None = None
-        #: ``f(features, m) -> [m, d]``: the torch pass for texts longer than INT8_MAX_TOKENS, or None
-        self._long_torch = long_torch
-        self._int8 = dtype == "int8"
-        if dtype == "int8" and long_torch is None:
-            self.long_file = onnx_model_file(st_model, model_path, "float32")
-            self._long = ort.InferenceSession(self.long_file, opts, providers=providers)
-        self._inputs = [i.name for i in self._session.get_inputs()]
-        self._st = st_model
-        self._dim = dim
-
-    def encode(self, items: list[str], batch_size: int) -> np.ndarray:
-        """``items`` (n >= 1 str) -> float32 ``[n, d]`` unit rows, in input order: the
-        passes of :func:`_passes` (int8: split at :data:`INT8_MAX_TOKENS` tokens, the
-        longer texts in the float32 graph), L2-normalised in float32."""
-        out = np.empty((len(items), self._dim), dtype=np.float32)
-        split = (INT8_MAX_TOKENS if self._int8 else LONG_TEXT_TOKENS) if self._long_torch is not None else (
-            INT8_MAX_TOKENS if self._long is not None else None)
-        for rows, feats, long in _passes(self._st, items, batch_size, split):
-            if long and self._long_torch is not None:
-                emb = self._long_torch(feats, len(rows))
-            else:
-                feed = {name: (np.zeros(tuple(feats["attention_mask"].shape), dtype=np.int64) if feats.get(name) is None
-                               else np.ascontiguousarray(feats[name].numpy().astype(np.int64, copy=False)))
-                        for name in self._inputs}
-                emb = (self._long if long else self._session).run(None, feed)[0]
-            out[rows] = emb
-        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-        return out
-
-
-def _passes(st_model: Any, items: list[str], batch_size: int,
-            split_at: int | None = None) -> Iterator[tuple[np.ndarray, dict[str, Any], bool]]:
-    """The forward passes that embed ``items``, shared by the torch and the ONNX paths.
-
-    The texts are tokenised with the model's own ``preprocess`` (its ids, truncation
-    and padding), ``max(1024, 16 * batch_size)`` texts at a time (bounded memory
-    for long lists), sorted by token count, longest first, and cut into passes of at
-    most ``batch_size`` texts, a new pass starting where a text has fewer than
-    :data:`PASS_LENGTH_RATIO` times the tokens of the pass's first (longest) one, or,
-    with ``split_at``, where the texts fall to ``split_at`` tokens or fewer (a pass
-    holds texts of one side only). Each pass is padded to its own longest text (right
-    padding: the columns past it are dropped). Padding changes nothing but float
-    rounding (cosine > 0.99999 between a text alone and in a batch); it only costs
-    time, which this saves: 64 PersonaBench questions padded to the longest of them
-    (85 tokens; 15.6 on average) are ~4x the tokens (torch bfloat16, one core of an
-    Intel Xeon with AMX: 6.5 ms of CPU per question in one pass, 2.2-2.7 in passes
-    cut this way).
-
-    Args:
-        st_model: the ``SentenceTransformer``.
-        items: n >= 1 str.
-        batch_size: the most texts per pass (int >= 1).
-        split_at: None, or a token count (int) the passes do not straddle.
-
-    Yields:
-        ``(rows, features, long)``: ``rows`` int64 ``[m]``, the indices into ``items``
-        of the pass's texts; ``features`` the model's input dict for them (2-D tensors
-        ``[m, width]`` sliced from ``preprocess``; other entries as ``preprocess`` gave
-        them); ``long`` whether they have more than ``split_at`` tokens (False without).
-    """
-    import torch
-
-    block = max(1024, 16 * batch_size)
-    for b0 in range(0, len(items), block):
-        feats = st_model.preprocess(items[b0:b0 + block])
-        mask = feats["attention_mask"]
-        lengths = mask.sum(dim=1).numpy()
-        n = len(lengths)
-        right_padded = n == 0 or mask.shape[1] == 0 or bool(torch.all(mask[:, 0] == 1))
-        order = np.argsort(-lengths, kind="stable")
-        start = 0
-        while start < n:
-            first = int(lengths[order[start]])
-            long = split_at is not None and first > split_at
-            stop = start + 1
-            while (stop < n and stop - start < batch_size and lengths[order[stop]] >= PASS_LENGTH_RATIO * first
-                   and (not long or lengths[order[stop]] > split_at)):
-                stop += 1
-            rows = order[start:stop]
-            width = max(first, 1) if right_padded else mask.shape[1]
-            picked = torch.from_numpy(rows)
-            yield b0 + rows, {k: (v[picked, :width].contiguous() if isinstance(v, torch.Tensor) and v.ndim == 2 else v)
-                              for k, v in feats.items()}, long
-            start = stop
 
 
 @contextlib.contextmanager

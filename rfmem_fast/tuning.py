@@ -37,6 +37,11 @@ the held-out user's questions; every question is thus scored by a config chosen
 without it, and the CV Recall@k of a condition pools those scores over all users. The
 recommended config is what the same selection picks on all users; its nested-CV score
 is the score of that procedure.
+
+The grid selection and the re-ranker's (:func:`rerank_cv_personabench`) stay one module:
+both run this nested protocol over the same :class:`Condition` list, router presets,
+:func:`gain_se` and timing, and the re-ranker's fits are observed through this module's
+``_fit_spec``.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "routing", "routing.calibrate",
     )),
     ("datasets and encoders", (
-        "datasets", "datasets.*", "encoders", "models", "onnx_export", "metrics",
+        "datasets", "datasets.*", "encoders", "encoder_*", "models", "onnx_export", "metrics",
     )),
     ("search", (
         "search", "search_chunk", "search_lexical",
@@ -59,8 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "backends", "backends.*",
     )),
     ("primitives", (
-        "bank", "bank_*", "store", "lexical", "filters", "signals", "config", "device", "precision", "kmeans", "threads",
-        "_validate", "_optional", "_paths", "_native",
+        "bank", "bank_*", "store", "store_*", "lexical", "filters", "filters_*", "signals", "config", "device",
+        "precision", "kmeans", "threads", "_validate", "_optional", "_paths", "_native",
     )),
 ]
 

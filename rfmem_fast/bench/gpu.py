@@ -26,6 +26,12 @@ device. Every timed call ends with a device synchronisation. :func:`goal_ratios`
 the figures with the GPU targets (:data:`GOALS`, docs/benchmarks/gpu.md). With ``device="cpu"`` (``gpu_check.py --dry-run``) the
 same code runs at tiny sizes, faiss-gpu falls back to faiss-cpu's ``IndexFlatIP`` (labelled
 as a stand-in) and absent comparators are skipped with a note.
+
+The parts are split by concept, and the names callers import from here are re-exported:
+:mod:`rfmem_fast.bench.gpu_data` (device-generated banks and queries, synchronised
+timing), :mod:`rfmem_fast.bench.gpu_compare` (faiss and cuML) and
+:mod:`rfmem_fast.bench.gpu_goals` (:data:`GOALS`, :func:`goal_ratios`, :func:`plot_doc`).
+This module keeps the run's budget and settings and :class:`GpuBench`, the workloads.
 """
 from __future__ import annotations
 
@@ -39,13 +45,24 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .._optional import require
 from ..backends import get_backend
 from ..backends.torch_backend import TorchBackend
 from ..bank import MemoryBank
 from ..config import RFMemConfig
 from ..device import count_host_syncs, view_from_tensors
 from ..search import search, search_tensors
+from .gpu_compare import FaissFlat as FaissFlat
+from .gpu_compare import _cuml_kmeans
+from .gpu_data import DeviceBank as DeviceBank
+from .gpu_data import _normalise  # noqa: F401 (its old place)
+from .gpu_data import device_bank as device_bank
+from .gpu_data import device_queries as device_queries
+from .gpu_data import sync as sync
+from .gpu_data import timed as timed
+from .gpu_goals import GOALS as GOALS
+from .gpu_goals import _best, _meets  # noqa: F401 (their old place)
+from .gpu_goals import goal_ratios as goal_ratios
+from .gpu_goals import plot_doc as plot_doc
 from .systems import RunOutput, route_summary, stats_ms
 from .workloads import (
     SHARED_ITEMS_PER_CLUSTER,
@@ -55,14 +72,6 @@ from .workloads import (
     format_tokens,
     synthetic_bank,
 )
-
-#: the GPU targets on an H200 (ratios from one run; docs/benchmarks/gpu.md)
-GOALS = {
-    "rfmem_p50_ms_at_1M_tokens": {"goal": "< 0.5 ms", "op": "<", "value": 0.5},
-    "multitenant_rfmem_qps_1000x4096": {"goal": ">= 200,000 q/s", "op": ">=", "value": 200_000.0},
-    "dense_qps_over_faiss_gpu": {"goal": ">= 1.0", "op": ">=", "value": 1.0},
-    "batched_kmeans_over_cuml_per_problem": {"goal": ">= 10", "op": ">=", "value": 10.0},
-}
 
 
 class BudgetExceeded(RuntimeError):
@@ -169,204 +178,13 @@ def bank_supports_dtype() -> bool:
     return "dtype" in inspect.signature(MemoryBank.__init__).parameters
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    """(seconds, result) of ``fn()``, the device synchronised before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
-
-
-def _normalise(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-
-
-# --------------------------------------------------------------------------- device data
-@dataclass
-class DeviceBank:
-    """A synthetic multi-tenant bank generated on the device.
-
-    Attributes:
-        X: [U * n, d] unit rows in the requested dtype, on the device.
-        offsets: int64 numpy [U + 1].
-        centres: float32 [U, C, d] unit centres.
-        gen_s: seconds to generate.
-    """
-
-    X: torch.Tensor
-    offsets: np.ndarray
-    centres: torch.Tensor
-    gen_s: float
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of X."""
-        return self.X.numel() * self.X.element_size()
-
-
-def device_bank(
-    users: int, items: int, spec: SyntheticSpec, seed: int, device: torch.device,
-    dtype: torch.dtype = torch.float32, clusters: int | None = None, block_rows: int = 1 << 21,
-) -> DeviceBank:  # fmt: skip
-    """Clustered unit vectors drawn on ``device`` (the recipe of :mod:`rfmem_fast.bench.workloads`).
-
-    Args:
-        users, items: U users of n items each.
-        spec: dimension, centres per user, spread.
-        seed: torch generator seed.
-        device: where to draw and keep the bank.
-        dtype: storage dtype of X (drawn in float32, rounded once).
-        clusters: centres per user (default ``spec.clusters``).
-        block_rows: rows drawn per step (bounds the float32 temporaries).
-
-    Returns:
-        DeviceBank.
-    """
-    t0 = time.perf_counter()
-    d, c = spec.dim, int(clusters or spec.clusters)
-    g = torch.Generator(device=device).manual_seed(int(seed))
-    centres = _normalise(torch.randn(users, c, d, generator=g, device=device))
-    n = users * items
-    X = torch.empty((n, d), dtype=dtype, device=device)
-    scale = spec.spread / math.sqrt(d)
-    for a in range(0, n, block_rows):
-        b = min(n, a + block_rows)
-        rows = torch.arange(a, b, device=device)
-        lab = torch.randint(0, c, (b - a,), generator=g, device=device)
-        x = centres[rows // items, lab] + scale * torch.randn(b - a, d, generator=g, device=device)
-        X[a:b] = _normalise(x).to(dtype)
-    offsets = np.arange(users + 1, dtype=np.int64) * items
-    sync(torch.device(device))
-    return DeviceBank(X=X, offsets=offsets, centres=centres, gen_s=time.perf_counter() - t0)
-
-
-def device_queries(
-    bank: DeviceBank, nq: int, spec: SyntheticSpec, seed: int, qseg: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries near an item (specific) or a centre (vague) of a random user, on the device.
-
-    Returns:
-        (Q float32 [nq, d] unit rows, qseg int64 [nq], specific bool [nq]).
-    """
-    dev = bank.X.device
-    g = torch.Generator(device=dev).manual_seed(int(seed) + 0x51E5)
-    U = bank.offsets.shape[0] - 1
-    items = int(bank.offsets[1] - bank.offsets[0]) if U else 0
-    d = bank.X.shape[1]
-    if qseg is None:
-        qseg = torch.randint(0, U, (nq,), generator=g, device=dev)
-    specific = torch.rand(nq, generator=g, device=dev) < spec.specific_frac
-    item = qseg * items + torch.randint(0, max(items, 1), (nq,), generator=g, device=dev)
-    cen = torch.randint(0, bank.centres.shape[1], (nq,), generator=g, device=dev)
-    lo_s, hi_s = spec.specific_noise
-    lo_v, hi_v = spec.vague_noise
-    u = torch.rand(nq, generator=g, device=dev)
-    t = torch.where(specific, lo_s + (hi_s - lo_s) * u, lo_v + (hi_v - lo_v) * u)
-    base = torch.where(specific[:, None], bank.X[item].to(torch.float32), bank.centres[qseg, cen])
-    Q = _normalise(base + (t / math.sqrt(d))[:, None] * torch.randn(nq, d, generator=g, device=dev))
-    return Q.contiguous(), qseg.to(torch.int64), specific
-
-
-# --------------------------------------------------------------------------- comparators
-class FaissFlat:
-    """faiss flat inner-product search, one index per user (``GpuIndexFlatIP`` on a GPU).
-
-    On a CUDA device with faiss-gpu: ``GpuIndexFlatIP`` (optionally with cuVS), fed torch
-    tensors through ``faiss.contrib.torch_utils`` (no host copies). Elsewhere (the dry
-    run): faiss-cpu's ``IndexFlatIP`` on host copies, labelled as a stand-in.
-
-    Args:
-        device: the benchmark's device.
-        use_cuvs: build the GPU indexes with ``use_cuvs=True``.
-
-    Raises:
-        ImportError: faiss is not installed (names the ``gpu`` extra).
-        RuntimeError: ``use_cuvs`` where faiss has no cuVS, or a GPU device where faiss
-            has no GPU support.
-    """
-
-    def __init__(self, device: torch.device, use_cuvs: bool = False) -> None:
-        self.faiss = require("faiss", "gpu", "the faiss-gpu comparator of bench/gpu_check.py")
-        self.device = device
-        self.gpu = device.type == "cuda"
-        if self.gpu:
-            if not hasattr(self.faiss, "StandardGpuResources") or self.faiss.get_num_gpus() < 1:
-                raise RuntimeError("faiss is installed without GPU support (install faiss-gpu: the [gpu] extra)")
-            import faiss.contrib.torch_utils  # noqa: F401  (torch tensors in and out)
-
-            self.res = self.faiss.StandardGpuResources()
-            self.cfg = self.faiss.GpuIndexFlatConfig()
-            self.cfg.device = device.index or 0
-            if use_cuvs:
-                if not hasattr(self.cfg, "use_cuvs"):
-                    raise RuntimeError("this faiss has no cuVS support (GpuIndexFlatConfig.use_cuvs)")
-                self.cfg.use_cuvs = True
-        elif use_cuvs:
-            raise RuntimeError("cuVS needs a GPU")
-        self.use_cuvs = use_cuvs
-        self.name = ("faiss-gpu+cuvs" if use_cuvs else "faiss-gpu") if self.gpu else "faiss-cpu"
-        self.label = (
-            ("faiss-gpu GpuIndexFlatIP" + (" (cuVS)" if use_cuvs else "")) if self.gpu
-            else "faiss-cpu IndexFlatIP (stand-in)"
-        )  # fmt: skip
-        self.indexes: dict[int, Any] = {}
-
-    def build(self, X: torch.Tensor, offsets: np.ndarray, users: list[int]) -> float:
-        """Build one index per user in ``users``; returns the seconds it took."""
-        t0 = time.perf_counter()
-        d = X.shape[1]
-        for u in users:
-            a, b = int(offsets[u]), int(offsets[u + 1])
-            if self.gpu:
-                index = self.faiss.GpuIndexFlatIP(self.res, d, self.cfg)
-                index.add(X[a:b].to(torch.float32).contiguous())
-            else:
-                index = self.faiss.IndexFlatIP(d)
-                index.add(X[a:b].to(torch.float32).cpu().numpy())
-            self.indexes[u] = index
-        sync(self.device)
-        return time.perf_counter() - t0
-
-    def search(self, Q: torch.Tensor, qseg_host: np.ndarray, offsets: np.ndarray, k: int) -> torch.Tensor:
-        """Dense top-k of each query in its user's index (grouped per user); global rows [b, k]."""
-        rows = torch.full((Q.shape[0], k), -1, dtype=torch.int64, device=Q.device)
-        order = np.argsort(qseg_host, kind="stable")
-        cuts = np.flatnonzero(np.diff(qseg_host[order])) + 1
-        for grp in np.split(order, cuts):
-            u = int(qseg_host[grp[0]])
-            idx = torch.from_numpy(grp).to(Q.device)
-            if self.gpu:
-                _, I = self.indexes[u].search(Q[idx], k)
-            else:
-                _, I = self.indexes[u].search(Q[idx].cpu().numpy(), k)
-                I = torch.from_numpy(I).to(Q.device)
-            rows[idx] = torch.where(I >= 0, I + int(offsets[u]), torch.full_like(I, -1))
-        return rows
-
-    def release(self) -> None:
-        """Drop the indexes."""
-        self.indexes = {}
-
-
 def _err(e: BaseException) -> str:
     """A short description of an exception for the JSON (type and first line)."""
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
 
 
-def _cuml_kmeans():
-    """cuML's KMeans class (ImportError naming the ``gpu`` extra when absent)."""
-    return require("cuml.cluster", "gpu", "the cuML comparator of bench/gpu_check.py").KMeans
 
-
-# --------------------------------------------------------------------------- the benchmark
 class GpuBench:
     """Runs the GPU workloads (see the module docstring).
 
@@ -766,105 +584,3 @@ class GpuBench:
             i += 1
         sync(self.dev)
         return (time.perf_counter() - t0) / max(1, i), i
-
-
-# --------------------------------------------------------------------------- ratios
-def _best(recs: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
-    rs = [r for r in recs if r.get("qps") and all(r.get(k) == v for k, v in match.items())]
-    return max(rs, key=lambda r: r["qps"]) if rs else None
-
-
-def _meets(name: str, value: float | None) -> bool | None:
-    if value is None or not math.isfinite(value):
-        return None
-    g = GOALS[name]
-    return value < g["value"] if g["op"] == "<" else value >= g["value"]
-
-
-def goal_ratios(workloads: dict[str, Any], ours: list[str]) -> dict[str, Any]:
-    """The GPU targets (:data:`GOALS`) against the figures of this run.
-
-    Args:
-        workloads: {"latency", "multitenant", "shared", "kmeans"} dicts of :class:`GpuBench`.
-        ours: our backend names, the first is the headline one.
-
-    Returns:
-        {goal name: {"goal", "value" (headline backend), "meets_goal", "per_backend",
-        context...}}; a goal whose workload or comparator did not run has value None and
-        says what is pending.
-    """
-    out: dict[str, Any] = {}
-    head = ours[0] if ours else None
-    lat = workloads.get("latency") or {}
-    if lat.get("scales"):
-        sc = next((x for x in lat["scales"] if x["tokens"] == 1024 * 1024), lat["scales"][-1])
-        per = {b: (next((r for r in sc["results"] if r["system"] == b and r["mode"] == "rfmem"), {}) or {}).get("p50_ms") for b in ours}
-        de = {b: (next((r for r in sc["results"] if r["system"] == b and r["mode"] == "dense"), {}) or {}).get("p50_ms") for b in ours}
-        out["rfmem_p50_ms_at_1M_tokens"] = {
-            **GOALS["rfmem_p50_ms_at_1M_tokens"], "value": per.get(head), "backend": head, "scale": sc["scale"],
-            "meets_goal": _meets("rfmem_p50_ms_at_1M_tokens", per.get(head)), "per_backend": per,
-            "dense_p50_ms": de, "rfmem_over_dense": {b: (per[b] / de[b]) if per.get(b) and de.get(b) else None for b in ours},
-        }  # fmt: skip
-    mt = workloads.get("multitenant") or {}
-    bank = next((bk for bk in mt.get("banks", []) if bk.get("users") == 1000 and bk.get("items") == 4096 and bk.get("dtype") == "float32" and "results" in bk), None)
-    if bank is None and mt.get("banks"):
-        bank = next((bk for bk in mt["banks"] if "results" in bk), None)
-    if bank is not None:
-        recs = bank["results"]
-        per = {b: (_best(recs, system=b, mode="rfmem") or {}).get("qps") for b in ours}
-        best = _best(recs, system=head, mode="rfmem") or {}
-        out["multitenant_rfmem_qps_1000x4096"] = {
-            **GOALS["multitenant_rfmem_qps_1000x4096"], "value": per.get(head), "backend": head,
-            "bank": f"{bank['users']} x {bank['items']} {bank['dtype']}", "batch_size": best.get("batch_size"),
-            "meets_goal": _meets("multitenant_rfmem_qps_1000x4096", per.get(head)), "per_backend": per,
-        }  # fmt: skip
-        fa = next((r for r in recs if r.get("kind") == "faiss" and r.get("system") in ("faiss-gpu", "faiss-cpu") and r.get("qps")), None)
-        if fa is not None:
-            per_r = {}
-            for b in ours:
-                r = next((r for r in recs if r["system"] == b and r["mode"] == "dense" and r.get("batch_size") == fa["batch_size"] and r.get("qps")), None)
-                per_r[b] = r["qps"] / fa["qps"] if r else None
-            out["dense_qps_over_faiss_gpu"] = {
-                **GOALS["dense_qps_over_faiss_gpu"], "value": per_r.get(head), "backend": head, "comparator": fa.get("label"),
-                "batch_size": fa["batch_size"], "faiss_qps": fa["qps"], "meets_goal": _meets("dense_qps_over_faiss_gpu", per_r.get(head)),
-                "per_backend": per_r, "where": f"multi-tenant {bank['users']} x {bank['items']}, one index per user, looped",
-            }  # fmt: skip
-        else:
-            out["dense_qps_over_faiss_gpu"] = {**GOALS["dense_qps_over_faiss_gpu"], "value": None, "meets_goal": None,
-                                               "pending": "faiss-gpu was not importable or did not run"}  # fmt: skip
-    km = workloads.get("kmeans") or {}
-    if km.get("problems"):
-        entry = max(km["problems"], key=lambda e: e["m"])
-        recs = entry["results"]
-        mine = next((r for r in recs if r.get("system") == head and r.get("total_s")), None)
-        cu = next((r for r in recs if r.get("kind") == "cuml" and r.get("total_s")), None)
-        stand = next((r for r in recs if r.get("kind") == "per_problem" and r.get("total_s")), None)
-        val = cu["total_s"] / mine["total_s"] if (cu and mine) else None
-        out["batched_kmeans_over_cuml_per_problem"] = {
-            **GOALS["batched_kmeans_over_cuml_per_problem"], "value": val, "backend": head, "problems": entry["m"],
-            "meets_goal": _meets("batched_kmeans_over_cuml_per_problem", val),
-            "over_torch_per_problem": stand["total_s"] / mine["total_s"] if (stand and mine) else None,
-            **({} if cu else {"pending": "cuML was not importable or did not run"}),
-        }  # fmt: skip
-    return out
-
-
-def plot_doc(doc: dict[str, Any]) -> dict[str, Any]:
-    """The run's figures in the layout of :mod:`rfmem_fast.bench.plots` (latency, shared, multi-tenant)."""
-    w = doc.get("workloads") or {}
-    out_w: dict[str, Any] = {}
-    lat = w.get("latency")
-    if isinstance(lat, dict) and lat.get("scales"):
-        out_w["latency"] = lat
-    sh = w.get("shared")
-    if isinstance(sh, dict) and sh.get("sizes"):
-        out_w["batch"] = {"batch_sizes": sh["batch_sizes"], "sizes": sh["sizes"]}
-    mt = w.get("multitenant")
-    if isinstance(mt, dict):
-        bank = next((b for b in mt.get("banks", []) if b.get("results")), None)
-        if bank is not None:
-            big = max((r.get("batch_size") or 0) for r in bank["results"])
-            recs = [r for r in bank["results"] if r.get("qps") and (r.get("kind") == "faiss" or r.get("batch_size") == big)]
-            if recs:
-                out_w["multitenant"] = {"users": bank["users"], "items": bank["items"], "batch_size": big, "results": recs}
-    return {"workloads": out_w, "machine": doc.get("machine", {}), "versions": doc.get("versions", {})}

@@ -34,6 +34,9 @@ The batch and multi-tenant workloads run each of ours and faiss once per thread 
 shows side by side; the latency and PersonaBench workloads run at the process's threads.
 Each workload returns a JSON-ready dict: its sizes, ``results`` (one record per system,
 mode and size), ``route_split`` and notes.
+
+This stays one module: the four workloads are methods of one :class:`Bench`, sharing its
+settings, systems, progress bars and timed series (per query and per batch).
 """
 from __future__ import annotations
 
