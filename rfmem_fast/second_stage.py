@@ -338,6 +338,7 @@ def stage_features(
     for name, a in (("dense", D), ("lexical", L), ("fused", Fz), ("context", C)):
         if not np.isfinite(a[valid]).all():
             raise ValueError(f"{name} must be finite for every candidate (rows >= 0)")
+    D, L, Fz, C = (np.where(valid, a, 0.0) for a in (D, L, Fz, C))
     if query_texts is None:
         query_texts = [None] * b
     if len(query_texts) != b:
@@ -364,7 +365,6 @@ def stage_features(
         raise ValueError(f"rows of query {bad} lie in several users' segments (a candidate list is one user's)")
 
     F = np.zeros((b, N, len(STAGE_FEATURES)))
-    z = np.where(valid, 1.0, 0.0)
     col = _COL
     lmax = _rowmax(L, valid)
     lrel = np.where(lmax > 0, L / np.where(lmax > 0, lmax, 1.0), 0.0)
@@ -416,7 +416,7 @@ def stage_features(
                 F[i, j, col["num_match"]] = len(nums & cn)
                 F[i, j, col["name_match"]] = len(names & w)
                 F[i, j, col["date_match"]] = len(dates & cd)
-    return F * z[:, :, None], valid
+    return np.where(valid[:, :, None], F, 0.0), valid
 
 
 def _term_overlap(lex: Any, u: int, text: str, loc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -787,8 +787,9 @@ def fit_linear_stage(
     Every (relevant, non-relevant) pair of valid candidates of one query gives the
     difference of their feature vectors (each column divided by its standard deviation
     over all pairs), labelled 1, and its negation, labelled 0, weighted ``1 / (pairs of
-    the query)`` so that each query counts once; ``LogisticRegression(C,
-    fit_intercept=False)`` learns ``w`` with ``P(a above b) = sigmoid(w . (f_a - f_b))``.
+    the query)`` (mean weight 1) so that each query counts once; ``LogisticRegression(C,
+    fit_intercept=False)`` (Newton-Cholesky solver; the pairs' negations folded in by
+    negating every other pair) learns ``w`` with ``P(a above b) = sigmoid(w . (f_a - f_b))``.
     Queries without a relevant or without a non-relevant candidate give no pair.
 
     Args:
@@ -821,10 +822,14 @@ def fit_linear_stage(
     w8 = 1.0 / npairs[qi]
     sd = D.std(axis=0)
     sd = np.where(sd > 0, sd, 1.0)
-    Z = np.concatenate([D / sd, -D / sd])
-    y = np.r_[np.ones(len(D)), np.zeros(len(D))]
-    sw = np.r_[w8, w8] * (len(D) / w8.sum())  # mean weight 1: C keeps its usual scale
-    clf = LogisticRegression(C=float(C), fit_intercept=False, max_iter=5000).fit(Z, y, sample_weight=sw)
+    # each pair once, every other one negated (label 0): without an intercept the loss of
+    # (z, 1) equals that of (-z, 0), so this is the loss of the pairs and their negations
+    # halved, i.e. the same fit with C doubled
+    sign = np.where(np.arange(len(D)) % 2 == 0, 1.0, -1.0)
+    Z = D / sd * sign[:, None]
+    sw = w8 * (len(D) / w8.sum())  # mean weight 1: C keeps its usual scale
+    clf = LogisticRegression(C=2.0 * float(C), fit_intercept=False, solver="newton-cholesky", max_iter=200)
+    clf.fit(Z, (sign > 0).astype(np.int64), sample_weight=sw)
     w = clf.coef_[0] / sd
     if not np.any(w != 0):
         raise ValueError("the fitted weights are all zero (the features do not separate the pairs)")
