@@ -661,7 +661,7 @@ class TreeStage(_Stage):
     Each tree is a dict of equal-length lists ``feature`` (int: index into ``features``;
     -1 at a leaf), ``threshold`` (float: go left when ``x <= threshold``), ``left`` /
     ``right`` (int: child nodes, -1 at a leaf), ``missing_left`` (bool: where NaN goes),
-    ``value`` (float: the leaf's value); node 0 is the root.
+    ``value`` (float: the leaf's value); node 0 is the root, children come after their parent.
 
     Args:
         features: distinct names from STAGE_FEATURES.
@@ -720,19 +720,22 @@ class TreeStage(_Stage):
         self._feat, self._thr = np.concatenate(feat), np.concatenate(thr)
         self._left, self._right = np.concatenate(left), np.concatenate(right)
         self._miss, self._val = np.concatenate(miss), np.concatenate(val)
+        self._leaf = np.concatenate([np.asarray(t["feature"]) < 0 for t in trees])
         self._roots = np.asarray(roots, dtype=np.int64)
         self._trees = [{k: list(tree[k]) for k in _TREE_FIELDS} for tree in trees]
-        self._max_depth = max(_tree_depth(tr) for tr in self._trees)
 
     def _raw(self, X: np.ndarray) -> np.ndarray:
-        m = X.shape[0]
-        node = np.broadcast_to(self._roots[None, :], (m, self._roots.shape[0])).copy()  # [m, T]
-        rowi = np.arange(m)[:, None]
-        for _ in range(self._max_depth):  # every tree at once, one level per step (leaves point to themselves)
-            x = X[rowi, self._feat[node]]
-            go_left = np.where(np.isnan(x), self._miss[node], x <= self._thr[node])
-            node = np.where(go_left, self._left[node], self._right[node])
-        return self.baseline + self._val[node].sum(axis=1)
+        m, T = X.shape[0], self._roots.shape[0]
+        node = np.tile(self._roots, m)  # [m * T]: (sample, tree) pairs, sample-major
+        samp = np.repeat(np.arange(m), T)
+        active = np.flatnonzero(~self._leaf[node])
+        while active.size:  # one level of every unfinished (sample, tree) pair per step
+            nd = node[active]
+            x = X[samp[active], self._feat[nd]]
+            nxt = np.where(np.where(np.isnan(x), self._miss[nd], x <= self._thr[nd]), self._left[nd], self._right[nd])
+            node[active] = nxt
+            active = active[~self._leaf[nxt]]
+        return self.baseline + self._val[node].reshape(m, T).sum(axis=1)
 
     def params(self) -> dict[str, Any]:
         """{"features", "baseline", "trees", "depth"} (JSON-serialisable)."""
@@ -750,15 +753,6 @@ class TreeStage(_Stage):
 
     def __repr__(self) -> str:
         return f"TreeStage({len(self._trees)} trees over {len(self.features)} features; depth={self.depth})"
-
-
-def _tree_depth(tree: Mapping[str, list]) -> int:
-    """Levels of a tree (root alone: 0), children after parents."""
-    d = [0] * len(tree["feature"])
-    for i, (lf, rt) in enumerate(zip(tree["left"], tree["right"])):
-        if lf >= 0:
-            d[lf] = d[rt] = d[i] + 1
-    return max(d)
 
 
 # ------------------------------------------------------------------ fitting
