@@ -378,3 +378,73 @@ def test_labels_mark_relevant_candidates():
     V = np.array([[True, True, False], [True, True, True]])
     Y = stage_labels(ids, V, [["y"], {"alt1": ["w"], "alt2": ["x"]}])
     np.testing.assert_array_equal(Y, [[0, 1, 0], [0, 1, 1]])
+
+
+# ------------------------------------------------------------------ the nested CV
+
+
+def test_nested_cv_never_scores_a_user_with_a_model_fitted_on_it(monkeypatch):
+    """Every model scores only users it was not fitted on (a user's index rides in a feature)."""
+    from types import SimpleNamespace
+
+    from rfmem_fast import tuning_second_stage as T
+
+    rng = np.random.default_rng(5)
+    ucol = STAGE_FEATURES.index("recency")
+    n, users = 12, ["a", "b", "c", "d"]
+
+    class FakeData:
+        def __init__(self, rel):
+            self.questions = [SimpleNamespace(rel=r) for r in rel]
+
+        def score(self, q, ids, k):
+            return {"recall": len(set(ids[:k]) & q.rel) / len(q.rel)}
+
+    conds = []
+    for label in ("x", "y"):
+        nq = 16
+        qu = np.array([users[i % 4] for i in range(nq)], dtype=object)
+        F = rng.normal(size=(nq, n, len(STAGE_FEATURES)))
+        F[:, :, ucol] = np.array([users.index(u) for u in qu])[:, None]
+        V = np.ones((nq, n), bool)
+        Y = (F[:, :, STAGE_FEATURES.index("coverage")] > 0.8).astype(np.int64)
+        Y[:, 0] = 1
+        ids = np.array([[f"{i}.{j}" for j in range(n)] for i in range(nq)], dtype=object)
+        rel = [{ids[i, j] for j in range(n) if Y[i, j]} for i in range(nq)]
+        c = T.StageCondition(label, FakeData(rel), np.arange(nq), qu, ids, {n: (F, V, Y)}, np.zeros(0), np.zeros(nq))
+        c.first = c.recall(np.arange(nq), None, 3)
+        conds.append(c)
+
+    fitted_on: dict[int, set] = {}
+    fit0, rerank0 = T.StageCandidate.fit, LinearStage.rerank
+
+    def fit(self, F, V, Y):
+        m = fit0(self, F, V, Y)
+        fitted_on[id(m)] = set(F[:, :, ucol][V].astype(int).tolist())
+        return m
+
+    scored = []
+
+    def rerank(self, F, V, out_k):
+        seen = set(F[:, :, ucol][V].astype(int).tolist())
+        trained = fitted_on[id(self)]
+        if trained == {0, 1, 2, 3}:  # the in-sample figure: the all-user pick on everyone
+            insample.append(id(self))
+        else:
+            assert not (seen & trained), "a model scored a user it was fitted on"
+            scored.append(seen)
+        return rerank0(self, F, V, out_k)
+
+    insample: list = []
+
+    monkeypatch.setattr(T.StageCandidate, "fit", fit)
+    monkeypatch.setattr(LinearStage, "rerank", rerank)
+    cands = [T.StageCandidate("off"), T.StageCandidate("linear", n, (("C", 1.0),))]
+    res = T.tune_second_stage(conds, cands, k=3)
+    assert scored and fitted_on
+    # only the all-user model saw every user, and it is the result's model (in-sample figure only)
+    assert len({i for i in insample}) <= 1 and (not insample or insample[0] == id(res.model))
+    assert sum(1 for t in fitted_on.values() if t == {0, 1, 2, 3}) == (res.model is not None)
+    assert set(res.nested) == {"linear", "all"} and set(res.nested["linear"]) == {"x", "y"}
+    # the in-sample model (all users) is fitted on every user and scores them all: done outside the check
+    assert res.pick_all in ("off", "linear N=12 C=1")
