@@ -22,6 +22,10 @@
 * ``rfmem tune context [--personabench DIR] [--locomo DIR] [--longmemeval FILE]``: the
   context score (``context_weight`` / ``context_radius`` / ``thread_weight``) on top of the
   hybrid fusions, by the same procedure (:func:`rfmem_fast.tuning_datasets.tune_context`).
+* ``rfmem tune second-stage [--personabench DIR] [--locomo DIR] [--families linear,trees]
+  [--depths 20,30,50] [--model-out FILE]``: a learned second stage re-ranking the
+  recommended pipeline's top N, by nested leave-one-user-out CV across datasets
+  (:mod:`rfmem_fast.tuning_second_stage`, :mod:`rfmem_fast.second_stage`).
 * ``rfmem tune personabench --data DIR [--encoders minilm,mpnet] [--noise all]``: grid
   search with nested leave-one-user-out CV (:mod:`rfmem_fast.tuning`); ``--grid rerank
   [--model-out FILE]``: the learned re-ranker procedure under the same nested CV.
@@ -304,6 +308,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(tcx)
     tcx.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
+    tss = tusub.add_parser("second-stage", help="a learned re-ranker of the recommended pipeline's top N, "
+                                                "nested leave-one-user-out across datasets")  # fmt: skip
+    tss.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
+    tss.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
+                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
+    tss.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+    tss.add_argument("--encoder", default="minilm", help="encoder of the first stage (default minilm)")
+    tss.add_argument("--families", default="linear,trees", help="comma list of model families (default linear,trees)")
+    tss.add_argument("--depths", default="20,30,50", help="comma list of the depths N tried (default 20,30,50)")
+    tss.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    tss.add_argument("--model-out", default=None, help="write the model the procedure picks on all users here")
+    _add_backend_arg(tss)
+    tss.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
     mo = sub.add_parser("models", help="the offline encoders")
     mosub = mo.add_subparsers(dest="action", required=True)
     mosub.add_parser("list", help="encoders usable here")
@@ -540,9 +558,50 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
+    """``rfmem tune second-stage`` (:mod:`rfmem_fast.tuning_second_stage`)."""
+    from .config import RFMemConfig
+    from .datasets import load_locomo, load_personabench
+    from .evaluate import machine_info
+    from .models import recommended_alias
+    from .second_stage import save_stage
+    from .tuning_datasets import DatasetCondition
+    from .tuning_second_stage import (format_second_stage, prepare_stage_conditions, second_stage_json,
+                                      stage_candidates, tune_second_stage)  # fmt: skip
+
+    if not (args.personabench or args.locomo):
+        print("rfmem tune second-stage: give at least one of --personabench, --locomo", file=sys.stderr)
+        return 2
+    conds = []
+    if args.personabench:
+        conds += [DatasetCondition(f"pb {n}", load_personabench(args.personabench, noise=n), args.encoder, "pb:")
+                  for n in args.noise]  # fmt: skip
+    if args.locomo:
+        conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
+    depths = [int(x) for x in args.depths.split(",") if x.strip()]
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    first = RFMemConfig.recommended(recommended_alias(args.encoder))
+    data = prepare_stage_conditions(conds, depths, args.k, first, args.backend, progress=_say)
+    res = tune_second_stage(data, stage_candidates(families, depths), args.k, progress=_say)
+    print(format_second_stage(res))
+    doc = {**second_stage_json(res, data), "first_stage_config": first.to_dict(), "machine": machine_info()}
+    if args.model_out and res.model is not None:
+        meta = {"fitted_on": res.users, "conditions": res.conditions, "first_stage": "RFMemConfig.recommended",
+                "nested_cv_recall": res.nested, "first_stage_recall": res.first, "command": command}  # fmt: skip
+        save_stage(res.model, args.model_out, meta)
+        print(f"wrote the second stage chosen on all users to {args.model_out}")
+    elif args.model_out:
+        print(f"the procedure chose 'off' (no second stage): nothing written to {args.model_out}")
+    if args.json_out:
+        _write_json(doc, args.json_out, command)
+    return 0
+
+
 def _tune(args: argparse.Namespace, command: str) -> int:
     from .tuning import format_tune, tune_json, tune_personabench
 
+    if args.dataset == "second-stage":
+        return _tune_second_stage(args, command)
     if args.dataset in ("hybrid", "context"):
         return _tune_hybrid(args, command)
     if args.grid == "rerank":
