@@ -266,6 +266,7 @@ setup(
     long_description=_long_description(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["rfmem_fast", "rfmem_fast.*"]),
+    package_data={"rfmem_fast": ["data/*.json"]},
     python_requires=">=3.10",
     install_requires=CORE_REQUIRES,
     extras_require=extras_require(),

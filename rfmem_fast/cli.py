@@ -580,13 +580,13 @@ def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
         conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
     depths = [int(x) for x in args.depths.split(",") if x.strip()]
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    first = RFMemConfig.recommended(recommended_alias(args.encoder))
+    first = RFMemConfig.recommended(recommended_alias(args.encoder), second_stage=None)  # (the stage's input)
     data = prepare_stage_conditions(conds, depths, args.k, first, args.backend, progress=_say)
     res = tune_second_stage(data, stage_candidates(families, depths), args.k, progress=_say)
     print(format_second_stage(res))
     doc = {**second_stage_json(res, data), "first_stage_config": first.to_dict(), "machine": machine_info()}
     if args.model_out and res.model is not None:
-        meta = {"fitted_on": res.users, "conditions": res.conditions, "first_stage": "RFMemConfig.recommended",
+        meta = {"fitted_on": res.users, "conditions": res.conditions, "first_stage": "RFMemConfig.recommended(second_stage=None)",
                 "nested_cv_recall": res.nested, "first_stage_recall": res.first, "command": command}  # fmt: skip
         save_stage(res.model, args.model_out, meta)
         print(f"wrote the second stage chosen on all users to {args.model_out}")

@@ -43,7 +43,8 @@ _NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
 #: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
 _RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
     "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
-               "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT},
+               "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT,
+               "second_stage": "builtin:minilm"},
     "mpnet": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.04,
               "context_weight": 0.2, "context_radius": 2, "thread_weight": 0.5, **_NEVER_RECOLLECT},
 }
@@ -122,6 +123,17 @@ class RFMemConfig:
 
     The lexical channel does not combine with ``reranker`` (ValueError).
 
+    * ``second_stage`` (None, ``"builtin:<name>"`` or the path of a second-stage file,
+      default None): re-rank each Familiarity-path query's first-stage list (its top
+      ``depth`` by the config's score: dense, fused or context) with a learned model over
+      cheap per-candidate features and return the model's ``out_k`` best, in its order
+      (:mod:`rfmem_fast.second_stage`; ``SearchResult.scores`` keep each hit's first-stage
+      score); a query that recollects keeps the Recollection path's hits. It needs the
+      query texts (``search(query_texts=)``); ``"builtin:minilm"`` is the model shipped
+      with the package (fitted for the MiniLM encoder under :meth:`recommended`, made by
+      ``rfmem tune second-stage``). It does not combine with ``reranker`` or fusion
+      "rrf" (ValueError).
+
     The context score (items that know their conversation, :mod:`rfmem_fast.context`,
     docs "Conversations"); both weights 0 keep today's results exactly:
 
@@ -194,6 +206,7 @@ class RFMemConfig:
     context_weight: float = 0.0
     context_radius: int = 2
     thread_weight: float = 0.0
+    second_stage: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("probe_k", self.probe_k, 1, 1 << 20)
@@ -249,6 +262,18 @@ class RFMemConfig:
                 )
         if self.lexical_weight > 0 and self.reranker is not None:
             raise ValueError("RFMemConfig.lexical_weight > 0 does not combine with a reranker (set one of them off)")
+        if self.second_stage is not None:
+            if isinstance(self.second_stage, os.PathLike):
+                object.__setattr__(self, "second_stage", os.fspath(self.second_stage))
+            if not isinstance(self.second_stage, str) or not self.second_stage:
+                raise TypeError("RFMemConfig.second_stage must be None, 'builtin:<name>' or a second-stage file path, "
+                                f"got {self.second_stage!r}")
+            if self.reranker is not None:
+                raise ValueError("RFMemConfig.second_stage does not combine with a reranker (both replace the final "
+                                 "list: set one of them off)")
+            if self.lexical_weight > 0 and self.fusion == "rrf":
+                raise ValueError("RFMemConfig.second_stage does not combine with fusion 'rrf' (rank fusion leaves "
+                                 "some hits without a dense score): use 'convex', 'adaptive' or 'zscore'")
         if self.reranker is not None:
             if isinstance(self.reranker, os.PathLike):
                 object.__setattr__(self, "reranker", os.fspath(self.reranker))
@@ -293,7 +318,15 @@ class RFMemConfig:
         best of its thread: :mod:`rfmem_fast.context`; items without a thread rank as
         without it), never recollecting (theta_high = theta_low = -1: every query takes
         the Familiarity path); for MPNet ``lexical_weight=0.04`` with ``context_weight=0.2``,
-        ``context_radius=2``, ``thread_weight=0.5`` (below). It was tuned on banks whose lexical index stems with PyStemmer's English
+        ``context_radius=2``, ``thread_weight=0.5`` (below). For MiniLM a **second stage**
+        re-ranks each query's top 50 (``second_stage="builtin:minilm"``,
+        :mod:`rfmem_fast.second_stage`: a linear pairwise model over the first stage's
+        scores and ranks, query-term coverage and idf mass, exact number / name / date
+        matches, recency and the session position; ``rfmem tune second-stage``, nested CV
+        on top of the context pick: +2.74 / +0.96 / +3.02 / +1.64 on PersonaBench 0.0 / 0.3
+        / 0.5 / 0.7 and +4.90 on LoCoMo, ``bench/results/second-stage-minilm.json``; about
+        0.3 ms per single query, ``bench/results/second-stage-cost-amd-epyc.json``); MPNet has
+        no second stage (none was fitted for its scores). It was tuned on banks whose lexical index stems with PyStemmer's English
         stemmer (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory`
         and the evaluations build); ``search`` then needs the query texts
         (``query_texts=``). It is the default of the text facades
@@ -384,15 +417,16 @@ class RFMemConfig:
         service's ``/health`` "config"): ``{"preset": :meth:`preset`, "out_k",
         "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
         "max_rounds", "score_floor", "merge", "context_weight", "context_radius",
-        "thread_weight", "router", "reranker"}``, ``router`` /
-        ``reranker`` as booleans (whether a calibrated file is used; its path is not shown).
+        "thread_weight", "router", "reranker", "second_stage"}``, ``router`` /
+        ``reranker`` / ``second_stage`` as booleans (whether a model file is used; its path is not shown).
 
         Returns:
             dict of JSON values.
         """
         out: dict[str, Any] = {"preset": self.preset()}
         out.update({f: getattr(self, f) for f in _SUMMARY_FIELDS})
-        out.update(router=self.router is not None, reranker=self.reranker is not None)
+        out.update(router=self.router is not None, reranker=self.reranker is not None,
+                   second_stage=self.second_stage is not None)
         return out
 
 

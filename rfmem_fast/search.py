@@ -68,6 +68,7 @@ from .expansion import fold_expansions
 from .filters import RowSelection, compile_filters
 from .routing.base import ROUTE_NAMES, RULE_NAMES, Router
 from .routing.files import resolve_reranker, resolve_router
+from .second_stage import resolve_stage
 from .search_chunk import ArrayKit, DeviceKit, HostKit, chunk_threads, run_chunk, unpadded as _unpadded
 from .search_lexical import HYBRID_DENSE_DEPTH, ONE_PASS_FUSIONS  # noqa: F401 (public constants of the search)
 
@@ -344,13 +345,19 @@ def check_query_texts(query_texts: Any, b: int, config: RFMemConfig) -> list | N
     """:func:`search`'s ``query_texts`` as a list of b str / None (None when not given).
 
     Raises:
-        ValueError: ``config.lexical_weight > 0`` without ``query_texts``, or a length other than b.
+        ValueError: ``config.lexical_weight > 0`` or ``config.second_stage`` without ``query_texts``,
+            or a length other than b.
         TypeError: not a sequence of str / None.
     """
     if query_texts is None:
         if config.lexical_weight > 0:
             raise ValueError(
                 "query_texts is required when config.lexical_weight > 0 (the lexical channel scores the query's text): "
+                "pass one str (or None) per query"
+            )
+        if config.second_stage is not None:
+            raise ValueError(
+                "query_texts is required with config.second_stage (its features read the query's text): "
                 "pass one str (or None) per query"
             )
         return None
@@ -698,6 +705,7 @@ def search_tensors(
             without a bank snapshot (no texts to score).
     """
     reranker = resolve_reranker(config)
+    stage = resolve_stage(config)
     b = int(Q.shape[0])
     query_texts = check_query_texts(query_texts, b, config)
     if query_texts is not None and (view.snapshot is None or view.snapshot.lexical is None):
@@ -728,7 +736,7 @@ def search_tensors(
         threads = chunk_threads(backend, work, config, mode, fused, tx, sel_c, plain) if on_host else None
         with threads or _NO_THREADS:
             part, full, probe_full = run_chunk(kit, backend, view, Qc, sc, ml, config, mode, router, reranker, pools,
-                                               tx, sel_c, fused)  # fmt: skip
+                                               tx, sel_c, fused, stage)  # fmt: skip
         if not host_output:
             parts.append(part)  # (device tensors: the host kit serves host outputs only)
             continue

@@ -53,6 +53,7 @@ from .routing.merge import merge_paths, select_top
 from .routing.profile import fold_profile, profiles_numpy, view_profiles
 from .routing.rerank import candidate_features
 from .routing.threshold import route, route_tensor
+from .second_stage import stage_features
 from .search_lexical import (
     HYBRID_DENSE_DEPTH,
     ONE_PASS_FUSIONS,
@@ -340,6 +341,7 @@ def run_chunk(
     texts: list | None = None,
     sel: RowSelection | None = None,
     fused: bool | None = None,
+    stage: Any = None,
 ) -> tuple[dict[str, Any], bool | None, bool | None]:
     """One chunk of :func:`rfmem_fast.search.search_tensors` (module docstring: the steps).
 
@@ -355,6 +357,9 @@ def run_chunk(
         texts: the chunk's query texts (the lexical channel; scores of the hits) or None.
         sel: the chunk's row selection (filtered search) or None.
         fused: ``be.fused_driver()`` when the caller read it (None: read here).
+        stage: the loaded second stage (``config.second_stage``, :mod:`rfmem_fast.second_stage`)
+            or None: the Familiarity path's list is taken ``stage.depth`` deep and re-ranked
+            by it to ``out_k`` (needs ``texts``).
 
     Returns:
         (the tensor fields of :class:`rfmem_fast.search.TensorSearchResult` in the kit's arrays,
@@ -374,6 +379,8 @@ def run_chunk(
     k0, probe_k, out_k = widths(config, max_len, depth)
     lexical = texts is not None and config.lexical_weight > 0
     ctx = config.context_on  # the context score (rfmem_fast.context): every row's scan score too
+    # the Familiarity path's list: out_k wide, or the second stage's depth (then re-ranked to out_k)
+    kl, WL = (out_k, W) if stage is None else (max(out_k, min(stage.depth, max_len)), max(W, stage.depth))
     k_scan = k0
     D = max(config.lexical_depth, config.out_k, config.probe_k) if lexical else 0
     if lexical and config.fusion == "rrf":  # the dense ranked list of rrf: the top D
@@ -383,17 +390,19 @@ def run_chunk(
     if lexical and not one_pass and config.fusion != "rrf":
         # a deeper exact dense list: a lower s_K, so fewer lexical hits to re-score
         k_scan = max(k0, min(HYBRID_DENSE_DEPTH, max_len))
+    if stage is not None and not lexical and not ctx:  # the probe's list is the stage's: as deep as it looks
+        k_scan = max(k_scan, kl)
     seg_np = kit.lower(seg) if (lexical or ctx or texts is not None) else None
     hyb = scan = boosts = lex_rows = None
     if ctx and be.has_fused_topk and sel is None:  # the probe, the fused list and every row's scan score in one pass
         probe, hyb, scan, boosts, lex_rows = context_probe(
-            be, view, kit.tensor(Q), seg_np, texts if lexical else None, config, k_scan, probe_k, max(probe_k, out_k)
+            be, view, kit.tensor(Q), seg_np, texts if lexical else None, config, k_scan, probe_k, max(probe_k, kl)
         )
         p_sc, p_rows, mean, ent, count = (kit.untensor(t) for t in probe)
     elif one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
         kh = KernelHits.of(be, view, seg_np, texts)
         before = config.fusion in ONE_PASS_FUSIONS  # boosts known before the scan
-        k_f = max(probe_k, out_k)
+        k_f = max(probe_k, kl)
         hx = kh.boosts(config, None) if before else np.zeros(kh.hval.shape[0])
         Qt = kit.tensor(Q)
         *probe, fr, ff, fd, fl, hf = be.hybrid_probe(
@@ -422,33 +431,43 @@ def run_chunk(
     else:
         routes, rule = route_tensor(mean, ent, count, config)  # on the device: no host copy
     # the Familiarity path's list
-    rows, scores = kit.fit(p_rows, out_k, W, -1), kit.f32(kit.fit(p_sc, out_k, W, -np.inf))
-    lex_hits = None
+    if stage is None:
+        rows, scores = kit.fit(p_rows, out_k, W, -1), kit.f32(kit.fit(p_sc, out_k, W, -np.inf))
+    else:  # (the probe's whole scan width when the stage looks deeper)
+        kp = min(kl, p_rows_all.shape[1])
+        rows, scores = kit.fit(p_rows_all, kp, WL, -1), kit.f32(kit.fit(p_sc_all, kp, WL, -np.inf))
+    lex_hits = known = None
     if lexical:  # the Familiarity path's list (and the probe's) become the fused top-k
-        k_f = max(probe_k, out_k)
+        k_f = max(probe_k, kl)
         kd = min(D, k_scan) if config.fusion == "rrf" else k_scan
         if hyb is None:
             hyb = hybrid(view, kit.tensor(Q), kit.tensor(seg), kit.tensor(p_sc_all), kit.tensor(p_rows_all), texts,
                          config, k_f, kd, be, sel, want_boosts=ctx)  # fmt: skip
             boosts, lex_rows = hyb.boost_rows, hyb.lex_rows
         lex_hits = hyb  # its hit_list() when the final hits need their lexical scores looked up
-        rows = kit.lift(fit(hyb.rows, out_k, W, -1))
-        scores = kit.lift(fit(hyb.fused, out_k, W, -np.inf).astype(np.float32))
+        rows = kit.lift(fit(hyb.rows, kl, WL, -1))
+        scores = kit.lift(fit(hyb.fused, kl, WL, -np.inf).astype(np.float32))
+        if config.fusion != "rrf" and not ctx:  # the fused list's exact dense and lexical scores are known
+            known = (kit.lift(fit(hyb.dense, kl, WL, np.nan).astype(np.float32)),
+                     kit.lift(fit(hyb.lex, kl, WL, np.nan).astype(np.float32)))  # fmt: skip
     elif texts is not None:  # weight 0: the texts only fill lexical_scores
         lex_hits = lexical_hits(view.snapshot, seg_np, texts, sel)
         lex_rows = [None if h is None else h[1] for h in lex_hits]
-    fam_dense = scores if hyb is None else kit.lift(fit(hyb.dense, out_k, W, np.nan))
-    ctx_sc = ctx_known = None
+    fam_dense = scores if hyb is None else kit.lift(fit(hyb.dense, kl, WL, np.nan))
+    ctx_sc = None
     if ctx:  # the Familiarity path's list: the exact top out_k by the context score
         Qh = kit.lower(Q) if host else kit.tensor(Q).detach().to(torch.float32).cpu().numpy()
         if scan is None:
             scan = be.segment_scores(view, Qh if host else kit.tensor(Q), seg_np)
         c_rows, c_ctx, c_base, c_dense, c_lex = context_topk(view.snapshot, view._memo, Qh, seg_np, scan, boosts, config,
-                                                             out_k, sel, view.row_norm_max, lex_rows)  # fmt: skip
-        rows, scores = kit.lift(fit(c_rows, out_k, W, -1)), kit.lift(fit(c_base.astype(np.float32), out_k, W, -np.inf))
-        ctx_sc = kit.lift(fit(c_ctx.astype(np.float32), out_k, W, np.nan))
-        fam_dense = kit.lift(fit(c_dense, out_k, W, np.nan))
-        ctx_known = (fam_dense, kit.lift(fit(c_lex, out_k, W, np.nan)))
+                                                             kl, sel, view.row_norm_max, lex_rows)  # fmt: skip
+        rows, scores = kit.lift(fit(c_rows, kl, WL, -1)), kit.lift(fit(c_base.astype(np.float32), kl, WL, -np.inf))
+        ctx_sc = kit.lift(fit(c_ctx.astype(np.float32), kl, WL, np.nan))
+        fam_dense = kit.lift(fit(c_dense, kl, WL, np.nan))
+        known = (fam_dense, kit.lift(fit(c_lex, kl, WL, np.nan)))
+    if stage is not None:  # the second stage: the model's out_k best of the list, in its order
+        rows, scores, fam_dense, ctx_sc, known = stage_list(kit, stage, view, rows, scores, fam_dense, ctx_sc, known,
+                                                            lex_hits, texts, mean, ent, out_k, W)  # fmt: skip
     # the Recollection path
     if mode == "dense":
         reco, everyone, nreco = None, False, 0
@@ -502,12 +521,9 @@ def run_chunk(
     # the hits' exact dense scores and lexical scores
     full = probe_full = None
     nan = _NAN32 if host else float("nan")
-    if ctx_known is not None and out is None:  # the context list: its exact dense and lexical scores are known
-        dense_sc, lex_sc = ctx_known
-    elif hyb is not None and out is None and reranker is None and config.fusion != "rrf" and not ctx:
-        # the final list is the fused one, whose exact dense and lexical scores are known
-        dense_sc = kit.lift(fit(hyb.dense, out_k, W, np.nan).astype(np.float32))
-        lex_sc = kit.lift(fit(hyb.lex, out_k, W, np.nan).astype(np.float32))
+    if known is not None and out is None and reranker is None:
+        # the final list is the context or fused one, whose exact dense and lexical scores are known
+        dense_sc, lex_sc = known
     else:
         # re-scored exactly: the hits whose dense score is not known yet (recollected,
         # re-ranked, rrf's lexical-only ones), on the host or whenever the lexical channel ran
@@ -553,6 +569,42 @@ def run_chunk(
         context_scores=ctx_sc,
     )
     return fields, full, probe_full
+
+
+def stage_list(kit: ArrayKit, stage: Any, view: Any, rows: Any, scores: Any, dense: Any, ctx: Any, known: Any,
+               lex_hits: Any, texts: list, mean: Any, ent: Any, out_k: int, width: int) -> tuple:  # fmt: skip
+    """The second stage on the Familiarity path's lists (:mod:`rfmem_fast.second_stage`): each
+    query's candidates ``rows`` [b, w] (first-stage order, -1 padding) with their base
+    ``scores``, exact ``dense`` scores, context scores ``ctx`` (or None) and lexical scores
+    (``known[1]``, else looked up in ``lex_hits``) become the model's ``out_k`` best, in its
+    order (ties: first-stage order), every per-hit array permuted alike.
+
+    Returns:
+        (rows, scores, dense, ctx or None, (dense, lexical)) [b, width] in the kit's arrays
+        (-1 / -inf / NaN padding).
+    """
+    R = kit.lower(rows)
+    b, w = R.shape
+    if known is not None:
+        lex = kit.lower(known[1])
+    else:
+        hits = lex_hits.hit_list() if isinstance(lex_hits, Hybrid) else lex_hits
+        lex = kit.lower(lexical_scores(kit, rows, hits, b, w))
+    dn, sc = kit.lower(dense), kit.lower(scores)
+    cx = None if ctx is None else kit.lower(ctx)
+    F, V = stage_features(view.snapshot, R, texts, dn, lex, sc, cx, kit.lower(mean), kit.lower(ent))
+    order, _ = stage.rerank(F, V, out_k)
+    pick = np.maximum(order, 0)
+    pad = order < 0
+
+    def take(a: np.ndarray, fill: Any) -> Any:
+        got = np.take_along_axis(a, pick, 1)
+        got[pad] = fill
+        return kit.lift(fit(got, out_k, width, fill))
+
+    dense_o = take(dn.astype(np.float32, copy=False), np.nan)
+    return (take(R, -1), take(sc, -np.inf), dense_o, None if cx is None else take(cx, np.nan),
+            (dense_o, take(lex.astype(np.float32, copy=False), np.nan)))  # fmt: skip
 
 
 def lexical_scores(kit: ArrayKit, rows: Any, hits: list | None, b: int, width: int) -> Any:

@@ -161,7 +161,7 @@ def prepare_stage_conditions(conditions: Sequence[Any], depths: Sequence[int] = 
     depths = sorted({int(n) for n in depths})
     if not depths or depths[0] < k:
         raise ValueError(f"depths must be >= k = {k}, got {depths}")
-    cfg = config or RFMemConfig.recommended()
+    cfg = config or RFMemConfig.recommended(second_stage=None)
     ecache = default_embedding_cache_dir() if cache_dir == "default" else cache_dir
     out = []
     for cond in conditions:

@@ -91,7 +91,7 @@ def test_preset_names_a_configuration_by_comparing_every_field_but_out_k():
                "rrf_k": 30.0, "rescore_weight": 0.4, "router": "r.json", "expansion_weight": 2.0,
                "profile_weight": 0.3, "reranker": "x.json", "lexical_weight": 0.5, "fusion": "rrf",
                "lexical_norm": "raw", "lexical_rrf_k": 5.0, "lexical_depth": 50, "context_weight": 0.5,
-               "context_radius": 3, "thread_weight": 0.3}
+               "context_radius": 3, "thread_weight": 0.3, "second_stage": "stage.json"}
     assert set(changed) == {f.name for f in dataclasses.fields(RFMemConfig)} - {"out_k"}
     for name, value in changed.items():
         assert base.replace(**{name: value}).preset() == "custom", name
@@ -99,5 +99,5 @@ def test_preset_names_a_configuration_by_comparing_every_field_but_out_k():
     assert summary == {"preset": "recommended", "out_k": 5, "lexical_weight": 0.03, "fusion": "convex", "probe_k": 10,
                        "theta_high": -1.0, "theta_low": -1.0, "tau": 0.0, "max_rounds": 10, "score_floor": 0.0,
                        "merge": "none", "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3,
-                       "router": False, "reranker": False}
+                       "router": False, "reranker": False, "second_stage": True}
     assert RFMemConfig(router="/secret/path.json").summary()["router"] is True  # no path on a status page

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("facade, services and tools", (
         "rfmem_fast", "serving", "serving.*", "integrations", "integrations.*",
-        "distributed", "distributed.*", "evaluate", "evaluate_datasets", "tuning", "tuning_datasets",
+        "distributed", "distributed.*", "evaluate", "evaluate_datasets", "tuning", "tuning_datasets", "tuning_second_stage",
         "routing", "routing.calibrate",
     )),
     ("datasets and encoders", (
@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "search", "search_chunk", "search_lexical",
     )),
     ("engine", (
-        "routing.*", "recollection", "fusion", "context", "expansion",
+        "routing.*", "recollection", "fusion", "context", "expansion", "second_stage", "second_stage_features",
     )),
     ("backends", (
         "backends", "backends.*",

@@ -337,11 +337,12 @@ def test_health_reports_the_retrieval_configuration_by_name(tmp_path):
             got = c.get("/health").json()["config"]
         want = (config or RFMemConfig.recommended()).to_dict()
         assert got["preset"] == preset
-        assert {k: v for k, v in got.items() if k not in ("preset", "router", "reranker")} == {
+        assert {k: v for k, v in got.items() if k not in ("preset", "router", "reranker", "second_stage")} == {
             k: want[k] for k in ("out_k", "lexical_weight", "fusion", "probe_k", "theta_high", "theta_low", "tau",
                                  "max_rounds", "score_floor", "merge", "context_weight", "context_radius",
                                  "thread_weight")}
         assert got["router"] is False and got["reranker"] is False
+        assert got["second_stage"] is (want["second_stage"] is not None) is (preset == "recommended")
         mem.close()
 
 
