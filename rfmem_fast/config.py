@@ -128,8 +128,9 @@ class RFMemConfig:
       ``depth`` by the config's score: dense, fused or context) with a learned model over
       cheap per-candidate features and return the model's ``out_k`` best, in its order
       (:mod:`rfmem_fast.second_stage`; ``SearchResult.scores`` keep each hit's first-stage
-      score); a query that recollects keeps the Recollection path's hits. It needs the
-      query texts (``search(query_texts=)``); ``"builtin:minilm"`` is the model shipped
+      score); a query that recollects keeps the Recollection path's hits. Its features read
+      the query's text (``search(query_texts=)``): a query without one keeps its
+      first-stage list; ``"builtin:minilm"`` is the model shipped
       with the package (fitted for the MiniLM encoder under :meth:`recommended`, made by
       ``rfmem tune second-stage``). It does not combine with ``reranker`` or fusion
       "rrf" (ValueError).

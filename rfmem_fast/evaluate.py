@@ -100,10 +100,12 @@ class EvalReport:
 
 
 def query_texts_kw(config: RFMemConfig, texts: Sequence[str]) -> dict[str, Any]:
-    """``{"query_texts": texts}`` when ``config`` has a lexical channel (``lexical_weight > 0``),
-    else ``{}``: the keyword arguments that make :func:`rfmem_fast.search.search` hybrid
-    exactly when the configuration asks for it."""
-    return {"query_texts": list(texts)} if config.lexical_weight > 0 else {}
+    """``{"query_texts": texts}`` when ``config`` reads the query texts (a lexical channel,
+    ``lexical_weight > 0``, or a second stage), else ``{}``: the keyword arguments that make
+    :func:`rfmem_fast.search.search` hybrid (and re-ranked) exactly when the configuration
+    asks for it."""
+    reads = config.lexical_weight > 0 or getattr(config, "second_stage", None) is not None
+    return {"query_texts": list(texts)} if reads else {}
 
 
 def mode_label(mode: str, config: Any) -> str:

@@ -90,7 +90,7 @@ def search_dataset(
 ) -> SearchResult:
     """Search the questions ``rows`` (int indices into ``emb.dataset.questions``) in their users' memories.
 
-    Passes ``query_texts`` (the question texts) only when ``config.lexical_weight > 0``
+    Passes ``query_texts`` (the question texts) only when the config reads them (``lexical_weight > 0`` or a second stage)
     (a configuration without that field searches densely).
 
     Returns:

@@ -345,19 +345,13 @@ def check_query_texts(query_texts: Any, b: int, config: RFMemConfig) -> list | N
     """:func:`search`'s ``query_texts`` as a list of b str / None (None when not given).
 
     Raises:
-        ValueError: ``config.lexical_weight > 0`` or ``config.second_stage`` without ``query_texts``,
-            or a length other than b.
+        ValueError: ``config.lexical_weight > 0`` without ``query_texts``, or a length other than b.
         TypeError: not a sequence of str / None.
     """
     if query_texts is None:
         if config.lexical_weight > 0:
             raise ValueError(
                 "query_texts is required when config.lexical_weight > 0 (the lexical channel scores the query's text): "
-                "pass one str (or None) per query"
-            )
-        if config.second_stage is not None:
-            raise ValueError(
-                "query_texts is required with config.second_stage (its features read the query's text): "
                 "pass one str (or None) per query"
             )
         return None
@@ -705,9 +699,9 @@ def search_tensors(
             without a bank snapshot (no texts to score).
     """
     reranker = resolve_reranker(config)
-    stage = resolve_stage(config)
     b = int(Q.shape[0])
     query_texts = check_query_texts(query_texts, b, config)
+    stage = resolve_stage(config) if query_texts is not None else None  # (no text: the first stage's lists)
     if query_texts is not None and (view.snapshot is None or view.snapshot.lexical is None):
         raise ValueError("query_texts needs a view of a bank snapshot with a lexical index (this view has none)")
     bank_max = 0

@@ -577,7 +577,8 @@ def stage_list(kit: ArrayKit, stage: Any, view: Any, rows: Any, scores: Any, den
     query's candidates ``rows`` [b, w] (first-stage order, -1 padding) with their base
     ``scores``, exact ``dense`` scores, context scores ``ctx`` (or None) and lexical scores
     (``known[1]``, else looked up in ``lex_hits``) become the model's ``out_k`` best, in its
-    order (ties: first-stage order), every per-hit array permuted alike.
+    order (ties: first-stage order), every per-hit array permuted alike; a query whose text
+    is None keeps its first-stage list (the features read the query's text).
 
     Returns:
         (rows, scores, dense, ctx or None, (dense, lexical)) [b, width] in the kit's arrays
@@ -594,6 +595,11 @@ def stage_list(kit: ArrayKit, stage: Any, view: Any, rows: Any, scores: Any, den
     cx = None if ctx is None else kit.lower(ctx)
     F, V = stage_features(view.snapshot, R, texts, dn, lex, sc, cx, kit.lower(mean), kit.lower(ent))
     order, _ = stage.rerank(F, V, out_k)
+    plain = np.fromiter((t is None for t in texts), bool, b)
+    if plain.any():  # a query without a text keeps its first-stage list
+        j = np.arange(out_k)
+        first = (j < w)[None, :] & (R[plain][:, np.minimum(j, w - 1)] >= 0)
+        order[plain] = np.where(first, j[None, :], -1)
     pick = np.maximum(order, 0)
     pad = order < 0
 

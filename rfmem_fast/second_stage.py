@@ -467,7 +467,7 @@ def rerank_result(model: Any, result: Any, snapshot: Any, query_texts: Sequence[
     Every query that took the Familiarity path gets the model's ``out_k`` best of its first
     ``depth`` hits; the per-hit fields (``ids``, ``texts``, ``rows``, ``scores``,
     ``dense_scores``, ``lexical_scores``, ``context_scores``) follow the new order;
-    a query that recollected keeps its first ``out_k`` hits unchanged.
+    a query that recollected, or one without a text, keeps its first ``out_k`` hits unchanged.
 
     Args:
         model: a :class:`LinearStage` or :class:`TreeStage`.
@@ -492,6 +492,10 @@ def rerank_result(model: Any, result: Any, snapshot: Any, query_texts: Sequence[
     F, V = features_from_result(result, snapshot, query_texts, model.depth)
     order, _ = model.rerank(F, V, out_k)
     fam = np.asarray(result.route) == 0
+    if query_texts is None:  # the features read the query's text: without one, the first stage's list
+        fam = np.zeros_like(fam)
+    else:
+        fam &= np.fromiter((t is not None for t in query_texts), bool, fam.shape[0])
     keep = np.broadcast_to(np.arange(out_k)[None, :], order.shape)
     keep = np.where(keep < K, keep, -1)
     order = np.where(fam[:, None], order, keep)

@@ -40,7 +40,7 @@ def test_a_chunked_item_keeps_its_lexical_score():
     A's hit reports the BM25 of its whole text (as unchunked) and its best chunk's cosine."""
     filler = " ".join(f"w{i}" for i in range(20))
     texts, ids = [filler + " banana", "banana split"], ["A", "B"]
-    cfg = RFMemConfig.recommended()  # convex fusion, cosine + 0.03 * BM25 (raw)
+    cfg = RFMemConfig.recommended(second_stage=None)  # convex fusion, cosine + 0.03 * BM25 (raw)
     enc = WordChunkEncoder(DIM)
     mem = Memory(encoder=enc, chunk_overlap=2, batching=False, config=cfg, cache_size=0)
     mem.add(texts, "u", ids=ids)
@@ -94,7 +94,7 @@ def test_bank_level_chunk_rows_share_their_items_bm25_and_statistics():
 # ----------------------------------------------------------------------------- seeded random, per item
 WORDS = "apple banana cherry dog eagle fox grape house island jungle kite lemon mango night ocean piano".split()
 FUSIONS = {
-    "convex-raw": RFMemConfig.recommended(),
+    "convex-raw": RFMemConfig.recommended(second_stage=None),
     "convex-max": RFMemConfig(lexical_weight=0.5, fusion="convex", lexical_norm="max"),
     "adaptive": RFMemConfig(lexical_weight=0.5, fusion="adaptive"),
     "zscore": RFMemConfig(lexical_weight=0.1, fusion="zscore", theta_high=-1.0, theta_low=-1.0, tau=0.0),

@@ -23,7 +23,7 @@ from rfmem_fast.serving.wal import WriteAheadLog, encode_array
 
 DIM = 16
 WORDS = ["trip", "japan", "cat", "tea", "flight", "kyoto", "spring", "chess", "piano", "garden"]
-CONTEXT = dict(context_weight=0.5, thread_weight=0.3)
+CONTEXT = dict(context_weight=0.5, thread_weight=0.3, second_stage=None)  # (the first stage: the definition)
 
 
 def crash(mem: Memory) -> None:

@@ -3,7 +3,7 @@
 The reference is :func:`rfmem_fast.second_stage.rerank_result` applied to the same search
 without the stage, taken ``depth`` deep (``out_k = 50``): a query on the Familiarity path
 must get exactly the model's ``out_k`` best of that list, every per-hit field permuted
-alike; a query the router sends to the Recollection path keeps that path's hits; both
+alike (a query without a text keeps the first stage's list); a query the router sends to the Recollection path keeps that path's hits; both
 array kits (numpy on the host, tensors) agree; and the errors name the field.
 """
 from __future__ import annotations
@@ -90,6 +90,21 @@ def test_recollecting_queries_keep_their_hits(data, backend):
     _same(got, plain, ("route", "probe_ids", "probe_scores", "mean", "entropy"))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_queries_without_text_keep_the_first_stage(data, backend):
+    """The stage's features read the query's text: a query without one (None in
+    ``query_texts``, or no ``query_texts`` at all) keeps its first-stage list."""
+    bank, Q, users, qtexts = data
+    cfg = RFMemConfig.recommended(lexical_weight=0.0)
+    first = search(bank, Q, users, cfg.replace(second_stage=None), backend=backend)
+    _same(search(bank, Q, users, cfg, backend=backend), first)
+    got = search(bank, Q, users, cfg, backend=backend, query_texts=qtexts)
+    none = np.array([t is None for t in qtexts])
+    assert none.any() and not none.all()
+    _same(got, search(bank, Q, users, cfg.replace(second_stage=None), backend=backend, query_texts=qtexts), rows=none)
+    assert (got.rows[~none] != first.rows[~none]).any()
+
+
 def test_filters_and_chunks_of_queries(data):
     bank, Q, users, qtexts = data
     cfg = RFMemConfig.recommended()
@@ -105,8 +120,6 @@ def test_filters_and_chunks_of_queries(data):
 def test_errors_name_the_field(data, tmp_path):
     bank, Q, users, qtexts = data
     cfg = RFMemConfig.recommended()
-    with pytest.raises(ValueError, match="query_texts is required with config.second_stage"):
-        search(bank, Q, users, cfg.replace(lexical_weight=0.0))
     with pytest.raises(TypeError, match="RFMemConfig.second_stage must be"):
         RFMemConfig(second_stage=3)
     with pytest.raises(ValueError, match="second_stage does not combine with fusion 'rrf'"):

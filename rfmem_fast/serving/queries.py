@@ -275,8 +275,9 @@ class _Queries:
 
     def _engine(self, cfg: RFMemConfig, mode: str, qs: list[_Query], vecs: list[np.ndarray]) -> SearchResult:
         """One :func:`~rfmem_fast.search` of the queries ``qs`` (their vectors ``vecs``) with
-        ``cfg`` in ``mode``: their texts for the lexical channel, their filters."""
-        lex: dict[str, Any] = {"query_texts": [q.text for q in qs]} if cfg.lexical_weight > 0 else {}
+        ``cfg`` in ``mode``: their texts for the lexical channel and the second stage, their filters."""
+        texts = cfg.lexical_weight > 0 or cfg.second_stage is not None  # (the lexical channel, the second stage)
+        lex: dict[str, Any] = {"query_texts": [q.text for q in qs]} if texts else {}
         flt = [q.filters for q in qs]
         if any(f is not None for f in flt):
             lex["filters"] = flt
