@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 enc = TextEncoder(folder, batch_size=ENCODE_BATCH_SIZE, show_progress=False, dtype=dtype,
                                   backend=backend, num_threads=t)
                 load_s = time.perf_counter() - t0
-                for c in cells:  # warm-up: every shape class once (ONNX Runtime plans per shape)
-                    enc.encode(texts[c][:CELLS[c][1]])
+                for c in cells:  # warm-up: one forward pass of every kind of text
+                    enc.encode(texts[c][:min(CELLS[c][1], ENCODE_BATCH_SIZE)])
                 built[label] = enc
                 say(f"{label}: {enc!r} (loaded in {load_s:.1f} s)")
                 doc["encoders"].setdefault(name, {
