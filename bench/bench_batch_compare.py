@@ -9,8 +9,8 @@ batch of ``--batch`` queries on random users, native backend, through the public
 * ``dense``: ``RFMemConfig()``, mode "dense";
 * ``rfmem``: ``RFMemConfig()``, mode "rfmem" (the probe, the routing, the beam driver);
 * ``hybrid``: convex raw 0.03 BM25 fusion with the query texts, mode "dense";
-* ``recommended``: ``RFMemConfig.recommended("minilm")`` with the query texts (the
-  fusion and the context score).
+* ``recommended``: ``RFMemConfig.recommended("minilm")``'s first stage with the query
+  texts (the fusion and the context score; ``second_stage=None`` where the copy has one).
 
 The two copies run in turn (``--rounds`` rounds; in each round this copy, then the
 baseline, each in a fresh subprocess on the same seeds), so a change of the machine's
@@ -57,11 +57,15 @@ def run_cells(users: int, chunks: int, batch: int, reps: int) -> dict:
     qt = [" ".join(texts[int(r)].split()[:3]) + " " + e for r, e in zip(rows, zipf_texts(batch, 5, vocab, 1.07, rng))]
     be = get_backend("native")
     hyb = RFMemConfig(lexical_weight=0.03, fusion="convex", lexical_norm="raw")
+    try:  # the first stage: the same pipeline in a copy with and one without a second stage
+        first = RFMemConfig.recommended("minilm", second_stage=None)
+    except (TypeError, ValueError):
+        first = RFMemConfig.recommended("minilm")
     cells = {
         "dense": lambda: search(bank, Q, qu, RFMemConfig(), mode="dense", backend=be),
         "rfmem": lambda: search(bank, Q, qu, RFMemConfig(), mode="rfmem", backend=be),
         "hybrid": lambda: search(bank, Q, qu, hyb, mode="dense", backend=be, query_texts=qt),
-        "recommended": lambda: search(bank, Q, qu, RFMemConfig.recommended("minilm"), backend=be, query_texts=qt),
+        "recommended": lambda: search(bank, Q, qu, first, backend=be, query_texts=qt),
     }
     out = {}
     for name, fn in cells.items():
