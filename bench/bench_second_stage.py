@@ -17,7 +17,7 @@ The models are fitted on the condition's own lists (cost does not depend on what
 learned). Writes a JSON with the machine, ``uptime`` load before and after, and every
 figure.
 
-Run: ``PYTHONPATH=. python bench/bench_second_stage.py --out bench/results/local/second-stage-cost.json``
+Run: ``python bench/bench_second_stage.py --out bench/results/local/second-stage-cost.json``
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import os
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -109,15 +110,27 @@ def run_condition(label, ds, depth, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--personabench", default="/work/shared/data/personabench/eval_data_v1")
-    ap.add_argument("--locomo", default="/work/shared/data/locomo")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"  # (../shared beside the checkout)
+    ap.add_argument("--personabench", default=str(shared / "personabench" / "eval_data_v1"))
+    ap.add_argument("--locomo", default=str(shared / "locomo"))
     ap.add_argument("--noise", default="0.0,0.7")
     ap.add_argument("--depth", type=int, default=50)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    doc = {"machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+    import sys
+
+    import sklearn
+    import torch
+
+    import rfmem_fast
+    from rfmem_fast._native import simd_level
+
+    doc = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+           "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
+                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "simd_level": int(simd_level())},
+           "versions": {"rfmem_fast": rfmem_fast.__version__, "numpy": np.__version__, "torch": torch.__version__,
+                        "scikit-learn": sklearn.__version__},
            "load_before": _load(), "conditions": {}}  # fmt: skip
     conds = [(f"pb {n}", load_personabench(a.personabench, noise=float(n))) for n in a.noise.split(",") if n]
     conds.append(("locomo", load_locomo(a.locomo)))

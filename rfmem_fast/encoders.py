@@ -81,7 +81,7 @@ from .encoder_onnx import LONG_TEXT_TOKENS as LONG_TEXT_TOKENS
 from .encoder_onnx import _OnnxRunner
 from .encoder_passes import PASS_LENGTH_RATIO as PASS_LENGTH_RATIO
 from .encoder_passes import _passes
-from .models import default_model_path  # its home: the model files (re-exported here, its old place)
+from .models import MODEL_ALIASES, default_model_path, resolve_model  # (default_model_path re-exported: its old place)
 
 __all__ = [
     "TextEncoder", "default_model_path", "resolve_dtype", "check_dtype", "native_bf16", "DTYPES",
@@ -392,8 +392,11 @@ class TextEncoder:
     ``normalize_embeddings=True``) and "Vectors and scores" (L2-normalised float32).
 
     Args:
-        model: a local sentence-transformers model directory (str or path-like). None
-            (default) uses the bundled all-MiniLM-L6-v2 (:func:`default_model_path`).
+        model: a local sentence-transformers model directory (str or path-like), or an
+            alias of :data:`rfmem_fast.models.MODEL_ALIASES` ("minilm", "mpnet": the
+            offline packages' models, :func:`rfmem_fast.models.resolve_model`; a directory
+            of that name wins). None (default) uses the bundled all-MiniLM-L6-v2
+            (:func:`default_model_path`).
         device: torch device string, e.g. "cpu" (default) or "cuda".
         batch_size: texts per forward pass, an int >= 1 (default 64).
         show_progress: True / False to force sentence-transformers' progress bar of
@@ -486,11 +489,13 @@ class TextEncoder:
             path = os.fspath(model)
             if not isinstance(path, str):
                 raise TypeError(f"model must be a str or path-like, got {model!r}")
+            if path in MODEL_ALIASES and not os.path.isdir(path):  # "minilm" / "mpnet": the offline packages'
+                path = resolve_model(path)
             if not os.path.isdir(path):
                 raise FileNotFoundError(
                     f"encoder model {path!r} is not a local directory; TextEncoder never "
                     "downloads models: pass the path of a local sentence-transformers "
-                    "model directory, or model=None for the bundled all-MiniLM-L6-v2"
+                    f"model directory, an alias of {MODEL_ALIASES}, or model=None for the bundled all-MiniLM-L6-v2"
                 )
             path = os.path.abspath(path)
 

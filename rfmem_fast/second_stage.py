@@ -613,8 +613,16 @@ def resolve_stage(config: Any) -> Any:
     spec = config.second_stage
     if spec is None:
         return None
+    got = _BUILTIN_LOADED.get(spec)  # (a shipped file never changes: no stat per search)
+    if got is not None:
+        return got
     try:
-        path = builtin_stage_path(spec[len("builtin:"):]) if spec.startswith("builtin:") else spec
-        return load_stage(path)
+        if spec.startswith("builtin:"):
+            got = _BUILTIN_LOADED[spec] = load_stage(builtin_stage_path(spec[len("builtin:"):]))
+            return got
+        return load_stage(spec)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"RFMemConfig.second_stage: {e}") from None
+
+
+_BUILTIN_LOADED: dict[str, Any] = {}

@@ -56,6 +56,20 @@ def test_missing_model_path(tmp_path: Path) -> None:
         TextEncoder("sentence-transformers/all-MiniLM-L6-v2")  # a hub name: never downloaded
 
 
+def test_model_aliases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"minilm" names the bundled model (as None does); a directory of an alias's name wins."""
+    from rfmem_fast.models import default_model_path
+
+    assert TextEncoder("minilm").model_path == os.path.abspath(default_model_path())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "minilm").mkdir()  # an empty folder named like the alias: it is the model asked for
+    with pytest.raises(Exception) as info:
+        TextEncoder("minilm")
+    assert not isinstance(info.value, FileNotFoundError) or "not a local directory" not in str(info.value)
+    with pytest.raises(FileNotFoundError, match=r"an alias of \('minilm', 'mpnet'\)"):
+        TextEncoder("minilmx")
+
+
 def test_bad_batch_size() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         TextEncoder(batch_size=0)

@@ -100,7 +100,8 @@ def add_encoder_args(p: argparse.ArgumentParser, shown: str = "") -> None:
     ``rfmem import`` takes of them; ``shown`` ends ``--encoder-dtype``'s help (where the
     command reports the precision in use: ``rfmem serve``'s ``/health``)."""
     p.add_argument("--encoder", default="default",
-                   help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only) or a local model directory")
+                   help="'default' (offline all-MiniLM-L6-v2), 'none' (vectors only), an alias ('minilm', 'mpnet': "
+                        "rfmem models assemble-mpnet first) or a local model directory")
     p.add_argument("--encoder-dtype", default="auto", choices=ENCODER_DTYPES,
                    help="precision of the text encoder's matmuls: 'auto' (default) = the one the --encoder-backend "
                    "rule picks (with --encoder-backend torch: bfloat16 where the CPU multiplies it natively, else "
