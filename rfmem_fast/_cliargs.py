@@ -11,6 +11,7 @@ from typing import Sequence
 
 from .config import RFMemConfig
 from .routing.files import check_config_files
+from .second_stage import resolve_stage
 
 __all__ = ["config_from_sets"]
 
@@ -53,6 +54,7 @@ def config_from_sets(sets: Sequence[str], preset: str = "default", encoder: str 
         else:
             config = (RFMemConfig.paper if preset == "paper" else RFMemConfig)(**kwargs)
         check_config_files(config)  # a bad file fails before any work starts
+        resolve_stage(config)
     except (TypeError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"--set / --preset: {e}") from None
     return config

@@ -41,6 +41,10 @@ def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = Fa
 
 _NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
 #: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
+#: the second-stage models shipped with the package (``RFMemConfig.second_stage = "builtin:<name>"``,
+#: the files ``rfmem_fast/data/second_stage_<name>.json``)
+BUILTIN_STAGES = ("minilm",)
+
 _RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
     "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
                "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT,
@@ -269,6 +273,9 @@ class RFMemConfig:
             if not isinstance(self.second_stage, str) or not self.second_stage:
                 raise TypeError("RFMemConfig.second_stage must be None, 'builtin:<name>' or a second-stage file path, "
                                 f"got {self.second_stage!r}")
+            if self.second_stage.startswith("builtin:") and self.second_stage[8:] not in BUILTIN_STAGES:
+                raise ValueError(f"RFMemConfig.second_stage: unknown builtin second stage {self.second_stage[8:]!r}: "
+                                 f"the package ships {list(BUILTIN_STAGES)}")
             if self.reranker is not None:
                 raise ValueError("RFMemConfig.second_stage does not combine with a reranker (both replace the final "
                                  "list: set one of them off)")

@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .config import BUILTIN_STAGES  # (the shipped models' names: the config checks them)
 from .second_stage_features import (
     _COL,
     _MAX_DEPTH,
@@ -59,8 +60,6 @@ __all__ = [
     "BUILTIN_STAGES", "builtin_stage_path", "resolve_stage",
 ]  # fmt: skip
 
-#: the second-stage models shipped with the package (``RFMemConfig.second_stage = "builtin:<name>"``)
-BUILTIN_STAGES = ("minilm",)
 
 STAGE_FORMAT = "rfmem_fast.second_stage"
 STAGE_VERSION = 1

@@ -127,9 +127,13 @@ def test_errors_name_the_field(data, tmp_path):
     with pytest.raises(ValueError, match="second_stage does not combine with a reranker"):
         RFMemConfig(second_stage="builtin:minilm", reranker="r.json")
     with pytest.raises(ValueError, match="RFMemConfig.second_stage: unknown builtin second stage 'nope'"):
-        search(bank, Q, users, cfg.replace(second_stage="builtin:nope"), query_texts=qtexts)
+        cfg.replace(second_stage="builtin:nope")  # (the shipped names are known: refused on construction)
     with pytest.raises(FileNotFoundError, match="RFMemConfig.second_stage"):
         search(bank, Q, users, cfg.replace(second_stage=str(tmp_path / "missing.json")), query_texts=qtexts)
+    from rfmem_fast import Memory
+
+    with pytest.raises(FileNotFoundError, match="RFMemConfig.second_stage"):  # a facade opens with the file loaded
+        Memory(encoder=False, dim=D, config=cfg.replace(second_stage=str(tmp_path / "missing.json")))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="RFMemConfig.second_stage"):

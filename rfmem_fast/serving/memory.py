@@ -101,6 +101,7 @@ from ..bank import MemoryBank
 from ..config import RFMemConfig
 from ..lexical import CHUNK_SEP
 from ..routing.files import check_config_files
+from ..second_stage import resolve_stage
 from ._rwlock import RWLock
 from .batcher import MicroBatcher
 from .bulk import ITEM_FIELDS, _BulkItems
@@ -308,6 +309,7 @@ class Memory(_Queries, _BulkItems, _Chunking, _EncoderPool, _Durable):
 
             get_backend(backend, device)  # an unknown or unbuilt backend fails here, not at the first search
         check_config_files(config)  # a missing / bad router or re-ranker file fails here (the config holds paths)
+        resolve_stage(config)  # and a second-stage file
         self._config = config
         self._configs: dict[int, RFMemConfig] = {config.out_k: config}
         self._backend = backend
