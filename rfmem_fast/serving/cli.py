@@ -64,7 +64,8 @@ def add_memory_args(p: argparse.ArgumentParser, server: str = "serve") -> None:
     p.add_argument("--preset", choices=["paper", "recommended"], default="recommended",
                    help="retrieval configuration: 'recommended' (default: RFMemConfig.recommended() for the encoder, "
                    "MPNet's pick for an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25 over the stored "
-                   "texts; vector queries search dense) or 'paper' (the authors' RF-Mem, dense channel only)")
+                   "texts with the conversation context, never recollecting, and for MiniLM a learned second stage on "
+                   "the top 50; vector queries search dense) or 'paper' (the authors' RF-Mem, dense channel only)")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")
