@@ -260,3 +260,27 @@ def test_a_lexical_score_of_zero_means_no_query_word_occurs_in_the_item():
     paper = Memory(encoder=HashEncoder(DIM), config=RFMemConfig.paper(), batching=False)
     paper.add(texts, "u")
     assert all(h.lexical_score is None for h in paper.search("violin concert", "u", k=3, mode="dense"))
+
+
+def test_servers_choose_the_second_stage(tmp_path):
+    """``rfmem serve / mcp --second-stage``: the preset's by default, "none", a shipped name
+    or a file; a bad one fails when the memory opens, naming the field."""
+    from rfmem_fast.serving.launch import open_memory
+
+    def cfg(**kw):
+        mem = open_memory(str(tmp_path / "m"), encoder="none", dim=8, batching=False, **kw)
+        try:
+            return mem.config
+        finally:
+            mem.close()
+
+    assert cfg().second_stage == "builtin:minilm"
+    assert cfg(second_stage="none").second_stage is None
+    assert cfg(preset="paper").second_stage is None
+    assert cfg(preset="paper", second_stage="builtin:minilm").second_stage == "builtin:minilm"
+    with pytest.raises(FileNotFoundError, match="RFMemConfig.second_stage"):
+        cfg(second_stage=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="unknown builtin second stage 'nope'"):
+        cfg(second_stage="builtin:nope")
+    with pytest.raises(TypeError, match="second_stage must be"):
+        cfg(second_stage=None)

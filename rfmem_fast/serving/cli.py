@@ -61,6 +61,9 @@ def add_memory_args(p: argparse.ArgumentParser, server: str = "serve") -> None:
     values (:func:`memory_kwargs`)."""
     full, late, shown = _SERVER_WORDS[server]
     add_encoder_args(p, shown=shown)
+    p.add_argument("--second-stage", default="default", metavar="STAGE",
+                   help="the learned re-ranking of each text query's top 50: 'default' (the preset's: on for "
+                   "recommended with MiniLM), 'none', 'builtin:minilm' or a model file of rfmem tune second-stage")
     p.add_argument("--preset", choices=["paper", "recommended"], default="recommended",
                    help="retrieval configuration: 'recommended' (default: RFMemConfig.recommended() for the encoder, "
                    "MPNet's pick for an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25 over the stored "
@@ -151,7 +154,7 @@ def memory_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`open_memory` from options added by :func:`add_memory_args`."""
     return dict(
         encoder=args.encoder, encoder_dtype=args.encoder_dtype, encoder_backend=args.encoder_backend,
-        preset=args.preset, dim=args.dim,
+        preset=args.preset, dim=args.dim, second_stage=args.second_stage,
         backend=args.backend, batching=not args.no_batching, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue, timeout=args.timeout, cache_size=args.cache_size,
         pipeline=not args.no_pipeline, encoder_workers=args.encoder_workers,

@@ -54,6 +54,7 @@ def open_memory(
     pipeline: bool = True,
     encoder_workers: int | str = "auto",
     load_encoder: bool = True,
+    second_stage: str = "default",
 ) -> Any:
     """Open (or create) the durable :class:`~rfmem_fast.serving.Memory` a server serves,
     its encoder loaded before the first request (or, with ``load_encoder=False``, by the
@@ -80,6 +81,10 @@ def open_memory(
             "paper" (``RFMemConfig.paper()``: the authors' RF-Mem, dense only). The
             preset is not stored in ``path``: each start searches with the one given.
         dim: vector dimension of a new vectors-only memory.
+        second_stage: "default" (the preset's: ``recommended()``'s shipped stage for
+            MiniLM, none for MPNet and "paper"), "none" (the first stage only), or a
+            value of ``RFMemConfig.second_stage`` ("builtin:minilm", or a model file of
+            ``rfmem tune second-stage --model-out``), checked when the memory opens.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size, pipeline:
             as :class:`rfmem_fast.Memory`.
         encoder_workers: micro-batches encoded at once, each by its own encoder (int
@@ -96,13 +101,19 @@ def open_memory(
         the open Memory (the caller closes it).
 
     Raises:
-        ValueError: a bad dtype, option, or a directory that is not a Memory.
-        FileNotFoundError: an encoder directory that does not exist.
+        ValueError: a bad dtype, option, or a directory that is not a Memory; an unknown
+            builtin second stage or a corrupt stage file.
+        TypeError: ``second_stage`` not a str.
+        FileNotFoundError: an encoder directory or a second-stage file that does not exist.
         rfmem_fast.serving.memory.MemoryLockedError: the directory is open in another process.
     """
     if preset not in ("paper", "recommended"):
         raise ValueError(f"preset must be 'paper' or 'recommended', got {preset!r}")
     config = RFMemConfig.recommended(recommended_alias(encoder)) if preset == "recommended" else RFMemConfig.paper()
+    if not isinstance(second_stage, str) or not second_stage:
+        raise TypeError(f"second_stage must be 'default', 'none', 'builtin:<name>' or a file path, got {second_stage!r}")
+    if second_stage != "default":
+        config = config.replace(second_stage=None if second_stage == "none" else second_stage)
     check_backend(encoder_backend, encoder_dtype, "encoder_backend", "encoder_dtype")
     workers = resolve_encoder_workers(encoder_workers, encoder, batching, pipeline)
     dtype: str | None = encoder_dtype
