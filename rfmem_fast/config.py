@@ -43,14 +43,15 @@ _NEVER_RECOLLECT = {"theta_high": -1.0, "theta_low": -1.0, "tau": 0.0}
 #: :meth:`RFMemConfig.recommended`'s pick per encoder (the fields it changes from the defaults)
 #: the second-stage models shipped with the package (``RFMemConfig.second_stage = "builtin:<name>"``,
 #: the files ``rfmem_fast/data/second_stage_<name>.json``)
-BUILTIN_STAGES = ("minilm",)
+BUILTIN_STAGES = ("minilm", "mpnet")
 
 _RECOMMENDED_PICKS: dict[str, dict[str, Any]] = {
     "minilm": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.03,
                "context_weight": 0.5, "context_radius": 2, "thread_weight": 0.3, **_NEVER_RECOLLECT,
                "second_stage": "builtin:minilm"},
     "mpnet": {"fusion": "convex", "lexical_norm": "raw", "lexical_weight": 0.04,
-              "context_weight": 0.2, "context_radius": 2, "thread_weight": 0.5, **_NEVER_RECOLLECT},
+              "context_weight": 0.2, "context_radius": 2, "thread_weight": 0.5, **_NEVER_RECOLLECT,
+              "second_stage": "builtin:mpnet"},
 }
 
 
@@ -326,15 +327,17 @@ class RFMemConfig:
         best of its thread: :mod:`rfmem_fast.context`; items without a thread rank as
         without it), never recollecting (theta_high = theta_low = -1: every query takes
         the Familiarity path); for MPNet ``lexical_weight=0.04`` with ``context_weight=0.2``,
-        ``context_radius=2``, ``thread_weight=0.5`` (below). For MiniLM a **second stage**
-        re-ranks each query's top 50 (``second_stage="builtin:minilm"``,
+        ``context_radius=2``, ``thread_weight=0.5`` (below). Then a **second stage**
+        re-ranks each text query's top 50 (MiniLM: ``second_stage="builtin:minilm"``,
         :mod:`rfmem_fast.second_stage`: a linear pairwise model over the first stage's
         scores and ranks, query-term coverage and idf mass, exact number / name / date
         matches, recency and the session position; ``rfmem tune second-stage``, nested CV
         on top of the context pick: +2.74 / +0.96 / +3.02 / +1.64 on PersonaBench 0.0 / 0.3
         / 0.5 / 0.7 and +4.90 on LoCoMo, ``bench/results/second-stage-minilm.json``; about
-        0.3 ms per single query, ``bench/results/second-stage-cost-amd-epyc.json``); MPNet has
-        no second stage (none was fitted for its scores). It was tuned on banks whose lexical index stems with PyStemmer's English
+        0.4-0.6 ms per single query, ``bench/results/second-stage-cost-amd-epyc-zen4.json``);
+        MPNet: ``"builtin:mpnet"``, its own fit by the same procedure (top 30; nested +0.21 /
+        +4.57 / +0.49 / +3.90 on PersonaBench, +2.60 on LoCoMo,
+        ``bench/results/second-stage-mpnet.json``). It was tuned on banks whose lexical index stems with PyStemmer's English
         stemmer (``MemoryBank(lexical_stemmer="english")``, what :class:`rfmem_fast.Memory`
         and the evaluations build); ``search`` then needs the query texts
         (``query_texts=``). It is the default of the text facades

@@ -143,7 +143,9 @@ def test_errors_name_the_field(data, tmp_path):
 def test_presets_and_the_shipped_file():
     rec = RFMemConfig.recommended()
     assert rec.preset() == "recommended" and rec.summary()["second_stage"] is True
-    assert RFMemConfig.recommended("mpnet").second_stage is None
+    assert RFMemConfig.recommended("mpnet").second_stage == "builtin:mpnet"
+    mp = resolve_stage(RFMemConfig.recommended("mpnet"))
+    assert mp.kind == "linear" and mp.depth == 30 and mp is not resolve_stage(rec)
     assert RFMemConfig().summary()["second_stage"] is False
     assert rec.replace(second_stage=None).preset() == "custom"
     m = resolve_stage(rec)

@@ -362,6 +362,7 @@ def serve(
     no_auth: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     fast_path: bool = True,
+    second_stage: str = "default",
 ) -> None:
     """Open the memory at ``path`` and serve it with uvicorn until SIGINT / SIGTERM.
 
@@ -391,6 +392,7 @@ def serve(
             BM25, ``RFMemConfig.recommended()`` for the encoder) or "paper" (the authors'
             RF-Mem, dense only); :func:`rfmem_fast.serving.launch.open_memory`.
         dim: vector dimension of a new vectors-only memory.
+        second_stage: :func:`~rfmem_fast.serving.launch.open_memory`'s (``--second-stage``).
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size:
             as :class:`rfmem_fast.Memory`.
         pipeline, encoder_workers: the encode / search pipeline and its encoder workers
@@ -418,7 +420,7 @@ def serve(
     memory = open_memory(path, encoder=encoder, encoder_dtype=encoder_dtype, encoder_backend=encoder_backend,
                          preset=preset, dim=dim, backend=backend, batching=batching, max_batch=max_batch,
                          max_wait_ms=max_wait_ms, max_queue=max_queue, timeout=timeout, cache_size=cache_size,
-                         pipeline=pipeline, encoder_workers=encoder_workers)
+                         pipeline=pipeline, encoder_workers=encoder_workers, second_stage=second_stage)
     try:
         app = create_app(memory, api_key=key, close_memory=True, no_auth=no_auth, max_body_bytes=max_body_bytes,
                          fast_path=fast_path)

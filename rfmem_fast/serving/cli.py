@@ -62,13 +62,13 @@ def add_memory_args(p: argparse.ArgumentParser, server: str = "serve") -> None:
     full, late, shown = _SERVER_WORDS[server]
     add_encoder_args(p, shown=shown)
     p.add_argument("--second-stage", default="default", metavar="STAGE",
-                   help="the learned re-ranking of each text query's top 50: 'default' (the preset's: on for "
-                   "recommended with MiniLM), 'none', 'builtin:minilm' or a model file of rfmem tune second-stage")
+                   help="the learned re-ranking of each text query's top candidates: 'default' (the preset's: on for "
+                   "recommended), 'none', 'builtin:minilm', 'builtin:mpnet' or a model file of rfmem tune second-stage")
     p.add_argument("--preset", choices=["paper", "recommended"], default="recommended",
                    help="retrieval configuration: 'recommended' (default: RFMemConfig.recommended() for the encoder, "
                    "MPNet's pick for an all-mpnet-base-v2 folder, else MiniLM's: hybrid dense + BM25 over the stored "
-                   "texts with the conversation context, never recollecting, and for MiniLM a learned second stage on "
-                   "the top 50; vector queries search dense) or 'paper' (the authors' RF-Mem, dense channel only)")
+                   "texts with the conversation context, never recollecting, then a learned second stage on each "
+                   "text query's top candidates; vector queries search dense) or 'paper' (the authors' RF-Mem, dense channel only)")
     p.add_argument("--dim", type=int, default=None, help="vector dimension of a new vectors-only memory")
     p.add_argument("--backend", default="auto", help="search backend (default auto)")
     p.add_argument("--no-batching", action="store_true", help="one search call per request (no micro-batching)")

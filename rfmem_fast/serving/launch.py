@@ -82,7 +82,7 @@ def open_memory(
             preset is not stored in ``path``: each start searches with the one given.
         dim: vector dimension of a new vectors-only memory.
         second_stage: "default" (the preset's: ``recommended()``'s shipped stage for
-            MiniLM, none for MPNet and "paper"), "none" (the first stage only), or a
+            MiniLM / MPNet, none for "paper"), "none" (the first stage only), or a
             value of ``RFMemConfig.second_stage`` ("builtin:minilm", or a model file of
             ``rfmem tune second-stage --model-out``), checked when the memory opens.
         backend, batching, max_batch, max_wait_ms, max_queue, timeout, cache_size, pipeline:
