@@ -127,6 +127,17 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     _add_backend_arg(p)
 
 
+def _add_dataset_args(p: argparse.ArgumentParser, locomo: bool = False) -> None:
+    """The dataset options the nested ``rfmem tune`` commands share: ``--personabench`` (a
+    folder holding synthetic_data/), ``--noise`` (PersonaBench noise levels, default all
+    four) and, with ``locomo``, ``--locomo`` (a folder of LoCoMo conversation files)."""
+    p.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
+    p.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
+                   help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")
+    if locomo:
+        p.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+
+
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend", default="auto", choices=BACKEND_NAMES, metavar="NAME",
@@ -273,10 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     tpb.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
     thy = tusub.add_parser("hybrid", help="the dense + lexical fusion, nested leave-one-user-out across datasets")
-    thy.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
-    thy.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
-                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
-    thy.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+    _add_dataset_args(thy, locomo=True)
     thy.add_argument("--longmemeval", default=None, help="a LongMemEval JSON file (longmemeval_s / _m / oracle format)")
     thy.add_argument("--granularity", choices=["session", "turn"], default="session",
                      help="LongMemEval memory items: sessions or turns (default session)")  # fmt: skip
@@ -292,9 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tcx = tusub.add_parser("context", help="the context score (neighbours and threads) on top of the hybrid fusions, "
                                            "nested leave-one-user-out across datasets")  # fmt: skip
-    tcx.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
-    tcx.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
-                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
+    _add_dataset_args(tcx)
     tcx.add_argument("--personabench-session-threads", action="store_true",
                      help="thread PersonaBench's sessions by partner / kind (default: a chunk is a whole session, no thread)")
     tcx.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
@@ -310,10 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tss = tusub.add_parser("second-stage", help="a learned re-ranker of the recommended pipeline's top N, "
                                                 "nested leave-one-user-out across datasets")  # fmt: skip
-    tss.add_argument("--personabench", default=None, help="PersonaBench folder holding synthetic_data/")
-    tss.add_argument("--noise", type=_parse_noise, default=[0.0, 0.3, 0.5, 0.7],
-                     help="PersonaBench noise level(s) or all (default 0.0,0.3,0.5,0.7)")  # fmt: skip
-    tss.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
+    _add_dataset_args(tss, locomo=True)
     tss.add_argument("--encoder", default="minilm", help="encoder of the first stage (default minilm)")
     tss.add_argument("--families", default="linear,trees", help="comma list of model families (default linear,trees)")
     tss.add_argument("--depths", default="20,30,50", help="comma list of the depths N tried (default 20,30,50)")

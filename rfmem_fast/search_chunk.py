@@ -580,9 +580,22 @@ def stage_list(kit: ArrayKit, stage: Any, view: Any, rows: Any, scores: Any, den
     order (ties: first-stage order), every per-hit array permuted alike; a query whose text
     is None keeps its first-stage list (the features read the query's text).
 
+    Args:
+        kit: the chunk's array kit; stage: a loaded :class:`~rfmem_fast.second_stage.LinearStage`
+            / :class:`~rfmem_fast.second_stage.TreeStage`; view: the bank view (its snapshot).
+        rows: int64 [b, w] the lists (w >= out_k), scores / dense float32 [b, w], ctx float32
+            [b, w] or None, known: (dense, lexical) [b, w] or None; lex_hits: the per-query
+            lexical scores (:func:`rfmem_fast.search_lexical.lexical_hits`' form, or a Hybrid).
+        texts: b query texts (str / None); mean, ent: float64 [b] the probe's signals.
+        out_k: hits kept per query; width: the result's columns (>= out_k).
+
     Returns:
         (rows, scores, dense, ctx or None, (dense, lexical)) [b, width] in the kit's arrays
         (-1 / -inf / NaN padding).
+
+    Raises:
+        ValueError / TypeError: as :func:`rfmem_fast.second_stage_features.stage_features`
+            (lists that break its rules: rows of several users, non-finite scores).
     """
     R = kit.lower(rows)
     b, w = R.shape

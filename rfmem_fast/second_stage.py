@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .config import BUILTIN_STAGES  # (the shipped models' names: the config checks them)
+from .routing.rerank import finite_vector, pair_differences
 from .second_stage_features import (
     _COL,
     _MAX_DEPTH,
@@ -154,16 +155,6 @@ class _Stage:
         raise NotImplementedError
 
 
-def _vector(x: Any, n: int, name: str) -> np.ndarray:
-    try:
-        a = np.asarray(x, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a list of {n} numbers") from None
-    if a.shape != (n,) or not np.all(np.isfinite(a)):
-        raise ValueError(f"{name} must be {n} finite numbers, got {x!r:.80}")
-    return a
-
-
 class LinearStage(_Stage):
     """``score = sum_k w_k * feature_k`` over the features it names (module docstring).
 
@@ -182,7 +173,7 @@ class LinearStage(_Stage):
 
     def __init__(self, features: Sequence[str], weights: Any, depth: int = 50, meta: dict[str, Any] | None = None) -> None:
         self.features = _check_features(features)
-        self.weights = _vector(weights, len(self.features), "weights")
+        self.weights = finite_vector(weights, len(self.features), "weights")
         if not np.any(self.weights != 0):
             raise ValueError("weights must not all be zero")
         self.depth = _check_depth(depth)
@@ -366,15 +357,9 @@ def fit_linear_stage(
     if isinstance(C, bool) or not isinstance(C, (int, float)) or not C > 0:
         raise ValueError(f"C must be a float > 0, got {C!r}")
     depth = _check_depth(depth)
-    pos, neg = V & Y, V & ~Y
-    qi, a, bb = np.nonzero(pos[:, :, None] & neg[:, None, :])
-    if qi.size == 0:
-        raise ValueError("no query has both a relevant and a non-relevant candidate: nothing to learn from")
-    D = X[qi, a] - X[qi, bb]
+    qi, D, sd = pair_differences(X, V & Y, V & ~Y)
     npairs = np.bincount(qi, minlength=X.shape[0])
     w8 = 1.0 / npairs[qi]
-    sd = D.std(axis=0)
-    sd = np.where(sd > 0, sd, 1.0)
     # each pair once, every other one negated (label 0): without an intercept the loss of
     # (z, 1) equals that of (-z, 0), so this is the loss of the pairs and their negations
     # halved, i.e. the same fit with C doubled

@@ -31,7 +31,8 @@ import numpy as np
 
 from .merge import first_occurrences, in_blocks, select_top, unit_mean
 
-__all__ = ["RERANK_FEATURES", "LinearReranker", "candidate_features", "candidate_labels", "concat_pools", "fit_reranker"]
+__all__ = ["RERANK_FEATURES", "LinearReranker", "candidate_features", "candidate_labels", "concat_pools", "finite_vector",
+           "fit_reranker", "pair_differences"]
 
 #: the candidate features, in their canonical order (the module docstring defines them)
 RERANK_FEATURES = ("cos", "profile", "support", "recollected")
@@ -153,7 +154,13 @@ def concat_pools(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> 
     )
 
 
-def _vector(x: Any, n: int, name: str) -> np.ndarray:
+def finite_vector(x: Any, n: int, name: str) -> np.ndarray:
+    """``x`` as a float64 [n] array of finite values (a model's weights).
+
+    Raises:
+        ValueError: not convertible to numbers, another shape, a NaN / Inf; the message
+            names ``name``.
+    """
     try:
         a = np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError):
@@ -185,7 +192,7 @@ class LinearReranker:
         bad = [f for f in feats if f not in RERANK_FEATURES]
         if bad or not feats or len(set(feats)) != len(feats):
             raise ValueError(f"features must be distinct names from {RERANK_FEATURES}, got {list(features)}")
-        w = _vector(weights, len(feats), "weights")
+        w = finite_vector(weights, len(feats), "weights")
         if not np.any(w != 0):
             raise ValueError("weights must not all be zero")
         if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or not 1 <= depth <= _MAX_DEPTH:
@@ -242,6 +249,31 @@ class LinearReranker:
         return f"LinearReranker({w}; depth={self.depth})"
 
 
+def pair_differences(X: np.ndarray, pos: np.ndarray, neg: np.ndarray,
+                     cols: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The (relevant, non-relevant) candidate pairs of each query, for a pairwise (RankNet /
+    RankSVM-style) fit: :func:`fit_reranker`'s and :func:`rfmem_fast.second_stage.fit_linear_stage`'s.
+
+    Args:
+        X: float64 [r, L, f] features of r queries' L candidates.
+        pos, neg: bool [r, L] the relevant / non-relevant candidates.
+        cols: the feature columns to use (default all), taken from each pair's rows.
+
+    Returns:
+        (qi int64 [P] the query of each pair, D float64 [P, f] the feature differences
+        relevant minus non-relevant, sd float64 [f] their standard deviations, 1.0 where 0).
+
+    Raises:
+        ValueError: no query has both a relevant and a non-relevant candidate.
+    """
+    qi, a, b = np.nonzero(pos[:, :, None] & neg[:, None, :])  # [r, L, L] masks, gathered once
+    if qi.size == 0:
+        raise ValueError("no query has both a relevant and a non-relevant candidate: nothing to learn from")
+    D = X[qi, a] - X[qi, b] if cols is None else X[qi, a][:, cols] - X[qi, b][:, cols]
+    sd = D.std(axis=0)
+    return qi, D, np.where(sd > 0, sd, 1.0)
+
+
 def fit_reranker(
     feats: Any,
     keep: Any,
@@ -286,16 +318,7 @@ def fit_reranker(
     if not C > 0:
         raise ValueError(f"C must be > 0, got {C}")
     cols = [RERANK_FEATURES.index(f) for f in features]
-    pos = K & (Y > 0)
-    neg = K & (Y <= 0)
-    # all (relevant, non-relevant) pairs of each query: [r, L, L] masks, gathered once
-    pair = pos[:, :, None] & neg[:, None, :]
-    qi, a, b = np.nonzero(pair)
-    if qi.size == 0:
-        raise ValueError("no query has both a relevant and a non-relevant candidate: nothing to learn from")
-    D = F[qi, a][:, cols] - F[qi, b][:, cols]
-    sd = D.std(axis=0)
-    sd = np.where(sd > 0, sd, 1.0)
+    _, D, sd = pair_differences(F, K & (Y > 0), K & (Y <= 0), cols)
     Z = np.concatenate([D / sd, -D / sd])
     y = np.r_[np.ones(len(D)), np.zeros(len(D))]
     clf = LogisticRegression(C=float(C), fit_intercept=False, max_iter=5000).fit(Z, y)
