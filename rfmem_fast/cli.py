@@ -325,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arg(tss)
     tss.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
+    tpl = tusub.add_parser("pipeline", help="the whole recommended pipeline (first stage + second stage) by ONE "
+                                            "nested leave-one-user-out across datasets")  # fmt: skip
+    _add_dataset_args(tpl, locomo=True)
+    tpl.add_argument("--encoder", default="minilm", help="encoder (default minilm)")
+    tpl.add_argument("--families", default="linear", help="comma list of second-stage families (default linear)")
+    tpl.add_argument("--depths", default="20,30,50", help="comma list of the stage depths N tried (default 20,30,50)")
+    tpl.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    _add_backend_arg(tpl)
+    tpl.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
     mo = sub.add_parser("models", help="the offline encoders")
     mosub = mo.add_subparsers(dest="action", required=True)
     mosub.add_parser("list", help="encoders usable here")
@@ -600,11 +610,38 @@ def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def _tune_pipeline(args: argparse.Namespace, command: str) -> int:
+    """``rfmem tune pipeline`` (:mod:`rfmem_fast.tuning_pipeline`)."""
+    from .datasets import load_locomo, load_personabench
+    from .evaluate import machine_info
+    from .tuning_datasets import DatasetCondition
+    from .tuning_pipeline import format_pipeline, pipeline_json, tune_pipeline
+
+    if not (args.personabench or args.locomo):
+        print("rfmem tune pipeline: give at least one of --personabench, --locomo", file=sys.stderr)
+        return 2
+    conds = []
+    if args.personabench:
+        conds += [DatasetCondition(f"pb {n}", load_personabench(args.personabench, noise=n), args.encoder, "pb:")
+                  for n in args.noise]  # fmt: skip
+    if args.locomo:
+        conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
+    depths = [int(x) for x in args.depths.split(",") if x.strip()]
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    res = tune_pipeline(conds, families, depths, args.k, args.backend, progress=_say)
+    print(format_pipeline(res))
+    if args.json_out:
+        _write_json({**pipeline_json(res), "encoder": args.encoder, "machine": machine_info()}, args.json_out, command)
+    return 0
+
+
 def _tune(args: argparse.Namespace, command: str) -> int:
     from .tuning import format_tune, tune_json, tune_personabench
 
     if args.dataset == "second-stage":
         return _tune_second_stage(args, command)
+    if args.dataset == "pipeline":
+        return _tune_pipeline(args, command)
     if args.dataset in ("hybrid", "context"):
         return _tune_hybrid(args, command)
     if args.grid == "rerank":

@@ -212,6 +212,8 @@ class SecondStageResult:
     model: Any
     seconds: float
     notes: list[str] = field(default_factory=list)
+    #: family -> condition -> float [nq]: each question's held-out Recall@k (the nested figures' values)
+    held: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def tune_second_stage(data: Sequence[StageCondition], candidates: Sequence[StageCandidate], k: int = 10,
@@ -290,7 +292,7 @@ def tune_second_stage(data: Sequence[StageCondition], candidates: Sequence[Stage
             "trees": [i for i, c in enumerate(candidates) if c.family == "trees"],
             "all": list(range(len(candidates)))}  # fmt: skip
     fams = {f: ix for f, ix in fams.items() if ix and (f == "all" or len(ix) > 0)}
-    nested, nested_se, picks = {}, {}, {}
+    nested, nested_se, picks, held_all = {}, {}, {}, {}
     for fam, idx in fams.items():
         held = [c.first.copy() for c in data]
         chosen = []
@@ -303,6 +305,7 @@ def tune_second_stage(data: Sequence[StageCondition], candidates: Sequence[Stage
             for cidx in range(len(data)):
                 held[cidx][by_user[cidx][u]] = got[cidx]
             say(f"second stage {fam}: held out {u}: {candidates[ci].name} ({len(models)} fits so far)")
+        held_all[fam] = dict(zip(labels, held))
         nested[fam] = {lab: float(h.mean()) for lab, h in zip(labels, held)}
         nested_se[fam] = {lab: gain_se(h - c.first) for lab, h, c in zip(labels, held, data)}
         picks[fam] = chosen
@@ -331,7 +334,7 @@ def tune_second_stage(data: Sequence[StageCondition], candidates: Sequence[Stage
         conditions=labels, users=users, k=k, dense={lab: float(c.dense.mean()) for lab, c in zip(labels, data)},
         first={lab: float(c.first.mean()) for lab, c in zip(labels, data)}, nested=nested, nested_se=nested_se,
         picks=picks, pick_all=candidates[best].name, in_sample=in_sample, fixed=fixed, model=fitted,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, held=held_all,
     )  # fmt: skip
 
 

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("facade, services and tools", (
         "rfmem_fast", "serving", "serving.*", "integrations", "integrations.*",
-        "distributed", "distributed.*", "evaluate", "evaluate_datasets", "tuning", "tuning_datasets", "tuning_second_stage",
+        "distributed", "distributed.*", "evaluate", "evaluate_datasets", "tuning", "tuning_datasets", "tuning_second_stage", "tuning_pipeline",
         "routing", "routing.calibrate",
     )),
     ("datasets and encoders", (

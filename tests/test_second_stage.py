@@ -448,3 +448,44 @@ def test_nested_cv_never_scores_a_user_with_a_model_fitted_on_it(monkeypatch):
     assert set(res.nested) == {"linear", "all"} and set(res.nested["linear"]) == {"x", "y"}
     # the in-sample model (all users) is fitted on every user and scores them all: done outside the check
     assert res.pick_all in ("off", "linear N=12 C=1")
+
+
+def test_pipeline_scores_each_user_under_its_own_folds_picks(monkeypatch):
+    """tune_pipeline: a user's questions take the values of the stage run on ITS fold's first-stage pick."""
+    from types import SimpleNamespace
+
+    from rfmem_fast import tuning_pipeline as P
+    from rfmem_fast.tuning_datasets import _name, context_candidates
+
+    names = [_name(f, c) for f, c in context_candidates()]
+    a, b = names[1], names[5]
+    users = ["u1", "u2", "u3"]
+    picks = {"u1": a, "u2": b, "u3": a}
+    monkeypatch.setattr(P, "tune_context", lambda conds, **kw: SimpleNamespace(
+        users=users, picks={"all": [f"{u}: {picks[u]}" for u in users]}))  # fmt: skip
+    qusers = np.array(["u1", "u2", "u3", "u1", "u2", "u3"], dtype=object)
+    prepared = []
+
+    def prepare(conds, depths, k, cfg, backend, cache_dir, progress=None):
+        tag = 1.0 if _name("fusion" if not cfg.context_on else "context", cfg) == a else 2.0
+        prepared.append(tag)
+        return [SimpleNamespace(label="x", qrows=np.arange(6), users=qusers, dense=np.full(6, 0.1),
+                                first=np.full(6, tag / 10), tag=tag)]  # fmt: skip
+
+    def tune(data, cands, k, progress=None):
+        tag = data[0].tag
+        return SimpleNamespace(held={"all": {"x": np.full(6, tag)}},
+                               picks={"all": [f"{u}: stage{tag:g}" for u in users]})  # fmt: skip
+
+    monkeypatch.setattr(P, "prepare_stage_conditions", prepare)
+    monkeypatch.setattr(P, "tune_second_stage", tune)
+    res = P.tune_pipeline([SimpleNamespace(label="x")], ("linear",), (20,), 10)
+    assert sorted(prepared) == [1.0, 2.0]  # each distinct pick prepared once
+    want = np.array([1.0 if picks[u] == a else 2.0 for u in qusers])
+    assert res.pipeline["x"] == pytest.approx(want.mean())
+    assert res.first["x"] == pytest.approx((want / 10).mean())
+    assert res.dense["x"] == pytest.approx(0.1)
+    assert res.stage_picks == {"u1": "stage1", "u2": "stage2", "u3": "stage1"}
+    assert res.first_picks == picks
+    assert "pipeline (nested)" in P.format_pipeline(res)
+    assert P.pipeline_json(res)["pipeline_gain_over_dense_points"]["x"] == pytest.approx(100 * (want.mean() - 0.1))
