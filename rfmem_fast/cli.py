@@ -571,20 +571,15 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
-    """``rfmem tune second-stage`` (:mod:`rfmem_fast.tuning_second_stage`)."""
-    from .config import RFMemConfig
+def _stage_inputs(args: argparse.Namespace, what: str) -> tuple | None:
+    """The conditions (PersonaBench at each ``--noise``, LoCoMo), ``--depths`` and ``--families``
+    of ``rfmem tune second-stage`` / ``pipeline``; None (after a message) without any dataset."""
     from .datasets import load_locomo, load_personabench
-    from .evaluate import machine_info
-    from .models import recommended_alias
-    from .second_stage import save_stage
     from .tuning_datasets import DatasetCondition
-    from .tuning_second_stage import (format_second_stage, prepare_stage_conditions, second_stage_json,
-                                      stage_candidates, tune_second_stage)  # fmt: skip
 
     if not (args.personabench or args.locomo):
-        print("rfmem tune second-stage: give at least one of --personabench, --locomo", file=sys.stderr)
-        return 2
+        print(f"rfmem tune {what}: give at least one of --personabench, --locomo", file=sys.stderr)
+        return None
     conds = []
     if args.personabench:
         conds += [DatasetCondition(f"pb {n}", load_personabench(args.personabench, noise=n), args.encoder, "pb:")
@@ -593,6 +588,22 @@ def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
         conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
     depths = [int(x) for x in args.depths.split(",") if x.strip()]
     families = [f.strip() for f in args.families.split(",") if f.strip()]
+    return conds, depths, families
+
+
+def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
+    """``rfmem tune second-stage`` (:mod:`rfmem_fast.tuning_second_stage`)."""
+    from .config import RFMemConfig
+    from .evaluate import machine_info
+    from .models import recommended_alias
+    from .second_stage import save_stage
+    from .tuning_second_stage import (format_second_stage, prepare_stage_conditions, second_stage_json,
+                                      stage_candidates, tune_second_stage)  # fmt: skip
+
+    got = _stage_inputs(args, "second-stage")
+    if got is None:
+        return 2
+    conds, depths, families = got
     first = RFMemConfig.recommended(recommended_alias(args.encoder), second_stage=None)  # (the stage's input)
     data = prepare_stage_conditions(conds, depths, args.k, first, args.backend, progress=_say)
     res = tune_second_stage(data, stage_candidates(families, depths), args.k, progress=_say)
@@ -612,22 +623,13 @@ def _tune_second_stage(args: argparse.Namespace, command: str) -> int:
 
 def _tune_pipeline(args: argparse.Namespace, command: str) -> int:
     """``rfmem tune pipeline`` (:mod:`rfmem_fast.tuning_pipeline`)."""
-    from .datasets import load_locomo, load_personabench
     from .evaluate import machine_info
-    from .tuning_datasets import DatasetCondition
     from .tuning_pipeline import format_pipeline, pipeline_json, tune_pipeline
 
-    if not (args.personabench or args.locomo):
-        print("rfmem tune pipeline: give at least one of --personabench, --locomo", file=sys.stderr)
+    got = _stage_inputs(args, "pipeline")
+    if got is None:
         return 2
-    conds = []
-    if args.personabench:
-        conds += [DatasetCondition(f"pb {n}", load_personabench(args.personabench, noise=n), args.encoder, "pb:")
-                  for n in args.noise]  # fmt: skip
-    if args.locomo:
-        conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
-    depths = [int(x) for x in args.depths.split(",") if x.strip()]
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    conds, depths, families = got
     res = tune_pipeline(conds, families, depths, args.k, args.backend, progress=_say)
     print(format_pipeline(res))
     if args.json_out:

@@ -489,3 +489,29 @@ def test_pipeline_scores_each_user_under_its_own_folds_picks(monkeypatch):
     assert res.first_picks == picks
     assert "pipeline (nested)" in P.format_pipeline(res)
     assert P.pipeline_json(res)["pipeline_gain_over_dense_points"]["x"] == pytest.approx(100 * (want.mean() - 0.1))
+
+
+def test_tune_pipeline_command(monkeypatch, tmp_path, capsys):
+    """``rfmem tune pipeline``: refuses without data; runs tune_pipeline on the conditions and writes its JSON."""
+    from rfmem_fast import cli
+    from rfmem_fast import tuning_pipeline as P
+
+    assert cli.main(["tune", "pipeline"]) == 2
+    assert "give at least one of --personabench, --locomo" in capsys.readouterr().err
+    seen = {}
+
+    def fake(conds, families, depths, k, backend, progress=None):
+        seen.update(labels=[c.label for c in conds], families=families, depths=depths, k=k)
+        return P.PipelineTuneResult(["locomo"], ["locomo:a"], k, {"locomo": 0.5}, {"locomo": 0.6}, {"locomo": 0.7},
+                                    {"locomo": 0.01}, {"locomo:a": "x"}, {"locomo:a": "off"}, 1.0)  # fmt: skip
+
+    monkeypatch.setattr(P, "tune_pipeline", fake)
+    import rfmem_fast.datasets as D
+
+    monkeypatch.setattr(D, "load_locomo", lambda path: object())
+    out = tmp_path / "p.json"
+    assert cli.main(["tune", "pipeline", "--locomo", str(tmp_path), "--depths", "20,30", "--json", str(out)]) == 0
+    assert seen == {"labels": ["locomo"], "families": ["linear"], "depths": [20, 30], "k": 10}
+    doc = json.loads(out.read_text())
+    assert doc["pipeline_gain_over_dense_points"]["locomo"] == pytest.approx(20.0)
+    assert doc["encoder"] == "minilm" and "pipeline (nested)" in capsys.readouterr().out
