@@ -345,7 +345,16 @@ class RFMemConfig:
         :func:`rfmem_fast.models.recommended_alias` picks the encoder); ``RFMemConfig()``
         stays the paper's.
 
-        Honest figures (MiniLM, Recall@10 gain over dense in points, nested CV of the
+        The whole pipeline (first stage and second stage chosen and fitted inside ONE nested
+        leave-one-user-out CV, ``rfmem tune pipeline``, :mod:`rfmem_fast.tuning_pipeline`),
+        Recall@10 gain over dense in points, PersonaBench 0.0 / 0.3 / 0.5 / 0.7 and LoCoMo:
+        MiniLM +4.73 / +3.41 / +4.83 / +6.25, +22.01
+        (``bench/results/tune-pipeline-minilm.json``); MPNet +5.25 / +4.84 / +4.73 / +7.04,
+        +17.20 (``bench/results/tune-pipeline-mpnet.json``). Routing some queries to the
+        Recollection path, even one whose rounds are scored like the first stage, does not
+        pay on top of it (``bench/bench_fused_recollection.py``, docs "Retrieval quality").
+
+        First-stage figures (MiniLM, Recall@10 gain over dense in points, nested CV of the
         whole procedure, ``bench/results/tune-context-minilm.json``; a PersonaBench user is
         one fold at every noise level, a LoCoMo conversation one fold): PersonaBench +1.52
         / +2.45 / +2.09 / +4.36 at noise 0.0 / 0.3 / 0.5 / 0.7, LoCoMo +16.31 (the hybrid
