@@ -128,6 +128,9 @@ def text_terms(text: str) -> tuple[frozenset, frozenset, frozenset]:
     return frozenset(words), nums, frozenset(dates)
 
 
+_NO_TERMS = (frozenset(), frozenset(), frozenset())
+
+
 def query_terms(text: str) -> tuple[frozenset, frozenset, frozenset]:
     """(names, numbers, date words) a query asks about, each a frozenset of lowercased str.
 
@@ -368,15 +371,11 @@ def stage_features(
             F[i, :nv, col["idf_mass"]] = idf_m
             F[i, :nv, col["idf_frac"]] = idf_f
         names, nums, dates = query_terms(qt)
-        if names or nums or dates:
-            for j in range(nv):
-                t = T[i, j]
-                if t is None:
-                    continue
-                w, cn, cd = text_terms(t)
-                F[i, j, col["num_match"]] = len(nums & cn)
-                F[i, j, col["name_match"]] = len(names & w)
-                F[i, j, col["date_match"]] = len(dates & cd)
+        if names or nums or dates:  # one list per feature and query (a candidate without a text: 0)
+            tt = [_NO_TERMS if t is None else text_terms(t) for t in T[i, :nv].tolist()]
+            for want, part, name in ((nums, 1, "num_match"), (names, 0, "name_match"), (dates, 2, "date_match")):
+                if want:
+                    F[i, :nv, col[name]] = [len(want & x[part]) for x in tt]
     return np.where(valid[:, :, None], F, 0.0), valid
 
 
