@@ -573,12 +573,27 @@ def _tune_hybrid(args: argparse.Namespace, command: str) -> int:
 
 def _stage_inputs(args: argparse.Namespace, what: str) -> tuple | None:
     """The conditions (PersonaBench at each ``--noise``, LoCoMo), ``--depths`` and ``--families``
-    of ``rfmem tune second-stage`` / ``pipeline``; None (after a message) without any dataset."""
+    of ``rfmem tune second-stage`` / ``pipeline``; None (after a message on stderr) without any
+    dataset, with an unknown family or with a depth that is not an int >= ``--k``."""
     from .datasets import load_locomo, load_personabench
     from .tuning_datasets import DatasetCondition
 
     if not (args.personabench or args.locomo):
         print(f"rfmem tune {what}: give at least one of --personabench, --locomo", file=sys.stderr)
+        return None
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    try:
+        depths = [int(x) for x in args.depths.split(",") if x.strip()]
+    except ValueError:
+        depths = []
+    bad = [f for f in families if f not in ("linear", "trees")]
+    if bad or not families:
+        print(f"rfmem tune {what}: --families must be a comma list of linear, trees; got {args.families!r}",
+              file=sys.stderr)  # fmt: skip
+        return None
+    if not depths or min(depths) < args.k:
+        print(f"rfmem tune {what}: --depths must be a comma list of ints >= --k ({args.k}); got {args.depths!r}",
+              file=sys.stderr)  # fmt: skip
         return None
     conds = []
     if args.personabench:
@@ -586,8 +601,6 @@ def _stage_inputs(args: argparse.Namespace, what: str) -> tuple | None:
                   for n in args.noise]  # fmt: skip
     if args.locomo:
         conds.append(DatasetCondition("locomo", load_locomo(args.locomo), args.encoder, "locomo:"))
-    depths = [int(x) for x in args.depths.split(",") if x.strip()]
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
     return conds, depths, families
 
 

@@ -498,6 +498,11 @@ def test_tune_pipeline_command(monkeypatch, tmp_path, capsys):
 
     assert cli.main(["tune", "pipeline"]) == 2
     assert "give at least one of --personabench, --locomo" in capsys.readouterr().err
+    assert cli.main(["tune", "pipeline", "--locomo", str(tmp_path), "--families", "linear,forest"]) == 2
+    assert "--families must be a comma list of linear, trees" in capsys.readouterr().err
+    for bad in ("5,20", "x"):  # a depth below k = 10; not an int
+        assert cli.main(["tune", "second-stage", "--locomo", str(tmp_path), "--depths", bad]) == 2
+        assert "--depths must be a comma list of ints >= --k (10)" in capsys.readouterr().err
     seen = {}
 
     def fake(conds, families, depths, k, backend, progress=None):
