@@ -175,17 +175,14 @@ def fused_beam(X: np.ndarray, q0: np.ndarray, beta: np.ndarray, order: list[np.n
     return results[: cfg.out_k]
 
 
-def signals(sc: np.ndarray, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and "mean"-convention entropy (spec section 1) of rows of scores [b, K] (-inf / NaN padding)."""
-    ok = np.isfinite(sc)
-    s = np.where(ok, sc, 0.0)
-    cnt = np.maximum(ok.sum(axis=1), 1)
-    mean = s.sum(axis=1) / cnt
-    top = np.where(ok, sc, -np.inf).max(axis=1, keepdims=True)
-    p = np.where(ok, np.exp(temperature * (np.where(ok, sc, 0.0) - top)), 0.0)
-    p /= p.sum(axis=1, keepdims=True)
-    ent = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)).sum(axis=1) / cnt
-    return mean, ent
+def signals(sc: np.ndarray, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, "mean"-convention entropy and count (spec section 1,
+    :func:`rfmem_fast.signals.familiarity_signals`) of rows of scores [b, K] (-inf padding)."""
+    import torch
+
+    from rfmem_fast.signals import familiarity_signals
+
+    return tuple(t.numpy() for t in familiarity_signals(torch.from_numpy(np.asarray(sc, dtype=np.float64)), temperature))
 
 
 def route_rules() -> list[tuple[float, float, float]]:
@@ -193,10 +190,13 @@ def route_rules() -> list[tuple[float, float, float]]:
     return [(h, lo, t) for h in THETA_HIGH for lo in THETA_LOW if lo < h for t in TAU]
 
 
-def routes(mean: np.ndarray, ent: np.ndarray, rule: tuple[float, float, float]) -> np.ndarray:
-    """bool [b]: recollect under the spec's router (section 2) with these thresholds."""
-    h, lo, t = rule
-    return ~(mean >= h) & ((mean <= lo) | (ent >= t))
+def routes(mean: np.ndarray, ent: np.ndarray, count: np.ndarray, rule: tuple[float, float, float]) -> np.ndarray:
+    """bool [b]: recollect under the spec's router (section 2,
+    :func:`rfmem_fast.routing.threshold.route_by_thresholds`) with these thresholds."""
+    from rfmem_fast.routing.base import RECOLLECTION
+    from rfmem_fast.routing.threshold import route_by_thresholds
+
+    return np.asarray(route_by_thresholds(mean, ent, count, *rule)[0]) == RECOLLECTION
 
 
 def run_condition(cond: Any, encoder: str, say: Any) -> dict[str, Any]:
@@ -226,7 +226,7 @@ def run_condition(cond: Any, encoder: str, say: Any) -> dict[str, Any]:
     base = np.asarray(res.scores, dtype=np.float64)
     lsc = base if csc is None else np.where(np.isfinite(csc), csc, base)
     lsc = np.where(rows >= 0, lsc, -np.inf)
-    out["mean"], out["entropy"] = signals(lsc[:, : first.probe_k], first.temperature)
+    out["mean"], out["entropy"], out["count"] = signals(lsc[:, : first.probe_k], first.temperature)
 
     def score_rows(rr: list[list[int]]) -> np.ndarray:
         return np.array([ds.score(ds.questions[int(i)], [str(snap.item_ids[r]) for r in row][:k], k)["recall"]
@@ -278,7 +278,7 @@ def nested(data: list[dict[str, Any]], labels: list[str]) -> dict[str, Any]:
             if p == "never":
                 rows.append(np.zeros(d["first"].shape[0]))
             else:
-                m = routes(d["mean"], d["entropy"], r)
+                m = routes(d["mean"], d["entropy"], d["count"], r)
                 rows.append(np.where(m, d[p] - d["first"], 0.0))
         G.append(np.array(rows))  # [cands, nq]
     masks = [{u: d["users"] == u for u in users} for d in data]
