@@ -36,7 +36,7 @@ option that keeps :data:`QUALITY_FLOOR` and passes the encoder judge
 (:mod:`rfmem_fast.encoder_judge`: on PersonaBench at every noise level and on LoCoMo,
 Recall@10 within one standard error of float32's, >= 95 % of top-10 lists and >= 99 % of
 routes identical) -- "onnx" float32 where onnxruntime and onnx import (int8 fails the
-judge: 38-73 % identical top-10 lists; on request only), the torch rule of
+judge: 37-73 % identical top-10 lists; on request only), the torch rule of
 ``dtype="auto"`` elsewhere; the measurements behind it are
 ``bench/bench_encoder_backends.py`` (speed), docs/benchmarks/serving.md "Encoder
 runtimes", and ``bench/bench_encoder_judge.py``, docs/guides/encoders.md "Judging an
@@ -226,7 +226,7 @@ def resolve_backend(backend: str, dtype: str, device: str = "cpu") -> tuple[str,
 
     ONNX float32 meets the floor and passes the judge (cosine >= 0.99999, the same
     retrieval). int8 (cosine >= 0.9997, routes identical on >= 99 % of questions) fails
-    the judge: 38-73 % of the top-10 lists identical where 95 % are required, on every
+    the judge: 37-73 % of the top-10 lists identical where 95 % are required, on every
     dataset (docs/guides/encoders.md "Judging an encoder option"), so it runs only when
     asked for, and pays only on a CPU with int8 dot products (:func:`int8_dot`); in ``rfmem serve`` at 64
     clients, batches of ~32 queries, it was no faster than float32 (docs/benchmarks/serving.md).
