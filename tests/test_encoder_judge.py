@@ -209,3 +209,27 @@ def test_other_input_errors():
         compare_runs(ref, ref, k=2.5)
     with pytest.raises(TypeError, match=r"candidate must be a mapping"):
         judge({"d": {"c": ref}}, {"d": ref})
+
+
+def test_bench_null_option_turns_each_text_to_the_asked_cosine():
+    """bench_encoder_judge's ``null:<1-cos>`` option: every row at cosine 1 - delta to the
+    reference, a text met twice turned alike (as an encoder would embed it)."""
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        from bench_encoder_judge import Turned
+    finally:
+        sys.path.remove(str(bench))
+    rng = np.random.default_rng(5)
+    V = rng.standard_normal((6, 16))
+    V /= np.linalg.norm(V, axis=1, keepdims=True)
+    V[4] = V[1]  # the same text twice: the same reference vector
+    texts = ["a", "b", "c", "d", "b", "e"]
+    out = Turned(1e-4, seed=0).turn(V.astype(np.float32), texts)
+    cos = (out.astype(np.float64) * V).sum(1)
+    np.testing.assert_allclose(cos, 1 - 1e-4, atol=2e-6)
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-6)
+    assert np.array_equal(out[1], out[4]) and not np.array_equal(out[0], V[0].astype(np.float32))
