@@ -32,7 +32,9 @@ and SIMD flags, versions (torch, onnxruntime, onnx, ...), the load average befor
 after, and the exact command; the markdown table and the goal check (>= 2x texts / s
 over torch bfloat16 at batch 1 and 64, Recall@10 within 0.2 points, routes identical
 on >= 99 % of questions), the quality floor of ``rfmem_fast.encoders.QUALITY_FLOOR``
-per option and what ``backend="auto"`` resolves to here are printed.
+(cosine and routes; whether an option's retrieval is float32's is judged by
+``bench/bench_encoder_judge.py``) per option and what ``backend="auto"`` resolves to here
+are printed.
 
     python bench/bench_encoder_backends.py            # ~2-4 min on 2 cores
 """
@@ -275,10 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rfmem_recall10_delta_points_max": max(b["rfmem_recall10_delta_points"] for b in band),
                     "identical_routes_min": min(b["identical_routes"] for b in band), "runs": band}
             cos_min = min(float(cos_q.min()), float(cos_x.min()))
-            drop = 100 * (ref["recall"] - cell["rfmem"]["recall@10"])
+            # the floor's cosine and routes; the retrieval is the encoder judge's (bench_encoder_judge.py)
             cell["meets_quality_floor"] = bool(cos_min >= QUALITY_FLOOR["cosine_min"]
-                                               and cell["identical_routes"] >= QUALITY_FLOOR["identical_routes"]
-                                               and drop <= QUALITY_FLOOR["recall10_drop_points"] + 1e-9)
+                                               and cell["identical_routes"] >= QUALITY_FLOOR["identical_routes"])
             doc["quality"][label] = cell
             say(f"  RF-Mem Recall@10 {cell['rfmem']['recall@10']:.4f}; routes identical {cell['identical_routes']:.4f}"
                 + (f"; noise band {cell['noise_band']['rfmem_recall10_delta_points_min']:+.2f}.."

@@ -370,3 +370,31 @@ def test_personabench_through_the_generic_evaluation(pb_embedded, pb_cache_dir):
     s = evaluate_dataset(pb, emb, RFMemConfig(), mode="dense", k=10)
     assert len(s.recall) == 230 and s.recall.mean() == pytest.approx(0.5385, abs=5e-5)
     assert set(s.categories) >= {"Preference_hard", "Basic_information_easy"}
+
+
+def test_encoder_identity_tells_runtime_and_precision_apart(tmp_path):
+    """The embedding cache is keyed by model folder, precision and runtime: torch float32 keeps
+    the bare fingerprint, every other (backend, dtype, long_texts) gets its own identity."""
+    from types import SimpleNamespace
+
+    from rfmem_fast.datasets.embedded import encoder_identity
+    from rfmem_fast.models import model_fingerprint
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    fp = model_fingerprint(folder)
+
+    def ident(**kw):
+        return encoder_identity(SimpleNamespace(model_path=str(folder), **kw))[1]
+
+    assert ident(dtype="float32", backend="torch") == fp
+    assert ident() == fp  # no dtype / backend attributes: the reference
+    assert ident(dtype="bfloat16", backend="torch") == fp + "-bfloat16"
+    assert ident(dtype="float32", backend="onnx", long_texts="onnx") == fp + "-onnx-float32"
+    assert ident(dtype="int8", backend="onnx", long_texts="onnx") == fp + "-onnx-int8"
+    assert ident(dtype="float32", backend="onnx", long_texts="torch") == fp + "-onnx-float32-long-torch"
+    ids = {ident(dtype=d, backend=b, long_texts=lt) for d, b, lt in
+           [("float32", "torch", "torch"), ("bfloat16", "torch", "torch"), ("float32", "onnx", "onnx"),
+            ("int8", "onnx", "onnx"), ("float32", "onnx", "torch")]}
+    assert len(ids) == 5

@@ -448,7 +448,7 @@ def test_bad_backend_combinations_fail_before_loading(kwargs, exc, pattern, monk
 
 def test_resolve_backend_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """"auto": ONNX float32 on a CPU where onnxruntime / onnx import, with or without
-    int8 dot products (VNNI / AMX-INT8: int8 misses the Recall@10 line of the floor), int8
+    int8 dot products (VNNI / AMX-INT8: int8 fails the encoder judge), int8
     only when asked; the torch rule otherwise; the choice names what runs."""
     import torch
 

@@ -96,7 +96,11 @@ def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
             of a local sentence-transformers folder, or an object with
             ``encode(list[str]) -> float32 [n, d]`` (identified by its ``model_path``
             plus its ``dtype`` when not "float32" -- a bfloat16 TextEncoder gets
-            its own cache entries --, ``model_name`` attribute or class name).
+            its own cache entries -- and, for a runtime other than torch (its
+            ``backend`` attribute, e.g. "onnx"), ``-{backend}-{dtype}`` and
+            ``-long-{long_texts}`` when its long texts are not embedded by that
+            runtime itself: an ONNX encoder embeds differently from the torch one
+            at the same precision; else its ``model_name`` attribute or class name).
 
     Returns:
         (model, identity, obj): ``obj`` is the given object, or None when the
@@ -112,11 +116,24 @@ def encoder_identity(encoder: Any) -> tuple[str, str, Any]:
         return folder, model_fingerprint(folder), None
     path = getattr(encoder, "model_path", None)
     if isinstance(path, str) and os.path.isdir(path):
-        dtype = getattr(encoder, "dtype", None)  # a low-precision encoder embeds differently
-        suffix = f"-{dtype}" if isinstance(dtype, str) and dtype != "float32" else ""
-        return path, model_fingerprint(path) + suffix, encoder
+        return path, model_fingerprint(path) + _runtime_suffix(encoder), encoder
     name = str(getattr(encoder, "model_name", None) or type(encoder).__name__)
     return name, name, encoder
+
+
+def _runtime_suffix(encoder: Any) -> str:
+    """The part of a model-folder encoder's cache identity that tells its runtime and precision:
+    "" for torch float32 (the reference), ``-{dtype}`` for another torch precision,
+    ``-{backend}-{dtype}`` (plus ``-long-{long_texts}`` where the long texts go elsewhere)
+    for another runtime. Attributes that are absent or not str count as torch / float32."""
+    dtype = getattr(encoder, "dtype", None)
+    dtype = dtype if isinstance(dtype, str) else "float32"
+    backend = getattr(encoder, "backend", None)
+    if not isinstance(backend, str) or backend == "torch":
+        return "" if dtype == "float32" else f"-{dtype}"
+    long_texts = getattr(encoder, "long_texts", None)
+    long_part = f"-long-{long_texts}" if isinstance(long_texts, str) and long_texts != backend else ""
+    return f"-{backend}-{dtype}{long_part}"
 
 
 @dataclass
