@@ -92,6 +92,17 @@ constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item o
 // 1e-3 / 8e-3 / 3e-2 of a cosine) and the segment is rarely rescanned; the re-scored set
 // is decided by the error bound, not by this.
 constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
+
+// The over-fetch of a call whose longest segment (or selection) has max_len rows: that
+// of kScanMargin, and for the int8 copy max_len / 256 within [64, 256]: the rows whose
+// int8 bracket reaches the k-th score grow with the segment (bench/bench_int8.py's
+// clustered d = 384 rows, k = 10: up to ~95 at 1e5 rows, ~140 at 1e6), and a kept list
+// that overflows costs a rescan of the whole segment for its query (a pass over n d
+// bytes) where a longer list costs a few more heap entries and int8 dots.
+int64_t scan_margin(ScanType t, int64_t max_len) {
+  if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
+  return std::min<int64_t>(256, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
+}
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -710,42 +721,62 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
-// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of 6 rows in kGemmTileBytes.
-int64_t i8_tile_rows(int64_t dp) { return std::max<int64_t>(6, (kGemmTileBytes / (dp * 2)) / 6 * 6); }
+// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of K.i8_mr rows in kGemmTileBytes.
+int64_t i8_tile_rows(const SimdKernels& K, int64_t dp) {
+  const int64_t mr = K.i8_mr;
+  return std::max<int64_t>(mr, (kGemmTileBytes / (dp * 2)) / mr * mr);
+}
+
+// The int8 rows x[0:cnt] (d bytes each) as int16 rows of dp elements (zero past d).
+RFMEM_MULTIVERSION
+void i8_widen(const int8_t* x, int64_t cnt, int64_t d, int64_t dp, int16_t* tile) {
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int8_t* xi = x + i * d;
+    int16_t* t = tile + i * dp;
+    for (int64_t j = 0; j < d; ++j) t[j] = xi[j];
+    if (dp > d) t[d] = 0;
+  }
+}
 
 // The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
-// once into panels of 16 (int16 pairs as int32, simd.h i8_gemm_panel), the rows converted
-// tile by tile to int16 (zero past d) and scored against every panel while in L2.
+// once into panels of K.i8_nr (int16 pairs as int32, simd.h i8_gemm_panel), the rows
+// converted tile by tile to int16 (zero past d) and scored against every panel while in L2.
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                   const I8Query* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
   const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
+  const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
   int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
-  const int npan = (nq + 15) / 16;
+  const int npan = (nq + nr - 1) / nr;
   for (int p = 0; p < npan; ++p) {
-    int32_t* Pp = P + static_cast<int64_t>(p) * np * 16;
-    for (int q = 0; q < 16; ++q) {
-      const int qi = p * 16 + q;
+    int32_t* Pp = P + static_cast<int64_t>(p) * np * nr;
+    for (int q = 0; q < nr; ++q) {
+      const int qi = p * nr + q;
       const int16_t* c = qi < nq ? qs[qi]->q : nullptr;  // (codes zero-padded to a multiple of 16 >= dp)
       for (int64_t j = 0; j < np; ++j) {
         const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
-        Pp[j * 16 + q] = static_cast<int32_t>(lo | (hi << 16));
+        Pp[j * nr + q] = static_cast<int32_t>(lo | (hi << 16));
       }
     }
   }
-  const int64_t rt = i8_tile_rows(dp);
+  const int64_t rt = i8_tile_rows(K, dp);
   for (int64_t t0 = r0; t0 < r1; t0 += rt) {
     const int64_t cnt = std::min(rt, r1 - t0);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int8_t* x = src.i8 + (t0 + i) * d;
-      int16_t* t = tile + i * dp;
-      for (int64_t j = 0; j < d; ++j) t[j] = x[j];
-      if (dp > d) t[d] = 0;
-    }
+    i8_widen(src.i8 + t0 * d, cnt, d, dp, tile);
     for (int p = 0; p < npan; ++p)
-      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * 16, std::min(16, nq - p * 16), t0,
-                      src.meta + 3 * t0, qs + p * 16, heaps + p * 16);
+      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, std::min(nr, nq - p * nr), t0,
+                      src.meta + 3 * t0, qs + p * nr, heaps + p * nr);
   }
+}
+
+// Per-thread scratch (floats, 64-byte aligned parts) of i8_gemm_scan for units of up to
+// nq queries.
+GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq) {
+  const int64_t round = 16, dp = (d + 1) / 2 * 2, nr = K.i8_nr;
+  GemmScratch gs;
+  gs.panels = ((nq + nr - 1) / nr * nr * (dp / 2) + round - 1) / round * round;
+  gs.tile = (i8_tile_rows(K, dp) * dp / 2 + round - 1) / round * round;
+  return gs;
 }
 
 // The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
@@ -877,7 +908,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t nlg = static_cast<int64_t>(lstart.size());
     lstart.push_back(static_cast<int64_t>(listed.size()));
     const int lthreads = threads_for(opt.num_threads, lwork, nlg);
-    const int64_t kwl = k + kScanMargin[static_cast<int>(src.type)];
+    int64_t lmax = 0;
+    for (size_t i = 0; i + 1 < lstart.size(); ++i) {
+      const int64_t p = opt.qsel[listed[static_cast<size_t>(lstart[i])]];
+      lmax = std::max(lmax, sel->off[p + 1] - sel->off[p]);
+    }
+    const int64_t kwl = k + scan_margin(src.type, lmax);
     const int64_t per = kGroup * kwl + k;
     const int64_t ltile = std::max<int64_t>(4, (kTileBytes / (d * (src.half ? 2 : 4))) / 4 * 4);
     std::vector<Entry> lstore(static_cast<size_t>(lthreads) * per);  // allocated before the threads
@@ -953,7 +989,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   const int64_t items = ng * parts;
   nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
-  const int64_t kw = k + kScanMargin[static_cast<int>(src.type)];  // float32 candidates kept per query
+  const int64_t kw = k + scan_margin(src.type, max_len);  // candidates kept per query
   // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
   const size_t per_thread = static_cast<size_t>(max_nq * kw + k);
@@ -963,9 +999,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
   if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
-    const int64_t round = 16, dp = (d + 1) / 2 * 2;
-    gs.panels = ((max_gemm_nq + 15) / 16 * 16 * (dp / 2) + round - 1) / round * round;
-    gs.tile = (i8_tile_rows(dp) * dp / 2 + round - 1) / round * round;
+    gs = i8_gemm_scratch(K, d, max_gemm_nq);
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
@@ -1086,25 +1120,53 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 }
 
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
-                 float* lower, float* upper) {
+                 float* lower, float* upper, bool gemm) {
   std::vector<int16_t> qc;
   std::vector<I8Query> iq;
   if (!i8_prepare(Q, b, d, xnorm, qc, iq)) return false;
   const SimdKernels& K = simd_kernels();
   const int8_t* xr[4];
-  const int16_t* qp[1];
-  int32_t dots[4];
-  for (int64_t i = 0; i < b; ++i) {
-    qp[0] = iq[static_cast<size_t>(i)].q;
+  const int16_t* qp[kI8Chunk];
+  int32_t dots[4 * kI8Chunk];
+  for (int64_t q0 = 0; q0 < b; q0 += kI8Chunk) {  // the queries in chunks, as i8_push
+    const int m = static_cast<int>(std::min<int64_t>(kI8Chunk, b - q0));
+    for (int j = 0; j < m; ++j) qp[j] = iq[static_cast<size_t>(q0 + j)].q;
     for (int64_t r = 0; r < n; r += 4) {
       const int cnt = static_cast<int>(std::min<int64_t>(4, n - r));
       for (int t = 0; t < cnt; ++t) xr[t] = codes + (r + t) * d;
-      K.i8_dots(xr, cnt, qp, 1, d, dots);
-      for (int t = 0; t < cnt; ++t) {
-        lower[i * n + r + t] = i8_lower(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
-        upper[i * n + r + t] = i8_upper(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+      K.i8_dots(xr, cnt, qp, m, d, dots);
+      for (int j = 0; j < m; ++j) {
+        const I8Query& q = iq[static_cast<size_t>(q0 + j)];
+        for (int t = 0; t < cnt; ++t) {
+          lower[(q0 + j) * n + r + t] = i8_lower(q, meta + 3 * (r + t), dots[t * m + j]);
+          upper[(q0 + j) * n + r + t] = i8_upper(q, meta + 3 * (r + t), dots[t * m + j]);
+        }
       }
     }
+  }
+  if (!gemm || !K.i8_gemm_panel || n == 0 || b == 0) return true;
+  // the GEMM path's keys: every query's heap holds all n rows (never full before the
+  // last row, so every key is pushed), all b queries in one unit
+  ScanSrc src{nullptr, nullptr, ScanType::kI8};
+  src.i8 = codes;
+  src.meta = meta;
+  std::vector<Entry> store(static_cast<size_t>(b * n));
+  std::vector<Heap> heaps(static_cast<size_t>(b));
+  std::vector<const I8Query*> qs(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    heaps[static_cast<size_t>(i)].h = store.data() + i * n;
+    heaps[static_cast<size_t>(i)].k = n;
+    qs[static_cast<size_t>(i)] = &iq[static_cast<size_t>(i)];
+  }
+  const GemmScratch gs = i8_gemm_scratch(K, d, b);
+  std::vector<float> scratch(static_cast<size_t>(gs.total()) + 16);
+  float* base = scratch.data();
+  while (reinterpret_cast<uintptr_t>(base) % 64) ++base;
+  for (int64_t i = 0; i < b * n; ++i) upper[i] = std::numeric_limits<float>::quiet_NaN();  // a NaN key: not pushed
+  i8_gemm_scan(src, K, d, 0, n, qs.data(), static_cast<int>(b), heaps.data(), base, gs);
+  for (int64_t i = 0; i < b; ++i) {
+    const Heap& hp = heaps[static_cast<size_t>(i)];
+    for (int64_t e = 0; e < hp.size; ++e) upper[i * n + hp.h[e].r] = hp.h[e].s;
   }
   return true;
 }
