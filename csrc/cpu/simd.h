@@ -126,10 +126,10 @@ struct SimdKernels {
   /// (int32 [dp / 2][i8_nr]: P[j * i8_nr + q] holds query q's int16 codes 2j and 2j + 1,
   /// zero past nq; 64-byte aligned), register blocks of i8_mr rows x i8_nr queries of
   /// int32 accumulators (a broadcast pair of a row multiplied pairwise with the panel);
-  /// every key i8_upper (the same float32 operations, vectorised) above its query's heap
-  /// threshold is pushed into heaps[q] (q < nq).
+  /// every key i8_upper (the same float32 operations, vectorised) above its query's
+  /// threshold is pushed into res[q] (q < nq; heap.h Reservoir).
   void (*i8_gemm_panel)(const int16_t* T, int64_t nrows, int64_t dp, const int32_t* P, int nq, int64_t row0,
-                        const float* meta, const I8Query* const* qs, Heap* heaps);
+                        const float* meta, const I8Query* const* qs, Reservoir* res);
 
   /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
   void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,
