@@ -94,11 +94,12 @@ constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item o
 constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 
 // The over-fetch of a call whose longest segment (or selection) has max_len rows: that
-// of kScanMargin, and for the int8 copy max_len / 256 within [64, 256]: the rows whose
+// of kScanMargin, and for the int8 copy max_len / 256 within [64, 128]: the rows whose
 // int8 bracket reaches the k-th score grow with the segment (bench/bench_int8.py's
 // clustered d = 384 rows, k = 10: up to ~95 at 1e5 rows, ~140 at 1e6), and a kept list
 // that overflows costs a rescan of the whole segment for its query (a pass over n d
-// bytes) where a longer list costs a few more heap entries and int8 dots.
+// bytes), while a longer list costs more keys kept and int8 dots re-done in the finish
+// (k + 256 measured 8 % slower than k + 128 at 1e5 rows and no faster at 1e6).
 int64_t scan_margin(ScanType t, int64_t max_len) {
   if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
   return std::min<int64_t>(128, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
@@ -758,9 +759,10 @@ void i8_widen(const int8_t* x, int64_t cnt, int64_t d, int64_t dp, int16_t* tile
 
 // The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
 // once into panels of K.i8_nr (int16 pairs as int32, simd.h i8_gemm_panel), the rows
-// converted tile by tile to int16 (zero past d) and scored against every panel while in L2.
+// converted tile by tile to int16 (zero past d) and scored against every panel while in
+// L2, the keys pushed into res[0:nq].
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
-                  const I8Query* const* qs, int nq, Reservoir* heaps, float* scratch, const GemmScratch& sz) {
+                  const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz) {
   const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
   const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
@@ -787,7 +789,7 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
     for (int p = 0; p < npan; ++p) {
       for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
       K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, std::min(nr, nq - p * nr), t0,
-                      src.meta + 3 * t0, qs + p * nr, heaps + p * nr);
+                      src.meta + 3 * t0, qs + p * nr, res + p * nr);
     }
   }
 }
