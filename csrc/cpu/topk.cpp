@@ -473,12 +473,16 @@ void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, in
              const I8Query* const* qs, int nq, Heap* heaps) {
   const int8_t* xr[4];
   int64_t ids[4];
+  // the rows 16 on are prefetched, 4 per step (contiguous; a prefetch past the copy's end
+  // never faults): one query's scan at batch 1 runs at about twice the bandwidth
+  constexpr int64_t kAhead = 16;
   for (int64_t r = r0; r < r1; r += 4) {
     const int cnt = static_cast<int>(std::min<int64_t>(4, r1 - r));
     for (int i = 0; i < cnt; ++i) {
       ids[i] = r + i;
       xr[i] = src.i8 + (r + i) * d;
     }
+    prefetch_bytes(src.i8 + (r + kAhead) * d, 4 * d);
     i8_push(src, K, d, xr, ids, cnt, qs, nq, heaps);
   }
 }
