@@ -92,7 +92,7 @@ struct Better {
 };
 
 // The k best entries seen, collected for a kernel that pushes many (the int8 GEMM path,
-// whose heaps keep k + up to 256 rows: every replacement in a Heap sifts through ~log2 k
+// whose heaps keep k + up to 128 rows: every replacement in a Heap sifts through ~log2 k
 // levels, mostly outside L1). An entry above the threshold is appended to buf; when buf
 // holds cap entries (cap > k) the k best (``better``) are kept and the threshold becomes
 // the score of the worst of them (-inf until then). It keeps a superset of what a Heap
