@@ -12,24 +12,30 @@ Systems (every one returns the top-10 of each query within its user's rows):
   (BLAS on one thread).
 
 Workloads (unit rows: Gaussian centres plus noise, as ``rfmem bench``; queries near an
-item or a centre): ``shared``, one segment of ``--shared-rows`` (1e5) x 384; ``tenants``,
-``--users`` (200) users x ``--per-user`` (4096) rows x 384; each at batch 1 (single-query
-calls, a random user each) and ``--batch`` (1024) queries per call (random users).
+item or a centre): ``shared_<rows>``, one segment of each of ``--shared-rows`` (1e5 and
+1e6) x 384; ``tenants``, ``--users`` (200) users x ``--per-user`` (4096) rows x 384; each
+at batch 1 (single-query calls, a random user each) and ``--batch`` (1024) queries per
+call (random users).
 
 Per cell: queries per second (median of ``--repeats`` timed passes of ``--queries``
-queries, the cells taken in turns so that a change of load hits each alike), and for the
+queries, the cells taken in turns so that a change of load hits each alike; ``qps`` by
+the wall clock, ``qps_cpu`` by the process's CPU time, which another process on the same
+core does not inflate: every system runs on one thread), the ratios of the int8 copy to
+the float32 scan and to faiss, and for the
 int8 copy: the re-scored fraction (rows whose int8 upper bound reaches the k-th best lower
 bound, from ``_native.int8_bounds`` on a sample of queries: the rows the exact finish
-re-scores when its kept list of k + 64 holds them, which it reports too: the share of
+re-scores when its kept list of k + margin holds them, which it reports too: the share of
 queries that would rescan), the bytes a query's scan reads (its segment's scan copy plus
 the float32 rows it re-scores) and the extra memory per row (d + 12 bytes beside the
 float32 rows). The JSON (``--out``, default ``bench/results/local/int8-scan-<time>.json``) holds
-the CPU model and flags, the SIMD level taken, numpy's and faiss's BLAS (threadpoolctl),
-the load average before and after, versions and the exact command.
+the CPU model and flags, the SIMD level and int8 kernels taken (``simd_int8_kernel``:
+"avx512_vnni" when level 2 runs vpdpwssd), numpy's and faiss's BLAS (threadpoolctl),
+the load average before and after the run and around each bank, versions and the exact
+command.
 
 Usage::
 
-    python bench/bench_int8.py [--shared-rows 100000] [--users 200] [--per-user 4096]
+    python bench/bench_int8.py [--shared-rows 100000 1000000] [--users 200] [--per-user 4096]
         [--batch 1024] [--queries 64] [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
@@ -83,6 +89,7 @@ def cpu_facts() -> dict[str, Any]:
             if line.startswith("flags") and "flags" not in info:
                 flags = set(line.split(":", 1)[1].split())
                 info["flags"] = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "sse4", "amx")))
+                info["avx512_vnni"] = "avx512_vnni" in flags
     except OSError:
         pass
     return info
@@ -134,9 +141,15 @@ def build_systems(X: np.ndarray, off: np.ndarray, codes: np.ndarray, meta: np.nd
     return systems
 
 
+def int8_margin(rows: int) -> int:
+    """The native top-k's over-fetch for the int8 copy when the longest segment has
+    ``rows`` rows (csrc/cpu/topk.cpp scan_margin): rows / 256 within [64, 128]."""
+    return min(128, max(64, rows // 256))
+
+
 def rescore_stats(X, off, codes, meta, xnorm, Q, seg) -> dict[str, float]:
     """Mean re-scored rows per query and the share of queries whose undecided rows exceed
-    the kept list (k + 64): from the int8 scan's own bounds (``_native.int8_bounds``)."""
+    the kept list (k + int8_margin): from the int8 scan's own bounds (``_native.int8_bounds``)."""
     from rfmem_fast import _native
 
     rescored, rescans, rows = [], 0, []
@@ -147,24 +160,25 @@ def rescore_stats(X, off, codes, meta, xnorm, Q, seg) -> dict[str, float]:
         m = int(np.count_nonzero(up[0] >= L))
         rescored.append(m)
         rows.append(e - a)
-        rescans += m > K + 64
+        rescans += m > K + int8_margin(int(np.diff(off).max()))
     return {"rescored_rows_per_query": float(np.mean(rescored)),
             "rescored_fraction": float(np.sum(rescored) / np.sum(rows)),
             "rescan_share": rescans / Q.shape[0], "sampled_queries": int(Q.shape[0])}  # fmt: skip
 
 
-def run_cells(cells: dict[str, tuple[Callable, list]], repeats: int) -> dict[str, float]:
-    """Median seconds per pass of each cell, the cells taken in turns."""
-    times: dict[str, list[float]] = {n: [] for n in cells}
+def run_cells(cells: dict[str, tuple[Callable, list]], repeats: int) -> dict[str, tuple[float, float]]:
+    """(median wall seconds, median CPU seconds of the process) per pass of each cell, the
+    cells taken in turns."""
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in cells}
     for fn, calls in cells.values():  # warm-up
         fn(*calls[0])
     for _ in range(repeats):
         for name, (fn, calls) in cells.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for args in calls:
                 fn(*args)
-            times[name].append(time.perf_counter() - t)
-    return {n: float(np.median(v)) for n, v in times.items()}
+            times[name].append((time.perf_counter() - t, time.process_time() - c))
+    return {n: (float(np.median([w for w, _ in v])), float(np.median([c for _, c in v]))) for n, v in times.items()}
 
 
 def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
@@ -178,7 +192,7 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
     want, got = systems["native_f32"](Q[: args.batch], seg[: args.batch]), systems["native_int8"](Q[: args.batch], seg[: args.batch])
     same = bool(np.array_equal(want[1], got[1]) and np.array_equal(want[0], got[0]))
     out: dict[str, Any] = {"rows": int(X.shape[0]), "users": int(off.shape[0] - 1), "d": int(X.shape[1]),
-                           "int8_equals_float32": same}  # fmt: skip
+                           "int8_equals_float32": same, "load_avg_before": list(os.getloadavg())}  # fmt: skip
     for batch in (1, args.batch):
         cells = {}
         if batch == 1:
@@ -190,7 +204,13 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
         for name, fn in systems.items():
             cells[name] = (fn, calls)
         secs = run_cells(cells, args.repeats)
-        out[f"batch_{batch}"] = {name: {"qps": nq / s, "seconds_per_pass": s} for name, s in secs.items()}
+        cell: dict[str, Any] = {name: {"qps": nq / w, "qps_cpu": nq / c, "seconds_per_pass": w, "cpu_seconds_per_pass": c}
+                                for name, (w, c) in secs.items()}  # fmt: skip
+        other = "faiss_flat_ip" if "faiss_flat_ip" in cell else "numpy_matmul"
+        for key in ("qps", "qps_cpu"):
+            cell[f"int8_over_float32_{key}"] = cell["native_int8"][key] / cell["native_f32"][key]
+            cell[f"int8_over_{other}_{key}"] = cell["native_int8"][key] / cell[other][key]
+        out[f"batch_{batch}"] = cell
     sample = min(args.sample, Q.shape[0])
     st = rescore_stats(X, off, codes, meta, xnorm, Q[:sample], seg[:sample])
     seg_rows = float(np.mean(np.diff(off)[seg[:sample]]))
@@ -201,13 +221,15 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
         "extra_bytes_per_row_int8": d + 12,
     })  # fmt: skip
     out["int8"] = st
-    print(f"{label}: " + json.dumps({k: v for k, v in out.items() if k.startswith("batch")}, default=float), flush=True)
+    out["load_avg_after"] = list(os.getloadavg())
+    print(f"{label}: " + json.dumps({k: v for k, v in out.items() if k.startswith(("batch", "load"))}, default=float),
+          flush=True)  # fmt: skip
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shared-rows", type=int, default=100_000)
+    ap.add_argument("--shared-rows", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--users", type=int, default=200)
     ap.add_argument("--per-user", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1024)
@@ -227,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     doc: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "machine": machine_info(),
                            "cpu": cpu_facts(), "simd_level": int(_native.simd_level()),
-                           "simd_note": "the int8 dots of level 2 (AVX-512) are level 1's AVX2 kernel",
+                           "simd_int8_kernel": _native.simd_int8_kernel(),
+                           "simd_note": "simd_int8_kernel: the int8 dots in use (csrc/cpu/simd.h): avx512_vnni = "
+                                        "vpdpwssd (level 2 with AVX512_VNNI), avx512bw = vpmaddwd + vpaddd on zmm, "
+                                        "avx2 = level 1's, baseline = plain C++",
                            "versions": {"rfmem_fast": rfmem_fast.__version__, "numpy": np.__version__},
                            "threads": 1, "k": K, "load_avg_before": list(load0)}  # fmt: skip
     try:
@@ -241,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                "num_threads", "threading_layer", "architecture")}
                        for lib in threadpool_info()]  # fmt: skip
         results = {}
-        X = workload(rng, 1, args.shared_rows, D)
-        results["shared"] = bench_bank("shared", X, np.array([0, X.shape[0]], np.int64), args, rng)
-        del X
+        for rows in args.shared_rows:
+            X = workload(rng, 1, rows, D)
+            results[f"shared_{rows}"] = bench_bank(f"shared_{rows}", X, np.array([0, X.shape[0]], np.int64), args, rng)
+            del X
         X = workload(rng, args.users, args.per_user, D)
         results["tenants"] = bench_bank("tenants", X, np.arange(args.users + 1, dtype=np.int64) * args.per_user, args, rng)
     doc["results"] = results

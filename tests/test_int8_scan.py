@@ -10,6 +10,11 @@ tests/test_half_banks.py):
   the bound (their residual parallel to the query: the Cauchy-Schwarz step is an
   equality), with large and tiny norms, and its width stays within a few per cent of the
   rows' residual norms;
+* the keys are the same bits at every level and int8 kernel (baseline, AVX2, and at
+  level 2 AVX-512BW and AVX512_VNNI where the CPU has them), on the scan path's dots and
+  the GEMM micro-kernel's, for d not a multiple of 16 / 32 (and d = 1), codes at +-127
+  against queries at +-QMAX (int32 sums near 2^31), and enough queries and rows that
+  the last panel and micro-tile are partial;
 * the top-k over the int8 copy equals the oracle's ids and scores at every SIMD level,
   on the scan and GEMM paths, for d = 1, 3, 17, 31, 33, 384, 385: rows at the bound whose
   int8 order is the reverse of their exact order, rows sharing their codes (the scan sees
@@ -38,16 +43,26 @@ pytestmark = pytest.mark.skipif(not NATIVE, reason="native backend not built")
 if NATIVE:
     from rfmem_fast import _native
 
-    LEVELS = list(range(_native.set_simd_cap(-1) + 1))
+    # (level cap, int8 cap, the int8 kernels that gives): every level, and at level 2 every
+    # int8 variant this CPU has (simd.h: avx2 = level 1's, avx512bw, avx512_vnni)
+    _TOP = _native.set_simd_cap(-1)
+    KERNELS = [(lv, -1, ("baseline", "avx2")[lv]) for lv in range(min(_TOP, 1) + 1)]
+    if _TOP >= 2:
+        KERNELS += [(2, v, ("avx2", "avx512bw", "avx512_vnni")[v]) for v in range(_native.simd_int8_supported() + 1)]
 else:
-    LEVELS = [0]
+    KERNELS = [(0, -1, "baseline")]
 DIMS = (1, 3, 17, 31, 33, 384, 385)
 
 
-@pytest.fixture(params=LEVELS)
+def _use(cap: int, int8_cap: int, name: str) -> None:
+    assert _native.set_simd_cap(cap, int8_cap) == cap
+    assert _native.simd_int8_kernel() == name
+
+
+@pytest.fixture(params=KERNELS, ids=[f"{lv}-{name}" for lv, _, name in KERNELS])
 def level(request):
-    assert _native.set_simd_cap(request.param) == request.param
-    yield request.param
+    _use(*request.param)
+    yield request.param[0]
     _native.set_simd_cap(-1)
 
 
@@ -167,6 +182,74 @@ def test_bounds_bracket_the_exact_score_and_sit_at_it(level, scale):
     assert at_bound >= 40  # the constructed rows do sit at the bound (their residual is along q)
 
 
+def _extreme_bank(seed: int, d: int):
+    """(X [173, d], Q [70, d]): Gaussian rows and queries, rows of +-1 (codes +-127) equal
+    to or opposite the sign pattern of +-1 queries (int16 codes +-QMAX: |I| = 127 QMAX d,
+    near 2^31 - 1 for d > 516), rows with one large coordinate (the rest coded 0), a zero
+    row, rows of 2^-60 and 2^60, queries with one coordinate and near copies of rows. 173 =
+    14 x 12 + 5 rows and 70 = 2 x 32 + 6 queries: partial micro-tiles and panels."""
+    rng = np.random.default_rng(seed)
+    signs = np.where(rng.random(size=(4, d)) < 0.5, -1.0, 1.0)
+    X = rng.normal(size=(173, d))
+    X[:4], X[4:8] = signs, -signs
+    X[8:12] = signs * (1 + rng.integers(0, 2, size=(4, d)))  # +-1 and +-2: codes +-64 and +-127
+    X[12] = 0
+    X[13, :] = 1e-3
+    X[13, 0] = 1.0
+    X[14] *= 2.0**-60
+    X[15] *= 2.0**60 / np.sqrt(d)
+    Q = rng.normal(size=(70, d))
+    Q[:4], Q[4] = signs, -signs[0]
+    Q[5] = 0
+    Q[5, d // 2] = 3.0
+    Q[6:12] = X[rng.integers(16, 173, size=6)] + 0.01 * rng.normal(size=(6, d))
+    return X.astype(np.float32), Q.astype(np.float32)
+
+
+@pytest.mark.parametrize("d", (1, 2, 15, 16, 17, 31, 32, 33, 63, 65, 385, 600))
+def test_keys_are_the_same_bits_at_every_level_and_int8_kernel(d):
+    """int8_bounds on the scan path (i8_dots) and the GEMM path (i8_gemm_panel's keys) at
+    every level and int8 kernel: the same bits as the baseline's plain C++ (exact int32
+    dots), and the oracle's RN32(q.x) inside every sampled bracket, the extreme pairs
+    included."""
+    X, Q = _extreme_bank(40 + d, d)
+    codes, meta = int8_scan_copy(X)
+    assert np.abs(codes[:4]).min() == 127
+    qmax = min(32767, (2**31 - 1) // (127 * d))
+    if d == 600:
+        assert 127 * qmax * d > 2**31 - 2**22  # the +-1 pairs' |I| is within 0.2 % of the int32 range
+    xn = _xnorm(meta)
+    ref = None
+    try:
+        for cap, int8_cap, name in KERNELS:
+            _use(cap, int8_cap, name)
+            for path in ("scan", "gemm"):
+                lo, up = _native.int8_bounds(codes, meta, Q, xn, path=path)
+                got = (lo.view(np.uint32), up.view(np.uint32))
+                if ref is None:
+                    ref = got
+                    want = (lo, up)
+                np.testing.assert_array_equal(got[0], ref[0], err_msg=f"lower, {name} {path}")
+                np.testing.assert_array_equal(got[1], ref[1], err_msg=f"upper, {name} {path}")
+    finally:
+        _native.set_simd_cap(-1)
+    lo, up = want
+    rng = np.random.default_rng(d)
+    pairs = [(i, r) for i in range(6) for r in range(16)]
+    pairs += [(int(i), int(r)) for i, r in zip(rng.integers(0, 70, 60), rng.integers(0, 173, 60))]
+    for i, r in pairs:
+        e = exact_f32(Q[i], X[r])
+        assert lo[i, r] <= e <= up[i, r], (d, i, r, lo[i, r], e, up[i, r])
+    assert up[0, 0] > 0.999 * float(Q[0] @ X[0]) and lo[0, 4] < -0.999 * float(Q[0] @ X[0])  # I at +-127 QMAX d
+
+
+def test_int8_bounds_path_is_checked():
+    X, Q = _extreme_bank(1, 8)
+    codes, meta = int8_scan_copy(X)
+    with pytest.raises(ValueError, match="path must be 'scan' or 'gemm'"):
+        _native.int8_bounds(codes, meta, Q, _xnorm(meta), path="fast")
+
+
 @pytest.mark.parametrize("d", DIMS)
 def test_topk_equals_oracle_every_level_and_path(level, d):
     X, off, Q, qseg = _bank(10 + d, d)
@@ -190,7 +273,7 @@ def test_topk_with_large_and_tiny_norms(level, scale):
 
 def test_shared_and_multi_tenant_batches_and_threads(level):
     """Many queries of one long segment (auto takes the GEMM path at levels >= 1: an int8
-    unit of up to ~160 queries), many users at once, and one query whose segment is split
+    unit of up to ~320 queries at d = 384), many users at once, and one query whose segment is split
     over threads (partial lists merged, then the exact finish): the float32 bank's result."""
     rng = np.random.default_rng(5)
     d = 64

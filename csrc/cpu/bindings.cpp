@@ -1312,9 +1312,21 @@ Raises:
       "highest this CPU supports unless capped by set_simd_cap.");
   mod.def(
       "set_simd_cap",
-      [](int cap) { return rfmem::set_simd_cap(cap); }, py::arg("cap"),
-      "Caps the SIMD level of later calls at ``cap`` (0, 1, 2; negative: no cap) and returns the level now in "
-      "use. For tests and benchmarks (every level's kernels on one machine); results never depend on it.");
+      [](int cap, int int8_cap) { return rfmem::set_simd_cap(cap, int8_cap); }, py::arg("cap"),
+      py::arg("int8_cap") = -1,
+      "Caps the SIMD level of later calls at ``cap`` (0, 1, 2; negative: no cap) and level 2's int8 kernels at "
+      "``int8_cap`` (2 avx512_vnni, 1 avx512bw, 0 avx2: level 1's; negative, the default: no cap), and returns "
+      "the level now in use. For tests and benchmarks (every level's kernels on one machine); results never "
+      "depend on it.");
+  mod.def(
+      "simd_int8_kernel", []() { return std::string(rfmem::simd_kernels().i8_name); },
+      "The int8 scan kernels (MemoryBank(dtype='int8')) in use now: 'avx512_vnni' (level 2, vpdpwssd), 'avx512bw' "
+      "(level 2 without AVX512_VNNI), 'avx2' (level 1, and level 2 without AVX-512BW) or 'baseline' (level 0) "
+      "(csrc/cpu/simd.h).");
+  mod.def(
+      "simd_int8_supported", []() { return rfmem::simd_i8_supported(); },
+      "Highest int8 kernel variant of SIMD level 2 this CPU supports: 2 avx512_vnni, 1 avx512bw, 0 avx2 "
+      "(set_simd_cap's int8_cap).");
   mod.def(
       "gemm_pays",
       [](int64_t nq, int64_t seg_len, int64_t d, int level) {
@@ -1329,8 +1341,11 @@ Raises:
   mod.attr("GEMM_KC") = rfmem::kGemmKc;
   mod.def(
       "int8_bounds",
-      [](const py::object& codes_, const py::object& meta_, const py::object& Q_, double xnorm) {
+      [](const py::object& codes_, const py::object& meta_, const py::object& Q_, double xnorm,
+         const std::string& path) {
         const char* fn = "int8_bounds";
+        if (path != "scan" && path != "gemm")
+          throw py::value_error(std::string(fn) + ": path must be 'scan' or 'gemm', got '" + path + "'");
         py::array codes = checked<int8_t>(codes_, fn, "codes", 2, "int8");
         py::array meta = checked<float>(meta_, fn, "meta", 2, "float32");
         py::array Q = checked<float>(Q_, fn, "Q", 2, "float32");
@@ -1348,7 +1363,7 @@ Raises:
         {
           py::gil_scoped_release nogil;
           ok = rfmem::int8_bounds(cptr<int8_t>(codes), cptr<float>(meta), n, d, cptr<float>(Q), b, xnorm,
-                                  lo.mutable_data(), up.mutable_data());
+                                  lo.mutable_data(), up.mutable_data(), path == "gemm");
         }
         if (!ok)
           throw py::value_error(std::string(fn) + ": the int8 scan cannot bound these queries (a non-finite query, "
@@ -1356,20 +1371,25 @@ Raises:
                                 "rows for them");
         return py::make_tuple(lo, up);
       },
-      py::arg("codes"), py::arg("meta"), py::arg("Q"), py::arg("xnorm"),
+      py::arg("codes"), py::arg("meta"), py::arg("Q"), py::arg("xnorm"), py::arg("path") = "scan",
       R"doc(The int8 scan's proven bounds of every (query, row) score (tests, diagnostics).
 
 Args:
     codes: int8 [n, d], meta: float32 [n, 3] (rfmem_fast.precision.int8_scan_copy of float32
         rows X); Q: float32 [b, d]; xnorm: an upper bound of the rows' norms (>= 0).
+    path: "scan" (default): both bounds from the scan path's int32 dots (simd.h i8_dots);
+        "gemm": upper as the GEMM path's micro-kernel computes it (i8_gemm_panel: the keys
+        its heaps receive; level 0 has none and uses i8_dots), lower as "scan" (the exact
+        finish always takes it from i8_dots).
 
 Returns:
     (lower float32 [b, n], upper float32 [b, n]): lower <= RN32(Q[i] . X[r]) <= upper, as
-    segmented_topk's int8 scan computes them at the SIMD level in use (queries quantised
-    to int16 per query, exact int32 dots, rfmem_fast/backends/exact.py "int8 scan copies").
+    segmented_topk's int8 scan computes them with the SIMD kernels in use (queries
+    quantised to int16 per query, exact int32 dots, rfmem_fast/backends/exact.py "int8
+    scan copies"); the same bits at every level and int8 kernel (simd_int8_kernel).
 
 Raises:
-    TypeError: wrong dtypes. ValueError: wrong shapes, or queries the int8 scan cannot
-    bound (then segmented_topk scans the float32 rows).
+    TypeError: wrong dtypes. ValueError: wrong shapes, ``path`` not "scan" / "gemm", or
+    queries the int8 scan cannot bound (then segmented_topk scans the float32 rows).
 )doc");
 }

@@ -3,6 +3,7 @@
 // simd_impl.inc push into it too).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -82,6 +83,58 @@ struct Heap {
   void drain(float* out_s, int64_t* out_r) {
     write_padded(h, size, k, out_s, out_r);
     size = 0;
+  }
+};
+
+// ``better`` as a function object (inlined into std algorithms, where a function pointer is not)
+struct Better {
+  bool operator()(const Entry& a, const Entry& b) const { return better(a, b); }
+};
+
+// The k best entries seen, collected for a kernel that pushes many (the int8 GEMM path,
+// whose heaps keep k + up to 128 rows: every replacement in a Heap sifts through ~log2 k
+// levels, mostly outside L1). An entry above the threshold is appended to buf; when buf
+// holds cap entries (cap > k) the k best (``better``) are kept and the threshold becomes
+// the score of the worst of them (-inf until then). It keeps a superset of what a Heap
+// of capacity k would keep at every moment (its threshold is never above the Heap's),
+// and the same ``mask`` rule; to_heap leaves in a Heap exactly the Heap's set: the k
+// best by (score desc, row asc) of the entries pushed (rows arrive in increasing order,
+// so a newcomer tying the worst kept score ranks below it: pushed only when above).
+struct Reservoir {
+  Entry* buf = nullptr;
+  int64_t k = 0;
+  int64_t cap = 0;
+  int64_t n = 0;
+  float thr = kNegInf;
+  const uint8_t* mask = nullptr;
+  int64_t mask_base = 0;
+
+  float threshold() const { return thr; }
+
+  void push(float s, int64_t r) {
+    if (!(s == s)) return;  // NaN is never kept
+    if (mask != nullptr && !mask[r - mask_base]) return;  // not selected
+    buf[n++] = Entry{s, r};
+    if (n == cap) shrink();
+  }
+
+  // the k best first, n = k, the threshold raised to the worst of them
+  void shrink() {
+    std::nth_element(buf, buf + (k - 1), buf + n, Better());
+    n = k;
+    thr = buf[k - 1].s;
+  }
+
+  // The k best entries as hp's heap, in hp's storage (which must be buf).
+  void to_heap(Heap& hp) {
+    if (n > k) {
+      std::nth_element(buf, buf + (k - 1), buf + n, Better());
+      n = k;
+    }
+    std::make_heap(buf, buf + n, Better());  // root: the worst, each parent worse than or tied with its children
+    hp.h = buf;
+    hp.k = k;
+    hp.size = n;
   }
 };
 

@@ -128,8 +128,11 @@ double row_norm_bound(const float* X, int64_t n, int64_t d);
 /// lower[i * n + r] <= RN32(Q[i] . x_r) <= upper[i * n + r] for the float32 row x_r whose
 /// int8 copy is codes[r] with meta[r] (TopkOptions::scan_i8). Returns false (nothing
 /// written) where the int8 scan would fall back to the float32 rows (TopkOptions).
+/// ``gemm``: upper as the GEMM path's micro-kernel computes it (the keys its heaps
+/// receive, simd.h i8_gemm_panel; the scan path's i8_dots at level 0, which has none);
+/// lower always as the exact finish computes it (i8_dots).
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
-                 float* lower, float* upper);
+                 float* lower, float* upper, bool gemm = false);
 
 /// Entropy conventions of familiarity_signals (spec section 1).
 enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };

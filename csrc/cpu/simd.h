@@ -5,7 +5,13 @@
 //   level 1  AVX2 + FMA + F16C              GEMM micro-tile  6 rows x 16 queries
 //   level 0  baseline (any CPU, plain C++)  GEMM micro-tile  4 rows x 16 queries
 //
-// What they compute:
+// The int8 kernels (i8_dots, i8_gemm_panel) of level 2 are picked apart, by the CPU's
+// AVX-512 extensions (simd.cpp; simd_i8_avx512.inc):
+//
+//   avx512_vnni  AVX-512F/BW/VL + AVX512_VNNI   vpdpwssd, int8 micro-tile 12 rows x 32 queries
+//   avx512bw     AVX-512F/BW/VL                 vpmaddwd + vpaddd, the same blocks
+//   avx2         AVX-512F without BW            level 1's kernels (6 rows x 16 queries)
+//
 //   * gemm_panel: the float32 scores of a tile of bank rows against a packed panel of
 //     NR queries, register-blocked (MR rows x NR queries of accumulators, one broadcast
 //     of a row element per MR x NR / W fused multiply-adds), the reduction over d cut
@@ -25,12 +31,16 @@
 //   * to_f32: float16 / bfloat16 -> float32, exact.
 //   * i8_dots: the int32 inner products of up to 4 int8 rows with int16 queries (the int8
 //     scan copy, ScanType kI8): exact integers, so every level (and both paths) gives the
-//     same value. Level 1: the row's bytes sign-extended to int16 (vpmovsxbw) and
-//     multiplied pairwise into int32 (vpmaddwd), register blocks of 4 rows x 2 queries;
-//     level 0: plain C++. Level 2 (AVX-512) uses level 1's kernel: it has no AVX-512
-//     int8 code of its own (none could be tested on the AVX2 machines it was written on).
-//     Ranges: |x| <= 127, |q| <= QMAX(d) with d * 127 * QMAX(d) <= 2^31 - 1 (i8_qmax),
-//     so no product, pair sum (<= 2 * 127 * 32767) or lane sum overflows an int32.
+//     same value. The row's bytes are sign-extended to int16 (vpmovsxbw) and multiplied
+//     pairwise with the query's int16 codes into int32 lanes: at level 2 on 32 elements
+//     per zmm, vpdpwssd (AVX512_VNNI, the two products and the accumulation in one
+//     instruction) or vpmaddwd + vpaddd (AVX-512BW), register blocks of 4 rows x 4
+//     queries, the tail by masked loads; at level 1 vpmaddwd + vpaddd on 16 elements per
+//     ymm, register blocks of 4 rows x 2 queries; level 0: plain C++. i8_gemm_panel (the
+//     GEMM path) multiplies the same pairs, a row's pair broadcast against a packed panel
+//     of queries. Ranges: |x| <= 127, |q| <= QMAX(d) with d * 127 * QMAX(d) <= 2^31 - 1
+//     (i8_qmax), so no product, pair sum (<= 2 * 127 * 32767) or lane sum overflows an
+//     int32, at any level, in any order of the sums.
 #pragma once
 
 #include <cstdint>
@@ -110,16 +120,16 @@ struct SimdKernels {
   /// multiple of 16 elements); |qs[j][.]| <= i8_qmax(d).
   void (*i8_dots)(const int8_t* const* xr, int nr, const int16_t* const* qs, int nq, int64_t d, int32_t* out);
 
-  /// The int8 GEMM micro-kernel (level 1, also used at level 2; nullptr at level 0):
-  /// rows T[0:nrows] (int16 [nrows, dp], the int8 rows sign-extended, zero past d; dp =
-  /// d rounded up to even; global row of T[0] is row0, its data meta[0..]) against the
-  /// packed panel P of up to 16 queries (int32 [dp / 2][16]: P[j * 16 + q] holds query q's
-  /// int16 codes 2j and 2j + 1, zero past nq), register blocks of 6 rows x 16 queries of
-  /// int32 accumulators (vpmaddwd of a broadcast pair of a row with the panel); every key
-  /// i8_upper (the same float32 operations, vectorised) above its query's heap threshold
-  /// is pushed into heaps[q] (q < nq).
+  /// The int8 GEMM micro-kernel (nullptr at level 0): rows T[0:nrows] (int16 [nrows, dp],
+  /// the int8 rows sign-extended, zero past d; dp = d rounded up to even; global row of
+  /// T[0] is row0, its data meta[0..]) against the packed panel P of up to i8_nr queries
+  /// (int32 [dp / 2][i8_nr]: P[j * i8_nr + q] holds query q's int16 codes 2j and 2j + 1,
+  /// zero past nq; 64-byte aligned), register blocks of i8_mr rows x i8_nr queries of
+  /// int32 accumulators (a broadcast pair of a row multiplied pairwise with the panel);
+  /// every key i8_upper (the same float32 operations, vectorised) above its query's
+  /// threshold is pushed into res[q] (q < nq; heap.h Reservoir).
   void (*i8_gemm_panel)(const int16_t* T, int64_t nrows, int64_t dp, const int32_t* P, int nq, int64_t row0,
-                        const float* meta, const I8Query* const* qs, Heap* heaps);
+                        const float* meta, const I8Query* const* qs, Reservoir* res);
 
   /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
   void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,
@@ -153,6 +163,10 @@ struct SimdKernels {
   /// of [r0, r1) for query qs[q] (levels 1, 2; nullptr at 0).
   void (*scores_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq, float* out,
                      int64_t ld);
+
+  const char* i8_name;  // the int8 kernels: "avx512_vnni", "avx512bw", "avx2" or "baseline"
+  int i8_mr;            // rows per int8 GEMM micro-tile (0 without i8_gemm_panel)
+  int i8_nr;            // queries per packed int8 panel (0 without i8_gemm_panel)
 };
 
 /// Highest level this CPU (and its OS) supports.
@@ -162,7 +176,13 @@ int simd_level_supported();
 const SimdKernels& simd_kernels();
 
 /// Caps the level used by later calls (tests run every level on one machine); a
-/// negative cap removes the cap. Returns the level now in use.
-int set_simd_cap(int cap);
+/// negative cap removes the cap. ``i8_cap`` caps level 2's int8 kernels the same way
+/// (2 avx512_vnni, 1 avx512bw, 0 avx2: level 1's; negative: no cap; no effect below
+/// level 2). Returns the level now in use.
+int set_simd_cap(int cap, int i8_cap = -1);
+
+/// Highest int8 kernel variant of level 2 this CPU supports (2 avx512_vnni, 1 avx512bw,
+/// 0 avx2; 0 too where level 2 itself is not supported).
+int simd_i8_supported();
 
 }  // namespace rfmem

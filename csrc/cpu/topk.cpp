@@ -92,6 +92,18 @@ constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item o
 // 1e-3 / 8e-3 / 3e-2 of a cosine) and the segment is rarely rescanned; the re-scored set
 // is decided by the error bound, not by this.
 constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
+
+// The over-fetch of a call whose longest segment (or selection) has max_len rows: that
+// of kScanMargin, and for the int8 copy max_len / 256 within [64, 128]: the rows whose
+// int8 bracket reaches the k-th score grow with the segment (bench/bench_int8.py's
+// clustered d = 384 rows, k = 10: up to ~95 at 1e5 rows, ~140 at 1e6), and a kept list
+// that overflows costs a rescan of the whole segment for its query (a pass over n d
+// bytes), while a longer list costs more keys kept and int8 dots re-done in the finish
+// (k + 256 measured 8 % slower than k + 128 at 1e5 rows and no faster at 1e6).
+int64_t scan_margin(ScanType t, int64_t max_len) {
+  if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
+  return std::min<int64_t>(128, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
+}
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -284,6 +296,12 @@ struct ExactCtx {
 
 constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
 
+// Prefetch (into L1) the cache lines of p[0:bytes].
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* b = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(b + o);
+}
+
 // Write the k best of cand[0:m] (exact scores) by (score desc, row asc), padded.
 void emit(Entry* cand, int64_t m, int64_t k, float* out_s, int64_t* out_r) {
   const int64_t kk = std::min(k, m);
@@ -310,9 +328,16 @@ inline double cut_below(double lower, double B) { return std::nextafter(lower - 
 RFMEM_MULTIVERSION
 void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
              int64_t* out_r) {
+  int64_t n = 0;  // the candidates to re-score, in their order, first
+  for (int64_t j = 0; j < nc; ++j)
+    if (static_cast<double>(cand[j].s) >= cut) cand[n++] = cand[j];
+  // their rows are scattered over X (a cache miss each): prefetched kAhead rows ahead
+  constexpr int64_t kAhead = 8;
+  const int64_t bytes = c.d * static_cast<int64_t>(sizeof(float));
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_bytes(c.X + cand[j].r * c.d, bytes);
   int64_t m = 0;
-  for (int64_t j = 0; j < nc; ++j) {
-    if (static_cast<double>(cand[j].s) < cut) continue;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_bytes(c.X + cand[j + kAhead].r * c.d, bytes);
     const float e = exact_score(q, c.X + cand[j].r * c.d, c.d, c.g64);
     if (e > kNegInf) cand[m++] = Entry{e, cand[j].r};  // NaN and -inf are dropped
   }
@@ -448,12 +473,16 @@ void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, in
              const I8Query* const* qs, int nq, Heap* heaps) {
   const int8_t* xr[4];
   int64_t ids[4];
+  // the rows 16 on are prefetched, 4 per step (contiguous; a prefetch past the copy's end
+  // never faults): one query's scan at batch 1 runs at about twice the bandwidth
+  constexpr int64_t kAhead = 16;
   for (int64_t r = r0; r < r1; r += 4) {
     const int cnt = static_cast<int>(std::min<int64_t>(4, r1 - r));
     for (int i = 0; i < cnt; ++i) {
       ids[i] = r + i;
       xr[i] = src.i8 + (r + i) * d;
     }
+    prefetch_bytes(src.i8 + (r + kAhead) * d, 4 * d);
     i8_push(src, K, d, xr, ids, cnt, qs, nq, heaps);
   }
 }
@@ -486,9 +515,12 @@ double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K,
   const int16_t* qc[1] = {iq.q};
   const int8_t* xr[4];
   int32_t dots[4];
+  // the candidates' rows are scattered over the copy: prefetched 16 rows ahead
+  for (int64_t j = 0; j < std::min<int64_t>(nc, 16); ++j) prefetch_bytes(src.i8 + cand[j].r * c.d, c.d);
   for (int64_t j = 0; j < nc; j += 4) {
     const int cnt = static_cast<int>(std::min<int64_t>(4, nc - j));
     for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + cand[j + i].r * c.d;
+    for (int64_t t = j + 16; t < std::min(nc, j + 20); ++t) prefetch_bytes(src.i8 + cand[t].r * c.d, c.d);
     K.i8_dots(xr, cnt, qc, 1, c.d, dots);
     for (int i = 0; i < cnt; ++i) hp.push(i8_lower(iq, src.meta + 3 * cand[j + i].r, dots[i]), j + i);
   }
@@ -662,9 +694,11 @@ struct Group {
   bool gemm;      // GEMM path (else scan path)
 };
 
-// Queries per GEMM unit: whole panels of K.nr whose packed copy fits kGemmPanelBytes.
-int64_t gemm_unit_queries(const SimdKernels& K, int64_t d) {
-  const int64_t panel = static_cast<int64_t>(K.nr) * d * 4;
+// Queries per GEMM unit: whole panels of K.nr whose packed copy fits kGemmPanelBytes
+// (elem: bytes per packed query element, 4 for float32 panels, 2 for the int8 path's
+// int16 codes).
+int64_t gemm_unit_queries(const SimdKernels& K, int64_t d, int64_t elem = 4) {
+  const int64_t panel = static_cast<int64_t>(K.nr) * d * elem;
   return static_cast<int64_t>(K.nr) * std::max<int64_t>(1, kGemmPanelBytes / panel);
 }
 
@@ -710,42 +744,82 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
   }
 }
 
-// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of 6 rows in kGemmTileBytes.
-int64_t i8_tile_rows(int64_t dp) { return std::max<int64_t>(6, (kGemmTileBytes / (dp * 2)) / 6 * 6); }
+// Rows per int16 tile of the int8 GEMM path: whole micro-tiles of K.i8_mr rows in kGemmTileBytes.
+int64_t i8_tile_rows(const SimdKernels& K, int64_t dp) {
+  const int64_t mr = K.i8_mr;
+  return std::max<int64_t>(mr, (kGemmTileBytes / (dp * 2)) / mr * mr);
+}
+
+// The int8 rows x[0:cnt] (d bytes each) as int16 rows of dp elements (zero past d).
+RFMEM_MULTIVERSION
+void i8_widen(const int8_t* x, int64_t cnt, int64_t d, int64_t dp, int16_t* tile) {
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int8_t* xi = x + i * d;
+    int16_t* t = tile + i * dp;
+    for (int64_t j = 0; j < d; ++j) t[j] = xi[j];
+    if (dp > d) t[d] = 0;
+  }
+}
 
 // The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
-// once into panels of 16 (int16 pairs as int32, simd.h i8_gemm_panel), the rows converted
-// tile by tile to int16 (zero past d) and scored against every panel while in L2.
+// once into panels of K.i8_nr (int16 pairs as int32, simd.h i8_gemm_panel), the rows
+// converted tile by tile to int16 (zero past d) and scored against every panel while in
+// L2, the keys pushed into res[0:nq].
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
-                  const I8Query* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
+                  const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz) {
   const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
+  const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
   int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
-  const int npan = (nq + 15) / 16;
+  const int npan = (nq + nr - 1) / nr;
   for (int p = 0; p < npan; ++p) {
-    int32_t* Pp = P + static_cast<int64_t>(p) * np * 16;
-    for (int q = 0; q < 16; ++q) {
-      const int qi = p * 16 + q;
+    int32_t* Pp = P + static_cast<int64_t>(p) * np * nr;
+    for (int q = 0; q < nr; ++q) {
+      const int qi = p * nr + q;
       const int16_t* c = qi < nq ? qs[qi]->q : nullptr;  // (codes zero-padded to a multiple of 16 >= dp)
       for (int64_t j = 0; j < np; ++j) {
         const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
-        Pp[j * 16 + q] = static_cast<int32_t>(lo | (hi << 16));
+        Pp[j * nr + q] = static_cast<int32_t>(lo | (hi << 16));
       }
     }
   }
-  const int64_t rt = i8_tile_rows(dp);
+  const int64_t rt = i8_tile_rows(K, dp);
   for (int64_t t0 = r0; t0 < r1; t0 += rt) {
     const int64_t cnt = std::min(rt, r1 - t0);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int8_t* x = src.i8 + (t0 + i) * d;
-      int16_t* t = tile + i * dp;
-      for (int64_t j = 0; j < d; ++j) t[j] = x[j];
-      if (dp > d) t[d] = 0;
+    i8_widen(src.i8 + t0 * d, cnt, d, dp, tile);
+    // the next tile's int8 rows are read into L2 while this one is scored, a part per panel
+    const int64_t nbytes = std::min(rt, r1 - t0 - cnt) * d, part = (nbytes + npan - 1) / npan;
+    const char* next = reinterpret_cast<const char*>(src.i8 + (t0 + cnt) * d);
+    for (int p = 0; p < npan; ++p) {
+      for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
+      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, std::min(nr, nq - p * nr), t0,
+                      src.meta + 3 * t0, qs + p * nr, res + p * nr);
     }
-    for (int p = 0; p < npan; ++p)
-      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * 16, std::min(16, nq - p * 16), t0,
-                      src.meta + 3 * t0, qs + p * 16, heaps + p * 16);
   }
+}
+
+// i8_gemm_scan into the (empty) heaps[0:nq], each holding capacity 2 k in its storage:
+// the kernel pushes into Reservoirs over that storage (res[0:nq], scratch), which then
+// leave in every heap exactly what its own pushes would have (heap.h Reservoir).
+void i8_gemm_collect(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
+                     const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* scratch,
+                     const GemmScratch& sz) {
+  for (int i = 0; i < nq; ++i) {
+    const Heap& hp = heaps[i];
+    res[i] = Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base};
+  }
+  i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz);
+  for (int i = 0; i < nq; ++i) res[i].to_heap(heaps[i]);
+}
+
+// Per-thread scratch (floats, 64-byte aligned parts) of i8_gemm_scan for units of up to
+// nq queries.
+GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq) {
+  const int64_t round = 16, dp = (d + 1) / 2 * 2, nr = K.i8_nr;
+  GemmScratch gs;
+  gs.panels = ((nq + nr - 1) / nr * nr * (dp / 2) + round - 1) / round * round;
+  gs.tile = (i8_tile_rows(K, dp) * dp / 2 + round - 1) / round * round;
+  return gs;
 }
 
 // The pruned scan of one group's rows [r0, r1) (TopkOptions::prune_ref): query i may
@@ -877,7 +951,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t nlg = static_cast<int64_t>(lstart.size());
     lstart.push_back(static_cast<int64_t>(listed.size()));
     const int lthreads = threads_for(opt.num_threads, lwork, nlg);
-    const int64_t kwl = k + kScanMargin[static_cast<int>(src.type)];
+    int64_t lmax = 0;
+    for (size_t i = 0; i + 1 < lstart.size(); ++i) {
+      const int64_t p = opt.qsel[listed[static_cast<size_t>(lstart[i])]];
+      lmax = std::max(lmax, sel->off[p + 1] - sel->off[p]);
+    }
+    const int64_t kwl = k + scan_margin(src.type, lmax);
     const int64_t per = kGroup * kwl + k;
     const int64_t ltile = std::max<int64_t>(4, (kTileBytes / (d * (src.half ? 2 : 4))) / 4 * 4);
     std::vector<Entry> lstore(static_cast<size_t>(lthreads) * per);  // allocated before the threads
@@ -908,7 +987,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::stable_sort(order.begin(), order.end(), [qseg](int64_t a, int64_t c) { return qseg[a] < qseg[c]; });
   std::vector<Group> groups;
   double work = 0.0;  // multiply-adds of the scan
-  const int64_t unit_max = gemm_unit_queries(K, d);
+  const int64_t unit_max = gemm_unit_queries(K, d, src.i8 && K.i8_gemm_panel ? 2 : 4);
   int max_nq = 0, max_gemm_nq = 0;
   for (int64_t i = 0; i < nm;) {
     const int64_t seg = qseg[order[i]];
@@ -953,19 +1032,21 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   const int64_t items = ng * parts;
   nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
-  const int64_t kw = k + kScanMargin[static_cast<int>(src.type)];  // float32 candidates kept per query
+  const int64_t kw = k + scan_margin(src.type, max_len);  // candidates kept per query
   // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
-  const size_t per_thread = static_cast<size_t>(max_nq * kw + k);
+  // (the int8 GEMM path's heaps hold 2 kw: room for its Reservoirs, i8_gemm_collect)
+  const bool i8_gemm = max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel;
+  const int64_t hstride = i8_gemm ? 2 * kw : kw;
+  const size_t per_thread = static_cast<size_t>(max_nq * hstride + k);
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
+  std::vector<Reservoir> res_objs(i8_gemm ? static_cast<size_t>(nthreads) * max_nq : 0);
   std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
   if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
-    const int64_t round = 16, dp = (d + 1) / 2 * 2;
-    gs.panels = ((max_gemm_nq + 15) / 16 * 16 * (dp / 2) + round - 1) / round * round;
-    gs.tile = (i8_tile_rows(dp) * dp / 2 + round - 1) / round * round;
+    gs = i8_gemm_scratch(K, d, max_gemm_nq);
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
@@ -999,7 +1080,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const I8Query** iqs = src.i8 ? iqptrs.data() + static_cast<size_t>(tid) * max_nq : nullptr;
     Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread;
     for (int i = 0; i < g.nq; ++i) {
-      heaps[i].h = store + static_cast<size_t>(i) * kw;
+      heaps[i].h = store + static_cast<size_t>(i) * hstride;
       heaps[i].k = kw;
       heaps[i].size = 0;
       heaps[i].mask = qmask(order[g.first + i]);
@@ -1010,7 +1091,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     if (r1 > r0) {
       int64_t rows = r1 - r0;
       if (src.i8 && g.gemm && K.i8_gemm_panel)
-        i8_gemm_scan(src, K, d, r0, r1, iqs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+        i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq,
+                        gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.i8)  // the scan path (level 0: its GEMM units too)
         i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps);
       else if (g.gemm)
@@ -1036,7 +1118,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         // rows were dropped only if the heap filled up; they all scored <= its root
         const bool filled = hp.size == kw && len > kw;
         const float worst = hp.size ? hp.h[0].s : kNegInf;
-        finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * kw, out_scores + qi * k,
+        finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * hstride, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
                      hp.mask, iqp(qi));
         hp.size = 0;
@@ -1077,7 +1159,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
           }
           return false;
         };
-        Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * kw;
+        Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * hstride;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
                      out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi));
       }
@@ -1086,25 +1168,54 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 }
 
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
-                 float* lower, float* upper) {
+                 float* lower, float* upper, bool gemm) {
   std::vector<int16_t> qc;
   std::vector<I8Query> iq;
   if (!i8_prepare(Q, b, d, xnorm, qc, iq)) return false;
   const SimdKernels& K = simd_kernels();
   const int8_t* xr[4];
-  const int16_t* qp[1];
-  int32_t dots[4];
-  for (int64_t i = 0; i < b; ++i) {
-    qp[0] = iq[static_cast<size_t>(i)].q;
+  const int16_t* qp[kI8Chunk];
+  int32_t dots[4 * kI8Chunk];
+  for (int64_t q0 = 0; q0 < b; q0 += kI8Chunk) {  // the queries in chunks, as i8_push
+    const int m = static_cast<int>(std::min<int64_t>(kI8Chunk, b - q0));
+    for (int j = 0; j < m; ++j) qp[j] = iq[static_cast<size_t>(q0 + j)].q;
     for (int64_t r = 0; r < n; r += 4) {
       const int cnt = static_cast<int>(std::min<int64_t>(4, n - r));
       for (int t = 0; t < cnt; ++t) xr[t] = codes + (r + t) * d;
-      K.i8_dots(xr, cnt, qp, 1, d, dots);
-      for (int t = 0; t < cnt; ++t) {
-        lower[i * n + r + t] = i8_lower(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
-        upper[i * n + r + t] = i8_upper(iq[static_cast<size_t>(i)], meta + 3 * (r + t), dots[t]);
+      K.i8_dots(xr, cnt, qp, m, d, dots);
+      for (int j = 0; j < m; ++j) {
+        const I8Query& q = iq[static_cast<size_t>(q0 + j)];
+        for (int t = 0; t < cnt; ++t) {
+          lower[(q0 + j) * n + r + t] = i8_lower(q, meta + 3 * (r + t), dots[t * m + j]);
+          upper[(q0 + j) * n + r + t] = i8_upper(q, meta + 3 * (r + t), dots[t * m + j]);
+        }
       }
     }
+  }
+  if (!gemm || !K.i8_gemm_panel || n == 0 || b == 0) return true;
+  // the GEMM path's keys: every query's heap holds all n rows (never full before the
+  // last row, so every key is pushed), all b queries in one unit
+  ScanSrc src{nullptr, nullptr, ScanType::kI8};
+  src.i8 = codes;
+  src.meta = meta;
+  std::vector<Entry> store(static_cast<size_t>(2 * b * n));
+  std::vector<Heap> heaps(static_cast<size_t>(b));
+  std::vector<Reservoir> res(static_cast<size_t>(b));
+  std::vector<const I8Query*> qs(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    heaps[static_cast<size_t>(i)].h = store.data() + 2 * i * n;
+    heaps[static_cast<size_t>(i)].k = n;
+    qs[static_cast<size_t>(i)] = &iq[static_cast<size_t>(i)];
+  }
+  const GemmScratch gs = i8_gemm_scratch(K, d, b);
+  std::vector<float> scratch(static_cast<size_t>(gs.total()) + 16);
+  float* base = scratch.data();
+  while (reinterpret_cast<uintptr_t>(base) % 64) ++base;
+  for (int64_t i = 0; i < b * n; ++i) upper[i] = std::numeric_limits<float>::quiet_NaN();  // a NaN key: not pushed
+  i8_gemm_collect(src, K, d, 0, n, qs.data(), static_cast<int>(b), heaps.data(), res.data(), base, gs);
+  for (int64_t i = 0; i < b; ++i) {
+    const Heap& hp = heaps[static_cast<size_t>(i)];
+    for (int64_t e = 0; e < hp.size; ++e) upper[i * n + hp.h[e].r] = hp.h[e].s;
   }
   return true;
 }
