@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_encoder_precision import cpu_ms_per_text  # noqa: E402  (one timing helper for both scripts)
-from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
+from rfmem_fast.bench.cli import ENCODER_MODULES, _loadavg, versions  # noqa: E402
 from rfmem_fast.bench.workloads import default_personabench_dir  # noqa: E402
 from rfmem_fast.evaluate import machine_info  # noqa: E402
 
@@ -205,12 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     timed = rng.sample(questions, min(args.questions, len(questions)))
     timed_chunks = rng.sample(chunks, min(128, len(chunks)))
-    vers = versions()
-    for mod in ("onnxruntime", "onnx", "sentence_transformers", "transformers"):
-        try:
-            vers[mod] = __import__(mod).__version__
-        except ImportError:
-            vers[mod] = None
+    vers = versions(ENCODER_MODULES)
     doc: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {**machine_info(), "simd": cpu_flags()}, "versions": vers,

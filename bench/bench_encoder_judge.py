@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_encoder_backends import _turned, cpu_flags  # noqa: E402  (the noise-band perturbation, the SIMD flags)
-from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
+from rfmem_fast.bench.cli import ENCODER_MODULES, _loadavg, versions  # noqa: E402
 from rfmem_fast.evaluate import machine_info  # noqa: E402
 
 DEFAULT_OPTIONS = "onnx:float32,onnx:int8,torch:bfloat16,torch:float16,torch:float32"
@@ -191,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     model = resolve_model(args.model)
-    vers = versions()
-    for mod in ("onnxruntime", "onnx", "sentence_transformers", "transformers"):
-        try:
-            vers[mod] = __import__(mod).__version__
-        except ImportError:
-            vers[mod] = None
+    vers = versions(ENCODER_MODULES)
     doc: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {**machine_info(), "simd": cpu_flags()}, "versions": vers,

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_encoder_backends import cpu_flags  # noqa: E402
 from bench_encoder_judge import uptime  # noqa: E402
-from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
+from rfmem_fast.bench.cli import ENCODER_MODULES, _loadavg, versions  # noqa: E402
 from rfmem_fast.evaluate import machine_info  # noqa: E402
 
 OPTIONS = ("default", "st", "int8")
@@ -114,12 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = rng.sample([q.question for q in data.questions], min(args.questions, len(data.questions)))
     chunks = rng.sample([t for u in data.users for t in u.chunk_texts], 64)
     folder = default_model_path()
-    vers = versions()
-    for mod in ("onnxruntime", "onnx", "sentence_transformers", "transformers"):
-        try:
-            vers[mod] = __import__(mod).__version__
-        except ImportError:
-            vers[mod] = None
+    vers = versions(ENCODER_MODULES)
     encoders: dict[tuple[str, int], Any] = {}
     runs_as: dict[str, str] = {}
     for t in threads:

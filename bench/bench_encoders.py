@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_encoder_backends import cpu_flags  # noqa: E402  (one SIMD flag reader for the encoder scripts)
-from rfmem_fast.bench.cli import _loadavg, versions  # noqa: E402
+from rfmem_fast.bench.cli import ENCODER_MODULES, _loadavg, versions  # noqa: E402
 from rfmem_fast.bench.workloads import default_personabench_dir  # noqa: E402
 from rfmem_fast.evaluate import machine_info  # noqa: E402
 
@@ -180,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "c64": rng.sample(chunks, min(64, len(chunks))),
     }
 
-    vers = versions()
-    for mod in ("onnxruntime", "onnx", "sentence_transformers", "transformers"):
-        try:
-            vers[mod] = __import__(mod).__version__
-        except ImportError:
-            vers[mod] = None
+    vers = versions(ENCODER_MODULES)
     cpu = lscpu()
     doc: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),

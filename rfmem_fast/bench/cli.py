@@ -287,8 +287,14 @@ def resolve(args: argparse.Namespace) -> tuple[BenchSettings, dict[str, Any], li
     return st, resolved, notes
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of python, torch, numpy, faiss, scikit-learn, rfmem_fast (None when absent)."""
+#: the modules whose versions the encoder benchmarks record (:func:`versions`)
+ENCODER_MODULES = ("onnxruntime", "onnx", "sentence_transformers", "transformers")
+
+
+def versions(modules: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """Versions of python, torch, numpy, faiss, scikit-learn, rfmem_fast (None when absent),
+    and of each importable module named in ``modules`` (its ``__version__``; None when it
+    does not import), e.g. the encoder benches' ``ENCODER_MODULES``."""
     import numpy
     import torch
 
@@ -309,6 +315,11 @@ def versions() -> dict[str, str | None]:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = None
+    for mod in modules:
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
     return out
 
 
