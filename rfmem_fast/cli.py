@@ -138,6 +138,20 @@ def _add_dataset_args(p: argparse.ArgumentParser, locomo: bool = False) -> None:
         p.add_argument("--locomo", default=None, help="folder of LoCoMo conversation files (*.json)")
 
 
+def _add_stage_args(p: argparse.ArgumentParser, families: str) -> None:
+    """The options ``rfmem tune second-stage`` and ``pipeline`` share: the datasets
+    (:func:`_add_dataset_args`), ``--encoder``, ``--families`` (default ``families``),
+    ``--depths``, ``--k``, ``--backend``, ``--json``."""
+    _add_dataset_args(p, locomo=True)
+    p.add_argument("--encoder", default="minilm", help="encoder (default minilm)")
+    p.add_argument("--families", default=families, help=f"comma list of second-stage model families: linear, trees "
+                                                        f"(default {families})")  # fmt: skip
+    p.add_argument("--depths", default="20,30,50", help="comma list of the stage depths N tried (default 20,30,50)")
+    p.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    _add_backend_arg(p)
+    p.add_argument("--json", dest="json_out", help="write the result as JSON here")
+
+
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend", default="auto", choices=BACKEND_NAMES, metavar="NAME",
@@ -316,24 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     tss = tusub.add_parser("second-stage", help="a learned re-ranker of the recommended pipeline's top N, "
                                                 "nested leave-one-user-out across datasets")  # fmt: skip
-    _add_dataset_args(tss, locomo=True)
-    tss.add_argument("--encoder", default="minilm", help="encoder of the first stage (default minilm)")
-    tss.add_argument("--families", default="linear,trees", help="comma list of model families (default linear,trees)")
-    tss.add_argument("--depths", default="20,30,50", help="comma list of the depths N tried (default 20,30,50)")
-    tss.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
+    _add_stage_args(tss, "linear,trees")
     tss.add_argument("--model-out", default=None, help="write the model the procedure picks on all users here")
-    _add_backend_arg(tss)
-    tss.add_argument("--json", dest="json_out", help="write the result as JSON here")
 
     tpl = tusub.add_parser("pipeline", help="the whole recommended pipeline (first stage + second stage) by ONE "
                                             "nested leave-one-user-out across datasets")  # fmt: skip
-    _add_dataset_args(tpl, locomo=True)
-    tpl.add_argument("--encoder", default="minilm", help="encoder (default minilm)")
-    tpl.add_argument("--families", default="linear", help="comma list of second-stage families (default linear)")
-    tpl.add_argument("--depths", default="20,30,50", help="comma list of the stage depths N tried (default 20,30,50)")
-    tpl.add_argument("--k", type=int, default=10, help="Recall cut-off (default 10)")
-    _add_backend_arg(tpl)
-    tpl.add_argument("--json", dest="json_out", help="write the result as JSON here")
+    _add_stage_args(tpl, "linear")
 
     mo = sub.add_parser("models", help="the offline encoders")
     mosub = mo.add_subparsers(dest="action", required=True)
