@@ -82,23 +82,20 @@ def context_scores(base: np.ndarray, order: list[np.ndarray], radius: int, w_n: 
 
 
 def thread_order(snap: Any, lo: int, hi: int) -> list[np.ndarray]:
-    """The threads of rows [lo, hi) of a snapshot as local row lists in (position, row) order."""
-    threads = snap.threads if snap.threads is not None else np.full(hi - lo, None, dtype=object)[:, None][:, 0]
-    pos = snap.positions
-    groups: dict[Any, list[int]] = {}
-    alone = []
-    for r in range(lo, hi):
-        t = threads[r] if snap.threads is not None else None
-        if t is None:
-            alone.append(np.array([r - lo]))
-        else:
-            groups.setdefault(t, []).append(r)
-    out = []
-    big = np.iinfo(np.int64).max
-    for rows in groups.values():
-        rows = sorted(rows, key=lambda r: (pos[r] if pos is not None and pos[r] >= 0 else big, r))
-        out.append(np.array(rows) - lo)
-    return out + alone
+    """The threads of rows [lo, hi) of a snapshot as local row lists in (position, row) order
+    (no position last; the engine's order, :func:`rfmem_fast.context._thread_order`), then each
+    row without a thread alone."""
+    from rfmem_fast.context import NO_POSITION, _thread_order
+
+    n = hi - lo
+    th = [None] * n if snap.threads is None else list(snap.threads[lo:hi])
+    rows = np.array([i for i in range(n) if th[i] is not None], dtype=np.int64)
+    alone = [np.array([i]) for i in range(n) if th[i] is None]
+    if rows.size == 0:
+        return alone
+    pos = np.full(n, NO_POSITION, dtype=np.int64) if snap.positions is None else np.asarray(snap.positions[lo:hi])
+    srt, code = _thread_order([th[i] for i in rows], pos[rows], rows)
+    return np.split(srt, np.flatnonzero(np.diff(code)) + 1) + alone
 
 
 def fused_beam(X: np.ndarray, q0: np.ndarray, beta: np.ndarray, order: list[np.ndarray], cfg: Any, start: tuple) -> list[int]:

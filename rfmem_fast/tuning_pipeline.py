@@ -114,8 +114,6 @@ def tune_pipeline(conditions: Sequence[DatasetCondition], families: Sequence[str
         for u, v in first_pick.items():
             if v == name:
                 stage_picks[u] = stage_of[u]
-    if any(np.isnan(h).any() for h in held.values()):  # pragma: no cover - every user has a pick
-        raise RuntimeError("a question was left unscored")
     return PipelineTuneResult(
         conditions=labels, users=users, k=k, dense={lab: float(dense[lab].mean()) for lab in labels},
         first={lab: float(first_held[lab].mean()) for lab in labels},
