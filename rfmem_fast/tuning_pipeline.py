@@ -124,7 +124,13 @@ def tune_pipeline(conditions: Sequence[DatasetCondition], families: Sequence[str
 
 
 def format_pipeline(res: PipelineTuneResult) -> str:
-    """Plain-text table: dense, the first stage (nested), the pipeline (nested) and its gain over dense."""
+    """Plain-text table of a :class:`PipelineTuneResult`: per condition, dense Recall@k, the
+    first stage alone (nested), the whole pipeline (nested) and its gain over dense in points
+    with the paired standard error in brackets (the result of ``rfmem tune pipeline``).
+
+    Returns:
+        str, one line per row. Raises nothing for a result of :func:`tune_pipeline`.
+    """
     labs, w = res.conditions, 16
     lines = [f"whole pipeline, Recall@{res.k}, ONE nested leave-one-user-out over {len(res.users)} users",
              f"{'':<26}" + "".join(f"{lab:>{w}}" for lab in labs),
@@ -137,7 +143,15 @@ def format_pipeline(res: PipelineTuneResult) -> str:
 
 
 def pipeline_json(res: PipelineTuneResult) -> dict[str, Any]:
-    """The result as a JSON-serialisable dict."""
+    """The result as a JSON-serialisable dict (``rfmem tune pipeline --json``).
+
+    Returns:
+        dict with ``k``, ``conditions``, ``users``, ``dense``, ``first_stage_nested``,
+        ``pipeline_nested`` (condition -> Recall@k, floats in [0, 1]),
+        ``pipeline_gain_over_dense_points`` / ``pipeline_gain_se_points`` (condition ->
+        points), ``first_stage_picks`` / ``second_stage_picks`` (user -> candidate name),
+        ``seconds`` and ``notes``. Raises nothing for a result of :func:`tune_pipeline`.
+    """
     return {
         "k": res.k, "conditions": res.conditions, "users": res.users, "dense": res.dense,
         "first_stage_nested": res.first, "pipeline_nested": res.pipeline,
