@@ -292,6 +292,78 @@ def test_shared_and_multi_tenant_batches_and_threads(level):
     np.testing.assert_array_equal(one[1], _native.segmented_topk(X, off, Q[:1], qseg[:1], 10, 1)[1])
 
 
+def test_probe_keys_are_the_upper_bounds_and_feed_the_pruned_rounds(level):
+    """The probe over the int8 copy keeps every row's key (its upper bound of RN32(q.x),
+    the same bits as ``int8_bounds``) for the queries on the scan path, and the beam
+    driver prunes its rounds with them (over the float32 rows): rows, bitwise scores and
+    rounds equal the Python driver's on the float32 bank, for clustered rows, exact and
+    1-ulp duplicates and a coarse grid; the pruning is real (far fewer rows scored than
+    full scans)."""
+    from _shared import nudge_one_coordinate, on_grid
+    import torch
+
+    from rfmem_fast.backends.native import NativeBackend, _draws_by_clusters
+    from rfmem_fast.recollection import recollect as python_driver
+    from rfmem_fast.recollection import recollection_capacity
+
+    rng = np.random.default_rng(21)
+    d, n = 48, 2048
+    cfg = RFMemConfig()
+    for kind in ("gauss", "dup", "near", "grid"):
+        centres = rng.standard_normal((8, d))
+        X = (centres[rng.integers(0, 8, n)] + 0.4 * rng.standard_normal((n, d))).astype(np.float32)
+        if kind == "dup":
+            X[rng.integers(0, n, n // 3)] = X[rng.integers(0, 4, n // 3)]
+        elif kind == "near":
+            X = X[rng.integers(0, n // 8, n)].copy()
+            nudge_one_coordinate(X, rng)
+        elif kind == "grid":
+            X = on_grid(X)
+        bank, b8 = MemoryBank(d), MemoryBank(d, dtype="int8")
+        for bk in (bank, b8):
+            bk.add("u", X, list(range(n)))
+        X = bank.snapshot().vectors  # the bank's rows (unit norm)
+        off = np.array([0, n], np.int64)
+        codes, meta = int8_scan_copy(X)
+        Q = np.concatenate([X[rng.integers(0, n, 3)], rng.standard_normal((2, d)).astype(np.float32)])
+        Q = (Q / np.linalg.norm(Q.astype(np.float64), axis=1, keepdims=True)).astype(np.float32)
+        qseg = np.zeros(len(Q), np.int64)
+        xn = _xnorm(meta)
+        out = _native.probe(X, off, Q, qseg, 10, 10, 20.0, "mean", 1, xn, keep_scan_scores=True, scan=codes,
+                            scan_meta=meta, scan_type="int8", path="scan")  # fmt: skip
+        kept, written = out[5], out[6]
+        assert written.all(), kind
+        _, up = _native.int8_bounds(codes, meta, Q, xn, "scan")
+        assert kept.tobytes() == up.tobytes(), kind  # the keys, bit for bit
+        exact = np.array([[exact_f32(q, x) for x in X[:64]] for q in Q], np.float32)
+        assert (kept[:, :64] >= exact).all(), kind
+        draws = _draws_by_clusters(cfg.kmeans_seed, cfg.beam_width)
+        width = recollection_capacity(cfg) + 1
+        st = np.zeros(len(_native.recollect_stat_names))
+        rows, scores, rounds = _native.recollect(
+            X, off, Q, qseg, out[0], out[1], cfg.beam_width, cfg.fanout, cfg.max_rounds, cfg.out_k, cfg.alpha,
+            cfg.mmr_lambda, cfg.score_floor, cfg.kmeans_iters, cfg.kmeans_tol, draws, width, 1, xn, 256 << 20,
+            stats=st, scan=codes, scan_meta=meta, scan_type="int8", ref_scores=kept, ref_ok=written,
+        )[:3]  # fmt: skip
+        py = NativeBackend(beam_driver="python")
+        ref = python_driver(py, py.view(bank), torch.from_numpy(Q), torch.from_numpy(qseg), cfg,
+                            level0=(torch.from_numpy(out[0]), torch.from_numpy(out[1])))  # fmt: skip
+        np.testing.assert_array_equal(rows, ref.hit_rows.numpy(), err_msg=kind)
+        np.testing.assert_array_equal(rounds, ref.rounds.numpy(), err_msg=kind)
+        np.testing.assert_array_equal(scores[:, : cfg.out_k].view(np.uint32), ref.scores.numpy().view(np.uint32))
+        s = dict(zip(_native.recollect_stat_names, st))
+        if level >= 1:  # level 0: no float32 SIMD kernels, no pruning
+            # a query's round holds <= B branches: full scans would score >= n * scan_queries / B rows
+            assert s["scan_queries"] > 0, kind
+            assert 0 < s["scan_rows"] < 0.5 * n * s["scan_queries"] / cfg.beam_width, (kind, s)
+        # the same through search: the int8 bank's probe feeds its driver
+        got = search(b8, Q, ["u"] * len(Q), cfg, mode="recollection", backend="native")
+        want = search(bank, Q, ["u"] * len(Q), cfg, mode="recollection", backend="native")
+        np.testing.assert_array_equal(got.rows, want.rows, err_msg=kind)
+        np.testing.assert_array_equal(got.scores.view(np.uint32), want.scores.view(np.uint32), err_msg=kind)
+        np.testing.assert_array_equal(got.dense_scores, want.dense_scores, err_msg=kind)
+
+
 def test_filters_lists_and_masks(level):
     """Row selections of the kernel (list mode: only the listed rows scored; mask mode: a
     GEMM batch over the segment with a mask on its heaps): the exact top-k of the selected

@@ -72,11 +72,13 @@ struct TopkOptions {
   int64_t prune_row0 = 0;
   const double* prune_rad = nullptr;
   int64_t* rows_scored = nullptr;  ///< if given: += the rows the scans scored (a row once per group)
-  /// Scan scores out (optional): a query on the float32 scan path at SIMD levels >= 1
-  /// writes the scan score of every row x of its segment [a, e) at scores_out[i *
-  /// scores_ld + (x - a)] and sets scores_written[i] = 1 (others are left untouched);
-  /// ``scores_ld`` >= the longest queried segment. Those scores are within the scan
-  /// path's bound of the exact ones: the beam driver prunes with them (recollect's ref).
+  /// Scan scores out (optional): a query on the float32 scan path at SIMD levels >= 1, or
+  /// on the int8 copy's scan path (any level), writes the scan score of every row x of
+  /// its segment [a, e) at scores_out[i * scores_ld + (x - a)] and sets
+  /// scores_written[i] = 1 (others are left untouched); ``scores_ld`` >= the longest
+  /// queried segment. Those scores are within the float32 scan's bound of the exact ones,
+  /// or (int8) the keys i8_upper, upper bounds of them: the beam driver prunes with them
+  /// (recollect's ref; both give q0.x <= f0(x) + B0, recollect.cpp prune_radius).
   float* scores_out = nullptr;
   int64_t scores_ld = 0;
   uint8_t* scores_written = nullptr;

@@ -126,7 +126,7 @@ struct Workspace {
   // pruning: the original queries' scan scores [G, max_len], their bounds' parts, and
   // the radius of each branch query of a round [B]
   std::vector<float> ref;
-  std::vector<double> ref_b0, ref_qn, rad;
+  std::vector<double> ref_b0, ref_qn, ref_fmax, rad;
   Profile prof;
 
   void allocate(int64_t G, int64_t B, int64_t Kmax, int64_t d, int64_t cap, int64_t max_len) {
@@ -159,6 +159,7 @@ struct Workspace {
       ref.resize(g * static_cast<size_t>(max_len));
       ref_b0.resize(g);
       ref_qn.resize(g);
+      ref_fmax.resize(g);
       rad.resize(b);
     }
   }
@@ -246,21 +247,36 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
 }
 
 // The radius of branch query q around its original query q0 (TopkOptions::prune_rad):
-// with f0(x) the scan score of q0 (|f0(x) - q0.x| <= B0, the scan bound) and R >= ||x||,
+// with f0(x) the reference score of q0 for row x, q0.x <= f0(x) + B0 (the float32 scan's
+// scores lie within its bound B0 of q0.x; the int8 scan's keys are upper bounds of
+// RN32(q0.x), which lies within 2^-24 |q0.x| + 2^-150 <= B0 of q0.x), |f0(x)| <= fmax over
+// the segment, and R >= ||x||:
 //   q.x = q0.x + x.(q - q0) <= f0(x) + B0 + R ||q - q0|| =: V,
-// and RN32(q.x) <= RN32(V) <= V + 2^-24 |V| + 2^-149, |V| <= R ||q0|| + 2 B0 + R ||q - q0||:
-// rad = B0 + R delta + 2^-23 (R ||q0|| + 2 B0 + R delta) + 2^-140 with delta >= ||q - q0||
+// and RN32(q.x) <= RN32(V) <= V + 2^-24 |V| + 2^-149, |V| <= fmax + B0 + R ||q - q0||:
+// rad = B0 + R delta + 2^-23 (fmax + B0 + R delta) + 2^-140 with delta >= ||q - q0||
 // (float64 sum of the squared differences, each exact or within 2^-53, inflated), every
 // term rounded up by the factor kSlack.
-double prune_radius(const float* q, const float* q0, int64_t d, double R, double b0, double q0n) {
+double prune_radius(const float* q, const float* q0, int64_t d, double R, double b0, double fmax) {
   double s = 0.0;
   for (int64_t t = 0; t < d; ++t) {
     const double e = static_cast<double>(q[t]) - static_cast<double>(q0[t]);
     s += e * e;
   }
   const double delta = std::sqrt(s * (1.0 + gamma_n(static_cast<double>(d + 4), kU64))) * kSlack;
-  const double slack = 1.1920928955078125e-07 * (R * q0n + 2.0 * b0 + R * delta) + 7.174648137343064e-43;
+  const double slack = 1.1920928955078125e-07 * (fmax + b0 + R * delta) + 7.174648137343064e-43;
   return (b0 + R * delta * kSlack + slack) * kSlack;
+}
+
+// The largest |f| of the reference scores f[0:len] (inf when one is not finite).
+double max_abs(const float* f, int64_t len) {
+  float m = 0.0f;
+  bool finite = true;
+  for (int64_t x = 0; x < len; ++x) {
+    const float v = std::fabs(f[x]);
+    finite = finite && v <= std::numeric_limits<float>::max();
+    m = v > m ? v : m;
+  }
+  return finite ? static_cast<double>(m) : std::numeric_limits<double>::infinity();
 }
 
 // All rounds of the queries idx[0 : G] (one segment), in lockstep.
@@ -309,6 +325,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(q0[t]) * static_cast<double>(q0[t]);
       w.ref_qn[g] = std::sqrt(qq) * kSlack;  // >= ||q0|| (float64 sum of exact squares: relative error << 2^-30)
       w.ref_b0[g] = scan_coef((d + 15) / 16 + 4) * bt.xnorm * w.ref_qn[g] * kSlack + abs_bound(d);
+      if (refp[g] != nullptr) w.ref_fmax[g] = max_abs(refp[g], len) * kSlack;
     }
     w.prof.lap(kStatScan);
   }
@@ -364,6 +381,11 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       } else {  // per query: its branches' rows pruned by its own scores (prune_radius)
         int64_t scored_all = 0;
         opt.prune_row0 = a;
+        // the float32 rows: a pruned round scores the rows near its top-k, where the int8
+        // bound would leave most of them to re-score exactly (measured slower)
+        opt.scan_i8 = nullptr;
+        opt.scan_meta = nullptr;
+        opt.scan_type = ScanType::kF32;
         for (int64_t g = 0; g < G; ++g) {
           if (!active[g]) continue;
           const float* qb = w.qbuf.data() + p0[g] * d;
@@ -378,7 +400,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
             continue;
           }
           for (int64_t j = 0; j < nlive[g]; ++j)
-            w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_qn[g]);
+            w.rad[j] = prune_radius(qb + j * d, bt.Q0 + idx[g] * d, d, bt.xnorm, w.ref_b0[g], w.ref_fmax[g]);
           opt.prune_ref = refp[g];
           opt.prune_rad = w.rad.data();
           // threads by the work the rows scored in this query's previous pruned round
@@ -573,10 +595,10 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
-  // pruning needs the float32 scan (no half-precision or int8 copy) and its SIMD kernels,
-  // and pays only when later rounds scan (max_rounds > 1)
-  const bool prune = simd_kernels().scores_f32 != nullptr &&
-                     (topk == nullptr || (topk->scan == nullptr && topk->scan_i8 == nullptr)) &&
+  // pruning needs the float32 rows' SIMD kernels (no half-precision copy; with an int8
+  // copy, the pruned rounds scan the float32 rows: recollect_group), and pays only when
+  // later rounds scan (max_rounds > 1)
+  const bool prune = simd_kernels().scores_f32 != nullptr && (topk == nullptr || topk->scan == nullptr) &&
                      cfg.max_rounds > 1 && max_len >= kPruneMinRows;
   for (Workspace& w : ws) {
     w.prune = prune;

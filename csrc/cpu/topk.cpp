@@ -323,23 +323,47 @@ double kth_lower(Entry* cand, int64_t nc, int64_t k, double B) {
 inline double cut_below(double lower, double B) { return std::nextafter(lower - B, kNegInfD); }
 
 // Re-score exactly the candidates whose scan score reaches the cut; emit the top k.
-// (Multiversioned: exact_score's four float64 partial sums become one AVX2 vector, the
-// same operations in the same order, so the same bits.)
+// ``up``: every candidate's exact score is at most its key + up (the scan bound B for
+// float32 scan scores, 0 for the int8 keys, upper bounds themselves). Beyond k of them,
+// the candidates go in descending key order and the re-scoring stops at the first whose
+// key + up is below the k-th best exact score found so far: every later one scores
+// strictly below it (neither in the top k nor tied with it), so the result is that of
+// re-scoring them all. (Multiversioned: exact_score's four float64 partial sums become
+// one AVX2 vector, the same operations in the same order, so the same bits.)
 RFMEM_MULTIVERSION
-void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, float* out_s,
+void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, double up, float* out_s,
              int64_t* out_r) {
   int64_t n = 0;  // the candidates to re-score, in their order, first
   for (int64_t j = 0; j < nc; ++j)
     if (static_cast<double>(cand[j].s) >= cut) cand[n++] = cand[j];
+  if (n > c.k) std::sort(cand, cand + n, better);  // descending keys
   // their rows are scattered over X (a cache miss each): prefetched kAhead rows ahead
   constexpr int64_t kAhead = 8;
   const int64_t bytes = c.d * static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_bytes(c.X + cand[j].r * c.d, bytes);
+  // the k best exact scores so far: a min-heap in out_s (emit overwrites it)
+  float* hs = out_s;
+  int64_t hn = 0;
+  const auto gt = std::greater<float>();
   int64_t m = 0;
   for (int64_t j = 0; j < n; ++j) {
+    if (hn == c.k) {
+      const double key = static_cast<double>(cand[j].s);
+      const double ub = up > 0.0 ? std::nextafter(key + up, std::numeric_limits<double>::infinity()) : key;
+      if (ub < static_cast<double>(hs[0])) break;
+    }
     if (j + kAhead < n) prefetch_bytes(c.X + cand[j + kAhead].r * c.d, bytes);
     const float e = exact_score(q, c.X + cand[j].r * c.d, c.d, c.g64);
-    if (e > kNegInf) cand[m++] = Entry{e, cand[j].r};  // NaN and -inf are dropped
+    if (!(e > kNegInf)) continue;  // NaN and -inf are dropped
+    cand[m++] = Entry{e, cand[j].r};
+    if (hn < c.k) {
+      hs[hn++] = e;
+      std::push_heap(hs, hs + hn, gt);
+    } else if (e > hs[0]) {
+      std::pop_heap(hs, hs + hn, gt);
+      hs[hn - 1] = e;
+      std::push_heap(hs, hs + hn, gt);
+    }
   }
   emit(cand, m, c.k, out_s, out_r);
 }
@@ -467,24 +491,63 @@ void i8_push(const ScanSrc& src, const SimdKernels& K, int64_t d, const int8_t* 
   }
 }
 
-// The int8 scan of rows [r0, r1) (contiguous) for nq queries: 4 rows per i8_dots call,
-// every query of the group (or GEMM unit) scoring them while they are in L1.
+// The keys i8_upper of ``cnt`` <= kI8Block contiguous rows (meta: the first one's, dots:
+// their int32 dots with stride m) for one query; vectorised, the same float32 operations
+// as i8_upper, so the same bits.
+constexpr int kI8Block = 16;
+RFMEM_MULTIVERSION
+void i8_keys(const I8Query& iq, const float* meta, const int32_t* dots, int m, int cnt, float* key) {
+  for (int i = 0; i < cnt; ++i) key[i] = i8_upper(iq, meta + 3 * i, dots[i * m]);
+}
+
+// The int8 scan of rows [r0, r1) (contiguous) for nq queries into the (empty) heaps[0:nq],
+// each holding capacity 2 k in its storage: blocks of kI8Block rows, 4 rows per i8_dots
+// call, every query of the group (or GEMM unit) scoring them while they are in L1; a
+// block's keys are computed at once (i8_keys) and only those above the threshold go, in
+// row order, to a Reservoir over the heap's storage (heap.h: the heap's set, without a
+// sift per replacement; the int8 keys' wide margin keeps k + 16 .. k + 128 rows), made the
+// heap at the end. With ``sout``, query j's key of row x is written at sout[j][x - r0]
+// (TopkOptions::scores_out: upper bounds of RN32(q.x)).
 void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
-             const I8Query* const* qs, int nq, Heap* heaps) {
+             const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* const* sout = nullptr) {
+  for (int i = 0; i < nq; ++i) {
+    const Heap& hp = heaps[i];
+    res[i] = Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base};
+  }
   const int8_t* xr[4];
-  int64_t ids[4];
+  const int16_t* qc[kI8Chunk];
+  int32_t dots[kI8Block * kI8Chunk];
+  float key[kI8Block];
   // the rows 16 on are prefetched, 4 per step (contiguous; a prefetch past the copy's end
   // never faults): one query's scan at batch 1 runs at about twice the bandwidth
   constexpr int64_t kAhead = 16;
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int cnt = static_cast<int>(std::min<int64_t>(4, r1 - r));
-    for (int i = 0; i < cnt; ++i) {
-      ids[i] = r + i;
-      xr[i] = src.i8 + (r + i) * d;
+  for (int64_t r = r0; r < r1; r += kI8Block) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kI8Block, r1 - r));
+    for (int q0 = 0; q0 < nq; q0 += kI8Chunk) {
+      const int m = std::min(kI8Chunk, nq - q0);
+      for (int j = 0; j < m; ++j) qc[j] = qs[q0 + j]->q;
+      for (int t = 0; t < cnt; t += 4) {
+        const int c4 = std::min(4, cnt - t);
+        for (int i = 0; i < c4; ++i) xr[i] = src.i8 + (r + t + i) * d;
+        if (q0 == 0) prefetch_bytes(src.i8 + (r + t + kAhead) * d, 4 * d);
+        K.i8_dots(xr, c4, qc, m, d, dots + t * m);
+      }
+      for (int j = 0; j < m; ++j) {
+        Reservoir& rs = res[q0 + j];
+        i8_keys(*qs[q0 + j], src.meta + 3 * r, dots + j, m, cnt, key);
+        if (sout != nullptr) std::copy(key, key + cnt, sout[q0 + j] + (r - r0));
+        const float thr = rs.threshold();
+        uint32_t pass = 0;
+        for (int i = 0; i < cnt; ++i) pass |= static_cast<uint32_t>(key[i] > thr) << i;
+        while (pass != 0) {
+          const int i = __builtin_ctz(pass);
+          pass &= pass - 1;
+          if (key[i] > rs.threshold()) rs.push(key[i], r + i);
+        }
+      }
     }
-    prefetch_bytes(src.i8 + (r + kAhead) * d, 4 * d);
-    i8_push(src, K, d, xr, ids, cnt, qs, nq, heaps);
   }
+  for (int i = 0; i < nq; ++i) res[i].to_heap(heaps[i]);
 }
 
 // The same over the listed rows rows[0:m] (increasing), the next rows prefetched.
@@ -574,7 +637,7 @@ void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, b
     if (dropped(L))
       i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
     else
-      rescore(c, q, cand, nc, L, out_s, out_r);
+      rescore(c, q, cand, nc, L, 0.0, out_s, out_r);
     return;
   }
   const double Bp = c.bound(gemm ? c.gemm : c.scan, q);
@@ -584,7 +647,7 @@ void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, b
     const double Bs = gemm ? c.bound(c.scan, q) : Bp;
     rescan_query(c, src, K, q, a, e, cut_below(lower, Bs), store, out_s, out_r, mask);
   } else {
-    rescore(c, q, cand, nc, cut, out_s, out_r);
+    rescore(c, q, cand, nc, cut, Bp, out_s, out_r);
   }
 }
 
@@ -636,7 +699,7 @@ void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
         i8_rescan(c, src, K, *iqs[i], qs[i], m, [rows](int64_t j) { return rows[j]; }, L, ex, out_s[i], out_r[i],
                   nullptr, 0);
       else
-        rescore(c, qs[i], hp.h, hp.size, L, out_s[i], out_r[i]);
+        rescore(c, qs[i], hp.h, hp.size, L, 0.0, out_s[i], out_r[i]);
     }
     return;
   }
@@ -666,7 +729,7 @@ void list_group(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
     const double lower = kth_lower(hp.h, hp.size, c.k, B);
     const double cut = cut_below(lower, B);
     if (!(filled && static_cast<double>(worst) >= cut)) {
-      rescore(c, q, hp.h, hp.size, cut, out_s[i], out_r[i]);
+      rescore(c, q, hp.h, hp.size, cut, B, out_s[i], out_r[i]);
       continue;
     }
     Heap ex;  // the rescan: every listed row of scan score >= cut, re-scored exactly
@@ -1035,13 +1098,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   const int64_t kw = k + scan_margin(src.type, max_len);  // candidates kept per query
   // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
-  // (the int8 GEMM path's heaps hold 2 kw: room for its Reservoirs, i8_gemm_collect)
-  const bool i8_gemm = max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel;
-  const int64_t hstride = i8_gemm ? 2 * kw : kw;
+  // (the int8 paths' heaps hold 2 kw: room for their Reservoirs, i8_scan and i8_gemm_collect)
+  const int64_t hstride = src.i8 ? 2 * kw : kw;
   const size_t per_thread = static_cast<size_t>(max_nq * hstride + k);
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
-  std::vector<Reservoir> res_objs(i8_gemm ? static_cast<size_t>(nthreads) * max_nq : 0);
+  std::vector<Reservoir> res_objs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   std::vector<const float*> qptrs(static_cast<size_t>(nthreads) * max_nq);
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
@@ -1093,8 +1155,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       if (src.i8 && g.gemm && K.i8_gemm_panel)
         i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq,
                         gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
-      else if (src.i8)  // the scan path (level 0: its GEMM units too)
-        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps);
+      else if (src.i8 && opt.scores_out && !g.gemm) {  // the keys out too (upper bounds)
+        float* sout[kGroup];
+        for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
+        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq, sout);
+      } else if (src.i8)  // the scan path (level 0: its GEMM units too)
+        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq);
       else if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
       else if (src.half)
@@ -1130,7 +1196,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
-  if (opt.scores_out && opt.scores_written && !src.half && !src.i8 && K.scan_rows_f32 && !opt.prune_ref)
+  if (opt.scores_out && opt.scores_written && !src.half && (src.i8 || K.scan_rows_f32) && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
         for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
