@@ -63,6 +63,21 @@ def xdist_worker(config) -> str:
     return getattr(config, "workerinput", {}).get("workerid", "")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def int8_copy_on_small_banks():
+    """The int8 scan copy read on banks of any size (the engine reads it from
+    INT8_MIN_ROWS rows per queried segment, where it pays): the suite's small int8 banks
+    exercise the int8 kernels; tests/test_int8_scan.py checks the rule itself."""
+    try:
+        from rfmem_fast import _native
+    except ImportError:  # a build without the native module
+        yield
+        return
+    _native.set_int8_min_rows(0)
+    yield
+    _native.set_int8_min_rows(-1)
+
+
 @pytest.fixture(scope="session")
 def golden_rows() -> list[dict]:
     pack = _pack()

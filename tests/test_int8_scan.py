@@ -388,6 +388,42 @@ def test_filters_lists_and_masks(level):
             np.testing.assert_array_equal(s[i], ws[0], err_msg=f"{path} {i}")
 
 
+def test_small_segments_scan_the_float32_rows():
+    """Below INT8_MIN_ROWS rows per queried segment (mean over the call's queries) a call
+    scans the float32 rows, where the int8 copy does not pay: a copy that lies leaves the
+    answer right there, and turns it around from the threshold on (the suite runs with the
+    threshold at 0, tests/conftest.py)."""
+    rng = np.random.default_rng(3)
+    d, n = 16, 600
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    codes, meta = int8_scan_copy(X)
+    lying = meta.copy()
+    lying[:, 1] = 0
+    Q = X[:4] + np.float32(0.01)
+    seg = np.zeros(4, np.int64)
+
+    def top(off):
+        want = _native.segmented_topk(X, off, Q, seg, 5)
+        liar = _native.segmented_topk(X, off, Q, seg, 5, xnorm=_xnorm(meta), scan=-codes, scan_meta=lying,
+                                      scan_type="int8")  # fmt: skip
+        return np.array_equal(liar[1], want[1])
+
+    assert _native.INT8_MIN_ROWS == 512
+    assert _native.set_int8_min_rows(-1) == 512 == _native.int8_min_rows()
+    try:
+        assert top(np.array([0, 511], np.int64))  # 511 rows: the float32 rows, right
+        assert not top(np.array([0, 512], np.int64))  # 512 rows: the (lying) int8 copy
+        mixed = np.array([0, 100, 600], np.int64)  # mean of 100 and 500 rows: below 512
+        want = _native.segmented_topk(X, mixed, Q, np.array([0, 1, 1, 1]), 5)
+        liar = _native.segmented_topk(X, mixed, Q, np.array([0, 1, 1, 1]), 5, xnorm=_xnorm(meta), scan=-codes,
+                                      scan_meta=lying, scan_type="int8")  # fmt: skip
+        np.testing.assert_array_equal(liar[1], want[1])
+        assert _native.set_int8_min_rows(100) == 100
+        assert not top(np.array([0, 511], np.int64))
+    finally:
+        assert _native.set_int8_min_rows(0) == 0
+
+
 def test_the_kernels_read_the_int8_copy():
     """A copy whose codes are negated but whose bounds claim to be tight (a broken caller
     contract) turns the answer around: the top-k reads the int8 rows, not X."""

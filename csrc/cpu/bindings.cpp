@@ -1323,6 +1323,15 @@ Raises:
       "the level now in use. For tests and benchmarks (every level's kernels on one machine); results never "
       "depend on it.");
   mod.def(
+      "set_int8_min_rows", [](int64_t rows) { return rfmem::set_int8_min_rows(rows); }, py::arg("rows"),
+      "Sets the mean rows per queried segment from which a call reads the int8 scan copy (0: always; negative: "
+      "the default, INT8_MIN_ROWS) and returns the value now in use; below it the call scans the float32 rows, "
+      "where the int8 copy does not pay (csrc/cpu/kernels.h kI8MinRows, measured). For tests and benchmarks; "
+      "results never depend on it.");
+  mod.def("int8_min_rows", []() { return rfmem::int8_min_rows(); },
+          "The mean rows per queried segment from which a call reads the int8 scan copy now (set_int8_min_rows).");
+  mod.attr("INT8_MIN_ROWS") = rfmem::kI8MinRows;
+  mod.def(
       "simd_int8_kernel", []() { return std::string(rfmem::simd_kernels().i8_name); },
       "The int8 scan kernels (MemoryBank(dtype='int8')) in use now: 'avx512_vnni' (level 2, vpdpwssd), 'avx512bw' "
       "(level 2 without AVX512_VNNI), 'avx2' (level 1, and level 2 without AVX-512BW) or 'baseline' (level 0) "

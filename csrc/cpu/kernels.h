@@ -49,7 +49,8 @@ struct TopkOptions {
   /// query, every row gets its own proven bound, and the rows that can reach the top-k
   /// are re-scored exactly from X (topk.cpp "int8 scan"). Queries or dimensions the int8
   /// scan cannot bound (d > (2^31 - 1) / 127, a query norm times xnorm >= 2^100, a
-  /// non-finite query) make the call scan X instead; results never depend on it.
+  /// non-finite query), and calls whose queried segments hold fewer than int8_min_rows()
+  /// rows on average, make the call scan X instead; results never depend on it.
   const int8_t* scan_i8 = nullptr;
   const float* scan_meta = nullptr;
   TopkPath path = TopkPath::kAuto;
@@ -83,6 +84,21 @@ struct TopkOptions {
   int64_t scores_ld = 0;
   uint8_t* scores_written = nullptr;
 };
+
+/// The int8 scan copy pays from this many rows per queried segment (mean over the call's
+/// queries): below it the call scans the float32 rows (segmented_topk; the copy's keys,
+/// int8 dots and the exact re-scoring of the rows within its bound cost more than the
+/// float32 scan saves). Measured (rfmem bench --workloads multitenant --users 1000, batch
+/// 1,024, one thread, AMD EPYC Zen 4, SIMD level 2, int8 kernel avx512_vnni): int8 /
+/// float32 dense q/s 0.66x at 64 rows, 1.00x at 256, 1.45x at 1,024, 2.2x at 4,096;
+/// RF-Mem 0.86x / 0.87x / 1.16x / 1.5x.
+constexpr int64_t kI8MinRows = 512;
+
+/// The row count from which a call uses the int8 copy (kI8MinRows unless set): ``rows`` >=
+/// 0 sets it (0: always, for tests that exercise the int8 kernels on small banks),
+/// negative restores kI8MinRows; returns the value now in use. Results never depend on it.
+int64_t set_int8_min_rows(int64_t rows);
+int64_t int8_min_rows();
 
 /// The cost rule of the segmented top-k: true when ``nq`` queries of one segment of
 /// ``seg_len`` rows cost less on the GEMM path than on the scan path at SIMD level

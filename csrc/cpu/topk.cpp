@@ -100,6 +100,8 @@ constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 // that overflows costs a rescan of the whole segment for its query (a pass over n d
 // bytes), while a longer list costs more keys kept and int8 dots re-done in the finish
 // (k + 256 measured 8 % slower than k + 128 at 1e5 rows and no faster at 1e6).
+std::atomic<int64_t> g_i8_min_rows{kI8MinRows};  // set_int8_min_rows
+
 int64_t scan_margin(ScanType t, int64_t max_len) {
   if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
   return std::min<int64_t>(128, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
@@ -901,6 +903,13 @@ int64_t scan_pruned(const ExactCtx& c, const SimdKernels& K, const TopkOptions& 
 
 }  // namespace
 
+int64_t set_int8_min_rows(int64_t rows) {
+  g_i8_min_rows.store(rows < 0 ? kI8MinRows : rows, std::memory_order_relaxed);
+  return int8_min_rows();
+}
+
+int64_t int8_min_rows() { return g_i8_min_rows.load(std::memory_order_relaxed); }
+
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
 // bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
 // with AVX-512, bench/results/gemm-rates-crossover-amd-epyc.json): the scan path (groups of 16
@@ -952,7 +961,13 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   // int8 scan cannot bound the call's queries)
   std::vector<int16_t> i8codes;
   std::vector<I8Query> i8q;
-  if (opt.scan_i8 != nullptr && opt.scan_meta != nullptr && i8_prepare(Q, b, d, xnorm, i8codes, i8q)) {
+  bool i8_rows = false;  // the int8 copy pays: enough rows per queried segment (kI8MinRows)
+  if (opt.scan_i8 != nullptr && opt.scan_meta != nullptr) {
+    double rows = 0.0;
+    for (int64_t i = 0; i < b; ++i) rows += static_cast<double>(offsets[qseg[i] + 1] - offsets[qseg[i]]);
+    i8_rows = rows >= static_cast<double>(int8_min_rows()) * static_cast<double>(b);
+  }
+  if (i8_rows && i8_prepare(Q, b, d, xnorm, i8codes, i8q)) {
     src.i8 = opt.scan_i8;
     src.meta = opt.scan_meta;
     src.type = ScanType::kI8;
