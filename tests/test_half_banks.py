@@ -177,9 +177,10 @@ def test_search_after_writes_equals_float32_bank(dtype):
 @pytest.mark.skipif(not NATIVE, reason="native backend not built")
 @pytest.mark.parametrize("dtype", SCAN)
 def test_both_beam_drivers_scan_the_half_copy_exactly(dtype):
-    """The C++ beam driver's rounds and the Python driver's use the half copy (scan and
-    GEMM paths: a shared segment with many branches): same rows, scores and rounds as
-    the float32 bank."""
+    """The Python driver's rounds use the half copy (scan and GEMM paths: a shared
+    segment with many branches), the C++ driver's too except its pruned rounds (segments
+    of >= 512 rows: the float32 rows, pruned by q0's scores): same rows, scores and
+    rounds as the float32 bank."""
     rng = np.random.default_rng(6)
     X = rng.normal(size=(900, 48)).astype(np.float32)
     bank32 = MemoryBank.from_arrays(X, [0, 700, 900])

@@ -382,9 +382,12 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         int64_t scored_all = 0;
         opt.prune_row0 = a;
         // the float32 rows: a pruned round scores the rows near its top-k, where the int8
-        // bound would leave most of them to re-score exactly (measured slower)
+        // bound would leave most of them to re-score exactly (measured slower), and a few
+        // float32 rows cost less than a half copy's unpruned scan (multi-tenant float16
+        // bank: Recollection path 1.7x)
         opt.scan_i8 = nullptr;
         opt.scan_meta = nullptr;
+        opt.scan = nullptr;
         opt.scan_type = ScanType::kF32;
         for (int64_t g = 0; g < G; ++g) {
           if (!active[g]) continue;
@@ -595,11 +598,10 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
   const int inner_threads = nthreads == 1 ? num_threads : 1;
 
   std::vector<Workspace> ws(static_cast<size_t>(nthreads));
-  // pruning needs the float32 rows' SIMD kernels (no half-precision copy; with an int8
-  // copy, the pruned rounds scan the float32 rows: recollect_group), and pays only when
-  // later rounds scan (max_rounds > 1)
-  const bool prune = simd_kernels().scores_f32 != nullptr && (topk == nullptr || topk->scan == nullptr) &&
-                     cfg.max_rounds > 1 && max_len >= kPruneMinRows;
+  // pruning needs the float32 rows' SIMD kernels (with a half-precision or int8 copy the
+  // pruned rounds score the float32 rows: recollect_group), and pays only when later
+  // rounds scan (max_rounds > 1)
+  const bool prune = simd_kernels().scores_f32 != nullptr && cfg.max_rounds > 1 && max_len >= kPruneMinRows;
   for (Workspace& w : ws) {
     w.prune = prune;
     w.allocate(G, B, Kmax, d, cap, max_len);

@@ -106,9 +106,10 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// segment (float32 [b, ref_ld], row x at ref[i * ref_ld + x - offsets[qseg[i]]], the
 /// float32 scan path's lanes or the int8 copy's keys: TopkOptions::scores_out of the
 /// probe) for the queries with ref_ok[i] != 0: the pruned rounds use them instead of
-/// scanning Q0 again. With an int8 copy in ``topk``, the pruned rounds score the float32
-/// rows (a pruned round's rows lie near its top-k, where the int8 bound would leave most
-/// of them to re-score exactly); its other scans read the copy.
+/// scanning Q0 again. With a half-precision or int8 copy in ``topk``, the pruned rounds
+/// score the float32 rows (a pruned round's rows lie near its top-k, where the int8 bound
+/// would leave most of them to re-score exactly; a few float32 rows cost less than the
+/// copy's whole segment); its other scans read the copy.
 /// ``out_dense``: null, or float32 [b, out_k] for the exact dense scores RN32(Q0[i] .
 /// X[row]) of each query's first out_k result rows (NaN padding and for queries not
 /// recollected): what a search reports as the hits' dense scores.
