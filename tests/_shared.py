@@ -85,3 +85,20 @@ def on_grid(X: np.ndarray) -> np.ndarray:
     X = np.round(X).astype(np.float32)
     X[np.all(X == 0, axis=1), 0] = 1.0
     return X
+
+
+def clustered_rows(rng: np.random.Generator, n: int, d: int, kind: str) -> np.ndarray:
+    """float32 [n, d] rows around 8 random centres, then per ``kind``: "gauss" as drawn,
+    "dup" a third of them exact copies of 4 rows, "near" n / 8 distinct rows repeated and
+    nudged by one ulp (near ties), "grid" rounded to integers (exact ties everywhere):
+    the banks of the beam driver's pruning tests."""
+    centres = rng.standard_normal((8, d))
+    X = (centres[rng.integers(0, 8, n)] + 0.4 * rng.standard_normal((n, d))).astype(np.float32)
+    if kind == "dup":
+        X[rng.integers(0, n, n // 3)] = X[rng.integers(0, 4, n // 3)]
+    elif kind == "near":
+        X = X[rng.integers(0, n // 8, n)].copy()
+        nudge_one_coordinate(X, rng)
+    elif kind == "grid":
+        X = on_grid(X)
+    return X

@@ -299,8 +299,8 @@ def test_probe_keys_are_the_upper_bounds_and_feed_the_pruned_rounds(level):
     rounds equal the Python driver's on the float32 bank, for clustered rows, exact and
     1-ulp duplicates and a coarse grid; the pruning is real (far fewer rows scored than
     full scans)."""
-    from _shared import nudge_one_coordinate, on_grid
     import torch
+    from _shared import clustered_rows
 
     from rfmem_fast.backends.native import NativeBackend, _draws_by_clusters
     from rfmem_fast.recollection import recollect as python_driver
@@ -310,15 +310,7 @@ def test_probe_keys_are_the_upper_bounds_and_feed_the_pruned_rounds(level):
     d, n = 48, 2048
     cfg = RFMemConfig()
     for kind in ("gauss", "dup", "near", "grid"):
-        centres = rng.standard_normal((8, d))
-        X = (centres[rng.integers(0, 8, n)] + 0.4 * rng.standard_normal((n, d))).astype(np.float32)
-        if kind == "dup":
-            X[rng.integers(0, n, n // 3)] = X[rng.integers(0, 4, n // 3)]
-        elif kind == "near":
-            X = X[rng.integers(0, n // 8, n)].copy()
-            nudge_one_coordinate(X, rng)
-        elif kind == "grid":
-            X = on_grid(X)
+        X = clustered_rows(rng, n, d, kind)
         bank, b8 = MemoryBank(d), MemoryBank(d, dtype="int8")
         for bk in (bank, b8):
             bk.add("u", X, list(range(n)))

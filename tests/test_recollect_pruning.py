@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from _shared import nudge_one_coordinate, on_grid
+from _shared import clustered_rows
 import pytest
 import torch
 
@@ -33,16 +33,7 @@ PYTHON = NativeBackend(beam_driver="python")
 def _bank(rng: np.random.Generator, d: int, lens: list[int], kind: str) -> MemoryBank:
     bank = MemoryBank(d)
     for u, n in enumerate(lens):
-        centres = rng.standard_normal((8, d))
-        X = (centres[rng.integers(0, 8, n)] + 0.4 * rng.standard_normal((n, d))).astype(np.float32)
-        if kind == "dup":
-            X[rng.integers(0, n, n // 3)] = X[rng.integers(0, 4, n // 3)]
-        elif kind == "near":
-            X = X[rng.integers(0, n // 8, n)].copy()
-            nudge_one_coordinate(X, rng)
-        elif kind == "grid":
-            X = on_grid(X)
-        bank.add(f"u{u}", X, [f"u{u}-{i}" for i in range(n)])
+        bank.add(f"u{u}", clustered_rows(rng, n, d, kind), [f"u{u}-{i}" for i in range(n)])
     return bank
 
 
