@@ -393,13 +393,18 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
           if (!active[g]) continue;
           const float* qb = w.qbuf.data() + p0[g] * d;
           if (opt.qsel != nullptr) opt.qsel = w.qsels.data() + p0[g];  // its branches' selections
-          if (refp[g] == nullptr) {  // filtered: the selection's rows, unpruned, threads by their count
-            opt.prune_ref = nullptr;
-            opt.prune_rad = nullptr;
-            opt.rows_scored = nullptr;
-            opt.num_threads = inner_threads;
+          if (refp[g] == nullptr) {  // filtered: the selection's rows, unpruned (the scan copy), threads by their count
+            TopkOptions fo = opt;
+            fo.scan = bt.topk.scan;
+            fo.scan_i8 = bt.topk.scan_i8;
+            fo.scan_meta = bt.topk.scan_meta;
+            fo.scan_type = bt.topk.scan_type;
+            fo.prune_ref = nullptr;
+            fo.prune_rad = nullptr;
+            fo.rows_scored = nullptr;
+            fo.num_threads = inner_threads;
             segmented_topk(bt.X, bt.n, d, bt.offsets, bt.U, qb, w.segs.data(), nlive[g], K,
-                           w.c_sc.data() + p0[g] * K, w.c_rows.data() + p0[g] * K, opt);
+                           w.c_sc.data() + p0[g] * K, w.c_rows.data() + p0[g] * K, fo);
             continue;
           }
           for (int64_t j = 0; j < nlive[g]; ++j)
