@@ -197,6 +197,60 @@ def test_both_beam_drivers_scan_the_half_copy_exactly(dtype):
         np.testing.assert_array_equal(got.rounds, want.rounds)
 
 
+@pytest.mark.skipif(not NATIVE, reason="native backend not built")
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_half_probe_keeps_its_scan_scores_for_the_pruned_rounds(dtype):
+    """The probe over a half copy keeps every row's scan score (SIMD levels >= 1; within
+    the half scan's bound of the exact score) and the C++ beam driver prunes its rounds
+    with them, with that wider bound: one query at a time (the scan path) on a segment of
+    2,048 rows, rows, bitwise scores and rounds equal the float32 bank's, and the driver
+    scored far fewer rows than full scans would."""
+    from _shared import clustered_rows
+
+    from rfmem_fast.backends.native import _draws_by_clusters
+    from rfmem_fast.recollection import recollection_capacity
+
+    rng = np.random.default_rng(31)
+    d, n = 48, 2048
+    bank32 = MemoryBank.from_arrays(clustered_rows(rng, n, d, "gauss"), [0, n])
+    bank = _as(bank32, dtype)
+    snap = bank.snapshot()
+    X, off = snap.vectors, snap.offsets
+    Q = X[rng.integers(0, n, 4)] + np.float32(0.05) * rng.standard_normal((4, d)).astype(np.float32)
+    Q = (Q / np.linalg.norm(Q.astype(np.float64), axis=1, keepdims=True)).astype(np.float32)
+    cfg = RFMemConfig()
+    want = search(bank32, Q, [0] * 4, cfg, mode="recollection", backend=NativeBackend(beam_driver="python"))
+    xn = float(np.linalg.norm(X.astype(np.float64), axis=1).max() * (1 + 1e-6))
+    bits = snap.scan.view(np.uint16)
+    for i in range(4):
+        seg = np.zeros(1, np.int64)
+        out = _native.probe(X, off, Q[i : i + 1], seg, 10, 10, 20.0, "mean", 1, xn, keep_scan_scores=True,
+                            scan=bits, scan_type=dtype)  # fmt: skip
+        kept, written = out[5], out[6]
+        if _native.simd_level() == 0:
+            assert not written[0]
+            continue
+        assert written[0]
+        exact = X.astype(np.float64) @ Q[i].astype(np.float64)
+        np.testing.assert_allclose(kept[0], exact, atol=4e-3 if dtype == "bfloat16" else 5e-4)
+        st = np.zeros(len(_native.recollect_stat_names))
+        rows, scores, rounds = _native.recollect(
+            X, off, Q[i : i + 1], seg, out[0], out[1], cfg.beam_width, cfg.fanout, cfg.max_rounds, cfg.out_k,
+            cfg.alpha, cfg.mmr_lambda, cfg.score_floor, cfg.kmeans_iters, cfg.kmeans_tol,
+            _draws_by_clusters(cfg.kmeans_seed, cfg.beam_width), recollection_capacity(cfg) + 1, 1, xn, 256 << 20,
+            stats=st, scan=bits, scan_type=dtype, ref_scores=kept, ref_ok=written,
+        )[:3]  # fmt: skip
+        np.testing.assert_array_equal(rows[0, : cfg.out_k], want.rows[i], err_msg=f"{dtype} query {i}")
+        np.testing.assert_array_equal(scores[0, : cfg.out_k].view(np.uint32), want.scores[i].view(np.uint32))
+        assert rounds[0] == want.rounds[i]
+        s = dict(zip(_native.recollect_stat_names, st))
+        if s["scan_queries"] > 0:
+            assert 0 < s["scan_rows"] < 0.5 * n * s["scan_queries"] / cfg.beam_width, s
+    got = search(bank, Q, [0] * 4, cfg, mode="recollection", backend=NativeBackend())  # the same through search
+    np.testing.assert_array_equal(got.rows, want.rows)
+    np.testing.assert_array_equal(got.scores.view(np.uint32), want.scores.view(np.uint32))
+
+
 _PB_FLOAT32: dict = {}  # (backend, mode) -> the float32 bank's result
 
 

@@ -992,12 +992,12 @@ Returns:
     With keep_scan_scores=True, two more: scan_scores float32 [b, L] (L = the longest
     queried segment) and written bool [b], or (None, None) unless L >= PRUNE_MIN_ROWS
     (the driver's pruning threshold) and b * L <= 2^22: for a query whose scan took the
-    float32 scan path (SIMD level >= 1; not GEMM, not a half-precision copy) or the int8
-    copy's scan path (any level; not GEMM), written[i] and scan_scores[i, j] = the scan
-    score of row offsets[qseg[i]] + j (float32 rows: within the scan path's error bound of
-    the exact score; int8 copy: its key, an upper bound of the exact score, as
-    int8_bounds' upper), for the beam driver (recollect's ref_scores); other entries
-    unspecified.
+    scan path over the float32 rows or a half-precision copy (SIMD level >= 1; not GEMM)
+    or over the int8 copy (any level; not GEMM), written[i] and scan_scores[i, j] = the
+    scan score of row offsets[qseg[i]] + j (float32 rows or a half copy: within that scan
+    path's error bound of the exact score; int8 copy: its key, an upper bound of the exact
+    score, as int8_bounds' upper), for the beam driver (recollect's ref_scores, with the
+    same scan copy); other entries unspecified.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
@@ -1129,8 +1129,8 @@ Args:
         of a long segment are pruned with the scan scores of the original query; where
         ref_ok[i] they are taken from here instead of scanning Q0[i] again. Results never
         depend on them, PROVIDED they are the scan scores of Q0 (the caller's contract:
-        within the float32 scan's bound of RN32(Q0[i] . x), or upper bounds of it, as the
-        int8 copy's keys).
+        probe(keep_scan_scores=True)'s with the same scan copy as this call: within that
+        scan's bound of RN32(Q0[i] . x), or upper bounds of it, as the int8 copy's keys).
     dense: also return the exact dense scores RN32(Q0[i] . X[row]) of each query's first
         out_k result rows (float32 [b, out_k], NaN padding and for inactive queries).
     stats: None, or a writeable float64 [recollect_stat_names length] array to which the

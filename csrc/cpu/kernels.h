@@ -73,13 +73,14 @@ struct TopkOptions {
   int64_t prune_row0 = 0;
   const double* prune_rad = nullptr;
   int64_t* rows_scored = nullptr;  ///< if given: += the rows the scans scored (a row once per group)
-  /// Scan scores out (optional): a query on the float32 scan path at SIMD levels >= 1, or
-  /// on the int8 copy's scan path (any level), writes the scan score of every row x of
-  /// its segment [a, e) at scores_out[i * scores_ld + (x - a)] and sets
-  /// scores_written[i] = 1 (others are left untouched); ``scores_ld`` >= the longest
-  /// queried segment. Those scores are within the float32 scan's bound of the exact ones,
-  /// or (int8) the keys i8_upper, upper bounds of them: the beam driver prunes with them
-  /// (recollect's ref; both give q0.x <= f0(x) + B0, recollect.cpp prune_radius).
+  /// Scan scores out (optional): a query on the scan path over the float32 rows or a
+  /// half-precision copy at SIMD levels >= 1, or over the int8 copy (any level), writes
+  /// the scan score of every row x of its segment [a, e) at scores_out[i * scores_ld + (x
+  /// - a)] and sets scores_written[i] = 1 (others are left untouched); ``scores_ld`` >=
+  /// the longest queried segment. Those scores are within that scan's bound (scan_bound)
+  /// of the exact ones, or (int8) the keys i8_upper, upper bounds of them: the beam driver
+  /// prunes with them (recollect's ref; all give q0.x <= f0(x) + B0, recollect.cpp
+  /// prune_radius).
   float* scores_out = nullptr;
   int64_t scores_ld = 0;
   uint8_t* scores_written = nullptr;
@@ -137,6 +138,11 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets, int64_t U,
                     const float* Q, const int64_t* qseg, int64_t b, int64_t k, float* out_scores,
                     int64_t* out_rows, const TopkOptions& opt);
+
+/// The scan path's error bound for a query of norm <= qnorm over rows of norm <= xnorm,
+/// d elements, rows read as ``type`` (kF32, kF16, kBF16; kI8 as kF32): |f - RN32(q.x)|
+/// <= this for every scan score f of the scan path (topk.cpp make_bound, ExactCtx::bound).
+double scan_bound(int64_t d, ScanType type, double xnorm, double qnorm);
 
 /// An upper bound of max_i ||X[i]|| (float64 sums, inflated by their error bound).
 double row_norm_bound(const float* X, int64_t n, int64_t d);

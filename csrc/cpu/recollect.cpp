@@ -247,9 +247,10 @@ void branch(const Batch& bt, const RecollectConfig& cfg, Workspace& w, int64_t p
 }
 
 // The radius of branch query q around its original query q0 (TopkOptions::prune_rad):
-// with f0(x) the reference score of q0 for row x, q0.x <= f0(x) + B0 (the float32 scan's
-// scores lie within its bound B0 of q0.x; the int8 scan's keys are upper bounds of
-// RN32(q0.x), which lies within 2^-24 |q0.x| + 2^-150 <= B0 of q0.x), |f0(x)| <= fmax over
+// with f0(x) the reference score of q0 for row x, q0.x <= f0(x) + B0 (a float32 or
+// half-precision scan's scores lie within its bound B0 of q0.x, scan_bound; the int8
+// scan's keys are upper bounds of RN32(q0.x), which lies within 2^-24 |q0.x| + 2^-150 <=
+// B0 of q0.x, B0 the float32 scan's bound), |f0(x)| <= fmax over
 // the segment, and R >= ||x||:
 //   q.x = q0.x + x.(q - q0) <= f0(x) + B0 + R ||q - q0|| =: V,
 // and RN32(q.x) <= RN32(V) <= V + 2^-24 |V| + 2^-149, |V| <= fmax + B0 + R ||q - q0||:
@@ -304,6 +305,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
   const int64_t len = bt.offsets[seg + 1] - a;
   const bool pruned = w.prune && len >= kPruneMinRows;
   const float* refp[kMaxGroup];  // the scan scores of q0 of query g over the segment
+  bool probe_ref[kMaxGroup] = {};  // refp[g] from the probe (its scan copy's bound), else scanned here
   int64_t prev_scored[kMaxGroup] = {0};  // rows scored by query g's last pruned round
   if (pruned) {
     const float* qs[kMaxGroup];
@@ -313,6 +315,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         refp[g] = nullptr;  // a filtered query: its rounds score its selection's rows (no pruning)
       } else if (bt.ref != nullptr && bt.ref_ok[idx[g]]) {  // the probe's scan already has them
         refp[g] = bt.ref + idx[g] * bt.ref_ld;
+        probe_ref[g] = true;
       } else {
         refp[g] = w.ref.data() + nq * len;
         qs[nq++] = bt.Q0 + idx[g] * d;
@@ -324,7 +327,10 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
       double qq = 0.0;
       for (int64_t t = 0; t < d; ++t) qq += static_cast<double>(q0[t]) * static_cast<double>(q0[t]);
       w.ref_qn[g] = std::sqrt(qq) * kSlack;  // >= ||q0|| (float64 sum of exact squares: relative error << 2^-30)
-      w.ref_b0[g] = scan_coef((d + 15) / 16 + 4) * bt.xnorm * w.ref_qn[g] * kSlack + abs_bound(d);
+      // the bound of the scan that made the scores: the probe's over its scan copy (a
+      // half-precision copy's is wider; the int8 keys are upper bounds: the float32 one)
+      const ScanType st = probe_ref[g] && bt.topk.scan != nullptr ? bt.topk.scan_type : ScanType::kF32;
+      w.ref_b0[g] = scan_bound(d, st, bt.xnorm, w.ref_qn[g]);
       if (refp[g] != nullptr) w.ref_fmax[g] = max_abs(refp[g], len) * kSlack;
     }
     w.prof.lap(kStatScan);
@@ -384,7 +390,7 @@ void recollect_group(const Batch& bt, const RecollectConfig& cfg, const int64_t*
         // the float32 rows: a pruned round scores the rows near its top-k, where the int8
         // bound would leave most of them to re-score exactly (measured slower), and a few
         // float32 rows cost less than a half copy's unpruned scan (multi-tenant float16
-        // bank: Recollection path 1.7x)
+        // bank: Recollection path 2.0x)
         opt.scan_i8 = nullptr;
         opt.scan_meta = nullptr;
         opt.scan = nullptr;

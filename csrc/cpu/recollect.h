@@ -104,9 +104,9 @@ size_t recollect_workspace_bytes(const RecollectConfig& cfg, int64_t d, int64_t 
 /// of a query come from its selected rows only (level0 must be filtered the same way).
 /// ``ref`` / ``ref_ld`` / ``ref_ok``: null, or the scan scores of every Q0[i] over its
 /// segment (float32 [b, ref_ld], row x at ref[i * ref_ld + x - offsets[qseg[i]]], the
-/// float32 scan path's lanes or the int8 copy's keys: TopkOptions::scores_out of the
-/// probe) for the queries with ref_ok[i] != 0: the pruned rounds use them instead of
-/// scanning Q0 again. With a half-precision or int8 copy in ``topk``, the pruned rounds
+/// float32 or half-precision scan path's lanes or the int8 copy's keys:
+/// TopkOptions::scores_out of a probe with the same scan copy as ``topk``) for the
+/// queries with ref_ok[i] != 0: the pruned rounds use them instead of scanning Q0 again. With a half-precision or int8 copy in ``topk``, the pruned rounds
 /// score the float32 rows (a pruned round's rows lie near its top-k, where the int8 bound
 /// would leave most of them to re-score exactly; a few float32 rows cost less than the
 /// copy's whole segment); its other scans read the copy.

@@ -137,9 +137,10 @@ struct SimdKernels {
 
   /// The scan path over half-precision rows [r0, r1) of X: heaps[i] collects query i's
   /// best scores (rows in increasing order), tiles of tile_rows rows shared by the nq
-  /// queries (as scan_rows of topk.cpp).
+  /// queries (as scan_rows of topk.cpp). With ``sout`` (levels 1, 2; ignored at level 0),
+  /// query i's scan score of row x is also written at sout[i][x - r0].
   void (*scan_rows_half)(const uint16_t* X, ScanType t, int64_t d, int64_t r0, int64_t r1,
-                         const float* const* qs, int nq, Heap* heaps, int64_t tile_rows);
+                         const float* const* qs, int nq, Heap* heaps, int64_t tile_rows, float* const* sout);
 
   /// The scan path over float32 rows [r0, r1) of X (levels 1, 2; nullptr at level 0,
   /// where topk.cpp's own scan runs): heaps[i] collects query i's best scores, every

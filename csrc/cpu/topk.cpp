@@ -1178,9 +1178,12 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq);
       else if (g.gemm)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
-      else if (src.half)
-        K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows);
-      else if (K.scan_rows_f32_pruned && opt.prune_ref)
+      else if (src.half) {
+        float* sout[kGroup];  // the scan scores out too (within the half scan's bound)
+        if (opt.scores_out)
+          for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
+        K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows, opt.scores_out ? sout : nullptr);
+      } else if (K.scan_rows_f32_pruned && opt.prune_ref)
         rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
       else if (K.scan_rows_f32 && opt.scores_out) {
         float* sout[kGroup];
@@ -1211,7 +1214,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
-  if (opt.scores_out && opt.scores_written && !src.half && (src.i8 || K.scan_rows_f32) && !opt.prune_ref)
+  if (opt.scores_out && opt.scores_written && (src.i8 || K.scan_rows_f32) && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
         for (int i = 0; i < g.nq; ++i) opt.scores_written[order[g.first + i]] = 1;
@@ -1299,6 +1302,11 @@ bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, c
     for (int64_t e = 0; e < hp.size; ++e) upper[i * n + hp.h[e].r] = hp.h[e].s;
   }
   return true;
+}
+
+double scan_bound(int64_t d, ScanType type, double xnorm, double qnorm) {
+  const Bound b = make_bound((d + 15) / 16 + 4, type, d);
+  return (b.coef * xnorm + b.ain) * qnorm * kSlack + abs_bound(d);
 }
 
 double row_norm_bound(const float* X, int64_t n, int64_t d) {
