@@ -46,7 +46,7 @@ import rfmem_fast
 from rfmem_fast import _native
 from rfmem_fast.bench.report import write_json
 from rfmem_fast.evaluate import machine_info
-from rfmem_fast.precision import to_scan_copy
+from rfmem_fast.precision import int8_scan_copy, to_scan_copy
 
 PARTS = ("rates", "crossover", "bandwidth")
 
@@ -103,27 +103,40 @@ def rates(levels: list[int], n: int, b: int, d: int, repeats: int) -> list[dict[
     return out
 
 
-def crossover(levels: list[int], d: int, repeats: int, total_rows: int = 200_000) -> list[dict[str, Any]]:
-    """GEMM / scan speed-up per (queries per segment, segment rows) and the rule's choice."""
+def crossover(levels: list[int], d: int, repeats: int, total_rows: int = 200_000,
+              scan_type: str = "float32") -> list[dict[str, Any]]:  # fmt: skip
+    """GEMM / scan speed-up per (queries per segment, segment rows) and the rule's choice;
+    ``scan_type`` "int8": both paths over the int8 copy (read at every segment size here,
+    ``_native.set_int8_min_rows(0)``; the rule is the float32 one)."""
     rng = np.random.default_rng(1)
     out = []
-    for lv in levels:
-        _native.set_simd_cap(lv)
-        for L in (32, 64, 128, 512, 4096):
-            U = max(1, total_rows // L // 8)
-            X = _unit(rng, U * L, d)
-            off = np.arange(U + 1, dtype=np.int64) * L
-            for nq in (2, 4, 8, 12, 16, 24, 32, 48):
-                Q = _unit(rng, U * nq, d)
-                qs = np.repeat(np.arange(U), nq).astype(np.int64)
-                ts = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="scan"), repeats)
-                tg = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="gemm"), repeats)
-                out.append({"level": lv, "seg_rows": L, "queries_per_segment": nq, "segments": U,
-                            "gemm_speedup": ts / tg, "rule_takes_gemm": bool(_native.gemm_pays(nq, L, d, lv))})  # fmt: skip
-            row = " ".join(f"{r['queries_per_segment']}:{r['gemm_speedup']:.2f}{'*' if r['rule_takes_gemm'] else ''}"
-                           for r in out if r["level"] == lv and r["seg_rows"] == L)  # fmt: skip
-            print(f"crossover level {lv} L={L:5d}: {row}   (* = the rule takes GEMM)", file=sys.stderr)
-    _native.set_simd_cap(-1)
+    if scan_type == "int8":
+        _native.set_int8_min_rows(0)
+    try:
+        for lv in levels:
+            _native.set_simd_cap(lv)
+            for L in (32, 64, 128, 512, 4096):
+                U = max(1, total_rows // L // 8)
+                X = _unit(rng, U * L, d)
+                off = np.arange(U + 1, dtype=np.int64) * L
+                kw: dict[str, Any] = {}
+                if scan_type == "int8":
+                    codes, meta = int8_scan_copy(X)
+                    kw = {"scan": codes, "scan_meta": meta, "scan_type": "int8"}
+                for nq in (2, 4, 8, 12, 16, 24, 32, 48):
+                    Q = _unit(rng, U * nq, d)
+                    qs = np.repeat(np.arange(U), nq).astype(np.int64)
+                    ts = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="scan", **kw), repeats)
+                    tg = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="gemm", **kw), repeats)
+                    out.append({"level": lv, "scan_type": scan_type, "seg_rows": L, "queries_per_segment": nq,
+                                "segments": U, "gemm_speedup": ts / tg,
+                                "rule_takes_gemm": bool(_native.gemm_pays(nq, L, d, lv))})  # fmt: skip
+                row = " ".join(f"{r['queries_per_segment']}:{r['gemm_speedup']:.2f}{'*' if r['rule_takes_gemm'] else ''}"
+                               for r in out if r["level"] == lv and r["seg_rows"] == L)  # fmt: skip
+                print(f"crossover {scan_type} level {lv} L={L:5d}: {row}   (* = the rule takes GEMM)", file=sys.stderr)
+    finally:
+        _native.set_simd_cap(-1)
+        _native.set_int8_min_rows(-1)
     return out
 
 
@@ -162,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=400, help="bandwidth: segments")
     p.add_argument("--items", type=int, default=4096, help="bandwidth: rows per segment")
     p.add_argument("--crossover-rows", type=int, default=200_000, help="crossover: rows of each (L, nq) cell's bank")
+    p.add_argument("--scan-type", choices=("float32", "int8"), default="float32",
+                   help="crossover: the rows both paths read (int8: the int8 scan copy)")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--levels", default=None, help="SIMD levels (default: every level this CPU runs, highest first)")
     p.add_argument("--repeats", type=int, default=3)
@@ -187,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if "rates" in parts:
         doc["rates"] = rates(levels, args.rows, args.queries, args.dim, args.repeats)
     if "crossover" in parts:
-        doc["crossover"] = crossover(levels, args.dim, args.repeats, args.crossover_rows)
+        doc["crossover"] = crossover(levels, args.dim, args.repeats, args.crossover_rows, args.scan_type)
     if "bandwidth" in parts:
         doc["bandwidth"] = bandwidth(levels, args.users, args.items, args.dim, args.queries, args.repeats)
     doc["loadavg_after"] = list(os.getloadavg())

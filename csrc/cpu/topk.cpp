@@ -931,6 +931,8 @@ constexpr double kGemmFixed = 3.5;
 constexpr int64_t kGemmMinRows = 128;
 }  // namespace
 
+bool i8_gemm_pays(int64_t nq, int64_t seg_len) { return nq >= kI8GemmMinQueries && seg_len >= kGemmMinRows; }
+
 bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level) {
   if (nq < 1 || seg_len < kGemmMinRows || d < 1) return false;
   level = std::max(0, std::min(level, 2));
@@ -1073,7 +1075,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     while (j < nm && qseg[order[j]] == seg) ++j;
     const int64_t g = j - i, len = offsets[seg + 1] - offsets[seg];
     bool gemm = len > 0 && (opt.path == TopkPath::kGemm ||
-                            (opt.path == TopkPath::kAuto && gemm_pays(g, len, d, K.level)));
+                            (opt.path == TopkPath::kAuto &&
+                             (src.i8 && K.i8_gemm_panel ? i8_gemm_pays(g, len) : gemm_pays(g, len, d, K.level))));
     int64_t per = kGroup;
     if (gemm) {
       const int64_t units = (g + unit_max - 1) / unit_max;
