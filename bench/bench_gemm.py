@@ -12,7 +12,9 @@ shared machine), best of ``--repeats``:
   of the cost rule (csrc/cpu/topk.cpp ``kScanRate`` / ``kGemmRate``);
 * ``crossover``: the GEMM path's speed-up over the scan path for ``nq`` queries per
   segment of ``L`` rows (many segments, one group of queries each), the table behind
-  the rule's thresholds (``_native.gemm_pays``, printed beside each cell);
+  the rule's thresholds (``_native.gemm_pays``, printed beside each cell); with
+  ``--scan-type int8`` both paths read the int8 scan copy (at every segment size), the
+  table behind the int8 copy's own threshold (csrc/cpu/kernels.h ``kI8GemmMinQueries``);
 * ``bandwidth``: a multi-tenant batch (``--users`` segments of ``--items`` rows, one
   query per random user, the scan path) on float32, float16 and bfloat16 copies: bytes
   of scan copy read per second, and the half / float32 speed-up.
@@ -28,7 +30,7 @@ Usage::
 
     python bench/bench_gemm.py [--parts rates,crossover,bandwidth] [--rows 100000]
         [--queries 1024] [--users 400] [--items 4096] [--crossover-rows 200000] [--levels 2,1,0]
-        [--repeats 3] [--out FILE]
+        [--scan-type float32|int8] [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -103,13 +105,22 @@ def rates(levels: list[int], n: int, b: int, d: int, repeats: int) -> list[dict[
     return out
 
 
+def _rule(nq: int, seg_rows: int, d: int, level: int, scan_type: str) -> bool:
+    """Whether the engine takes the GEMM path: ``_native.gemm_pays`` (float32 rows), or the
+    int8 copy's own rule at levels with an int8 GEMM kernel (``INT8_GEMM_MIN_QUERIES``)."""
+    if scan_type == "int8" and level >= 1:
+        return nq >= _native.INT8_GEMM_MIN_QUERIES and seg_rows >= 128
+    return bool(_native.gemm_pays(nq, seg_rows, d, level))
+
+
 def crossover(levels: list[int], d: int, repeats: int, total_rows: int = 200_000,
               scan_type: str = "float32") -> list[dict[str, Any]]:  # fmt: skip
     """GEMM / scan speed-up per (queries per segment, segment rows) and the rule's choice;
     ``scan_type`` "int8": both paths over the int8 copy (read at every segment size here,
-    ``_native.set_int8_min_rows(0)``; the rule is the float32 one)."""
+    ``_native.set_int8_min_rows(0)``; the rule is the int8 copy's, ``_rule``)."""
     rng = np.random.default_rng(1)
     out = []
+    prev = _native.int8_min_rows()
     if scan_type == "int8":
         _native.set_int8_min_rows(0)
     try:
@@ -129,14 +140,13 @@ def crossover(levels: list[int], d: int, repeats: int, total_rows: int = 200_000
                     ts = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="scan", **kw), repeats)
                     tg = _best(lambda: _native.segmented_topk(X, off, Q, qs, 10, 1, 1.0001, path="gemm", **kw), repeats)
                     out.append({"level": lv, "scan_type": scan_type, "seg_rows": L, "queries_per_segment": nq,
-                                "segments": U, "gemm_speedup": ts / tg,
-                                "rule_takes_gemm": bool(_native.gemm_pays(nq, L, d, lv))})  # fmt: skip
+                                "segments": U, "gemm_speedup": ts / tg, "rule_takes_gemm": _rule(nq, L, d, lv, scan_type)})  # fmt: skip
                 row = " ".join(f"{r['queries_per_segment']}:{r['gemm_speedup']:.2f}{'*' if r['rule_takes_gemm'] else ''}"
                                for r in out if r["level"] == lv and r["seg_rows"] == L)  # fmt: skip
                 print(f"crossover {scan_type} level {lv} L={L:5d}: {row}   (* = the rule takes GEMM)", file=sys.stderr)
     finally:
         _native.set_simd_cap(-1)
-        _native.set_int8_min_rows(-1)
+        _native.set_int8_min_rows(prev)
     return out
 
 

@@ -268,6 +268,16 @@ def test_bench_gemm_script_tiny(tmp_path):
         assert r["rule_takes_gemm"] == _native.gemm_pays(r["queries_per_segment"], r["seg_rows"], 32, r["level"])
     assert {r["scan_type"] for r in doc["bandwidth"]} == {"float32", "float16", "bfloat16"}
     assert all(_finite(r["speedup_over_float32"]) for r in doc["bandwidth"])
+    out8 = tmp_path / "g8.json"  # the int8 copy's crossover: its own rule
+    assert mod.main(["--parts", "crossover", "--scan-type", "int8", "--crossover-rows", "3000", "--dim", "32",
+                     "--repeats", "1", "--out", str(out8)]) == 0  # fmt: skip
+    cells = json.loads(out8.read_text())["crossover"]
+    assert cells and {r["scan_type"] for r in cells} == {"int8"} and all(_finite(r["gemm_speedup"]) for r in cells)
+    for r in cells:
+        nq, rows = r["queries_per_segment"], r["seg_rows"]
+        want = nq >= 24 and rows >= 128 if r["level"] >= 1 else _native.gemm_pays(nq, rows, 32, 0)
+        assert r["rule_takes_gemm"] == want, r
+    assert _native.int8_min_rows() == 0  # restored to the suite's setting
 
 
 def test_to_markdown_renders_a_report_of_an_older_version():

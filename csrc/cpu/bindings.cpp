@@ -1331,6 +1331,9 @@ Raises:
   mod.def("int8_min_rows", []() { return rfmem::int8_min_rows(); },
           "The mean rows per queried segment from which a call reads the int8 scan copy now (set_int8_min_rows).");
   mod.attr("INT8_MIN_ROWS") = rfmem::kI8MinRows;
+  // the int8 copy's GEMM-vs-scan rule (levels 1, 2): GEMM from this many queries of one
+  // segment of >= 128 rows (kernels.h kI8GemmMinQueries, measured)
+  mod.attr("INT8_GEMM_MIN_QUERIES") = rfmem::kI8GemmMinQueries;
   mod.def(
       "simd_int8_kernel", []() { return std::string(rfmem::simd_kernels().i8_name); },
       "The int8 scan kernels (MemoryBank(dtype='int8')) in use now: 'avx512_vnni' (level 2, vpdpwssd), 'avx512bw' "

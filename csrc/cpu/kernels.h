@@ -116,7 +116,7 @@ bool gemm_pays(int64_t nq, int64_t seg_len, int64_t d, int level);
 /// exists): GEMM from kI8GemmMinQueries queries of one segment of >= 128 rows. Measured
 /// (bench/bench_gemm.py --parts crossover --scan-type int8, AMD EPYC Zen 4, int8 kernel
 /// avx512_vnni, bench/results/gemm-crossover-int8-amd-epyc-zen4.json): GEMM / scan
-/// 0.84-0.96x at 16 queries, 1.01-1.05x at 24, on segments of 128 to 4,096 rows; the
+/// 0.86-0.97x at 16 queries, 1.01-1.07x at 24, on segments of 128 to 4,096 rows; the
 /// float32 rule (from 18) would take GEMM a few queries early.
 constexpr int64_t kI8GemmMinQueries = 24;
 bool i8_gemm_pays(int64_t nq, int64_t seg_len);
