@@ -111,6 +111,10 @@ struct Reservoir {
 
   float threshold() const { return thr; }
 
+  // An empty reservoir over hp's storage, which must hold 2 hp.k entries (cap = 2 k), with
+  // hp's selection mask; to_heap(hp) ends it.
+  static Reservoir over(const Heap& hp) { return Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base}; }
+
   void push(float s, int64_t r) {
     if (!(s == s)) return;  // NaN is never kept
     if (mask != nullptr && !mask[r - mask_base]) return;  // not selected

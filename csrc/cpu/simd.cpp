@@ -89,6 +89,17 @@ namespace simd_l2_vnni {
 
 namespace {
 
+#if RFMEM_SIMD_X86
+// Level 2's kernels with one of its int8 variants (the int8 dots, GEMM micro-kernel, name
+// and micro-tile shape); everything else is the same AVX-512 code.
+SimdKernels level2(decltype(SimdKernels::i8_dots) i8_dots, decltype(SimdKernels::i8_gemm_panel) i8_gemm_panel,
+                   const char* i8_name, int i8_mr, int i8_nr) {
+  return {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, i8_dots, i8_gemm_panel,
+          &simd_l2::dot4_half, &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32, &simd_l2::scan_rows_f32_pruned,
+          &simd_l2::scores_f32, i8_name, i8_mr, i8_nr};
+}
+#endif
+
 // kLevels[level] for levels 0, 1; level 2 is kLevels[2 + i8 variant] (0 avx2: level 1's
 // int8 kernels, 1 avx512bw, 2 avx512_vnni; simd.h)
 const SimdKernels kLevels[] = {
@@ -100,19 +111,10 @@ const SimdKernels kLevels[] = {
      &simd_l1::i8_gemm_panel, &simd_l1::dot4_half,
      &simd_l1::scan_rows_half, &simd_l1::scan_rows_f32,
      &simd_l1::scan_rows_f32_pruned, &simd_l1::scores_f32, "avx2", simd_l1::kI8MR, simd_l1::kI8NR},
-    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l1::i8_dots,
-     &simd_l1::i8_gemm_panel, &simd_l2::dot4_half,
-     &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32,
-     &simd_l2::scan_rows_f32_pruned, &simd_l2::scores_f32, "avx2", simd_l1::kI8MR, simd_l1::kI8NR},
-    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l2_bw::i8_dots,
-     &simd_l2_bw::i8_gemm_panel, &simd_l2::dot4_half,
-     &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32,
-     &simd_l2::scan_rows_f32_pruned, &simd_l2::scores_f32, "avx512bw", simd_l2_bw::kI8MR, simd_l2_bw::kI8NR},
-    {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, &simd_l2_vnni::i8_dots,
-     &simd_l2_vnni::i8_gemm_panel, &simd_l2::dot4_half,
-     &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32,
-     &simd_l2::scan_rows_f32_pruned, &simd_l2::scores_f32, "avx512_vnni", simd_l2_vnni::kI8MR,
-     simd_l2_vnni::kI8NR},
+    level2(&simd_l1::i8_dots, &simd_l1::i8_gemm_panel, "avx2", simd_l1::kI8MR, simd_l1::kI8NR),
+    level2(&simd_l2_bw::i8_dots, &simd_l2_bw::i8_gemm_panel, "avx512bw", simd_l2_bw::kI8MR, simd_l2_bw::kI8NR),
+    level2(&simd_l2_vnni::i8_dots, &simd_l2_vnni::i8_gemm_panel, "avx512_vnni", simd_l2_vnni::kI8MR,
+           simd_l2_vnni::kI8NR),
 #endif
 };
 

@@ -93,6 +93,8 @@ constexpr int64_t kMinPartRows = 512;      // smallest row range worth an item o
 // is decided by the error bound, not by this.
 constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 
+std::atomic<int64_t> g_i8_min_rows{kI8MinRows};  // set_int8_min_rows
+
 // The over-fetch of a call whose longest segment (or selection) has max_len rows: that
 // of kScanMargin, and for the int8 copy max_len / 256 within [64, 128]: the rows whose
 // int8 bracket reaches the k-th score grow with the segment (bench/bench_int8.py's
@@ -100,8 +102,6 @@ constexpr int64_t kScanMargin[4] = {8, 16, 32, 64};
 // that overflows costs a rescan of the whole segment for its query (a pass over n d
 // bytes), while a longer list costs more keys kept and int8 dots re-done in the finish
 // (k + 256 measured 8 % slower than k + 128 at 1e5 rows and no faster at 1e6).
-std::atomic<int64_t> g_i8_min_rows{kI8MinRows};  // set_int8_min_rows
-
 int64_t scan_margin(ScanType t, int64_t max_len) {
   if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
   return std::min<int64_t>(128, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
@@ -512,10 +512,7 @@ void i8_keys(const I8Query& iq, const float* meta, const int32_t* dots, int m, i
 // (TopkOptions::scores_out: upper bounds of RN32(q.x)).
 void i8_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
              const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* const* sout = nullptr) {
-  for (int i = 0; i < nq; ++i) {
-    const Heap& hp = heaps[i];
-    res[i] = Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base};
-  }
+  for (int i = 0; i < nq; ++i) res[i] = Reservoir::over(heaps[i]);
   const int8_t* xr[4];
   const int16_t* qc[kI8Chunk];
   int32_t dots[kI8Block * kI8Chunk];
@@ -869,10 +866,7 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
 void i8_gemm_collect(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                      const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* scratch,
                      const GemmScratch& sz) {
-  for (int i = 0; i < nq; ++i) {
-    const Heap& hp = heaps[i];
-    res[i] = Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base};
-  }
+  for (int i = 0; i < nq; ++i) res[i] = Reservoir::over(heaps[i]);
   i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz);
   for (int i = 0; i < nq; ++i) res[i].to_heap(heaps[i]);
 }
