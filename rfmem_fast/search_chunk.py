@@ -399,21 +399,14 @@ def run_chunk(
             be, view, kit.tensor(Q), seg_np, texts if lexical else None, config, k_scan, probe_k, max(probe_k, kl)
         )
         p_sc, p_rows, mean, ent, count = (kit.untensor(t) for t in probe)
-    elif one_pass:  # the dense probe and the fused top-k in one scan (Backend.hybrid_probe)
+    elif one_pass:  # the dense probe recording its hits' keys (Backend.probe_hits), then the fused top-k
         kh = KernelHits.of(be, view, seg_np, texts)
-        before = config.fusion in ONE_PASS_FUSIONS  # boosts known before the scan
         k_f = max(probe_k, kl)
-        hx = kh.boosts(config, None) if before else np.zeros(kh.hval.shape[0])
+        k_scan = max(k_scan, min(k_f, max_len))  # (fused_topk starts from an exact dense top-K, K >= k_f)
         Qt = kit.tensor(Q)
-        *probe, fr, ff, fd, fl, hf = be.hybrid_probe(
-            view, Qt, kit.tensor(seg), k_scan, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, hx,
-            kh.hval, k_f if before else 0,
-        )  # fmt: skip
-        if before:
-            hyb = Hybrid(rows=fr, fused=ff, dense=fd.astype(np.float64), lex=fl,
-                         hits=lambda: kh.hit_list(view, seg_np))  # fmt: skip
-        else:
-            hyb = hybrid_recorded(be, view, Qt, seg_np, probe[0], probe[1], kh, hf, config, k_f)
+        probe, hf, hup = be.probe_hits(view, Qt, kit.tensor(seg), k_scan, probe_k, config.temperature, config.entropy,
+                                       kh.hptr, kh.hrows)  # fmt: skip
+        hyb = hybrid_recorded(be, view, Qt, seg_np, probe[0], probe[1], kh, hf, config, k_f, hup)
         p_sc, p_rows, mean, ent, count = (kit.untensor(t) for t in probe)
     else:
         p_sc, p_rows, mean, ent, count = kit.probe(be, view, Q, seg, k_scan, probe_k, config, sel)

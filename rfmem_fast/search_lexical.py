@@ -406,15 +406,19 @@ class KernelHits:
 
 
 def hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
-                    kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int) -> Hybrid:  # fmt: skip
-    """Fusion "zscore" on a backend with ``has_fused_topk``, after ``Backend.hybrid_probe``'s
-    pass: the boosts need the exact dense top-1 (:func:`hybrid_batched`'s statistics, sums in
-    row order), then ``Backend.fused_topk`` fuses the probe's exact dense list with the hits,
-    reading their recorded scan scores ``hf`` (no second scoring of any row)."""
+                    kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int,
+                    hup: np.ndarray | None = None) -> Hybrid:  # fmt: skip
+    """The fused top ``k_f`` (fusions "convex", "adaptive", "zscore") on a backend with
+    ``has_fused_topk``, after a probe that recorded the hits' keys (``Backend.probe_hits``:
+    ``hf`` with offsets ``hup``; ``Backend.hybrid_probe``: scan scores ``hf``, ``hup`` None):
+    the boosts ("zscore"'s need the exact dense top-1, :func:`hybrid_batched`'s statistics,
+    sums in row order), then ``Backend.fused_topk`` fuses the probe's exact dense list
+    (``p_sc`` / ``p_rows`` [b, K], K >= ``k_f`` or the whole segment) with the hits, reading
+    their recorded keys (no second scoring of a row whose key was recorded)."""
     ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
     pr = p_rows.numpy()
-    hx = kh.boosts(config, zscore_extra(view, Q, seg, ps, pr, kh))
-    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf)
+    hx = kh.boosts(config, zscore_extra(view, Q, seg, ps, pr, kh) if config.fusion not in ONE_PASS_FUSIONS else None)
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf, hup=hup)
     return Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 

@@ -289,12 +289,60 @@ rfmem::Entropy parse_convention(const char* fn, const std::string& c) {
                         "'");
 }
 
+struct HitsArgs {
+  py::array hptr, hrows, hx, hval;
+};
+
+// The lexical hits of b queries (bm25_hits' layout, plus their boosts hx), checked against
+// the queries' segments: ascending local rows, finite boosts >= 0.
+// The hits' CSR (hptr int64 [b + 1], hrows int32 [H]: ascending local rows of each query's
+// segment), checked against the queries' segments.
+void check_hit_rows(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
+                    HitsArgs& h) {
+  h.hptr = checked<int64_t>(hptr_, fn, "hptr", 1, "int64");
+  h.hrows = checked<int32_t>(hrows_, fn, "hrows", 1, "int32");
+  const int64_t b = in.b;
+  if (h.hptr.shape(0) != b + 1)
+    throw py::value_error(std::string(fn) + ": hptr must have b + 1 entries, got shape " + shape_str(h.hptr));
+  const int64_t H = h.hrows.shape(0);
+  const int64_t* hp = cptr<int64_t>(h.hptr);
+  const int64_t* off = cptr<int64_t>(in.offsets);
+  const int64_t* seg = cptr<int64_t>(in.qseg);
+  const int32_t* hr = cptr<int32_t>(h.hrows);
+  if (hp[0] != 0 || hp[b] != H) throw py::value_error(std::string(fn) + ": hptr must run from 0 to len(hrows)");
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = off[seg[i] + 1] - off[seg[i]];
+    if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
+    for (int64_t j = hp[i]; j < hp[i + 1]; ++j)
+      if (hr[j] < 0 || hr[j] >= len || (j > hp[i] && hr[j] <= hr[j - 1]))
+        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
+                              " must be ascending local rows of its segment");
+  }
+}
+
+HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
+                    const py::object& hx_, const py::object& hval_) {
+  HitsArgs h;
+  check_hit_rows(fn, in, hptr_, hrows_, h);
+  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
+  h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
+  const int64_t H = h.hrows.shape(0);
+  if (h.hx.shape(0) != H || h.hval.shape(0) != H)
+    throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
+  const double* px = cptr<double>(h.hx);
+  for (int64_t j = 0; j < H; ++j)
+    if (!(px[j] >= 0.0) || std::isinf(px[j]))
+      throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
+  return h;
+}
+
 py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::object& Q_, const py::object& qseg_,
                    int64_t k, int64_t probe_k, double temperature, const std::string& convention, int num_threads,
                    double xnorm, const py::object& scan_, const std::string& scan_type, const std::string& path,
                    const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
                    const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_,
-                   bool keep_scan_scores, const py::object& scan_meta_) {
+                   bool keep_scan_scores, const py::object& scan_meta_, const py::object& hit_ptr_,
+                   const py::object& hit_rows_) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -340,15 +388,40 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
     opt.scores_ld = ld;
     opt.scores_written = reinterpret_cast<uint8_t*>(written.mutable_data());
   }
+  const bool hits = !hit_ptr_.is_none() || !hit_rows_.is_none();
+  HitsArgs ha;
+  py::array_t<float> hit_keys;
+  py::array_t<double> hit_up;
+  if (hits) {  // the lexical hits' keys (lexical.h fused_topk's hf / hup)
+    if (hit_ptr_.is_none() || hit_rows_.is_none())
+      throw py::value_error(std::string(fn) + ": hit_ptr and hit_rows go together");
+    check_hit_rows(fn, in, hit_ptr_, hit_rows_, ha);
+    hit_keys = py::array_t<float>(ha.hrows.shape(0));
+    std::fill(hit_keys.mutable_data(), hit_keys.mutable_data() + ha.hrows.shape(0), std::numeric_limits<float>::quiet_NaN());
+    hit_up = py::array_t<double>(b);
+    opt.hit_ptr = cptr<int64_t>(ha.hptr);
+    opt.hit_rows = cptr<int32_t>(ha.hrows);
+    opt.hit_keys = hit_keys.mutable_data();
+    opt.hit_up = hit_up.mutable_data();
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
                           cptr<int64_t>(in.qseg), in.b, k, ps, pr, opt);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
-  if (keep_scan_scores) return py::make_tuple(scores, rows, mean, ent, count, kept, written);
-  if (asked) return py::make_tuple(scores, rows, mean, ent, count, py::none(), py::none());
-  return py::make_tuple(scores, rows, mean, ent, count);
+  py::list out;
+  for (const py::object& o : {py::object(scores), py::object(rows), py::object(mean), py::object(ent), py::object(count)})
+    out.append(o);
+  if (asked) {  // (None, None) where the scores were not kept
+    out.append(keep_scan_scores ? py::object(kept) : py::none());
+    out.append(keep_scan_scores ? py::object(written) : py::none());
+  }
+  if (hits) {
+    out.append(hit_keys);
+    out.append(hit_up);
+  }
+  return py::tuple(out);
 }
 
 py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const py::object& qterms_,
@@ -426,49 +499,11 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
   return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
 }
 
-struct HitsArgs {
-  py::array hptr, hrows, hx, hval;
-};
-
-// The lexical hits of b queries (bm25_hits' layout, plus their boosts hx), checked against
-// the queries' segments: ascending local rows, finite boosts >= 0.
-HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
-                    const py::object& hx_, const py::object& hval_) {
-  HitsArgs h;
-  h.hptr = checked<int64_t>(hptr_, fn, "hptr", 1, "int64");
-  h.hrows = checked<int32_t>(hrows_, fn, "hrows", 1, "int32");
-  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
-  h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
-  const int64_t b = in.b;
-  if (h.hptr.shape(0) != b + 1)
-    throw py::value_error(std::string(fn) + ": hptr must have b + 1 entries, got shape " + shape_str(h.hptr));
-  const int64_t H = h.hrows.shape(0);
-  if (h.hx.shape(0) != H || h.hval.shape(0) != H)
-    throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
-  const int64_t* hp = cptr<int64_t>(h.hptr);
-  const int64_t* off = cptr<int64_t>(in.offsets);
-  const int64_t* seg = cptr<int64_t>(in.qseg);
-  const int32_t* hr = cptr<int32_t>(h.hrows);
-  const double* px = cptr<double>(h.hx);
-  if (hp[0] != 0 || hp[b] != H) throw py::value_error(std::string(fn) + ": hptr must run from 0 to len(hrows)");
-  for (int64_t i = 0; i < b; ++i) {
-    const int64_t len = off[seg[i] + 1] - off[seg[i]];
-    if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
-    for (int64_t j = hp[i]; j < hp[i + 1]; ++j) {
-      if (hr[j] < 0 || hr[j] >= len || (j > hp[i] && hr[j] <= hr[j - 1]))
-        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
-                              " must be ascending local rows of its segment");
-      if (!(px[j] >= 0.0) || std::isinf(px[j]))
-        throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
-    }
-  }
-  return h;
-}
-
 py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const py::object& Q_,
                         const py::object& qseg_, const py::object& dsc_, const py::object& drows_,
                         const py::object& hptr_, const py::object& hrows_, const py::object& hx_,
-                        const py::object& hval_, int64_t kf, int num_threads, double xnorm, const py::object& hf_) {
+                        const py::object& hval_, int64_t kf, int num_threads, double xnorm, const py::object& hf_,
+                        const py::object& hup_) {
   const char* fn = "fused_topk";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, kf);
@@ -495,11 +530,20 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
                               "] is not -1 or a row of the query's segment");
     }
   }
-  py::array hf;
+  py::array hf, hup;
   if (!hf_.is_none()) {
     hf = checked<float>(hf_, fn, "hf", 1, "float32");
     if (hf.shape(0) != ha.hrows.shape(0))
       throw py::value_error(std::string(fn) + ": hf must have one entry per hrows entry");
+  }
+  if (!hup_.is_none()) {
+    if (hf_.is_none()) throw py::value_error(std::string(fn) + ": hup needs hf (the keys it bounds)");
+    hup = checked<double>(hup_, fn, "hup", 1, "float64");
+    if (hup.shape(0) != b) throw py::value_error(std::string(fn) + ": hup must have one entry per query");
+    const double* pu = cptr<double>(hup);
+    for (int64_t i = 0; i < b; ++i)
+      if (!(pu[i] >= 0.0))
+        throw py::value_error(std::string(fn) + ": hup[" + std::to_string(i) + "] must be >= 0 (+inf: not recorded)");
   }
   const py::ssize_t bs = static_cast<py::ssize_t>(b), ks = static_cast<py::ssize_t>(kf);
   py::array_t<int64_t> rows({bs, ks});
@@ -515,7 +559,7 @@ py::tuple py_fused_topk(const py::object& X_, const py::object& offsets_, const 
     if (!(xn >= 0.0)) xn = rfmem::row_norm_bound(cptr<float>(in.X), in.n, in.d);
     rfmem::fused_topk(cptr<float>(in.X), in.d, off, cptr<float>(in.Q), seg, b, cptr<float>(dsc), dr, K, hp, hr, px,
                       cptr<double>(ha.hval), kf, xn, num_threads, o_r, o_f, o_d, o_l,
-                      hf_.is_none() ? nullptr : cptr<float>(hf));
+                      hf_.is_none() ? nullptr : cptr<float>(hf), hup_.is_none() ? nullptr : cptr<double>(hup));
   }
   return py::make_tuple(rows, fused, dense, lex);
 }
@@ -974,6 +1018,7 @@ Raises:
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
           py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false, py::arg("scan_meta") = py::none(),
+          py::arg("hit_ptr") = py::none(), py::arg("hit_rows") = py::none(),
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
@@ -998,10 +1043,16 @@ Returns:
     path's error bound of the exact score; int8 copy: its key, an upper bound of the exact
     score, as int8_bounds' upper), for the beam driver (recollect's ref_scores, with the
     same scan copy); other entries unspecified.
+    With hit_ptr (int64 [b + 1]) and hit_rows (int32 [H]: each query's lexical hits,
+    ascending local rows of its segment, as bm25_hits gives them), two more last:
+    hit_keys float32 [H] and hit_up float64 [b] with hit_keys[h] + hit_up[i] >= the exact
+    score RN32(Q[i] . x) of each hit x of query i, taken in the same pass (a scan or GEMM
+    score and its path's bound, or an int8 key with offset 0); hit_up[i] = inf where the
+    query's path records none (hit_keys NaN): fused_topk's hf / hup.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
-    unknown convention (ValueError).
+    unknown convention (ValueError); malformed hits (ValueError).
 )doc");
 
   mod.def("batched_kmeans", &py_batched_kmeans, py::arg("V"), py::arg("counts"), py::arg("clusters"),
@@ -1173,7 +1224,7 @@ Raises:
   mod.def("fused_topk", &py_fused_topk, py::arg("X"), py::arg("offsets"), py::arg("Q"), py::arg("qseg"),
           py::arg("dense_scores"), py::arg("dense_rows"), py::arg("hptr"), py::arg("hrows"), py::arg("hx"),
           py::arg("hval"), py::arg("kf"), py::arg("num_threads") = 0, py::arg("xnorm") = -1.0,
-          py::arg("hf") = py::none(),
+          py::arg("hf") = py::none(), py::arg("hup") = py::none(),
           R"doc(The exact fused top-kf of the dense and lexical channels (rfmem_fast.fusion).
 
 fused = RN32(q.x) + x, x >= 0 the boost of a lexical hit (0 elsewhere). From each query's
@@ -1191,7 +1242,12 @@ Args:
     kf: width (>= 1). num_threads: most threads (0 = the machine's). xnorm: bound of the
         row norms (< 0: computed).
     hf: float32 [H] or None: the hits' float32 scan scores as hybrid_probe records them
-        (used instead of computing them; any other value breaks exactness).
+        (used instead of computing them; any other value breaks exactness), or with hup
+        the hits' keys as probe(hit_ptr=, hit_rows=) gives them.
+    hup: float64 [b] or None: with hf, each query's offset (>= 0) that makes its keys
+        upper bounds of the exact scores (hf[h] + hup[i] >= RN32(q_i . x)); inf: the
+        query's keys were not recorded (the kernel scores its hits itself). None: hf
+        are float32 scan scores within the scan bound (hybrid_probe's).
 
 Returns:
     (rows int64 [b, kf] (-1 padding), fused float64 (-inf), dense float32 (NaN), lex

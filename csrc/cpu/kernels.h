@@ -84,6 +84,18 @@ struct TopkOptions {
   float* scores_out = nullptr;
   int64_t scores_ld = 0;
   uint8_t* scores_written = nullptr;
+  /// Lexical hits (optional; lexical.h fused_topk reads what they give): query i's hits
+  /// are the local rows hit_rows[hit_ptr[i] : hit_ptr[i + 1]] of its segment (ascending,
+  /// in [0, its length)). The pass writes every hit's key hit_keys[h] (float32 [H]) and
+  /// per query an offset hit_up[i] (float64 [b]) with hit_keys[h] + hit_up[i] >=
+  /// RN32(Q[i] . x) for its hits x: a scan score and its path's bound (float32 scan, half
+  /// scan, GEMM path), or an int8 key (an upper bound already, offset 0). hit_up[i] = +inf
+  /// where the query's path records none (the int8 GEMM path, level 0's scans, a list-mode
+  /// selection, pruned scans): the caller then scores those hits itself.
+  const int64_t* hit_ptr = nullptr;
+  const int32_t* hit_rows = nullptr;
+  float* hit_keys = nullptr;
+  double* hit_up = nullptr;
 };
 
 /// The int8 scan copy pays from this many rows per queried segment (mean over the call's

@@ -49,10 +49,14 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
 /// (-1 padding), fused float64 (-inf), dense float32 RN32(q.x) (NaN), lex float64
 /// (BM25, 0 for no hit; NaN padding), ordered by (fused desc, row asc). ``hf``: the hits'
 /// scan scores (float32 [H], hybrid_probe's), used instead of computing them (or nullptr).
+/// ``hup`` (with hf; or nullptr): per query an offset with hf[h] + hup[i] >= RN32(q_i.x)
+/// (kernels.h TopkOptions::hit_keys / hit_up: the probe's keys); +inf: query i's keys
+/// were not recorded, its hits are scored here. Without hup, hf is within the scan bound.
 void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
                 const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
-                double* out_fused, float* out_dense, double* out_lex, const float* hf = nullptr);
+                double* out_fused, float* out_dense, double* out_lex, const float* hf = nullptr,
+                const double* hup = nullptr);
 
 /// The dense exact top-k AND the exact fused top-kf of b queries in one pass over each
 /// query's segment (topk.cpp): fused = fl64(RN32(q.x) + x), x the boost hx of the row's

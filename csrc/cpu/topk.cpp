@@ -771,9 +771,28 @@ struct GemmScratch {
   int64_t total() const { return panels + tile + c + thr; }
 };
 
-// Score rows [r0, r1) of the scan copy against the nq queries qs on the GEMM path.
+// One query's lexical hits inside the rows a pass scores (TopkOptions::hit_ptr): a
+// cursor over its ascending local rows, each hit's key taken as its tile's scores pass.
+struct HitCursor {
+  const int32_t* rows = nullptr;  // the query's hits (local rows of its segment), ascending
+  int64_t p = 0, pe = 0;          // next hit, end
+  int64_t a = 0;                  // the segment's first row
+  float* keys = nullptr;          // TopkOptions::hit_keys (indexed like rows)
+  // the keys of the hits in rows [t0, t1) (the cursor at t0 or past it): row x's score at sc[(x - t0) * stride]
+  void take(int64_t t0, int64_t t1, const float* sc, int64_t stride) {
+    for (; p < pe && rows[p] + a < t1; ++p) keys[p] = sc[(rows[p] + a - t0) * stride];
+  }
+};
+
+// What a group's pass records of its hits (TopkOptions::hit_up): none, scan scores
+// (the scan bound), GEMM scores (the GEMM bound) or int8 keys (upper bounds).
+enum class HitKeys { kNone, kScan, kGemm, kI8 };
+
+// Score rows [r0, r1) of the scan copy against the nq queries qs on the GEMM path
+// (hc: null, or the queries' hit cursors: their keys taken from each panel's scores).
 void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
-               const float* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz) {
+               const float* const* qs, int nq, Heap* heaps, float* scratch, const GemmScratch& sz,
+               HitCursor* hc = nullptr) {
   const int NR = K.nr;
   float* P = scratch;
   float* tile = P + sz.panels;
@@ -800,9 +819,13 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
       K.to_f32(src.half + t0 * d, cnt * d, src.type, tile);
       T = tile;
     }
-    for (int p = 0; p < npan; ++p)
-      K.gemm_panel(T, cnt, d, P + static_cast<int64_t>(p) * d * NR, std::min(NR, nq - p * NR), t0,
-                   heaps + static_cast<int64_t>(p) * NR, cbuf, thr);
+    for (int p = 0; p < npan; ++p) {
+      const int pq = std::min(NR, nq - p * NR);
+      K.gemm_panel(T, cnt, d, P + static_cast<int64_t>(p) * d * NR, pq, t0, heaps + static_cast<int64_t>(p) * NR,
+                   cbuf, thr, hc != nullptr);
+      if (hc)
+        for (int q = 0; q < pq; ++q) hc[p * NR + q].take(t0, t0 + cnt, cbuf + q, NR);
+    }
   }
 }
 
@@ -949,6 +972,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
                     const TopkOptions& opt) {
   (void)U;
   if (b == 0 || k == 0) return;
+  if (opt.hit_up != nullptr)  // +inf: no keys recorded (the groups whose pass records them set theirs at the end)
+    std::fill(opt.hit_up, opt.hit_up + b, std::numeric_limits<double>::infinity());
   const SimdKernels& K = simd_kernels();
   ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
   double xnorm = opt.xnorm;
@@ -1112,6 +1137,19 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
   // (the int8 paths' heaps hold 2 kw: room for their Reservoirs, i8_scan and i8_gemm_collect)
   const int64_t hstride = src.i8 ? 2 * kw : kw;
+  // the lexical hits' keys (TopkOptions::hit_ptr): per query a cursor, per thread a tile of
+  // kHitTile rows' scan scores for kGroup queries (scan paths without scores_out)
+  const bool rec = opt.hit_ptr != nullptr && opt.hit_rows != nullptr && opt.hit_keys != nullptr && opt.hit_up != nullptr;
+  constexpr int64_t kHitTile = 1024;
+  std::vector<HitCursor> hit_cur(rec ? static_cast<size_t>(nthreads) * max_nq : 0);
+  std::vector<float> hit_tile(rec && !opt.scores_out ? static_cast<size_t>(nthreads) * kGroup * kHitTile : 0);
+  const bool pruned = !src.i8 && !src.half && K.scan_rows_f32_pruned && opt.prune_ref;
+  auto hit_keys = [&](const Group& g) {  // what group g's pass records of its hits
+    if (src.i8) return g.gemm && K.i8_gemm_panel ? HitKeys::kNone : HitKeys::kI8;
+    if (g.gemm) return HitKeys::kGemm;
+    if (pruned || (src.half ? K.level < 1 : K.scan_rows_f32 == nullptr)) return HitKeys::kNone;
+    return HitKeys::kScan;
+  };
   const size_t per_thread = static_cast<size_t>(max_nq * hstride + k);
   std::vector<Entry> heap_store(static_cast<size_t>(nthreads) * per_thread);
   std::vector<Heap> heap_objs(static_cast<size_t>(nthreads) * max_nq);
@@ -1126,7 +1164,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
     gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
     gs.tile = src.half ? (rt * d + round - 1) / round * round : 0;
-    gs.c = (static_cast<int64_t>(K.mr) * K.nr + round - 1) / round * round;
+    gs.c = ((rec ? rt : static_cast<int64_t>(K.mr)) * K.nr + round - 1) / round * round;  // (rec: every score kept)
     gs.thr = (K.nr + round - 1) / round * round;
   }
   std::vector<float> gemm_store(static_cast<size_t>(nthreads) * gs.total() + 16);
@@ -1162,34 +1200,55 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       qs[i] = Q + order[g.first + i] * d;
       if (iqs) iqs[i] = iqp(order[g.first + i]);
     }
+    const HitKeys hk = rec ? hit_keys(g) : HitKeys::kNone;
+    HitCursor* hc = nullptr;  // the group's hit cursors, from its first hit at or past r0
+    if (hk != HitKeys::kNone) {
+      hc = hit_cur.data() + static_cast<size_t>(tid) * max_nq;
+      for (int i = 0; i < g.nq; ++i) {
+        const int64_t qi = order[g.first + i];
+        const int32_t* h0 = opt.hit_rows + opt.hit_ptr[qi];
+        const int32_t* h1 = opt.hit_rows + opt.hit_ptr[qi + 1];
+        hc[i] = HitCursor{opt.hit_rows, std::lower_bound(h0, h1, static_cast<int32_t>(r0 - a)) - opt.hit_rows,
+                          opt.hit_ptr[qi + 1], a, opt.hit_keys};
+      }
+    }
     if (r1 > r0) {
       int64_t rows = r1 - r0;
+      Reservoir* res = src.i8 ? res_objs.data() + static_cast<size_t>(tid) * max_nq : nullptr;
+      // the scan paths that can write every row's scan score (sout) or int8 key
+      auto scan = [&](int64_t t0, int64_t t1, float* const* so) {
+        if (src.i8)
+          i8_scan(src, K, d, t0, t1, iqs, g.nq, heaps, res, so);
+        else if (src.half)
+          K.scan_rows_half(src.half, src.type, d, t0, t1, qs, g.nq, heaps, tile_rows, so);
+        else
+          K.scan_rows_f32(X, d, t0, t1, qs, g.nq, heaps, so);
+      };
       if (src.i8 && g.gemm && K.i8_gemm_panel)
-        i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq,
-                        gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
-      else if (src.i8 && opt.scores_out && !g.gemm) {  // the keys out too (upper bounds)
-        float* sout[kGroup];
-        for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
-        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq, sout);
-      } else if (src.i8)  // the scan path (level 0: its GEMM units too)
-        i8_scan(src, K, d, r0, r1, iqs, g.nq, heaps, res_objs.data() + static_cast<size_t>(tid) * max_nq);
-      else if (g.gemm)
-        gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
-      else if (src.half) {
-        float* sout[kGroup];  // the scan scores out too (within the half scan's bound)
-        if (opt.scores_out)
-          for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
-        K.scan_rows_half(src.half, src.type, d, r0, r1, qs, g.nq, heaps, tile_rows, opt.scores_out ? sout : nullptr);
-      } else if (K.scan_rows_f32_pruned && opt.prune_ref)
+        i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+      else if (g.gemm && !src.i8)
+        gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs, hc);
+      else if (pruned)
         rows = scan_pruned(ctx, K, opt, X, d, r0, r1, qs, g.nq, heaps, order.data() + g.first);
-      else if (K.scan_rows_f32 && opt.scores_out) {
+      else if (!src.i8 && !src.half && !K.scan_rows_f32)
+        scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+      else if (opt.scores_out && !g.gemm) {  // every row's scan score (int8: key) out, the hits' keys from them
         float* sout[kGroup];
         for (int i = 0; i < g.nq; ++i) sout[i] = opt.scores_out + order[g.first + i] * opt.scores_ld + (r0 - a);
-        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, sout);
-      } else if (K.scan_rows_f32)
-        K.scan_rows_f32(X, d, r0, r1, qs, g.nq, heaps, nullptr);
-      else
-        scan_rows(X, d, r0, r1, qs, g.nq, heaps, tile_rows);
+        scan(r0, r1, sout);
+        for (int i = 0; hc && i < g.nq; ++i) hc[i].take(r0, r1, sout[i], 1);
+      } else if (hc) {  // tiles of kHitTile rows' scores in scratch, the hits' keys from them
+        float* sout[kGroup];
+        for (int i = 0; i < g.nq; ++i)
+          sout[i] = hit_tile.data() + (static_cast<size_t>(tid) * kGroup + i) * static_cast<size_t>(kHitTile);
+        for (int64_t t0 = r0; t0 < r1; t0 += kHitTile) {
+          const int64_t t1 = std::min(r1, t0 + kHitTile);
+          scan(t0, t1, sout);
+          for (int i = 0; i < g.nq; ++i) hc[i].take(t0, t1, sout[i], 1);
+        }
+      } else {
+        scan(r0, r1, nullptr);
+      }
       if (opt.rows_scored) scored.fetch_add(rows, std::memory_order_relaxed);
     }
     for (int i = 0; i < g.nq; ++i) {
@@ -1211,6 +1270,15 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
+  if (rec) {  // each query's offset: its path's bound (int8 keys: 0)
+    for (const Group& g : groups) {
+      const HitKeys hk = hit_keys(g);
+      for (int i = 0; i < g.nq && hk != HitKeys::kNone; ++i) {
+        const int64_t qi = order[g.first + i];
+        opt.hit_up[qi] = hk == HitKeys::kI8 ? 0.0 : ctx.bound(hk == HitKeys::kGemm ? ctx.gemm : ctx.scan, Q + qi * d);
+      }
+    }
+  }
   if (opt.scores_out && opt.scores_written && (src.i8 || K.scan_rows_f32) && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
@@ -1394,7 +1462,7 @@ void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { d
 void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
                 const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
-                double* out_fused, float* out_dense, double* out_lex, const float* hf) {
+                double* out_fused, float* out_dense, double* out_lex, const float* hf_all, const double* hup) {
   if (b == 0 || kf == 0) return;
   const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
   const ExactCtx ctx{X, d, kf, scan, scan, xnorm, abs_bound(d),
@@ -1406,6 +1474,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
   std::vector<std::vector<char>> in_dense(static_cast<size_t>(nthreads));
   std::vector<std::vector<int64_t>> extra(static_cast<size_t>(nthreads));
   std::vector<std::vector<double>> taus(static_cast<size_t>(nthreads));
+  std::vector<std::vector<std::pair<double, int64_t>>> ubs(static_cast<size_t>(nthreads));
   const double inf = std::numeric_limits<double>::infinity();
   parallel_for(b, nthreads, [&](int64_t i, int tid) {
     std::vector<Fused>& cand = cands[static_cast<size_t>(tid)];
@@ -1456,34 +1525,55 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     // 2. the hits outside the dense list that pass fl(s_K + x) >= tau
     for (int64_t h = h0; h < h1; ++h)
       if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= tau()) ex.push_back(h);
-    // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B; fl(up(f + B) + x) < tau
-    //    cannot enter. First the kLead largest boosts (they raise tau the most), then the
-    //    rest, in row order, against the raised tau.
-    const double B = ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
+    // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B (or a recorded key f with
+    //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
+    //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
+    //    against the raised tau.
+    const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
+    const double B = ex.empty() ? 0.0 : hf != nullptr && hup != nullptr ? hup[i] : ctx.bound(ctx.scan, q);
+    auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
+      const int64_t r = a + hrows[h];
+      const float es = exact_score(q, X + r * d, d, ctx.g64);
+      const double f = static_cast<double>(es) + hx[h];
+      cand.push_back(Fused{f, r, es, hval[h]});
+      offer(f);
+    };
     auto screen = [&](const int64_t* hs, size_t n) {
       float sc[4];
       for (size_t e = 0; e < n; e += 4) {
         const size_t cnt = std::min<size_t>(4, n - e);
-        if (hf) {  // the hits' scan scores, recorded by the probe's pass (hybrid_probe)
-          for (size_t t = 0; t < cnt; ++t) sc[t] = hf[hs[e + t]];
-        } else {
-          const float* xr[4];
-          for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
-          dot4_rows(q, xr, d, sc);
-        }
-        for (size_t t = 0; t < cnt; ++t) {
-          const int64_t h = hs[e + t];
-          if (std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[h] < tau()) continue;
-          const int64_t r = a + hrows[h];
-          const float es = exact_score(q, X + r * d, d, ctx.g64);
-          const double f = static_cast<double>(es) + hx[h];
-          cand.push_back(Fused{f, r, es, hval[h]});
-          offer(f);
-        }
+        const float* xr[4];
+        for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
+        dot4_rows(q, xr, d, sc);
+        for (size_t t = 0; t < cnt; ++t)
+          if (!(std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[hs[e + t]] < tau())) take(hs[e + t]);
       }
     };
     constexpr size_t kLead = 16;
-    if (!hf && ex.size() > 2 * kLead) {  // (recorded scores: screening costs no dot product)
+    if (hf) {
+      // recorded keys (screening costs no dot product): u = up(f + B) + x bounds a hit's
+      // fused score from above; the hits by descending u, a block at a time, until one's
+      // u < tau (every later one's too: none of them can enter)
+      std::vector<std::pair<double, int64_t>>& ub = ubs[static_cast<size_t>(tid)];
+      ub.clear();
+      for (const int64_t h : ex) {
+        const float f = hf[h];
+        const double u = f == f ? std::nextafter(static_cast<double>(f) + B, inf) + hx[h] : inf;  // (NaN: scored)
+        if (!(u < tau())) ub.emplace_back(u, h);
+      }
+      auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+      };
+      const size_t block = std::max<size_t>(static_cast<size_t>(kf), 8);
+      for (size_t done = 0; done < ub.size();) {
+        const size_t c = std::min(block, ub.size() - done);
+        if (done + c < ub.size()) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub.end(), desc);
+        std::sort(ub.begin() + done, ub.begin() + done + c, desc);
+        size_t e = done;
+        for (; e < done + c && !(ub[e].first < tau()); ++e) take(ub[e].second);
+        done = e < done + c ? ub.size() : done + c;
+      }
+    } else if (ex.size() > 2 * kLead) {
       auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
       std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
       screen(ex.data(), kLead);

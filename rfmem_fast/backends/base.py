@@ -239,9 +239,31 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no bm25_hits kernel (has_fused_topk is False)")
 
+    def probe_hits(self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int, probe_k: int,
+                   temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray) -> tuple:  # fmt: skip
+        """:meth:`probe` that also records its lexical hits' keys in the same pass (backends
+        with ``has_fused_topk``): the dense call's own path and scan copy, so that the
+        hybrid probe costs what the dense one does plus the hits' lookups.
+
+        Args:
+            view, Q, qseg, k, probe_k, temperature, convention: as :meth:`probe`.
+            hptr int64 [b + 1], hrows int32 [H]: each query's hits, ascending local rows of
+                its segment (:meth:`bm25_hits`).
+
+        Returns:
+            ((scores, rows, mean, entropy, count) as :meth:`probe`, keys float32 [H], up
+            float64 [b]) with ``keys[h] + up[i] >= RN32(q_i . x)`` for every hit x of query
+            i (a scan or GEMM score with its path's bound, or an int8 key with 0); ``up[i]``
+            = inf where the query's path records none: :meth:`fused_topk`'s ``hf`` / ``hup``.
+
+        Raises:
+            NotImplementedError: the backend has no such kernel.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no probe_hits kernel (has_fused_topk is False)")
+
     def fused_topk(self, view: BankView, Q: torch.Tensor, qseg: np.ndarray, dense_scores: np.ndarray,
                    dense_rows: np.ndarray, hptr: np.ndarray, hrows: np.ndarray, hx: np.ndarray, hval: np.ndarray,
-                   kf: int, hf: np.ndarray | None = None) -> tuple:  # fmt: skip
+                   kf: int, hf: np.ndarray | None = None, hup: np.ndarray | None = None) -> tuple:  # fmt: skip
         """The exact fused top-``kf`` of b queries (backends with ``has_fused_topk``).
 
         Args:
@@ -252,6 +274,9 @@ class Backend:
             kf: width of the result.
             hf: float32 [H] the hits' scan scores recorded by :meth:`hybrid_probe` (the
                 kernel then reads them instead of scoring the hits), or None.
+            hup: float64 [b] or None: with ``hf`` the keys of :meth:`probe_hits` and their
+                offsets (``hf[h] + hup[i] >= RN32(q_i . x)``; inf: not recorded, the kernel
+                scores that query's hits).
 
         Returns:
             (rows int64 [b, kf], fused float64, dense float32, lex float64): ordered by

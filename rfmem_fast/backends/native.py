@@ -289,14 +289,15 @@ class NativeBackend(Backend):
         return torch.from_numpy(s), torch.from_numpy(r)
 
     def _probe_call(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k, probe_k, temperature, convention,
-                    sel) -> tuple:  # fmt: skip
+                    sel, **hits) -> tuple:  # fmt: skip
         """``_native.probe`` on host arrays (float32 [b, d], int64 [b]), keeping the scan
-        scores: its seven outputs and the thread count it ran with."""
+        scores: its seven outputs (nine with ``hits``: ``hit_ptr`` / ``hit_rows``) and the
+        thread count it ran with."""
         X, off = self._bank(view)
         threads = self._threads()
         return _native.probe(
             X, off, Q, seg, int(k), int(probe_k), float(temperature), str(convention), threads,
-            view.row_norm_max, keep_scan_scores=True, **self._scan_args(view), **self._sel_args(view, sel),
+            view.row_norm_max, keep_scan_scores=True, **self._scan_args(view), **self._sel_args(view, sel), **hits,
         ), threads  # fmt: skip
 
     def probe(self, view, Q, qseg, k, probe_k, temperature, convention, sel=None):
@@ -333,6 +334,21 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- lexical channel
     has_fused_topk = True
 
+    def probe_hits(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows):
+        """See :meth:`Backend.probe_hits`: :meth:`probe` (``_native.probe``, the dense call's
+        own path: scan or GEMM, the bank's scan copy) recording its lexical hits' keys in the
+        same pass (``hit_ptr`` / ``hit_rows``; kernels.h ``TopkOptions::hit_keys``).
+
+        Raises:
+            ValueError: malformed hits, unknown convention, ``k`` or ``probe_k`` < 1 (from the kernel).
+        """
+        out, threads = self._probe_call(view, _np(Q, torch.float32), _np(qseg, torch.int64), k, probe_k, temperature,
+                                        convention, None, hit_ptr=hptr, hit_rows=hrows)  # fmt: skip
+        s, r, mean, ent, cnt, kept, written, keys, up = out
+        st = torch.from_numpy(s)
+        _keep_probe(Q, qseg, st, kept, written, threads)
+        return (st, torch.from_numpy(r), torch.from_numpy(mean), torch.from_numpy(ent), torch.from_numpy(cnt)), keys, up
+
     def bm25_hits(self, users, quser, qterms, qcnt, qptr):
         """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, one thread).
 
@@ -341,7 +357,7 @@ class NativeBackend(Backend):
         """
         return _native.bm25_hits(users, quser, qterms, qcnt, qptr)
 
-    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf, hf=None):
+    def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf, hf=None, hup=None):
         """See :meth:`Backend.fused_topk` (C++ kernel ``_native.fused_topk``: the dense list's
         boosts, then the screening and exact re-scoring of the other hits, on the kernel's threads).
 
@@ -352,7 +368,7 @@ class NativeBackend(Backend):
         return _native.fused_topk(
             X, off, _np(Q, torch.float32), np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
             np.ascontiguousarray(dense_rows, np.int64), hptr, hrows, hx, hval, int(kf), self._threads(),
-            view.row_norm_max, hf,
+            view.row_norm_max, hf, hup,
         )
 
     def hybrid_probe(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows, hx, hval, kf):
