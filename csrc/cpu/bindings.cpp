@@ -425,8 +425,9 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
 }
 
 py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const py::object& qterms_,
-                       const py::object& qcnt_, const py::object& qptr_) {
+                       const py::object& qcnt_, const py::object& qptr_, int num_threads) {
   const char* fn = "bm25_hits";
+  check_threads(fn, num_threads);
   std::vector<rfmem::PostingsRef> users;
   std::vector<py::array> keep;  // the arrays stay alive while the GIL is released
   users.reserve(users_.size());
@@ -473,8 +474,7 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
                             " is not an index into users (or < 0 for none)");
   }
   std::vector<int64_t> hptr;
-  std::vector<int32_t> hrows;
-  std::vector<double> hval;
+  std::vector<rfmem::HitsPart> parts;
   const py::ssize_t bs = static_cast<py::ssize_t>(b);
   py::array_t<double> mx(bs), top({bs, static_cast<py::ssize_t>(rfmem::kTopLexical)}), sum(bs), sumsq(bs);
   double* pm = mx.mutable_data();
@@ -485,17 +485,23 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
   {
     py::gil_scoped_release nogil;
     bad = rfmem::bm25_hits(users.data(), static_cast<int64_t>(users.size()), qu, b, cptr<int32_t>(qterms),
-                           cptr<double>(qcnt), qp, hptr, hrows, hval, pm, pt, ps, ps2);
+                           cptr<double>(qcnt), qp, num_threads, hptr, parts, pm, pt, ps, ps2);
   }
   if (bad >= 0)
     throw py::value_error(std::string(fn) + ": the postings of users[" + std::to_string(bad) +
                           "] are malformed (ptr not non-decreasing, or rows outside [0, n_rows))");
   py::array_t<int64_t> o_ptr(static_cast<py::ssize_t>(hptr.size()));
-  py::array_t<int32_t> o_rows(static_cast<py::ssize_t>(hrows.size()));
-  py::array_t<double> o_val(static_cast<py::ssize_t>(hval.size()));
+  py::array_t<int32_t> o_rows(static_cast<py::ssize_t>(hptr.back()));
+  py::array_t<double> o_val(static_cast<py::ssize_t>(hptr.back()));
   std::copy(hptr.begin(), hptr.end(), o_ptr.mutable_data());
-  std::copy(hrows.begin(), hrows.end(), o_rows.mutable_data());
-  std::copy(hval.begin(), hval.end(), o_val.mutable_data());
+  {
+    int32_t* orow = o_rows.mutable_data();
+    double* oval = o_val.mutable_data();
+    for (const rfmem::HitsPart& part : parts) {  // the parts one after the other
+      orow = std::copy(part.rows.begin(), part.rows.end(), orow);
+      oval = std::copy(part.val.begin(), part.val.end(), oval);
+    }
+  }
   return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
 }
 
@@ -1201,7 +1207,7 @@ Raises:
 )doc");
 
   mod.def("bm25_hits", &py_bm25_hits, py::arg("users"), py::arg("quser"), py::arg("qterms"), py::arg("qcnt"),
-          py::arg("qptr"),
+          py::arg("qptr"), py::arg("num_threads") = 0,
           R"doc(BM25 hits of b queries in their users' postings (the lexical channel, rfmem_fast.lexical).
 
 Args:
@@ -1210,6 +1216,8 @@ Args:
     quser: int64 [b] index into users of each query's user (< 0: no postings).
     qterms: int32 [sum T_i] every query's distinct known token ids (first-occurrence order),
         concatenated; qcnt: float64, their counts; qptr: int64 [b + 1] CSR pointers.
+    num_threads: most threads (0 = the machine's; a batch's queries in parts of 16 per
+        thread, results independent of it).
 
 Returns:
     (hptr int64 [b + 1], hrows int32 [H] local rows ascending per query, hval float64 [H]

@@ -46,10 +46,14 @@ namespace rfmem {
 /// split over 2 threads, a recollection round of 4 branch queries (6.3 million) too.
 constexpr double kMinWorkPerThread = 0.5e6;
 
-/// Threads of the machine (std::thread::hardware_concurrency(), at least 1).
+/// Threads of the machine (std::thread::hardware_concurrency(), at least 1), read once
+/// per process (glibc reads /sys for it: ~5 us, as much as a small kernel call).
 inline int hardware_threads() {
-  const unsigned h = std::thread::hardware_concurrency();
-  return h ? static_cast<int>(h) : 1;
+  static const int h = [] {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n ? static_cast<int>(n) : 1;
+  }();
+  return h;
 }
 
 /// Threads for a call: ``requested`` (> 0; 0 = hardware_threads()), capped so that each

@@ -3,79 +3,155 @@
 #include "lexical.h"
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
+
+#include "common.h"
 
 namespace rfmem {
 
-int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
-               const int32_t* qterms, const double* qcnt, const int64_t* qptr, std::vector<int64_t>& hptr,
-               std::vector<int32_t>& hrows, std::vector<double>& hval, double* mx, double* top, double* sum,
-               double* sumsq) {
-  hptr.assign(static_cast<size_t>(b) + 1, 0);
-  int64_t max_rows = 0;
-  for (int64_t u = 0; u < n_users; ++u) max_rows = std::max(max_rows, users[u].n_rows);
-  std::vector<double> acc(static_cast<size_t>(max_rows), 0.0);
-  std::vector<char> seen(static_cast<size_t>(max_rows), 0);
+namespace {
+
+// Per-thread scratch of bm25_hits: the BM25 accumulator and touched-row bitmap of one
+// segment (all zero between queries), the touched rows, the hits' values, the term spans.
+struct Bm25Scratch {
+  std::vector<double> acc;
+  std::vector<uint64_t> bits;
   std::vector<int32_t> touched;
   std::vector<double> best;
-  for (int64_t i = 0; i < b; ++i) {
-    double* tp = top + i * kTopLexical;
-    std::fill(tp, tp + kTopLexical, 0.0);
-    mx[i] = 0.0;
-    sum[i] = 0.0;
-    sumsq[i] = 0.0;
-    hptr[i + 1] = hptr[i];
-    if (quser[i] < 0) continue;
-    const PostingsRef& P = users[quser[i]];
-    touched.clear();
-    for (int64_t j = qptr[i]; j < qptr[i + 1]; ++j) {  // query-term order, as postings_for
-      const int32_t* it = std::lower_bound(P.terms, P.terms + P.T, qterms[j]);
-      if (it == P.terms + P.T || *it != qterms[j]) continue;
-      const int64_t t = it - P.terms;
-      const double c = qcnt[j];
-      const int64_t p0 = P.ptr[t], p1 = P.ptr[t + 1];
-      if (p0 < 0 || p1 < p0 || p1 > P.ptr[P.T]) return quser[i];
-      for (int64_t p = p0; p < p1; ++p) {
-        const int32_t r = P.rows[p];
-        if (r < 0 || r >= P.n_rows) return quser[i];
-        if (!seen[r]) {
-          seen[r] = 1;
-          touched.push_back(r);
-        }
-        acc[r] += P.weight[p] * c;  // qtf * w(t, d) (w * 1.0 = w: as postings_for, which skips it then)
+  struct Span {
+    int64_t p0, p1;
+    double c;
+  };
+  std::vector<Span> spans;
+};
+
+// One query's hits (bm25_hits) appended to out; false: the postings it reads are malformed.
+bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64_t nt, Bm25Scratch& s, HitsPart& out,
+                int64_t& count, double& mx, double* tp, double& sum, double& sumsq) {
+  s.spans.clear();
+  int64_t reads = 0;
+  for (int64_t j = 0; j < nt; ++j) {  // query-term order, as postings_for
+    const int32_t* it = std::lower_bound(P.terms, P.terms + P.T, qt[j]);
+    if (it == P.terms + P.T || *it != qt[j]) continue;
+    const int64_t t = it - P.terms;
+    const int64_t p0 = P.ptr[t], p1 = P.ptr[t + 1];
+    if (p0 < 0 || p1 < p0 || p1 > P.ptr[P.T]) return false;
+    s.spans.push_back(Bm25Scratch::Span{p0, p1, qc[j]});
+    reads += p1 - p0;
+  }
+  for (const Bm25Scratch::Span& sp : s.spans) {  // every term's first postings on their way from memory
+    __builtin_prefetch(P.rows + sp.p0);
+    __builtin_prefetch(P.weight + sp.p0);
+    __builtin_prefetch(P.weight + sp.p0 + 8);
+  }
+  // the hits read off in row order: from the bitmap when its words are few next to the
+  // postings read, else by sorting the touched rows
+  const int64_t words = (P.n_rows + 63) >> 6;
+  const bool by_bitmap = words <= 4 * reads;
+  double* acc = s.acc.data();
+  uint64_t* bits = s.bits.data();
+  s.touched.clear();
+  const uint32_t n_rows = static_cast<uint32_t>(P.n_rows);
+  for (const Bm25Scratch::Span& sp : s.spans) {
+    const double c = sp.c;
+    for (int64_t p = sp.p0; p < sp.p1; ++p) {
+      const int32_t r = P.rows[p];
+      if (static_cast<uint32_t>(r) >= n_rows) {  // (clears what this query set before leaving)
+        for (int64_t w = 0; w < words; ++w) bits[w] = 0;
+        std::fill(acc, acc + P.n_rows, 0.0);
+        return false;
+      }
+      uint64_t& w = bits[r >> 6];
+      const uint64_t bit = uint64_t{1} << (r & 63);
+      if (!(w & bit)) {
+        w |= bit;
+        if (!by_bitmap) s.touched.push_back(r);
+      }
+      acc[r] += P.weight[p] * c;  // qtf * w(t, d) (w * 1.0 = w: as postings_for, which skips it then)
+    }
+  }
+  s.best.clear();
+  double sm = 0.0, s2 = 0.0, m = 0.0;
+  auto emit = [&](int32_t r) {
+    const double v = acc[r];
+    acc[r] = 0.0;
+    if (!(v > 0.0)) return;
+    out.rows.push_back(r);
+    out.val.push_back(v);
+    sm += v;
+    const double sq = v * v;
+    s2 += sq;
+    m = std::max(m, v);
+    s.best.push_back(v);
+  };
+  const size_t before = out.rows.size();
+  if (by_bitmap) {
+    for (int64_t w = 0; w < words; ++w) {
+      uint64_t x = bits[w];
+      if (!x) continue;
+      bits[w] = 0;
+      while (x) {
+        emit(static_cast<int32_t>((w << 6) | __builtin_ctzll(x)));
+        x &= x - 1;
       }
     }
-    if (static_cast<int64_t>(touched.size()) * 16 > P.n_rows) {  // many hits: read them off in row order
-      touched.clear();
-      for (int64_t r = 0; r < P.n_rows; ++r)
-        if (seen[r]) touched.push_back(static_cast<int32_t>(r));
-    } else {
-      std::sort(touched.begin(), touched.end());
+  } else {
+    std::sort(s.touched.begin(), s.touched.end());
+    for (const int32_t r : s.touched) {
+      bits[r >> 6] = 0;
+      emit(r);
     }
-    best.clear();
-    double s = 0.0, s2 = 0.0, m = 0.0;
-    for (const int32_t r : touched) {
-      const double v = acc[r];
-      acc[r] = 0.0;
-      seen[r] = 0;
-      if (!(v > 0.0)) continue;
-      hrows.push_back(r);
-      hval.push_back(v);
-      s += v;
-      const double sq = v * v;
-      s2 += sq;
-      m = std::max(m, v);
-      best.push_back(v);
-    }
-    hptr[i + 1] = static_cast<int64_t>(hrows.size());
-    mx[i] = m;
-    sum[i] = s;
-    sumsq[i] = s2;
-    const size_t nt = std::min<size_t>(kTopLexical, best.size());
-    std::partial_sort(best.begin(), best.begin() + nt, best.end(), std::greater<double>());
-    std::copy(best.begin(), best.begin() + nt, tp);
   }
-  return -1;
+  count = static_cast<int64_t>(out.rows.size() - before);
+  mx = m;
+  sum = sm;
+  sumsq = s2;
+  const size_t nb = std::min<size_t>(kTopLexical, s.best.size());
+  std::partial_sort(s.best.begin(), s.best.begin() + nb, s.best.end(), std::greater<double>());
+  std::copy(s.best.begin(), s.best.begin() + nb, tp);
+  return true;
+}
+
+}  // namespace
+
+int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
+                  const int32_t* qterms, const double* qcnt, const int64_t* qptr, int num_threads,
+                  std::vector<int64_t>& hptr, std::vector<HitsPart>& parts, double* mx, double* top, double* sum,
+                  double* sumsq) {
+  hptr.assign(static_cast<size_t>(b) + 1, 0);
+  const int64_t nparts = (b + kBm25Part - 1) / kBm25Part;
+  parts.assign(static_cast<size_t>(nparts), HitsPart{});
+  int64_t max_rows = 0;
+  for (int64_t u = 0; u < n_users; ++u) max_rows = std::max(max_rows, users[u].n_rows);
+  // about 1/4 of kMinWorkPerThread per query (a few hundred postings and the read-off):
+  // one query runs on the caller, a batch on every thread
+  const int nthreads = threads_for(num_threads, 0.25 * kMinWorkPerThread * static_cast<double>(b), nparts);
+  std::vector<Bm25Scratch> scratch(static_cast<size_t>(nthreads));
+  for (Bm25Scratch& s : scratch) {  // allocated before the threads (nothing throws in them)
+    s.acc.assign(static_cast<size_t>(max_rows), 0.0);
+    s.bits.assign(static_cast<size_t>((max_rows + 63) >> 6), 0);
+    s.touched.reserve(1024);
+    s.best.reserve(1024);
+  }
+  std::atomic<int64_t> bad{-1};
+  parallel_for(nparts, nthreads, [&](int64_t pi, int tid) {
+    Bm25Scratch& s = scratch[static_cast<size_t>(tid)];
+    HitsPart& out = parts[static_cast<size_t>(pi)];
+    for (int64_t i = pi * kBm25Part; i < std::min(b, (pi + 1) * kBm25Part); ++i) {
+      double* tp = top + i * kTopLexical;
+      std::fill(tp, tp + kTopLexical, 0.0);
+      mx[i] = sum[i] = sumsq[i] = 0.0;
+      if (quser[i] < 0) continue;
+      if (!query_hits(users[quser[i]], qterms + qptr[i], qcnt + qptr[i], qptr[i + 1] - qptr[i], s, out,
+                      hptr[static_cast<size_t>(i) + 1], mx[i], tp, sum[i], sumsq[i])) {
+        int64_t none = -1;
+        bad.compare_exchange_strong(none, quser[i]);
+      }
+    }
+  });
+  for (int64_t i = 0; i < b; ++i) hptr[static_cast<size_t>(i) + 1] += hptr[static_cast<size_t>(i)];
+  return bad.load();
 }
 
 }  // namespace rfmem

@@ -23,21 +23,33 @@ struct PostingsRef {
 /// Number of the largest BM25 scores kept per query (rfmem_fast.fusion.TOP_LEXICAL).
 constexpr int kTopLexical = 10;
 
+/// Queries per part of bm25_hits' output (a part's hits, in query order, one after the other).
+constexpr int64_t kBm25Part = 16;
+
+/// The hits of queries [p kBm25Part, (p + 1) kBm25Part) of a bm25_hits call, one query after the other.
+struct HitsPart {
+  std::vector<int32_t> rows;
+  std::vector<double> val;
+};
+
 /// The BM25 hits of b queries. Query i reads users[quser[i]] (quser[i] < 0: no
 /// postings, no hit) with its distinct known terms qterms[qptr[i]:qptr[i + 1]] (first-
 /// occurrence order) and their counts qcnt. BM25 of a local row = the sum over the
 /// query's terms, in query-term order, of qcnt * weight (float64, from 0: what
-/// numpy.bincount over UserPostings.postings_for gives). Appends each query's hits
-/// (BM25 > 0), ascending local rows, to hrows / hval and sets hptr [b + 1]; writes
+/// numpy.bincount over UserPostings.postings_for gives). Sets hptr [b + 1] and parts
+/// [ceil(b / kBm25Part)]: query i's hits (BM25 > 0), ascending local rows and their
+/// BM25, are entries hptr[i] .. hptr[i + 1] of the parts laid one after the other; writes
 /// mx [b] (largest BM25, 0 without a hit), top [b, kTopLexical] (largest first, 0
 /// padding), sum / sumsq [b] (sums of the BM25 and of its squares over the hits in
 /// ascending row order, sequentially: the sums over the user's rows in row order).
-/// Returns -1, or the index of a user whose postings read are malformed (a ptr that
-/// decreases or runs past the rows, a row outside [0, n_rows)): its outputs are then unusable.
+/// Threads (num_threads most, 0 = the machine's; common.h threads_for) over parts of
+/// queries; results never depend on them. Returns -1, or the index of a user whose
+/// postings read are malformed (a ptr that decreases or runs past the rows, a row outside
+/// [0, n_rows)): the outputs are then unusable.
 int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
-               const int32_t* qterms, const double* qcnt, const int64_t* qptr, std::vector<int64_t>& hptr,
-               std::vector<int32_t>& hrows, std::vector<double>& hval, double* mx, double* top, double* sum,
-               double* sumsq);
+                  const int32_t* qterms, const double* qcnt, const int64_t* qptr, int num_threads,
+                  std::vector<int64_t>& hptr, std::vector<HitsPart>& parts, double* mx, double* top, double* sum,
+                  double* sumsq);
 
 /// The exact fused top-kf of b queries (rfmem_fast.fusion: fused = dense + x, x >= 0 the
 /// boost of a lexical hit, 0 elsewhere), from each query's exact dense top-K

@@ -1523,8 +1523,11 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
     const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
     // 2. the hits outside the dense list that pass fl(s_K + x) >= tau
-    for (int64_t h = h0; h < h1; ++h)
-      if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= tau()) ex.push_back(h);
+    {
+      const double t = tau();
+      for (int64_t h = h0; h < h1; ++h)
+        if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
+    }
     // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B (or a recorded key f with
     //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
     //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
@@ -1551,15 +1554,23 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     };
     constexpr size_t kLead = 16;
     if (hf) {
-      // recorded keys (screening costs no dot product): u = up(f + B) + x bounds a hit's
-      // fused score from above; the hits by descending u, a block at a time, until one's
-      // u < tau (every later one's too: none of them can enter)
+      // recorded keys (screening costs no dot product): u bounds a hit's fused score F =
+      // fl(e + x) from above, e = RN32(q.x) <= f + B: with v = fl(fl(f + B) + x), F <= v +
+      // 2^-53 (|fl(f + B)| + |v| + |F|) <= v + 2^-51 (|v| + Mq) (|F|, x <= Mq), and u = v +
+      // 2^-50 (|v| + Mq) covers that with its own roundings. The hits by descending u, a
+      // block at a time, until one's u < tau (every later one's too: none can enter).
       std::vector<std::pair<double, int64_t>>& ub = ubs[static_cast<size_t>(tid)];
       ub.clear();
+      double qq = 0.0, xmax = 0.0;
+      for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+      for (const int64_t h : ex) xmax = std::max(xmax, hx[h]);
+      const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;
+      const double t = tau();
       for (const int64_t h : ex) {
         const float f = hf[h];
-        const double u = f == f ? std::nextafter(static_cast<double>(f) + B, inf) + hx[h] : inf;  // (NaN: scored)
-        if (!(u < tau())) ub.emplace_back(u, h);
+        const double v = (static_cast<double>(f) + B) + hx[h];
+        const double u = f == f ? v + (std::fabs(v) + Mq) * 0x1p-50 : inf;  // (NaN: scored)
+        if (!(u < t)) ub.emplace_back(u, h);
       }
       auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
         return x.first > y.first || (x.first == y.first && x.second < y.second);

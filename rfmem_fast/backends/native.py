@@ -350,12 +350,13 @@ class NativeBackend(Backend):
         return (st, torch.from_numpy(r), torch.from_numpy(mean), torch.from_numpy(ent), torch.from_numpy(cnt)), keys, up
 
     def bm25_hits(self, users, quser, qterms, qcnt, qptr):
-        """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, one thread).
+        """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, the queries in
+        parts of 16 over the kernel's threads).
 
         Raises:
             TypeError / ValueError: malformed arrays (from the kernel).
         """
-        return _native.bm25_hits(users, quser, qterms, qcnt, qptr)
+        return _native.bm25_hits(users, quser, qterms, qcnt, qptr, self._threads())
 
     def fused_topk(self, view, Q, qseg, dense_scores, dense_rows, hptr, hrows, hx, hval, kf, hf=None, hup=None):
         """See :meth:`Backend.fused_topk` (C++ kernel ``_native.fused_topk``: the dense list's
