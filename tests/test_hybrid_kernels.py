@@ -220,3 +220,164 @@ def test_fused_topk_scores_the_hits_itself_as_with_recorded_scores():
         np.testing.assert_array_equal(a, b)
     one_pass = _native.hybrid_probe(X, off, Q, seg, 10, 10, 0.1, "mean", hptr, hrows, hx, hval, 10)
     np.testing.assert_array_equal(with_hf[0], one_pass[5])  # rows, as the one-pass fusion
+
+
+# ------------------------------------------------------------------ the probe's hit keys
+def _hit_case(seed, d, lens, b, dtype):
+    """A bank (float32 rows, its scan copy for ``dtype``), b queries (the first 40 on
+    segment 0: the GEMM path's share) and random hits per query, first and last rows included."""
+    from rfmem_fast.precision import int8_scan_copy, to_scan_copy
+
+    rng = np.random.default_rng(seed)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    X = rng.normal(size=(int(off[-1]), d)).astype(np.float32)
+    X[5:9] = X[4]  # exact ties
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    seg = rng.integers(len(lens), size=b).astype(np.int64)
+    seg[:40] = 0
+    Q = X[off[seg] + rng.integers(0, np.asarray(lens)[seg])] + 0.2 * rng.normal(size=(b, d)).astype(np.float32)
+    Q = (Q / np.linalg.norm(Q, axis=1, keepdims=True)).astype(np.float32)
+    hp, hr = [0], []
+    for i in range(b):
+        n = int(lens[seg[i]])
+        rows = set(rng.choice(n, int(rng.integers(0, min(n, 300) + 1)), replace=False).tolist()) | {0, n - 1}
+        hr += sorted(rows)
+        hp.append(len(hr))
+    scan = {}
+    if dtype in ("float16", "bfloat16"):
+        bits = to_scan_copy(X, dtype)
+        scan = dict(scan=bits.view(np.uint16), scan_type=dtype)
+    elif dtype == "int8":
+        codes, meta = int8_scan_copy(X)
+        scan = dict(scan=codes, scan_meta=meta, scan_type="int8")
+    return X, off, Q, seg, np.array(hp, np.int64), np.array(hr, np.int32), scan
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_probe_hit_keys_bound_the_exact_scores_on_every_path(dtype, level):
+    """probe(hit_ptr=, hit_rows=) leaves the probe itself unchanged and gives every hit a
+    key with keys + up >= RN32(q . x) (the float64 product rounded once: an independent
+    reference), two-sided within up for the float32 scan and GEMM scores; up = inf only
+    where a path records none (int8 GEMM units, level 0's float32 / half scans)."""
+    X, off, Q, seg, hp, hr, scan = _hit_case(11 + level, 37, [700, 3, 129, 300, 1], 90, dtype)
+    _native.set_simd_cap(level)  # (a CPU without it runs its highest level below)
+    level = _native.simd_level()
+    try:
+        for path in ("auto", "scan", "gemm"):
+            for threads in (1, 2):
+                args = (X, off, Q, seg, 12, 5, 0.1, "mean", threads, -1.0)
+                got = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, **scan)
+                want = _native.probe(*args, path=path, **scan)
+                for a, w in zip(got[:5], want):
+                    np.testing.assert_array_equal(a, w)
+                keys, up = got[5], got[6]
+                assert keys.shape == hr.shape and up.shape == seg.shape
+                for i in range(seg.shape[0]):
+                    h0, h1 = hp[i], hp[i + 1]
+                    exact = (X[off[seg[i]] + hr[h0:h1]].astype(np.float64) @ Q[i].astype(np.float64)).astype(np.float32)
+                    if not np.isfinite(up[i]):
+                        assert dtype != "float32" or level == 0, (path, i)
+                        continue
+                    k = keys[h0:h1].astype(np.float64)
+                    assert np.all(k + up[i] >= exact), (path, threads, i)
+                    if dtype == "float32":
+                        assert np.all(k - up[i] <= exact), (path, threads, i)
+                recorded = np.isfinite(up)
+                if dtype == "float32" and level > 0:
+                    assert recorded.all()
+                if dtype == "int8" and path == "scan":
+                    assert recorded.all() and np.all(up == 0.0)  # int8 keys are upper bounds themselves
+    finally:
+        _native.set_simd_cap(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_fused_topk_with_probe_keys_equals_scoring_every_hit(dtype):
+    """fused_topk fed the probe's keys (hf / hup: hits visited by descending fused upper
+    bound) gives what it gives when it scores every hit itself, and the full-scan oracle
+    of the fused score fl64(RN32(q . x) + boost)."""
+    X, off, Q, seg, hp, hr, scan = _hit_case(5, 40, [900, 64, 250], 70, dtype)
+    rng = np.random.default_rng(1)
+    hval = rng.random(hr.shape[0]) * 10
+    hx = np.round(hval * 0.02, 3)  # rounded boosts: exact fused ties across rows
+    kf = 10
+    for path in ("scan", "gemm"):
+        out = _native.probe(X, off, Q, seg, 30, 5, 0.1, "mean", 2, -1.0, path=path, hit_ptr=hp, hit_rows=hr, **scan)
+        keyed = _native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hval, kf, hf=out[5], hup=out[6])
+        scored = _native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hval, kf)
+        for a, w in zip(keyed, scored):
+            np.testing.assert_array_equal(a, w)
+        for i in range(seg.shape[0]):
+            a, e = off[seg[i]], off[seg[i] + 1]
+            dense = (X[a:e].astype(np.float64) @ Q[i].astype(np.float64)).astype(np.float32).astype(np.float64)
+            boost = np.zeros(e - a)
+            boost[hr[hp[i] : hp[i + 1]]] = hx[hp[i] : hp[i + 1]]
+            fused = dense + boost
+            order = np.lexsort((np.arange(e - a), -fused))[:kf]
+            assert keyed[0][i].tolist() == (a + order).tolist(), (path, i)
+            np.testing.assert_array_equal(keyed[1][i], fused[order])
+
+
+def test_fused_topk_checks_hup():
+    X, off, Q, seg, hp, hr, _ = _hit_case(2, 16, [50], 3, "float32")
+    out = _native.probe(X, off, Q, seg, 10, 5, 0.1, "mean", hit_ptr=hp, hit_rows=hr)
+    hx = np.zeros(hr.shape[0])
+    with pytest.raises(ValueError, match="hup needs hf"):
+        _native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hx, 5, hup=out[6])
+    with pytest.raises(ValueError, match=r"hup\[1\] must be >= 0"):
+        _native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hx, 5, hf=out[5], hup=np.array([0.0, -1.0, 0.0]))
+    with pytest.raises(ValueError, match="hit_ptr and hit_rows go together"):
+        _native.probe(X, off, Q, seg, 10, 5, 0.1, "mean", hit_ptr=hp)
+    with pytest.raises(ValueError, match="must be ascending local rows"):
+        _native.probe(X, off, Q, seg, 10, 5, 0.1, "mean", hit_ptr=hp, hit_rows=hr[::-1].copy())
+
+
+def test_bm25_hits_sparse_read_off_and_threads():
+    """A large user read through few postings takes the sorted read-off (not the row
+    bitmap); the hits equal UserPostings.scores bit for bit, whatever the thread count."""
+    rng = np.random.default_rng(8)
+    n = 6000
+    bank = MemoryBank(8)
+    texts = [" ".join(rng.choice(WORDS, 3)) for _ in range(n)]
+    for i in rng.choice(n, 5, replace=False):
+        texts[i] += " zebra"  # a rare term: 5 postings against 94 bitmap words
+    bank.add("u", rng.normal(size=(n, 8)), ids=[str(i) for i in range(n)], texts=texts)
+    lex = bank.snapshot().lexical
+    P = lex.postings(0)
+    qs = ["zebra"] * 3 + ["apple dog zebra", "kite"] * 20
+    enc = [lex.encode_query(t) for t in qs]
+    qptr = np.concatenate([[0], np.cumsum([e[0].shape[0] for e in enc])]).astype(np.int64)
+    qterms = np.concatenate([e[0] for e in enc]).astype(np.int32)
+    qcnt = np.concatenate([e[1] for e in enc])
+    quser = np.zeros(len(qs), np.int64)
+    user = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows)]
+    outs = [_native.bm25_hits(user, quser, qterms, qcnt, qptr, t) for t in (1, 2)]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    hptr, hrows, hval = outs[0][:3]
+    for i, t in enumerate(qs):
+        got = np.zeros(n)
+        got[hrows[hptr[i] : hptr[i + 1]]] = hval[hptr[i] : hptr[i + 1]]
+        np.testing.assert_array_equal(got, lex.scores(0, t))
+    assert hptr[1] - hptr[0] == 5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_native_hybrid_on_scan_copies_equals_the_float32_bank(dtype):
+    """The hybrid probe scans the bank's own scan copy (its keys feed the fusion): the
+    results equal those of the float32 bank of the same rows, GEMM units included."""
+    bank, rng = _bank(9, n=260)
+    snap = bank.snapshot()
+    other = MemoryBank(snap.vectors.shape[1], dtype=dtype)
+    for u in ("u0", "u1", "u2"):
+        i = bank.user_index(u)
+        a, e = snap.offsets[i], snap.offsets[i + 1]
+        other.add(u, snap.vectors[a:e], ids=[f"{u}-{j}" for j in range(e - a)], texts=list(snap.texts[a:e]))
+    Q, qu, texts = _queries(bank, rng, ["u0", "u1"], 48)  # 24 queries per user: GEMM units
+    for fz in (FUSIONS[0], FUSIONS[3], FUSIONS[4]):
+        cfg = RFMemConfig(out_k=9, probe_k=9, **fz)
+        want = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
+        got = search(other, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
+        for f in FIELDS:
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"{dtype} {fz} {f}")

@@ -1145,7 +1145,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<float> hit_tile(rec && !opt.scores_out ? static_cast<size_t>(nthreads) * kGroup * kHitTile : 0);
   const bool pruned = !src.i8 && !src.half && K.scan_rows_f32_pruned && opt.prune_ref;
   auto hit_keys = [&](const Group& g) {  // what group g's pass records of its hits
-    if (src.i8) return g.gemm && K.i8_gemm_panel ? HitKeys::kNone : HitKeys::kI8;
+    if (src.i8) return g.gemm ? HitKeys::kNone : HitKeys::kI8;  // (GEMM units: more than kGroup queries)
     if (g.gemm) return HitKeys::kGemm;
     if (pruned || (src.half ? K.level < 1 : K.scan_rows_f32 == nullptr)) return HitKeys::kNone;
     return HitKeys::kScan;
