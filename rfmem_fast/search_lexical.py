@@ -25,7 +25,7 @@ from .backends.exact import abs_error_term, exact_pair_scores_np, scan_error_coe
 from .bank import BankSnapshot
 from .config import RFMemConfig
 from .filters import RowSelection
-from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
+from .fusion import BOOST_FACTORS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
 
 __all__ = ["HYBRID_DENSE_DEPTH", "ONE_PASS_FUSIONS", "HYBRID_MATRIX_ENTRIES", "Hybrid", "KernelHits", "context_probe",
            "hybrid", "hybrid_recorded", "lexical_hits"]
@@ -227,13 +227,13 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     loc = np.where(valid, pr - a_q[:, None], 0)
     lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
-    boost = BOOSTS[config.fusion]
+    fac = BOOST_FACTORS[config.fusion](stats, config)  # the per-query factors, once
     boost_rows = lex_rows = None
     if want_boosts:  # every row's boost (0 where no lexical hit), as the fused scores below use it, and BM25
-        BX = boost(V, stats, config)
+        BX = fac.matrix(V)
         boost_rows = [BX[i, : n_q[i]] if lex_max[i] > 0 else None for i in range(b)]
         lex_rows = [V[i, : n_q[i]] if lex_max[i] > 0 else None for i in range(b)]
-    fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
+    fd = np.where(valid, ps + fac.matrix(lex_d), -np.inf)
     tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
     s_last = np.where(valid[:, -1], ps[:, -1], -np.inf)
     M = V > 0
@@ -241,7 +241,7 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     M[qv, loc[qv, cv]] = False  # the dense list's rows: not extras
     qe, le = np.nonzero(M)  # lexical hits outside the dense list, by query then row
     lexe = V[qe, le]
-    xe = boost(lexe[:, None], stats.take(qe), config)[:, 0]
+    xe = fac.at(lexe, qe)
     keep = s_last[qe] + xe >= tau[qe]  # the bound of the fusion docstring
     qe, le, lexe, xe = qe[keep], le[keep], lexe[keep], xe[keep]
     re = le + a_q[qe]
@@ -370,31 +370,21 @@ class KernelHits:
         return cls(*got, n_docs=n_docs, n_items=n_items)
 
     def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
-        """float64 [H] the boost of every hit, :data:`rfmem_fast.fusion.BOOSTS` of ``config.fusion``;
-        ``extra``: (lex_std, dense_gap) [b] for "zscore", else None."""
+        """float64 [H] the boost of every hit (C-contiguous): the per-query factors of
+        ``config.fusion`` (:data:`rfmem_fast.fusion.BOOST_FACTORS`, once per query) applied
+        to the flat hits (:meth:`rfmem_fast.fusion.BoostFactors.flat`), bit for bit the
+        [b, c] boosts of :data:`rfmem_fast.fusion.BOOSTS`.
+
+        Args:
+            config: the RFMemConfig (``fusion`` "convex" / "adaptive" / "zscore", its weight and norm).
+            extra: (lex_std, dense_gap) float64 [b] for "zscore" (:func:`zscore_extra`), else None.
+
+        Raises:
+            KeyError: ``config.fusion`` is not a score-based fusion ("rrf").
+            ValueError: "zscore" without ``extra``.
+        """
         stats = LexicalStats(self.lex_max, self.top, self.n_docs, *(extra or (None, None)))
-        boost = BOOSTS[config.fusion]
-        b = self.hptr.shape[0] - 1
-        if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
-            hx = boost(self.hval[None, :], stats, config)[0]
-        elif self.hval.shape[0]:
-            # queries x their hits, padded [c, E], in steps of at most HYBRID_MATRIX_ENTRIES:
-            # the per-query factors (sharpness, spreads) once per query, not once per hit
-            lens = np.diff(self.hptr)
-            qi = np.repeat(np.arange(b), lens)
-            col = np.arange(qi.shape[0]) - np.repeat(self.hptr[:-1], lens)
-            E = int(lens.max())
-            hx = np.empty(qi.shape[0])
-            step = max(1, HYBRID_MATRIX_ENTRIES // max(E, 1))
-            for a in range(0, b, step):
-                c = min(b, a + step)
-                h0, h1 = int(self.hptr[a]), int(self.hptr[c])
-                M = np.zeros((c - a, E))
-                M[qi[h0:h1] - a, col[h0:h1]] = self.hval[h0:h1]
-                part = boost(M, stats.take(np.arange(a, c)), config)
-                hx[h0:h1] = part[qi[h0:h1] - a, col[h0:h1]]
-        else:
-            hx = np.zeros(0)
+        hx = BOOST_FACTORS[config.fusion](stats, config).flat(self.hval, self.hptr)
         return np.ascontiguousarray(hx, dtype=np.float64)
 
     def hit_list(self, view: Any, seg: np.ndarray) -> list:
@@ -600,10 +590,9 @@ def hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tens
         erank = pad_lists(ex_rank, b, 0, np.int64)
         fe = np.where(evalid, rrf(np.zeros_like(erank), erank, config.lexical_rrf_k), -np.inf)
     else:
-        stats = LexicalStats(lex_max, top, n_docs)
-        boost = BOOSTS[config.fusion]
-        fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
-        xe = boost(elex, stats, config)
+        fac = BOOST_FACTORS[config.fusion](LexicalStats(lex_max, top, n_docs), config)
+        fd = np.where(valid, ps + fac.matrix(lex_d), -np.inf)
+        xe = fac.matrix(elex)
         tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
         s_last = np.where(valid[:, -1], ps[:, -1], -np.inf) if kd else np.full(b, -np.inf)
         keep = evalid & (s_last[:, None] + xe >= tau[:, None])  # the bound of the fusion docstring
