@@ -322,38 +322,22 @@ class KernelHits:
         lex = view.snapshot.lexical
         off = view.snapshot.offsets
         b = len(texts)
-        slot: dict[int, int] = {}
-        users: list = []
-        plist: list = []
+        seg = np.asarray(seg, dtype=np.int64)
+        qterms, qcnt, qptr = lex.encode_queries(texts)
         quser = np.full(b, -1, dtype=np.int64)
         n_docs = np.zeros(b, dtype=np.int64)
         n_items = (off[seg + 1] - off[seg]).astype(np.int64)
-        terms, counts = [], []
-        qptr = np.zeros(b + 1, dtype=np.int64)
-        for i, t in enumerate(texts):
-            qt, qc = lex.encode_query(t)
-            if qt.shape[0] == 0:
-                qptr[i + 1] = qptr[i]
-                continue
-            u = int(seg[i])
-            j = slot.get(u)
-            if j is None:
-                P = lex.postings(u)
-                j = slot[u] = len(users)
-                users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
-                plist.append(P)
-            n_docs[i] = plist[j].n_docs
-            n_items[i] = plist[j].n_items
-            quser[i] = j
-            terms.append(qt)
-            counts.append(qc)
-            qptr[i + 1] = qptr[i] + qt.shape[0]
-        if len(terms) == 1:
-            qterms, qcnt = terms[0], counts[0]
-        elif terms:
-            qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
-        else:
-            qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
+        q = np.flatnonzero(qptr[1:] > qptr[:-1])  # the queries with a known token
+        # their users, numbered in order of first appearance (a query's slot in ``users``)
+        ux, first, inv = np.unique(seg[q], return_index=True, return_inverse=True)
+        order = np.argsort(first)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.shape[0])
+        plist = [lex.postings(u) for u in ux[order].tolist()]
+        users = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows) for P in plist]
+        quser[q] = rank[inv.reshape(-1)]
+        n_docs[q] = np.array([P.n_docs for P in plist], dtype=np.int64)[quser[q]]
+        n_items[q] = np.array([P.n_items for P in plist], dtype=np.int64)[quser[q]]
         got = list(be.bm25_hits(users, quser, qterms, qcnt, qptr))
         if any(P.chunk_ptr is not None for P in plist):
             hp, hr, hv = got[:3]
