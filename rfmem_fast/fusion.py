@@ -227,15 +227,18 @@ class BoostFactors:
         """
         b = self.scale.shape[0]
         ptr = np.asarray(ptr)
-        if ptr.shape != (b + 1,) or int(ptr[0]) != 0 or int(ptr[-1]) != lex.shape[0]:
-            raise ValueError(f"ptr must be {b + 1} pointers from 0 to {lex.shape[0]}, got shape {ptr.shape}")
-        lens = np.diff(ptr)
-        scale = np.repeat(self.scale, lens)
-        if self.den is None:
-            return apply_boost(lex, scale, None)
-        # every query with an entry has den > 0 (a hit has BM25 > 0): a plain division
-        positive = bool((self.den[lens > 0] > 0).all())
-        return apply_boost(lex, scale, np.repeat(self.den, lens), positive)
+        if ptr.shape != (b + 1,) or ptr[0] != 0 or ptr[-1] != lex.shape[0]:
+            raise ValueError(f"ptr must be {b + 1} pointers from 0 to {lex.shape[0]}, got {ptr!r:.80}")
+        if b == 1:  # one query: its factors broadcast over its entries
+            scale, den, used = self.scale, self.den, self.den
+        else:
+            lens = ptr[1:] - ptr[:-1]
+            scale = np.repeat(self.scale, lens)
+            den = None if self.den is None else np.repeat(self.den, lens)
+            used = None if self.den is None else self.den[lens > 0]  # the queries with an entry
+        # (every query with an entry has den > 0, as a hit has BM25 > 0: a plain division)
+        positive = used is not None and bool((used > 0).all())
+        return apply_boost(lex, scale, den, positive)
 
 
 def convex_factors(stats: LexicalStats, config: Any) -> BoostFactors:

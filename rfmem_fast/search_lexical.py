@@ -316,30 +316,45 @@ class KernelHits:
     def of(cls, be: Any, view: Any, seg: np.ndarray, texts: list) -> "KernelHits":
         """Tokenise the b query texts and take their hits in their users' postings.
 
-        The kernel scores items on their own rows (the postings' rows), so the statistics
-        (max, top, s1, s2) count each item once; the hits are then scattered to every row
-        of a chunked item (:meth:`rfmem_fast.lexical.UserPostings.scatter_hits`)."""
+        The texts are encoded as one batch (:meth:`rfmem_fast.lexical.LexicalIndex.encode_queries`),
+        the users of the queries with a known token get their postings once each (numbered in
+        order of first appearance), and ``Backend.bm25_hits`` scores them. The kernel scores
+        items on their own rows (the postings' rows), so the statistics (max, top, s1, s2)
+        count each item once; the hits are then scattered to every row of a chunked item
+        (:meth:`rfmem_fast.lexical.UserPostings.scatter_hits`).
+
+        Args:
+            be: a backend with ``has_fused_topk``; view: its bank view (with a snapshot
+                holding a lexical index).
+            seg: int [b] each query's segment (user index); texts: b str or None.
+
+        Returns:
+            KernelHits of the b queries (a query without a known token: no hit, ``n_docs`` 0,
+            ``n_items`` its segment's rows).
+
+        Raises:
+            TypeError: ``texts[i]`` is neither a str nor None.
+        """
         lex = view.snapshot.lexical
         off = view.snapshot.offsets
         b = len(texts)
         seg = np.asarray(seg, dtype=np.int64)
         qterms, qcnt, qptr = lex.encode_queries(texts)
-        quser = np.full(b, -1, dtype=np.int64)
-        n_docs = np.zeros(b, dtype=np.int64)
-        n_items = (off[seg + 1] - off[seg]).astype(np.int64)
-        q = np.flatnonzero(qptr[1:] > qptr[:-1])  # the queries with a known token
+        q = (qptr[1:] > qptr[:-1]).nonzero()[0]  # the queries with a known token
+        sq = seg[q].tolist()
         # their users, numbered in order of first appearance (a query's slot in ``users``)
-        ux, first, inv = np.unique(seg[q], return_index=True, return_inverse=True)
-        order = np.argsort(first)
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.shape[0])
-        plist = [lex.postings(u) for u in ux[order].tolist()]
+        slot = {u: j for j, u in enumerate(dict.fromkeys(sq))}
+        plist = [lex.postings(u) for u in slot]
         users = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows) for P in plist]
-        quser[q] = rank[inv.reshape(-1)]
-        n_docs[q] = np.array([P.n_docs for P in plist], dtype=np.int64)[quser[q]]
-        n_items[q] = np.array([P.n_items for P in plist], dtype=np.int64)[quser[q]]
+        quser = np.full(b, -1, dtype=np.int64)
+        quser[q] = [slot[u] for u in sq]
+        # per slot, then a 0 for the queries without one (quser -1)
+        n_docs = np.array([P.n_docs for P in plist] + [0], dtype=np.int64)[quser]
+        # the segment's rows, less a chunked user's extra chunk rows
+        n_items = (off[seg + 1] - off[seg]).astype(np.int64)
         got = list(be.bm25_hits(users, quser, qterms, qcnt, qptr))
         if any(P.chunk_ptr is not None for P in plist):
+            n_items[q] = np.array([P.n_items for P in plist], dtype=np.int64)[quser[q]]
             hp, hr, hv = got[:3]
             rows, vals = [], []
             for i in range(b):
