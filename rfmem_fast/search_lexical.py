@@ -67,9 +67,11 @@ def lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list, sel: RowSelec
     user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`.
     With a selection, a filtered query's hits outside it are dropped (score 0)."""
     lex, off = snap.lexical, snap.offsets
+    qterms, qcnt, qptr = lex.encode_queries(texts)
+    p = qptr.tolist()
     out: list = []
-    for i, t in enumerate(texts):
-        qt, qc = lex.encode_query(t)
+    for i in range(len(texts)):
+        qt, qc = qterms[p[i] : p[i + 1]], qcnt[p[i] : p[i + 1]]
         if qt.shape[0] == 0:
             out.append(None)
             continue
@@ -176,8 +178,10 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     n_match = n_q.copy()  # the items (zscore's n): a segment's rows less its extra chunk rows
     chunked = []  # (query, its user's postings) of the queries whose user has chunked items
     flat, wts = [], []
-    for i, t in enumerate(texts):
-        qt, qc = lex.encode_query(t)
+    qterms, qcnt, qptr = lex.encode_queries(texts)
+    p = qptr.tolist()
+    for i in range(b):
+        qt, qc = qterms[p[i] : p[i + 1]], qcnt[p[i] : p[i + 1]]
         if qt.shape[0] == 0:
             continue
         P = lex.postings(int(seg[i]))
