@@ -3,9 +3,12 @@
 Every rule here is a small numpy function over arrays [b, c] of b queries' candidates
 (float64; the dense score of a candidate is its exact float32 cosine ``RN32(q . x)``
 widened to float64, its lexical score its float64 BM25 of :mod:`rfmem_fast.lexical`, 0
-for an item that is no lexical hit or has no text). Adding a fusion mode is one
-function in :data:`BOOSTS` (score-based) or next to :func:`rrf`; adding a confidence
-for "adaptive" is one function in :data:`CONFIDENCES`.
+for an item that is no lexical hit or has no text). A score-based mode's boost is
+per-query factors (:class:`BoostFactors`, :data:`BOOST_FACTORS`) applied elementwise to
+the candidates' BM25 (:func:`apply_boost`, on a [b, c] matrix or on flat per-hit
+arrays, bit for bit the same values); adding one is its factors function in
+:data:`BOOST_FACTORS` and its [b, c] form in :data:`BOOSTS`, or a rule next to
+:func:`rrf`; adding a confidence for "adaptive" is one function in :data:`CONFIDENCES`.
 
 Modes (``w = config.lexical_weight > 0``):
 
@@ -94,8 +97,10 @@ TOP_LEXICAL = 10
 _RANKS = np.arange(1, TOP_LEXICAL)  # the 0-based ranks 2..10 of sharpness
 
 __all__ = [
-    "BOOSTS", "CONFIDENCES", "TOP_LEXICAL", "LexicalStats", "adaptive_boost", "convex_boost", "item_mean",
-    "max_normalised", "rrf", "sharpness", "top_by_score_row", "user_means", "zscore_boost", "zscore_stats",
+    "BOOSTS", "BOOST_FACTORS", "CONFIDENCES", "TOP_LEXICAL", "BoostFactors", "LexicalStats", "adaptive_boost",
+    "apply_boost",
+    "adaptive_factors", "convex_boost", "convex_factors", "item_mean", "max_normalised", "ratio", "rrf", "sharpness",
+    "top_by_score_row", "user_means", "zscore_boost", "zscore_factors", "zscore_stats",
 ]  # fmt: skip
 
 
@@ -153,14 +158,133 @@ def sharpness(stats: LexicalStats) -> np.ndarray:
 CONFIDENCES: dict[str, Callable[[LexicalStats], np.ndarray]] = {"sharpness": sharpness}
 
 
-def max_normalised(lex: np.ndarray, stats: LexicalStats) -> np.ndarray:
-    """``lex / lex_max`` per query (float64 [b, c]); 0 for a query without a lexical hit."""
-    den = stats.lex_max[:, None]
+def ratio(lex: np.ndarray, den: np.ndarray, den_positive: bool = False) -> np.ndarray:
+    """``lex / den`` elementwise, 0 where ``den <= 0`` (float64, broadcast shape of the two).
+
+    Args:
+        lex: float64 array (BM25 scores); den: float64 array broadcastable with ``lex``
+            (a query's largest BM25, per entry).
+        den_positive: the caller knows every ``den`` entry is > 0 (a plain division, the
+            same values without the mask).
+    """
+    if den_positive:
+        return np.divide(lex, den)
     return np.divide(lex, den, out=np.zeros(np.broadcast_shapes(lex.shape, den.shape)), where=den > 0)
 
 
-def convex_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarray:
+def max_normalised(lex: np.ndarray, stats: LexicalStats) -> np.ndarray:
+    """``lex / lex_max`` per query (float64 [b, c]); 0 for a query without a lexical hit."""
+    return ratio(lex, stats.lex_max[:, None])
+
+
+def apply_boost(lex: np.ndarray, scale: np.ndarray, den: np.ndarray | None, den_positive: bool = False) -> np.ndarray:
+    """The boost of BM25 ``lex`` from a fusion's per-query factors laid out beside it
+    (:class:`BoostFactors`): ``scale * lex``, or ``scale * ratio(lex, den)`` with ``den``.
+    The one definition of every score-based fusion's boost formula.
+
+    Args:
+        lex: float64 array; scale, den: float64 arrays broadcastable with ``lex`` (the
+            factors indexed or repeated per entry; den None: raw BM25); den_positive: as
+            :func:`ratio`.
+
+    Returns:
+        float64 array of the broadcast shape (>= 0 for ``lex`` >= 0, ``scale`` >= 0).
+    """
+    f = lex if den is None else ratio(lex, den, den_positive)
+    return scale * f
+
+
+@dataclass(frozen=True)
+class BoostFactors:
+    """A score-based fusion's boost as per-query factors: ``boost = scale * lex`` or
+    ``boost = scale * (lex / den)`` (0 where ``den <= 0``, :func:`ratio`), elementwise in
+    the candidate's BM25 ``lex``, in float64, in that order (the division first).
+
+    Attributes:
+        scale: float64 [b] each query's weight (``w``, ``w * c(q)``, ``w * g(q) / sigma(q)``).
+        den: float64 [b] each query's normaliser (``max_bm25(q)``), or None (raw BM25).
+    """
+
+    scale: np.ndarray
+    den: np.ndarray | None = None
+
+    def matrix(self, lex: np.ndarray) -> np.ndarray:
+        """The boosts of b queries' candidates: ``lex`` float64 [b, c] -> float64 [b, c]."""
+        return apply_boost(lex, self.scale[:, None], None if self.den is None else self.den[:, None])
+
+    def at(self, lex: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The boosts of single candidates: ``lex`` float64 [m] of the queries ``q`` (int [m],
+        indices into the b queries) -> float64 [m]."""
+        return apply_boost(lex, self.scale[q], None if self.den is None else self.den[q])
+
+    def flat(self, lex: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+        """The boosts of b queries' candidates held flat (CSR): ``lex`` float64 [H], query
+        ``i``'s entries ``lex[ptr[i]:ptr[i + 1]]`` (``ptr`` int [b + 1], from 0, to H) ->
+        float64 [H], each entry bit for bit its :meth:`matrix` value.
+
+        Raises:
+            ValueError: ``ptr`` is not b + 1 pointers from 0 to ``lex``'s length.
+        """
+        b = self.scale.shape[0]
+        ptr = np.asarray(ptr)
+        if ptr.shape != (b + 1,) or ptr[0] != 0 or ptr[-1] != lex.shape[0]:
+            raise ValueError(f"ptr must be {b + 1} pointers from 0 to {lex.shape[0]}, got {ptr!r:.80}")
+        if b == 1:  # one query: its factors broadcast over its entries
+            scale, den, used = self.scale, self.den, self.den
+        else:
+            lens = ptr[1:] - ptr[:-1]
+            scale = np.repeat(self.scale, lens)
+            den = None if self.den is None else np.repeat(self.den, lens)
+            used = None if self.den is None else self.den[lens > 0]  # the queries with an entry
+        # (every query with an entry has den > 0, as a hit has BM25 > 0: a plain division)
+        positive = used is not None and bool((used > 0).all())
+        return apply_boost(lex, scale, den, positive)
+
+
+def convex_factors(stats: LexicalStats, config: Any) -> BoostFactors:
     """Fusion "convex": ``w * f`` with ``f`` raw BM25 or :func:`max_normalised` (``config.lexical_norm``).
+
+    Args:
+        stats: the b queries' LexicalStats; config: the RFMemConfig (``lexical_weight``, ``lexical_norm``).
+
+    Returns:
+        BoostFactors: scale ``w`` [b]; den ``max_bm25(q)`` [b] ("max") or None ("raw").
+    """
+    scale = np.full(stats.lex_max.shape[0], float(config.lexical_weight))
+    return BoostFactors(scale, None if config.lexical_norm == "raw" else stats.lex_max)
+
+
+def adaptive_factors(stats: LexicalStats, config: Any, confidence: str = "sharpness") -> BoostFactors:
+    """Fusion "adaptive": ``(w * c(q)) * bm25 / max_bm25(q)``, ``c`` from :data:`CONFIDENCES`.
+
+    Returns:
+        BoostFactors: scale ``w * c(q)`` [b], den ``max_bm25(q)`` [b].
+    """
+    return BoostFactors(float(config.lexical_weight) * CONFIDENCES[confidence](stats), stats.lex_max)
+
+
+def zscore_factors(stats: LexicalStats, config: Any) -> BoostFactors:
+    """Fusion "zscore": ``(w * dense_gap(q) / lex_std(q)) * bm25`` (module docstring).
+
+    Args:
+        stats: LexicalStats with ``lex_std`` and ``dense_gap`` set; config: the RFMemConfig (``lexical_weight``).
+
+    Returns:
+        BoostFactors: scale ``w * max(dense_gap, 0) / lex_std`` [b] (0 where ``lex_std <= 0``), den None.
+
+    Raises:
+        ValueError: ``stats`` lacks ``lex_std`` / ``dense_gap``.
+    """
+    if stats.lex_std is None or stats.dense_gap is None:
+        raise ValueError("fusion 'zscore' needs LexicalStats.lex_std and .dense_gap")
+    sd = stats.lex_std
+    wq = np.divide(float(config.lexical_weight) * np.maximum(stats.dense_gap, 0.0), sd,
+                   out=np.zeros(sd.shape[0]), where=sd > 0)  # fmt: skip
+    return BoostFactors(wq)
+
+
+def convex_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarray:
+    """Fusion "convex" on candidates (:func:`convex_factors`).
 
     Args:
         lex: float64 [b, c] BM25 of the candidates (0: no hit); stats: the queries' LexicalStats;
@@ -169,22 +293,17 @@ def convex_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarra
     Returns:
         float64 [b, c] >= 0, added to the dense score.
     """
-    f = lex if config.lexical_norm == "raw" else max_normalised(lex, stats)
-    return float(config.lexical_weight) * f
+    return convex_factors(stats, config).matrix(lex)
 
 
 def adaptive_boost(lex: np.ndarray, stats: LexicalStats, config: Any, confidence: str = "sharpness") -> np.ndarray:
-    """Fusion "adaptive": ``(w * c(q)) * bm25 / max_bm25(q)``, ``c`` from :data:`CONFIDENCES`.
-
-    Returns:
-        float64 [b, c] >= 0, added to the dense score.
-    """
-    wq = float(config.lexical_weight) * CONFIDENCES[confidence](stats)
-    return wq[:, None] * max_normalised(lex, stats)
+    """Fusion "adaptive" on candidates (:func:`adaptive_factors`): ``lex`` float64 [b, c] ->
+    float64 [b, c] >= 0, added to the dense score."""
+    return adaptive_factors(stats, config, confidence).matrix(lex)
 
 
 def zscore_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarray:
-    """Fusion "zscore": ``(w * dense_gap(q) / lex_std(q)) * bm25`` (module docstring).
+    """Fusion "zscore" on candidates (:func:`zscore_factors`).
 
     Args:
         lex: float64 [b, c] BM25 of the candidates (0: no hit); stats: LexicalStats with
@@ -196,12 +315,7 @@ def zscore_boost(lex: np.ndarray, stats: LexicalStats, config: Any) -> np.ndarra
     Raises:
         ValueError: ``stats`` lacks ``lex_std`` / ``dense_gap``.
     """
-    if stats.lex_std is None or stats.dense_gap is None:
-        raise ValueError("fusion 'zscore' needs LexicalStats.lex_std and .dense_gap")
-    sd = stats.lex_std
-    wq = np.divide(float(config.lexical_weight) * np.maximum(stats.dense_gap, 0.0), sd,
-                   out=np.zeros(sd.shape[0]), where=sd > 0)  # fmt: skip
-    return wq[:, None] * lex
+    return zscore_factors(stats, config).matrix(lex)
 
 
 def zscore_stats(s1: np.ndarray, s2: np.ndarray, n: np.ndarray, mean_d: np.ndarray, top1: np.ndarray,
@@ -277,6 +391,11 @@ def user_means(view: Any, users: np.ndarray) -> np.ndarray:
 
 #: score-based fusion modes: name -> boost(lex [b, c], LexicalStats, config) -> float64 [b, c] >= 0
 BOOSTS: dict[str, Callable[..., np.ndarray]] = {"convex": convex_boost, "adaptive": adaptive_boost, "zscore": zscore_boost}
+#: the same modes as per-query factors: name -> factors(LexicalStats, config) -> :class:`BoostFactors`
+#: (``BOOSTS[m](lex, stats, config) == BOOST_FACTORS[m](stats, config).matrix(lex)``)
+BOOST_FACTORS: dict[str, Callable[..., BoostFactors]] = {
+    "convex": convex_factors, "adaptive": adaptive_factors, "zscore": zscore_factors,
+}  # fmt: skip
 
 
 def rrf(dense_rank: np.ndarray, lex_rank: np.ndarray, k: float) -> np.ndarray:

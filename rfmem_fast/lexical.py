@@ -89,6 +89,21 @@ CHUNK_SEP = "\x1f"
 
 _TOKEN_RE = re.compile(TOKEN_PATTERN)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
+#: joins a batch's texts (:meth:`Analyzer.batch_ids`): a non-word character, so no token
+#: spans it and it bounds words as a text's ends do; a batch holding it runs text by text
+_MARK = "\x00"
+#: :data:`TOKEN_PATTERN` or the mark (tokens as the pattern's; the marks where they are)
+_MARKED_RE = re.compile(TOKEN_PATTERN + "|" + _MARK)
+#: ASCII bytes -> what they are in a token: [a-z0-9_] themselves, [A-Z] lowercased (``str.lower``),
+#: the mark itself, every other byte (the non-word ASCII characters) a space
+_ASCII_WORDS = bytes(
+    c + 32 if 65 <= c <= 90 else c if (97 <= c <= 122 or 48 <= c <= 57 or c == 95 or c == 0) else 32 for c in range(256)
+)
+#: ids of :meth:`Analyzer.batch_ids`: a dropped token (stopword, or a 1-character run of the
+#: ASCII split, never a token of the pattern) and the mark between two texts
+_DROP, _SEP = -1, -2
+_SPECIAL = {**{w: _DROP for w in STOPWORDS_EN}, **{chr(c): _DROP for c in range(128) if _ASCII_WORDS[c] == c != 0},
+            _MARK: _SEP}  # fmt: skip
 
 __all__ = [
     "B", "CHUNK_SEP", "K1", "STEMMERS", "STOPWORDS_EN", "TOKEN_PATTERN", "Analyzer", "LexicalIndex", "UserPostings",
@@ -146,6 +161,53 @@ class Analyzer:
                 for t, s in zip(new, self._stem.stemWords(new)):
                     cache[t] = s
         return [cache[t] for t in toks]
+
+    def batch_ids(self, texts: Sequence[str | None], ids: dict[str, int]) -> np.ndarray | None:
+        """The tokens of b texts (:meth:`tokens` of each, None as "") looked up in ``ids``,
+        flat, with a mark between consecutive texts, in one pass over the batch.
+
+        An ASCII batch is lowercased and split at its non-word characters in one C pass
+        (bytes.translate, then str.split: the maximal runs of ``[a-z0-9_]``, which are
+        :data:`TOKEN_PATTERN`'s tokens once the 1-character runs are dropped); another
+        batch lowers each text (``str.lower``: one text's lowering never depends on its
+        neighbour) and runs :data:`TOKEN_PATTERN` once over them joined by the mark, a
+        non-word character. Stopwords are dropped before stemming and new tokens go through
+        the stemmer's cache, as in :meth:`tokens`.
+
+        Args:
+            texts: b str or None.
+            ids: token -> id (a :class:`Vocabulary`'s ``ids``).
+
+        Returns:
+            int64 [n]: per token its id, -1 (a stopword, or a token not in ``ids``) or -2
+            (the mark between text i and i + 1: b - 1 of them, in order); None when a
+            text holds the mark character (``"\\x00"``): tokenise those one by one.
+
+        Raises:
+            TypeError: ``texts[i]`` is neither a str nor None.
+        """
+        lows = ["" if t is None else t for t in texts]
+        try:
+            joined = (" " + _MARK + " ").join(lows)
+        except TypeError:
+            i = next(i for i, t in enumerate(lows) if not isinstance(t, str))
+            raise TypeError(f"texts[{i}] must be a str or None, got {type(lows[i]).__name__}") from None
+        if joined.count(_MARK) != len(lows) - 1:
+            return None
+        if joined.isascii():
+            toks = joined.encode("ascii").translate(_ASCII_WORDS).decode("ascii").split()
+        else:
+            toks = _MARKED_RE.findall(_MARK.join([t.lower() for t in lows]))
+        special, get = _SPECIAL.get, ids.get
+        if self._stem is None:
+            return np.array([special(t) or get(t, _DROP) for t in toks], dtype=np.int64)
+        cache = self._cache
+        new = [t for t in dict.fromkeys(toks) if t not in cache and special(t) is None]
+        if new:
+            with self._lock:
+                for t, s in zip(new, self._stem.stemWords(new)):
+                    cache[t] = s
+        return np.array([special(t) or get(cache[t], _DROP) for t in toks], dtype=np.int64)
 
     def __repr__(self) -> str:
         return f"Analyzer(stemmer={self.stemmer!r})"
@@ -470,6 +532,53 @@ class LexicalIndex:
         if text is None:
             return _EMPTY_I32, np.zeros(0, dtype=np.float64)
         return self.vocab.encode_query(self.analyzer.tokens(text))
+
+    def encode_queries(self, texts: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """b query texts encoded at once, each exactly as :meth:`encode_query` (its distinct
+        known token ids in order of first occurrence, and how often each occurs), in CSR form.
+
+        The tokens of the whole batch come from one pass (:meth:`Analyzer.batch_ids`); the
+        distinct ids per text, their first-occurrence order and counts from one
+        ``np.unique`` over (text, id) keys. One text, or a batch holding a ``"\\x00"``,
+        goes through :meth:`encode_query`.
+
+        Args:
+            texts: b str or None (None: no token).
+
+        Returns:
+            (qterms int32 [T], qcnt float64 [T], qptr int64 [b + 1]): text i's ids
+            ``qterms[qptr[i]:qptr[i + 1]]`` and their counts.
+
+        Raises:
+            TypeError: ``texts[i]`` is neither a str nor None.
+        """
+        b = len(texts)
+        if b == 1:
+            t = texts[0]
+            if t is not None and not isinstance(t, str):
+                raise TypeError(f"texts[0] must be a str or None, got {type(t).__name__}")
+            qt, qc = self.encode_query(t)
+            return qt, qc, np.array([0, qt.shape[0]], dtype=np.int64)
+        flat = self.analyzer.batch_ids(texts, self.vocab.ids)
+        if flat is None:  # a text holds the mark: one by one
+            parts = [self.encode_queries(texts[i : i + 1]) for i in range(b)]
+            qptr = np.zeros(b + 1, dtype=np.int64)
+            np.cumsum([p[0].shape[0] for p in parts], out=qptr[1:])
+            if not qptr[-1]:
+                return _EMPTY_I32, np.zeros(0), qptr
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), qptr
+        text = np.cumsum(flat == _SEP)  # each token's text
+        known = flat >= 0
+        tid, text = flat[known], text[known]
+        qptr = np.zeros(b + 1, dtype=np.int64)
+        if tid.shape[0] == 0:
+            return _EMPTY_I32, np.zeros(0), qptr
+        V = int(tid.max()) + 1
+        keys, first, cnt = np.unique(text * V + tid, return_index=True, return_counts=True)
+        order = np.argsort(first)  # by text, then first occurrence in it
+        keys = keys[order]
+        np.cumsum(np.bincount(keys // V, minlength=b), out=qptr[1:])
+        return (keys % V).astype(np.int32), cnt[order].astype(np.float64), qptr
 
     def scores(self, u: int, text: str | None) -> np.ndarray | None:
         """float64 [n_u] BM25 of user ``u``'s rows for a query text (a chunked item's rows: the

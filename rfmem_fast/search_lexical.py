@@ -25,7 +25,7 @@ from .backends.exact import abs_error_term, exact_pair_scores_np, scan_error_coe
 from .bank import BankSnapshot
 from .config import RFMemConfig
 from .filters import RowSelection
-from .fusion import BOOSTS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
+from .fusion import BOOST_FACTORS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
 
 __all__ = ["HYBRID_DENSE_DEPTH", "ONE_PASS_FUSIONS", "HYBRID_MATRIX_ENTRIES", "Hybrid", "KernelHits", "context_probe",
            "hybrid", "hybrid_recorded", "lexical_hits"]
@@ -67,9 +67,11 @@ def lexical_hits(snap: BankSnapshot, seg: np.ndarray, texts: list, sel: RowSelec
     user's rows, the user's document count N): :class:`rfmem_fast.lexical.LexicalIndex`.
     With a selection, a filtered query's hits outside it are dropped (score 0)."""
     lex, off = snap.lexical, snap.offsets
+    qterms, qcnt, qptr = lex.encode_queries(texts)
+    p = qptr.tolist()
     out: list = []
-    for i, t in enumerate(texts):
-        qt, qc = lex.encode_query(t)
+    for i in range(len(texts)):
+        qt, qc = qterms[p[i] : p[i + 1]], qcnt[p[i] : p[i + 1]]
         if qt.shape[0] == 0:
             out.append(None)
             continue
@@ -176,8 +178,10 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     n_match = n_q.copy()  # the items (zscore's n): a segment's rows less its extra chunk rows
     chunked = []  # (query, its user's postings) of the queries whose user has chunked items
     flat, wts = [], []
-    for i, t in enumerate(texts):
-        qt, qc = lex.encode_query(t)
+    qterms, qcnt, qptr = lex.encode_queries(texts)
+    p = qptr.tolist()
+    for i in range(b):
+        qt, qc = qterms[p[i] : p[i + 1]], qcnt[p[i] : p[i + 1]]
         if qt.shape[0] == 0:
             continue
         P = lex.postings(int(seg[i]))
@@ -227,13 +231,13 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     loc = np.where(valid, pr - a_q[:, None], 0)
     lex_d = np.where(valid, np.take_along_axis(V, loc, axis=1), 0.0)
     stats = LexicalStats(lex_max, top, n_docs, lex_std, dense_gap)
-    boost = BOOSTS[config.fusion]
+    fac = BOOST_FACTORS[config.fusion](stats, config)  # the per-query factors, once
     boost_rows = lex_rows = None
     if want_boosts:  # every row's boost (0 where no lexical hit), as the fused scores below use it, and BM25
-        BX = boost(V, stats, config)
+        BX = fac.matrix(V)
         boost_rows = [BX[i, : n_q[i]] if lex_max[i] > 0 else None for i in range(b)]
         lex_rows = [V[i, : n_q[i]] if lex_max[i] > 0 else None for i in range(b)]
-    fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
+    fd = np.where(valid, ps + fac.matrix(lex_d), -np.inf)
     tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
     s_last = np.where(valid[:, -1], ps[:, -1], -np.inf)
     M = V > 0
@@ -241,7 +245,7 @@ def hybrid_batched(view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tens
     M[qv, loc[qv, cv]] = False  # the dense list's rows: not extras
     qe, le = np.nonzero(M)  # lexical hits outside the dense list, by query then row
     lexe = V[qe, le]
-    xe = boost(lexe[:, None], stats.take(qe), config)[:, 0]
+    xe = fac.at(lexe, qe)
     keep = s_last[qe] + xe >= tau[qe]  # the bound of the fusion docstring
     qe, le, lexe, xe = qe[keep], le[keep], lexe[keep], xe[keep]
     re = le + a_q[qe]
@@ -316,46 +320,45 @@ class KernelHits:
     def of(cls, be: Any, view: Any, seg: np.ndarray, texts: list) -> "KernelHits":
         """Tokenise the b query texts and take their hits in their users' postings.
 
-        The kernel scores items on their own rows (the postings' rows), so the statistics
-        (max, top, s1, s2) count each item once; the hits are then scattered to every row
-        of a chunked item (:meth:`rfmem_fast.lexical.UserPostings.scatter_hits`)."""
+        The texts are encoded as one batch (:meth:`rfmem_fast.lexical.LexicalIndex.encode_queries`),
+        the users of the queries with a known token get their postings once each (numbered in
+        order of first appearance), and ``Backend.bm25_hits`` scores them. The kernel scores
+        items on their own rows (the postings' rows), so the statistics (max, top, s1, s2)
+        count each item once; the hits are then scattered to every row of a chunked item
+        (:meth:`rfmem_fast.lexical.UserPostings.scatter_hits`).
+
+        Args:
+            be: a backend with ``has_fused_topk``; view: its bank view (with a snapshot
+                holding a lexical index).
+            seg: int [b] each query's segment (user index); texts: b str or None.
+
+        Returns:
+            KernelHits of the b queries (a query without a known token: no hit, ``n_docs`` 0,
+            ``n_items`` its segment's rows).
+
+        Raises:
+            TypeError: ``texts[i]`` is neither a str nor None.
+        """
         lex = view.snapshot.lexical
         off = view.snapshot.offsets
         b = len(texts)
-        slot: dict[int, int] = {}
-        users: list = []
-        plist: list = []
+        seg = np.asarray(seg, dtype=np.int64)
+        qterms, qcnt, qptr = lex.encode_queries(texts)
+        q = (qptr[1:] > qptr[:-1]).nonzero()[0]  # the queries with a known token
+        sq = seg[q].tolist()
+        # their users, numbered in order of first appearance (a query's slot in ``users``)
+        slot = {u: j for j, u in enumerate(dict.fromkeys(sq))}
+        plist = [lex.postings(u) for u in slot]
+        users = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows) for P in plist]
         quser = np.full(b, -1, dtype=np.int64)
-        n_docs = np.zeros(b, dtype=np.int64)
+        quser[q] = [slot[u] for u in sq]
+        # per slot, then a 0 for the queries without one (quser -1)
+        n_docs = np.array([P.n_docs for P in plist] + [0], dtype=np.int64)[quser]
+        # the segment's rows, less a chunked user's extra chunk rows
         n_items = (off[seg + 1] - off[seg]).astype(np.int64)
-        terms, counts = [], []
-        qptr = np.zeros(b + 1, dtype=np.int64)
-        for i, t in enumerate(texts):
-            qt, qc = lex.encode_query(t)
-            if qt.shape[0] == 0:
-                qptr[i + 1] = qptr[i]
-                continue
-            u = int(seg[i])
-            j = slot.get(u)
-            if j is None:
-                P = lex.postings(u)
-                j = slot[u] = len(users)
-                users.append((P.terms, P.ptr, P.rows, P.weight, P.n_rows))
-                plist.append(P)
-            n_docs[i] = plist[j].n_docs
-            n_items[i] = plist[j].n_items
-            quser[i] = j
-            terms.append(qt)
-            counts.append(qc)
-            qptr[i + 1] = qptr[i] + qt.shape[0]
-        if len(terms) == 1:
-            qterms, qcnt = terms[0], counts[0]
-        elif terms:
-            qterms, qcnt = np.concatenate(terms), np.concatenate(counts)
-        else:
-            qterms, qcnt = np.zeros(0, dtype=np.int32), np.zeros(0)
         got = list(be.bm25_hits(users, quser, qterms, qcnt, qptr))
         if any(P.chunk_ptr is not None for P in plist):
+            n_items[q] = np.array([P.n_items for P in plist], dtype=np.int64)[quser[q]]
             hp, hr, hv = got[:3]
             rows, vals = [], []
             for i in range(b):
@@ -370,31 +373,21 @@ class KernelHits:
         return cls(*got, n_docs=n_docs, n_items=n_items)
 
     def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
-        """float64 [H] the boost of every hit, :data:`rfmem_fast.fusion.BOOSTS` of ``config.fusion``;
-        ``extra``: (lex_std, dense_gap) [b] for "zscore", else None."""
+        """float64 [H] the boost of every hit (C-contiguous): the per-query factors of
+        ``config.fusion`` (:data:`rfmem_fast.fusion.BOOST_FACTORS`, once per query) applied
+        to the flat hits (:meth:`rfmem_fast.fusion.BoostFactors.flat`), bit for bit the
+        [b, c] boosts of :data:`rfmem_fast.fusion.BOOSTS`.
+
+        Args:
+            config: the RFMemConfig (``fusion`` "convex" / "adaptive" / "zscore", its weight and norm).
+            extra: (lex_std, dense_gap) float64 [b] for "zscore" (:func:`zscore_extra`), else None.
+
+        Raises:
+            KeyError: ``config.fusion`` is not a score-based fusion ("rrf").
+            ValueError: "zscore" without ``extra``.
+        """
         stats = LexicalStats(self.lex_max, self.top, self.n_docs, *(extra or (None, None)))
-        boost = BOOSTS[config.fusion]
-        b = self.hptr.shape[0] - 1
-        if b == 1:  # one query: its hits as one row [1, H] (no per-hit copy of its statistics)
-            hx = boost(self.hval[None, :], stats, config)[0]
-        elif self.hval.shape[0]:
-            # queries x their hits, padded [c, E], in steps of at most HYBRID_MATRIX_ENTRIES:
-            # the per-query factors (sharpness, spreads) once per query, not once per hit
-            lens = np.diff(self.hptr)
-            qi = np.repeat(np.arange(b), lens)
-            col = np.arange(qi.shape[0]) - np.repeat(self.hptr[:-1], lens)
-            E = int(lens.max())
-            hx = np.empty(qi.shape[0])
-            step = max(1, HYBRID_MATRIX_ENTRIES // max(E, 1))
-            for a in range(0, b, step):
-                c = min(b, a + step)
-                h0, h1 = int(self.hptr[a]), int(self.hptr[c])
-                M = np.zeros((c - a, E))
-                M[qi[h0:h1] - a, col[h0:h1]] = self.hval[h0:h1]
-                part = boost(M, stats.take(np.arange(a, c)), config)
-                hx[h0:h1] = part[qi[h0:h1] - a, col[h0:h1]]
-        else:
-            hx = np.zeros(0)
+        hx = BOOST_FACTORS[config.fusion](stats, config).flat(self.hval, self.hptr)
         return np.ascontiguousarray(hx, dtype=np.float64)
 
     def hit_list(self, view: Any, seg: np.ndarray) -> list:
@@ -600,10 +593,9 @@ def hybrid_loop(view: Any, Q: torch.Tensor, qseg: torch.Tensor, p_sc: torch.Tens
         erank = pad_lists(ex_rank, b, 0, np.int64)
         fe = np.where(evalid, rrf(np.zeros_like(erank), erank, config.lexical_rrf_k), -np.inf)
     else:
-        stats = LexicalStats(lex_max, top, n_docs)
-        boost = BOOSTS[config.fusion]
-        fd = np.where(valid, ps + boost(lex_d, stats, config), -np.inf)
-        xe = boost(elex, stats, config)
+        fac = BOOST_FACTORS[config.fusion](LexicalStats(lex_max, top, n_docs), config)
+        fd = np.where(valid, ps + fac.matrix(lex_d), -np.inf)
+        xe = fac.matrix(elex)
         tau = -np.partition(-fd, k_f - 1, axis=1)[:, k_f - 1] if kd >= k_f else np.full(b, -np.inf)
         s_last = np.where(valid[:, -1], ps[:, -1], -np.inf) if kd else np.full(b, -np.inf)
         keep = evalid & (s_last[:, None] + xe >= tau[:, None])  # the bound of the fusion docstring

@@ -180,22 +180,6 @@ def test_kernel_arguments_are_checked():
         _native.fused_topk(X, off, Q, seg, d_sc[:, :3], d_rows[:, :3], kf=3, hf=np.zeros(5, np.float32), **args)
 
 
-@pytest.mark.parametrize("fz", [FUSIONS[1], FUSIONS[3], FUSIONS[4]], ids=["max", "adaptive", "zscore"])
-def test_native_boosts_in_steps_equal_one_step(fz, monkeypatch):
-    """The boosts of a batch's hits, computed per query over [queries, hits] in steps of
-    HYBRID_MATRIX_ENTRIES entries, do not depend on the step."""
-    import sys
-
-    bank, rng = _bank(6, n=150)
-    Q, qu, texts = _queries(bank, rng, ["u0", "u1", "u2"], 15)
-    cfg = RFMemConfig(out_k=8, probe_k=8, **fz)
-    one = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
-    monkeypatch.setattr(sys.modules["rfmem_fast.search_lexical"], "HYBRID_MATRIX_ENTRIES", 7)  # ~1 query per step
-    stepped = search(bank, Q, qu, cfg, mode="dense", backend="native", query_texts=texts)
-    np.testing.assert_array_equal(stepped.rows, one.rows)
-    np.testing.assert_array_equal(stepped.scores, one.scores)
-
-
 def test_fused_topk_scores_the_hits_itself_as_with_recorded_scores():
     """_native.fused_topk without ``hf`` (it scores the hits: the lead / row-order screening)
     gives what it gives with the scan scores hybrid_probe recorded."""
