@@ -1453,6 +1453,18 @@ struct Fused {
 
 inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (a.f == b.f && a.r < b.r); }
 
+// The first of the n ascending values p[0:n] that is >= v (p + n if none): std::lower_bound
+// with a conditional move per step instead of a branch the data decides.
+inline const int32_t* lower_bound_i32(const int32_t* p, int64_t n, int32_t v) {
+  if (n <= 0) return p;
+  while (n > 1) {
+    const int64_t half = n >> 1;
+    p = p[half - 1] < v ? p + half : p;
+    n -= half;
+  }
+  return p + (*p < v);
+}
+
 // Scan scores of 4 gathered rows (the scan path's dot4, in its AVX2 clone where the CPU has it).
 RFMEM_MULTIVERSION
 void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { dot4(q, xr[0], xr[1], xr[2], xr[3], d, sc); }
@@ -1469,14 +1481,17 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
                      gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
   double work = 0.0;  // multiply-adds of the screening (every hit outside the dense list, at most)
   for (int64_t i = 0; i < b; ++i) work += static_cast<double>(hptr[i + 1] - hptr[i]) * static_cast<double>(d);
-  const int nthreads = threads_for(num_threads, work, b);
+  const int nthreads = threads_for(num_threads, work, (b + 15) / 16);
+  double xmax = 0.0;  // the largest boost (the keys' bound below)
+  if (hf_all != nullptr && hup != nullptr)
+    for (int64_t h = 0; h < hptr[b]; ++h) xmax = std::max(xmax, hx[h]);
   std::vector<std::vector<Fused>> cands(static_cast<size_t>(nthreads));
   std::vector<std::vector<char>> in_dense(static_cast<size_t>(nthreads));
   std::vector<std::vector<int64_t>> extra(static_cast<size_t>(nthreads));
   std::vector<std::vector<double>> taus(static_cast<size_t>(nthreads));
   std::vector<std::vector<std::pair<double, int64_t>>> ubs(static_cast<size_t>(nthreads));
   const double inf = std::numeric_limits<double>::infinity();
-  parallel_for(b, nthreads, [&](int64_t i, int tid) {
+  auto one = [&](int64_t i, int tid) {
     std::vector<Fused>& cand = cands[static_cast<size_t>(tid)];
     std::vector<char>& mark = in_dense[static_cast<size_t>(tid)];
     std::vector<int64_t>& ex = extra[static_cast<size_t>(tid)];
@@ -1493,7 +1508,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       if (r < 0) continue;
       ++nS;
       const int32_t loc = static_cast<int32_t>(r - a);
-      const int32_t* it = std::lower_bound(hrows + h0, hrows + h1, loc);
+      const int32_t* it = lower_bound_i32(hrows + h0, h1 - h0, loc);
       double x = 0.0, lv = 0.0;
       if (it != hrows + h1 && *it == loc) {
         const int64_t h = it - hrows;
@@ -1522,8 +1537,10 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     for (const Fused& c : cand) offer(c.f);
     auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
     const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
-    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau
-    {
+    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau (with keys: in step 3's loop)
+    const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
+    const bool keyed = hf != nullptr && hup != nullptr;
+    if (!keyed) {
       const double t = tau();
       for (int64_t h = h0; h < h1; ++h)
         if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
@@ -1532,8 +1549,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
     //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
     //    against the raised tau.
-    const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
-    const double B = ex.empty() ? 0.0 : hf != nullptr && hup != nullptr ? hup[i] : ctx.bound(ctx.scan, q);
+    const double B = keyed ? hup[i] : ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
     auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
       const int64_t r = a + hrows[h];
       const float es = exact_score(q, X + r * d, d, ctx.g64);
@@ -1561,17 +1577,25 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       // block at a time, until one's u < tau (every later one's too: none can enter).
       std::vector<std::pair<double, int64_t>>& ub = ubs[static_cast<size_t>(tid)];
       ub.clear();
-      double qq = 0.0, xmax = 0.0;
-      for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
-      for (const int64_t h : ex) xmax = std::max(xmax, hx[h]);
-      const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;
+      double qa[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // ||q||^2 (8 sums: no dependence chain)
+      int64_t j = 0;
+      for (; j + 8 <= d; j += 8)
+        for (int l = 0; l < 8; ++l) qa[l] += static_cast<double>(q[j + l]) * static_cast<double>(q[j + l]);
+      for (; j < d; ++j) qa[0] += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+      const double qq = ((qa[0] + qa[1]) + (qa[2] + qa[3])) + ((qa[4] + qa[5]) + (qa[6] + qa[7]));
+      const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;  // (qq: sums of exact squares)
       const double t = tau();
-      for (const int64_t h : ex) {
+      ub.resize(static_cast<size_t>(h1 - h0));
+      size_t m = 0;
+      for (int64_t h = h0; h < h1; ++h) {  // (no branch on the data: a hit passes about half the time)
+        const double x = hx[h];
         const float f = hf[h];
-        const double v = (static_cast<double>(f) + B) + hx[h];
+        const double v = (static_cast<double>(f) + B) + x;
         const double u = f == f ? v + (std::fabs(v) + Mq) * 0x1p-50 : inf;  // (NaN: scored)
-        if (!(u < t)) ub.emplace_back(u, h);
+        ub[m] = {u, h};
+        m += static_cast<size_t>(!mark[static_cast<size_t>(h - h0)] & (s_last + x >= t) & !(u < t));  // (step 2 too)
       }
+      ub.resize(m);
       auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
         return x.first > y.first || (x.first == y.first && x.second < y.second);
       };
@@ -1616,6 +1640,10 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       out_dense[i * kf + w] = std::numeric_limits<float>::quiet_NaN();
       out_lex[i * kf + w] = std::numeric_limits<double>::quiet_NaN();
     }
+  };
+  constexpr int64_t kBlock = 16;  // queries per item: neighbours' output rows on one thread
+  parallel_for((b + kBlock - 1) / kBlock, nthreads, [&](int64_t blk, int tid) {
+    for (int64_t i = blk * kBlock; i < std::min(b, (blk + 1) * kBlock); ++i) one(i, tid);
   });
 }
 
