@@ -66,6 +66,18 @@ inline int threads_for(int requested, double work, int64_t items) {
   return std::max(1, t);
 }
 
+/// The first of the n ascending values p[0:n] that is >= v (p + n if none): std::lower_bound
+/// with a conditional move per step instead of a branch the data decides.
+inline const int32_t* lower_bound_i32(const int32_t* p, int64_t n, int32_t v) {
+  if (n <= 0) return p;
+  while (n > 1) {
+    const int64_t half = n >> 1;
+    p = p[half - 1] < v ? p + half : p;
+    n -= half;
+  }
+  return p + (*p < v);
+}
+
 /// Calls ``fn(i, tid)`` for every i in [0, n) on ``nthreads`` threads (the caller is
 /// thread 0; tid < nthreads indexes per-thread scratch, one thread per tid at a time).
 /// Items are claimed one at a time from an atomic counter. ``fn`` must not throw. More

@@ -32,7 +32,7 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
   s.spans.clear();
   int64_t reads = 0;
   for (int64_t j = 0; j < nt; ++j) {  // query-term order, as postings_for
-    const int32_t* it = std::lower_bound(P.terms, P.terms + P.T, qt[j]);
+    const int32_t* it = lower_bound_i32(P.terms, P.T, qt[j]);
     if (it == P.terms + P.T || *it != qt[j]) continue;
     const int64_t t = it - P.terms;
     const int64_t p0 = P.ptr[t], p1 = P.ptr[t + 1];
@@ -64,10 +64,8 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
       }
       uint64_t& w = bits[r >> 6];
       const uint64_t bit = uint64_t{1} << (r & 63);
-      if (!(w & bit)) {
-        w |= bit;
-        if (!by_bitmap) s.touched.push_back(r);
-      }
+      if (!by_bitmap && !(w & bit)) s.touched.push_back(r);  // (the bitmap read-off needs no list: no branch)
+      w |= bit;
       acc[r] += P.weight[p] * c;  // qtf * w(t, d) (w * 1.0 = w: as postings_for, which skips it then)
     }
   }

@@ -1453,18 +1453,6 @@ struct Fused {
 
 inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (a.f == b.f && a.r < b.r); }
 
-// The first of the n ascending values p[0:n] that is >= v (p + n if none): std::lower_bound
-// with a conditional move per step instead of a branch the data decides.
-inline const int32_t* lower_bound_i32(const int32_t* p, int64_t n, int32_t v) {
-  if (n <= 0) return p;
-  while (n > 1) {
-    const int64_t half = n >> 1;
-    p = p[half - 1] < v ? p + half : p;
-    n -= half;
-  }
-  return p + (*p < v);
-}
-
 // Scan scores of 4 gathered rows (the scan path's dot4, in its AVX2 clone where the CPU has it).
 RFMEM_MULTIVERSION
 void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { dot4(q, xr[0], xr[1], xr[2], xr[3], d, sc); }
