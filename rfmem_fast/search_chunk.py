@@ -403,11 +403,11 @@ def run_chunk(
         kh = KernelHits.of(be, view, seg_np, texts)
         k_f = max(probe_k, kl)
         k_scan = max(k_scan, min(k_f, max_len))  # (fused_topk starts from an exact dense top-K, K >= k_f)
-        Qt = kit.tensor(Q)
-        probe, hf, hup = be.probe_hits(view, Qt, kit.tensor(seg), k_scan, probe_k, config.temperature, config.entropy,
+        Qh = kit.lower(Q)  # (has_fused_topk backends run on the host)
+        probe, hf, hup = be.probe_hits(view, Qh, seg_np, k_scan, probe_k, config.temperature, config.entropy,
                                        kh.hptr, kh.hrows)  # fmt: skip
-        hyb = hybrid_recorded(be, view, Qt, seg_np, probe[0], probe[1], kh, hf, config, k_f, hup)
-        p_sc, p_rows, mean, ent, count = (kit.untensor(t) for t in probe)
+        hyb = hybrid_recorded(be, view, Qh, seg_np, probe[0], probe[1], kh, hf, config, k_f, hup)
+        p_sc, p_rows, mean, ent, count = (kit.lift(a) for a in probe)
     else:
         p_sc, p_rows, mean, ent, count = kit.probe(be, view, Q, seg, k_scan, probe_k, config, sel)
     p_sc_all, p_rows_all = p_sc, p_rows

@@ -398,28 +398,33 @@ class KernelHits:
                 if p[i + 1] > p[i] else None for i in range(p.shape[0] - 1)]  # fmt: skip
 
 
-def hybrid_recorded(be: Any, view: Any, Q: torch.Tensor, seg: np.ndarray, p_sc: torch.Tensor, p_rows: torch.Tensor,
-                    kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int,
+def hybrid_recorded(be: Any, view: Any, Q: np.ndarray | torch.Tensor, seg: np.ndarray, p_sc: np.ndarray | torch.Tensor,
+                    p_rows: np.ndarray | torch.Tensor, kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int,
                     hup: np.ndarray | None = None) -> Hybrid:  # fmt: skip
     """The fused top ``k_f`` (fusions "convex", "adaptive", "zscore") on a backend with
     ``has_fused_topk``, after a probe that recorded the hits' keys (``Backend.probe_hits``:
     ``hf`` with offsets ``hup``; ``Backend.hybrid_probe``: scan scores ``hf``, ``hup`` None):
     the boosts ("zscore"'s need the exact dense top-1, :func:`hybrid_batched`'s statistics,
     sums in row order), then ``Backend.fused_topk`` fuses the probe's exact dense list
-    (``p_sc`` / ``p_rows`` [b, K], K >= ``k_f`` or the whole segment) with the hits, reading
-    their recorded keys (no second scoring of a row whose key was recorded)."""
-    ps = p_sc.numpy()  # the native probe's host tensors (has_fused_topk backends run on the CPU)
-    pr = p_rows.numpy()
+    (``p_sc`` float32 / ``p_rows`` int64 [b, K], K >= ``k_f`` or the whole segment; host
+    arrays or CPU tensors, as ``Q`` float32 [b, d]) with the hits, reading their recorded
+    keys (no second scoring of a row whose key was recorded).
+
+    Returns:
+        :class:`Hybrid` of the fused top ``k_f`` (numpy, [b, k_f]).
+    """
+    ps, pr = (a.numpy() if isinstance(a, torch.Tensor) else a for a in (p_sc, p_rows))  # (host: has_fused_topk)
     hx = kh.boosts(config, zscore_extra(view, Q, seg, ps, pr, kh) if config.fusion not in ONE_PASS_FUSIONS else None)
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf, hup=hup)
     return Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 
-def zscore_extra(view: Any, Q: torch.Tensor, seg: np.ndarray, ps: np.ndarray, pr: np.ndarray,
+def zscore_extra(view: Any, Q: np.ndarray | torch.Tensor, seg: np.ndarray, ps: np.ndarray, pr: np.ndarray,
                  kh: KernelHits) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(lex_std, dense_gap) [b] of fusion "zscore" from the kernel's hits and the exact dense
     probe (scores ``ps`` / rows ``pr`` [b, k]): :func:`rfmem_fast.fusion.zscore_stats`."""
-    mean_d = np.einsum("ij,ij->i", Q.detach().numpy().astype(np.float64), user_means(view, seg))
+    Qh = Q.detach().numpy() if isinstance(Q, torch.Tensor) else Q
+    mean_d = np.einsum("ij,ij->i", Qh.astype(np.float64), user_means(view, seg))
     n = np.maximum(kh.n_items, 1).astype(np.float64)  # the items (a chunked item once)
     return zscore_stats(kh.s1, kh.s2, n, mean_d, ps[:, 0], pr[:, 0] >= 0)
 

@@ -239,19 +239,21 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} has no bm25_hits kernel (has_fused_topk is False)")
 
-    def probe_hits(self, view: BankView, Q: torch.Tensor, qseg: torch.Tensor, k: int, probe_k: int,
+    def probe_hits(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int,
                    temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray) -> tuple:  # fmt: skip
-        """:meth:`probe` that also records its lexical hits' keys in the same pass (backends
-        with ``has_fused_topk``): the dense call's own path and scan copy, so that the
-        hybrid probe costs what the dense one does plus the hits' lookups.
+        """:meth:`probe_host` that also records its lexical hits' keys in the same pass
+        (backends with ``has_fused_topk``, which run on the host): the dense call's own path
+        and scan copy, so that the hybrid probe costs what the dense one does plus the
+        hits' lookups.
 
         Args:
-            view, Q, qseg, k, probe_k, temperature, convention: as :meth:`probe`.
+            view, k, probe_k, temperature, convention: as :meth:`probe`; Q: float32 [b, d]
+                C-contiguous unit queries, seg: int64 [b] segment indices (host arrays).
             hptr int64 [b + 1], hrows int32 [H]: each query's hits, ascending local rows of
                 its segment (:meth:`bm25_hits`).
 
         Returns:
-            ((scores, rows, mean, entropy, count) as :meth:`probe`, keys float32 [H], up
+            ((scores, rows, mean, entropy, count) as :meth:`probe_host`, numpy), keys float32 [H], up
             float64 [b]) with ``keys[h] + up[i] >= RN32(q_i . x)`` for every hit x of query
             i (a scan or GEMM score with its path's bound, or an int8 key with 0); ``up[i]``
             = inf where the query's path records none: :meth:`fused_topk`'s ``hf`` / ``hup``.

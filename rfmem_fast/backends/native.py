@@ -334,20 +334,21 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- lexical channel
     has_fused_topk = True
 
-    def probe_hits(self, view, Q, qseg, k, probe_k, temperature, convention, hptr, hrows):
-        """See :meth:`Backend.probe_hits`: :meth:`probe` (``_native.probe``, the dense call's
-        own path: scan or GEMM, the bank's scan copy) recording its lexical hits' keys in the
-        same pass (``hit_ptr`` / ``hit_rows``; kernels.h ``TopkOptions::hit_keys``).
+    def probe_hits(self, view, Q, seg, k, probe_k, temperature, convention, hptr, hrows):
+        """See :meth:`Backend.probe_hits`: :meth:`probe_host` (``_native.probe``, the dense
+        call's own path: scan or GEMM, the bank's scan copy) recording its lexical hits' keys
+        in the same pass (``hit_ptr`` / ``hit_rows``; kernels.h ``TopkOptions::hit_keys``);
+        the scan scores kept for a :meth:`recollect_host` of the same arrays, as
+        :meth:`probe_host` keeps them.
 
         Raises:
             ValueError: malformed hits, unknown convention, ``k`` or ``probe_k`` < 1 (from the kernel).
         """
-        out, threads = self._probe_call(view, _np(Q, torch.float32), _np(qseg, torch.int64), k, probe_k, temperature,
-                                        convention, None, hit_ptr=hptr, hit_rows=hrows)  # fmt: skip
+        out, threads = self._probe_call(view, Q, seg, k, probe_k, temperature, convention, None, hit_ptr=hptr,
+                                        hit_rows=hrows)  # fmt: skip
         s, r, mean, ent, cnt, kept, written, keys, up = out
-        st = torch.from_numpy(s)
-        _keep_probe(Q, qseg, st, kept, written, threads)
-        return (st, torch.from_numpy(r), torch.from_numpy(mean), torch.from_numpy(ent), torch.from_numpy(cnt)), keys, up
+        _keep_probe(Q, seg, s, kept, written, threads)
+        return (s, r, mean, ent, cnt), keys, up
 
     def bm25_hits(self, users, quser, qterms, qcnt, qptr):
         """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, the queries in
@@ -366,8 +367,9 @@ class NativeBackend(Backend):
             ValueError: malformed arrays (from the kernel).
         """
         X, off = self._bank(view)
+        Qh = np.ascontiguousarray(Q, np.float32) if isinstance(Q, np.ndarray) else _np(Q, torch.float32)
         return _native.fused_topk(
-            X, off, _np(Q, torch.float32), np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
+            X, off, Qh, np.ascontiguousarray(qseg, np.int64), np.ascontiguousarray(dense_scores, np.float32),
             np.ascontiguousarray(dense_rows, np.int64), hptr, hrows, hx, hval, int(kf), self._threads(),
             view.row_norm_max, hf, hup,
         )
