@@ -1592,6 +1592,8 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
         const size_t c = std::min(block, ub.size() - done);
         if (done + c < ub.size()) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub.end(), desc);
         std::sort(ub.begin() + done, ub.begin() + done + c, desc);
+        for (size_t e = done; e < std::min(done + c, done + 4); ++e)  // the likeliest rows on their way from memory
+          prefetch_bytes(X + (a + hrows[ub[e].second]) * d, d * static_cast<int64_t>(sizeof(float)));
         size_t e = done;
         for (; e < done + c && !(ub[e].first < tau()); ++e) take(ub[e].second);
         done = e < done + c ? ub.size() : done + c;
