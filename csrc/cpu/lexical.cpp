@@ -13,12 +13,11 @@ namespace rfmem {
 namespace {
 
 // Per-thread scratch of bm25_hits: the BM25 accumulator and touched-row bitmap of one
-// segment (all zero between queries), the touched rows, the hits' values, the term spans.
+// segment (all zero between queries), the touched rows, the term spans.
 struct Bm25Scratch {
   std::vector<double> acc;
   std::vector<uint64_t> bits;
   std::vector<int32_t> touched;
-  std::vector<double> best;
   struct Span {
     int64_t p0, p1;
     double c;
@@ -69,8 +68,8 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
       acc[r] += P.weight[p] * c;  // qtf * w(t, d) (w * 1.0 = w: as postings_for, which skips it then)
     }
   }
-  s.best.clear();
   double sm = 0.0, s2 = 0.0, m = 0.0;
+  std::fill(tp, tp + kTopLexical, 0.0);  // the largest first (hits are > 0: 0 is padding)
   auto emit = [&](int32_t r) {
     const double v = acc[r];
     acc[r] = 0.0;
@@ -81,7 +80,11 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
     const double sq = v * v;
     s2 += sq;
     m = std::max(m, v);
-    s.best.push_back(v);
+    if (v > tp[kTopLexical - 1]) {  // into the top list (rarely, once it holds large values)
+      int j = kTopLexical - 1;
+      for (; j > 0 && tp[j - 1] < v; --j) tp[j] = tp[j - 1];
+      tp[j] = v;
+    }
   };
   const size_t before = out.rows.size();
   if (by_bitmap) {
@@ -105,9 +108,6 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
   mx = m;
   sum = sm;
   sumsq = s2;
-  const size_t nb = std::min<size_t>(kTopLexical, s.best.size());
-  std::partial_sort(s.best.begin(), s.best.begin() + nb, s.best.end(), std::greater<double>());
-  std::copy(s.best.begin(), s.best.begin() + nb, tp);
   return true;
 }
 
@@ -130,7 +130,10 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
     s.acc.assign(static_cast<size_t>(max_rows), 0.0);
     s.bits.assign(static_cast<size_t>((max_rows + 63) >> 6), 0);
     s.touched.reserve(1024);
-    s.best.reserve(1024);
+  }
+  for (HitsPart& part : parts) {  // room for a part's usual hits (fewer regrowths)
+    part.rows.reserve(static_cast<size_t>(kBm25Part) * 512);
+    part.val.reserve(static_cast<size_t>(kBm25Part) * 512);
   }
   std::atomic<int64_t> bad{-1};
   parallel_for(nparts, nthreads, [&](int64_t pi, int tid) {
@@ -139,7 +142,7 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
     for (int64_t i = pi * kBm25Part; i < std::min(b, (pi + 1) * kBm25Part); ++i) {
       double* tp = top + i * kTopLexical;
       std::fill(tp, tp + kTopLexical, 0.0);
-      mx[i] = sum[i] = sumsq[i] = 0.0;
+      mx[i] = sum[i] = sumsq[i] = 0.0;  // (query_hits sets them for a query with postings)
       if (quser[i] < 0) continue;
       if (!query_hits(users[quser[i]], qterms + qptr[i], qcnt + qptr[i], qptr[i + 1] - qptr[i], s, out,
                       hptr[static_cast<size_t>(i) + 1], mx[i], tp, sum[i], sumsq[i])) {
