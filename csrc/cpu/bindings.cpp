@@ -313,10 +313,15 @@ void check_hit_rows(const char* fn, const TopkInputs& in, const py::object& hptr
   for (int64_t i = 0; i < b; ++i) {
     const int64_t len = off[seg[i] + 1] - off[seg[i]];
     if (hp[i + 1] < hp[i]) throw py::value_error(std::string(fn) + ": hptr must be non-decreasing");
-    for (int64_t j = hp[i]; j < hp[i + 1]; ++j)
-      if (hr[j] < 0 || hr[j] >= len || (j > hp[i] && hr[j] <= hr[j - 1]))
-        throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
-                              " must be ascending local rows of its segment");
+    int64_t prev = -1;
+    bool bad = false;  // (one test per query, not a branch per hit)
+    for (int64_t j = hp[i]; j < hp[i + 1]; ++j) {
+      bad |= hr[j] <= prev;
+      prev = hr[j];
+    }
+    if (bad || prev >= len)
+      throw py::value_error(std::string(fn) + ": hrows of query " + std::to_string(i) +
+                            " must be ascending local rows of its segment");
   }
 }
 
@@ -330,7 +335,9 @@ HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr
   if (h.hx.shape(0) != H || h.hval.shape(0) != H)
     throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
   const double* px = cptr<double>(h.hx);
-  for (int64_t j = 0; j < H; ++j)
+  bool bad = false;  // (one test, not a branch per hit; the first bad entry looked up after)
+  for (int64_t j = 0; j < H; ++j) bad |= !(px[j] >= 0.0 && px[j] <= std::numeric_limits<double>::max());
+  for (int64_t j = 0; bad && j < H; ++j)
     if (!(px[j] >= 0.0) || std::isinf(px[j]))
       throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
   return h;

@@ -1573,7 +1573,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
       const double qq = ((qa[0] + qa[1]) + (qa[2] + qa[3])) + ((qa[4] + qa[5]) + (qa[6] + qa[7]));
       const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;  // (qq: sums of exact squares)
       const double t = tau();
-      ub.resize(static_cast<size_t>(h1 - h0));
+      if (ub.size() < static_cast<size_t>(h1 - h0)) ub.resize(static_cast<size_t>(h1 - h0));  // (grows only)
       size_t m = 0;
       for (int64_t h = h0; h < h1; ++h) {  // (no branch on the data: a hit passes about half the time)
         const double x = hx[h];
@@ -1583,20 +1583,20 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
         ub[m] = {u, h};
         m += static_cast<size_t>(!mark[static_cast<size_t>(h - h0)] & (s_last + x >= t) & !(u < t));  // (step 2 too)
       }
-      ub.resize(m);
       auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
         return x.first > y.first || (x.first == y.first && x.second < y.second);
       };
       const size_t block = std::max<size_t>(static_cast<size_t>(kf), 8);
-      for (size_t done = 0; done < ub.size();) {
-        const size_t c = std::min(block, ub.size() - done);
-        if (done + c < ub.size()) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub.end(), desc);
+      const auto ub_end = ub.begin() + static_cast<std::ptrdiff_t>(m);  // ub[0:m]: the hits that can enter
+      for (size_t done = 0; done < m;) {
+        const size_t c = std::min(block, m - done);
+        if (done + c < m) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub_end, desc);
         std::sort(ub.begin() + done, ub.begin() + done + c, desc);
         for (size_t e = done; e < std::min(done + c, done + 4); ++e)  // the likeliest rows on their way from memory
           prefetch_bytes(X + (a + hrows[ub[e].second]) * d, d * static_cast<int64_t>(sizeof(float)));
         size_t e = done;
         for (; e < done + c && !(ub[e].first < tau()); ++e) take(ub[e].second);
-        done = e < done + c ? ub.size() : done + c;
+        done = e < done + c ? m : done + c;
       }
     } else if (ex.size() > 2 * kLead) {
       auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
