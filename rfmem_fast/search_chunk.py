@@ -5,8 +5,10 @@
 it once per chunk of ``max_batch`` queries. Its steps:
 
 1. the probe (:meth:`Backend.probe <rfmem_fast.backends.base.Backend.probe>`; with the
-   lexical channel or the context score on a backend with ``has_fused_topk``, the one-pass
-   ``Backend.hybrid_probe``, :mod:`rfmem_fast.search_lexical`);
+   lexical channel on a backend with ``has_fused_topk``, ``Backend.probe_hits``, which
+   records the lexical hits' keys in the dense probe's own pass, then
+   ``Backend.fused_topk``; with the context score, the one-pass ``Backend.hybrid_probe``;
+   :mod:`rfmem_fast.search_lexical`);
 2. the routing (the config's thresholds, a router object, or the route a forced mode names);
 3. the Familiarity path's list: the probe's top ``out_k``, the fused list of the lexical
    channel, or the context score's top-k (:func:`rfmem_fast.context.context_topk`);

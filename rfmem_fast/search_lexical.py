@@ -7,9 +7,10 @@ query texts (README "Hybrid retrieval"; rules and exactness proof in
 
 * :func:`hybrid` / :func:`hybrid_batched` / :func:`hybrid_loop`: the fused top-k on the
   host after the dense probe (any backend, filtered queries, fusion "rrf");
-* :class:`KernelHits`, :func:`hybrid_recorded`, :func:`context_probe`: the one-pass
-  kernels of a backend with ``has_fused_topk`` (``Backend.bm25_hits``,
-  ``Backend.hybrid_probe``, ``Backend.fused_topk``);
+* :class:`KernelHits`, :func:`hybrid_recorded`, :func:`context_probe`: the kernels of a
+  backend with ``has_fused_topk`` (``Backend.bm25_hits``; ``Backend.probe_hits``, the dense
+  probe recording the hits' keys, then ``Backend.fused_topk``; ``Backend.hybrid_probe`` for
+  the context score);
 * :func:`lexical_hits`: each query's BM25 over its user's rows (the hits' lexical scores).
 """
 from __future__ import annotations
@@ -35,10 +36,10 @@ __all__ = ["HYBRID_DENSE_DEPTH", "ONE_PASS_FUSIONS", "HYBRID_MATRIX_ENTRIES", "H
 #: lexical hits pass the bound of :mod:`rfmem_fast.fusion` and need an exact re-score;
 #: results do not depend on it
 HYBRID_DENSE_DEPTH = 64
-#: fusions whose boosts are known before the dense scan (no dense statistic in them): a
-#: backend with ``has_fused_topk`` takes their fused top-k in the probe's own pass
-#: (``Backend.hybrid_probe``); "zscore" needs the dense top-1 first: the same pass records
-#: every hit's scan score and ``Backend.fused_topk`` fuses after it, without scoring again
+#: fusions whose boosts are known before the dense scan (no dense statistic in them): the
+#: context score's pass (``Backend.hybrid_probe``) takes their fused top-k in the scan
+#: itself; "zscore" needs the dense top-1 first (its boosts follow the probe, then
+#: ``Backend.fused_topk`` fuses with the recorded scan scores, without scoring again)
 ONE_PASS_FUSIONS = ("convex", "adaptive")
 
 
