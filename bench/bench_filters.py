@@ -53,10 +53,10 @@ import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
 from rfmem_fast.backends import get_backend
 from rfmem_fast.bench.report import write_json
+from rfmem_fast.bench.timing import interleaved_best, interleaved_p50
 from rfmem_fast.bench.workloads import SyntheticSpec, synthetic_bank
 from rfmem_fast.evaluate import machine_info
 from rfmem_fast.filters import compile_filters
-
 
 #: kept fraction (percent) -> filter
 SELECTIVITY = {p: {"bucket": {"$lt": p}} for p in (1, 10, 50, 100)}
@@ -78,34 +78,6 @@ def _sub_bank(bank, pct: int) -> MemoryBank:
 def _reco_share(bank, Q, users, cfg, be, f) -> float:
     """Share of the queries that took the Recollection path (mode "rfmem")."""
     return float(search(bank, Q, users, cfg, mode="rfmem", backend=be, filters=f).route.mean())
-
-
-def _interleaved_p50(cells: dict, n: int) -> dict:
-    """Median ms of ``n`` calls of each ``cells[name](i)``, the cells taking turns call by
-    call (so a change of the machine's load hits every cell alike), after 5 warm-ups each."""
-    for fn in cells.values():
-        for i in range(5):
-            fn(i % n)
-    ts: dict = {k: [] for k in cells}
-    for i in range(n):
-        for k, fn in cells.items():
-            t = time.perf_counter()
-            fn(i)
-            ts[k].append((time.perf_counter() - t) * 1e3)
-    return {k: float(np.median(v)) for k, v in ts.items()}
-
-
-def _interleaved_best(cells: dict, reps: int) -> dict:
-    """Fastest of ``reps`` calls (seconds) of each ``cells[name]()``, taking turns, after one warm-up each."""
-    for fn in cells.values():
-        fn()
-    best = {k: float("inf") for k in cells}
-    for _ in range(reps):
-        for k, fn in cells.items():
-            t = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t)
-    return best
 
 
 def _tag(bank) -> None:
@@ -150,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 sb = subs[pct]
                 cells[f"{pct}%_sub_bank"] = lambda i, sb=sb, mode=mode: search(sb, Q[i : i + 1], user, cfg, mode=mode,
                                                                                backend=be)  # fmt: skip
-        single[mode] = _interleaved_p50(cells, n)
+        single[mode] = interleaved_p50(cells, n)
     single_routes = {"unfiltered": _reco_share(bank, Q, user * n, cfg, be, None),
                      **{f"{p}%": _reco_share(bank, Q, user * n, cfg, be, f) for p, f in SELECTIVITY.items()}}  # fmt: skip
     del subs
@@ -190,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 sb = subs_b[pct]
                 cells[f"{pct}%_sub_bank"] = lambda sb=sb, mode=mode: search(sb, Qb, qu, cfg, mode=mode, backend=be)
         cells["per_query_mix"] = lambda mode=mode: search(bankb, Qb, qu, cfg, mode=mode, backend=be, filters=mixed)
-        batch[mode] = {k: args.batch / t for k, t in _interleaved_best(cells, args.reps).items()}
+        batch[mode] = {k: args.batch / t for k, t in interleaved_best(cells, args.reps).items()}
     del subs_b
     gc.collect()
     batch_routes = {"unfiltered": _reco_share(bankb, Qb, qu, cfg, be, None),

@@ -46,9 +46,16 @@ import rfmem_fast
 from rfmem_fast import MemoryBank, RFMemConfig, search
 from rfmem_fast.backends import get_backend
 from rfmem_fast.bench.report import write_json
-from rfmem_fast.bench.workloads import SyntheticSpec, bank_with_texts, query_texts, synthetic_bank, zipf_texts, zipf_vocab
+from rfmem_fast.bench.timing import interleaved_best, interleaved_p50
+from rfmem_fast.bench.workloads import (
+    SyntheticSpec,
+    bank_with_texts,
+    query_texts,
+    synthetic_bank,
+    zipf_texts,
+    zipf_vocab,
+)
 from rfmem_fast.evaluate import machine_info
-
 
 #: goals: one query's hybrid p50 at most this times dense's; the batch's q/s at least this times dense's
 SINGLE_GOAL, BATCH_GOAL = 1.1, 0.85
@@ -61,36 +68,6 @@ FUSIONS = {
     "zscore": dict(lexical_weight=0.1, fusion="zscore"),  # recommended(), MPNet
     "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
 }
-
-
-def _interleaved_p50(cells: dict, n: int, reps: int) -> dict:
-    """Median ms per cell of ``reps`` x ``n`` calls ``fn(i)``, the cells taking turns call
-    by call (so a change of the machine's load hits every cell alike; ratios stay fair)."""
-    for fn in cells.values():
-        for i in range(5):
-            fn(i % n)
-    ts: dict = {k: [] for k in cells}
-    for _ in range(reps):
-        for i in range(n):
-            for k, fn in cells.items():
-                t = time.perf_counter()
-                fn(i)
-                ts[k].append((time.perf_counter() - t) * 1e3)
-    return {k: float(np.median(v)) for k, v in ts.items()}
-
-
-def _best_interleaved(cells: dict, reps: int) -> dict:
-    """Best seconds per cell of ``reps`` calls ``fn()``, after one warm-up call each, the
-    cells taking turns call by call (the first cell gets no cold-cache penalty of its own)."""
-    for fn in cells.values():
-        fn()
-    best = {k: float("inf") for k in cells}
-    for _ in range(reps):
-        for k, fn in cells.items():
-            t = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t)
-    return best
 
 
 def index_cost(bank: MemoryBank, t_encode: float) -> dict:
@@ -164,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         c = RFMemConfig(**fz)
         cells[name] = lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be,
                                             query_texts=qt[i : i + 1])  # fmt: skip
-    single = _interleaved_p50(cells, n, args.reps)
+    single = interleaved_p50(cells, n, args.reps)
     hits = [0 if (v := lex.scores(0, q)) is None else int(np.count_nonzero(v)) for q in qt]
     index1 = index_cost(bank_with_texts(wl.bank, texts), t_encode1)
     del bank, wl, lex
@@ -194,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in FUSIONS:
         c = RFMemConfig(**FUSIONS[name])
         bcells[name] = lambda c=c: search(bankb, Qb, qu, c, mode="dense", backend=be, query_texts=qtb)
-    batch = {k: args.batch / v for k, v in _best_interleaved(bcells, args.reps).items()}
+    batch = {k: args.batch / v for k, v in interleaved_best(bcells, args.reps).items()}
 
     try:
         up = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
