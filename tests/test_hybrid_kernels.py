@@ -268,6 +268,13 @@ def test_probe_hit_keys_bound_the_exact_scores_on_every_path(dtype, level):
                     if dtype == "float32":
                         assert np.all(k - up[i] <= exact), (path, threads, i)
                 recorded = np.isfinite(up)
+                # with every row's scan score kept (the beam driver's; segments >= 512 rows),
+                # the keys come from those scores: the same values
+                kept = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, keep_scan_scores=True, **scan)
+                assert kept[5] is not None  # (segment 0 holds 700 rows)
+                np.testing.assert_array_equal(kept[8], up)
+                rec_hits = np.repeat(recorded, np.diff(hp))
+                np.testing.assert_array_equal(kept[7][rec_hits], keys[rec_hits])
                 if dtype == "float32" and level > 0:
                     assert recorded.all()
                 if dtype == "int8" and path == "scan":
