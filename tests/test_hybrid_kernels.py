@@ -237,15 +237,22 @@ def _hit_case(seed, d, lens, b, dtype):
     return X, off, Q, seg, np.array(hp, np.int64), np.array(hr, np.int32), scan
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
-@pytest.mark.parametrize("level", [0, 1, 2])
-def test_probe_hit_keys_bound_the_exact_scores_on_every_path(dtype, level):
+#: (scan copy, SIMD level cap, int8 kernel cap): every copy at every level, and the int8
+#: copy on level 2's other int8 kernels (0: avx2, 1: avx512bw; -1: the best there)
+_KEY_CASES = [(t, lv, -1) for t in ("float32", "float16", "bfloat16", "int8") for lv in (0, 1, 2)]
+_KEY_CASES += [("int8", 2, 0), ("int8", 2, 1)]
+
+
+@pytest.mark.parametrize("dtype,level,int8_cap", _KEY_CASES, ids=[f"{t}-{lv}-{c}" for t, lv, c in _KEY_CASES])
+def test_probe_hit_keys_bound_the_exact_scores_on_every_path(dtype, level, int8_cap):
     """probe(hit_ptr=, hit_rows=) leaves the probe itself unchanged and gives every hit a
     key with keys + up >= RN32(q . x) (the float64 product rounded once: an independent
     reference), two-sided within up for the float32 scan and GEMM scores; up = inf only
-    where a path records none (int8 GEMM units, level 0's float32 / half scans)."""
+    where a path records none (level 0's int8 GEMM units and float32 / half scans)."""
+    if int8_cap >= 0 and (_native.set_simd_cap(-1) < 2 or int8_cap > _native.simd_int8_supported()):
+        pytest.skip("an int8 kernel of level 2 this CPU lacks")
     X, off, Q, seg, hp, hr, scan = _hit_case(11 + level, 37, [700, 3, 129, 300, 1], 90, dtype)
-    _native.set_simd_cap(level)  # (a CPU without it runs its highest level below)
+    _native.set_simd_cap(level, int8_cap)  # (a CPU without it runs its highest level below)
     level = _native.simd_level()
     try:
         for path in ("auto", "scan", "gemm"):
@@ -277,7 +284,7 @@ def test_probe_hit_keys_bound_the_exact_scores_on_every_path(dtype, level):
                 np.testing.assert_array_equal(kept[7][rec_hits], keys[rec_hits])
                 if dtype == "float32" and level > 0:
                     assert recorded.all()
-                if dtype == "int8" and path == "scan":
+                if dtype == "int8" and (path == "scan" or level > 0):  # (level 0: GEMM units record none)
                     assert recorded.all() and np.all(up == 0.0)  # int8 keys are upper bounds themselves
     finally:
         _native.set_simd_cap(-1)

@@ -129,9 +129,11 @@ struct SimdKernels {
   /// zero past nq; 64-byte aligned), register blocks of i8_mr rows x i8_nr queries of
   /// int32 accumulators (a broadcast pair of a row multiplied pairwise with the panel);
   /// every key i8_upper (the same float32 operations, vectorised) above its query's
-  /// threshold is pushed into res[q] (q < nq; heap.h Reservoir).
+  /// threshold is pushed into res[q] (q < nq; heap.h Reservoir). ``kout``: null, or where
+  /// every key goes (nrows * i8_nr floats: row T[r]'s key of query q at kout[r * i8_nr + q];
+  /// topk.cpp: the lexical hits' keys).
   void (*i8_gemm_panel)(const int16_t* T, int64_t nrows, int64_t dp, const int32_t* P, int nq, int64_t row0,
-                        const float* meta, const I8Query* const* qs, Reservoir* res);
+                        const float* meta, const I8Query* const* qs, Reservoir* res, float* kout);
 
   /// Inner products of q with the 4 half-precision rows x0..x3 (16 lanes, as dot4).
   void (*dot4_half)(const float* q, const uint16_t* x0, const uint16_t* x1, const uint16_t* x2,

@@ -849,9 +849,11 @@ void i8_widen(const int8_t* x, int64_t cnt, int64_t d, int64_t dp, int16_t* tile
 // The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
 // once into panels of K.i8_nr (int16 pairs as int32, simd.h i8_gemm_panel), the rows
 // converted tile by tile to int16 (zero past d) and scored against every panel while in
-// L2, the keys pushed into res[0:nq].
+// L2, the keys pushed into res[0:nq] (hc: null, or the queries' hit cursors: their keys
+// taken from each panel's kept keys, scratch part sz.c).
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
-                  const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz) {
+                  const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz,
+                  HitCursor* hc = nullptr) {
   const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
   const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
@@ -877,8 +879,11 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
     const char* next = reinterpret_cast<const char*>(src.i8 + (t0 + cnt) * d);
     for (int p = 0; p < npan; ++p) {
       for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
-      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, std::min(nr, nq - p * nr), t0,
-                      src.meta + 3 * t0, qs + p * nr, res + p * nr);
+      const int pq = std::min(nr, nq - p * nr);
+      float* kout = hc ? scratch + sz.panels + sz.tile : nullptr;
+      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, pq, t0, src.meta + 3 * t0, qs + p * nr,
+                      res + p * nr, kout);
+      for (int q = 0; hc && q < pq; ++q) hc[p * nr + q].take(t0, t0 + cnt, kout + q, nr);
     }
   }
 }
@@ -888,19 +893,20 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
 // leave in every heap exactly what its own pushes would have (heap.h Reservoir).
 void i8_gemm_collect(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                      const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* scratch,
-                     const GemmScratch& sz) {
+                     const GemmScratch& sz, HitCursor* hc = nullptr) {
   for (int i = 0; i < nq; ++i) res[i] = Reservoir::over(heaps[i]);
-  i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz);
+  i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz, hc);
   for (int i = 0; i < nq; ++i) res[i].to_heap(heaps[i]);
 }
 
 // Per-thread scratch (floats, 64-byte aligned parts) of i8_gemm_scan for units of up to
-// nq queries.
-GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq) {
+// nq queries (keep: room for a tile's keys of a panel, the lexical hits').
+GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq, bool keep = false) {
   const int64_t round = 16, dp = (d + 1) / 2 * 2, nr = K.i8_nr;
   GemmScratch gs;
   gs.panels = ((nq + nr - 1) / nr * nr * (dp / 2) + round - 1) / round * round;
   gs.tile = (i8_tile_rows(K, dp) * dp / 2 + round - 1) / round * round;
+  gs.c = keep ? (i8_tile_rows(K, dp) * nr + round - 1) / round * round : 0;
   return gs;
 }
 
@@ -1145,7 +1151,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<float> hit_tile(rec && !opt.scores_out ? static_cast<size_t>(nthreads) * kGroup * kHitTile : 0);
   const bool pruned = !src.i8 && !src.half && K.scan_rows_f32_pruned && opt.prune_ref;
   auto hit_keys = [&](const Group& g) {  // what group g's pass records of its hits
-    if (src.i8) return g.gemm ? HitKeys::kNone : HitKeys::kI8;  // (GEMM units: more than kGroup queries)
+    if (src.i8)  // (level 0's GEMM units run the scan with more than kGroup queries: none)
+      return g.gemm && !K.i8_gemm_panel ? HitKeys::kNone : HitKeys::kI8;
     if (g.gemm) return HitKeys::kGemm;
     if (pruned || (src.half ? K.level < 1 : K.scan_rows_f32 == nullptr)) return HitKeys::kNone;
     return HitKeys::kScan;
@@ -1158,7 +1165,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
   if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
-    gs = i8_gemm_scratch(K, d, max_gemm_nq);
+    gs = i8_gemm_scratch(K, d, max_gemm_nq, rec);
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
@@ -1225,7 +1232,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
           K.scan_rows_f32(X, d, t0, t1, qs, g.nq, heaps, so);
       };
       if (src.i8 && g.gemm && K.i8_gemm_panel)
-        i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res, gemm_base + static_cast<size_t>(tid) * gs.total(), gs);
+        i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res, gemm_base + static_cast<size_t>(tid) * gs.total(), gs,
+                        hc);
       else if (g.gemm && !src.i8)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs, hc);
       else if (pruned)
