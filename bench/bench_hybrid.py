@@ -26,7 +26,7 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
 
 Usage::
 
-    python bench/bench_hybrid.py [--users 200] [--queries 200] [--out bench/results/local/hybrid-<time>.json]
+    python bench/bench_hybrid.py [--users 200] [--queries 200] [--dtype float32] [--out bench/results/local/hybrid-<time>.json]
 """
 from __future__ import annotations
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--words", type=int, default=60)
     p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--zipf", type=float, default=1.07)
+    p.add_argument("--dtype", default="float32", help="the banks' dtype (float32, float16, bfloat16, int8)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if "native" not in rfmem_fast.available_backends():
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     wl = synthetic_bank(1, args.chunks, SyntheticSpec(dim=384), seed=0)
     texts = zipf_texts(args.chunks, args.words, vocab, args.zipf, rng)
     t = time.perf_counter()
-    bank_with_texts(wl.bank, None).snapshot()
+    bank_with_texts(wl.bank, None, dtype=args.dtype).snapshot()
     t_plain = time.perf_counter() - t
     t = time.perf_counter()
-    bank = bank_with_texts(wl.bank, texts)
+    bank = bank_with_texts(wl.bank, texts, dtype=args.dtype)
     bank.snapshot()
     t_encode1 = max(time.perf_counter() - t - t_plain, 0.0)
     Q, _, _ = wl.queries(args.queries, seed=1)
@@ -151,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     wlb = synthetic_bank(args.users, args.chunks, SyntheticSpec(dim=384), seed=2)
     tx = zipf_texts(args.users * args.chunks, args.words, vocab, args.zipf, rng)
     t = time.perf_counter()
-    bank_with_texts(wlb.bank, None).snapshot()
+    bank_with_texts(wlb.bank, None, dtype=args.dtype).snapshot()
     t_plain_b = time.perf_counter() - t
     gc.collect()
     t = time.perf_counter()
-    bankb = bank_with_texts(wlb.bank, tx)
+    bankb = bank_with_texts(wlb.bank, tx, dtype=args.dtype)
     bankb.snapshot()
     t_encode_b = max(time.perf_counter() - t - t_plain_b, 0.0)
     del wlb
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "uptime": up,
         "versions": {"rfmem_fast": rfmem_fast.__version__, "torch": torch.__version__, "numpy": np.__version__,
                      "bm25s": getattr(bm25s, "__version__", None)},  # fmt: skip
-        "workload": {"chunks": args.chunks, "dim": 384, "words_per_text": args.words, "vocab": args.vocab,
+        "workload": {"chunks": args.chunks, "dim": 384, "dtype": args.dtype, "words_per_text": args.words, "vocab": args.vocab,
                      "zipf": args.zipf, "queries": n, "batch_users": args.users, "batch": args.batch,
                      "mean_lexical_hits_single": float(np.mean(hits)), "fusions": FUSIONS},  # fmt: skip
         "single_p50_ms": single,

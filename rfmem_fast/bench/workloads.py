@@ -390,11 +390,13 @@ def query_texts(
     return out
 
 
-def bank_with_texts(bank: MemoryBank, texts: list[str] | None, lexical_stemmer: str | None = None) -> MemoryBank:
-    """``bank`` rebuilt with ``texts`` (same vectors, offsets, users, item ids and row order)."""
+def bank_with_texts(bank: MemoryBank, texts: list[str] | None, lexical_stemmer: str | None = None,
+                    dtype: str = "float32") -> MemoryBank:  # fmt: skip
+    """``bank`` rebuilt with ``texts`` (same vectors, offsets, users, item ids and row order),
+    stored in ``dtype`` (``MemoryBank``'s dtypes: its scan copy; ValueError for another)."""
     s = bank.snapshot()
     return MemoryBank.from_arrays(
-        s.vectors, s.offsets, list(s.users), list(s.item_ids), texts, lexical_stemmer=lexical_stemmer
+        s.vectors, s.offsets, list(s.users), list(s.item_ids), texts, lexical_stemmer=lexical_stemmer, dtype=dtype
     )
 
 
