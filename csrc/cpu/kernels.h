@@ -90,7 +90,7 @@ struct TopkOptions {
   /// per query an offset hit_up[i] (float64 [b]) with hit_keys[h] + hit_up[i] >=
   /// RN32(Q[i] . x) for its hits x: a scan score and its path's bound (float32 scan, half
   /// scan, GEMM path), or an int8 key (an upper bound already, offset 0). hit_up[i] = +inf
-  /// where the query's path records none (the int8 copy's GEMM units, level 0's scans, a list-mode
+  /// where the query's path records none (level 0's scans and int8 GEMM units, a list-mode
   /// selection, pruned scans): the caller then scores those hits itself.
   const int64_t* hit_ptr = nullptr;
   const int32_t* hit_rows = nullptr;
