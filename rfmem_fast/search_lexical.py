@@ -399,8 +399,8 @@ class KernelHits:
                 if p[i + 1] > p[i] else None for i in range(p.shape[0] - 1)]  # fmt: skip
 
 
-def hybrid_recorded(be: Any, view: Any, Q: np.ndarray | torch.Tensor, seg: np.ndarray, p_sc: np.ndarray | torch.Tensor,
-                    p_rows: np.ndarray | torch.Tensor, kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int,
+def hybrid_recorded(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, p_sc: np.ndarray, p_rows: np.ndarray,
+                    kh: KernelHits, hf: np.ndarray, config: RFMemConfig, k_f: int,
                     hup: np.ndarray | None = None) -> Hybrid:  # fmt: skip
     """The fused top ``k_f`` (fusions "convex", "adaptive", "zscore") on a backend with
     ``has_fused_topk``, after a probe that recorded the hits' keys (``Backend.probe_hits``:
@@ -408,15 +408,16 @@ def hybrid_recorded(be: Any, view: Any, Q: np.ndarray | torch.Tensor, seg: np.nd
     the boosts ("zscore"'s need the exact dense top-1, :func:`hybrid_batched`'s statistics,
     sums in row order), then ``Backend.fused_topk`` fuses the probe's exact dense list
     (``p_sc`` float32 / ``p_rows`` int64 [b, K], K >= ``k_f`` or the whole segment; host
-    arrays or CPU tensors, as ``Q`` float32 [b, d]) with the hits, reading their recorded
-    keys (no second scoring of a row whose key was recorded).
+    arrays, as ``Q`` float32 [b, d]) with the hits, reading their recorded keys (no second
+    scoring of a row whose key was recorded).
 
     Returns:
         :class:`Hybrid` of the fused top ``k_f`` (numpy, [b, k_f]).
     """
-    ps, pr = (a.numpy() if isinstance(a, torch.Tensor) else a for a in (p_sc, p_rows))  # (host: has_fused_topk)
-    hx = kh.boosts(config, zscore_extra(view, Q, seg, ps, pr, kh) if config.fusion not in ONE_PASS_FUSIONS else None)
-    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, ps, pr, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf, hup=hup)
+    extra = zscore_extra(view, Q, seg, p_sc, p_rows, kh) if config.fusion not in ONE_PASS_FUSIONS else None
+    hx = kh.boosts(config, extra)
+    rows, fused, dense, lexv = be.fused_topk(view, Q, seg, p_sc, p_rows, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf,
+                                             hup=hup)  # fmt: skip
     return Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
 
 

@@ -278,6 +278,12 @@ Bound make_bound(int64_t depth, ScanType t, int64_t d) {
   return Bound{scan_coef(depth, u_in), std::sqrt(static_cast<double>(d)) * a * (1.0 + g) * kSlack};
 }
 
+// The bound B of a scan score (Bound b, rows of norm <= xnorm, a query of norm qnorm,
+// absb = abs_bound(d)): |f - RN32(q.x)| <= B.
+inline double bound_at(const Bound& b, double xnorm, double qnorm, double absb) {
+  return (b.coef * xnorm + b.ain) * qnorm * kSlack + absb;
+}
+
 // What the exact re-scoring of one query needs.
 struct ExactCtx {
   const float* X;  // float32 rows (the exact scores always read these)
@@ -292,7 +298,7 @@ struct ExactCtx {
   double bound(const Bound& b, const float* q) const {
     double qq = 0.0;
     for (int64_t j = 0; j < d; ++j) qq += static_cast<double>(q[j]) * static_cast<double>(q[j]);
-    return (b.coef * xnorm + b.ain) * std::sqrt(qq) * kSlack + absb;
+    return bound_at(b, xnorm, std::sqrt(qq), absb);
   }
 };
 
@@ -788,6 +794,11 @@ struct HitCursor {
 // (the scan bound), GEMM scores (the GEMM bound) or int8 keys (upper bounds).
 enum class HitKeys { kNone, kScan, kGemm, kI8 };
 
+// Rows per float32 GEMM tile: whole micro-tiles of K.mr rows in kGemmTileBytes.
+int64_t gemm_tile_rows(const SimdKernels& K, int64_t d) {
+  return std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
+}
+
 // Score rows [r0, r1) of the scan copy against the nq queries qs on the GEMM path
 // (hc: null, or the queries' hit cursors: their keys taken from each panel's scores).
 void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
@@ -811,7 +822,7 @@ void gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, 
       }
     }
   }
-  const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
+  const int64_t rt = gemm_tile_rows(K, d);
   for (int64_t t0 = r0; t0 < r1; t0 += rt) {
     const int64_t cnt = std::min(rt, r1 - t0);
     const float* T = src.f32 + t0 * d;
@@ -1168,7 +1179,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     gs = i8_gemm_scratch(K, d, max_gemm_nq, rec);
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
-    const int64_t rt = std::max<int64_t>(K.mr, (kGemmTileBytes / (d * 4)) / K.mr * K.mr);
+    const int64_t rt = gemm_tile_rows(K, d);
     gs.panels = ((max_gemm_nq + K.nr - 1) / K.nr * K.nr * d + round - 1) / round * round;
     gs.tile = src.half ? (rt * d + round - 1) / round * round : 0;
     gs.c = ((rec ? rt : static_cast<int64_t>(K.mr)) * K.nr + round - 1) / round * round;  // (rec: every score kept)
@@ -1378,8 +1389,7 @@ bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, c
 }
 
 double scan_bound(int64_t d, ScanType type, double xnorm, double qnorm) {
-  const Bound b = make_bound((d + 15) / 16 + 4, type, d);
-  return (b.coef * xnorm + b.ain) * qnorm * kSlack + abs_bound(d);
+  return bound_at(make_bound((d + 15) / 16 + 4, type, d), xnorm, qnorm, abs_bound(d));
 }
 
 double row_norm_bound(const float* X, int64_t n, int64_t d) {
@@ -1533,10 +1543,10 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     for (const Fused& c : cand) offer(c.f);
     auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
     const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
-    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau (with keys: in step 3's loop)
+    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau (with recorded
+    //    scores or keys: in step 3's loop)
     const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
-    const bool keyed = hf != nullptr && hup != nullptr;
-    if (!keyed) {
+    if (!hf) {
       const double t = tau();
       for (int64_t h = h0; h < h1; ++h)
         if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
@@ -1545,7 +1555,7 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
     //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
     //    against the raised tau.
-    const double B = keyed ? hup[i] : ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
+    const double B = hf != nullptr && hup != nullptr ? hup[i] : hf == nullptr && ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
     auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
       const int64_t r = a + hrows[h];
       const float es = exact_score(q, X + r * d, d, ctx.g64);
