@@ -145,38 +145,62 @@ def test_mode_validation_and_idle_cpus():
     assert _native.set_thread_pool("always") == "per-call"
     assert 0 <= _native.idle_cpus() <= (os.cpu_count() or 1)
     c = _native.pool_counters()
-    assert set(c) == {"regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "helpers"}
+    assert set(c) == {
+        "regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "idle_samples", "helpers"
+    }
+
+
+@pytest.mark.parametrize(
+    "loadavg, cpus, own, want",
+    [
+        ("0.52 0.58 0.59 2/99 1234\n", 8, 0, 6),  # 8 CPUs, 2 running (the caller included)
+        ("0.52 0.58 0.59 2/99 1234\n", 8, 1, 7),  # one of them the pool's own awake helper
+        ("1.00 1.00 1.00 9/99 1234\n", 8, 0, 0),  # more running than CPUs: none idle
+        ("1.00 1.00 1.00 1/99 1234\n", 2, 5, 2),  # never more than the CPUs
+        ("0.00  0.00 0.00 12/300 7", 16, -3, 4),   # own < 0 counts as none; repeated blanks
+        ("", 4, 0, 4),                              # unreadable: every CPU
+        ("0.5 0.5 0.5 x/99 1", 4, 0, 4),
+        ("0.5 0.5 0.5 3", 4, 0, 4),                 # no '/': not loadavg's form
+    ],
+)
+def test_idle_count_formula(loadavg, cpus, own, want):
+    """idle_cpus()'s formula on a given /proc/loadavg text: online CPUs minus the running
+    tasks (the fourth field's count, the caller included) plus the pool's own awake helpers,
+    clamped to [0, cpus]; every CPU when the text is not of loadavg's form."""
+    assert _native._idle_count(loadavg, cpus, own) == want
+
+
+def test_idle_count_rejects_no_cpus():
+    with pytest.raises(ValueError, match="cpus must be >= 1"):
+        _native._idle_count("0 0 0 1/1 1", 0)
 
 
 @pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="needs /proc/loadavg (Linux)")
-def test_idle_cpus_follows_the_machines_running_tasks():
-    """idle_cpus() is online CPUs minus the running tasks of /proc/loadavg (the caller
-    included), sampled afresh after kIdleSampleSeconds: its very first sample once never
-    happened (an overflowed time difference kept the initial 0 for ever, so mode 'auto'
-    never added a helper). The count moves between two reads on a busy machine, so the
-    check is statistical: among readings bracketed by two /proc/loadavg counts that agree
-    and leave a CPU idle, at least one equals the formula (the stuck check never did).
-    A fresh process (no pool helper yet) is asked, so its own helpers are none; on a
-    machine whose CPUs are all taken throughout there is nothing to see."""
+def test_idle_cpus_samples_afresh():
+    """idle_cpus() samples the machine again once kIdleSampleSeconds (2 ms) have passed,
+    the first call included: its very first sample once never happened (an overflowed time
+    difference kept the initial 0 idle CPUs for ever, so mode 'auto' never added a helper).
+    A fresh process is asked, so no earlier call has sampled; calls within one window reuse
+    the sample (counted by pool_counters()['idle_samples'])."""
     code = (
         "import os, time, rfmem_fast._native as n\n"
         "cpus = os.sysconf('SC_NPROCESSORS_ONLN')\n"
-        "def running():\n"
-        "    return int(open('/proc/loadavg').read().split()[3].split('/')[0])\n"
-        "seen = hits = 0\n"
-        "for _ in range(300):\n"
-        "    time.sleep(0.003)\n"
-        "    r1 = running(); got = n.idle_cpus(); r2 = running()\n"
-        "    assert 0 <= got <= cpus, (got, cpus)\n"
-        "    if r1 == r2 and cpus - r1 > 0:\n"
-        "        seen += 1\n"
-        "        hits += got == cpus - r1\n"
-        "print(seen, hits)\n"
+        "s0 = n.pool_counters()['idle_samples']\n"
+        "first = n.idle_cpus()\n"
+        "s1 = n.pool_counters()['idle_samples']\n"
+        "got = []\n"
+        "for _ in range(5):\n"
+        "    time.sleep(0.01)\n"
+        "    got.append(n.idle_cpus())\n"
+        "s2 = n.pool_counters()['idle_samples']\n"
+        "assert all(0 <= g <= cpus for g in [first] + got), (first, got, cpus)\n"
+        "print(s0, s1, s2)\n"
     )
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    seen, hits = map(int, out.stdout.split())
-    assert seen == 0 or hits >= 1, (seen, hits)
+    s0, s1, s2 = map(int, out.stdout.split())
+    assert (s0, s1) == (0, 1), "the first call must sample the machine"
+    assert s2 == 6, "every call 10 ms after the last sample must sample again"

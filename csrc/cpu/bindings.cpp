@@ -1360,6 +1360,15 @@ Raises:
   mod.def("idle_cpus", []() { return rfmem::idle_cpus(); },
           "CPUs idle at the last sample (online CPUs minus running tasks, /proc/loadavg; at most every 2 ms).");
   mod.def(
+      "_idle_count",
+      [](const std::string& loadavg, int cpus, int own) {
+        if (cpus < 1) throw py::value_error("cpus must be >= 1, got " + std::to_string(cpus));
+        return rfmem::idle_count(cpus, rfmem::loadavg_running(loadavg.c_str()), own);
+      },
+      py::arg("loadavg"), py::arg("cpus"), py::arg("own") = 0,
+      "idle_cpus()'s formula on a given /proc/loadavg text (tests): cpus minus the text's running tasks plus the "
+      "pool's own awake helpers ``own``, clamped to [0, cpus]; cpus when the text is not of /proc/loadavg's form.");
+  mod.def(
       "pool_counters",
       []() {
         const rfmem::PoolCounters c = rfmem::pool_counters();
@@ -1370,12 +1379,13 @@ Raises:
         d["items_helper"] = c.items_helper;
         d["waits"] = c.waits;
         d["inline_busy"] = c.inline_busy;
+        d["idle_samples"] = c.idle_samples;
         d["helpers"] = c.helpers;
         return d;
       },
       "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
-      "helper threads started.");
+      "regions run alone because no core was idle, samples of the idle CPUs taken, helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
   static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =

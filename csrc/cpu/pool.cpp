@@ -63,6 +63,7 @@ struct Pool {
   std::atomic<bool> busy{false};
   // counters
   std::atomic<int64_t> regions{0}, inline_taken{0}, items_caller{0}, items_helper{0}, waits{0}, inline_busy{0};
+  std::atomic<int64_t> idle_samples{0};  // samples of the machine's idle CPUs (idle_cpus)
 };
 
 std::atomic<Pool*> g_pool{nullptr};
@@ -94,15 +95,7 @@ int running_tasks() {
   close(fd);
   if (got <= 0) return -1;
   buf[got] = 0;
-  const char* c = buf;  // "0.52 0.58 0.59 2/99 1234": skip three fields
-  for (int f = 0; f < 3; ++f) {
-    while (*c && *c != ' ') ++c;
-    while (*c == ' ') ++c;
-  }
-  if (*c < '0' || *c > '9') return -1;
-  int r = 0;
-  while (*c >= '0' && *c <= '9') r = r * 10 + (*c++ - '0');
-  return r;
+  return loadavg_running(buf);
 #endif
 }
 #if RFMEM_POSIX
@@ -209,6 +202,23 @@ void run_inline(int64_t n, void (*call)(const void*, int64_t, int), const void* 
 
 }  // namespace
 
+int loadavg_running(const char* text) {
+  const char* c = text;  // "0.52 0.58 0.59 2/99 1234": skip three fields
+  for (int f = 0; f < 3; ++f) {
+    while (*c && *c != ' ') ++c;
+    while (*c == ' ') ++c;
+  }
+  if (*c < '0' || *c > '9') return -1;
+  int r = 0;
+  while (*c >= '0' && *c <= '9' && r < (1 << 24)) r = r * 10 + (*c++ - '0');
+  return *c == '/' ? r : -1;
+}
+
+int idle_count(int cpus, int running, int own) {
+  if (running < 0) return cpus;
+  return std::min(cpus, std::max(0, cpus - running + std::max(0, own)));
+}
+
 int idle_cpus() {
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -219,9 +229,11 @@ int idle_cpus() {
     return g_idle.load(std::memory_order_relaxed);
   // the pool's own awake helpers are among the running tasks: their cores are not taken
   // by another job (counting them made every other region of a busy process run inline)
-  const int own = pool()->awake.load(std::memory_order_relaxed);
+  Pool* p = pool();
+  const int own = p->awake.load(std::memory_order_relaxed);
   const int cpus = online_cpus(), running = running_tasks();
-  const int idle = running < 0 ? cpus : std::min(cpus, std::max(0, cpus - running + std::max(0, own)));
+  const int idle = idle_count(cpus, running, own);
+  p->idle_samples.fetch_add(1, std::memory_order_relaxed);
   g_idle.store(idle, std::memory_order_relaxed);
   g_idle_at.store(now, std::memory_order_release);
   return idle;
@@ -309,6 +321,7 @@ PoolCounters pool_counters() {
   c.items_helper = p->items_helper.load();
   c.waits = p->waits.load();
   c.inline_busy = p->inline_busy.load();
+  c.idle_samples = p->idle_samples.load();
   {
     std::lock_guard<std::mutex> g(p->m);
     c.helpers = p->helpers;

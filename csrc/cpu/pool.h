@@ -57,6 +57,15 @@ constexpr double kIdleSampleSeconds = 2e-3;
 /// the online CPUs where /proc/loadavg cannot be read.
 int idle_cpus();
 
+/// The running-or-runnable tasks of a /proc/loadavg text ("0.52 0.58 0.59 2/99 1234": the
+/// number before the '/'), -1 when the text is not of that form.
+int loadavg_running(const char* text);
+
+/// idle_cpus()'s formula: ``cpus`` when ``running`` < 0 (unknown), else
+/// ``clamp(cpus - running + max(own, 0), 0, cpus)``, ``own`` the pool's awake helpers (the
+/// machine's running tasks count them, but their cores are this process's).
+int idle_count(int cpus, int running, int own);
+
 /// Counters of the pool since the process started (or forked), for tests and benchmarks.
 struct PoolCounters {
   int64_t regions;       // parallel regions run on the pool
@@ -65,6 +74,7 @@ struct PoolCounters {
   int64_t items_helper;  // items run by helpers
   int64_t waits;         // regions whose caller had to sleep for a helper's item
   int64_t inline_busy;   // regions run on the caller alone because no core was idle (kAuto)
+  int64_t idle_samples;  // samples of the machine's idle CPUs taken by idle_cpus()
   int helpers;           // helper threads started
 };
 PoolCounters pool_counters();
