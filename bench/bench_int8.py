@@ -230,7 +230,7 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shared-rows", type=int, nargs="+", default=[100_000, 1_000_000])
-    ap.add_argument("--users", type=int, default=200)
+    ap.add_argument("--users", type=int, default=200, help="tenants of the multi-tenant bank (0: the shared banks only)")
     ap.add_argument("--per-user", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--queries", type=int, default=64, help="single-query calls per timed pass")
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, default=32, help="queries sampled for the re-scored fraction")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.users < 0 or args.per_user < 1:
+        ap.error(f"--users must be >= 0 and --per-user >= 1, got {args.users} and {args.per_user}")
 
     from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -270,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             X = workload(rng, 1, rows, D)
             results[f"shared_{rows}"] = bench_bank(f"shared_{rows}", X, np.array([0, X.shape[0]], np.int64), args, rng)
             del X
-        X = workload(rng, args.users, args.per_user, D)
-        results["tenants"] = bench_bank("tenants", X, np.arange(args.users + 1, dtype=np.int64) * args.per_user, args, rng)
+        if args.users > 0:  # --users 0: the shared banks only
+            X = workload(rng, args.users, args.per_user, D)
+            results["tenants"] = bench_bank("tenants", X, np.arange(args.users + 1, dtype=np.int64) * args.per_user, args, rng)
     doc["results"] = results
     doc["load_avg_after"] = list(os.getloadavg())
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / "local" / f"int8-scan-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -5,7 +5,7 @@ Pinned: a parallel region gives the same results in every pool mode ('auto', 'al
 holds the pool, the others run alone) and in a forked child (a fresh pool); the pool's
 helpers are few (at most the threads a call asked for, minus the caller), named
 ``rfmem-pool``, and asleep between calls: their CPU time does not grow while the
-process idles (nothing spins); the mode setting is validated; idle_cpus() is a count
+process idles (a helper spins at most 200 us after a region, then sleeps); the mode setting is validated; idle_cpus() is a count
 of this machine's CPUs. Every expected result is the single-threaded kernel's, itself
 checked against a brute-force float64 top-k.
 """
