@@ -26,8 +26,9 @@ num_threads=1)``: one thread, the path before threads), ``auto`` (the defaults: 
 pool adds helpers for idle cores, csrc/cpu/pool.h) and ``always`` (the pool whatever
 the load, to show what threads give when a core is free). ``--baseline PATH`` also runs
 the whole benchmark against another copy of the package (e.g. a checkout of an
-older commit, with its ``_native`` built) in a subprocess, interleaved with
-this one block by block, and reports the two side by side.
+older commit, with its ``_native`` built) in a subprocess, under the first thread
+setting of ``--threads``, interleaved with this one block by block, and reports the
+two side by side.
 
 The target: search_recollection and search_rfmem_recollecting p50 <= 4 x
 numpy_scan p50 (2-core AMD EPYC, quiet). The JSON (``--out``, default
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(args.baseline).resolve()),
                                                          os.environ.get("PYTHONPATH", "")]))  # fmt: skip
         child_args = [sys.executable, str(Path(__file__).resolve()), "--serve", "--queries", str(args.queries),
-                      "--chunks", str(args.chunks), "--threads", "1"]  # fmt: skip
+                      "--chunks", str(args.chunks), "--threads", args.threads[0]]  # fmt: skip
         base = subprocess.Popen(child_args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                 cwd=str(Path(args.baseline).resolve()))  # fmt: skip
         hello = json.loads(base.stdout.readline())
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in cells.cells:
             cells.block(name)
             if base is not None and r < args.rounds:
-                bn = name if name == "numpy_scan" else "1/" + name.split("/", 1)[1]
+                bn = name if name == "numpy_scan" else f"{args.threads[0]}/" + name.split("/", 1)[1]
                 if name.startswith(args.threads[0] + "/") or name == "numpy_scan":
                     base.stdin.write(bn + "\n")
                     base.stdin.flush()
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         row = []
         for c in cols:
             if c == "baseline":
-                v = doc["baseline"]["cells"].get(nm if nm == "numpy_scan" else f"1/{nm}", {}).get("p50_ms")
+                v = doc["baseline"]["cells"].get(nm if nm == "numpy_scan" else f"{args.threads[0]}/{nm}", {}).get("p50_ms")
             else:
                 v = p50.get(nm if nm == "numpy_scan" else f"{c}/{nm}")
             row.append(f"{v:12.4f}" if v is not None else f"{'-':>12s}")
