@@ -65,6 +65,22 @@ def test_results_equal_in_every_mode_and_thread_count():
                 np.testing.assert_array_equal(s.view(np.uint32), ref_s[sl].view(np.uint32))
 
 
+def test_one_query_equal_whether_the_helper_is_awake_or_asleep():
+    """One query's rows are cut into parts of >= 2,048 rows while the pool's helper is
+    awake (spinning after a region) and of >= 512 rows while it sleeps (topk.cpp
+    kMinPartRows / kMinPartRowsAsleep): a call right after another and a call after the
+    helper went to sleep split the segment differently, and both return the
+    single-threaded result bit for bit."""
+    X, off, Q, seg = _case(3)
+    ref_s, ref_r = _native.segmented_topk(X, off, Q[:1], seg[:1], 10, 1)
+    _native.set_thread_pool("always")
+    for pause in (0.02, 0.0, 0.0, 0.02, 0.0):  # asleep (200 us spin long over), then awake
+        time.sleep(pause)
+        s, r = _native.segmented_topk(X, off, Q[:1], seg[:1], 10, 2)
+        np.testing.assert_array_equal(r, ref_r)
+        np.testing.assert_array_equal(s.view(np.uint32), ref_s.view(np.uint32))
+
+
 def test_concurrent_callers_share_the_pool_and_stay_exact():
     X, off, Q, seg = _case(1)
     ref_s, ref_r = _native.segmented_topk(X, off, Q, seg, 10, 1)

@@ -335,6 +335,11 @@ void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, 
 
 PoolMode set_thread_pool(PoolMode mode) { return static_cast<PoolMode>(g_mode.exchange(static_cast<int>(mode))); }
 
+int pool_awake_helpers() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  return p == nullptr ? 0 : std::max(0, p->awake.load(std::memory_order_relaxed));
+}
+
 PoolCounters pool_counters() {
   Pool* p = pool();
   PoolCounters c;

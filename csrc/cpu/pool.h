@@ -80,4 +80,8 @@ struct PoolCounters {
 };
 PoolCounters pool_counters();
 
+/// Helpers awake now (running an item, or spinning for the next region after one; not
+/// asleep on the condition variable): a region published now would find them at once.
+int pool_awake_helpers();
+
 }  // namespace rfmem

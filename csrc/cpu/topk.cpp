@@ -85,11 +85,14 @@ namespace {
 
 constexpr int kGroup = 16;                 // queries of one segment scored per tile (scan path)
 constexpr int64_t kTileBytes = 64 << 10;   // bytes of X per tile (scan path)
-// smallest row range worth an item of its own (parts): one query over 4,096 x 384 rows on
-// 2 threads took 57-61 us in 8 parts of 512 rows, 48 us in 4, 44.5 us in 2 (AMD EPYC Zen 5;
-// the caller's items each ran at one core's speed, the small ones added more than the
-// balance they bought)
+// smallest row range worth an item of its own (parts), by whether the pool's helpers are
+// awake (pool_awake_helpers: spinning after a recent region) or asleep: one query over
+// 4,096 x 384 rows on 2 threads with awake helpers took 57-61 us in 8 parts of 512 rows,
+// 48 us in 4, 44.5 us in 2 (AMD EPYC Zen 5: the small parts added more than the balance
+// they bought); an asleep helper starts tens of us late, and then small parts leave its
+// share to the caller instead of making the caller wait for its half
 constexpr int64_t kMinPartRows = 2048;
+constexpr int64_t kMinPartRowsAsleep = 512;
 // Extra float32 candidates kept beyond k per scan copy type (the over-fetch; exact.py
 // SCAN_MARGINS): float32 8, float16 16, bfloat16 32, int8 64, so that the kept list
 // usually holds every row within the wider bound of a half-precision or int8 scan (2B ~
@@ -1147,7 +1150,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   int64_t parts = 1;
   if (nthreads > 1 && ng < 4 * nthreads) {  // >= 4 items a thread: the last item leaves little idle
     parts = (4 * nthreads + ng - 1) / ng;
-    parts = std::max<int64_t>(1, std::min(parts, max_len / kMinPartRows));
+    const bool awake = pool_awake_helpers() >= nthreads - 1;
+    parts = std::max<int64_t>(1, std::min(parts, max_len / (awake ? kMinPartRows : kMinPartRowsAsleep)));
   }
   const int64_t tile_rows = std::max<int64_t>(4, (kTileBytes / (d * 4)) / 4 * 4);
 
