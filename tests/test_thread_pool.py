@@ -65,6 +65,24 @@ def test_results_equal_in_every_mode_and_thread_count():
                 np.testing.assert_array_equal(s.view(np.uint32), ref_s[sl].view(np.uint32))
 
 
+def test_no_spin_after_an_idle_gap():
+    """A region that begins long after the previous one ended (an idle gap: 20 ms here,
+    the spin window is 200 us) tells its helpers to sleep at once after it: the spin is
+    for callers that call back to back (pool_counters()['spin_regions'] counts the regions
+    that spin). Whether back-to-back regions spin depends on the machine's timing, so only
+    the gap's side is pinned."""
+    X, off, Q, seg = _case(4)
+    _native.set_thread_pool("always")
+    for _ in range(3):
+        time.sleep(0.02)
+        before = _native.pool_counters()
+        _native.segmented_topk(X, off, Q, seg, 10, 2)  # (its first region follows the gap)
+        after = _native.pool_counters()
+        assert after["regions"] > before["regions"]
+        # (a call's later regions may follow its first one closely and spin: at most those)
+        assert after["spin_regions"] - before["spin_regions"] <= after["regions"] - before["regions"] - 1
+
+
 def test_one_query_equal_whether_the_helper_is_awake_or_asleep():
     """One query's rows are cut into parts of >= 2,048 rows while the pool's helper is
     awake (spinning after a region) and of >= 512 rows while it sleeps (topk.cpp
@@ -162,7 +180,8 @@ def test_mode_validation_and_idle_cpus():
     assert 0 <= _native.idle_cpus() <= (os.cpu_count() or 1)
     c = _native.pool_counters()
     assert set(c) == {
-        "regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "idle_samples", "helpers"
+        "regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "idle_samples",
+        "spin_regions", "helpers",
     }
 
 

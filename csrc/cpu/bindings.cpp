@@ -1380,12 +1380,14 @@ Raises:
         d["waits"] = c.waits;
         d["inline_busy"] = c.inline_busy;
         d["idle_samples"] = c.idle_samples;
+        d["spin_regions"] = c.spin_regions;
         d["helpers"] = c.helpers;
         return d;
       },
       "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
-      "regions run alone because no core was idle, samples of the idle CPUs taken, helper threads started.");
+      "regions run alone because no core was idle, samples of the idle CPUs taken, regions begun within 200 us "
+      "of the previous one's end (their helpers spin for the next region before they sleep), helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
   static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =

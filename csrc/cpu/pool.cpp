@@ -6,8 +6,9 @@
 //     until done == n (a short bounded spin, then a condition variable); release busy.
 //   helper: sleep until an open region it has not seen has a free seat; take the seat
 //     (tid) and ``inside``; claim items until the counter passes n (counting done, and
-//     waking the caller after the last one if it sleeps); leave (inside - 1); spin a
-//     while (kHelperSpinSeconds) for the next region, then sleep.
+//     waking the caller after the last one if it sleeps); leave (inside - 1); when the
+//     region began soon after the previous one, spin a while (kHelperSpinSeconds) for
+//     the next region; sleep.
 // A helper that wakes after the items are gone takes nothing (its first claim passes
 // n). The next region waits for no one: it runs inline while ``inside`` > 0, since
 // such a helper may still touch the counters.
@@ -43,12 +44,21 @@ namespace rfmem {
 namespace {
 
 constexpr double kSpinSeconds = 20e-6;  // the caller's spin for a helper's item, before it sleeps
-// a helper's spin after it leaves a region, before it sleeps: the next region of a caller
-// that calls back to back (one query after another, ~20-60 us of Python apart) finds it
-// awake, instead of paying a wake-up on the condition variable (tens of us in a VM:
-// single-query calls split over two cores ran 1.1x one core, not ~1.8x). A spinning
-// helper counts as awake (idle_cpus: its core is this process's).
+// a helper's spin after it leaves a region, before it sleeps, when the region began within
+// kHelperSpinSeconds of the previous one's end (a caller calling back to back: one query
+// after another, ~20-60 us of Python apart, or the probe and the rounds of one search):
+// the next region finds it awake instead of paying a wake-up on the condition variable
+// (tens of us in a VM; single-query calls split over two cores ran 1.1x one core, not
+// ~1.8x). After a region that followed an idle gap the helper sleeps at once: a spin
+// then made the next call after the gap slower (one query every 2 ms: dense search
+// p50 0.25-0.34 -> 0.49-0.53 ms on the 2-core EPYC Zen 5 VM, whatever the spin's
+// length or its pause instruction). A spinning helper counts as awake (idle_cpus).
 constexpr double kHelperSpinSeconds = 200e-6;
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 struct Pool {
   std::mutex m;
@@ -58,6 +68,8 @@ struct Pool {
   // the region
   uint64_t gen = 0;
   std::atomic<uint64_t> pub_gen{0};  // gen, readable without m (a helper's spin)
+  bool spin = false;                  // the region's helpers spin after it (publish)
+  std::atomic<int64_t> last_end{-1};  // steady_ns() when the last region ended, -1 before
   bool open = false;
   int64_t n = 0;
   void (*call)(const void*, int64_t, int) = nullptr;
@@ -72,6 +84,7 @@ struct Pool {
   // counters
   std::atomic<int64_t> regions{0}, inline_taken{0}, items_caller{0}, items_helper{0}, waits{0}, inline_busy{0};
   std::atomic<int64_t> idle_samples{0};  // samples of the machine's idle CPUs (idle_cpus)
+  std::atomic<int64_t> spin_regions{0};  // regions after which the helpers spin (publish)
 };
 
 std::atomic<Pool*> g_pool{nullptr};
@@ -150,6 +163,7 @@ void helper_main(Pool* p, uint64_t seen) {
     p->work_cv.wait(l, [&] { return p->open && p->gen != seen && p->seats < p->max_seats; });
     p->awake.fetch_add(1, std::memory_order_relaxed);
     seen = p->gen;
+    const bool spin = p->spin;
     const int tid = 1 + p->seats++;
     ++p->inside;
     const int64_t n = p->n;
@@ -168,9 +182,11 @@ void helper_main(Pool* p, uint64_t seen) {
     l.lock();
     --p->inside;
     if (last && p->caller_sleeps) p->done_cv.notify_one();
-    l.unlock();
-    spin_for_region(p, seen);
-    l.lock();
+    if (spin) {
+      l.unlock();
+      spin_for_region(p, seen);
+      l.lock();
+    }
   }
 }
 
@@ -193,6 +209,9 @@ void publish(Pool* p, int64_t n, int want, void (*call)(const void*, int64_t, in
   p->done.store(0, std::memory_order_relaxed);
   p->seats = 0;
   p->max_seats = want;
+  const int64_t end = p->last_end.load(std::memory_order_relaxed);
+  p->spin = end >= 0 && steady_ns() - end < static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+  if (p->spin) p->spin_regions.fetch_add(1, std::memory_order_relaxed);
   p->open = true;
   ++p->gen;
   p->pub_gen.store(p->gen, std::memory_order_release);
@@ -243,8 +262,7 @@ int idle_count(int cpus, int running, int own) {
 }
 
 int idle_cpus() {
-  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::steady_clock::now().time_since_epoch()).count();
+  const int64_t now = steady_ns();
   const int64_t at = g_idle_at.load(std::memory_order_acquire);
   // (the first call samples: ``now - at`` with ``at`` the int64 minimum overflowed, so the
   // check returned the initial 0 idle CPUs forever and every region of kAuto ran inline)
@@ -330,6 +348,7 @@ void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, 
     p->done_cv.wait(l, [&] { return p->done.load(std::memory_order_acquire) >= n; });
     p->caller_sleeps = false;
   }
+  p->last_end.store(steady_ns(), std::memory_order_relaxed);
   p->busy.store(false, std::memory_order_release);
 }
 
@@ -350,6 +369,7 @@ PoolCounters pool_counters() {
   c.waits = p->waits.load();
   c.inline_busy = p->inline_busy.load();
   c.idle_samples = p->idle_samples.load();
+  c.spin_regions = p->spin_regions.load();
   {
     std::lock_guard<std::mutex> g(p->m);
     c.helpers = p->helpers;

@@ -1,7 +1,8 @@
 // The threads of the CPU kernels (common.h parallel_for): a small process-wide pool of
-// helper threads that SLEEP on a condition variable between calls (after a short spin:
-// at most 200 us after each region, so that back-to-back calls find them awake), and a
-// caller that never waits for a helper to show up.
+// helper threads that SLEEP on a condition variable between calls (after a short spin,
+// at most 200 us, after a region that began within 200 us of the previous one's end, so
+// that back-to-back calls find them awake), and a caller that never waits for a helper
+// to show up.
 //
 // A parallel region (pool_run) publishes its items and wakes up to nthreads - 1 helpers,
 // then works through the items itself, claiming them one at a time from an atomic
@@ -76,6 +77,8 @@ struct PoolCounters {
   int64_t waits;         // regions whose caller had to sleep for a helper's item
   int64_t inline_busy;   // regions run on the caller alone because no core was idle (kAuto)
   int64_t idle_samples;  // samples of the machine's idle CPUs taken by idle_cpus()
+  int64_t spin_regions;  // regions begun within 200 us of the previous one's end: their
+                         // helpers spin for the next region before they sleep
   int helpers;           // helper threads started
 };
 PoolCounters pool_counters();
