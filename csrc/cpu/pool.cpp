@@ -142,14 +142,14 @@ Pool* pool() {
   return p;
 }
 
-// Spins (pause) until a region newer than ``seen`` is published or kHelperSpinSeconds pass.
-void spin_for_region(Pool* p, uint64_t seen) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int spin = 1; p->pub_gen.load(std::memory_order_acquire) == seen; ++spin) {
+// Spins (pause; the clock read every 64 turns) while ``waiting()`` holds, at most
+// ``seconds``: the caller's wait for a helper's item, a helper's wait for the next region.
+template <class F>
+void spin_while(const F& waiting, double seconds) {
+  const int64_t t0 = steady_ns(), limit = static_cast<int64_t>(seconds * 1e9);
+  for (int spin = 1; waiting(); ++spin) {
     RFMEM_PAUSE();
-    if (spin % 64 == 0 &&
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > kHelperSpinSeconds)
-      break;
+    if (spin % 64 == 0 && steady_ns() - t0 > limit) break;
   }
 }
 
@@ -184,7 +184,7 @@ void helper_main(Pool* p, uint64_t seen) {
     if (last && p->caller_sleeps) p->done_cv.notify_one();
     if (spin) {
       l.unlock();
-      spin_for_region(p, seen);
+      spin_while([&] { return p->pub_gen.load(std::memory_order_acquire) == seen; }, kHelperSpinSeconds);
       l.lock();
     }
   }
@@ -333,14 +333,7 @@ void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, 
   }
   // the items helpers are running: a short spin (kSpinSeconds: a running helper finishes
   // its item within a few us), then sleep
-  if (p->done.load(std::memory_order_acquire) < n) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int spin = 1; p->done.load(std::memory_order_acquire) < n; ++spin) {
-      RFMEM_PAUSE();
-      if (spin % 64 == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > kSpinSeconds)
-        break;
-    }
-  }
+  spin_while([&] { return p->done.load(std::memory_order_acquire) < n; }, kSpinSeconds);
   if (p->done.load(std::memory_order_acquire) < n) {
     p->waits.fetch_add(1, std::memory_order_relaxed);
     std::unique_lock<std::mutex> l(p->m);
