@@ -413,6 +413,9 @@ def hybrid_recorded(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, p_sc: np
 
     Returns:
         :class:`Hybrid` of the fused top ``k_f`` (numpy, [b, k_f]).
+
+    Raises:
+        ValueError: malformed hits or keys (from the kernel, ``Backend.fused_topk``).
     """
     extra = zscore_extra(view, Q, seg, p_sc, p_rows, kh) if config.fusion not in ONE_PASS_FUSIONS else None
     hx = kh.boosts(config, extra)
@@ -423,8 +426,18 @@ def hybrid_recorded(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, p_sc: np
 
 def zscore_extra(view: Any, Q: np.ndarray | torch.Tensor, seg: np.ndarray, ps: np.ndarray, pr: np.ndarray,
                  kh: KernelHits) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """(lex_std, dense_gap) [b] of fusion "zscore" from the kernel's hits and the exact dense
-    probe (scores ``ps`` / rows ``pr`` [b, k]): :func:`rfmem_fast.fusion.zscore_stats`."""
+    """(lex_std, dense_gap) of fusion "zscore" from the kernel's hits and the exact dense
+    probe: :func:`rfmem_fast.fusion.zscore_stats` over each query's items (a chunked item
+    once), the dense mean from the user's mean vector.
+
+    Args:
+        view: the bank view; Q: float32 [b, d] unit queries (numpy or a CPU tensor);
+            seg: int64 [b] their segments; ps float32 / pr int64 [b, k]: the exact dense
+            probe (k >= 1, -1 padding); kh: the queries' :class:`KernelHits`.
+
+    Returns:
+        (lex_std, dense_gap): float64 [b] each.
+    """
     Qh = Q.detach().numpy() if isinstance(Q, torch.Tensor) else Q
     mean_d = np.einsum("ij,ij->i", Qh.astype(np.float64), user_means(view, seg))
     n = np.maximum(kh.n_items, 1).astype(np.float64)  # the items (a chunked item once)
