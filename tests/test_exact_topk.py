@@ -239,3 +239,45 @@ def test_zero_query_takes_the_first_rows_without_a_rescan(monkeypatch):
         assert r[0].tolist() == [0, 1, 2, 3, -1, -1, -1] and r[2].tolist() == list(range(4, 11)), type(be).__name__
         np.testing.assert_array_equal(r, want_r, err_msg=type(be).__name__)
         np.testing.assert_array_equal(np.asarray(s), want_s, err_msg=type(be).__name__)
+
+
+@pytest.mark.skipif(not NATIVE, reason="rfmem_fast._native is not built")
+@pytest.mark.parametrize("d", [1, 3, 7, 8, 9, 16, 31, 32, 33, 100, 384, 385])
+def test_native_exact_scores_equal_the_oracle_at_every_simd_level(d):
+    """Every SIMD level's exact-score sums (simd.h exact_sums: 4 scalar, 16 or 32 vector
+    partial sums, any order) give RN32(q . x) exactly: all scores of a bank whose rows
+    mix magnitudes 2^-40 .. 2^40, cancel to near 0 and sit within one ulp of float32
+    midpoints (the float64 interval cannot decide: the exact fallback), against the
+    oracle's math.fsum / Fraction rounding, for d around every vector width."""
+    from rfmem_fast import _native
+
+    rng = np.random.default_rng(d)
+    q = rng.normal(size=d).astype(np.float32)
+    rows = [rng.normal(size=d) * 2.0 ** rng.integers(-40, 40, size=d) for _ in range(6)]
+    base = rng.normal(size=d).astype(np.float32)
+    cancel = base.copy()  # against the all-ones query: +-2^40 pairs that cancel exactly, a small rest
+    h = d // 3
+    cancel[:h] = base[:h] * 2.0**40
+    cancel[h : 2 * h] = -cancel[:h]
+    rows.append(cancel)
+    if d >= 3:  # q = 1: 1 + 2^-24 + 2^-60 (just past a midpoint), and its cancelling twins
+        for t in (2.0**-60, -(2.0**-60), 0.0):
+            x = np.zeros(d)
+            x[:3] = [1.0, 2.0**-24, t]
+            rows.append(x)
+    X = np.stack(rows).astype(np.float32)
+    Q = np.ones((3, d), dtype=np.float32)
+    Q[1] = q
+    if d >= 3:
+        Q[0, 3:] = 0.0
+    want = [sorted(((exact_f32(Q[i], x), -r) for r, x in enumerate(X)), reverse=True) for i in range(3)]
+    off = np.array([0, X.shape[0]], dtype=np.int64)
+    top = _native.set_simd_cap(-1)
+    try:
+        for lv in range(top + 1):
+            assert _native.set_simd_cap(lv) == lv
+            s, r = _native.segmented_topk(X, off, Q, np.zeros(3, dtype=np.int64), X.shape[0])
+            for i in range(3):
+                assert [(np.float32(a), -int(b)) for a, b in zip(s[i], r[i])] == want[i], (lv, i)
+    finally:
+        _native.set_simd_cap(-1)

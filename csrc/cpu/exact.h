@@ -10,6 +10,8 @@
 #include <cstring>
 #include <limits>
 
+#include "simd.h"
+
 namespace rfmem {
 
 constexpr double kU32 = 5.9604644775390625e-08;  // 2^-24
@@ -109,33 +111,14 @@ inline float round32_exact(const float* q, const float* x, int64_t d) {
   return f;
 }
 
-/// e = RN32(q . x): the float64 sum of the (exact) float64 products and its error bound
-/// gamma_d(2^-53) sum|p|; when both ends of that interval round to the same float32,
-/// that is e; otherwise round32_exact. ``g64`` = gamma_d(2^-53) * (1 + 2^-30).
+/// e = RN32(q . x): the float64 sum s of the (exact) float64 products and its error
+/// bound gamma_d(2^-53) sum|p|, which holds for any order of the additions (the SIMD
+/// level's simd.h exact_sums picks one); when both ends of that interval round to the
+/// same float32, that is e; otherwise round32_exact. ``g64`` = gamma_d(2^-53) * (1 + 2^-30).
 inline float exact_score(const float* q, const float* x, int64_t d, double g64) {
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-  int64_t j = 0;
-  for (; j + 4 <= d; j += 4) {
-    const double p0 = static_cast<double>(q[j]) * static_cast<double>(x[j]);
-    const double p1 = static_cast<double>(q[j + 1]) * static_cast<double>(x[j + 1]);
-    const double p2 = static_cast<double>(q[j + 2]) * static_cast<double>(x[j + 2]);
-    const double p3 = static_cast<double>(q[j + 3]) * static_cast<double>(x[j + 3]);
-    s0 += p0;
-    s1 += p1;
-    s2 += p2;
-    s3 += p3;
-    a0 += std::fabs(p0);
-    a1 += std::fabs(p1);
-    a2 += std::fabs(p2);
-    a3 += std::fabs(p3);
-  }
-  for (; j < d; ++j) {
-    const double p = static_cast<double>(q[j]) * static_cast<double>(x[j]);
-    s0 += p;
-    a0 += std::fabs(p);
-  }
-  const double s = (s0 + s1) + (s2 + s3);
-  const double err = g64 * ((a0 + a1) + (a2 + a3));
+  double s = 0.0, a = 0.0;
+  simd_kernels().exact_sums(q, x, d, &s, &a);
+  const double err = g64 * a;
   const double inf = std::numeric_limits<double>::infinity();
   const float lo = static_cast<float>(std::nextafter(s - err, -inf));
   const float hi = static_cast<float>(std::nextafter(s + err, inf));

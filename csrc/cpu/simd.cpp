@@ -96,7 +96,7 @@ SimdKernels level2(decltype(SimdKernels::i8_dots) i8_dots, decltype(SimdKernels:
                    const char* i8_name, int i8_mr, int i8_nr) {
   return {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, i8_dots, i8_gemm_panel,
           &simd_l2::dot4_half, &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32, &simd_l2::scan_rows_f32_pruned,
-          &simd_l2::scores_f32, i8_name, i8_mr, i8_nr};
+          &simd_l2::scores_f32, &simd_l2::exact_sums, i8_name, i8_mr, i8_nr};
 }
 #endif
 
@@ -105,12 +105,12 @@ SimdKernels level2(decltype(SimdKernels::i8_dots) i8_dots, decltype(SimdKernels:
 const SimdKernels kLevels[] = {
     {0, "baseline", simd_l0::MR, simd_l0::NR, &simd_l0::gemm_panel, &simd_l0::to_f32, &simd_l0::i8_dots,
      nullptr, &simd_l0::dot4_half,
-     &simd_l0::scan_rows_half, nullptr, nullptr, nullptr, "baseline", 0, 0},
+     &simd_l0::scan_rows_half, nullptr, nullptr, nullptr, &simd_l0::exact_sums, "baseline", 0, 0},
 #if RFMEM_SIMD_X86
     {1, "avx2", simd_l1::MR, simd_l1::NR, &simd_l1::gemm_panel, &simd_l1::to_f32, &simd_l1::i8_dots,
      &simd_l1::i8_gemm_panel, &simd_l1::dot4_half,
      &simd_l1::scan_rows_half, &simd_l1::scan_rows_f32,
-     &simd_l1::scan_rows_f32_pruned, &simd_l1::scores_f32, "avx2", simd_l1::kI8MR, simd_l1::kI8NR},
+     &simd_l1::scan_rows_f32_pruned, &simd_l1::scores_f32, &simd_l1::exact_sums, "avx2", simd_l1::kI8MR, simd_l1::kI8NR},
     level2(&simd_l1::i8_dots, &simd_l1::i8_gemm_panel, "avx2", simd_l1::kI8MR, simd_l1::kI8NR),
     level2(&simd_l2_bw::i8_dots, &simd_l2_bw::i8_gemm_panel, "avx512bw", simd_l2_bw::kI8MR, simd_l2_bw::kI8NR),
     level2(&simd_l2_vnni::i8_dots, &simd_l2_vnni::i8_gemm_panel, "avx512_vnni", simd_l2_vnni::kI8MR,

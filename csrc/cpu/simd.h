@@ -169,6 +169,12 @@ struct SimdKernels {
   void (*scores_f32)(const float* X, int64_t d, int64_t r0, int64_t r1, const float* const* qs, int nq, float* out,
                      int64_t ld);
 
+  /// The sums of an exact score (exact.h exact_score): s = the float64 sum of the d
+  /// products q_j x_j (each exact in float64), a = the sum of their magnitudes, both in
+  /// an order of this level's choosing (16 / 32 partial sums at levels 1 / 2, 4 at 0;
+  /// exact.h's bound holds for every order, so the exact score is the same everywhere).
+  void (*exact_sums)(const float* q, const float* x, int64_t d, double* s, double* a);
+
   const char* i8_name;  // the int8 kernels: "avx512_vnni", "avx512bw", "avx2" or "baseline"
   int i8_mr;            // rows per int8 GEMM micro-tile (0 without i8_gemm_panel)
   int i8_nr;            // queries per packed int8 panel (0 without i8_gemm_panel)

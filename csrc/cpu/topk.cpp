@@ -343,9 +343,7 @@ inline double cut_below(double lower, double B) { return std::nextafter(lower - 
 // the candidates go in descending key order and the re-scoring stops at the first whose
 // key + up is below the k-th best exact score found so far: every later one scores
 // strictly below it (neither in the top k nor tied with it), so the result is that of
-// re-scoring them all. (Multiversioned: exact_score's four float64 partial sums become
-// one AVX2 vector, the same operations in the same order, so the same bits.)
-RFMEM_MULTIVERSION
+// re-scoring them all.
 void rescore(const ExactCtx& c, const float* q, Entry* cand, int64_t nc, double cut, double up, float* out_s,
              int64_t* out_r) {
   int64_t n = 0;  // the candidates to re-score, in their order, first
