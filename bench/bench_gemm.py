@@ -17,7 +17,12 @@ shared machine), best of ``--repeats``:
   table behind the int8 copy's own threshold (csrc/cpu/kernels.h ``kI8GemmMinQueries``);
 * ``bandwidth``: a multi-tenant batch (``--users`` segments of ``--items`` rows, one
   query per random user, the scan path) on float32, float16 and bfloat16 copies: bytes
-  of scan copy read per second, and the half / float32 speed-up.
+  of scan copy read per second, and the half / float32 speed-up;
+* ``exact``: the exact re-scoring (``RN32(q . x)``: float64 sums of the exact products
+  and their error bound, simd.h ``exact_sums``) per row: ``--exact-queries`` queries on
+  one segment of ``--items`` rows with k = every row (each re-scored exactly) less the
+  same call with k = 10, in nanoseconds per re-scored row (the candidates' ordering
+  included, the same at every level).
 
 The cap applies to the GEMM micro-kernels and the half-precision scans; the float32 scan
 path has its own compile-time clones (``target_clones``, csrc/cpu/common.h), so its
@@ -28,9 +33,9 @@ versions, the load averages, the exact command and every figure.
 
 Usage::
 
-    python bench/bench_gemm.py [--parts rates,crossover,bandwidth] [--rows 100000]
+    python bench/bench_gemm.py [--parts rates,crossover,bandwidth,exact] [--rows 100000]
         [--queries 1024] [--users 400] [--items 4096] [--crossover-rows 200000] [--levels 2,1,0]
-        [--scan-type float32|int8] [--repeats 3] [--out FILE]
+        [--scan-type float32|int8] [--exact-queries 64] [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ from rfmem_fast.bench.report import write_json
 from rfmem_fast.evaluate import machine_info
 from rfmem_fast.precision import int8_scan_copy, to_scan_copy
 
-PARTS = ("rates", "crossover", "bandwidth")
+PARTS = ("rates", "crossover", "bandwidth", "exact")
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -176,6 +181,32 @@ def bandwidth(levels: list[int], users: int, items: int, d: int, b: int, repeats
     return out
 
 
+def exact(levels: list[int], items: int, d: int, b: int, repeats: int) -> list[dict[str, Any]]:
+    """Nanoseconds per exactly re-scored row per level: k = every row less k = 10 (interleaved)."""
+    rng = np.random.default_rng(3)
+    X = _unit(rng, items, d)
+    Q = _unit(rng, b, d)
+    off = np.array([0, items], dtype=np.int64)
+    qs = np.zeros(b, dtype=np.int64)
+    out = []
+    for lv in levels:
+        _native.set_simd_cap(lv)
+        best = {10: float("inf"), items: float("inf")}
+        for k in best:  # warm-up
+            _native.segmented_topk(X, off, Q, qs, k, 1, 1.0001, None, "float32", "scan")
+        for _ in range(repeats):
+            for k in best:
+                t0 = time.process_time()
+                _native.segmented_topk(X, off, Q, qs, k, 1, 1.0001, None, "float32", "scan")
+                best[k] = min(best[k], time.process_time() - t0)
+        ns = max(best[items] - best[10], 0.0) / (b * (items - 10)) * 1e9
+        out.append({"level": lv, "rows": items, "queries": b, "seconds_k10": best[10], "seconds_all": best[items],
+                    "exact_ns_per_row": ns})  # fmt: skip
+        print(f"exact  level {lv} {ns:7.1f} ns per re-scored row (d = {d})", file=sys.stderr)
+    _native.set_simd_cap(-1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -187,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crossover-rows", type=int, default=200_000, help="crossover: rows of each (L, nq) cell's bank")
     p.add_argument("--scan-type", choices=("float32", "int8"), default="float32",
                    help="crossover: the rows both paths read (int8: the int8 scan copy)")
+    p.add_argument("--exact-queries", type=int, default=64, help="exact: queries of the segment")
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--levels", default=None, help="SIMD levels (default: every level this CPU runs, highest first)")
     p.add_argument("--repeats", type=int, default=3)
@@ -215,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["crossover"] = crossover(levels, args.dim, args.repeats, args.crossover_rows, args.scan_type)
     if "bandwidth" in parts:
         doc["bandwidth"] = bandwidth(levels, args.users, args.items, args.dim, args.queries, args.repeats)
+    if "exact" in parts:
+        doc["exact"] = exact(levels, args.items, args.dim, args.exact_queries, args.repeats)
     doc["loadavg_after"] = list(os.getloadavg())
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = write_json(doc, args.out or Path(__file__).with_name("results") / "local" / f"gemm-{stamp}.json")

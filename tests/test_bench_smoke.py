@@ -278,6 +278,13 @@ def test_bench_gemm_script_tiny(tmp_path):
         want = nq >= 24 and rows >= 128 if r["level"] >= 1 else _native.gemm_pays(nq, rows, 32, 0)
         assert r["rule_takes_gemm"] == want, r
     assert _native.int8_min_rows() == 0  # restored to the suite's setting
+    outx = tmp_path / "gx.json"  # the exact re-scoring per row, every level
+    assert mod.main(["--parts", "exact", "--items", "300", "--exact-queries", "4", "--dim", "32", "--repeats", "1",
+                     "--out", str(outx)]) == 0  # fmt: skip
+    ex = json.loads(outx.read_text())["exact"]
+    assert [r["level"] for r in ex] == levels
+    assert all(_finite(r["exact_ns_per_row"]) and r["exact_ns_per_row"] >= 0 and r["seconds_all"] > 0 for r in ex)
+    assert _native.simd_level() == doc["simd_level_supported"]  # the cap lifted again
 
 
 def test_to_markdown_renders_a_report_of_an_older_version():
