@@ -79,13 +79,17 @@ def _copies(X: np.ndarray) -> dict[str, Any]:
     return {"float32": None, "float16": to_scan_copy(X, "float16").view(np.uint16), "bfloat16": to_scan_copy(X, "bfloat16")}
 
 
-def rates(levels: list[int], n: int, b: int, d: int, repeats: int) -> list[dict[str, Any]]:
-    """GMAC/s of the scan and GEMM paths per level and scan type on one shared segment; faiss beside."""
-    rng = np.random.default_rng(0)
+def _shared_segment(seed: int, n: int, b: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One segment of n unit rows and b unit queries of it: (X, Q, offsets, qseg)."""
+    rng = np.random.default_rng(seed)
     X = _unit(rng, n, d)
     Q = _unit(rng, b, d)
-    off = np.array([0, n], dtype=np.int64)
-    qs = np.zeros(b, dtype=np.int64)
+    return X, Q, np.array([0, n], dtype=np.int64), np.zeros(b, dtype=np.int64)
+
+
+def rates(levels: list[int], n: int, b: int, d: int, repeats: int) -> list[dict[str, Any]]:
+    """GMAC/s of the scan and GEMM paths per level and scan type on one shared segment; faiss beside."""
+    X, Q, off, qs = _shared_segment(0, n, b, d)
     copies = _copies(X)
     out = []
     for lv in levels:
@@ -183,11 +187,7 @@ def bandwidth(levels: list[int], users: int, items: int, d: int, b: int, repeats
 
 def exact(levels: list[int], items: int, d: int, b: int, repeats: int) -> list[dict[str, Any]]:
     """Nanoseconds per exactly re-scored row per level: k = every row less k = 10 (interleaved)."""
-    rng = np.random.default_rng(3)
-    X = _unit(rng, items, d)
-    Q = _unit(rng, b, d)
-    off = np.array([0, items], dtype=np.int64)
-    qs = np.zeros(b, dtype=np.int64)
+    X, Q, off, qs = _shared_segment(3, items, b, d)
     out = []
     for lv in levels:
         _native.set_simd_cap(lv)

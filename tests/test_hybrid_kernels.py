@@ -306,6 +306,11 @@ def test_fused_topk_with_probe_keys_equals_scoring_every_hit(dtype):
         scored = _native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hval, kf)
         for a, w in zip(keyed, scored):
             np.testing.assert_array_equal(a, w)
+        nan_keys = out[5].copy()  # a NaN key bounds nothing: its hit is scored (first), the result unchanged
+        nan_keys[::7] = np.nan
+        for a, w in zip(_native.fused_topk(X, off, Q, seg, out[0], out[1], hp, hr, hx, hval, kf, hf=nan_keys,
+                                           hup=out[6]), scored):  # fmt: skip
+            np.testing.assert_array_equal(a, w)
         for i in range(seg.shape[0]):
             a, e = off[seg[i]], off[seg[i] + 1]
             dense = (X[a:e].astype(np.float64) @ Q[i].astype(np.float64)).astype(np.float32).astype(np.float64)

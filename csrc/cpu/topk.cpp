@@ -1482,24 +1482,27 @@ inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (
 RFMEM_MULTIVERSION
 void dot4_rows(const float* q, const float* const* xr, int64_t d, float* sc) { dot4(q, xr[0], xr[1], xr[2], xr[3], d, sc); }
 
-// Upper bound u of a hit's fused score from its recorded key f (fused_topk step 3).
-inline double key_upper(float f, double x, double B, double Mq) {
+// Upper bound u of a hit's fused score from its recorded key f (fused_topk step 3; NaN
+// for a NaN key).
+inline double key_bound(float f, double x, double B, double Mq) {
   const double v = (static_cast<double>(f) + B) + x;
-  return f == f ? v + (std::fabs(v) + Mq) * 0x1p-50 : std::numeric_limits<double>::infinity();  // (NaN: scored)
+  return v + (std::fabs(v) + Mq) * 0x1p-50;
+}
+
+// key_bound, +inf for a NaN key (such a hit is scored first).
+inline double key_upper(float f, double x, double B, double Mq) {
+  return f == f ? key_bound(f, x, B, Mq) : std::numeric_limits<double>::infinity();
 }
 
 // pass[h] = 1 where hit h of [0, n) may enter the fused top-k (fused_topk step 3 with
-// recorded keys): outside the dense list (mark 0), s_last + x >= t and not u < t (u as
-// key_upper; a NaN key passes). No branch on the data, so the loop vectorises (AVX2 clone).
+// recorded keys): outside the dense list (mark 0), s_last + x >= t and not u < t (u =
+// key_bound: a NaN key passes). No branch on the data, so the loop vectorises (AVX2 clone).
 RFMEM_MULTIVERSION
 void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t n, double B, double Mq,
                    double s_last, double t, char* pass) {
   for (int64_t h = 0; h < n; ++h) {
     const double x = hx[h];
-    const double f = static_cast<double>(hf[h]);
-    const double v = (f + B) + x;
-    const double u = v + (std::fabs(v) + Mq) * 0x1p-50;
-    pass[h] = static_cast<char>((!(u < t) | (f != f)) & (s_last + x >= t) & (mark[h] == 0));
+    pass[h] = static_cast<char>(!(key_bound(hf[h], x, B, Mq) < t) & (s_last + x >= t) & (mark[h] == 0));
   }
 }
 
