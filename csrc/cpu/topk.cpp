@@ -1587,7 +1587,11 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
     //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
     //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
     //    against the raised tau.
-    const double B = hf != nullptr && hup != nullptr ? hup[i] : hf == nullptr && ex.empty() ? 0.0 : ctx.bound(ctx.scan, q);
+    double B = 0.0;  // recorded keys: their offset; float32 scores to screen: the scan bound
+    if (hf != nullptr && hup != nullptr)
+      B = hup[i];
+    else if (hf != nullptr || !ex.empty())
+      B = ctx.bound(ctx.scan, q);
     auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
       const int64_t r = a + hrows[h];
       const float es = exact_score(q, X + r * d, d, ctx.g64);
