@@ -6,8 +6,8 @@ it once per chunk of ``max_batch`` queries. Its steps:
 
 1. the probe (:meth:`Backend.probe <rfmem_fast.backends.base.Backend.probe>`; with the
    lexical channel on a backend with ``has_fused_topk``, ``Backend.probe_hits``, which
-   records the lexical hits' keys in the dense probe's own pass, then
-   ``Backend.fused_topk``; with the context score, the one-pass ``Backend.hybrid_probe``;
+   records the lexical hits' keys in the dense probe's own pass and takes each query's
+   fused top-k on its threads (``Backend.fused_topk`` after it for "zscore"); with the context score, the one-pass ``Backend.hybrid_probe``;
    :mod:`rfmem_fast.search_lexical`);
 2. the routing (the config's thresholds, a router object, or the route a forced mode names);
 3. the Familiarity path's list: the probe's top ``out_k``, the fused list of the lexical
@@ -63,8 +63,8 @@ from .search_lexical import (
     KernelHits,
     context_probe,
     hybrid,
-    hybrid_recorded,
     lexical_hits,
+    probe_fused,
 )
 from .threads import limit_torch_threads
 
@@ -401,14 +401,11 @@ def run_chunk(
             be, view, kit.tensor(Q), seg_np, texts if lexical else None, config, k_scan, probe_k, max(probe_k, kl)
         )
         p_sc, p_rows, mean, ent, count = (kit.untensor(t) for t in probe)
-    elif one_pass:  # the dense probe recording its hits' keys (Backend.probe_hits), then the fused top-k
+    elif one_pass:  # the dense probe recording its hits' keys and taking the fused top-k (probe_fused)
         kh = KernelHits.of(be, view, seg_np, texts)
         k_f = max(probe_k, kl)
-        k_scan = max(k_scan, min(k_f, max_len))  # (fused_topk starts from an exact dense top-K, K >= k_f)
-        Qh = kit.lower(Q)  # (has_fused_topk backends run on the host)
-        probe, hf, hup = be.probe_hits(view, Qh, seg_np, k_scan, probe_k, config.temperature, config.entropy,
-                                       kh.hptr, kh.hrows)  # fmt: skip
-        hyb = hybrid_recorded(be, view, Qh, seg_np, probe[0], probe[1], kh, hf, config, k_f, hup)
+        k_scan = max(k_scan, min(k_f, max_len))  # (the fused top-k starts from an exact dense top-K, K >= k_f)
+        probe, hyb = probe_fused(be, view, kit.lower(Q), seg_np, k_scan, probe_k, config, kh, k_f)
         p_sc, p_rows, mean, ent, count = (kit.lift(a) for a in probe)
     else:
         p_sc, p_rows, mean, ent, count = kit.probe(be, view, Q, seg, k_scan, probe_k, config, sel)

@@ -29,7 +29,7 @@ from .filters import RowSelection
 from .fusion import BOOST_FACTORS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
 
 __all__ = ["HYBRID_DENSE_DEPTH", "ONE_PASS_FUSIONS", "HYBRID_MATRIX_ENTRIES", "Hybrid", "KernelHits", "context_probe",
-           "hybrid", "hybrid_recorded", "lexical_hits"]
+           "hybrid", "hybrid_recorded", "lexical_hits", "probe_fused"]
 
 #: exact dense candidates per query of the convex / adaptive fusions (at least the fused
 #: width): the wider the dense list, the lower its last score ``s_K`` and the fewer
@@ -422,6 +422,46 @@ def hybrid_recorded(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, p_sc: np
     rows, fused, dense, lexv = be.fused_topk(view, Q, seg, p_sc, p_rows, kh.hptr, kh.hrows, hx, kh.hval, k_f, hf=hf,
                                              hup=hup)  # fmt: skip
     return Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv, hits=lambda: kh.hit_list(view, seg))
+
+
+def probe_fused(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int, config: RFMemConfig,
+                kh: KernelHits, k_f: int) -> tuple:  # fmt: skip
+    """The dense probe and the fused top ``k_f`` of b queries on a backend with
+    ``has_fused_topk`` (no row selection). Fusions "convex" / "adaptive" (their boosts need
+    no dense score): ONE call, ``Backend.probe_hits`` with the boosts, each query's fused
+    list taken on the scan's threads right after its dense list and its hits' keys.
+    "zscore" (its boosts need the dense top-1): ``Backend.probe_hits`` recording the keys,
+    then :func:`hybrid_recorded`. Both give ``Backend.fused_topk``'s list, bit for bit.
+
+    Args:
+        be, view: the backend and its bank view; Q: float32 [b, d] C-contiguous unit
+            queries, seg: int64 [b] their segments (host arrays); k, probe_k: the probe's
+            width (>= ``k_f`` or the longest queried segment) and its signals' K;
+            config: the RFMemConfig (``fusion``, ``temperature``, ``entropy``); kh: the
+            queries' :class:`KernelHits`; k_f: width of the fused list.
+
+    Returns:
+        ((scores float32, rows int64 [b, k], mean, entropy float64, count int64 [b]) of the
+        probe, numpy; the fused list as a :class:`Hybrid`, [b, k_f]).
+
+    Raises:
+        ValueError: malformed hits (from the kernel).
+    """
+    if config.fusion not in ONE_PASS_FUSIONS:
+        probe, hf, hup = be.probe_hits(view, Q, seg, k, probe_k, config.temperature, config.entropy, kh.hptr,
+                                       kh.hrows)  # fmt: skip
+        return probe, hybrid_recorded(be, view, Q, seg, probe[0], probe[1], kh, hf, config, k_f, hup)
+    kf = min(k_f, k)  # (k < k_f only when every dense list holds its whole segment: the rest is padding)
+    probe, _, _, (rows, fused, dense, lexv) = be.probe_hits(
+        view, Q, seg, k, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, kh.boosts(config, None),
+        kh.hval, kf,
+    )  # fmt: skip
+    if kf < k_f:
+        w = ((0, 0), (0, k_f - kf))
+        rows, fused = np.pad(rows, w, constant_values=-1), np.pad(fused, w, constant_values=-np.inf)
+        dense, lexv = np.pad(dense, w, constant_values=np.nan), np.pad(lexv, w, constant_values=np.nan)
+    return probe, Hybrid(rows=rows, fused=fused, dense=dense.astype(np.float64), lex=lexv,
+                         hits=lambda: kh.hit_list(view, seg))  # fmt: skip
 
 
 def zscore_extra(view: Any, Q: np.ndarray | torch.Tensor, seg: np.ndarray, ps: np.ndarray, pr: np.ndarray,

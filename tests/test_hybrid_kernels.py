@@ -322,6 +322,80 @@ def test_fused_topk_with_probe_keys_equals_scoring_every_hit(dtype):
             np.testing.assert_array_equal(keyed[1][i], fused[order])
 
 
+#: (scan copy, SIMD level cap, segment lengths, queries): the scan and GEMM paths on every
+#: copy and level, and one long segment with few queries (its rows split in parts over the
+#: threads: the fused list taken after the parts' merge)
+_FUSED_CASES = [(t, lv, (900, 64, 250), 70) for t in ("float32", "float16", "int8") for lv in (0, 1, 2)]
+_FUSED_CASES += [("float32", 2, (5000,), 3), ("int8", 2, (5000,), 3)]
+
+
+@pytest.mark.parametrize("dtype,level,lens,b", _FUSED_CASES, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in _FUSED_CASES])
+def test_probe_fused_list_equals_fused_topk_and_the_oracle(dtype, level, lens, b):
+    """probe(..., hx=, hval=, kf=) takes each query's fused top-kf on the scan's threads
+    right after its dense list (lexical.h FusedTopk): the same four arrays as fused_topk
+    fed the probe's lists and keys afterwards, bit for bit, on every path, SIMD level and
+    thread count, and the full-scan oracle's rows and fused scores; the probe itself and
+    its keys are unchanged."""
+    X, off, Q, seg, hp, hr, scan = _hit_case(9, 40, list(lens), b, dtype)
+    rng = np.random.default_rng(3)
+    hval = rng.random(hr.shape[0]) * 10
+    hx = np.round(hval * 0.02, 3)  # rounded boosts: exact fused ties across rows
+    kf = 10
+    _native.set_simd_cap(level)
+    try:
+        for path in ("auto", "scan", "gemm"):
+            for threads in (1, 2):
+                args = (X, off, Q, seg, 30, 5, 0.1, "mean", threads, -1.0)
+                base = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, **scan)
+                got = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hval, kf=kf, **scan)
+                assert len(got) == len(base) + 4
+                # the hits change no dense list (an int8 scan in tiles of 1,024 rows once
+                # kept only its last tile's candidates)
+                for a, w in zip(base[:5], _native.probe(*args, path=path, **scan)):
+                    np.testing.assert_array_equal(a, w)
+                for a, w in zip(got[: len(base)], base):
+                    np.testing.assert_array_equal(a, w)
+                want = _native.fused_topk(X, off, Q, seg, base[0], base[1], hp, hr, hx, hval, kf, hf=base[5],
+                                          hup=base[6])  # fmt: skip
+                for a, w in zip(got[len(base) :], want):
+                    np.testing.assert_array_equal(a, w)
+                rows, fused = got[len(base)], got[len(base) + 1]
+                for i in range(seg.shape[0]):
+                    a, e = off[seg[i]], off[seg[i] + 1]
+                    dense = (X[a:e].astype(np.float64) @ Q[i].astype(np.float64)).astype(np.float32).astype(np.float64)
+                    boost = np.zeros(e - a)
+                    boost[hr[hp[i] : hp[i + 1]]] = hx[hp[i] : hp[i + 1]]
+                    order = np.lexsort((np.arange(e - a), -(dense + boost)))[:kf]
+                    assert rows[i].tolist() == (a + order).tolist(), (path, threads, i)
+                    np.testing.assert_array_equal(fused[i], (dense + boost)[order])
+    finally:
+        _native.set_simd_cap(-1)
+
+
+def test_probe_fused_list_arguments_are_checked():
+    X, off, Q, seg, hp, hr, _ = _hit_case(2, 16, [50], 3, "float32")
+    hx = np.zeros(hr.shape[0])
+    args = (X, off, Q, seg, 10, 5, 0.1, "mean")
+    with pytest.raises(ValueError, match="kf must be <= k"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hx, kf=11)
+    with pytest.raises(ValueError, match="kf must be >= 0"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hx, kf=-1)
+    with pytest.raises(ValueError, match="kf > 0 needs hit_ptr and hit_rows"):
+        _native.probe(*args, hx=hx, hval=hx, kf=5)
+    with pytest.raises(ValueError, match="hx and hval go with kf > 0"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hx)
+    with pytest.raises(ValueError, match="hx and hval must have one entry per hrows entry"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx[:-1], hval=hx[:-1], kf=5)
+    bad = hx.copy()
+    bad[0] = np.inf
+    with pytest.raises(ValueError, match=r"hx\[0\] must be finite and >= 0"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=bad, hval=hx, kf=5)
+    with pytest.raises(ValueError, match="kf > 0 takes no row selection"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hx, kf=5, qsel=np.zeros(3, np.int64),
+                      sel_seg=np.zeros(1, np.int64), sel_off=np.array([0, 50], np.int64), sel_rows=np.arange(50),
+                      sel_mask=np.ones(50, np.uint8), sel_mask_off=np.zeros(1, np.int64))  # fmt: skip
+
+
 def test_fused_topk_checks_hup():
     X, off, Q, seg, hp, hr, _ = _hit_case(2, 16, [50], 3, "float32")
     out = _native.probe(X, off, Q, seg, 10, 5, 0.1, "mean", hit_ptr=hp, hit_rows=hr)

@@ -325,10 +325,8 @@ void check_hit_rows(const char* fn, const TopkInputs& in, const py::object& hptr
   }
 }
 
-HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
-                    const py::object& hx_, const py::object& hval_) {
-  HitsArgs h;
-  check_hit_rows(fn, in, hptr_, hrows_, h);
+// The hits' boosts hx and BM25 hval (float64 [H] each, H = len(h.hrows); hx finite and >= 0) into h.
+void check_boosts(const char* fn, const py::object& hx_, const py::object& hval_, HitsArgs& h) {
   h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
   h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
   const int64_t H = h.hrows.shape(0);
@@ -340,6 +338,13 @@ HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr
   for (int64_t j = 0; bad && j < H; ++j)
     if (!(px[j] >= 0.0) || std::isinf(px[j]))
       throw py::value_error(std::string(fn) + ": hx[" + std::to_string(j) + "] must be finite and >= 0");
+}
+
+HitsArgs check_hits(const char* fn, const TopkInputs& in, const py::object& hptr_, const py::object& hrows_,
+                    const py::object& hx_, const py::object& hval_) {
+  HitsArgs h;
+  check_hit_rows(fn, in, hptr_, hrows_, h);
+  check_boosts(fn, hx_, hval_, h);
   return h;
 }
 
@@ -349,7 +354,7 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                    const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
                    const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_,
                    bool keep_scan_scores, const py::object& scan_meta_, const py::object& hit_ptr_,
-                   const py::object& hit_rows_) {
+                   const py::object& hit_rows_, const py::object& hx_, const py::object& hval_, int64_t kf) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -411,6 +416,37 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
     opt.hit_keys = hit_keys.mutable_data();
     opt.hit_up = hit_up.mutable_data();
   }
+  // the fused top-kf of each query, taken on the scan's threads right after its dense list (lexical.h FusedTopk)
+  if (kf < 0) throw py::value_error(std::string(fn) + ": kf must be >= 0, got " + std::to_string(kf));
+  if (kf > 0 && !hits) throw py::value_error(std::string(fn) + ": kf > 0 needs hit_ptr and hit_rows");
+  if (kf > 0 && !qsel_.is_none())
+    throw py::value_error(std::string(fn) + ": kf > 0 takes no row selection (qsel must be None)");
+  if (kf > k) throw py::value_error(std::string(fn) + ": kf must be <= k (the dense list it starts from), got kf = " +
+                                    std::to_string(kf) + ", k = " + std::to_string(k));
+  const py::ssize_t fs = static_cast<py::ssize_t>(kf);
+  py::array_t<int64_t> f_rows;
+  py::array_t<double> f_fused, f_lex;
+  py::array_t<float> f_dense;
+  std::unique_ptr<rfmem::FusedTopk> fz;
+  if (kf > 0) {
+    check_boosts(fn, hx_, hval_, ha);
+    f_rows = py::array_t<int64_t>({b, fs});
+    f_fused = py::array_t<double>({b, fs});
+    f_lex = py::array_t<double>({b, fs});
+    f_dense = py::array_t<float>({b, fs});
+    if (!(opt.xnorm >= 0.0)) {  // one bound for the scan and the fused re-scoring
+      py::gil_scoped_release nogil;
+      opt.xnorm = rfmem::row_norm_bound(cptr<float>(in.X), in.n, in.d);
+    }
+    fz.reset(new rfmem::FusedTopk(rfmem::FusedArgs{
+        cptr<float>(in.X), in.d, cptr<int64_t>(in.offsets), cptr<float>(in.Q), cptr<int64_t>(in.qseg), in.b, ps, pr, k,
+        cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows), cptr<double>(ha.hx), cptr<double>(ha.hval), kf, opt.xnorm,
+        f_rows.mutable_data(), f_fused.mutable_data(), f_dense.mutable_data(), f_lex.mutable_data(),
+        opt.hit_keys, opt.hit_up}));
+    opt.after = fz.get();
+  } else if (!hx_.is_none() || !hval_.is_none()) {
+    throw py::value_error(std::string(fn) + ": hx and hval go with kf > 0");
+  }
   {
     py::gil_scoped_release nogil;
     rfmem::segmented_topk(cptr<float>(in.X), in.n, in.d, cptr<int64_t>(in.offsets), in.U, cptr<float>(in.Q),
@@ -428,6 +464,9 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
     out.append(hit_keys);
     out.append(hit_up);
   }
+  if (kf > 0)
+    for (const py::object& o : {py::object(f_rows), py::object(f_fused), py::object(f_dense), py::object(f_lex)})
+      out.append(o);
   return py::tuple(out);
 }
 
@@ -1031,7 +1070,8 @@ Raises:
           py::arg("path") = "auto", py::arg("qsel") = py::none(), py::arg("sel_seg") = py::none(),
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
           py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false, py::arg("scan_meta") = py::none(),
-          py::arg("hit_ptr") = py::none(), py::arg("hit_rows") = py::none(),
+          py::arg("hit_ptr") = py::none(), py::arg("hit_rows") = py::none(), py::arg("hx") = py::none(),
+          py::arg("hval") = py::none(), py::arg("kf") = 0,
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
@@ -1062,10 +1102,16 @@ Returns:
     score RN32(Q[i] . x) of each hit x of query i, taken in the same pass (a scan or GEMM
     score and its path's bound, or an int8 key with offset 0); hit_up[i] = inf where the
     query's path records none (hit_keys NaN): fused_topk's hf / hup.
+    With kf > 0 (1 <= kf <= k; needs the hits, hx float64 [H] finite boosts >= 0 and hval
+    float64 [H] BM25, no qsel), four more last: each query's exact fused top-kf (rows int64,
+    fused float64, dense float32, lex float64, [b, kf]) equal to fused_topk(dense_scores=
+    scores, dense_rows=rows, hf=hit_keys, hup=hit_up), taken on the scan's threads right
+    after the query's dense list (lexical.h FusedTopk), its segment and keys still in cache.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
-    unknown convention (ValueError); malformed hits (ValueError).
+    unknown convention (ValueError); malformed hits or boosts, kf < 0 or > k, kf > 0
+    without hits or with qsel, hx / hval without kf (ValueError).
 )doc");
 
   mod.def("batched_kmeans", &py_batched_kmeans, py::arg("V"), py::arg("counts"), py::arg("clusters"),

@@ -111,9 +111,12 @@ struct Reservoir {
 
   float threshold() const { return thr; }
 
-  // An empty reservoir over hp's storage, which must hold 2 hp.k entries (cap = 2 k), with
-  // hp's selection mask; to_heap(hp) ends it.
-  static Reservoir over(const Heap& hp) { return Reservoir{hp.h, hp.k, 2 * hp.k, 0, kNegInf, hp.mask, hp.mask_base}; }
+  // A reservoir over hp's storage, which must hold 2 hp.k entries (cap = 2 k), holding hp's
+  // entries (a scan continued over further rows keeps what the earlier rows gave; a full
+  // heap's worst entry is the threshold), with hp's selection mask; to_heap(hp) ends it.
+  static Reservoir over(const Heap& hp) {
+    return Reservoir{hp.h, hp.k, 2 * hp.k, hp.size, hp.threshold(), hp.mask, hp.mask_base};
+  }
 
   void push(float s, int64_t r) {
     if (!(s == s)) return;  // NaN is never kept

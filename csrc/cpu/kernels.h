@@ -35,6 +35,18 @@ struct SelTable {
   const int64_t* mask_off = nullptr;  ///< [P]
 };
 
+/// Per-query work that segmented_topk runs on its own worker threads once a query's
+/// results are final (TopkOptions::after): prepare(n) is called before threads 0 .. n - 1
+/// start (it allocates their scratch; it may be called again, with a larger n, before a
+/// later phase); done(i, tid) on thread tid once query i's exact top-k (out_scores /
+/// out_rows row i) and, when the pass records them, its hits' keys (hit_keys, hit_up[i])
+/// are written, while the query's segment is still warm in the caches. done must not throw.
+struct QueryHook {
+  virtual ~QueryHook() = default;
+  virtual void prepare(int nthreads) = 0;
+  virtual void done(int64_t i, int tid) = 0;
+};
+
 /// Options of segmented_topk beyond its arrays.
 struct TopkOptions {
   /// A float16 / bfloat16 copy of X (uint16 [n, d], C-contiguous; element i of row r is
@@ -96,6 +108,9 @@ struct TopkOptions {
   const int32_t* hit_rows = nullptr;
   float* hit_keys = nullptr;
   double* hit_up = nullptr;
+  /// Per-query continuation (optional; QueryHook): lexical.h FusedTopk takes each query's
+  /// fused top-k right after its dense one, reading the keys the pass just recorded.
+  QueryHook* after = nullptr;
 };
 
 /// The int8 scan copy pays from this many rows per queried segment (mean over the call's

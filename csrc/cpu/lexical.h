@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "kernels.h"
 
 namespace rfmem {
 
@@ -69,6 +72,50 @@ void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* 
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
                 double* out_fused, float* out_dense, double* out_lex, const float* hf = nullptr,
                 const double* hup = nullptr);
+
+/// The arrays of fused_topk (same names, same meaning; K the dense lists' width and
+/// stride) for FusedTopk.
+struct FusedArgs {
+  const float* X = nullptr;
+  int64_t d = 0;
+  const int64_t* offsets = nullptr;
+  const float* Q = nullptr;
+  const int64_t* qseg = nullptr;
+  int64_t b = 0;
+  const float* dsc = nullptr;
+  const int64_t* drows = nullptr;
+  int64_t K = 0;
+  const int64_t* hptr = nullptr;
+  const int32_t* hrows = nullptr;
+  const double* hx = nullptr;
+  const double* hval = nullptr;
+  int64_t kf = 0;
+  double xnorm = 0.0;
+  int64_t* out_rows = nullptr;
+  double* out_fused = nullptr;
+  float* out_dense = nullptr;
+  double* out_lex = nullptr;
+  const float* hf = nullptr;
+  const double* hup = nullptr;
+};
+
+/// fused_topk one query at a time: done(i, tid) writes query i's fused top-kf (its row of
+/// the outputs) from its dense list and hits as they stand then (dsc / drows row i, hf and
+/// hup[i] when given), on thread tid's scratch (prepare(n): threads 0 .. n - 1).
+/// fused_topk runs it over its queries; a probe runs it as segmented_topk's
+/// TopkOptions::after, each query's fused list taken right after its dense list and its
+/// hits' keys, the segment still in cache. The results do not depend on which.
+class FusedTopk final : public QueryHook {
+ public:
+  explicit FusedTopk(const FusedArgs& args);
+  ~FusedTopk() override;
+  void prepare(int nthreads) override;
+  void done(int64_t i, int tid) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// The dense exact top-k AND the exact fused top-kf of b queries in one pass over each
 /// query's segment (topk.cpp): fused = fl64(RN32(q.x) + x), x the boost hx of the row's

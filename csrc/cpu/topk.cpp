@@ -514,9 +514,9 @@ void i8_keys(const I8Query& iq, const float* meta, const int32_t* dots, int m, i
   for (int i = 0; i < cnt; ++i) key[i] = i8_upper(iq, meta + 3 * i, dots[i * m]);
 }
 
-// The int8 scan of rows [r0, r1) (contiguous) for nq queries into the (empty) heaps[0:nq],
-// each holding capacity 2 k in its storage: blocks of kI8Block rows, 4 rows per i8_dots
-// call, every query of the group (or GEMM unit) scoring them while they are in L1; a
+// The int8 scan of rows [r0, r1) (contiguous) for nq queries into the heaps[0:nq] (added to
+// what they hold: a scan in tiles), each holding capacity 2 k in its storage: blocks of
+// kI8Block rows, 4 rows per i8_dots call, every query of the group (or GEMM unit) scoring them while they are in L1; a
 // block's keys are computed at once (i8_keys) and only those above the threshold go, in
 // row order, to a Reservoir over the heap's storage (heap.h: the heap's set, without a
 // sift per replacement; the int8 keys' wide margin keeps k + 16 .. k + 128 rows), made the
@@ -995,7 +995,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
                     const TopkOptions& opt) {
   (void)U;
   if (b == 0 || k == 0) return;
-  if (opt.hit_up != nullptr)  // +inf: no keys recorded (the groups whose pass records them set theirs at the end)
+  if (opt.hit_up != nullptr)  // +inf: no keys recorded (the groups whose pass records them set theirs below)
     std::fill(opt.hit_up, opt.hit_up + b, std::numeric_limits<double>::infinity());
   const SimdKernels& K = simd_kernels();
   ScanSrc src{X, opt.scan, opt.scan ? opt.scan_type : ScanType::kF32};
@@ -1082,6 +1082,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     const int64_t per = kGroup * kwl + k;
     const int64_t ltile = std::max<int64_t>(4, (kTileBytes / (d * (src.half ? 2 : 4))) / 4 * 4);
     std::vector<Entry> lstore(static_cast<size_t>(lthreads) * per);  // allocated before the threads
+    if (opt.after) opt.after->prepare(lthreads);
     parallel_for(nlg, lthreads, [&](int64_t t, int tid) {
       const int64_t g0 = lstart[static_cast<size_t>(t)], g1 = lstart[static_cast<size_t>(t) + 1];
       const int nq = static_cast<int>(g1 - g0);
@@ -1099,6 +1100,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       }
       list_group(ctx, src, K, qs, nq, sel->rows + sel->off[p], sel->off[p + 1] - sel->off[p], kwl, ltile,
                  lstore.data() + static_cast<size_t>(tid) * per, os, orr, src.i8 ? iqs : nullptr);
+      for (int i = 0; opt.after && i < nq; ++i) opt.after->done(listed[static_cast<size_t>(g0 + i)], tid);
     });
   }
   const int64_t nm = static_cast<int64_t>(order.size());
@@ -1203,6 +1205,16 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     part_r.resize(static_cast<size_t>(b) * parts * kw);
   }
 
+  if (rec) {  // each query's offset: its path's bound (int8 keys: 0), before any query finishes (opt.after)
+    for (const Group& g : groups) {
+      const HitKeys hk = hit_keys(g);
+      for (int i = 0; i < g.nq && hk != HitKeys::kNone; ++i) {
+        const int64_t qi = order[g.first + i];
+        opt.hit_up[qi] = hk == HitKeys::kI8 ? 0.0 : ctx.bound(hk == HitKeys::kGemm ? ctx.gemm : ctx.scan, Q + qi * d);
+      }
+    }
+  }
+  if (opt.after) opt.after->prepare(nthreads);
   std::atomic<int64_t> scored{0};  // rows the scans scored (opt.rows_scored)
   parallel_for(items, nthreads, [&](int64_t it, int tid) {
     const int64_t gi = gorder[it / parts];
@@ -1288,6 +1300,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
                      hp.mask, iqp(qi));
         hp.size = 0;
+        if (opt.after) opt.after->done(qi, tid);
       } else {
         const size_t off = ((static_cast<size_t>(g.first) + i) * parts + p) * kw;
         hp.drain(part_s.data() + off, part_r.data() + off);  // the root (worst) first
@@ -1296,15 +1309,6 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   });
 
   if (opt.rows_scored) *opt.rows_scored += scored.load();
-  if (rec) {  // each query's offset: its path's bound (int8 keys: 0)
-    for (const Group& g : groups) {
-      const HitKeys hk = hit_keys(g);
-      for (int i = 0; i < g.nq && hk != HitKeys::kNone; ++i) {
-        const int64_t qi = order[g.first + i];
-        opt.hit_up[qi] = hk == HitKeys::kI8 ? 0.0 : ctx.bound(hk == HitKeys::kGemm ? ctx.gemm : ctx.scan, Q + qi * d);
-      }
-    }
-  }
   if (opt.scores_out && opt.scores_written && (src.i8 || K.scan_rows_f32) && !opt.prune_ref)
     for (const Group& g : groups)  // the queries whose scan wrote every row's score
       if (!g.gemm)
@@ -1337,6 +1341,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * hstride;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
                      out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi));
+        if (opt.after) opt.after->done(qi, tid);
       }
     });
   }
@@ -1508,194 +1513,240 @@ void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t 
 
 }  // namespace
 
+// FusedTopk's state: the call's arrays, the exact context of its re-scoring, the largest
+// boost (the keys' bound) and per-thread scratch.
+struct FusedTopk::Impl {
+  FusedArgs args;
+  ExactCtx ctx;
+  double xmax = 0.0;
+  struct Scratch {
+    std::vector<Fused> cand;
+    std::vector<char> mark;
+    std::vector<int64_t> extra;
+    std::vector<double> best;
+    std::vector<std::pair<double, int64_t>> ub;
+    std::vector<char> pass;
+  };
+  std::vector<Scratch> scratch;
+  void one(int64_t i, Scratch& s) const;
+};
+
+// Query i's fused top-kf (fused_topk's steps 1-4).
+void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
+  const float* X = args.X;
+  const float* Q = args.Q;
+  const int64_t d = args.d, K = args.K, kf = args.kf;
+  const int64_t* offsets = args.offsets;
+  const int64_t* qseg = args.qseg;
+  const int64_t* hptr = args.hptr;
+  const int64_t* drows = args.drows;
+  const float* dsc = args.dsc;
+  const int32_t* hrows = args.hrows;
+  const double* hx = args.hx;
+  const double* hval = args.hval;
+  const float* hf_all = args.hf;
+  const double* hup = args.hup;
+  const double xnorm = args.xnorm;
+  int64_t* out_rows = args.out_rows;
+  double* out_fused = args.out_fused;
+  float* out_dense = args.out_dense;
+  double* out_lex = args.out_lex;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<Fused>& cand = s.cand;
+  std::vector<char>& mark = s.mark;
+  std::vector<int64_t>& ex = s.extra;
+  cand.clear();
+  ex.clear();
+  const int64_t a = offsets[qseg[i]];
+  const int64_t h0 = hptr[i], h1 = hptr[i + 1];
+  mark.assign(static_cast<size_t>(h1 - h0), 0);
+  const float* q = Q + i * d;
+  // 1. the dense list, each with its boost (0 without a lexical hit)
+  int64_t nS = 0;
+  for (int64_t j = 0; j < K; ++j) {
+    const int64_t r = drows[i * K + j];
+    if (r < 0) continue;
+    ++nS;
+    const int32_t loc = static_cast<int32_t>(r - a);
+    const int32_t* it = lower_bound_i32(hrows + h0, h1 - h0, loc);
+    double x = 0.0, lv = 0.0;
+    if (it != hrows + h1 && *it == loc) {
+      const int64_t h = it - hrows;
+      mark[static_cast<size_t>(h - h0)] = 1;
+      x = hx[h];
+      lv = hval[h];
+    }
+    const float ds = dsc[i * K + j];
+    cand.push_back(Fused{static_cast<double>(ds) + x, r, ds, lv});
+  }
+  // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
+  // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
+  // scores >= the kf-th best of any candidate set)
+  std::vector<double>& best = s.best;
+  best.clear();
+  auto offer = [&](double f) {
+    if (static_cast<int64_t>(best.size()) < kf) {
+      best.push_back(f);
+      std::push_heap(best.begin(), best.end(), std::greater<double>());
+    } else if (f > best.front()) {
+      std::pop_heap(best.begin(), best.end(), std::greater<double>());
+      best.back() = f;
+      std::push_heap(best.begin(), best.end(), std::greater<double>());
+    }
+  };
+  for (const Fused& c : cand) offer(c.f);
+  auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
+  const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
+  // 2. the hits outside the dense list that pass fl(s_K + x) >= tau (with recorded
+  //    scores or keys: in step 3's loop)
+  const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
+  if (!hf) {
+    const double t = tau();
+    for (int64_t h = h0; h < h1; ++h)
+      if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
+  }
+  // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B (or a recorded key f with
+  //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
+  //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
+  //    against the raised tau.
+  double B = 0.0;  // recorded keys: their offset; float32 scores to screen: the scan bound
+  if (hf != nullptr && hup != nullptr)
+    B = hup[i];
+  else if (hf != nullptr || !ex.empty())
+    B = ctx.bound(ctx.scan, q);
+  auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
+    const int64_t r = a + hrows[h];
+    const float es = exact_score(q, X + r * d, d, ctx.g64);
+    const double f = static_cast<double>(es) + hx[h];
+    cand.push_back(Fused{f, r, es, hval[h]});
+    offer(f);
+  };
+  auto screen = [&](const int64_t* hs, size_t n) {
+    float sc[4];
+    for (size_t e = 0; e < n; e += 4) {
+      const size_t cnt = std::min<size_t>(4, n - e);
+      const float* xr[4];
+      for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
+      dot4_rows(q, xr, d, sc);
+      for (size_t t = 0; t < cnt; ++t)
+        if (!(std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[hs[e + t]] < tau())) take(hs[e + t]);
+    }
+  };
+  constexpr size_t kLead = 16;
+  if (hf) {
+    // recorded keys (screening costs no dot product): u bounds a hit's fused score F =
+    // fl(e + x) from above, e = RN32(q.x) <= f + B: with v = fl(fl(f + B) + x), F <= v +
+    // 2^-53 (|fl(f + B)| + |v| + |F|) <= v + 2^-51 (|v| + Mq) (|F|, x <= Mq), and u = v +
+    // 2^-50 (|v| + Mq) covers that with its own roundings. The hits by descending u, a
+    // block at a time, until one's u < tau (every later one's too: none can enter).
+    std::vector<std::pair<double, int64_t>>& ub = s.ub;
+    ub.clear();
+    double qa[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // ||q||^2 (8 sums: no dependence chain)
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+      for (int l = 0; l < 8; ++l) qa[l] += static_cast<double>(q[j + l]) * static_cast<double>(q[j + l]);
+    for (; j < d; ++j) qa[0] += static_cast<double>(q[j]) * static_cast<double>(q[j]);
+    const double qq = ((qa[0] + qa[1]) + (qa[2] + qa[3])) + ((qa[4] + qa[5]) + (qa[6] + qa[7]));
+    const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;  // (qq: sums of exact squares)
+    const double t = tau();
+    const size_t nh = static_cast<size_t>(h1 - h0);
+    if (ub.size() < nh) ub.resize(nh);  // (grows only)
+    std::vector<char>& pass = s.pass;
+    if (pass.size() < nh + 8) pass.resize(nh + 8);
+    keys_reaching(hf + h0, hx + h0, mark.data(), h1 - h0, B, Mq, s_last, t, pass.data());  // (step 2 too)
+    std::fill(pass.begin() + static_cast<std::ptrdiff_t>(nh), pass.begin() + static_cast<std::ptrdiff_t>(nh) + 8, 0);
+    size_t m = 0;
+    for (size_t e = 0; e < nh; e += 8) {  // few hits pass (about 2 % on bench_hybrid's texts): 8 flags a test
+      uint64_t w;
+      std::memcpy(&w, pass.data() + e, sizeof w);
+      for (; w; w &= w - 1) {
+        const int64_t h = h0 + static_cast<int64_t>(e) + (__builtin_ctzll(w) >> 3);
+        ub[m++] = {key_upper(hf[h], hx[h], B, Mq), h};
+      }
+    }
+    auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    };
+    const size_t block = std::max<size_t>(static_cast<size_t>(kf), 8);
+    const auto ub_end = ub.begin() + static_cast<std::ptrdiff_t>(m);  // ub[0:m]: the hits that can enter
+    for (size_t done = 0; done < m;) {
+      const size_t c = std::min(block, m - done);
+      if (done + c < m) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub_end, desc);
+      std::sort(ub.begin() + done, ub.begin() + done + c, desc);
+      for (size_t e = done; e < std::min(done + c, done + 4); ++e)  // the likeliest rows on their way from memory
+        prefetch_bytes(X + (a + hrows[ub[e].second]) * d, d * static_cast<int64_t>(sizeof(float)));
+      size_t e = done;
+      for (; e < done + c && !(ub[e].first < tau()); ++e) take(ub[e].second);
+      done = e < done + c ? m : done + c;
+    }
+  } else if (ex.size() > 2 * kLead) {
+    auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
+    std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
+    screen(ex.data(), kLead);
+    size_t m = 0;
+    for (size_t e = kLead; e < ex.size(); ++e)
+      if (s_last + hx[ex[e]] >= tau()) ex[m++] = ex[e];
+    std::sort(ex.begin(), ex.begin() + m);  // row order: the gathers walk the segment forwards
+    screen(ex.data(), m);
+  } else {
+    screen(ex.data(), ex.size());
+  }
+  // 4. the kf best by (fused desc, row asc)
+  const int64_t m = static_cast<int64_t>(cand.size());
+  const int64_t kk = std::min(kf, m);
+  std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), fused_better);
+  int64_t w = 0;
+  for (int64_t j = 0; j < kk; ++j) {
+    const Fused& c = cand[static_cast<size_t>(j)];
+    if (!(c.f > -inf)) continue;  // -inf / NaN fused scores are no hits
+    out_rows[i * kf + w] = c.r;
+    out_fused[i * kf + w] = c.f;
+    out_dense[i * kf + w] = c.dense;
+    out_lex[i * kf + w] = c.lex;
+    ++w;
+  }
+  for (; w < kf; ++w) {
+    out_rows[i * kf + w] = -1;
+    out_fused[i * kf + w] = -inf;
+    out_dense[i * kf + w] = std::numeric_limits<float>::quiet_NaN();
+    out_lex[i * kf + w] = std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl{args, ExactCtx{}, 0.0, {}}) {
+  const Bound scan = make_bound((args.d + 15) / 16 + 4, ScanType::kF32, args.d);
+  impl_->ctx = ExactCtx{args.X, args.d, args.kf, scan, scan, args.xnorm, abs_bound(args.d),
+                        gamma_n(static_cast<double>(std::max<int64_t>(args.d, 1)), kU64) * kSlack};
+  if (args.hf != nullptr && args.hup != nullptr)  // the largest boost (the keys' bound)
+    for (int64_t h = 0; h < args.hptr[args.b]; ++h) impl_->xmax = std::max(impl_->xmax, args.hx[h]);
+}
+
+FusedTopk::~FusedTopk() = default;
+
+void FusedTopk::prepare(int nthreads) {
+  if (static_cast<int>(impl_->scratch.size()) < nthreads) impl_->scratch.resize(static_cast<size_t>(nthreads));
+}
+
+void FusedTopk::done(int64_t i, int tid) {
+  if (impl_->args.kf > 0) impl_->one(i, impl_->scratch[static_cast<size_t>(tid)]);
+}
+
 void fused_topk(const float* X, int64_t d, const int64_t* offsets, const float* Q, const int64_t* qseg, int64_t b,
                 const float* dsc, const int64_t* drows, int64_t K, const int64_t* hptr, const int32_t* hrows,
                 const double* hx, const double* hval, int64_t kf, double xnorm, int num_threads, int64_t* out_rows,
                 double* out_fused, float* out_dense, double* out_lex, const float* hf_all, const double* hup) {
   if (b == 0 || kf == 0) return;
-  const Bound scan = make_bound((d + 15) / 16 + 4, ScanType::kF32, d);
-  const ExactCtx ctx{X, d, kf, scan, scan, xnorm, abs_bound(d),
-                     gamma_n(static_cast<double>(std::max<int64_t>(d, 1)), kU64) * kSlack};
   double work = 0.0;  // multiply-adds of the screening (every hit outside the dense list, at most)
   for (int64_t i = 0; i < b; ++i) work += static_cast<double>(hptr[i + 1] - hptr[i]) * static_cast<double>(d);
   const int nthreads = threads_for(num_threads, work, (b + 15) / 16);
-  double xmax = 0.0;  // the largest boost (the keys' bound below)
-  if (hf_all != nullptr && hup != nullptr)
-    for (int64_t h = 0; h < hptr[b]; ++h) xmax = std::max(xmax, hx[h]);
-  std::vector<std::vector<Fused>> cands(static_cast<size_t>(nthreads));
-  std::vector<std::vector<char>> in_dense(static_cast<size_t>(nthreads));
-  std::vector<std::vector<int64_t>> extra(static_cast<size_t>(nthreads));
-  std::vector<std::vector<double>> taus(static_cast<size_t>(nthreads));
-  std::vector<std::vector<std::pair<double, int64_t>>> ubs(static_cast<size_t>(nthreads));
-  std::vector<std::vector<char>> passes(static_cast<size_t>(nthreads));
-  const double inf = std::numeric_limits<double>::infinity();
-  auto one = [&](int64_t i, int tid) {
-    std::vector<Fused>& cand = cands[static_cast<size_t>(tid)];
-    std::vector<char>& mark = in_dense[static_cast<size_t>(tid)];
-    std::vector<int64_t>& ex = extra[static_cast<size_t>(tid)];
-    cand.clear();
-    ex.clear();
-    const int64_t a = offsets[qseg[i]];
-    const int64_t h0 = hptr[i], h1 = hptr[i + 1];
-    mark.assign(static_cast<size_t>(h1 - h0), 0);
-    const float* q = Q + i * d;
-    // 1. the dense list, each with its boost (0 without a lexical hit)
-    int64_t nS = 0;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t r = drows[i * K + j];
-      if (r < 0) continue;
-      ++nS;
-      const int32_t loc = static_cast<int32_t>(r - a);
-      const int32_t* it = lower_bound_i32(hrows + h0, h1 - h0, loc);
-      double x = 0.0, lv = 0.0;
-      if (it != hrows + h1 && *it == loc) {
-        const int64_t h = it - hrows;
-        mark[static_cast<size_t>(h - h0)] = 1;
-        x = hx[h];
-        lv = hval[h];
-      }
-      const float ds = dsc[i * K + j];
-      cand.push_back(Fused{static_cast<double>(ds) + x, r, ds, lv});
-    }
-    // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
-    // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
-    // scores >= the kf-th best of any candidate set)
-    std::vector<double>& best = taus[static_cast<size_t>(tid)];
-    best.clear();
-    auto offer = [&](double f) {
-      if (static_cast<int64_t>(best.size()) < kf) {
-        best.push_back(f);
-        std::push_heap(best.begin(), best.end(), std::greater<double>());
-      } else if (f > best.front()) {
-        std::pop_heap(best.begin(), best.end(), std::greater<double>());
-        best.back() = f;
-        std::push_heap(best.begin(), best.end(), std::greater<double>());
-      }
-    };
-    for (const Fused& c : cand) offer(c.f);
-    auto tau = [&]() { return static_cast<int64_t>(best.size()) < kf ? -inf : best.front(); };
-    const double s_last = (K > 0 && drows[i * K + K - 1] >= 0) ? static_cast<double>(dsc[i * K + K - 1]) : -inf;
-    // 2. the hits outside the dense list that pass fl(s_K + x) >= tau (with recorded
-    //    scores or keys: in step 3's loop)
-    const float* hf = hf_all != nullptr && (hup == nullptr || hup[i] < inf) ? hf_all : nullptr;
-    if (!hf) {
-      const double t = tau();
-      for (int64_t h = h0; h < h1; ++h)
-        if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
-    }
-    // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B (or a recorded key f with
-    //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
-    //    the kLead largest boosts (they raise tau the most), then the rest, in row order,
-    //    against the raised tau.
-    double B = 0.0;  // recorded keys: their offset; float32 scores to screen: the scan bound
-    if (hf != nullptr && hup != nullptr)
-      B = hup[i];
-    else if (hf != nullptr || !ex.empty())
-      B = ctx.bound(ctx.scan, q);
-    auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
-      const int64_t r = a + hrows[h];
-      const float es = exact_score(q, X + r * d, d, ctx.g64);
-      const double f = static_cast<double>(es) + hx[h];
-      cand.push_back(Fused{f, r, es, hval[h]});
-      offer(f);
-    };
-    auto screen = [&](const int64_t* hs, size_t n) {
-      float sc[4];
-      for (size_t e = 0; e < n; e += 4) {
-        const size_t cnt = std::min<size_t>(4, n - e);
-        const float* xr[4];
-        for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
-        dot4_rows(q, xr, d, sc);
-        for (size_t t = 0; t < cnt; ++t)
-          if (!(std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[hs[e + t]] < tau())) take(hs[e + t]);
-      }
-    };
-    constexpr size_t kLead = 16;
-    if (hf) {
-      // recorded keys (screening costs no dot product): u bounds a hit's fused score F =
-      // fl(e + x) from above, e = RN32(q.x) <= f + B: with v = fl(fl(f + B) + x), F <= v +
-      // 2^-53 (|fl(f + B)| + |v| + |F|) <= v + 2^-51 (|v| + Mq) (|F|, x <= Mq), and u = v +
-      // 2^-50 (|v| + Mq) covers that with its own roundings. The hits by descending u, a
-      // block at a time, until one's u < tau (every later one's too: none can enter).
-      std::vector<std::pair<double, int64_t>>& ub = ubs[static_cast<size_t>(tid)];
-      ub.clear();
-      double qa[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // ||q||^2 (8 sums: no dependence chain)
-      int64_t j = 0;
-      for (; j + 8 <= d; j += 8)
-        for (int l = 0; l < 8; ++l) qa[l] += static_cast<double>(q[j + l]) * static_cast<double>(q[j + l]);
-      for (; j < d; ++j) qa[0] += static_cast<double>(q[j]) * static_cast<double>(q[j]);
-      const double qq = ((qa[0] + qa[1]) + (qa[2] + qa[3])) + ((qa[4] + qa[5]) + (qa[6] + qa[7]));
-      const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;  // (qq: sums of exact squares)
-      const double t = tau();
-      const size_t nh = static_cast<size_t>(h1 - h0);
-      if (ub.size() < nh) ub.resize(nh);  // (grows only)
-      std::vector<char>& pass = passes[static_cast<size_t>(tid)];
-      if (pass.size() < nh + 8) pass.resize(nh + 8);
-      keys_reaching(hf + h0, hx + h0, mark.data(), h1 - h0, B, Mq, s_last, t, pass.data());  // (step 2 too)
-      std::fill(pass.begin() + static_cast<std::ptrdiff_t>(nh), pass.begin() + static_cast<std::ptrdiff_t>(nh) + 8, 0);
-      size_t m = 0;
-      for (size_t e = 0; e < nh; e += 8) {  // few hits pass (about 2 % on bench_hybrid's texts): 8 flags a test
-        uint64_t w;
-        std::memcpy(&w, pass.data() + e, sizeof w);
-        for (; w; w &= w - 1) {
-          const int64_t h = h0 + static_cast<int64_t>(e) + (__builtin_ctzll(w) >> 3);
-          ub[m++] = {key_upper(hf[h], hx[h], B, Mq), h};
-        }
-      }
-      auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
-        return x.first > y.first || (x.first == y.first && x.second < y.second);
-      };
-      const size_t block = std::max<size_t>(static_cast<size_t>(kf), 8);
-      const auto ub_end = ub.begin() + static_cast<std::ptrdiff_t>(m);  // ub[0:m]: the hits that can enter
-      for (size_t done = 0; done < m;) {
-        const size_t c = std::min(block, m - done);
-        if (done + c < m) std::nth_element(ub.begin() + done, ub.begin() + done + c, ub_end, desc);
-        std::sort(ub.begin() + done, ub.begin() + done + c, desc);
-        for (size_t e = done; e < std::min(done + c, done + 4); ++e)  // the likeliest rows on their way from memory
-          prefetch_bytes(X + (a + hrows[ub[e].second]) * d, d * static_cast<int64_t>(sizeof(float)));
-        size_t e = done;
-        for (; e < done + c && !(ub[e].first < tau()); ++e) take(ub[e].second);
-        done = e < done + c ? m : done + c;
-      }
-    } else if (ex.size() > 2 * kLead) {
-      auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
-      std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
-      screen(ex.data(), kLead);
-      size_t m = 0;
-      for (size_t e = kLead; e < ex.size(); ++e)
-        if (s_last + hx[ex[e]] >= tau()) ex[m++] = ex[e];
-      std::sort(ex.begin(), ex.begin() + m);  // row order: the gathers walk the segment forwards
-      screen(ex.data(), m);
-    } else {
-      screen(ex.data(), ex.size());
-    }
-    // 4. the kf best by (fused desc, row asc)
-    const int64_t m = static_cast<int64_t>(cand.size());
-    const int64_t kk = std::min(kf, m);
-    std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), fused_better);
-    int64_t w = 0;
-    for (int64_t j = 0; j < kk; ++j) {
-      const Fused& c = cand[static_cast<size_t>(j)];
-      if (!(c.f > -inf)) continue;  // -inf / NaN fused scores are no hits
-      out_rows[i * kf + w] = c.r;
-      out_fused[i * kf + w] = c.f;
-      out_dense[i * kf + w] = c.dense;
-      out_lex[i * kf + w] = c.lex;
-      ++w;
-    }
-    for (; w < kf; ++w) {
-      out_rows[i * kf + w] = -1;
-      out_fused[i * kf + w] = -inf;
-      out_dense[i * kf + w] = std::numeric_limits<float>::quiet_NaN();
-      out_lex[i * kf + w] = std::numeric_limits<double>::quiet_NaN();
-    }
-  };
+  FusedTopk fz(FusedArgs{X, d, offsets, Q, qseg, b, dsc, drows, K, hptr, hrows, hx, hval, kf, xnorm, out_rows,
+                         out_fused, out_dense, out_lex, hf_all, hup});
+  fz.prepare(nthreads);
   constexpr int64_t kBlock = 16;  // queries per item: neighbours' output rows on one thread
   parallel_for((b + kBlock - 1) / kBlock, nthreads, [&](int64_t blk, int tid) {
-    for (int64_t i = blk * kBlock; i < std::min(b, (blk + 1) * kBlock); ++i) one(i, tid);
+    for (int64_t i = blk * kBlock; i < std::min(b, (blk + 1) * kBlock); ++i) fz.done(i, tid);
   });
 }
-
 
 // ---------------------------------------------------------------------------------------
 // The dense and the fused top-k of each query in ONE pass over its segment (lexical.h

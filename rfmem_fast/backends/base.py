@@ -240,26 +240,34 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} has no bm25_hits kernel (has_fused_topk is False)")
 
     def probe_hits(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int,
-                   temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray) -> tuple:  # fmt: skip
+                   temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray,
+                   hx: np.ndarray | None = None, hval: np.ndarray | None = None, kf: int = 0) -> tuple:  # fmt: skip
         """:meth:`probe_host` that also records its lexical hits' keys in the same pass
         (backends with ``has_fused_topk``, which run on the host): the dense call's own path
         and scan copy, so that the hybrid probe costs what the dense one does plus the
-        hits' lookups.
+        hits' lookups; with ``kf`` > 0 also each query's fused top-``kf``, taken right after
+        its dense list while its segment is in cache (what :meth:`fused_topk` gives from
+        this probe's lists and keys).
 
         Args:
             view, k, probe_k, temperature, convention: as :meth:`probe`; Q: float32 [b, d]
                 C-contiguous unit queries, seg: int64 [b] segment indices (host arrays).
             hptr int64 [b + 1], hrows int32 [H]: each query's hits, ascending local rows of
                 its segment (:meth:`bm25_hits`).
+            hx, hval: float64 [H] the hits' boosts (finite, >= 0) and BM25, with ``kf``.
+            kf: width of the fused list (0: none; at most ``k``).
 
         Returns:
             ((scores, rows, mean, entropy, count) as :meth:`probe_host`, numpy), keys float32 [H], up
             float64 [b]) with ``keys[h] + up[i] >= RN32(q_i . x)`` for every hit x of query
             i (a scan or GEMM score with its path's bound, or an int8 key with 0); ``up[i]``
             = inf where the query's path records none: :meth:`fused_topk`'s ``hf`` / ``hup``.
+            With ``kf`` > 0 a fourth item: :meth:`fused_topk`'s (rows, fused, dense, lex)
+            [b, kf] of ``dense_scores`` / ``dense_rows`` = the probe's scores / rows.
 
         Raises:
             NotImplementedError: the backend has no such kernel.
+            ValueError: ``kf`` < 0 or > ``k``, or ``kf`` > 0 without ``hx`` / ``hval``.
         """
         raise NotImplementedError(f"backend {self.name!r} has no probe_hits kernel (has_fused_topk is False)")
 

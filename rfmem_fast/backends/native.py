@@ -334,21 +334,24 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- lexical channel
     has_fused_topk = True
 
-    def probe_hits(self, view, Q, seg, k, probe_k, temperature, convention, hptr, hrows):
+    def probe_hits(self, view, Q, seg, k, probe_k, temperature, convention, hptr, hrows, hx=None, hval=None, kf=0):
         """See :meth:`Backend.probe_hits`: :meth:`probe_host` (``_native.probe``, the dense
         call's own path: scan or GEMM, the bank's scan copy) recording its lexical hits' keys
-        in the same pass (``hit_ptr`` / ``hit_rows``; kernels.h ``TopkOptions::hit_keys``);
-        the scan scores kept for a :meth:`recollect_host` of the same arrays, as
-        :meth:`probe_host` keeps them.
+        in the same pass (``hit_ptr`` / ``hit_rows``; kernels.h ``TopkOptions::hit_keys``)
+        and, with ``kf`` > 0, taking each query's fused top-``kf`` on the scan's threads
+        right after its dense list (lexical.h ``FusedTopk``); the scan scores kept for a
+        :meth:`recollect_host` of the same arrays, as :meth:`probe_host` keeps them.
 
         Raises:
-            ValueError: malformed hits, unknown convention, ``k`` or ``probe_k`` < 1 (from the kernel).
+            ValueError: malformed hits or boosts, ``kf`` out of [0, k], unknown convention,
+                ``k`` or ``probe_k`` < 1 (from the kernel).
         """
+        fz = dict(hx=hx, hval=hval, kf=int(kf)) if kf else {}
         out, threads = self._probe_call(view, Q, seg, k, probe_k, temperature, convention, None, hit_ptr=hptr,
-                                        hit_rows=hrows)  # fmt: skip
-        s, r, mean, ent, cnt, kept, written, keys, up = out
+                                        hit_rows=hrows, **fz)  # fmt: skip
+        s, r, mean, ent, cnt, kept, written, keys, up = out[:9]
         _keep_probe(Q, seg, s, kept, written, threads)
-        return (s, r, mean, ent, cnt), keys, up
+        return ((s, r, mean, ent, cnt), keys, up) + ((tuple(out[9:]),) if kf else ())
 
     def bm25_hits(self, users, quser, qterms, qcnt, qptr):
         """See :meth:`Backend.bm25_hits` (C++ kernel ``_native.bm25_hits``, the queries in
