@@ -543,10 +543,8 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
   {
     int32_t* orow = o_rows.mutable_data();
     double* oval = o_val.mutable_data();
-    for (const rfmem::HitsPart& part : parts) {  // the parts one after the other
-      orow = std::copy(part.rows.begin(), part.rows.end(), orow);
-      oval = std::copy(part.val.begin(), part.val.end(), oval);
-    }
+    py::gil_scoped_release nogil;
+    rfmem::bm25_gather(parts, hptr, num_threads, orow, oval);
   }
   return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
 }

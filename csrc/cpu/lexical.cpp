@@ -155,4 +155,17 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
   return bad.load();
 }
 
+void bm25_gather(const std::vector<HitsPart>& parts, const std::vector<int64_t>& hptr, int num_threads,
+                 int32_t* rows, double* val) {
+  const int64_t np = static_cast<int64_t>(parts.size());
+  // a copy of 12 bytes a hit (~1 ns), about what 16 multiply-adds of a scan cost
+  const int nthreads = threads_for(num_threads, 16.0 * static_cast<double>(hptr.back()), np);
+  parallel_for(np, nthreads, [&](int64_t pi, int) {
+    const HitsPart& part = parts[static_cast<size_t>(pi)];
+    const int64_t at = hptr[static_cast<size_t>(pi * kBm25Part)];  // the part's first query's first hit
+    std::copy(part.rows.begin(), part.rows.end(), rows + at);
+    std::copy(part.val.begin(), part.val.end(), val + at);
+  });
+}
+
 }  // namespace rfmem

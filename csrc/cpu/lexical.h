@@ -54,6 +54,11 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
                   std::vector<int64_t>& hptr, std::vector<HitsPart>& parts, double* mx, double* top, double* sum,
                   double* sumsq);
 
+/// bm25_hits' parts laid one after the other into rows / val [hptr[b]] (the parts' hits
+/// in order), on up to num_threads threads (a part per item).
+void bm25_gather(const std::vector<HitsPart>& parts, const std::vector<int64_t>& hptr, int num_threads,
+                 int32_t* rows, double* val);
+
 /// The exact fused top-kf of b queries (rfmem_fast.fusion: fused = dense + x, x >= 0 the
 /// boost of a lexical hit, 0 elsewhere), from each query's exact dense top-K
 /// (dsc / drows [b, K], -inf / -1 padding, rows of segment qseg[i] of offsets) and its

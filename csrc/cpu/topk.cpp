@@ -1478,7 +1478,7 @@ struct Fused {
   double f;   // fused score
   int64_t r;  // global row
   float dense;
-  double lex;
+  int64_t h;  // its lexical hit (hval[h] its BM25), -1 for none
 };
 
 inline bool fused_better(const Fused& a, const Fused& b) { return a.f > b.f || (a.f == b.f && a.r < b.r); }
@@ -1561,7 +1561,8 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
   const int64_t h0 = hptr[i], h1 = hptr[i + 1];
   mark.assign(static_cast<size_t>(h1 - h0), 0);
   const float* q = Q + i * d;
-  // 1. the dense list, each with its boost (0 without a lexical hit)
+  // 1. the dense list, each with its boost (0 without a lexical hit): the rows' hits
+  //    looked up first, their boosts on their way from memory while the lookups go on
   int64_t nS = 0;
   for (int64_t j = 0; j < K; ++j) {
     const int64_t r = drows[i * K + j];
@@ -1569,16 +1570,16 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
     ++nS;
     const int32_t loc = static_cast<int32_t>(r - a);
     const int32_t* it = lower_bound_i32(hrows + h0, h1 - h0, loc);
-    double x = 0.0, lv = 0.0;
+    int64_t h = -1;
     if (it != hrows + h1 && *it == loc) {
-      const int64_t h = it - hrows;
+      h = it - hrows;
       mark[static_cast<size_t>(h - h0)] = 1;
-      x = hx[h];
-      lv = hval[h];
+      __builtin_prefetch(hx + h);
     }
     const float ds = dsc[i * K + j];
-    cand.push_back(Fused{static_cast<double>(ds) + x, r, ds, lv});
+    cand.push_back(Fused{static_cast<double>(ds), r, ds, h});
   }
+  for (Fused& c : cand) c.f = static_cast<double>(c.dense) + (c.h >= 0 ? hx[c.h] : 0.0);  // (-0 + 0 = +0, as before)
   // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
   // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
   // scores >= the kf-th best of any candidate set)
@@ -1618,7 +1619,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
     const int64_t r = a + hrows[h];
     const float es = exact_score(q, X + r * d, d, ctx.g64);
     const double f = static_cast<double>(es) + hx[h];
-    cand.push_back(Fused{f, r, es, hval[h]});
+    cand.push_back(Fused{f, r, es, h});
     offer(f);
   };
   auto screen = [&](const int64_t* hs, size_t n) {
@@ -1702,7 +1703,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
     out_rows[i * kf + w] = c.r;
     out_fused[i * kf + w] = c.f;
     out_dense[i * kf + w] = c.dense;
-    out_lex[i * kf + w] = c.lex;
+    out_lex[i * kf + w] = c.h >= 0 ? hval[c.h] : 0.0;
     ++w;
   }
   for (; w < kf; ++w) {
