@@ -9,14 +9,18 @@ character, non-ASCII and case-changing Unicode ('İ', 'ẞ', final sigma), digit
 underscores, the batch separator character inside a text, a vocabulary holding
 stopwords and 1-character tokens, with the stemmer off and on (the stemmer's cache
 ends the same), in batches of 0, 1 and many texts; a bad text raises TypeError naming it.
+Without a stemmer, ASCII batches take the native tokenizer (``_native.TokenIds``): it is
+used, equals the per-text encoder, follows the vocabulary as it grows, and survives a pickle.
 """
 from __future__ import annotations
 
+import pickle
 import re
 
 import numpy as np
 import pytest
 
+import rfmem_fast.lexical as lexical_mod
 from rfmem_fast.lexical import STOPWORDS_EN, TOKEN_PATTERN, Analyzer, LexicalIndex, Vocabulary
 
 DOCS = [
@@ -136,3 +140,50 @@ def test_empty_and_bad_batches():
         i = next(j for j, t in enumerate(bad) if not isinstance(t, str))
         with pytest.raises(TypeError, match=rf"texts\[{i}\] must be a str or None"):
             lex.encode_queries(bad)
+
+
+def test_native_tokenizer_is_used_and_follows_the_vocabulary(monkeypatch):
+    if lexical_mod._TokenIds is None:
+        pytest.skip("the native extension is not built")
+    lex = _index(None, Vocabulary(["the", "x", "apple"]))  # a stopword and a 1-character token in the vocabulary
+    texts = [t for t in ADVERSARIAL if t is None or t.isascii()] + ["the x apple X_Y x", "APPLE apple\x00dog"]
+
+    def python_path(*a, **k):
+        raise AssertionError("the Python tokenizer ran")
+
+    with monkeypatch.context() as m:  # ASCII batches and single texts never reach the Python tokenizer
+        m.setattr(Analyzer, "batch_ids", python_path)
+        m.setattr(Analyzer, "tokens", python_path)
+        qt, qc, qp = lex.encode_queries(texts)
+        one = [lex.encode_queries([t]) for t in texts]
+    for i, t in enumerate(texts):
+        want_t, want_c = lex.encode_query(t)
+        assert qt[qp[i] : qp[i + 1]].tolist() == want_t.tolist() == one[i][0].tolist(), (i, t)
+        assert qc[qp[i] : qp[i + 1]].tolist() == want_c.tolist() == one[i][1].tolist(), (i, t)
+    assert lex.encode_queries(["the x apple"])[0].tolist() == [lex.vocab.ids["apple"]]
+    # the vocabulary grows (a write adds tokens): the next batch knows them
+    assert lex.encode_queries(["zebra apple"])[0].tolist() == [lex.vocab.ids["apple"]]
+    lex.vocab.encode_doc(["zebra", "yak"])
+    assert lex.encode_queries(["zebra apple yak"])[0].tolist() == [lex.vocab.ids[w] for w in ("zebra", "apple", "yak")]
+    # a vocabulary pickles without its native mirror, which the copy rebuilds
+    back = pickle.loads(pickle.dumps(lex.vocab))
+    assert back.tokens == lex.vocab.tokens and "_native" not in back.__dict__
+    assert back.native_ids() is not None and len(back.native_ids()) == len(back.tokens)
+    monkeypatch.setattr(lexical_mod, "USE_NATIVE_TOKENIZER", False)  # the switch: the Python path, the same ids
+    _check(lex, texts)
+
+
+def test_native_token_table_checks_its_tokens():
+    if lexical_mod._TokenIds is None:
+        pytest.skip("the native extension is not built")
+    t = lexical_mod._TokenIds(sorted(STOPWORDS_EN))
+    t.sync(["apple", "dog"])
+    assert len(t) == 2
+    with pytest.raises(ValueError, match="already in the table"):
+        t.sync(["apple", "dog", "apple"])
+    with pytest.raises(TypeError, match=r"tokens\[3\] must be a str"):
+        t.sync(["apple", "dog", "cat", 7])
+    assert len(t) == 3  # (the tokens before the bad one were added)
+    assert t.encode(["dog cat zzz", None, "café"]) is None  # a non-ASCII text: the caller's path
+    terms, cnt, ptr = t.encode(["dog cat dog zzz", None, "CAT"])
+    assert terms.tolist() == [1, 2, 2] and cnt.tolist() == [2.0, 1.0, 1.0] and ptr.tolist() == [0, 2, 2, 3]

@@ -16,6 +16,7 @@
 #include "context.h"
 #include "kernels.h"
 #include "lexical.h"
+#include "tokenize.h"
 #include "recollect.h"
 
 namespace py = pybind11;
@@ -990,6 +991,57 @@ py::tuple py_recollect(const py::object& X_, const py::object& offsets_, const p
 
 }  // namespace
 
+// TokenIds.sync: the tokens of ``tokens`` (a list of str, the Vocabulary's) past the
+// table's size appended in order (ids = list positions).
+void token_ids_sync(rfmem::TokenIds& t, const py::list& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  for (int64_t i = t.size(); i < n; ++i) {
+    const py::handle o = tokens[static_cast<size_t>(i)];
+    if (!py::isinstance<py::str>(o))
+      throw py::type_error("TokenIds.sync: tokens[" + std::to_string(i) + "] must be a str, got " +
+                           std::string(py::str(py::type::handle_of(o).attr("__name__"))));
+    Py_ssize_t len = 0;
+    const char* p = PyUnicode_AsUTF8AndSize(o.ptr(), &len);
+    if (p == nullptr) throw py::error_already_set();
+    if (!t.add(std::string(p, static_cast<size_t>(len))))
+      throw py::value_error("TokenIds.sync: tokens[" + std::to_string(i) + "] = '" + std::string(p, len) +
+                            "' is already in the table (vocabulary tokens must be distinct)");
+  }
+}
+
+// TokenIds.encode: (terms int32 [T], cnt float64 [T], ptr int64 [b + 1]) of b texts, or
+// None when a text is not ASCII (the caller's regex path handles those).
+py::object token_ids_encode(const rfmem::TokenIds& t, const py::sequence& texts) {
+  const size_t b = texts.size();
+  std::vector<const char*> ps(b, nullptr);
+  std::vector<size_t> ls(b, 0);
+  bool ascii = true;
+  for (size_t i = 0; i < b; ++i) {
+    const py::handle o = texts[i];
+    if (o.is_none()) continue;
+    if (!py::isinstance<py::str>(o))
+      throw py::type_error("texts[" + std::to_string(i) + "] must be a str or None, got " +
+                           std::string(py::str(py::type::handle_of(o).attr("__name__"))));
+    ascii = ascii && PyUnicode_IS_ASCII(o.ptr());
+    if (!ascii) continue;  // (the remaining texts are still type-checked)
+    Py_ssize_t len = 0;
+    ps[i] = PyUnicode_AsUTF8AndSize(o.ptr(), &len);
+    ls[i] = static_cast<size_t>(len);
+  }
+  if (!ascii) return py::none();
+  std::vector<int32_t> terms;
+  std::vector<double> cnt;
+  std::vector<int64_t> ptr;
+  t.encode(ps, ls, terms, cnt, ptr);
+  py::array_t<int32_t> o_t(static_cast<py::ssize_t>(terms.size()));
+  py::array_t<double> o_c(static_cast<py::ssize_t>(cnt.size()));
+  py::array_t<int64_t> o_p(static_cast<py::ssize_t>(ptr.size()));
+  std::copy(terms.begin(), terms.end(), o_t.mutable_data());
+  std::copy(cnt.begin(), cnt.end(), o_c.mutable_data());
+  std::copy(ptr.begin(), ptr.end(), o_p.mutable_data());
+  return py::make_tuple(o_t, o_c, o_p);
+}
+
 PYBIND11_MODULE(_native, mod) {
   mod.doc() =
       "C++17 CPU kernels of rfmem_fast (the 'native' backend; RFMEM_SPEC.md, DESIGN.md 'The primitives every "
@@ -1257,6 +1309,49 @@ Raises:
     could not be allocated.
 )doc");
 
+  py::class_<rfmem::TokenIds>(mod, "TokenIds", R"doc(The query tokenizer of the lexical channel, native (tokenize.h).
+
+A mirror of a bank's Vocabulary (token -> int32 id, ids in order of insertion), kept in
+step with ``sync``, and the stopwords it drops. ``encode`` gives what
+rfmem_fast.lexical.LexicalIndex.encode_queries gives without a stemmer, for ASCII texts.
+
+Args:
+    stopwords: list of str (rfmem_fast.lexical.STOPWORDS_EN).
+)doc")
+      .def(py::init([](const py::list& words) {
+             std::vector<std::string> v;
+             for (const py::handle w : words) v.push_back(py::cast<std::string>(w));
+             return new rfmem::TokenIds(v);
+           }),
+           py::arg("stopwords"))
+      .def("__len__", &rfmem::TokenIds::size, "Number of tokens held (the next id).")
+      .def("sync", &token_ids_sync, py::arg("tokens"),
+           R"doc(Append the tokens of ``tokens`` past len(self), in order (id = list position).
+
+Args:
+    tokens: list of str, the Vocabulary's tokens (append-only: its first len(self) entries
+        are those already held).
+
+Raises:
+    TypeError: a token is not a str. ValueError: a token is already held (not distinct).
+)doc")
+      .def("encode", &token_ids_encode, py::arg("texts"),
+           R"doc(Tokenise b query texts and look their tokens up.
+
+Per text: lowercased, split at every character outside [a-z0-9_] (runs of 2 or more kept,
+rfmem_fast.lexical.TOKEN_PATTERN on ASCII), stopwords dropped, then its distinct known
+token ids in order of first occurrence and how often each occurs.
+
+Args:
+    texts: sequence of b str or None (None: no token).
+
+Returns:
+    (terms int32 [T], counts float64 [T], ptr int64 [b + 1]) in CSR form (text i:
+    terms[ptr[i]:ptr[i + 1]]), or None when a text is not ASCII.
+
+Raises:
+    TypeError: texts[i] is neither a str nor None.
+)doc");
   mod.def("bm25_hits", &py_bm25_hits, py::arg("users"), py::arg("quser"), py::arg("qterms"), py::arg("qcnt"),
           py::arg("qptr"), py::arg("num_threads") = 0,
           R"doc(BM25 hits of b queries in their users' postings (the lexical channel, rfmem_fast.lexical).
