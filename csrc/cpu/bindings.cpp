@@ -520,7 +520,7 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
       throw py::value_error(std::string(fn) + ": quser[" + std::to_string(i) + "] = " + std::to_string(qu[i]) +
                             " is not an index into users (or < 0 for none)");
   }
-  std::vector<int64_t> hptr;
+  std::vector<int64_t> hptr, order;
   std::vector<rfmem::HitsPart> parts;
   const py::ssize_t bs = static_cast<py::ssize_t>(b);
   py::array_t<double> mx(bs), top({bs, static_cast<py::ssize_t>(rfmem::kTopLexical)}), sum(bs), sumsq(bs);
@@ -532,7 +532,7 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
   {
     py::gil_scoped_release nogil;
     bad = rfmem::bm25_hits(users.data(), static_cast<int64_t>(users.size()), qu, b, cptr<int32_t>(qterms),
-                           cptr<double>(qcnt), qp, num_threads, hptr, parts, pm, pt, ps, ps2);
+                           cptr<double>(qcnt), qp, num_threads, hptr, order, parts, pm, pt, ps, ps2);
   }
   if (bad >= 0)
     throw py::value_error(std::string(fn) + ": the postings of users[" + std::to_string(bad) +
@@ -545,7 +545,7 @@ py::tuple py_bm25_hits(const py::list& users_, const py::object& quser_, const p
     int32_t* orow = o_rows.mutable_data();
     double* oval = o_val.mutable_data();
     py::gil_scoped_release nogil;
-    rfmem::bm25_gather(parts, hptr, num_threads, orow, oval);
+    rfmem::bm25_gather(parts, order, hptr, num_threads, orow, oval);
   }
   return py::make_tuple(o_ptr, o_rows, o_val, mx, top, sum, sumsq);
 }

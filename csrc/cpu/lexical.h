@@ -26,10 +26,10 @@ struct PostingsRef {
 /// Number of the largest BM25 scores kept per query (rfmem_fast.fusion.TOP_LEXICAL).
 constexpr int kTopLexical = 10;
 
-/// Queries per part of bm25_hits' output (a part's hits, in query order, one after the other).
+/// Queries per part of bm25_hits' output (a part's hits, its queries' one after the other).
 constexpr int64_t kBm25Part = 16;
 
-/// The hits of queries [p kBm25Part, (p + 1) kBm25Part) of a bm25_hits call, one query after the other.
+/// The hits of queries order[p kBm25Part .. (p + 1) kBm25Part) of a bm25_hits call, one query after the other.
 struct HitsPart {
   std::vector<int32_t> rows;
   std::vector<double> val;
@@ -39,9 +39,11 @@ struct HitsPart {
 /// postings, no hit) with its distinct known terms qterms[qptr[i]:qptr[i + 1]] (first-
 /// occurrence order) and their counts qcnt. BM25 of a local row = the sum over the
 /// query's terms, in query-term order, of qcnt * weight (float64, from 0: what
-/// numpy.bincount over UserPostings.postings_for gives). Sets hptr [b + 1] and parts
-/// [ceil(b / kBm25Part)]: query i's hits (BM25 > 0), ascending local rows and their
-/// BM25, are entries hptr[i] .. hptr[i + 1] of the parts laid one after the other; writes
+/// numpy.bincount over UserPostings.postings_for gives). The queries are taken in order of
+/// their user (``order`` [b]: stable by quser, so that a user's terms and postings stay in
+/// cache across its queries), kBm25Part at a time. Sets hptr [b + 1], order and parts
+/// [ceil(b / kBm25Part)]: query i's hits (BM25 > 0), ascending local rows and their BM25,
+/// are entries hptr[i] .. hptr[i + 1] of what bm25_gather lays out from the parts; writes
 /// mx [b] (largest BM25, 0 without a hit), top [b, kTopLexical] (largest first, 0
 /// padding), sum / sumsq [b] (sums of the BM25 and of its squares over the hits in
 /// ascending row order, sequentially: the sums over the user's rows in row order).
@@ -51,13 +53,13 @@ struct HitsPart {
 /// [0, n_rows)): the outputs are then unusable.
 int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
                   const int32_t* qterms, const double* qcnt, const int64_t* qptr, int num_threads,
-                  std::vector<int64_t>& hptr, std::vector<HitsPart>& parts, double* mx, double* top, double* sum,
-                  double* sumsq);
+                  std::vector<int64_t>& hptr, std::vector<int64_t>& order, std::vector<HitsPart>& parts, double* mx,
+                  double* top, double* sum, double* sumsq);
 
-/// bm25_hits' parts laid one after the other into rows / val [hptr[b]] (the parts' hits
-/// in order), on up to num_threads threads (a part per item).
-void bm25_gather(const std::vector<HitsPart>& parts, const std::vector<int64_t>& hptr, int num_threads,
-                 int32_t* rows, double* val);
+/// bm25_hits' hits laid out in query order: query i's at rows / val [hptr[i], hptr[i + 1])
+/// (from the parts, in the order bm25_hits took the queries), on up to num_threads threads.
+void bm25_gather(const std::vector<HitsPart>& parts, const std::vector<int64_t>& order,
+                 const std::vector<int64_t>& hptr, int num_threads, int32_t* rows, double* val);
 
 /// The exact fused top-kf of b queries (rfmem_fast.fusion: fused = dense + x, x >= 0 the
 /// boost of a lexical hit, 0 elsewhere), from each query's exact dense top-K
