@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <numeric>
 
 #include "common.h"
@@ -112,6 +113,10 @@ bool query_hits(const PostingsRef& P, const int32_t* qt, const double* qc, int64
   return true;
 }
 
+// bm25_hits' scratch kept between calls (a call that finds it held allocates its own)
+std::mutex g_bm25_scratch_mu;
+std::vector<Bm25Scratch> g_bm25_scratch;
+
 }  // namespace
 
 int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quser, int64_t b,
@@ -129,15 +134,23 @@ int64_t bm25_hits(const PostingsRef* users, int64_t n_users, const int64_t* quse
   // about 1/4 of kMinWorkPerThread per query (a few hundred postings and the read-off):
   // one query runs on the caller, a batch on every thread
   const int nthreads = threads_for(num_threads, 0.25 * kMinWorkPerThread * static_cast<double>(b), nparts);
-  std::vector<Bm25Scratch> scratch(static_cast<size_t>(nthreads));
-  for (Bm25Scratch& s : scratch) {  // allocated before the threads (nothing throws in them)
-    s.acc.assign(static_cast<size_t>(max_rows), 0.0);
-    s.bits.assign(static_cast<size_t>((max_rows + 63) >> 6), 0);
+  // the scratch, allocated before the threads (nothing throws in them): the process's kept
+  // one when no other call holds it (its accumulators are all zero between queries, so a
+  // call reuses them as they are), else this call's own
+  std::unique_lock<std::mutex> held(g_bm25_scratch_mu, std::try_to_lock);
+  std::vector<Bm25Scratch> own;
+  std::vector<Bm25Scratch>& scratch = held.owns_lock() ? g_bm25_scratch : own;
+  if (scratch.size() < static_cast<size_t>(nthreads)) scratch.resize(static_cast<size_t>(nthreads));
+  for (Bm25Scratch& s : scratch) {
+    if (s.acc.size() < static_cast<size_t>(max_rows)) s.acc.assign(static_cast<size_t>(max_rows), 0.0);
+    const size_t words = static_cast<size_t>((max_rows + 63) >> 6);
+    if (s.bits.size() < words) s.bits.assign(words, 0);
     s.touched.reserve(1024);
   }
-  for (HitsPart& part : parts) {  // room for a part's usual hits (fewer regrowths)
-    part.rows.reserve(static_cast<size_t>(kBm25Part) * 512);
-    part.val.reserve(static_cast<size_t>(kBm25Part) * 512);
+  for (int64_t pi = 0; pi < nparts; ++pi) {  // room for a part's usual hits (fewer regrowths)
+    const size_t room = static_cast<size_t>(std::min(kBm25Part, b - pi * kBm25Part)) * 512;
+    parts[static_cast<size_t>(pi)].rows.reserve(room);
+    parts[static_cast<size_t>(pi)].val.reserve(room);
   }
   std::atomic<int64_t> bad{-1};
   parallel_for(nparts, nthreads, [&](int64_t pi, int tid) {
