@@ -26,7 +26,17 @@ from .backends.exact import abs_error_term, exact_pair_scores_np, scan_error_coe
 from .bank import BankSnapshot
 from .config import RFMemConfig
 from .filters import RowSelection
-from .fusion import BOOST_FACTORS, TOP_LEXICAL, LexicalStats, item_mean, rrf, top_by_score_row, user_means, zscore_stats
+from .fusion import (
+    BOOST_FACTORS,
+    TOP_LEXICAL,
+    BoostFactors,
+    LexicalStats,
+    item_mean,
+    rrf,
+    top_by_score_row,
+    user_means,
+    zscore_stats,
+)
 
 __all__ = ["HYBRID_DENSE_DEPTH", "ONE_PASS_FUSIONS", "HYBRID_MATRIX_ENTRIES", "Hybrid", "KernelHits", "context_probe",
            "hybrid", "hybrid_recorded", "lexical_hits", "probe_fused"]
@@ -373,11 +383,9 @@ class KernelHits:
             got[:3] = ptr, np.concatenate(rows).astype(np.int32, copy=False), np.concatenate(vals).astype(np.float64)
         return cls(*got, n_docs=n_docs, n_items=n_items)
 
-    def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
-        """float64 [H] the boost of every hit (C-contiguous): the per-query factors of
-        ``config.fusion`` (:data:`rfmem_fast.fusion.BOOST_FACTORS`, once per query) applied
-        to the flat hits (:meth:`rfmem_fast.fusion.BoostFactors.flat`), bit for bit the
-        [b, c] boosts of :data:`rfmem_fast.fusion.BOOSTS`.
+    def factors(self, config: RFMemConfig, extra: tuple | None) -> BoostFactors:
+        """The per-query factors of ``config.fusion``'s boost (:data:`rfmem_fast.fusion.BOOST_FACTORS`,
+        once per query: scale float64 [b], den float64 [b] or None).
 
         Args:
             config: the RFMemConfig (``fusion`` "convex" / "adaptive" / "zscore", its weight and norm).
@@ -388,7 +396,17 @@ class KernelHits:
             ValueError: "zscore" without ``extra``.
         """
         stats = LexicalStats(self.lex_max, self.top, self.n_docs, *(extra or (None, None)))
-        hx = BOOST_FACTORS[config.fusion](stats, config).flat(self.hval, self.hptr)
+        return BOOST_FACTORS[config.fusion](stats, config)
+
+    def boosts(self, config: RFMemConfig, extra: tuple | None) -> np.ndarray:
+        """float64 [H] the boost of every hit (C-contiguous): :meth:`factors` applied to the
+        flat hits (:meth:`rfmem_fast.fusion.BoostFactors.flat`), bit for bit the [b, c]
+        boosts of :data:`rfmem_fast.fusion.BOOSTS`.
+
+        Raises:
+            KeyError / ValueError: as :meth:`factors`.
+        """
+        hx = self.factors(config, extra).flat(self.hval, self.hptr)
         return np.ascontiguousarray(hx, dtype=np.float64)
 
     def hit_list(self, view: Any, seg: np.ndarray) -> list:
@@ -428,8 +446,9 @@ def probe_fused(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, k: int, prob
                 kh: KernelHits, k_f: int) -> tuple:  # fmt: skip
     """The dense probe and the fused top ``k_f`` of b queries on a backend with
     ``has_fused_topk`` (no row selection). Fusions "convex" / "adaptive" (their boosts need
-    no dense score): ONE call, ``Backend.probe_hits`` with the boosts, each query's fused
-    list taken on the scan's threads right after its dense list and its hits' keys.
+    no dense score): ONE call, ``Backend.probe_hits`` with the boosts' per-query factors
+    (:meth:`KernelHits.factors`), each query's boosts and fused list taken on the scan's
+    threads right after its dense list and its hits' keys.
     "zscore" (its boosts need the dense top-1): ``Backend.probe_hits`` recording the keys,
     then :func:`hybrid_recorded`. Both give ``Backend.fused_topk``'s list, bit for bit.
 
@@ -452,9 +471,11 @@ def probe_fused(be: Any, view: Any, Q: np.ndarray, seg: np.ndarray, k: int, prob
                                        kh.hrows)  # fmt: skip
         return probe, hybrid_recorded(be, view, Q, seg, probe[0], probe[1], kh, hf, config, k_f, hup)
     kf = min(k_f, k)  # (k < k_f only when every dense list holds its whole segment: the rest is padding)
+    f = kh.factors(config, None)  # (the kernel applies them to the hits on its threads)
     probe, _, _, (rows, fused, dense, lexv) = be.probe_hits(
-        view, Q, seg, k, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, kh.boosts(config, None),
-        kh.hval, kf,
+        view, Q, seg, k, probe_k, config.temperature, config.entropy, kh.hptr, kh.hrows, hval=kh.hval, kf=kf,
+        hscale=np.ascontiguousarray(f.scale, dtype=np.float64),
+        hden=None if f.den is None else np.ascontiguousarray(f.den, dtype=np.float64),
     )  # fmt: skip
     if kf < k_f:
         w = ((0, 0), (0, k_f - kf))

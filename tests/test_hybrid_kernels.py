@@ -372,6 +372,40 @@ def test_probe_fused_list_equals_fused_topk_and_the_oracle(dtype, level, lens, b
         _native.set_simd_cap(-1)
 
 
+@pytest.mark.parametrize("den", ["none", "max", "zeros"])
+def test_probe_fused_list_from_boost_factors_equals_flat_boosts(den):
+    """probe(hscale=, hden=) applies the boost factors on the scan's threads: the same four
+    arrays as probe(hx=BoostFactors.flat(hval, hit_ptr)) (rfmem_fast.fusion), bit for bit,
+    with per-query scales, max-normalised BM25 and a zero denominator (boost 0)."""
+    from rfmem_fast.fusion import BoostFactors
+
+    X, off, Q, seg, hp, hr, _ = _hit_case(4, 40, [900, 64, 250], 70, "float32")
+    rng = np.random.default_rng(8)
+    hval = rng.random(hr.shape[0]) * 10
+    b = seg.shape[0]
+    scale = rng.random(b) * 0.2
+    lex_max = np.array([hval[hp[i] : hp[i + 1]].max() if hp[i + 1] > hp[i] else 0.0 for i in range(b)])
+    dens = {"none": None, "max": lex_max, "zeros": np.where(np.arange(b) % 3 == 0, 0.0, lex_max)}
+    f = BoostFactors(scale, dens[den])
+    hx = np.ascontiguousarray(f.flat(hval, hp))
+    for path in ("scan", "gemm"):
+        args = (X, off, Q, seg, 30, 5, 0.1, "mean", 2, -1.0)
+        want = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hval, kf=10)
+        got = _native.probe(*args, path=path, hit_ptr=hp, hit_rows=hr, hval=hval, kf=10, hscale=scale, hden=dens[den])
+        for a, w in zip(got, want):
+            np.testing.assert_array_equal(a, w)
+    bad = scale.copy()
+    bad[5] = np.inf
+    with pytest.raises(ValueError, match="boosts of query 5 from hscale / hden and hval must be finite and >= 0"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hval=hval, kf=10, hscale=bad)
+    with pytest.raises(ValueError, match="give hx or hscale, not both"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hval, kf=10, hscale=scale)
+    with pytest.raises(ValueError, match="hden goes with hscale"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hx=hx, hval=hval, kf=10, hden=lex_max)
+    with pytest.raises(ValueError, match="hscale must have one entry per query"):
+        _native.probe(*args, hit_ptr=hp, hit_rows=hr, hval=hval, kf=10, hscale=scale[:-1])
+
+
 def test_probe_fused_list_arguments_are_checked():
     X, off, Q, seg, hp, hr, _ = _hit_case(2, 16, [50], 3, "float32")
     hx = np.zeros(hr.shape[0])

@@ -355,7 +355,8 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                    const py::object& qsel_, const py::object& sel_seg_, const py::object& sel_off_,
                    const py::object& sel_rows_, const py::object& sel_mask_, const py::object& sel_mask_off_,
                    bool keep_scan_scores, const py::object& scan_meta_, const py::object& hit_ptr_,
-                   const py::object& hit_rows_, const py::object& hx_, const py::object& hval_, int64_t kf) {
+                   const py::object& hit_rows_, const py::object& hx_, const py::object& hval_, int64_t kf,
+                   const py::object& hscale_, const py::object& hden_) {
   const char* fn = "probe";
   check_threads(fn, num_threads);
   TopkInputs in = check_topk(fn, X_, offsets_, Q_, qseg_, k);
@@ -429,8 +430,24 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   py::array_t<double> f_fused, f_lex;
   py::array_t<float> f_dense;
   std::unique_ptr<rfmem::FusedTopk> fz;
+  py::array hscale, hden;
+  if (kf > 0 && !hscale_.is_none()) {  // the boosts as per-query factors (computed on the threads)
+    if (!hx_.is_none()) throw py::value_error(std::string(fn) + ": give hx or hscale, not both");
+    ha.hval = checked<double>(hval_, fn, "hval", 1, "float64");
+    if (ha.hval.shape(0) != ha.hrows.shape(0))
+      throw py::value_error(std::string(fn) + ": hval must have one entry per hrows entry");
+    hscale = checked<double>(hscale_, fn, "hscale", 1, "float64");
+    if (hscale.shape(0) != b) throw py::value_error(std::string(fn) + ": hscale must have one entry per query");
+    if (!hden_.is_none()) {
+      hden = checked<double>(hden_, fn, "hden", 1, "float64");
+      if (hden.shape(0) != b) throw py::value_error(std::string(fn) + ": hden must have one entry per query");
+    }
+  } else if (!hscale_.is_none() || !hden_.is_none()) {
+    throw py::value_error(std::string(fn) +
+                          (hscale_.is_none() ? ": hden goes with hscale" : ": hscale goes with kf > 0"));
+  }
   if (kf > 0) {
-    check_boosts(fn, hx_, hval_, ha);
+    if (hscale_.is_none()) check_boosts(fn, hx_, hval_, ha);
     f_rows = py::array_t<int64_t>({b, fs});
     f_fused = py::array_t<double>({b, fs});
     f_lex = py::array_t<double>({b, fs});
@@ -441,9 +458,11 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
     }
     fz.reset(new rfmem::FusedTopk(rfmem::FusedArgs{
         cptr<float>(in.X), in.d, cptr<int64_t>(in.offsets), cptr<float>(in.Q), cptr<int64_t>(in.qseg), in.b, ps, pr, k,
-        cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows), cptr<double>(ha.hx), cptr<double>(ha.hval), kf, opt.xnorm,
+        cptr<int64_t>(ha.hptr), cptr<int32_t>(ha.hrows), hscale_.is_none() ? cptr<double>(ha.hx) : nullptr,
+        cptr<double>(ha.hval), kf, opt.xnorm,
         f_rows.mutable_data(), f_fused.mutable_data(), f_dense.mutable_data(), f_lex.mutable_data(),
-        opt.hit_keys, opt.hit_up}));
+        opt.hit_keys, opt.hit_up, hscale_.is_none() ? nullptr : cptr<double>(hscale),
+        hden_.is_none() ? nullptr : cptr<double>(hden)}));
     opt.after = fz.get();
   } else if (!hx_.is_none() || !hval_.is_none()) {
     throw py::value_error(std::string(fn) + ": hx and hval go with kf > 0");
@@ -454,6 +473,9 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                           cptr<int64_t>(in.qseg), in.b, k, ps, pr, opt);
     rfmem::probe_signals(ps, in.b, k, probe_k, temperature, conv, pm, pe, pc, num_threads);
   }
+  if (fz && fz->bad_boost() >= 0)
+    throw py::value_error(std::string(fn) + ": the boosts of query " + std::to_string(fz->bad_boost()) +
+                          " from hscale / hden and hval must be finite and >= 0");
   py::list out;
   for (const py::object& o : {py::object(scores), py::object(rows), py::object(mean), py::object(ent), py::object(count)})
     out.append(o);
@@ -1121,7 +1143,8 @@ Raises:
           py::arg("sel_off") = py::none(), py::arg("sel_rows") = py::none(), py::arg("sel_mask") = py::none(),
           py::arg("sel_mask_off") = py::none(), py::arg("keep_scan_scores") = false, py::arg("scan_meta") = py::none(),
           py::arg("hit_ptr") = py::none(), py::arg("hit_rows") = py::none(), py::arg("hx") = py::none(),
-          py::arg("hval") = py::none(), py::arg("kf") = 0,
+          py::arg("hval") = py::none(), py::arg("kf") = 0, py::arg("hscale") = py::none(),
+          py::arg("hden") = py::none(),
           R"doc(segmented_topk fused with the familiarity signals of its first probe_k scores (spec section 1).
 
 Args:
@@ -1157,11 +1180,17 @@ Returns:
     fused float64, dense float32, lex float64, [b, kf]) equal to fused_topk(dense_scores=
     scores, dense_rows=rows, hf=hit_keys, hup=hit_up), taken on the scan's threads right
     after the query's dense list (lexical.h FusedTopk), its segment and keys still in cache.
+    The boosts may come as per-query factors instead of hx: hscale float64 [b] and hden
+    float64 [b] or None, hit h of query i getting hscale[i] * (hval[h] / hden[i]) (0 where
+    hden[i] <= 0), or hscale[i] * hval[h] without hden (rfmem_fast.fusion.apply_boost, the
+    same float64 operations: the same bits as hx = BoostFactors.flat(hval, hit_ptr)),
+    computed on the scan's threads.
 
 Raises:
     TypeError, ValueError: as segmented_topk; probe_k < 1, non-finite temperature or an
     unknown convention (ValueError); malformed hits or boosts, kf < 0 or > k, kf > 0
-    without hits or with qsel, hx / hval without kf (ValueError).
+    without hits or with qsel, hx / hval / hscale without kf, both hx and hscale, hden
+    without hscale, boosts from the factors that are not finite and >= 0 (ValueError).
 )doc");
 
   mod.def("batched_kmeans", &py_batched_kmeans, py::arg("V"), py::arg("counts"), py::arg("clusters"),

@@ -104,6 +104,11 @@ struct FusedArgs {
   double* out_lex = nullptr;
   const float* hf = nullptr;
   const double* hup = nullptr;
+  /// Boosts as per-query factors instead of hx (hx null): hit h of query i gets
+  /// hscale[i] * (hval[h] / hden[i]) (0 where hden[i] <= 0), or hscale[i] * hval[h]
+  /// without hden: rfmem_fast.fusion.apply_boost, the same float64 operations.
+  const double* hscale = nullptr;
+  const double* hden = nullptr;
 };
 
 /// fused_topk one query at a time: done(i, tid) writes query i's fused top-kf (its row of
@@ -118,6 +123,9 @@ class FusedTopk final : public QueryHook {
   ~FusedTopk() override;
   void prepare(int nthreads) override;
   void done(int64_t i, int tid) override;
+  /// -1, or a query whose boosts from hscale / hden are not all finite and >= 0 (its
+  /// results are then unusable).
+  int64_t bad_boost() const;
 
  private:
   struct Impl;

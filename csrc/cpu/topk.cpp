@@ -1518,7 +1518,8 @@ void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t 
 struct FusedTopk::Impl {
   FusedArgs args;
   ExactCtx ctx;
-  double xmax = 0.0;
+  std::vector<double> xs;            // the boosts computed from args.hscale / hden (hx null)
+  std::atomic<int64_t> bad{-1};      // the first query whose computed boost is not finite and >= 0
   struct Scratch {
     std::vector<Fused> cand;
     std::vector<char> mark;
@@ -1528,11 +1529,11 @@ struct FusedTopk::Impl {
     std::vector<char> pass;
   };
   std::vector<Scratch> scratch;
-  void one(int64_t i, Scratch& s) const;
+  void one(int64_t i, Scratch& s);
 };
 
 // Query i's fused top-kf (fused_topk's steps 1-4).
-void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
+void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   const float* X = args.X;
   const float* Q = args.Q;
   const int64_t d = args.d, K = args.K, kf = args.kf;
@@ -1542,7 +1543,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
   const int64_t* drows = args.drows;
   const float* dsc = args.dsc;
   const int32_t* hrows = args.hrows;
-  const double* hx = args.hx;
+  const double* hx = args.hx != nullptr ? args.hx : xs.data();
   const double* hval = args.hval;
   const float* hf_all = args.hf;
   const double* hup = args.hup;
@@ -1561,6 +1562,28 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
   const int64_t h0 = hptr[i], h1 = hptr[i + 1];
   mark.assign(static_cast<size_t>(h1 - h0), 0);
   const float* q = Q + i * d;
+  // the boosts from the query's factors (rfmem_fast.fusion.apply_boost: scale * (lex / den),
+  // 0 where den <= 0, or scale * lex; the same float64 operations, so the same bits), and
+  // the largest (the keys' bound below)
+  double xmax = 0.0;
+  if (args.hx == nullptr) {
+    const double sc = args.hscale[i];
+    const double den = args.hden != nullptr ? args.hden[i] : 1.0;
+    bool ok = true;
+    for (int64_t h = h0; h < h1; ++h) {
+      const double v = args.hden == nullptr ? hval[h] : (den > 0.0 ? hval[h] / den : 0.0);
+      const double x = sc * v;
+      xs[static_cast<size_t>(h)] = x;
+      ok &= x >= 0.0 && x <= std::numeric_limits<double>::max();
+      xmax = std::max(xmax, x);
+    }
+    if (!ok) {
+      int64_t none = -1;
+      bad.compare_exchange_strong(none, i);
+    }
+  } else {
+    for (int64_t h = h0; h < h1; ++h) xmax = std::max(xmax, hx[h]);
+  }
   // 1. the dense list, each with its boost (0 without a lexical hit): the rows' hits
   //    looked up first, their boosts on their way from memory while the lookups go on
   int64_t nS = 0;
@@ -1714,13 +1737,15 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) const {
   }
 }
 
-FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl{args, ExactCtx{}, 0.0, {}}) {
+FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl) {
+  impl_->args = args;
   const Bound scan = make_bound((args.d + 15) / 16 + 4, ScanType::kF32, args.d);
   impl_->ctx = ExactCtx{args.X, args.d, args.kf, scan, scan, args.xnorm, abs_bound(args.d),
                         gamma_n(static_cast<double>(std::max<int64_t>(args.d, 1)), kU64) * kSlack};
-  if (args.hf != nullptr && args.hup != nullptr)  // the largest boost (the keys' bound)
-    for (int64_t h = 0; h < args.hptr[args.b]; ++h) impl_->xmax = std::max(impl_->xmax, args.hx[h]);
+  if (args.hx == nullptr && args.kf > 0) impl_->xs.resize(static_cast<size_t>(args.hptr[args.b]));
 }
+
+int64_t FusedTopk::bad_boost() const { return impl_->bad.load(); }
 
 FusedTopk::~FusedTopk() = default;
 

@@ -241,7 +241,8 @@ class Backend:
 
     def probe_hits(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int,
                    temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray,
-                   hx: np.ndarray | None = None, hval: np.ndarray | None = None, kf: int = 0) -> tuple:  # fmt: skip
+                   hx: np.ndarray | None = None, hval: np.ndarray | None = None, kf: int = 0,
+                   hscale: np.ndarray | None = None, hden: np.ndarray | None = None) -> tuple:  # fmt: skip
         """:meth:`probe_host` that also records its lexical hits' keys in the same pass
         (backends with ``has_fused_topk``, which run on the host): the dense call's own path
         and scan copy, so that the hybrid probe costs what the dense one does plus the
@@ -255,6 +256,9 @@ class Backend:
             hptr int64 [b + 1], hrows int32 [H]: each query's hits, ascending local rows of
                 its segment (:meth:`bm25_hits`).
             hx, hval: float64 [H] the hits' boosts (finite, >= 0) and BM25, with ``kf``.
+            hscale, hden: the boosts as per-query factors instead of ``hx`` (float64 [b],
+                ``hden`` [b] or None: :class:`rfmem_fast.fusion.BoostFactors`' scale / den,
+                applied to ``hval`` by the kernel, bit for bit ``BoostFactors.flat``).
             kf: width of the fused list (0: none; at most ``k``).
 
         Returns:
@@ -267,7 +271,8 @@ class Backend:
 
         Raises:
             NotImplementedError: the backend has no such kernel.
-            ValueError: ``kf`` < 0 or > ``k``, or ``kf`` > 0 without ``hx`` / ``hval``.
+            ValueError: ``kf`` < 0 or > ``k``; ``kf`` > 0 without ``hval`` and one of ``hx`` /
+                ``hscale``; boosts that are not finite and >= 0.
         """
         raise NotImplementedError(f"backend {self.name!r} has no probe_hits kernel (has_fused_topk is False)")
 
