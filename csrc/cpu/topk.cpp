@@ -71,6 +71,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -1518,7 +1519,7 @@ void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t 
 struct FusedTopk::Impl {
   FusedArgs args;
   ExactCtx ctx;
-  std::vector<double> xs;            // the boosts computed from args.hscale / hden (hx null)
+  std::unique_ptr<double[]> xs;      // the boosts computed from args.hscale / hden (hx null)
   std::atomic<int64_t> bad{-1};      // the first query whose computed boost is not finite and >= 0
   struct Scratch {
     std::vector<Fused> cand;
@@ -1543,7 +1544,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   const int64_t* drows = args.drows;
   const float* dsc = args.dsc;
   const int32_t* hrows = args.hrows;
-  const double* hx = args.hx != nullptr ? args.hx : xs.data();
+  const double* hx = args.hx != nullptr ? args.hx : xs.get();
   const double* hval = args.hval;
   const float* hf_all = args.hf;
   const double* hup = args.hup;
@@ -1742,7 +1743,8 @@ FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl) {
   const Bound scan = make_bound((args.d + 15) / 16 + 4, ScanType::kF32, args.d);
   impl_->ctx = ExactCtx{args.X, args.d, args.kf, scan, scan, args.xnorm, abs_bound(args.d),
                         gamma_n(static_cast<double>(std::max<int64_t>(args.d, 1)), kU64) * kSlack};
-  if (args.hx == nullptr && args.kf > 0) impl_->xs.resize(static_cast<size_t>(args.hptr[args.b]));
+  if (args.hx == nullptr && args.kf > 0)  // (left uninitialised: each query writes its hits' before reading them)
+    impl_->xs.reset(new double[static_cast<size_t>(args.hptr[args.b])]);
 }
 
 int64_t FusedTopk::bad_boost() const { return impl_->bad.load(); }
