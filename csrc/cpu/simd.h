@@ -108,9 +108,9 @@ struct SimdKernels {
   /// Scores of rows T[0:nrows] (float32, row-major, stride d; global row of T[0] is
   /// row0) against the packed panel P (P[j * nr + q] = query q's element j, queries
   /// nq..nr-1 zero); each score of query q < nq above its heap's threshold is pushed
-  /// into heaps[q]. ``c`` is scratch of mr * nr floats, ``thr`` of nr floats; with
-  /// ``keep``, ``c`` holds ceil(nrows / mr) * mr * nr floats and keeps every score: row
-  /// T[r]'s score of query q at c[r * nr + q] (topk.cpp: the lexical hits' scores).
+  /// into heaps[q]. ``thr`` is scratch of nr floats; with ``keep``, ``c`` (nrows * nr
+  /// floats) keeps every score: row T[r]'s score of query q at c[r * nr + q], copied from
+  /// the micro-tile summed on the stack (topk.cpp: the lexical hits' scores); else unused.
   void (*gemm_panel)(const float* T, int64_t nrows, int64_t d, const float* P, int nq, int64_t row0,
                      Heap* heaps, float* c, float* thr, bool keep);
 
