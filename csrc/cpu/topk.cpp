@@ -1519,7 +1519,6 @@ void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t 
 struct FusedTopk::Impl {
   FusedArgs args;
   ExactCtx ctx;
-  std::unique_ptr<double[]> xs;      // the boosts computed from args.hscale / hden (hx null)
   std::atomic<int64_t> bad{-1};      // the first query whose computed boost is not finite and >= 0
   struct Scratch {
     std::vector<Fused> cand;
@@ -1528,6 +1527,7 @@ struct FusedTopk::Impl {
     std::vector<double> best;
     std::vector<std::pair<double, int64_t>> ub;
     std::vector<char> pass;
+    std::vector<double> xq;  // a query's boosts computed from args.hscale / hden (hx null)
   };
   std::vector<Scratch> scratch;
   void one(int64_t i, Scratch& s);
@@ -1544,7 +1544,6 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   const int64_t* drows = args.drows;
   const float* dsc = args.dsc;
   const int32_t* hrows = args.hrows;
-  const double* hx = args.hx != nullptr ? args.hx : xs.get();
   const double* hval = args.hval;
   const float* hf_all = args.hf;
   const double* hup = args.hup;
@@ -1567,14 +1566,17 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   // 0 where den <= 0, or scale * lex; the same float64 operations, so the same bits), and
   // the largest (the keys' bound below)
   double xmax = 0.0;
+  const double* xq = args.hx != nullptr ? args.hx + h0 : nullptr;  // xq[h - h0]: hit h's boost
   if (args.hx == nullptr) {
+    s.xq.resize(static_cast<size_t>(h1 - h0));  // (grows only)
+    xq = s.xq.data();
     const double sc = args.hscale[i];
     const double den = args.hden != nullptr ? args.hden[i] : 1.0;
     bool ok = true;
     for (int64_t h = h0; h < h1; ++h) {
       const double v = args.hden == nullptr ? hval[h] : (den > 0.0 ? hval[h] / den : 0.0);
       const double x = sc * v;
-      xs[static_cast<size_t>(h)] = x;
+      s.xq[static_cast<size_t>(h - h0)] = x;
       ok &= x >= 0.0 && x <= std::numeric_limits<double>::max();
       xmax = std::max(xmax, x);
     }
@@ -1583,7 +1585,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
       bad.compare_exchange_strong(none, i);
     }
   } else {
-    for (int64_t h = h0; h < h1; ++h) xmax = std::max(xmax, hx[h]);
+    for (int64_t h = h0; h < h1; ++h) xmax = std::max(xmax, xq[h - h0]);
   }
   // 1. the dense list, each with its boost (0 without a lexical hit): the rows' hits
   //    looked up first, their boosts on their way from memory while the lookups go on
@@ -1598,12 +1600,12 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
     if (it != hrows + h1 && *it == loc) {
       h = it - hrows;
       mark[static_cast<size_t>(h - h0)] = 1;
-      __builtin_prefetch(hx + h);
+      __builtin_prefetch(xq + (h - h0));
     }
     const float ds = dsc[i * K + j];
     cand.push_back(Fused{static_cast<double>(ds), r, ds, h});
   }
-  for (Fused& c : cand) c.f = static_cast<double>(c.dense) + (c.h >= 0 ? hx[c.h] : 0.0);  // (-0 + 0 = +0, as before)
+  for (Fused& c : cand) c.f = static_cast<double>(c.dense) + (c.h >= 0 ? xq[c.h - h0] : 0.0);  // (-0 + 0 = +0, as before)
   // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
   // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
   // scores >= the kf-th best of any candidate set)
@@ -1628,7 +1630,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   if (!hf) {
     const double t = tau();
     for (int64_t h = h0; h < h1; ++h)
-      if (!mark[static_cast<size_t>(h - h0)] && s_last + hx[h] >= t) ex.push_back(h);
+      if (!mark[static_cast<size_t>(h - h0)] && s_last + xq[h - h0] >= t) ex.push_back(h);
   }
   // 3. screening: float32 scan score f, |f - RN32(q.x)| <= B (or a recorded key f with
   //    f + hup[i] >= RN32(q.x): B = hup[i]); fl(up(f + B) + x) < tau cannot enter. First
@@ -1642,7 +1644,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   auto take = [&](int64_t h) {  // hit h re-scored exactly, a candidate
     const int64_t r = a + hrows[h];
     const float es = exact_score(q, X + r * d, d, ctx.g64);
-    const double f = static_cast<double>(es) + hx[h];
+    const double f = static_cast<double>(es) + xq[h - h0];
     cand.push_back(Fused{f, r, es, h});
     offer(f);
   };
@@ -1654,7 +1656,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
       for (size_t t = 0; t < 4; ++t) xr[t] = X + (a + hrows[hs[e + std::min(t, cnt - 1)]]) * d;
       dot4_rows(q, xr, d, sc);
       for (size_t t = 0; t < cnt; ++t)
-        if (!(std::nextafter(static_cast<double>(sc[t]) + B, inf) + hx[hs[e + t]] < tau())) take(hs[e + t]);
+        if (!(std::nextafter(static_cast<double>(sc[t]) + B, inf) + xq[hs[e + t] - h0] < tau())) take(hs[e + t]);
     }
   };
   constexpr size_t kLead = 16;
@@ -1678,7 +1680,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
     if (ub.size() < nh) ub.resize(nh);  // (grows only)
     std::vector<char>& pass = s.pass;
     if (pass.size() < nh + 8) pass.resize(nh + 8);
-    keys_reaching(hf + h0, hx + h0, mark.data(), h1 - h0, B, Mq, s_last, t, pass.data());  // (step 2 too)
+    keys_reaching(hf + h0, xq, mark.data(), h1 - h0, B, Mq, s_last, t, pass.data());  // (step 2 too)
     std::fill(pass.begin() + static_cast<std::ptrdiff_t>(nh), pass.begin() + static_cast<std::ptrdiff_t>(nh) + 8, 0);
     size_t m = 0;
     for (size_t e = 0; e < nh; e += 8) {  // few hits pass (about 2 % on bench_hybrid's texts): 8 flags a test
@@ -1686,7 +1688,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
       std::memcpy(&w, pass.data() + e, sizeof w);
       for (; w; w &= w - 1) {
         const int64_t h = h0 + static_cast<int64_t>(e) + (__builtin_ctzll(w) >> 3);
-        ub[m++] = {key_upper(hf[h], hx[h], B, Mq), h};
+        ub[m++] = {key_upper(hf[h], xq[h - h0], B, Mq), h};
       }
     }
     auto desc = [](const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
@@ -1705,12 +1707,12 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
       done = e < done + c ? m : done + c;
     }
   } else if (ex.size() > 2 * kLead) {
-    auto by_boost = [&](int64_t x, int64_t y) { return hx[x] > hx[y] || (hx[x] == hx[y] && x < y); };
+    auto by_boost = [&](int64_t x, int64_t y) { return xq[x - h0] > xq[y - h0] || (xq[x - h0] == xq[y - h0] && x < y); };
     std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
     screen(ex.data(), kLead);
     size_t m = 0;
     for (size_t e = kLead; e < ex.size(); ++e)
-      if (s_last + hx[ex[e]] >= tau()) ex[m++] = ex[e];
+      if (s_last + xq[ex[e] - h0] >= tau()) ex[m++] = ex[e];
     std::sort(ex.begin(), ex.begin() + m);  // row order: the gathers walk the segment forwards
     screen(ex.data(), m);
   } else {
@@ -1743,8 +1745,6 @@ FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl) {
   const Bound scan = make_bound((args.d + 15) / 16 + 4, ScanType::kF32, args.d);
   impl_->ctx = ExactCtx{args.X, args.d, args.kf, scan, scan, args.xnorm, abs_bound(args.d),
                         gamma_n(static_cast<double>(std::max<int64_t>(args.d, 1)), kU64) * kSlack};
-  if (args.hx == nullptr && args.kf > 0)  // (left uninitialised: each query writes its hits' before reading them)
-    impl_->xs.reset(new double[static_cast<size_t>(args.hptr[args.b])]);
 }
 
 int64_t FusedTopk::bad_boost() const { return impl_->bad.load(); }
