@@ -7,7 +7,8 @@ it once per chunk of ``max_batch`` queries. Its steps:
 1. the probe (:meth:`Backend.probe <rfmem_fast.backends.base.Backend.probe>`; with the
    lexical channel on a backend with ``has_fused_topk``, ``Backend.probe_hits``, which
    records the lexical hits' keys in the dense probe's own pass and takes each query's
-   fused top-k on its threads (``Backend.fused_topk`` after it for "zscore"); with the context score, the one-pass ``Backend.hybrid_probe``;
+   fused top-k on its threads (``Backend.fused_topk`` after it for "zscore"); with the
+   context score, the one-pass ``Backend.hybrid_probe``;
    :mod:`rfmem_fast.search_lexical`);
 2. the routing (the config's thresholds, a router object, or the route a forced mode names);
 3. the Familiarity path's list: the probe's top ``out_k``, the fused list of the lexical

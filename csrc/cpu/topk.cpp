@@ -517,8 +517,8 @@ void i8_keys(const I8Query& iq, const float* meta, const int32_t* dots, int m, i
 
 // The int8 scan of rows [r0, r1) (contiguous) for nq queries into the heaps[0:nq] (added to
 // what they hold: a scan in tiles), each holding capacity 2 k in its storage: blocks of
-// kI8Block rows, 4 rows per i8_dots call, every query of the group (or GEMM unit) scoring them while they are in L1; a
-// block's keys are computed at once (i8_keys) and only those above the threshold go, in
+// kI8Block rows, 4 rows per i8_dots call, every query of the group (or GEMM unit) scoring
+// them while they are in L1; a block's keys are computed at once (i8_keys) and only those above the threshold go, in
 // row order, to a Reservoir over the heap's storage (heap.h: the heap's set, without a
 // sift per replacement; the int8 keys' wide margin keeps k + 16 .. k + 128 rows), made the
 // heap at the end. With ``sout``, query j's key of row x is written at sout[j][x - r0]
@@ -1514,12 +1514,12 @@ void keys_reaching(const float* hf, const double* hx, const char* mark, int64_t 
 
 }  // namespace
 
-// FusedTopk's state: the call's arrays, the exact context of its re-scoring, the largest
-// boost (the keys' bound) and per-thread scratch.
+// FusedTopk's state: the call's arrays, the exact context of its re-scoring, per-thread
+// scratch and the first bad boost found.
 struct FusedTopk::Impl {
   FusedArgs args;
   ExactCtx ctx;
-  std::atomic<int64_t> bad{-1};      // the first query whose computed boost is not finite and >= 0
+  std::atomic<int64_t> bad{-1};  // the first query whose computed boosts are not all finite and >= 0
   struct Scratch {
     std::vector<Fused> cand;
     std::vector<char> mark;
@@ -1605,7 +1605,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
     const float ds = dsc[i * K + j];
     cand.push_back(Fused{static_cast<double>(ds), r, ds, h});
   }
-  for (Fused& c : cand) c.f = static_cast<double>(c.dense) + (c.h >= 0 ? xq[c.h - h0] : 0.0);  // (-0 + 0 = +0, as before)
+  for (Fused& c : cand) c.f = static_cast<double>(c.dense) + (c.h >= 0 ? xq[c.h - h0] : 0.0);  // (-0 + 0 = +0)
   // tau: the kf-th best fused score among the candidates so far (-inf while fewer):
   // a min-heap of the kf best, raised as re-scored hits join (a row of the fused top-kf
   // scores >= the kf-th best of any candidate set)
@@ -1707,7 +1707,9 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
       done = e < done + c ? m : done + c;
     }
   } else if (ex.size() > 2 * kLead) {
-    auto by_boost = [&](int64_t x, int64_t y) { return xq[x - h0] > xq[y - h0] || (xq[x - h0] == xq[y - h0] && x < y); };
+    auto by_boost = [&](int64_t x, int64_t y) {
+      return xq[x - h0] > xq[y - h0] || (xq[x - h0] == xq[y - h0] && x < y);
+    };
     std::nth_element(ex.begin(), ex.begin() + kLead, ex.end(), by_boost);
     screen(ex.data(), kLead);
     size_t m = 0;
