@@ -20,6 +20,12 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
   ``--batch`` queries on random users per call, best of ``--reps`` calls (the cells taking
   turns call by call), q/s. Goal:
   hybrid q/s >= 0.85x dense (at 50 and at 200 users).
+* ``batch_breakdown_ms``: where the recommended fusion's (convex raw) batch spends its
+  time beyond dense: the dense and the hybrid search alternating (best of ``--reps`` + 4
+  each), the stages timed inside them by wrapping the calls: tokenising
+  (``LexicalIndex.encode_queries``), ``Backend.bm25_hits``, the dense search's probe
+  (``Backend.probe_host``) and the hybrid's (``Backend.probe_hits``: the hits' keys, the
+  boosts and the fused lists), ms each.
 * ``index``: bytes of the lexical index per token (forward CSR + every user's postings)
   and build time per million tokens (tokenising + encoding at add time, the snapshot's
   forward index, the postings of every user).
@@ -68,6 +74,47 @@ FUSIONS = {
     "zscore": dict(lexical_weight=0.1, fusion="zscore"),  # recommended(), MPNet
     "rrf": dict(lexical_weight=1.0, fusion="rrf", lexical_rrf_k=10.0, lexical_depth=100),
 }
+
+
+def batch_breakdown(bank: MemoryBank, Q: np.ndarray, users: list, texts: list, be, reps: int) -> dict:
+    """ms per stage of one batch: the dense and the convex-raw hybrid search alternating
+    ``reps`` times, best of each, with the stages' calls wrapped and timed in place."""
+    from rfmem_fast.lexical import LexicalIndex
+
+    cls = type(be)
+    wrapped = {"tokenise": (LexicalIndex, "encode_queries"), "bm25_hits": (cls, "bm25_hits"),
+               "probe_dense": (cls, "probe_host"), "probe_hybrid": (cls, "probe_hits")}  # fmt: skip
+    got: dict = {k: [] for k in (*wrapped, "dense_search", "hybrid_search")}
+    saved = {k: getattr(owner, name) for k, (owner, name) in wrapped.items()}
+
+    def timed(key, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                got[key].append(time.perf_counter() - t)
+
+        return call
+
+    cfg, hc = RFMemConfig(), RFMemConfig(**FUSIONS["convex_raw"])
+    try:
+        for k, (owner, name) in wrapped.items():
+            setattr(owner, name, timed(k, saved[k]))
+        for _ in range(reps):
+            t = time.perf_counter()
+            search(bank, Q, users, cfg, mode="dense", backend=be)
+            got["dense_search"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            search(bank, Q, users, hc, mode="dense", backend=be, query_texts=texts)
+            got["hybrid_search"].append(time.perf_counter() - t)
+    finally:
+        for k, (owner, name) in wrapped.items():
+            setattr(owner, name, saved[k])
+    out = {k: 1e3 * min(v) for k, v in got.items() if v}
+    if "probe_dense" in out and "probe_hybrid" in out:
+        out["probe_extra"] = out["probe_hybrid"] - out["probe_dense"]
+    return out
 
 
 def index_cost(bank: MemoryBank, t_encode: float) -> dict:
@@ -173,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         c = RFMemConfig(**FUSIONS[name])
         bcells[name] = lambda c=c: search(bankb, Qb, qu, c, mode="dense", backend=be, query_texts=qtb)
     batch = {k: args.batch / v for k, v in interleaved_best(bcells, args.reps).items()}
+    breakdown = batch_breakdown(bankb, Qb, qu, qtb, be, args.reps + 4)
 
     try:
         up = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
@@ -194,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "single_ratio_over_dense": {k: v / single["dense"] for k, v in single.items() if k in FUSIONS},
         "batch_qps": batch,
         "batch_ratio_over_dense": {k: v / batch["dense"] for k, v in batch.items() if k != "dense"},
+        "batch_breakdown_ms": breakdown,
         "index_single_user": index1,
         "index_batch_bank": indexb,
         "goals": {
@@ -206,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(doc, out)
     print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "batch_qps",
-                                          "batch_ratio_over_dense")}, indent=1))  # fmt: skip
+                                          "batch_ratio_over_dense", "batch_breakdown_ms")}, indent=1))  # fmt: skip
     print(f"index: {index1['bytes_per_token']:.2f} B/token, build {index1['build_s_per_million_tokens']:.2f} s/M tokens "
           f"(single user); batch bank {indexb['bytes_per_token']:.2f} B/token; wrote {out}")  # fmt: skip
     return 0

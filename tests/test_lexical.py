@@ -376,6 +376,10 @@ def test_bench_hybrid_script_tiny(tmp_path):
     assert set(doc["single_p50_ms"]) >= {"dense", "convex_max", "convex_raw", "adaptive", "zscore", "rrf"}
     assert set(doc["batch_qps"]) >= {"dense", "convex_raw", "zscore"}
     assert doc["index_batch_bank"]["bytes_per_token"] > 0 and doc["loadavg"] and doc["machine"]["cores"] >= 1
+    bd = doc["batch_breakdown_ms"]  # every stage timed inside the searches (native: probe_hits, bm25_hits)
+    assert set(bd) >= {"dense_search", "hybrid_search", "tokenise", "bm25_hits", "probe_dense", "probe_hybrid"}
+    assert all(bd[k] > 0 for k in ("dense_search", "hybrid_search", "tokenise", "bm25_hits", "probe_hybrid"))
+    assert bd["probe_hybrid"] < bd["hybrid_search"] and bd["probe_dense"] < bd["dense_search"]
 
 
 def test_hybrid_searches_of_one_user_are_stable_while_another_user_is_written():
