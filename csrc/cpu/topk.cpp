@@ -1528,8 +1528,20 @@ struct FusedTopk::Impl {
     std::vector<std::pair<double, int64_t>> ub;
     std::vector<char> pass;
     std::vector<double> xq;  // a query's boosts computed from args.hscale / hden (hx null)
+    // room for any query of the call, so that nothing allocates (or throws) on the threads
+    void reserve(int64_t hits, int64_t K, int64_t kf) {
+      const size_t h = static_cast<size_t>(hits);
+      cand.reserve(static_cast<size_t>(K) + h);
+      mark.reserve(h);
+      extra.reserve(h);
+      best.reserve(static_cast<size_t>(kf));
+      ub.resize(std::max(ub.size(), h));
+      pass.resize(std::max(pass.size(), h + 8));
+      xq.reserve(h);
+    }
   };
   std::vector<Scratch> scratch;
+  int64_t max_hits = 0;  // the most hits of one query (prepare sizes the scratch for it)
   void one(int64_t i, Scratch& s);
 };
 
@@ -1568,7 +1580,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
   double xmax = 0.0;
   const double* xq = args.hx != nullptr ? args.hx + h0 : nullptr;  // xq[h - h0]: hit h's boost
   if (args.hx == nullptr) {
-    s.xq.resize(static_cast<size_t>(h1 - h0));  // (grows only)
+    s.xq.resize(static_cast<size_t>(h1 - h0));  // (within the room prepare made)
     xq = s.xq.data();
     const double sc = args.hscale[i];
     const double den = args.hden != nullptr ? args.hden[i] : 1.0;
@@ -1677,9 +1689,7 @@ void FusedTopk::Impl::one(int64_t i, Scratch& s) {
     const double Mq = xnorm * std::sqrt(qq) * (1.0 + 1e-6) + 2.0 * B + xmax;  // (qq: sums of exact squares)
     const double t = tau();
     const size_t nh = static_cast<size_t>(h1 - h0);
-    if (ub.size() < nh) ub.resize(nh);  // (grows only)
     std::vector<char>& pass = s.pass;
-    if (pass.size() < nh + 8) pass.resize(nh + 8);
     keys_reaching(hf + h0, xq, mark.data(), h1 - h0, B, Mq, s_last, t, pass.data());  // (step 2 too)
     std::fill(pass.begin() + static_cast<std::ptrdiff_t>(nh), pass.begin() + static_cast<std::ptrdiff_t>(nh) + 8, 0);
     size_t m = 0;
@@ -1747,6 +1757,7 @@ FusedTopk::FusedTopk(const FusedArgs& args) : impl_(new Impl) {
   const Bound scan = make_bound((args.d + 15) / 16 + 4, ScanType::kF32, args.d);
   impl_->ctx = ExactCtx{args.X, args.d, args.kf, scan, scan, args.xnorm, abs_bound(args.d),
                         gamma_n(static_cast<double>(std::max<int64_t>(args.d, 1)), kU64) * kSlack};
+  for (int64_t i = 0; i < args.b; ++i) impl_->max_hits = std::max(impl_->max_hits, args.hptr[i + 1] - args.hptr[i]);
 }
 
 int64_t FusedTopk::bad_boost() const { return impl_->bad.load(); }
@@ -1754,7 +1765,9 @@ int64_t FusedTopk::bad_boost() const { return impl_->bad.load(); }
 FusedTopk::~FusedTopk() = default;
 
 void FusedTopk::prepare(int nthreads) {
-  if (static_cast<int>(impl_->scratch.size()) < nthreads) impl_->scratch.resize(static_cast<size_t>(nthreads));
+  if (static_cast<int>(impl_->scratch.size()) >= nthreads || impl_->args.kf == 0) return;
+  impl_->scratch.resize(static_cast<size_t>(nthreads));
+  for (Impl::Scratch& s : impl_->scratch) s.reserve(impl_->max_hits, impl_->args.K, impl_->args.kf);
 }
 
 void FusedTopk::done(int64_t i, int tid) {
