@@ -4,8 +4,10 @@ Pins: the BM25 hits equal :class:`rfmem_fast.lexical.UserPostings` bit for bit; 
 hybrid search (one scan: dense probe + fused top-k; "zscore" through the recorded scan
 scores) equals the host numpy fusion of the torch backend and the full-scan oracle in rows,
 scores, dense / lexical hit scores, probe lists and familiarity signals, also where the
-fused heap overflows with exact ties (the rescan path), on every SIMD level; bad arrays
-get ValueError / TypeError naming the argument.
+fused heap overflows with exact ties (the rescan path), on every SIMD level; the probe's
+own fused lists (``probe(kf=)``, boosts given or from their per-query factors) equal
+``fused_topk``'s on every path, copy, level and thread count, and the hits never change a
+dense list; bad arrays get ValueError / TypeError naming the argument.
 """
 from __future__ import annotations
 
