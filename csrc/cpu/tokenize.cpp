@@ -66,9 +66,7 @@ bool StringTable::add(const char* p, size_t n) {
   return true;
 }
 
-int32_t StringTable::find(const char* p, size_t n) const {
-  return slots_[slot_of(p, n, hash_of(p, n))].id;
-}
+int32_t StringTable::find(const char* p, size_t n, uint64_t h) const { return slots_[slot_of(p, n, h)].id; }
 
 TokenIds::TokenIds(const std::vector<std::string>& stopwords) {
   for (const std::string& w : stopwords) stop_.add(w.data(), w.size());
@@ -80,21 +78,40 @@ void TokenIds::encode(const std::vector<const char*>& texts, const std::vector<s
   ptr.assign(b + 1, 0);
   terms.clear();
   cnt.clear();
-  std::string tok;
+  // per text: its tokens (lowered into buf: start, length, hash), their vocabulary slots
+  // prefetched, then looked up (a batch after a scan finds the table cold: the slots'
+  // misses overlap instead of one after another)
+  std::string buf;
+  struct Tok {
+    size_t at, len;
+    uint64_t hash;
+  };
+  std::vector<Tok> toks;
   for (size_t i = 0; i < b; ++i) {
     const size_t first = terms.size();  // this text's distinct ids: terms[first:]
     const char* p = texts[i];
     const size_t n = p == nullptr ? 0 : lens[i];
+    buf.clear();
+    toks.clear();
     for (size_t j = 0; j < n;) {
       while (j < n && kWord.map[static_cast<unsigned char>(p[j])] == 0) ++j;
-      tok.clear();
+      const size_t at = buf.size();
       for (; j < n; ++j) {
         const unsigned char c = kWord.map[static_cast<unsigned char>(p[j])];
         if (c == 0) break;
-        tok.push_back(static_cast<char>(c));
+        buf.push_back(static_cast<char>(c));
       }
-      if (tok.size() < 2 || stop_.find(tok.data(), tok.size()) >= 0) continue;  // (1-character runs, stopwords)
-      const int32_t id = vocab_.find(tok.data(), tok.size());
+      const size_t len = buf.size() - at;
+      if (len < 2 || stop_.find(buf.data() + at, len) >= 0) {  // (1-character runs, stopwords)
+        buf.resize(at);
+        continue;
+      }
+      const uint64_t h = StringTable::hash_of(buf.data() + at, len);
+      vocab_.prefetch(h);
+      toks.push_back(Tok{at, len, h});
+    }
+    for (const Tok& t : toks) {
+      const int32_t id = vocab_.find(buf.data() + t.at, t.len, t.hash);
       if (id < 0) continue;
       size_t k = first;
       while (k < terms.size() && terms[k] != id) ++k;

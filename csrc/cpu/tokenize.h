@@ -20,14 +20,18 @@ class StringTable {
   /// Appends p[0:n] with index size(); false (nothing added) when it is already there.
   bool add(const char* p, size_t n);
   /// The index of p[0:n], -1 when absent.
-  int32_t find(const char* p, size_t n) const;
+  int32_t find(const char* p, size_t n) const { return find(p, n, hash_of(p, n)); }
+  /// The same with its hash h = hash_of(p, n) computed before (prefetch(h) in between).
+  int32_t find(const char* p, size_t n, uint64_t h) const;
+  /// The slot where a string of hash h is looked up first, on its way from memory.
+  void prefetch(uint64_t h) const { __builtin_prefetch(&slots_[h & (slots_.size() - 1)]); }
+  static uint64_t hash_of(const char* p, size_t n);
 
  private:
   struct Slot {
     uint64_t hash;
     int32_t id;  // -1: empty
   };
-  static uint64_t hash_of(const char* p, size_t n);
   size_t slot_of(const char* p, size_t n, uint64_t h) const;  // its slot, or the empty one it would take
   void grow();
 
