@@ -326,11 +326,16 @@ void check_hit_rows(const char* fn, const TopkInputs& in, const py::object& hptr
   }
 }
 
-// The hits' boosts hx and BM25 hval (float64 [H] each, H = len(h.hrows); hx finite and >= 0) into h.
+// The hits' boosts hx and BM25 hval (float64 [H] each, H = len(h.hrows); hx finite and >= 0) into h;
+// hx None: hval alone (the boosts given as per-query factors).
 void check_boosts(const char* fn, const py::object& hx_, const py::object& hval_, HitsArgs& h) {
-  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
   h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
   const int64_t H = h.hrows.shape(0);
+  if (hx_.is_none()) {  // (the boosts come as per-query factors: hval alone)
+    if (h.hval.shape(0) != H) throw py::value_error(std::string(fn) + ": hval must have one entry per hrows entry");
+    return;
+  }
+  h.hx = checked<double>(hx_, fn, "hx", 1, "float64");
   if (h.hx.shape(0) != H || h.hval.shape(0) != H)
     throw py::value_error(std::string(fn) + ": hx and hval must have one entry per hrows entry");
   const double* px = cptr<double>(h.hx);
@@ -433,9 +438,6 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
   py::array hscale, hden;
   if (kf > 0 && !hscale_.is_none()) {  // the boosts as per-query factors (computed on the threads)
     if (!hx_.is_none()) throw py::value_error(std::string(fn) + ": give hx or hscale, not both");
-    ha.hval = checked<double>(hval_, fn, "hval", 1, "float64");
-    if (ha.hval.shape(0) != ha.hrows.shape(0))
-      throw py::value_error(std::string(fn) + ": hval must have one entry per hrows entry");
     hscale = checked<double>(hscale_, fn, "hscale", 1, "float64");
     if (hscale.shape(0) != b) throw py::value_error(std::string(fn) + ": hscale must have one entry per query");
     if (!hden_.is_none()) {
@@ -447,7 +449,7 @@ py::tuple py_probe(const py::object& X_, const py::object& offsets_, const py::o
                           (hscale_.is_none() ? ": hden goes with hscale" : ": hscale goes with kf > 0"));
   }
   if (kf > 0) {
-    if (hscale_.is_none()) check_boosts(fn, hx_, hval_, ha);
+    check_boosts(fn, hx_, hval_, ha);
     f_rows = py::array_t<int64_t>({b, fs});
     f_fused = py::array_t<double>({b, fs});
     f_lex = py::array_t<double>({b, fs});

@@ -241,8 +241,8 @@ class Backend:
 
     def probe_hits(self, view: BankView, Q: np.ndarray, seg: np.ndarray, k: int, probe_k: int,
                    temperature: float, convention: str, hptr: np.ndarray, hrows: np.ndarray,
-                   hx: np.ndarray | None = None, hval: np.ndarray | None = None, kf: int = 0,
-                   hscale: np.ndarray | None = None, hden: np.ndarray | None = None) -> tuple:  # fmt: skip
+                   hval: np.ndarray | None = None, kf: int = 0, hscale: np.ndarray | None = None,
+                   hden: np.ndarray | None = None) -> tuple:  # fmt: skip
         """:meth:`probe_host` that also records its lexical hits' keys in the same pass
         (backends with ``has_fused_topk``, which run on the host): the dense call's own path
         and scan copy, so that the hybrid probe costs what the dense one does plus the
@@ -255,10 +255,10 @@ class Backend:
                 C-contiguous unit queries, seg: int64 [b] segment indices (host arrays).
             hptr int64 [b + 1], hrows int32 [H]: each query's hits, ascending local rows of
                 its segment (:meth:`bm25_hits`).
-            hx, hval: float64 [H] the hits' boosts (finite, >= 0) and BM25, with ``kf``.
-            hscale, hden: the boosts as per-query factors instead of ``hx`` (float64 [b],
-                ``hden`` [b] or None: :class:`rfmem_fast.fusion.BoostFactors`' scale / den,
-                applied to ``hval`` by the kernel, bit for bit ``BoostFactors.flat``).
+            hval: float64 [H] the hits' BM25, with ``kf``.
+            hscale, hden: the boosts as per-query factors (float64 [b], ``hden`` [b] or
+                None: :class:`rfmem_fast.fusion.BoostFactors`' scale / den), applied to
+                ``hval`` by the kernel, bit for bit ``BoostFactors.flat``; with ``kf``.
             kf: width of the fused list (0: none; at most ``k``).
 
         Returns:
@@ -271,8 +271,8 @@ class Backend:
 
         Raises:
             NotImplementedError: the backend has no such kernel.
-            ValueError: ``kf`` < 0 or > ``k``; ``kf`` > 0 without ``hval`` and one of ``hx`` /
-                ``hscale``; boosts that are not finite and >= 0.
+            ValueError: ``kf`` < 0 or > ``k``; ``kf`` > 0 without ``hval`` and ``hscale``;
+                boosts that are not finite and >= 0.
         """
         raise NotImplementedError(f"backend {self.name!r} has no probe_hits kernel (has_fused_topk is False)")
 

@@ -334,7 +334,7 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- lexical channel
     has_fused_topk = True
 
-    def probe_hits(self, view, Q, seg, k, probe_k, temperature, convention, hptr, hrows, hx=None, hval=None, kf=0,
+    def probe_hits(self, view, Q, seg, k, probe_k, temperature, convention, hptr, hrows, hval=None, kf=0,
                    hscale=None, hden=None):  # fmt: skip
         """See :meth:`Backend.probe_hits`: :meth:`probe_host` (``_native.probe``, the dense
         call's own path: scan or GEMM, the bank's scan copy) recording its lexical hits' keys
@@ -347,7 +347,7 @@ class NativeBackend(Backend):
             ValueError: malformed hits or boosts, ``kf`` out of [0, k], unknown convention,
                 ``k`` or ``probe_k`` < 1 (from the kernel).
         """
-        fz = dict(hx=hx, hval=hval, kf=int(kf), hscale=hscale, hden=hden) if kf else {}
+        fz = dict(hval=hval, kf=int(kf), hscale=hscale, hden=hden) if kf else {}
         out, threads = self._probe_call(view, Q, seg, k, probe_k, temperature, convention, None, hit_ptr=hptr,
                                         hit_rows=hrows, **fz)  # fmt: skip
         s, r, mean, ent, cnt, kept, written, keys, up = out[:9]
