@@ -14,7 +14,9 @@ tests/test_half_banks.py):
   level 2 AVX-512BW and AVX512_VNNI where the CPU has them), on the scan path's dots and
   the GEMM micro-kernel's, for d not a multiple of 16 / 32 (and d = 1), codes at +-127
   against queries at +-QMAX (int32 sums near 2^31), and enough queries and rows that
-  the last panel and micro-tile are partial;
+  the last panel and micro-tile are partial; the same for the GEMM units' byte queries
+  (avx512_vnni's vpdpbusd kernel against the plain dots of the same codes), whose top-k
+  equals the oracle's with byte queries on and off (re-keyed finish, rescans, threads);
 * the top-k over the int8 copy equals the oracle's ids and scores at every SIMD level,
   on the scan and GEMM paths, for d = 1, 3, 17, 31, 33, 384, 385: rows at the bound whose
   int8 order is the reverse of their exact order, rows sharing their codes (the scan sees
@@ -27,6 +29,7 @@ tests/test_half_banks.py):
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -243,10 +246,88 @@ def test_keys_are_the_same_bits_at_every_level_and_int8_kernel(d):
     assert up[0, 0] > 0.999 * float(Q[0] @ X[0]) and lo[0, 4] < -0.999 * float(Q[0] @ X[0])  # I at +-127 QMAX d
 
 
+@pytest.mark.parametrize("d", (4, 36, 64, 384, 388, 600, 33))
+def test_byte_query_keys_are_the_same_bits_at_every_kernel(d):
+    """The GEMM units' byte queries (|code| <= 127; avx512_vnni's vpdpbusd kernel, the row's
+    code sum subtracted from the sum of (q + 128) x): int8_bounds "gemm-bytes" equals the
+    plain int32 dots of the same codes ("bytes", i8_dots) bit for bit at every level and
+    int8 kernel, on the extreme bank (codes +-127 against byte codes +-127, partial panels
+    and micro-tiles), and the oracle's RN32(q.x) lies inside every sampled bracket; the
+    brackets are wider than the int16 queries' (the query's rounding joins the bound).
+    d = 33: not a multiple of 4, no byte kernel (the int16 GEMM keys)."""
+    X, Q = _extreme_bank(70 + d, d)
+    codes, meta = int8_scan_copy(X)
+    xn = _xnorm(meta)
+    ref = None
+    try:
+        for cap, int8_cap, name in KERNELS:
+            _use(cap, int8_cap, name)
+            assert _native.int8_byte_queries(d) == (name == "avx512_vnni" and d % 4 == 0)
+            for path in ("bytes", "gemm-bytes"):
+                lo, up = _native.int8_bounds(codes, meta, Q, xn, path=path)
+                if ref is None:
+                    ref, want = (lo.view(np.uint32), up.view(np.uint32)), (lo, up)
+                np.testing.assert_array_equal(lo.view(np.uint32), ref[0], err_msg=f"lower, {name} {path}")
+                np.testing.assert_array_equal(up.view(np.uint32), ref[1], err_msg=f"upper, {name} {path}")
+    finally:
+        _native.set_simd_cap(-1)
+    lo, up = want
+    rng = np.random.default_rng(d)
+    pairs = [(i, r) for i in range(6) for r in range(16)]
+    pairs += [(int(i), int(r)) for i, r in zip(rng.integers(0, 70, 60), rng.integers(0, 173, 60))]
+    for i, r in pairs:
+        e = exact_f32(Q[i], X[r])
+        assert lo[i, r] <= e <= up[i, r], (d, i, r, lo[i, r], e, up[i, r])
+    lo16, up16 = _native.int8_bounds(codes, meta, Q, xn, path="scan")
+    assert float(np.median(up - lo)) > 1.5 * float(np.median(up16 - lo16))  # byte codes: a coarser query
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_bank():
+    """(X, off, Q, qseg, oracle rows, oracle scores) of the byte-query top-k test (its
+    oracle computed once for every kernel and thread count)."""
+    rng = np.random.default_rng(31)
+    d = 64
+    q0 = rng.normal(size=d).astype(np.float32)
+    q0[0] = 0
+    X = np.concatenate([
+        _at_bound_rows(rng, q0, 100, 1.0),
+        rng.normal(size=(2200, d)) * 0.05,
+        np.repeat(rng.normal(size=(1, d)) * 0.05, 300, axis=0) + rng.normal(size=(300, d)) * 1e-6,
+    ]).astype(np.float32)
+    X[500:520] = X[500]
+    off = np.array([0, X.shape[0]], dtype=np.int64)
+    Q = np.concatenate([q0[None], X[rng.integers(0, X.shape[0], 59)] + 0.02 * rng.normal(size=(59, d)),
+                        X[2300:2340] + 1e-4 * rng.normal(size=(40, d))]).astype(np.float32)  # fmt: skip
+    qseg = np.zeros(Q.shape[0], dtype=np.int64)
+    return (X, off, Q, qseg) + tuple(oracle_topk(X, off, Q, qseg, 10))
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+def test_byte_queries_give_the_int16_and_oracle_top_k(level, threads):
+    """A segment of 2,600 rows scored by units of 100 queries on the GEMM path, byte queries
+    on and off: ids and scores equal the oracle's either way, at every kernel and with the
+    segment's rows split over two threads (partial lists merged, then re-keyed): 100 rows
+    at the bound for the first query (int8 order = exact order reversed; they fit the kept
+    list, so its top 10 comes from the re-keyed candidates), 300 rows sharing
+    one code vector (the byte keys tie: the kept list overflows and the segment is
+    rescanned with the int16 query), exact duplicates, and queries near rows."""
+    X, off, Q, qseg, want_r, want_s = _byte_bank()
+    prev = _native.set_int8_byte_queries(True)
+    try:
+        for on in (True, False):
+            _native.set_int8_byte_queries(on)
+            s, r = _topk(X, off, Q, qseg, 10, "gemm", threads)
+            np.testing.assert_array_equal(r, want_r, err_msg=f"bytes {on}")
+            np.testing.assert_array_equal(s, want_s, err_msg=f"bytes {on}")
+    finally:
+        _native.set_int8_byte_queries(prev)
+
+
 def test_int8_bounds_path_is_checked():
     X, Q = _extreme_bank(1, 8)
     codes, meta = int8_scan_copy(X)
-    with pytest.raises(ValueError, match="path must be 'scan' or 'gemm'"):
+    with pytest.raises(ValueError, match="path must be 'scan', 'gemm', 'bytes' or 'gemm-bytes'"):
         _native.int8_bounds(codes, meta, Q, _xnorm(meta), path="fast")
 
 

@@ -1581,6 +1581,16 @@ Raises:
       "the default, INT8_MIN_ROWS) and returns the value now in use; below it the call scans the float32 rows, "
       "where the int8 copy does not pay (csrc/cpu/kernels.h kI8MinRows, measured). For tests and benchmarks; "
       "results never depend on it.");
+  mod.def(
+      "set_int8_byte_queries", [](bool on) { return rfmem::set_int8_byte_queries(on); }, py::arg("on"),
+      "Turns the byte queries of the int8 GEMM path on (the default) or off and returns the previous setting. "
+      "On, a call's GEMM units over an int8 copy quantise their queries to bytes (|code| <= 127) and score with "
+      "vpdpbusd (avx512_vnni: twice vpdpwssd's multiply-adds), their kept rows re-keyed with the int16 codes "
+      "before the exact finish (csrc/cpu/topk.cpp). For tests and benchmarks; results never depend on it.");
+  mod.def(
+      "int8_byte_queries", [](int64_t d) { return rfmem::int8_byte_queries(d); }, py::arg("d"),
+      "Whether an int8 call of dimension d gives its GEMM units byte queries now: the avx512_vnni kernels in "
+      "use, d a multiple of 4 and at most (2^31 - 1) / (255 * 127), set_int8_byte_queries on.");
   mod.def("int8_min_rows", []() { return rfmem::int8_min_rows(); },
           "The mean rows per queried segment from which a call reads the int8 scan copy now (set_int8_min_rows).");
   mod.attr("INT8_MIN_ROWS") = rfmem::kI8MinRows;
@@ -1613,8 +1623,9 @@ Raises:
       [](const py::object& codes_, const py::object& meta_, const py::object& Q_, double xnorm,
          const std::string& path) {
         const char* fn = "int8_bounds";
-        if (path != "scan" && path != "gemm")
-          throw py::value_error(std::string(fn) + ": path must be 'scan' or 'gemm', got '" + path + "'");
+        if (path != "scan" && path != "gemm" && path != "bytes" && path != "gemm-bytes")
+          throw py::value_error(std::string(fn) + ": path must be 'scan', 'gemm', 'bytes' or 'gemm-bytes', got '" +
+                                path + "'");
         py::array codes = checked<int8_t>(codes_, fn, "codes", 2, "int8");
         py::array meta = checked<float>(meta_, fn, "meta", 2, "float32");
         py::array Q = checked<float>(Q_, fn, "Q", 2, "float32");
@@ -1632,7 +1643,8 @@ Raises:
         {
           py::gil_scoped_release nogil;
           ok = rfmem::int8_bounds(cptr<int8_t>(codes), cptr<float>(meta), n, d, cptr<float>(Q), b, xnorm,
-                                  lo.mutable_data(), up.mutable_data(), path == "gemm");
+                                  lo.mutable_data(), up.mutable_data(), path == "gemm" || path == "gemm-bytes",
+                                  path == "bytes" || path == "gemm-bytes");
         }
         if (!ok)
           throw py::value_error(std::string(fn) + ": the int8 scan cannot bound these queries (a non-finite query, "
@@ -1649,7 +1661,9 @@ Args:
     path: "scan" (default): both bounds from the scan path's int32 dots (simd.h i8_dots);
         "gemm": upper as the GEMM path's micro-kernel computes it (i8_gemm_panel: the keys
         its heaps receive; level 0 has none and uses i8_dots), lower as "scan" (the exact
-        finish always takes it from i8_dots).
+        finish always takes it from i8_dots). "bytes" / "gemm-bytes": the same with the
+        queries quantised to byte codes (|code| <= 127), the form the GEMM units take
+        where int8_byte_queries(d) (upper from i8_gemm_panel_b's vpdpbusd there).
 
 Returns:
     (lower float32 [b, n], upper float32 [b, n]): lower <= RN32(Q[i] . X[r]) <= upper, as
@@ -1658,7 +1672,7 @@ Returns:
     scan copies"); the same bits at every level and int8 kernel (simd_int8_kernel).
 
 Raises:
-    TypeError: wrong dtypes. ValueError: wrong shapes, ``path`` not "scan" / "gemm", or
+    TypeError: wrong dtypes. ValueError: wrong shapes, an unknown ``path``, or
     queries the int8 scan cannot bound (then segmented_topk scans the float32 rows).
 )doc");
 }

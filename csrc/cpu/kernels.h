@@ -190,9 +190,19 @@ double row_norm_bound(const float* X, int64_t n, int64_t d);
 /// written) where the int8 scan would fall back to the float32 rows (TopkOptions).
 /// ``gemm``: upper as the GEMM path's micro-kernel computes it (the keys its heaps
 /// receive, simd.h i8_gemm_panel; the scan path's i8_dots at level 0, which has none);
-/// lower always as the exact finish computes it (i8_dots).
+/// lower always as the exact finish computes it (i8_dots). ``bytes``: the queries
+/// quantised as byte queries (|code| <= 127, the GEMM units' form where
+/// int8_byte_queries(d)), upper with ``gemm`` from i8_gemm_panel_b where it applies.
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
-                 float* lower, float* upper, bool gemm = false);
+                 float* lower, float* upper, bool gemm = false, bool bytes = false);
+
+/// Turns the byte queries of the int8 GEMM path on or off (default on; tests and
+/// benchmarks compare both); returns the previous setting. Results never depend on it.
+bool set_int8_byte_queries(bool on);
+
+/// Whether an int8 call of dimension d would give its GEMM units byte queries now: the
+/// avx512_vnni kernels in use (simd.h i8_gemm_panel_b), d % 4 == 0, d <= kI8ByteMaxD, on.
+bool int8_byte_queries(int64_t d);
 
 /// Entropy conventions of familiarity_signals (spec section 1).
 enum class Entropy : int { kMean = 0, kSum = 1, kNormalized = 2 };

@@ -93,10 +93,11 @@ namespace {
 // Level 2's kernels with one of its int8 variants (the int8 dots, GEMM micro-kernel, name
 // and micro-tile shape); everything else is the same AVX-512 code.
 SimdKernels level2(decltype(SimdKernels::i8_dots) i8_dots, decltype(SimdKernels::i8_gemm_panel) i8_gemm_panel,
-                   const char* i8_name, int i8_mr, int i8_nr) {
+                   const char* i8_name, int i8_mr, int i8_nr,
+                   decltype(SimdKernels::i8_gemm_panel_b) i8_gemm_panel_b = nullptr) {
   return {2, "avx512", simd_l2::MR, simd_l2::NR, &simd_l2::gemm_panel, &simd_l2::to_f32, i8_dots, i8_gemm_panel,
           &simd_l2::dot4_half, &simd_l2::scan_rows_half, &simd_l2::scan_rows_f32, &simd_l2::scan_rows_f32_pruned,
-          &simd_l2::scores_f32, &simd_l2::exact_sums, i8_name, i8_mr, i8_nr};
+          &simd_l2::scores_f32, &simd_l2::exact_sums, i8_name, i8_mr, i8_nr, i8_gemm_panel_b};
 }
 #endif
 
@@ -114,7 +115,7 @@ const SimdKernels kLevels[] = {
     level2(&simd_l1::i8_dots, &simd_l1::i8_gemm_panel, "avx2", simd_l1::kI8MR, simd_l1::kI8NR),
     level2(&simd_l2_bw::i8_dots, &simd_l2_bw::i8_gemm_panel, "avx512bw", simd_l2_bw::kI8MR, simd_l2_bw::kI8NR),
     level2(&simd_l2_vnni::i8_dots, &simd_l2_vnni::i8_gemm_panel, "avx512_vnni", simd_l2_vnni::kI8MR,
-           simd_l2_vnni::kI8NR),
+           simd_l2_vnni::kI8NR, &simd_l2_vnni::i8_gemm_panel_b),
 #endif
 };
 

@@ -178,7 +178,22 @@ struct SimdKernels {
   const char* i8_name;  // the int8 kernels: "avx512_vnni", "avx512bw", "avx2" or "baseline"
   int i8_mr;            // rows per int8 GEMM micro-tile (0 without i8_gemm_panel)
   int i8_nr;            // queries per packed int8 panel (0 without i8_gemm_panel)
+
+  /// The int8 GEMM micro-kernel for byte queries (|q| <= 127; nullptr except avx512_vnni):
+  /// rows X[0:nrows] read in place (int8 [nrows, d], d % 4 == 0, d <= kI8ByteMaxD; global
+  /// row of X[0] is row0, its data meta[0..]), rsum[i] = 128 * the sum of row i's codes,
+  /// against the packed panel P of up to i8_nr queries (int32 [d / 4][i8_nr]: P[j * i8_nr
+  /// + q] holds query q's codes 4j .. 4j + 3 plus 128 as unsigned bytes, 128 past nq;
+  /// 64-byte aligned). vpdpbusd sums I + rsum exactly; the keys (I - the same as i8_dots
+  /// with the same codes) go to res / kout as i8_gemm_panel's.
+  void (*i8_gemm_panel_b)(const int8_t* X, int64_t nrows, int64_t d, const int32_t* rsum, const int32_t* P, int nq,
+                          int64_t row0, const float* meta, const I8Query* const* qs, Reservoir* res,
+                          float* kout) = nullptr;
 };
+
+/// Largest d of the byte-query GEMM path: a lane's sum of d products (q + 128) x, each at
+/// most 255 * 127 in magnitude, stays below 2^31 (topk.cpp; larger d takes int16 queries).
+constexpr int64_t kI8ByteMaxD = 2147483647 / (255 * 127);
 
 /// Highest level this CPU (and its OS) supports.
 int simd_level_supported();

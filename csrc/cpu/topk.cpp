@@ -115,6 +115,22 @@ int64_t scan_margin(ScanType t, int64_t max_len) {
   if (t != ScanType::kI8) return kScanMargin[static_cast<int>(t)];
   return std::min<int64_t>(128, std::max<int64_t>(kScanMargin[static_cast<int>(t)], max_len / 256));
 }
+
+// The over-fetch of a call whose GEMM units take byte queries (i8_gemm_panel_b): their
+// keys' brackets are about twice as wide (the query's own rounding joins the row's), so
+// the kept list must hold every row whose byte key reaches L, the k-th lower key of the
+// int16 query (the finish re-keys its kept rows with it, i8_rekey), or the query's
+// segment is rescanned. bench_int8.py's clustered d = 384 rows, k = 10 (64 queries each,
+// a float64 model of the keys): p99 76 such rows at 4,096 rows, 172 at 1e5, 319 at 1e6
+// (max 87, 180, 398). 128 rows, doubled for every tenfold rows past 1e4, within [128, 512]:
+// at 1e5 rows 256 gave 3,311 q/s, 128 1,812 (rescans), 384 2,982 (a longer kept list);
+// at 1e6 512 gave 452 q/s, 384 438, 256 280 (one thread, Zen 4).
+int64_t byte_margin(int64_t max_len) {
+  const double m = 128.0 * std::pow(2.0, std::log10(std::max<double>(1.0, static_cast<double>(max_len)) / 1e4));
+  return std::min<int64_t>(512, std::max<int64_t>(128, static_cast<int64_t>(m)));
+}
+
+std::atomic<bool> g_i8_bytes{true};  // set_int8_byte_queries
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -426,11 +442,12 @@ void rescan_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, c
 constexpr int kI8Chunk = 64;
 
 /// The queries of a call as the int8 scan reads them (codes[i * dq ..], dq = d rounded up
-/// to 16, zero beyond d); false when the int8 scan cannot bound them (d too large, a
+/// to 16, zero beyond d; |code| <= min(i8_qmax(d), qcap): qcap 127 gives the byte queries
+/// of i8_gemm_panel_b, the bound's derivation unchanged); false when the int8 scan cannot bound them (d too large, a
 /// non-finite query, ||q|| xnorm >= 2^100: then the call scans the float32 rows).
 bool i8_prepare(const float* Q, int64_t b, int64_t d, double xnorm, std::vector<int16_t>& codes,
-                std::vector<I8Query>& out) {
-  const int32_t qmax = i8_qmax(d);
+                std::vector<I8Query>& out, int32_t qcap = 32767) {
+  const int32_t qmax = std::min(i8_qmax(d), qcap);
   if (qmax < 1 || !(xnorm >= 0.0) || !(xnorm < 1e30)) return false;
   const int64_t dq = (d + 15) / 16 * 16;
   codes.assign(static_cast<size_t>(b * dq), 0);
@@ -602,6 +619,42 @@ double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K,
   return hp.size < hp.k ? kNegInfD : static_cast<double>(hp.h[0].s);
 }
 
+// The same L for candidates whose keys came from another quantisation of the query (the
+// byte queries of i8_gemm_panel_b): the kept rows taken by their keys, best first, each
+// one's int32 dot recomputed with iq (the int16 query), its key replaced by iq's upper key
+// U (tighter: the exact finish re-scores by it), L the k-th largest of iq's lower keys so
+// far. Every key bounds its row's exact score, so L <= the k-th exact score T; once k
+// rows are re-keyed and the next kept key is below L, so is every later one: those rows
+// score below T and leave the candidates (nc becomes the rows re-keyed).
+double i8_rekey(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq, Entry* cand,
+                int64_t& nc, Entry* tmp) {
+  Heap hp;
+  hp.h = tmp;
+  hp.k = c.k;
+  hp.size = 0;
+  const int16_t* qc[1] = {iq.q};
+  const int8_t* xr[4];
+  int32_t dots[4];
+  std::sort(cand, cand + nc, better);
+  for (int64_t j = 0; j < std::min<int64_t>(nc, 16); ++j) prefetch_bytes(src.i8 + cand[j].r * c.d, c.d);
+  for (int64_t j = 0; j < nc; j += 4) {
+    if (hp.size == hp.k && cand[j].s < hp.h[0].s) {
+      nc = j;
+      break;
+    }
+    const int cnt = static_cast<int>(std::min<int64_t>(4, nc - j));
+    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + cand[j + i].r * c.d;
+    for (int64_t t = j + 16; t < std::min(nc, j + 20); ++t) prefetch_bytes(src.i8 + cand[t].r * c.d, c.d);
+    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
+    for (int i = 0; i < cnt; ++i) {
+      const float* m = src.meta + 3 * cand[j + i].r;
+      cand[j + i].s = i8_upper(iq, m, dots[i]);
+      hp.push(i8_lower(iq, m, dots[i]), j + i);
+    }
+  }
+  return hp.size < hp.k ? kNegInfD : static_cast<double>(hp.h[0].s);
+}
+
 // Rescan of one query over the rows row_at(0 .. m-1) (increasing) with the int8 keys:
 // every row whose key reaches L is re-scored exactly into a running top-k (heap of
 // capacity k at store, refusing the rows ``mask`` leaves out).
@@ -639,13 +692,19 @@ void i8_rescan(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, cons
 // The exact top-k of one query from its kept scan candidates (cand[0:nc], disjoint rows
 // of its segment [a, e)); ``dropped``(cut) says whether rows of scan score >= cut may
 // have been left out, in which case the segment is rescanned. ``iq``: the query's int8
-// form when the scan read the int8 copy (keys are then upper bounds, and cut is L).
+// form when the scan read the int8 copy (keys are then upper bounds, and cut is L);
+// ``keyed``: the form whose keys the candidates hold when it is not iq (byte queries:
+// the candidates re-keyed with iq, i8_rekey).
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
-                  const Dropped& dropped, const uint8_t* mask, const I8Query* iq = nullptr) {
+                  const Dropped& dropped, const uint8_t* mask, const I8Query* iq = nullptr,
+                  const I8Query* keyed = nullptr) {
   if (iq != nullptr) {
-    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store);
+    // (re-keying may sort cand and drop its tail: ``dropped`` tests the kept list's worst
+    // key, which the caller took before)
+    const bool rekey = keyed != nullptr && keyed != iq;
+    const double L = rekey ? i8_rekey(c, src, K, *iq, cand, nc, store) : i8_kth_lower(c, src, K, *iq, cand, nc, store);
     if (dropped(L))
       i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
     else
@@ -864,19 +923,82 @@ void i8_widen(const int8_t* x, int64_t cnt, int64_t d, int64_t dp, int16_t* tile
   }
 }
 
+// Rows per tile of the byte-query GEMM path (int8 rows read in place): whole micro-tiles
+// in kGemmTileBytes.
+int64_t i8b_tile_rows(const SimdKernels& K, int64_t d) {
+  const int64_t mr = K.i8_mr;
+  return std::max<int64_t>(mr, (kGemmTileBytes / d) / mr * mr);
+}
+
+// out[i] = 128 * the sum of row i's d codes (rows x[0:cnt], d bytes each).
+RFMEM_MULTIVERSION
+void i8_row_sums(const int8_t* x, int64_t cnt, int64_t d, int32_t* out) {
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int8_t* xi = x + i * d;
+    int32_t t = 0;
+    for (int64_t j = 0; j < d; ++j) t += xi[j];
+    out[i] = 128 * t;
+  }
+}
+
+// Whether a call's GEMM units take byte queries (i8_gemm_panel_b): the kernel exists
+// (avx512_vnni), d is a multiple of 4 (rows read in place, whole quads) within
+// kI8ByteMaxD, and set_int8_byte_queries has not turned them off.
+bool i8_bytes_apply(const SimdKernels& K, int64_t d) {
+  return K.i8_gemm_panel_b != nullptr && d % 4 == 0 && d <= kI8ByteMaxD && g_i8_bytes.load(std::memory_order_relaxed);
+}
+
 // The int8 GEMM path over rows [r0, r1) for the nq queries of a unit: the queries packed
 // once into panels of K.i8_nr (int16 pairs as int32, simd.h i8_gemm_panel), the rows
 // converted tile by tile to int16 (zero past d) and scored against every panel while in
 // L2, the keys pushed into res[0:nq] (hc: null, or the queries' hit cursors: their keys
-// taken from each panel's kept keys, scratch part sz.c).
+// taken from each panel's kept keys, scratch part sz.c). ``bytes``: the queries are byte
+// queries (|code| <= 127) for i8_gemm_panel_b: panels of 4 codes + 128 as unsigned bytes,
+// the rows read in place and only their code sums computed per tile.
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                   const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz,
-                  HitCursor* hc = nullptr) {
+                  HitCursor* hc = nullptr, bool bytes = false) {
   const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
   const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
-  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
   const int npan = (nq + nr - 1) / nr;
+  if (bytes) {
+    const int64_t nj = d / 4, rt = i8b_tile_rows(K, d);
+    int32_t* rsum = reinterpret_cast<int32_t*>(scratch + sz.panels);
+    for (int p = 0; p < npan; ++p) {
+      int32_t* Pp = P + static_cast<int64_t>(p) * nj * nr;
+      for (int q = 0; q < nr; ++q) {
+        const int qi = p * nr + q;
+        const int16_t* c = qi < nq ? qs[qi]->q : nullptr;
+        for (int64_t j = 0; j < nj; ++j) {
+          uint32_t w = 0x80808080u;  // (a padding query's codes are 0)
+          if (c)
+            w = static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j] + 128)) |
+                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 1] + 128)) << 8 |
+                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 2] + 128)) << 16 |
+                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 3] + 128)) << 24;
+          Pp[j * nr + q] = static_cast<int32_t>(w);
+        }
+      }
+    }
+    for (int64_t t0 = r0; t0 < r1; t0 += rt) {
+      const int64_t cnt = std::min(rt, r1 - t0);
+      const int8_t* T = src.i8 + t0 * d;
+      i8_row_sums(T, cnt, d, rsum);
+      const int64_t nbytes = std::min(rt, r1 - t0 - cnt) * d, part = (nbytes + npan - 1) / npan;
+      const char* next = reinterpret_cast<const char*>(src.i8 + (t0 + cnt) * d);
+      for (int p = 0; p < npan; ++p) {
+        for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
+        const int pq = std::min(nr, nq - p * nr);
+        float* kout = hc ? scratch + sz.panels + sz.tile : nullptr;
+        K.i8_gemm_panel_b(T, cnt, d, rsum, P + static_cast<int64_t>(p) * nj * nr, pq, t0, src.meta + 3 * t0,
+                          qs + p * nr, res + p * nr, kout);
+        for (int q = 0; hc && q < pq; ++q) hc[p * nr + q].take(t0, t0 + cnt, kout + q, nr);
+      }
+    }
+    return;
+  }
+  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
   for (int p = 0; p < npan; ++p) {
     int32_t* Pp = P + static_cast<int64_t>(p) * np * nr;
     for (int q = 0; q < nr; ++q) {
@@ -911,20 +1033,22 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
 // leave in every heap exactly what its own pushes would have (heap.h Reservoir).
 void i8_gemm_collect(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                      const I8Query* const* qs, int nq, Heap* heaps, Reservoir* res, float* scratch,
-                     const GemmScratch& sz, HitCursor* hc = nullptr) {
+                     const GemmScratch& sz, HitCursor* hc = nullptr, bool bytes = false) {
   for (int i = 0; i < nq; ++i) res[i] = Reservoir::over(heaps[i]);
-  i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz, hc);
+  i8_gemm_scan(src, K, d, r0, r1, qs, nq, res, scratch, sz, hc, bytes);
   for (int i = 0; i < nq; ++i) res[i].to_heap(heaps[i]);
 }
 
 // Per-thread scratch (floats, 64-byte aligned parts) of i8_gemm_scan for units of up to
-// nq queries (keep: room for a tile's keys of a panel, the lexical hits').
-GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq, bool keep = false) {
+// nq queries (keep: room for a tile's keys of a panel, the lexical hits'; bytes: byte
+// panels and a tile's row sums instead of int16 panels and tile).
+GemmScratch i8_gemm_scratch(const SimdKernels& K, int64_t d, int64_t nq, bool keep = false, bool bytes = false) {
   const int64_t round = 16, dp = (d + 1) / 2 * 2, nr = K.i8_nr;
+  const int64_t rt = bytes ? i8b_tile_rows(K, d) : i8_tile_rows(K, dp);
   GemmScratch gs;
-  gs.panels = ((nq + nr - 1) / nr * nr * (dp / 2) + round - 1) / round * round;
-  gs.tile = (i8_tile_rows(K, dp) * dp / 2 + round - 1) / round * round;
-  gs.c = keep ? (i8_tile_rows(K, dp) * nr + round - 1) / round * round : 0;
+  gs.panels = ((nq + nr - 1) / nr * nr * (bytes ? d / 4 : dp / 2) + round - 1) / round * round;
+  gs.tile = ((bytes ? rt : rt * dp / 2) + round - 1) / round * round;
+  gs.c = keep ? (rt * nr + round - 1) / round * round : 0;
   return gs;
 }
 
@@ -950,6 +1074,10 @@ int64_t set_int8_min_rows(int64_t rows) {
 }
 
 int64_t int8_min_rows() { return g_i8_min_rows.load(std::memory_order_relaxed); }
+
+bool set_int8_byte_queries(bool on) { return g_i8_bytes.exchange(on, std::memory_order_relaxed); }
+
+bool int8_byte_queries(int64_t d) { return i8_bytes_apply(simd_kernels(), d); }
 
 // The cost rule (kernels.h gemm_pays). Multiply-adds per second of one core, measured by
 // bench/bench_gemm.py ("rates": one segment of 50,000 x 384 rows, 256 queries, AMD EPYC
@@ -1004,8 +1132,8 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   if (!(xnorm >= 0.0)) xnorm = row_norm_bound(X, n, d);
   // the int8 scan: every query quantised once (falls back to the float32 rows when the
   // int8 scan cannot bound the call's queries)
-  std::vector<int16_t> i8codes;
-  std::vector<I8Query> i8q;
+  std::vector<int16_t> i8codes, i8codes_b;
+  std::vector<I8Query> i8q, i8q_b;
   bool i8_rows = false;  // the int8 copy pays: enough rows per queried segment (kI8MinRows)
   if (opt.scan_i8 != nullptr && opt.scan_meta != nullptr) {
     double rows = 0.0;
@@ -1159,7 +1287,17 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   const int64_t items = ng * parts;
   nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
-  const int64_t kw = k + scan_margin(src.type, max_len);  // candidates kept per query
+  // the GEMM units of an int8 call take byte queries where i8_gemm_panel_b runs (twice the
+  // multiply-adds per instruction): every query quantised a second time to |code| <= 127,
+  // its GEMM keys from those codes, its exact finish re-keyed with the int16 codes
+  const bool i8b = src.i8 && max_gemm_nq > 0 && K.i8_gemm_panel && i8_bytes_apply(K, d) &&
+                   i8_prepare(Q, b, d, xnorm, i8codes_b, i8q_b, 127);
+  auto iqg = [&](int64_t qi, bool gemm) -> const I8Query* {  // the form a group's keys come from
+    return src.i8 ? (gemm && i8b ? &i8q_b[static_cast<size_t>(qi)] : &i8q[static_cast<size_t>(qi)]) : nullptr;
+  };
+  // candidates kept per query
+  const int64_t kw = k + (i8b ? std::max(byte_margin(max_len), scan_margin(src.type, max_len))
+                              : scan_margin(src.type, max_len));
   // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
   // (the int8 paths' heaps hold 2 kw: room for their Reservoirs, i8_scan and i8_gemm_collect)
@@ -1186,7 +1324,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
   if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
-    gs = i8_gemm_scratch(K, d, max_gemm_nq, rec);
+    gs = i8_gemm_scratch(K, d, max_gemm_nq, rec, i8b);
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = gemm_tile_rows(K, d);
@@ -1236,7 +1374,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].mask = qmask(order[g.first + i]);
       heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
-      if (iqs) iqs[i] = iqp(order[g.first + i]);
+      if (iqs) iqs[i] = iqg(order[g.first + i], g.gemm);
     }
     const HitKeys hk = rec ? hit_keys(g) : HitKeys::kNone;
     HitCursor* hc = nullptr;  // the group's hit cursors, from its first hit at or past r0
@@ -1264,7 +1402,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       };
       if (src.i8 && g.gemm && K.i8_gemm_panel)
         i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res, gemm_base + static_cast<size_t>(tid) * gs.total(), gs,
-                        hc);
+                        hc, i8b);
       else if (g.gemm && !src.i8)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs, hc);
       else if (pruned)
@@ -1299,7 +1437,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * hstride, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
-                     hp.mask, iqp(qi));
+                     hp.mask, iqp(qi), iqg(qi, g.gemm));
         hp.size = 0;
         if (opt.after) opt.after->done(qi, tid);
       } else {
@@ -1341,7 +1479,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * hstride;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi));
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi), iqg(qi, g.gemm));
         if (opt.after) opt.after->done(qi, tid);
       }
     });
@@ -1349,10 +1487,10 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 }
 
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
-                 float* lower, float* upper, bool gemm) {
+                 float* lower, float* upper, bool gemm, bool bytes) {
   std::vector<int16_t> qc;
   std::vector<I8Query> iq;
-  if (!i8_prepare(Q, b, d, xnorm, qc, iq)) return false;
+  if (!i8_prepare(Q, b, d, xnorm, qc, iq, bytes ? 127 : 32767)) return false;
   const SimdKernels& K = simd_kernels();
   const int8_t* xr[4];
   const int16_t* qp[kI8Chunk];
@@ -1373,7 +1511,8 @@ bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, c
       }
     }
   }
-  if (!gemm || !K.i8_gemm_panel || n == 0 || b == 0) return true;
+  const bool i8b = bytes && i8_bytes_apply(K, d);
+  if (!gemm || !K.i8_gemm_panel || (bytes && !i8b) || n == 0 || b == 0) return true;
   // the GEMM path's keys: every query's heap holds all n rows (never full before the
   // last row, so every key is pushed), all b queries in one unit
   ScanSrc src{nullptr, nullptr, ScanType::kI8};
@@ -1388,12 +1527,12 @@ bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, c
     heaps[static_cast<size_t>(i)].k = n;
     qs[static_cast<size_t>(i)] = &iq[static_cast<size_t>(i)];
   }
-  const GemmScratch gs = i8_gemm_scratch(K, d, b);
+  const GemmScratch gs = i8_gemm_scratch(K, d, b, false, i8b);
   std::vector<float> scratch(static_cast<size_t>(gs.total()) + 16);
   float* base = scratch.data();
   while (reinterpret_cast<uintptr_t>(base) % 64) ++base;
   for (int64_t i = 0; i < b * n; ++i) upper[i] = std::numeric_limits<float>::quiet_NaN();  // a NaN key: not pushed
-  i8_gemm_collect(src, K, d, 0, n, qs.data(), static_cast<int>(b), heaps.data(), res.data(), base, gs);
+  i8_gemm_collect(src, K, d, 0, n, qs.data(), static_cast<int>(b), heaps.data(), res.data(), base, gs, nullptr, i8b);
   for (int64_t i = 0; i < b; ++i) {
     const Heap& hp = heaps[static_cast<size_t>(i)];
     for (int64_t e = 0; e < hp.size; ++e) upper[i * n + hp.h[e].r] = hp.h[e].s;
