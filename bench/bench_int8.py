@@ -6,7 +6,11 @@ Systems (every one returns the top-10 of each query within its user's rows):
 * ``native_int8``: the same kernel over the bank's int8 copy (``MemoryBank(dtype="int8")``:
   int8 rows with a scale and two norm bounds per row, int16 queries, exact int32 dots,
   every row that can still be in the top-k re-scored exactly: ids and scores equal
-  ``native_f32``'s, which the run checks);
+  ``native_f32``'s, which the run checks); where ``_native.int8_byte_queries(384)`` (the
+  avx512_vnni kernels), its GEMM units (batches) take byte queries (vpdpbusd), their kept
+  rows re-keyed with the int16 queries before the exact finish;
+* ``native_int8_int16q`` (with byte queries only): the same with ``set_int8_byte_queries(False)``,
+  int16 queries on every path, side by side;
 * ``faiss_flat_ip``: faiss ``IndexFlatIP`` (one index per user for the multi-tenant bank),
   when faiss-cpu is installed; else ``numpy_matmul``: ``X @ q`` and ``np.argpartition``
   (BLAS on one thread).
@@ -106,6 +110,16 @@ def build_systems(X: np.ndarray, off: np.ndarray, codes: np.ndarray, meta: np.nd
         return _native.segmented_topk(X, off, Q, seg, K, 1, xnorm, scan=codes, scan_meta=meta, scan_type="int8")
 
     systems: dict[str, Callable] = {"native_f32": f32, "native_int8": i8}
+    if _native.int8_byte_queries(X.shape[1]):  # the same kernel with int16 queries on the GEMM path too
+
+        def i8_int16(Q, seg):
+            prev = _native.set_int8_byte_queries(False)
+            try:
+                return i8(Q, seg)
+            finally:
+                _native.set_int8_byte_queries(prev)
+
+        systems["native_int8_int16q"] = i8_int16
     try:
         import faiss
 
@@ -147,12 +161,22 @@ def int8_margin(rows: int) -> int:
     return min(128, max(64, rows // 256))
 
 
+def byte_margin(rows: int) -> int:
+    """The over-fetch of a call whose GEMM units take byte queries (csrc/cpu/topk.cpp
+    byte_margin): 128, doubled for every tenfold rows past 1e4, within [128, 512]."""
+    return min(512, max(128, round(128.0 * 2.0 ** np.log10(max(1.0, rows) / 1e4))))
+
+
 def rescore_stats(X, off, codes, meta, xnorm, Q, seg) -> dict[str, float]:
     """Mean re-scored rows per query and the share of queries whose undecided rows exceed
-    the kept list (k + int8_margin): from the int8 scan's own bounds (``_native.int8_bounds``)."""
+    the kept list (k + int8_margin): from the int8 scan's own bounds (``_native.int8_bounds``).
+    With byte queries (the GEMM units' form where ``int8_byte_queries``): the rows whose
+    byte key reaches the int16 query's L (the kept list must hold them: k + byte_margin)."""
     from rfmem_fast import _native
 
-    rescored, rescans, rows = [], 0, []
+    bytes_on = _native.int8_byte_queries(X.shape[1])
+    longest = int(np.diff(off).max())
+    rescored, rescans, rows, kept_b, rescans_b = [], 0, [], [], 0
     for i in range(Q.shape[0]):
         a, e = int(off[seg[i]]), int(off[seg[i] + 1])
         lo, up = _native.int8_bounds(codes[a:e], meta[a:e], Q[i : i + 1], xnorm)
@@ -160,10 +184,20 @@ def rescore_stats(X, off, codes, meta, xnorm, Q, seg) -> dict[str, float]:
         m = int(np.count_nonzero(up[0] >= L))
         rescored.append(m)
         rows.append(e - a)
-        rescans += m > K + int8_margin(int(np.diff(off).max()))
-    return {"rescored_rows_per_query": float(np.mean(rescored)),
-            "rescored_fraction": float(np.sum(rescored) / np.sum(rows)),
-            "rescan_share": rescans / Q.shape[0], "sampled_queries": int(Q.shape[0])}  # fmt: skip
+        rescans += m > K + int8_margin(longest)
+        if bytes_on:
+            _, up_b = _native.int8_bounds(codes[a:e], meta[a:e], Q[i : i + 1], xnorm, path="gemm-bytes")
+            mb = int(np.count_nonzero(up_b[0] >= L))
+            kept_b.append(mb)
+            rescans_b += mb > K + byte_margin(longest)
+    out = {"rescored_rows_per_query": float(np.mean(rescored)),
+           "rescored_fraction": float(np.sum(rescored) / np.sum(rows)),
+           "rescan_share": rescans / Q.shape[0], "sampled_queries": int(Q.shape[0])}  # fmt: skip
+    if bytes_on:
+        out.update({"byte_keys_reaching_L_per_query": float(np.mean(kept_b)),
+                    "byte_keys_reaching_L_max": int(np.max(kept_b)),
+                    "byte_rescan_share": rescans_b / Q.shape[0]})  # fmt: skip
+    return out
 
 
 def run_cells(cells: dict[str, tuple[Callable, list]], repeats: int) -> dict[str, tuple[float, float]]:
@@ -210,6 +244,8 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
         for key in ("qps", "qps_cpu"):
             cell[f"int8_over_float32_{key}"] = cell["native_int8"][key] / cell["native_f32"][key]
             cell[f"int8_over_{other}_{key}"] = cell["native_int8"][key] / cell[other][key]
+            if "native_int8_int16q" in cell:
+                cell[f"int8_over_int16_queries_{key}"] = cell["native_int8"][key] / cell["native_int8_int16q"][key]
         out[f"batch_{batch}"] = cell
     sample = min(args.sample, Q.shape[0])
     st = rescore_stats(X, off, codes, meta, xnorm, Q[:sample], seg[:sample])
@@ -253,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                            "cpu": cpu_facts(), "simd_level": int(_native.simd_level()),
                            "simd_int8_kernel": _native.simd_int8_kernel(),
                            "simd_note": "simd_int8_kernel: the int8 dots in use (csrc/cpu/simd.h): avx512_vnni = "
-                                        "vpdpwssd (level 2 with AVX512_VNNI), avx512bw = vpmaddwd + vpaddd on zmm, "
+                                        "vpdpwssd (level 2 with AVX512_VNNI; its GEMM units vpdpbusd with byte "
+                                        "queries where int8_byte_queries), avx512bw = vpmaddwd + vpaddd on zmm, "
                                         "avx2 = level 1's, baseline = plain C++",
+                           "int8_byte_queries": bool(_native.int8_byte_queries(D)),
                            "versions": {"rfmem_fast": rfmem_fast.__version__, "numpy": np.__version__},
                            "threads": 1, "k": K, "load_avg_before": list(load0)}  # fmt: skip
     try:

@@ -558,3 +558,30 @@ def test_writes_and_compact_keep_the_copy_of_the_live_rows():
             got = search(banks[1], Q, users, RFMemConfig(), mode=mode, backend="native", **kw)
             assert [got.ids_list(i) for i in range(13)] == [want.ids_list(i) for i in range(13)], (step, mode, flt)
             np.testing.assert_array_equal(got.scores, want.scores)
+
+
+def test_bench_int8_script_tiny(tmp_path):
+    """bench/bench_int8.py at tiny sizes writes every figure (so the script cannot rot): the
+    int8 copy equals float32 on each bank, and where byte queries apply the int16-query
+    system runs beside it with the byte keys' statistics."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_int8.py"
+    spec = importlib.util.spec_from_file_location("bench_int8", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "i8.json"
+    args = ["--shared-rows", "3000", "--users", "2", "--per-user", "600", "--batch", "64", "--queries", "2",
+            "--repeats", "1", "--sample", "4", "--out", str(out)]  # fmt: skip
+    assert mod.main(args) == 0
+    doc = json.loads(out.read_text())
+    for bank in ("shared_3000", "tenants"):
+        r = doc["results"][bank]
+        assert r["int8_equals_float32"], bank
+        assert r["batch_64"]["native_int8"]["qps"] > 0 and r["int8"]["rescored_rows_per_query"] >= 10
+        if doc["int8_byte_queries"]:
+            assert r["batch_64"]["native_int8_int16q"]["qps"] > 0
+            assert r["int8"]["byte_keys_reaching_L_per_query"] >= r["int8"]["rescored_rows_per_query"]
+    assert mod.byte_margin(4096) == 128 and mod.byte_margin(100_000) == 256 and mod.byte_margin(10**6) == 512

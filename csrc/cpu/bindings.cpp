@@ -1599,7 +1599,8 @@ Raises:
   mod.attr("INT8_GEMM_MIN_QUERIES") = rfmem::kI8GemmMinQueries;
   mod.def(
       "simd_int8_kernel", []() { return std::string(rfmem::simd_kernels().i8_name); },
-      "The int8 scan kernels (MemoryBank(dtype='int8')) in use now: 'avx512_vnni' (level 2, vpdpwssd), 'avx512bw' "
+      "The int8 scan kernels (MemoryBank(dtype='int8')) in use now: 'avx512_vnni' (level 2, vpdpwssd; its GEMM "
+      "units vpdpbusd with byte queries, int8_byte_queries), 'avx512bw' "
       "(level 2 without AVX512_VNNI), 'avx2' (level 1, and level 2 without AVX-512BW) or 'baseline' (level 0) "
       "(csrc/cpu/simd.h).");
   mod.def(

@@ -8,7 +8,9 @@
 // The int8 kernels (i8_dots, i8_gemm_panel) of level 2 are picked apart, by the CPU's
 // AVX-512 extensions (simd.cpp; simd_i8_avx512.inc):
 //
-//   avx512_vnni  AVX-512F/BW/VL + AVX512_VNNI   vpdpwssd, int8 micro-tile 12 rows x 32 queries
+//   avx512_vnni  AVX-512F/BW/VL + AVX512_VNNI   vpdpwssd, int8 micro-tile 12 rows x 32 queries;
+//                                               GEMM units with byte queries: vpdpbusd
+//                                               (i8_gemm_panel_b)
 //   avx512bw     AVX-512F/BW/VL                 vpmaddwd + vpaddd, the same blocks
 //   avx2         AVX-512F without BW            level 1's kernels (6 rows x 16 queries)
 //

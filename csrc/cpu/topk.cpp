@@ -127,7 +127,7 @@ int64_t scan_margin(ScanType t, int64_t max_len) {
 // at 1e6 512 gave 452 q/s, 384 438, 256 280 (one thread, Zen 4).
 int64_t byte_margin(int64_t max_len) {
   const double m = 128.0 * std::pow(2.0, std::log10(std::max<double>(1.0, static_cast<double>(max_len)) / 1e4));
-  return std::min<int64_t>(512, std::max<int64_t>(128, static_cast<int64_t>(m)));
+  return std::min<int64_t>(512, std::max<int64_t>(128, std::llround(m)));
 }
 
 std::atomic<bool> g_i8_bytes{true};  // set_int8_byte_queries
