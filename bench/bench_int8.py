@@ -41,6 +41,7 @@ Usage::
 
     python bench/bench_int8.py [--shared-rows 100000 1000000] [--users 200] [--per-user 4096]
         [--batch 1024] [--queries 64] [--repeats 3] [--out FILE]
+    python bench/bench_int8.py --byte-crossover [ROWS ...]   # byte vs int16 queries by segment length
 """
 from __future__ import annotations
 
@@ -263,6 +264,43 @@ def bench_bank(label: str, X, off, args, rng) -> dict[str, Any]:
     return out
 
 
+def byte_crossover(lengths: list[int], batch: int, repeats: int, rng) -> list[dict[str, Any]]:
+    """Byte against int16 queries on GEMM units over segments of each length: ``batch``
+    queries over max(1, batch // 256) users of ``length`` rows (256 queries a user: the
+    GEMM path), byte queries forced on from 0 rows (``set_int8_byte_queries(True, 0)``)
+    and off, taken in turns; q/s (best of ``repeats``) and ids checked equal. The data
+    behind ``INT8_BYTE_MIN_ROWS`` (csrc/cpu/kernels.h kI8ByteMinRows)."""
+    from rfmem_fast import _native
+    from rfmem_fast.precision import int8_scan_copy
+
+    rows = []
+    for length in lengths:
+        users = max(1, batch // 256)
+        X = workload(rng, users, length, D)
+        off = np.arange(users + 1, dtype=np.int64) * length
+        Q, seg = queries(rng, X, off, batch)
+        codes, meta = int8_scan_copy(X)
+        xn = float(meta[:, 2].max())
+        want = _native.segmented_topk(X, off, Q, seg, K, 1, xn)[1]
+        best = {True: np.inf, False: np.inf}
+        try:
+            for _ in range(repeats):
+                for on in (True, False):
+                    _native.set_int8_byte_queries(on, 0)
+                    t = time.perf_counter()
+                    got = _native.segmented_topk(X, off, Q, seg, K, 1, xn, scan=codes, scan_meta=meta, scan_type="int8")[1]
+                    best[on] = min(best[on], time.perf_counter() - t)
+                    if not np.array_equal(got, want):
+                        raise AssertionError(f"int8 ids differ from float32 at {length} rows (bytes {on})")
+        finally:
+            _native.set_int8_byte_queries(True)
+        row = {"rows_per_segment": length, "users": users, "queries": batch, "qps_byte_queries": batch / best[True],
+               "qps_int16_queries": batch / best[False], "byte_over_int16": best[False] / best[True]}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shared-rows", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -272,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=64, help="single-query calls per timed pass")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sample", type=int, default=32, help="queries sampled for the re-scored fraction")
+    ap.add_argument("--byte-crossover", type=int, nargs="*", default=None, metavar="ROWS",
+                    help="only the byte-vs-int16-queries sweep over these segment lengths (GEMM units, 256 queries "
+                         "a user; default lengths 512 4096 8192 16384 25000 50000)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.users < 0 or args.per_user < 1:
@@ -306,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                "num_threads", "threading_layer", "architecture")}
                        for lib in threadpool_info()]  # fmt: skip
         results = {}
+        if args.byte_crossover is not None:
+            if not _native.int8_byte_queries(D):
+                ap.error("--byte-crossover needs the avx512_vnni int8 kernels (byte queries do not apply here)")
+            lengths = args.byte_crossover or [512, 4096, 8192, 16384, 25000, 50000]
+            results["byte_crossover"] = byte_crossover(lengths, args.batch, args.repeats, rng)
+            args.shared_rows, args.users = [], 0
         for rows in args.shared_rows:
             X = workload(rng, 1, rows, D)
             results[f"shared_{rows}"] = bench_bank(f"shared_{rows}", X, np.array([0, X.shape[0]], np.int64), args, rng)

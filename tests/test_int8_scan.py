@@ -306,22 +306,24 @@ def _byte_bank():
 @pytest.mark.parametrize("threads", (1, 2))
 def test_byte_queries_give_the_int16_and_oracle_top_k(level, threads):
     """A segment of 2,600 rows scored by units of 100 queries on the GEMM path, byte queries
-    on and off: ids and scores equal the oracle's either way, at every kernel and with the
+    on (from 0 rows: by default they start at INT8_BYTE_MIN_ROWS) and off: ids and scores equal the oracle's either way, at every kernel and with the
     segment's rows split over two threads (partial lists merged, then re-keyed): 100 rows
     at the bound for the first query (int8 order = exact order reversed; they fit the kept
     list, so its top 10 comes from the re-keyed candidates), 300 rows sharing
     one code vector (the byte keys tie: the kept list overflows and the segment is
     rescanned with the int16 query), exact duplicates, and queries near rows."""
     X, off, Q, qseg, want_r, want_s = _byte_bank()
-    prev = _native.set_int8_byte_queries(True)
+    assert _native.int8_byte_min_rows() == _native.INT8_BYTE_MIN_ROWS > X.shape[0]  # (by default: int16 here)
+    prev = _native.set_int8_byte_queries(True, 0)  # byte queries from 0 rows: this segment takes them
     try:
         for on in (True, False):
-            _native.set_int8_byte_queries(on)
+            _native.set_int8_byte_queries(on, 0)
             s, r = _topk(X, off, Q, qseg, 10, "gemm", threads)
             np.testing.assert_array_equal(r, want_r, err_msg=f"bytes {on}")
             np.testing.assert_array_equal(s, want_s, err_msg=f"bytes {on}")
     finally:
         _native.set_int8_byte_queries(prev)
+    assert _native.int8_byte_min_rows() == _native.INT8_BYTE_MIN_ROWS
 
 
 def test_int8_bounds_path_is_checked():
@@ -585,3 +587,9 @@ def test_bench_int8_script_tiny(tmp_path):
             assert r["batch_64"]["native_int8_int16q"]["qps"] > 0
             assert r["int8"]["byte_keys_reaching_L_per_query"] >= r["int8"]["rescored_rows_per_query"]
     assert mod.byte_margin(4096) == 128 and mod.byte_margin(100_000) == 256 and mod.byte_margin(10**6) == 512
+    if doc["int8_byte_queries"]:  # the sweep behind INT8_BYTE_MIN_ROWS
+        cross = tmp_path / "cross.json"
+        assert mod.main(["--byte-crossover", "600", "--batch", "64", "--repeats", "1", "--out", str(cross)]) == 0
+        (row,) = json.loads(cross.read_text())["results"]["byte_crossover"]
+        assert row["rows_per_segment"] == 600 and row["qps_byte_queries"] > 0 and row["byte_over_int16"] > 0
+        assert _native.int8_byte_min_rows() == _native.INT8_BYTE_MIN_ROWS  # restored

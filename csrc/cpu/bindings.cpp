@@ -1582,15 +1582,21 @@ Raises:
       "where the int8 copy does not pay (csrc/cpu/kernels.h kI8MinRows, measured). For tests and benchmarks; "
       "results never depend on it.");
   mod.def(
-      "set_int8_byte_queries", [](bool on) { return rfmem::set_int8_byte_queries(on); }, py::arg("on"),
-      "Turns the byte queries of the int8 GEMM path on (the default) or off and returns the previous setting. "
-      "On, a call's GEMM units over an int8 copy quantise their queries to bytes (|code| <= 127) and score with "
-      "vpdpbusd (avx512_vnni: twice vpdpwssd's multiply-adds), their kept rows re-keyed with the int16 codes "
-      "before the exact finish (csrc/cpu/topk.cpp). For tests and benchmarks; results never depend on it.");
+      "set_int8_byte_queries", [](bool on, int64_t min_rows) { return rfmem::set_int8_byte_queries(on, min_rows); },
+      py::arg("on"), py::arg("min_rows") = -1,
+      "Turns the byte queries of the int8 GEMM path on (the default) or off, sets the segment length they start "
+      "at (min_rows; negative: INT8_BYTE_MIN_ROWS) and returns the previous on / off. On, a call's GEMM units "
+      "over int8 segments of at least min_rows rows quantise their queries to bytes (|code| <= 127) and score "
+      "with vpdpbusd (avx512_vnni: twice vpdpwssd's multiply-adds), their kept rows re-keyed with the int16 "
+      "codes before the exact finish (csrc/cpu/topk.cpp). For tests and benchmarks; results never depend on it.");
   mod.def(
       "int8_byte_queries", [](int64_t d) { return rfmem::int8_byte_queries(d); }, py::arg("d"),
-      "Whether an int8 call of dimension d gives its GEMM units byte queries now: the avx512_vnni kernels in "
-      "use, d a multiple of 4 and at most (2^31 - 1) / (255 * 127), set_int8_byte_queries on.");
+      "Whether an int8 call of dimension d gives byte queries to its GEMM units over segments of "
+      "int8_byte_min_rows() rows or more now: the avx512_vnni kernels in use, d a multiple of 4 and at most "
+      "(2^31 - 1) / (255 * 127), set_int8_byte_queries on.");
+  mod.def("int8_byte_min_rows", []() { return rfmem::int8_byte_min_rows(); },
+          "The segment length from which int8 GEMM units take byte queries now (set_int8_byte_queries).");
+  mod.attr("INT8_BYTE_MIN_ROWS") = rfmem::kI8ByteMinRows;
   mod.def("int8_min_rows", []() { return rfmem::int8_min_rows(); },
           "The mean rows per queried segment from which a call reads the int8 scan copy now (set_int8_min_rows).");
   mod.attr("INT8_MIN_ROWS") = rfmem::kI8MinRows;

@@ -196,12 +196,26 @@ double row_norm_bound(const float* X, int64_t n, int64_t d);
 bool int8_bounds(const int8_t* codes, const float* meta, int64_t n, int64_t d, const float* Q, int64_t b, double xnorm,
                  float* lower, float* upper, bool gemm = false, bool bytes = false);
 
-/// Turns the byte queries of the int8 GEMM path on or off (default on; tests and
-/// benchmarks compare both); returns the previous setting. Results never depend on it.
-bool set_int8_byte_queries(bool on);
+/// The segment length from which an int8 GEMM unit takes byte queries (where they apply):
+/// below it their wider keys' longer kept list and re-keyed finish cost more than the
+/// kernel saves. Measured (`bench/bench_int8.py --byte-crossover`, AMD EPYC Zen 4, one
+/// thread, batch 1,024 in units of 256 queries a segment, d = 384; byte / int16 queries
+/// q/s, bench/results/int8-byte-crossover-amd-epyc-zen4.json): 0.76x at 512 rows, 0.93x
+/// at 4,096, 1.05x at 8,192, 1.09x at 16,384, 1.22x at 25,000, 1.33x at 50,000 (1.42x at
+/// 1e5, 1.67x at 1e6 in bench/results/int8-byte-queries-amd-epyc-zen4.json).
+constexpr int64_t kI8ByteMinRows = 8192;
 
-/// Whether an int8 call of dimension d would give its GEMM units byte queries now: the
-/// avx512_vnni kernels in use (simd.h i8_gemm_panel_b), d % 4 == 0, d <= kI8ByteMaxD, on.
+/// Turns the byte queries of the int8 GEMM path on or off (default on) and sets the
+/// segment length they start at (min_rows < 0: kI8ByteMinRows); returns the previous
+/// on / off. For tests and benchmarks; results never depend on it.
+bool set_int8_byte_queries(bool on, int64_t min_rows = -1);
+
+/// The segment length from which GEMM units take byte queries now.
+int64_t int8_byte_min_rows();
+
+/// Whether an int8 call of dimension d gives its GEMM units over segments of
+/// int8_byte_min_rows() rows or more byte queries now: the avx512_vnni kernels in use
+/// (simd.h i8_gemm_panel_b), d % 4 == 0, d <= kI8ByteMaxD, turned on.
 bool int8_byte_queries(int64_t d);
 
 /// Entropy conventions of familiarity_signals (spec section 1).

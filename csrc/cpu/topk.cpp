@@ -130,7 +130,8 @@ int64_t byte_margin(int64_t max_len) {
   return std::min<int64_t>(512, std::max<int64_t>(128, std::llround(m)));
 }
 
-std::atomic<bool> g_i8_bytes{true};  // set_int8_byte_queries
+std::atomic<bool> g_i8_bytes{true};                   // set_int8_byte_queries
+std::atomic<int64_t> g_i8_bytes_min{kI8ByteMinRows};  // (its min_rows)
 constexpr int64_t kGemmPanelBytes = 256 << 10;  // packed query panels of one GEMM unit (L2)
 constexpr int64_t kGemmTileBytes = 128 << 10;   // float32 rows of one GEMM tile (L2)
 
@@ -826,6 +827,7 @@ struct Group {
   int64_t first;  // position of its first query in the sorted order
   int nq;         // number of queries
   bool gemm;      // GEMM path (else scan path)
+  bool bytes;     // an int8 GEMM unit with byte queries (i8_gemm_panel_b)
 };
 
 // Queries per GEMM unit: whole panels of K.nr whose packed copy fits kGemmPanelBytes
@@ -1075,7 +1077,12 @@ int64_t set_int8_min_rows(int64_t rows) {
 
 int64_t int8_min_rows() { return g_i8_min_rows.load(std::memory_order_relaxed); }
 
-bool set_int8_byte_queries(bool on) { return g_i8_bytes.exchange(on, std::memory_order_relaxed); }
+bool set_int8_byte_queries(bool on, int64_t min_rows) {
+  g_i8_bytes_min.store(min_rows < 0 ? kI8ByteMinRows : min_rows, std::memory_order_relaxed);
+  return g_i8_bytes.exchange(on, std::memory_order_relaxed);
+}
+
+int64_t int8_byte_min_rows() { return g_i8_bytes_min.load(std::memory_order_relaxed); }
 
 bool int8_byte_queries(int64_t d) { return i8_bytes_apply(simd_kernels(), d); }
 
@@ -1242,6 +1249,11 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   double work = 0.0;  // multiply-adds of the scan
   const int64_t unit_max = gemm_unit_queries(K, d, src.i8 && K.i8_gemm_panel ? 2 : 4);
   int max_nq = 0, max_gemm_nq = 0;
+  // the int8 GEMM units that take byte queries: those over segments of int8_byte_min_rows()
+  // rows or more, where the kernel exists (i8_bytes_apply)
+  const bool i8b_ok = src.i8 && K.i8_gemm_panel && i8_bytes_apply(K, d);
+  const int64_t i8b_min = g_i8_bytes_min.load(std::memory_order_relaxed);
+  auto i8b_len = [&](int64_t len) { return i8b_ok && len >= i8b_min; };
   for (int64_t i = 0; i < nm;) {
     const int64_t seg = qseg[order[i]];
     int64_t j = i;
@@ -1257,7 +1269,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
     }
     for (int64_t f = i; f < j; f += per) {
       const int nq = static_cast<int>(std::min(per, j - f));
-      groups.push_back(Group{seg, f, nq, gemm});
+      groups.push_back(Group{seg, f, nq, gemm, gemm && i8b_len(len)});
       max_nq = std::max(max_nq, nq);
       if (gemm) max_gemm_nq = std::max(max_gemm_nq, nq);
     }
@@ -1287,16 +1299,19 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   const int64_t items = ng * parts;
   nthreads = static_cast<int>(std::min<int64_t>(nthreads, items));
-  // the GEMM units of an int8 call take byte queries where i8_gemm_panel_b runs (twice the
-  // multiply-adds per instruction): every query quantised a second time to |code| <= 127,
-  // its GEMM keys from those codes, its exact finish re-keyed with the int16 codes
-  const bool i8b = src.i8 && max_gemm_nq > 0 && K.i8_gemm_panel && i8_bytes_apply(K, d) &&
-                   i8_prepare(Q, b, d, xnorm, i8codes_b, i8q_b, 127);
-  auto iqg = [&](int64_t qi, bool gemm) -> const I8Query* {  // the form a group's keys come from
-    return src.i8 ? (gemm && i8b ? &i8q_b[static_cast<size_t>(qi)] : &i8q[static_cast<size_t>(qi)]) : nullptr;
+  // the byte-query GEMM units (Group::bytes; twice the multiply-adds per instruction):
+  // every query quantised a second time to |code| <= 127, their keys from those codes,
+  // their exact finish re-keyed with the int16 codes; the kept list sized for the longest
+  // such segment
+  int64_t max_bytes_len = 0;
+  for (const Group& g : groups)
+    if (g.bytes) max_bytes_len = std::max(max_bytes_len, offsets[g.seg + 1] - offsets[g.seg]);
+  const bool i8b = max_bytes_len > 0 && i8_prepare(Q, b, d, xnorm, i8codes_b, i8q_b, 127);
+  auto iqg = [&](int64_t qi, const Group& g) -> const I8Query* {  // the form a group's keys come from
+    return src.i8 ? (g.bytes && i8b ? &i8q_b[static_cast<size_t>(qi)] : &i8q[static_cast<size_t>(qi)]) : nullptr;
   };
   // candidates kept per query
-  const int64_t kw = k + (i8b ? std::max(byte_margin(max_len), scan_margin(src.type, max_len))
+  const int64_t kw = k + (i8b ? std::max(byte_margin(max_bytes_len), scan_margin(src.type, max_len))
                               : scan_margin(src.type, max_len));
   // per-thread scratch, allocated before the threads start: max_nq heaps of capacity kw
   // and one exact heap of capacity k (rescans); GEMM panels, tile and micro-tile
@@ -1374,7 +1389,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       heaps[i].mask = qmask(order[g.first + i]);
       heaps[i].mask_base = a;
       qs[i] = Q + order[g.first + i] * d;
-      if (iqs) iqs[i] = iqg(order[g.first + i], g.gemm);
+      if (iqs) iqs[i] = iqg(order[g.first + i], g);
     }
     const HitKeys hk = rec ? hit_keys(g) : HitKeys::kNone;
     HitCursor* hc = nullptr;  // the group's hit cursors, from its first hit at or past r0
@@ -1402,7 +1417,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
       };
       if (src.i8 && g.gemm && K.i8_gemm_panel)
         i8_gemm_collect(src, K, d, r0, r1, iqs, g.nq, heaps, res, gemm_base + static_cast<size_t>(tid) * gs.total(), gs,
-                        hc, i8b);
+                        hc, g.bytes && i8b);
       else if (g.gemm && !src.i8)
         gemm_scan(src, K, d, r0, r1, qs, g.nq, heaps, gemm_base + static_cast<size_t>(tid) * gs.total(), gs, hc);
       else if (pruned)
@@ -1437,7 +1452,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * hstride, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
-                     hp.mask, iqp(qi), iqg(qi, g.gemm));
+                     hp.mask, iqp(qi), iqg(qi, g));
         hp.size = 0;
         if (opt.after) opt.after->done(qi, tid);
       } else {
@@ -1479,7 +1494,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * hstride;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi), iqg(qi, g.gemm));
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi), iqg(qi, g));
         if (opt.after) opt.after->done(qi, tid);
       }
     });
