@@ -374,6 +374,17 @@ def test_probe_fused_list_equals_fused_topk_and_the_oracle(dtype, level, lens, b
         _native.set_simd_cap(-1)
 
 
+def test_probe_fused_list_with_byte_query_keys():
+    """The same with the int8 GEMM units on byte queries (forced from 0 rows: the hits'
+    keys come from vpdpbusd's sums where the CPU has avx512_vnni, and the dense lists
+    from the re-keyed finish): still fused_topk's arrays and the oracle's."""
+    prev = _native.set_int8_byte_queries(True, 0)
+    try:
+        test_probe_fused_list_equals_fused_topk_and_the_oracle("int8", 2, (900, 64, 250), 70)
+    finally:
+        _native.set_int8_byte_queries(prev)
+
+
 @pytest.mark.parametrize("den", ["none", "max", "zeros"])
 def test_probe_fused_list_from_boost_factors_equals_flat_boosts(den):
     """probe(hscale=, hden=) applies the boost factors on the scan's threads: the same four
