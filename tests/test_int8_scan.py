@@ -439,11 +439,21 @@ def test_probe_keys_are_the_upper_bounds_and_feed_the_pruned_rounds(level):
         np.testing.assert_array_equal(got.dense_scores, want.dense_scores, err_msg=kind)
 
 
-def test_filters_lists_and_masks(level):
+@pytest.mark.parametrize("d", (31, 32))
+def test_filters_lists_and_masks(level, d):
     """Row selections of the kernel (list mode: only the listed rows scored; mask mode: a
     GEMM batch over the segment with a mask on its heaps): the exact top-k of the selected
-    rows, as the oracle over a bank of only them."""
-    X, off, Q, qseg = _bank(7, 31)
+    rows, as the oracle over a bank of only them. d = 32: the GEMM units on byte queries
+    (forced from 0 rows) where the kernel has them, their re-keyed finish under a mask."""
+    prev = _native.set_int8_byte_queries(True, 0)
+    try:
+        _filters_case(d)
+    finally:
+        _native.set_int8_byte_queries(prev)
+
+
+def _filters_case(d: int) -> None:
+    X, off, Q, qseg = _bank(7, d)
     rng = np.random.default_rng(8)
     a, e = int(off[0]), int(off[1])
     rows0 = np.sort(rng.choice(np.arange(a, e), size=100, replace=False)).astype(np.int64)  # > 1/4: a mask too
