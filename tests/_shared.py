@@ -102,3 +102,15 @@ def clustered_rows(rng: np.random.Generator, n: int, d: int, kind: str) -> np.nd
     elif kind == "grid":
         X = on_grid(X)
     return X
+
+
+def load_bench_script(name: str):
+    """The module of ``bench/<name>.py`` (the benchmark scripts are not a package), loaded
+    from this checkout: for the tests that run a script at tiny sizes."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

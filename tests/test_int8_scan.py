@@ -209,6 +209,17 @@ def _extreme_bank(seed: int, d: int):
     return X.astype(np.float32), Q.astype(np.float32)
 
 
+def _assert_brackets(X, Q, lo, up, d: int) -> None:
+    """The oracle's RN32(q.x) inside [lo, up] for the extreme bank's first rows and
+    queries and 60 pairs drawn with seed d."""
+    rng = np.random.default_rng(d)
+    pairs = [(i, r) for i in range(6) for r in range(16)]
+    pairs += [(int(i), int(r)) for i, r in zip(rng.integers(0, 70, 60), rng.integers(0, 173, 60))]
+    for i, r in pairs:
+        e = exact_f32(Q[i], X[r])
+        assert lo[i, r] <= e <= up[i, r], (d, i, r, lo[i, r], e, up[i, r])
+
+
 @pytest.mark.parametrize("d", (1, 2, 15, 16, 17, 31, 32, 33, 63, 65, 385, 600))
 def test_keys_are_the_same_bits_at_every_level_and_int8_kernel(d):
     """int8_bounds on the scan path (i8_dots) and the GEMM path (i8_gemm_panel's keys) at
@@ -237,12 +248,7 @@ def test_keys_are_the_same_bits_at_every_level_and_int8_kernel(d):
     finally:
         _native.set_simd_cap(-1)
     lo, up = want
-    rng = np.random.default_rng(d)
-    pairs = [(i, r) for i in range(6) for r in range(16)]
-    pairs += [(int(i), int(r)) for i, r in zip(rng.integers(0, 70, 60), rng.integers(0, 173, 60))]
-    for i, r in pairs:
-        e = exact_f32(Q[i], X[r])
-        assert lo[i, r] <= e <= up[i, r], (d, i, r, lo[i, r], e, up[i, r])
+    _assert_brackets(X, Q, lo, up, d)
     assert up[0, 0] > 0.999 * float(Q[0] @ X[0]) and lo[0, 4] < -0.999 * float(Q[0] @ X[0])  # I at +-127 QMAX d
 
 
@@ -272,12 +278,7 @@ def test_byte_query_keys_are_the_same_bits_at_every_kernel(d):
     finally:
         _native.set_simd_cap(-1)
     lo, up = want
-    rng = np.random.default_rng(d)
-    pairs = [(i, r) for i in range(6) for r in range(16)]
-    pairs += [(int(i), int(r)) for i, r in zip(rng.integers(0, 70, 60), rng.integers(0, 173, 60))]
-    for i, r in pairs:
-        e = exact_f32(Q[i], X[r])
-        assert lo[i, r] <= e <= up[i, r], (d, i, r, lo[i, r], e, up[i, r])
+    _assert_brackets(X, Q, lo, up, d)
     lo16, up16 = _native.int8_bounds(codes, meta, Q, xn, path="scan")
     assert float(np.median(up - lo)) > 1.5 * float(np.median(up16 - lo16))  # byte codes: a coarser query
 
@@ -576,14 +577,11 @@ def test_bench_int8_script_tiny(tmp_path):
     """bench/bench_int8.py at tiny sizes writes every figure (so the script cannot rot): the
     int8 copy equals float32 on each bank, and where byte queries apply the int16-query
     system runs beside it with the byte keys' statistics."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_int8.py"
-    spec = importlib.util.spec_from_file_location("bench_int8", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from _shared import load_bench_script
+
+    mod = load_bench_script("bench_int8")
     out = tmp_path / "i8.json"
     args = ["--shared-rows", "3000", "--users", "2", "--per-user", "600", "--batch", "64", "--queries", "2",
             "--repeats", "1", "--sample", "4", "--out", str(out)]  # fmt: skip

@@ -119,7 +119,7 @@ int64_t scan_margin(ScanType t, int64_t max_len) {
 // The over-fetch of a call whose GEMM units take byte queries (i8_gemm_panel_b): their
 // keys' brackets are about twice as wide (the query's own rounding joins the row's), so
 // the kept list must hold every row whose byte key reaches L, the k-th lower key of the
-// int16 query (the finish re-keys its kept rows with it, i8_rekey), or the query's
+// int16 query (the finish re-keys its kept rows with it, i8_kth_lower), or the query's
 // segment is rescanned. bench_int8.py's clustered d = 384 rows, k = 10 (64 queries each,
 // a float64 model of the keys): p99 76 such rows at 4,096 rows, 172 at 1e5, 319 at 1e6
 // (max 87, 180, 398). 128 rows, doubled for every tenfold rows past 1e4, within [128, 512]:
@@ -598,37 +598,16 @@ void i8_scan_list(const ScanSrc& src, const SimdKernels& K, int64_t d, const int
 // L: the k-th largest lower bound lo of the kept candidates cand[0:nc] (their rows
 // re-scored in int8 exactly as the scan did), -inf when there are fewer than k; ``tmp``
 // holds k entries (used as a bounded heap).
-double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq,
-                    const Entry* cand, int64_t nc, Entry* tmp) {
-  if (nc < c.k) return kNegInfD;
-  Heap hp;
-  hp.h = tmp;
-  hp.k = c.k;
-  hp.size = 0;
-  const int16_t* qc[1] = {iq.q};
-  const int8_t* xr[4];
-  int32_t dots[4];
-  // the candidates' rows are scattered over the copy: prefetched 16 rows ahead
-  for (int64_t j = 0; j < std::min<int64_t>(nc, 16); ++j) prefetch_bytes(src.i8 + cand[j].r * c.d, c.d);
-  for (int64_t j = 0; j < nc; j += 4) {
-    const int cnt = static_cast<int>(std::min<int64_t>(4, nc - j));
-    for (int i = 0; i < cnt; ++i) xr[i] = src.i8 + cand[j + i].r * c.d;
-    for (int64_t t = j + 16; t < std::min(nc, j + 20); ++t) prefetch_bytes(src.i8 + cand[t].r * c.d, c.d);
-    K.i8_dots(xr, cnt, qc, 1, c.d, dots);
-    for (int i = 0; i < cnt; ++i) hp.push(i8_lower(iq, src.meta + 3 * cand[j + i].r, dots[i]), j + i);
-  }
-  return hp.size < hp.k ? kNegInfD : static_cast<double>(hp.h[0].s);
-}
-
-// The same L for candidates whose keys came from another quantisation of the query (the
-// byte queries of i8_gemm_panel_b): the kept rows taken by their keys, best first, each
-// one's int32 dot recomputed with iq (the int16 query), its key replaced by iq's upper key
-// U (tighter: the exact finish re-scores by it), L the k-th largest of iq's lower keys so
+// ``rekey``: the candidates' keys came from another quantisation of the query (the byte
+// queries of i8_gemm_panel_b): they are taken by those keys, best first, each one's
+// int32 dot recomputed with iq (the int16 query) and its key replaced by iq's upper key U
+// (tighter: the exact finish re-scores by it), L the k-th largest of iq's lower keys so
 // far. Every key bounds its row's exact score, so L <= the k-th exact score T; once k
 // rows are re-keyed and the next kept key is below L, so is every later one: those rows
 // score below T and leave the candidates (nc becomes the rows re-keyed).
-double i8_rekey(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq, Entry* cand,
-                int64_t& nc, Entry* tmp) {
+double i8_kth_lower(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, const I8Query& iq, Entry* cand,
+                    int64_t& nc, Entry* tmp, bool rekey = false) {
+  if (!rekey && nc < c.k) return kNegInfD;
   Heap hp;
   hp.h = tmp;
   hp.k = c.k;
@@ -636,10 +615,11 @@ double i8_rekey(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
   const int16_t* qc[1] = {iq.q};
   const int8_t* xr[4];
   int32_t dots[4];
-  std::sort(cand, cand + nc, better);
+  if (rekey) std::sort(cand, cand + nc, better);
+  // the candidates' rows are scattered over the copy: prefetched 16 rows ahead
   for (int64_t j = 0; j < std::min<int64_t>(nc, 16); ++j) prefetch_bytes(src.i8 + cand[j].r * c.d, c.d);
   for (int64_t j = 0; j < nc; j += 4) {
-    if (hp.size == hp.k && cand[j].s < hp.h[0].s) {
+    if (rekey && hp.size == hp.k && cand[j].s < hp.h[0].s) {
       nc = j;
       break;
     }
@@ -649,7 +629,7 @@ double i8_rekey(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, con
     K.i8_dots(xr, cnt, qc, 1, c.d, dots);
     for (int i = 0; i < cnt; ++i) {
       const float* m = src.meta + 3 * cand[j + i].r;
-      cand[j + i].s = i8_upper(iq, m, dots[i]);
+      if (rekey) cand[j + i].s = i8_upper(iq, m, dots[i]);
       hp.push(i8_lower(iq, m, dots[i]), j + i);
     }
   }
@@ -695,7 +675,7 @@ void i8_rescan(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, cons
 // have been left out, in which case the segment is rescanned. ``iq``: the query's int8
 // form when the scan read the int8 copy (keys are then upper bounds, and cut is L);
 // ``keyed``: the form whose keys the candidates hold when it is not iq (byte queries:
-// the candidates re-keyed with iq, i8_rekey).
+// the candidates re-keyed with iq, i8_kth_lower's ``rekey``).
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
@@ -704,8 +684,7 @@ void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, b
   if (iq != nullptr) {
     // (re-keying may sort cand and drop its tail: ``dropped`` tests the kept list's worst
     // key, which the caller took before)
-    const bool rekey = keyed != nullptr && keyed != iq;
-    const double L = rekey ? i8_rekey(c, src, K, *iq, cand, nc, store) : i8_kth_lower(c, src, K, *iq, cand, nc, store);
+    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store, keyed != nullptr && keyed != iq);
     if (dropped(L))
       i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
     else
@@ -960,62 +939,37 @@ bool i8_bytes_apply(const SimdKernels& K, int64_t d) {
 void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r0, int64_t r1,
                   const I8Query* const* qs, int nq, Reservoir* res, float* scratch, const GemmScratch& sz,
                   HitCursor* hc = nullptr, bool bytes = false) {
-  const int64_t dp = (d + 1) / 2 * 2, np = dp / 2;
+  const int64_t dp = (d + 1) / 2 * 2;
+  const int64_t np = bytes ? d / 4 : dp / 2;  // int32 lanes of a query in its panel
   const int nr = K.i8_nr;
   int32_t* P = reinterpret_cast<int32_t*>(scratch);
   const int npan = (nq + nr - 1) / nr;
-  if (bytes) {
-    const int64_t nj = d / 4, rt = i8b_tile_rows(K, d);
-    int32_t* rsum = reinterpret_cast<int32_t*>(scratch + sz.panels);
-    for (int p = 0; p < npan; ++p) {
-      int32_t* Pp = P + static_cast<int64_t>(p) * nj * nr;
-      for (int q = 0; q < nr; ++q) {
-        const int qi = p * nr + q;
-        const int16_t* c = qi < nq ? qs[qi]->q : nullptr;
-        for (int64_t j = 0; j < nj; ++j) {
-          uint32_t w = 0x80808080u;  // (a padding query's codes are 0)
-          if (c)
-            w = static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j] + 128)) |
-                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 1] + 128)) << 8 |
-                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 2] + 128)) << 16 |
-                static_cast<uint32_t>(static_cast<uint8_t>(c[4 * j + 3] + 128)) << 24;
-          Pp[j * nr + q] = static_cast<int32_t>(w);
-        }
-      }
-    }
-    for (int64_t t0 = r0; t0 < r1; t0 += rt) {
-      const int64_t cnt = std::min(rt, r1 - t0);
-      const int8_t* T = src.i8 + t0 * d;
-      i8_row_sums(T, cnt, d, rsum);
-      const int64_t nbytes = std::min(rt, r1 - t0 - cnt) * d, part = (nbytes + npan - 1) / npan;
-      const char* next = reinterpret_cast<const char*>(src.i8 + (t0 + cnt) * d);
-      for (int p = 0; p < npan; ++p) {
-        for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
-        const int pq = std::min(nr, nq - p * nr);
-        float* kout = hc ? scratch + sz.panels + sz.tile : nullptr;
-        K.i8_gemm_panel_b(T, cnt, d, rsum, P + static_cast<int64_t>(p) * nj * nr, pq, t0, src.meta + 3 * t0,
-                          qs + p * nr, res + p * nr, kout);
-        for (int q = 0; hc && q < pq; ++q) hc[p * nr + q].take(t0, t0 + cnt, kout + q, nr);
-      }
-    }
-    return;
-  }
-  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);
   for (int p = 0; p < npan; ++p) {
     int32_t* Pp = P + static_cast<int64_t>(p) * np * nr;
     for (int q = 0; q < nr; ++q) {
       const int qi = p * nr + q;
       const int16_t* c = qi < nq ? qs[qi]->q : nullptr;  // (codes zero-padded to a multiple of 16 >= dp)
       for (int64_t j = 0; j < np; ++j) {
-        const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
-        Pp[j * nr + q] = static_cast<int32_t>(lo | (hi << 16));
+        uint32_t w = 0;
+        if (bytes) {  // codes 4j .. 4j + 3, each + 128 as an unsigned byte (a padding query's codes are 0)
+          for (int t = 3; t >= 0; --t) w = (w << 8) | static_cast<uint8_t>((c ? c[4 * j + t] : 0) + 128);
+        } else {  // codes 2j, 2j + 1 as int16
+          const uint32_t lo = c ? static_cast<uint16_t>(c[2 * j]) : 0u, hi = c ? static_cast<uint16_t>(c[2 * j + 1]) : 0u;
+          w = lo | (hi << 16);
+        }
+        Pp[j * nr + q] = static_cast<int32_t>(w);
       }
     }
   }
-  const int64_t rt = i8_tile_rows(K, dp);
+  int16_t* tile = reinterpret_cast<int16_t*>(scratch + sz.panels);  // int16 rows, or (bytes) the row sums
+  int32_t* rsum = reinterpret_cast<int32_t*>(scratch + sz.panels);
+  const int64_t rt = bytes ? i8b_tile_rows(K, d) : i8_tile_rows(K, dp);
   for (int64_t t0 = r0; t0 < r1; t0 += rt) {
     const int64_t cnt = std::min(rt, r1 - t0);
-    i8_widen(src.i8 + t0 * d, cnt, d, dp, tile);
+    if (bytes)
+      i8_row_sums(src.i8 + t0 * d, cnt, d, rsum);
+    else
+      i8_widen(src.i8 + t0 * d, cnt, d, dp, tile);
     // the next tile's int8 rows are read into L2 while this one is scored, a part per panel
     const int64_t nbytes = std::min(rt, r1 - t0 - cnt) * d, part = (nbytes + npan - 1) / npan;
     const char* next = reinterpret_cast<const char*>(src.i8 + (t0 + cnt) * d);
@@ -1023,8 +977,11 @@ void i8_gemm_scan(const ScanSrc& src, const SimdKernels& K, int64_t d, int64_t r
       for (int64_t o = p * part; o < std::min(nbytes, (p + 1) * part); o += 64) __builtin_prefetch(next + o, 0, 2);
       const int pq = std::min(nr, nq - p * nr);
       float* kout = hc ? scratch + sz.panels + sz.tile : nullptr;
-      K.i8_gemm_panel(tile, cnt, dp, P + static_cast<int64_t>(p) * np * nr, pq, t0, src.meta + 3 * t0, qs + p * nr,
-                      res + p * nr, kout);
+      const int32_t* Pp = P + static_cast<int64_t>(p) * np * nr;
+      if (bytes)
+        K.i8_gemm_panel_b(src.i8 + t0 * d, cnt, d, rsum, Pp, pq, t0, src.meta + 3 * t0, qs + p * nr, res + p * nr, kout);
+      else
+        K.i8_gemm_panel(tile, cnt, dp, Pp, pq, t0, src.meta + 3 * t0, qs + p * nr, res + p * nr, kout);
       for (int q = 0; hc && q < pq; ++q) hc[p * nr + q].take(t0, t0 + cnt, kout + q, nr);
     }
   }
