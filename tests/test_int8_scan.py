@@ -327,6 +327,42 @@ def test_byte_queries_give_the_int16_and_oracle_top_k(level, threads):
     assert _native.int8_byte_min_rows() == _native.INT8_BYTE_MIN_ROWS
 
 
+def test_byte_and_int16_gemm_units_in_one_call(level):
+    """One call whose GEMM units are of both kinds: two long segments on byte queries and a
+    short one on int16 queries (INT8_BYTE_MIN_ROWS set between them), on one and two
+    threads, with and without the hits' keys: the per-thread scratch holds either kind of
+    unit (sized for the byte units only, an int16 unit once wrote past it and corrupted
+    the heap), and the result is the float32 rows' top-k."""
+    rng = np.random.default_rng(17)
+    d = 64
+    X = rng.normal(size=(3000 + 700 + 3000, d)).astype(np.float32)
+    off = np.array([0, 3000, 3700, 6700], dtype=np.int64)
+    qseg = np.repeat(np.arange(3), 40).astype(np.int64)
+    Q = (X[off[qseg] + rng.integers(0, 700, 120)] + 0.3 * rng.normal(size=(120, d))).astype(np.float32)
+    hp = np.arange(0, 121 * 5, 5, dtype=np.int64)  # 5 hits a query: rows 0, 100, .., 400 of its segment
+    hr = np.tile(np.arange(0, 500, 100, dtype=np.int32), 120)
+    prev = _native.set_int8_byte_queries(True, 2000)
+    try:
+        for threads in (1, 2):
+            want = _native.segmented_topk(X, off, Q, qseg, 10, threads)
+            for _ in range(3):
+                got = _topk(X, off, Q, qseg, 10, "gemm", threads)
+                np.testing.assert_array_equal(got[1], want[1])
+                np.testing.assert_array_equal(got[0], want[0])
+            codes, meta = int8_scan_copy(X)
+            out = _native.probe(X, off, Q, qseg, 10, 5, 0.1, "mean", threads, _xnorm(meta), path="gemm",
+                                hit_ptr=hp, hit_rows=hr, scan=codes, scan_meta=meta, scan_type="int8")  # fmt: skip
+            np.testing.assert_array_equal(out[1], want[1])
+            exact = np.array([[exact_f32(Q[i], X[off[qseg[i]] + r]) for r in hr[hp[i] : hp[i + 1]]]
+                              for i in range(120)], dtype=np.float32)  # fmt: skip
+            rec = np.isfinite(out[6])  # the queries whose pass recorded keys (every one but at level 0)
+            assert rec.all() == (level > 0)
+            keys = out[5].reshape(120, 5).astype(np.float64) + out[6][:, None]
+            assert (keys[rec] >= exact[rec]).all()  # the keys bound the hits' exact scores
+    finally:
+        _native.set_int8_byte_queries(prev)
+
+
 def test_int8_bounds_path_is_checked():
     X, Q = _extreme_bank(1, 8)
     codes, meta = int8_scan_copy(X)

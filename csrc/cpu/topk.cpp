@@ -1296,7 +1296,15 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::vector<const I8Query*> iqptrs(src.i8 ? static_cast<size_t>(nthreads) * max_nq : 0);
   GemmScratch gs;
   if (max_gemm_nq > 0 && src.i8 && K.i8_gemm_panel) {  // int8 panels (int32 pairs) and an int16 tile
-    gs = i8_gemm_scratch(K, d, max_gemm_nq, rec, i8b);
+    // room for both kinds of unit: a call may hold byte-query units (long segments) and
+    // int16 ones (segments below int8_byte_min_rows)
+    gs = i8_gemm_scratch(K, d, max_gemm_nq, rec);
+    if (i8b) {
+      const GemmScratch gb = i8_gemm_scratch(K, d, max_gemm_nq, rec, true);
+      gs.panels = std::max(gs.panels, gb.panels);
+      gs.tile = std::max(gs.tile, gb.tile);
+      gs.c = std::max(gs.c, gb.c);
+    }
   } else if (max_gemm_nq > 0 && !src.i8) {
     const int64_t round = 16;  // floats: keeps each part 64-byte aligned
     const int64_t rt = gemm_tile_rows(K, d);
