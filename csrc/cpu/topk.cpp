@@ -444,8 +444,9 @@ constexpr int kI8Chunk = 64;
 
 /// The queries of a call as the int8 scan reads them (codes[i * dq ..], dq = d rounded up
 /// to 16, zero beyond d; |code| <= min(i8_qmax(d), qcap): qcap 127 gives the byte queries
-/// of i8_gemm_panel_b, the bound's derivation unchanged); false when the int8 scan cannot bound them (d too large, a
-/// non-finite query, ||q|| xnorm >= 2^100: then the call scans the float32 rows).
+/// of i8_gemm_panel_b, the bound's derivation unchanged); false when the int8 scan cannot
+/// bound them (d too large, a non-finite query, ||q|| xnorm >= 2^100: then the call scans
+/// the float32 rows).
 bool i8_prepare(const float* Q, int64_t b, int64_t d, double xnorm, std::vector<int16_t>& codes,
                 std::vector<I8Query>& out, int32_t qcap = 32767) {
   const int32_t qmax = std::min(i8_qmax(d), qcap);
