@@ -331,7 +331,7 @@ void check_hit_rows(const char* fn, const TopkInputs& in, const py::object& hptr
 void check_boosts(const char* fn, const py::object& hx_, const py::object& hval_, HitsArgs& h) {
   h.hval = checked<double>(hval_, fn, "hval", 1, "float64");
   const int64_t H = h.hrows.shape(0);
-  if (hx_.is_none()) {  // (the boosts come as per-query factors: hval alone)
+  if (hx_.is_none()) {
     if (h.hval.shape(0) != H) throw py::value_error(std::string(fn) + ": hval must have one entry per hrows entry");
     return;
   }

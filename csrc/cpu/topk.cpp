@@ -678,17 +678,17 @@ void i8_rescan(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, cons
 // of its segment [a, e)); ``dropped``(cut) says whether rows of scan score >= cut may
 // have been left out, in which case the segment is rescanned. ``iq``: the query's int8
 // form when the scan read the int8 copy (keys are then upper bounds, and cut is L);
-// ``keyed``: the form whose keys the candidates hold when it is not iq (byte queries:
-// the candidates re-keyed with iq, i8_kth_lower's ``rekey``).
+// ``rekey``: the candidates' keys came from the query's byte form (a byte-query GEMM
+// unit): they are re-keyed with iq first (i8_kth_lower's ``rekey``).
 template <class Dropped>
 void finish_query(const ExactCtx& c, const ScanSrc& src, const SimdKernels& K, bool gemm, const float* q,
                   Entry* cand, int64_t nc, int64_t a, int64_t e, Entry* store, float* out_s, int64_t* out_r,
                   const Dropped& dropped, const uint8_t* mask, const I8Query* iq = nullptr,
-                  const I8Query* keyed = nullptr) {
+                  bool rekey = false) {
   if (iq != nullptr) {
     // (re-keying may sort cand and drop its tail: ``dropped`` tests the kept list's worst
     // key, which the caller took before)
-    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store, keyed != nullptr && keyed != iq);
+    const double L = i8_kth_lower(c, src, K, *iq, cand, nc, store, rekey);
     if (dropped(L))
       i8_rescan(c, src, K, *iq, q, e - a, [a](int64_t j) { return a + j; }, L, store, out_s, out_r, mask, a);
     else
@@ -1421,7 +1421,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         const float worst = hp.size ? hp.h[0].s : kNegInf;
         finish_query(ctx, src, K, g.gemm, qs[i], hp.h, hp.size, a, e, store + max_nq * hstride, out_scores + qi * k,
                      out_rows + qi * k, [&](double cut) { return filled && static_cast<double>(worst) >= cut; },
-                     hp.mask, iqp(qi), iqg(qi, g));
+                     hp.mask, iqp(qi), g.bytes && i8b);
         hp.size = 0;
         if (opt.after) opt.after->done(qi, tid);
       } else {
@@ -1463,7 +1463,7 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
         };
         Entry* store = heap_store.data() + static_cast<size_t>(tid) * per_thread + max_nq * hstride;
         finish_query(ctx, src, K, g.gemm, Q + qi * d, cand.data(), static_cast<int64_t>(cand.size()), a, e, store,
-                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi), iqg(qi, g));
+                     out_scores + qi * k, out_rows + qi * k, dropped, qmask(qi), iqp(qi), g.bytes && i8b);
         if (opt.after) opt.after->done(qi, tid);
       }
     });
