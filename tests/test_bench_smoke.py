@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rfmem_fast import available_backends
 from rfmem_fast.bench.cli import PRESETS, resolve
 from rfmem_fast.bench.runners import Bench, BenchSettings
 from rfmem_fast.bench.workloads import chunks_for_tokens, format_tokens, parse_size, parse_size_list
@@ -63,6 +64,32 @@ def test_presets_resolve():
     assert st.thread_counts == [1]  # --threads alone: no cell at another count
     st, _, _ = resolve(p.parse_args(["bench", "--quick", "--threads", "1", "--thread-counts", "1,2"]))
     assert st.thread_counts == [1, 2]
+
+
+def test_multitenant_scan_bytes_of_each_dtype(tmp_path, capsys):
+    """The multi-tenant cells' scan copy and scan rate count the bytes each bank holds:
+    ``BankSnapshot.scan_nbytes`` (int8: a byte per value and the rows' scales)."""
+    from rfmem_fast import MemoryBank
+
+    if "native" not in available_backends():
+        pytest.skip("the native backend is not built")
+    out = tmp_path / "mt.json"
+    argv = ["bench", "--workloads", "multitenant", "--dtypes", "float32,int8", "--thread-counts", "1",
+            "--backends", "native", "--no-reference", "--no-faiss", "--no-plots", *TINY, "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    mt = json.loads(out.read_text())["workloads"]["multitenant"]
+    users, items = mt["users"], mt["items"]
+    d = json.loads(out.read_text())["settings"]["synthetic"]["dim"]
+    bank = MemoryBank(d, dtype="int8")
+    bank.add("u", np.random.default_rng(0).normal(size=(items, d)), ids=[str(i) for i in range(items)])
+    per_user = {"float32": items * d * 4, "int8": bank.snapshot().scan_nbytes}
+    assert per_user["int8"] < items * d * 2  # (a quarter of float32's, and the scales)
+    assert mt["scan_mib"] == {dt: v * users / 2**20 for dt, v in per_user.items()}
+    dense = [r for r in mt["results"] if r["kind"] == "ours" and r["mode"] == "dense"]
+    assert {r["dtype"] for r in dense} == {"float32", "int8"}
+    for r in dense:
+        assert r["scan_gb_per_s"] == pytest.approx(r["qps"] * per_user[r["dtype"]] / 1e9, rel=1e-12)
 
 
 def test_bad_flags_exit_2(capsys):
@@ -116,6 +143,15 @@ def test_bench_cli_quick_tiny(tmp_path, capsys):
     assert variants == {(b, dt, t) for b in ours for dt in ("float32", "float16") for t in (1, 2)}
     assert {r["threads"] for r in bat if r["kind"] == "faiss"} == {1, 2}
     assert all(r["agree_reference"] == 1.0 for r in mt if r["dtype"] == "float16" and r.get("agree_reference") is not None)
+    # each dtype's scan copy as its bank holds it (float16: 2 bytes a value), and the dense
+    # cells' scan rate from it
+    mib = w["multitenant"]["scan_mib"]
+    n_values = w["multitenant"]["users"] * w["multitenant"]["items"] * doc["settings"]["synthetic"]["dim"]
+    assert mib == {"float32": n_values * 4 / 2**20, "float16": n_values * 2 / 2**20}
+    for r in mt:
+        if r["kind"] == "ours" and r["mode"] == "dense":
+            want = r["qps"] * mib[r["dtype"]] * 2**20 / w["multitenant"]["users"] / 1e9
+            assert r["scan_gb_per_s"] == pytest.approx(want, rel=1e-12)
     for name, goal in (("shared_dense_qps_over_faiss_dense_qps", ">= 1"), ("multitenant_float16_dense_qps_over_float32", ">= 1.6"),
                        ("multitenant_float16_rfmem_qps_over_float32", ">= 1.4")):  # fmt: skip
         assert _finite(rt[name]["value"]) and rt[name]["goal"] == goal and rt[name]["threads"] == 2, name

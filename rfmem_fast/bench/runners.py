@@ -192,6 +192,9 @@ class Bench:
         self.say = say or (lambda msg: None)
         self.notes: list[str] = []
         self._twins: dict[tuple[int, str], Any] = {}
+        # (id of a bank, dtype) -> bytes of that bank's scan copy in the dtype
+        # (``BankSnapshot.scan_nbytes``), recorded as each system is prepared on it
+        self.scan_nbytes: dict[tuple[int, str], int] = {}
         self.ours: list[OursSystem] = [OursSystem(b, settings.device) for b in settings.backends]
         self.reference = ReferenceSystem() if settings.reference else None
         self.faiss_ok = settings.faiss
@@ -437,7 +440,9 @@ class Bench:
         kept: dict[tuple[str, str], dict[int, np.ndarray]] = {}
         split = None
         for system, mode in self._systems(modes, variants=True, dtypes=dtypes):
-            system.prepare(self._bank_for(bank, system), users, qseg)
+            sys_bank = self._bank_for(bank, system)
+            system.prepare(sys_bank, users, qseg)
+            self.scan_nbytes[(id(bank), system.dtype)] = int(sys_bank.snapshot().scan_nbytes)
             self._gpu_reset(system)
             if system.kind == "reference":
                 bar.set_postfix_str(f"{label} reference {mode}")
@@ -716,15 +721,18 @@ class Bench:
             dtypes=s.dtypes, hybrid=None if tx is None else (tx.bank, tx.queries),
         )  # fmt: skip
         bar.close()
-        row_bytes = s.spec.dim * 4
+        # each dtype's scan copy as its bank holds it (int8: a byte per value and the rows'
+        # scales; half precision: 2 bytes per value; float32: the rows)
+        scan_bytes = {dt: self.scan_nbytes.get((id(sb.bank), dt)) for dt in s.dtypes}
         for r in recs:  # bytes a dense query's scan reads from its user's bank, per second
-            if r["kind"] == "ours" and r["mode"] == "dense" and r.get("qps"):
-                r["scan_gb_per_s"] = r["qps"] * s.items * s.spec.dim * (2 if r["dtype"] in ("float16", "bfloat16") else 4) / 1e9
+            nbytes = scan_bytes.get(r.get("dtype"))
+            if r["kind"] == "ours" and r["mode"] == "dense" and r.get("qps") and nbytes:
+                r["scan_gb_per_s"] = r["qps"] * nbytes / s.users / 1e9
         out = {
             "users": s.users, "items": s.items, "batch_size": s.mt_batch, "n_batches": nb,
             "queried_users": int(queried), "bank_mib": sb.nbytes / 2**20, "build_s": sb.build_s,
             "dtypes": list(s.dtypes),
-            "scan_mib": {dt: s.users * s.items * row_bytes / (2 if dt != "float32" else 1) / 2**20 for dt in s.dtypes},
+            "scan_mib": {dt: v / 2**20 for dt, v in scan_bytes.items() if v},
             "results": recs, "route_split": split,
         }  # fmt: skip
         if tx is not None:
