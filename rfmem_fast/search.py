@@ -714,7 +714,7 @@ def search_tensors(
     # a chunk in host memory whose results go to the host: numpy between the backend calls
     kit: ArrayKit = _HOST_KIT if host_output and on_host else DeviceKit(backend.device)
     fused = mode != "dense" and backend.fused_driver()  # (read once: RFMEM_BEAM_DRIVER costs an environment look-up)
-    plain = query_texts is None and reranker is None and pools is None and config.profile_weight == 0 and (
+    plain = stage is None and reranker is None and pools is None and config.profile_weight == 0 and (
         config.merge == "none" and not config.context_on)  # fmt: skip
     one = b <= max_batch  # (one chunk: the whole batch, without a slice's dispatch)
     for j, c0 in enumerate(range(0, max(b, 1), max_batch)):

@@ -319,13 +319,17 @@ def chunk_threads(be: Backend, work: float | None, config: RFMemConfig, mode: st
     (:func:`rfmem_fast.threads.limit_torch_threads`, ``work`` its scan work in
     multiply-adds) unless the chunk runs no torch operation (a backend whose
     ``host_torch_free`` holds, in mode "dense" or with its fused driver, without the
-    features that run torch code: ``plain``; with the context score only through the
-    one-pass kernels of a backend with ``has_fused_topk``, unfiltered). None: leave them."""
+    features that run torch code: ``plain``, i.e. no second stage, re-ranker, candidate
+    pools, profile prior, merge or context score; query texts only through the one-pass
+    hybrid kernels of a backend with ``has_fused_topk``: a score-based fusion, unfiltered;
+    with the context score only through the same one-pass kernels). None: leave them."""
     if work is None:
         return None
+    one_pass = be.has_fused_topk and sel is None
+    lexical_ok = texts is None or (one_pass and config.lexical_weight > 0 and config.fusion != "rrf")
     torch_free = be.host_torch_free and (mode == "dense" or fused) and (
-        (plain and texts is None) or (config.context_on and be.has_fused_topk and sel is None and config.merge == "none"
-                                      and config.profile_weight == 0))  # fmt: skip
+        (plain and lexical_ok) or (config.context_on and one_pass and config.merge == "none"
+                                   and config.profile_weight == 0))  # fmt: skip
     return None if torch_free else limit_torch_threads(work, be.device)
 
 
