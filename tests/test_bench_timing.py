@@ -32,5 +32,14 @@ def test_interleaved_p50_gives_each_cells_median_in_ms():
                           n=3, reps=2)  # fmt: skip
     assert seen["x"] == [0, 1, 2, 3 % 3, 4 % 3] + [0, 1, 2] * 2  # 5 warm-ups, then 2 rounds of 3
     assert out["x"] < 1.0 and out["y"] >= 2.0
-    with pytest.raises(ValueError, match="n and reps must be >= 1"):
+    with pytest.raises(ValueError, match="n, reps and block must be >= 1"):
         interleaved_p50({"x": lambda i: None}, n=0)
+    with pytest.raises(ValueError, match="block=0"):
+        interleaved_p50({"x": lambda i: None}, n=2, block=0)
+
+
+def test_interleaved_p50_in_blocks():
+    order: list[tuple[str, int]] = []
+    interleaved_p50({c: (lambda i, c=c: order.append((c, i))) for c in "ab"}, n=5, reps=1, block=2)
+    timed = order[10:]  # after 5 warm-up calls each
+    assert timed == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("a", 3), ("b", 2), ("b", 3), ("a", 4), ("b", 4)]
