@@ -118,7 +118,8 @@ def test_native_hybrid_batch_invariant_with_many_queries_per_user():
 @pytest.mark.parametrize("fusion", ["convex", "adaptive", "zscore", "rrf"])
 def test_single_hybrid_query_touches_torch_only_for_rrf(monkeypatch, fusion):
     """A host hybrid search on the native backend through its one-pass kernels (the
-    score-based fusions, unfiltered) runs no torch function, nor the torch thread setting
+    score-based fusions, unfiltered) runs no torch operation (a TorchDispatchMode records no
+    aten op) and calls no torch function, nor the torch thread setting
     (``search_chunk.chunk_threads``: a torch call after a kernel's scan costs 10-20 us, the
     thread setting ~5 us a query); "rrf" (fused on the host with torch) keeps the one-thread
     limit. Each result equals the same search with the torch thread limit forced."""
@@ -135,13 +136,25 @@ def test_single_hybrid_query_touches_torch_only_for_rrf(monkeypatch, fusion):
     cfg = RFMemConfig(out_k=5, probe_k=5, fusion=fusion, lexical_weight=0.2)
     for mode in ("dense", "recollection", "rfmem"):  # the view, its memos and the driver's draws built
         search(bank, Q[:1], qu[:1], cfg, mode=mode, backend=be, query_texts=texts[:1])
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # every aten operation run inside it
+        def __init__(self):
+            super().__init__()
+            self.ran = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
     touched = []
     for name in ("from_numpy", "set_num_threads", "get_num_threads", "full", "where"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _n=name, _f=real, **k: touched.append(_n) or _f(*a, **k))
-    got = {mode: search(bank, Q[3:4], qu[3:4], cfg, mode=mode, backend=be, query_texts=texts[3:4])
-           for mode in ("dense", "recollection", "rfmem")}  # fmt: skip
-    assert (touched == []) == (fusion != "rrf"), touched
+    with Ops() as ops:
+        got = {mode: search(bank, Q[3:4], qu[3:4], cfg, mode=mode, backend=be, query_texts=texts[3:4])
+               for mode in ("dense", "recollection", "rfmem")}  # fmt: skip
+    assert (touched == [] and ops.ran == []) == (fusion != "rrf"), (touched, ops.ran[:5])
     # every chunk under the one-thread limit, as before the rule: the same results
     monkeypatch.setattr(sys.modules["rfmem_fast.search"], "chunk_threads", lambda *a: search_chunk.limit_torch_threads(1.0))
     for mode, res in got.items():
