@@ -121,11 +121,11 @@ def test_single_hybrid_query_touches_torch_only_for_rrf(monkeypatch, fusion):
     score-based fusions, unfiltered) runs no torch operation (a TorchDispatchMode records no
     aten op) and calls no torch function, nor the torch thread setting
     (``search_chunk.chunk_threads``: a torch call after a kernel's scan costs 10-20 us, the
-    thread setting ~5 us a query); "rrf" (fused on the host with torch) keeps the one-thread
+    thread setting and back 20-50 us a query); "rrf" (fused on the host with torch) keeps the one-thread
     limit. Each result equals the same search with the torch thread limit forced."""
-    import torch
-
     import sys
+
+    import torch
 
     from rfmem_fast import search_chunk
     from rfmem_fast.backends.native import NativeBackend
