@@ -14,7 +14,7 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
   rounds), p50 ms. ``--block`` (default 20) times each cell in runs of consecutive
   queries, as an application making one kind of call runs; ``--block 1`` alternates call
   by call, where each call follows another cell's (the earlier runs' protocol: the dense
-  call after rrf's and the other fusions' calls slows to about twice its steady p50 here,
+  call after rrf's and the other fusions' calls slows to about 1.6x its steady p50 here,
   which flatters every ratio over it):
   ``search(mode="dense")`` without the lexical channel
   against the same call with ``lexical_weight > 0`` for each fusion (the hybrid dense
