@@ -25,6 +25,12 @@ query text is 3 words of a random item's text plus 5 Zipf draws (the generator l
   ``--batch`` queries on random users per call, best of ``--reps`` calls (the cells taking
   turns call by call), q/s. Goal:
   hybrid q/s >= 0.85x dense (at 50 and at 200 users).
+* ``single_breakdown_us``: where one convex-raw hybrid query's time goes beyond dense (p50
+  us; the dense and the hybrid search in alternating blocks of ``--block`` queries, the
+  stages timed by wrapping their calls): ``kernel_hits`` (tokenising, the postings,
+  ``bm25_hits``; ``tokenise`` and ``bm25_hits`` also apart), the hybrid probe over the
+  dense one (``probe_extra``: the hits' keys, the boosts, the fused list) and the rest
+  (``rest_extra``: Python around them).
 * ``batch_breakdown_ms``: where the recommended fusion's (convex raw) batch spends its
   time beyond dense: the dense and the hybrid search alternating (best of ``--reps`` + 4
   each), the stages timed inside them by wrapping the calls: tokenising
@@ -42,12 +48,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,16 +89,20 @@ FUSIONS = {
 }
 
 
-def batch_breakdown(bank: MemoryBank, Q: np.ndarray, users: list, texts: list, be, reps: int) -> dict:
-    """ms per stage of one batch: the dense and the convex-raw hybrid search alternating
-    ``reps`` times, best of each, with the stages' calls wrapped and timed in place."""
+@contextlib.contextmanager
+def timed_stages(be) -> Iterator[dict]:
+    """Wrap the hybrid path's stages (tokenising, ``KernelHits.of``, ``bm25_hits``, the dense
+    and the hybrid probe) so that each call's seconds are appended to the yielded dict's
+    lists (keys: tokenise, kernel_hits, bm25_hits, probe_dense, probe_hybrid); restored on exit."""
     from rfmem_fast.lexical import LexicalIndex
+    from rfmem_fast.search_lexical import KernelHits
 
     cls = type(be)
-    wrapped = {"tokenise": (LexicalIndex, "encode_queries"), "bm25_hits": (cls, "bm25_hits"),
-               "probe_dense": (cls, "probe_host"), "probe_hybrid": (cls, "probe_hits")}  # fmt: skip
-    got: dict = {k: [] for k in (*wrapped, "dense_search", "hybrid_search")}
-    saved = {k: getattr(owner, name) for k, (owner, name) in wrapped.items()}
+    wrapped = {"tokenise": (LexicalIndex, "encode_queries"), "kernel_hits": (KernelHits, "of"),
+               "bm25_hits": (cls, "bm25_hits"), "probe_dense": (cls, "probe_host"),
+               "probe_hybrid": (cls, "probe_hits")}  # fmt: skip
+    got: dict = {k: [] for k in wrapped}
+    saved = {k: owner.__dict__[name] for k, (owner, name) in wrapped.items()}
 
     def timed(key, fn):
         def call(*a, **kw):
@@ -102,10 +114,22 @@ def batch_breakdown(bank: MemoryBank, Q: np.ndarray, users: list, texts: list, b
 
         return call
 
-    cfg, hc = RFMemConfig(), RFMemConfig(**FUSIONS["convex_raw"])
     try:
         for k, (owner, name) in wrapped.items():
-            setattr(owner, name, timed(k, saved[k]))
+            f = saved[k]
+            setattr(owner, name, classmethod(timed(k, f.__func__)) if isinstance(f, classmethod) else timed(k, f))
+        yield got
+    finally:
+        for k, (owner, name) in wrapped.items():
+            setattr(owner, name, saved[k])
+
+
+def batch_breakdown(bank: MemoryBank, Q: np.ndarray, users: list, texts: list, be, reps: int) -> dict:
+    """ms per stage of one batch: the dense and the convex-raw hybrid search alternating
+    ``reps`` times, best of each, with the stages' calls wrapped and timed in place."""
+    cfg, hc = RFMemConfig(), RFMemConfig(**FUSIONS["convex_raw"])
+    with timed_stages(be) as got:
+        got.update(dense_search=[], hybrid_search=[])
         for _ in range(reps):
             t = time.perf_counter()
             search(bank, Q, users, cfg, mode="dense", backend=be)
@@ -113,12 +137,35 @@ def batch_breakdown(bank: MemoryBank, Q: np.ndarray, users: list, texts: list, b
             t = time.perf_counter()
             search(bank, Q, users, hc, mode="dense", backend=be, query_texts=texts)
             got["hybrid_search"].append(time.perf_counter() - t)
-    finally:
-        for k, (owner, name) in wrapped.items():
-            setattr(owner, name, saved[k])
-    out = {k: 1e3 * min(v) for k, v in got.items() if v}
+    out = {k: 1e3 * min(v) for k, v in got.items() if v and k != "kernel_hits"}
     if "probe_dense" in out and "probe_hybrid" in out:
         out["probe_extra"] = out["probe_hybrid"] - out["probe_dense"]
+    return out
+
+
+def single_breakdown(bank: MemoryBank, Q: np.ndarray, user: list, texts: list, be, reps: int, block: int) -> dict:
+    """us per stage of one query (p50): the dense and the convex-raw hybrid search in
+    alternating blocks of ``block`` consecutive queries, ``reps`` rounds over the queries,
+    the stages' calls wrapped and timed in place. ``kernel_hits``: tokenising, the users'
+    postings and ``bm25_hits``; ``probe_extra``: the hybrid probe (with the hits' keys, the
+    boosts and the fused list) over the dense one; ``rest_extra``: what the hybrid search
+    adds beyond both (Python around them)."""
+    cfg, hc = RFMemConfig(), RFMemConfig(**FUSIONS["convex_raw"])
+    n = Q.shape[0]
+    with timed_stages(be) as got:
+        got.update(dense_search=[], hybrid_search=[])
+        for _ in range(reps):
+            for i0 in range(0, n, block):
+                for key, c, tx in (("dense_search", cfg, False), ("hybrid_search", hc, True)):
+                    for i in range(i0, min(n, i0 + block)):
+                        t = time.perf_counter()
+                        search(bank, Q[i : i + 1], user, c, mode="dense", backend=be,
+                               query_texts=texts[i : i + 1] if tx else None)  # fmt: skip
+                        got[key].append(time.perf_counter() - t)
+    out = {k: 1e6 * float(np.median(v)) for k, v in got.items() if v}
+    if all(k in out for k in ("probe_dense", "probe_hybrid", "kernel_hits", "dense_search", "hybrid_search")):
+        out["probe_extra"] = out["probe_hybrid"] - out["probe_dense"]
+        out["rest_extra"] = out["hybrid_search"] - out["dense_search"] - out["kernel_hits"] - out["probe_extra"]
     return out
 
 
@@ -196,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         cells[name] = lambda i, c=c: search(bank, Q[i : i + 1], user, c, mode="dense", backend=be,
                                             query_texts=qt[i : i + 1])  # fmt: skip
     single = interleaved_p50(cells, n, args.reps, block=args.block)
+    single_bd = single_breakdown(bank, Q, user, qt, be, args.reps, args.block)
     hits = [0 if (v := lex.scores(0, q)) is None else int(np.count_nonzero(v)) for q in qt]
     index1 = index_cost(bank_with_texts(wl.bank, texts), t_encode1)
     del bank, wl, lex
@@ -246,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                      "mean_lexical_hits_single": float(np.mean(hits)), "fusions": FUSIONS},  # fmt: skip
         "single_p50_ms": single,
         "single_ratio_over_dense": {k: v / single["dense"] for k, v in single.items() if k in FUSIONS},
+        "single_breakdown_us": single_bd,
         "batch_qps": batch,
         "batch_ratio_over_dense": {k: v / batch["dense"] for k, v in batch.items() if k != "dense"},
         "batch_breakdown_ms": breakdown,
@@ -260,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out) if args.out else Path(__file__).with_name("results") / "local" / f"hybrid-{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_json(doc, out)
-    print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "batch_qps",
+    print(json.dumps({k: doc[k] for k in ("single_p50_ms", "single_ratio_over_dense", "single_breakdown_us", "batch_qps",
                                           "batch_ratio_over_dense", "batch_breakdown_ms")}, indent=1))  # fmt: skip
     print(f"index: {index1['bytes_per_token']:.2f} B/token, build {index1['build_s_per_million_tokens']:.2f} s/M tokens "
           f"(single user); batch bank {indexb['bytes_per_token']:.2f} B/token; wrote {out}")  # fmt: skip

@@ -368,6 +368,10 @@ def test_bench_hybrid_script_tiny(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_hybrid", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    from rfmem_fast.backends.native import NativeBackend
+    from rfmem_fast.search_lexical import KernelHits
+
+    of_before, bm25_before = KernelHits.__dict__["of"], NativeBackend.__dict__["bm25_hits"]
     out = tmp_path / "h.json"
     args = ["--users", "2", "--chunks", "64", "--queries", "5", "--batch", "16", "--reps", "1", "--words", "12",
             "--vocab", "300", "--out", str(out)]  # fmt: skip
@@ -380,6 +384,13 @@ def test_bench_hybrid_script_tiny(tmp_path):
     assert set(bd) >= {"dense_search", "hybrid_search", "tokenise", "bm25_hits", "probe_dense", "probe_hybrid"}
     assert all(bd[k] > 0 for k in ("dense_search", "hybrid_search", "tokenise", "bm25_hits", "probe_hybrid"))
     assert bd["probe_hybrid"] < bd["hybrid_search"] and bd["probe_dense"] < bd["dense_search"]
+    sb = doc["single_breakdown_us"]  # one query's stages (KernelHits.of wrapped too), p50 us
+    assert set(sb) >= {"dense_search", "hybrid_search", "tokenise", "kernel_hits", "bm25_hits", "probe_dense",
+                       "probe_hybrid", "probe_extra", "rest_extra"}  # fmt: skip
+    assert all(sb[k] > 0 for k in ("dense_search", "hybrid_search", "kernel_hits", "bm25_hits", "probe_hybrid"))
+    assert sb["bm25_hits"] < sb["kernel_hits"] < sb["hybrid_search"] and sb["probe_dense"] < sb["dense_search"]
+    assert doc["workload"]["single_block"] == 20
+    assert KernelHits.__dict__["of"] is of_before and NativeBackend.__dict__["bm25_hits"] is bm25_before  # restored
 
 
 def test_hybrid_searches_of_one_user_are_stable_while_another_user_is_written():
