@@ -5,9 +5,9 @@ Pinned: a parallel region gives the same results in every pool mode ('auto', 'al
 holds the pool, the others run alone) and in a forked child (a fresh pool); the pool's
 helpers are few (at most the threads a call asked for, minus the caller), named
 ``rfmem-pool``, and asleep between calls: their CPU time does not grow while the
-process idles (a helper spins at most 200 us after a region, then sleeps, and not at
-all after a region that followed an idle gap); the mode setting is validated;
-idle_cpus() is a count of this machine's CPUs. Every expected result is the single-threaded kernel's, itself
+process idles (a helper spins at most HELPER_SPIN_SECONDS, 400 us, after a region, then
+sleeps, and not at all after a region that followed an idle gap); the mode setting is
+validated; idle_cpus() is a count of this machine's CPUs. Every expected result is the single-threaded kernel's, itself
 checked against a brute-force float64 top-k.
 """
 from __future__ import annotations
@@ -68,11 +68,12 @@ def test_results_equal_in_every_mode_and_thread_count():
 
 def test_no_spin_after_an_idle_gap():
     """A region that begins long after the previous one ended (an idle gap: 20 ms here,
-    the spin window is 200 us) tells its helpers to sleep at once after it: the spin is
+    the spin window is HELPER_SPIN_SECONDS, 400 us) tells its helpers to sleep at once after it: the spin is
     for callers that call back to back (pool_counters()['spin_regions'] counts the regions
     that spin). Whether back-to-back regions spin depends on the machine's timing, so only
     the gap's side is pinned."""
     X, off, Q, seg = _case(4)
+    assert 0.0 < _native.HELPER_SPIN_SECONDS <= 0.002  # (the gap below is 10x longer)
     _native.set_thread_pool("always")
     ran = 0
     for _ in range(3):
@@ -96,7 +97,7 @@ def test_one_query_equal_whether_the_helper_is_awake_or_asleep():
     X, off, Q, seg = _case(3)
     ref_s, ref_r = _native.segmented_topk(X, off, Q[:1], seg[:1], 10, 1)
     _native.set_thread_pool("always")
-    for pause in (0.02, 0.0, 0.0, 0.02, 0.0):  # asleep (200 us spin long over), then awake
+    for pause in (0.02, 0.0, 0.0, 0.02, 0.0):  # asleep (the 400 us spin long over), then awake
         time.sleep(pause)
         s, r = _native.segmented_topk(X, off, Q[:1], seg[:1], 10, 2)
         np.testing.assert_array_equal(r, ref_r)

@@ -1510,6 +1510,8 @@ Raises:
       "Threads a kernel uses for `work` multiply-adds over `items` independent items when allowed `num_threads` "
       "(0 = the machine's): at most one per kMinWorkPerThread multiply-adds and per item, at least 1.");
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
+  // a pool helper's spin after a region begun within this many seconds of the previous one's end (pool.h)
+  mod.attr("HELPER_SPIN_SECONDS") = rfmem::kHelperSpinSeconds;
   mod.attr("PRUNE_MIN_ROWS") = rfmem::kPruneMinRows;
   mod.def(
       "set_thread_pool",
@@ -1556,8 +1558,8 @@ Raises:
       },
       "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
-      "regions run alone because no core was idle, samples of the idle CPUs taken, regions begun within 200 us "
-      "of the previous one's end (their helpers spin for the next region before they sleep), helper threads started.");
+      "regions run alone because no core was idle, samples of the idle CPUs taken, regions begun within "
+      "HELPER_SPIN_SECONDS of the previous one's end (their helpers spin for the next region before they sleep), helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
   static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =

@@ -7,8 +7,9 @@
 // (threads_for: at least kMinWorkPerThread multiply-adds per thread), so a small call
 // runs on the calling thread alone; a parallel region runs on the process's pool of
 // helper threads (pool.h), which sleep on a condition variable between regions (after a
-// spin of at most 200 us when the calls come back to back; an OpenMP runtime's pool
-// busy-waits far longer and steals the cores of a busy serving machine), and whose
+// spin of at most kHelperSpinSeconds, 400 us, when the calls come back to back; an
+// OpenMP runtime's pool busy-waits far longer and steals the cores of a busy serving
+// machine), and whose
 // caller never waits for a helper to be scheduled: it claims items one at a time from
 // an atomic counter like the helpers, so a helper that the OS
 // does not run in time only leaves its items to the caller. One region holds the pool at

@@ -44,16 +44,7 @@ namespace rfmem {
 namespace {
 
 constexpr double kSpinSeconds = 20e-6;  // the caller's spin for a helper's item, before it sleeps
-// a helper's spin after it leaves a region, before it sleeps, when the region began within
-// kHelperSpinSeconds of the previous one's end (a caller calling back to back: one query
-// after another, ~20-60 us of Python apart, or the probe and the rounds of one search):
-// the next region finds it awake instead of paying a wake-up on the condition variable
-// (tens of us in a VM; single-query calls split over two cores ran 1.1x one core, not
-// ~1.8x). After a region that followed an idle gap the helper sleeps at once: a spin
-// then made the next call after the gap slower (one query every 2 ms: dense search
-// p50 0.25-0.34 -> 0.49-0.53 ms on the 2-core EPYC Zen 5 VM, whatever the spin's
-// length or its pause instruction). A spinning helper counts as awake (idle_cpus).
-constexpr double kHelperSpinSeconds = 200e-6;
+// (a helper's spin after a back-to-back region: pool.h kHelperSpinSeconds)
 
 int64_t steady_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())

@@ -1,8 +1,8 @@
 // The threads of the CPU kernels (common.h parallel_for): a small process-wide pool of
 // helper threads that SLEEP on a condition variable between calls (after a short spin,
-// at most 200 us, after a region that began within 200 us of the previous one's end, so
-// that back-to-back calls find them awake), and a caller that never waits for a helper
-// to show up.
+// at most kHelperSpinSeconds = 400 us, after a region that began within that time of the
+// previous one's end, so that back-to-back calls find them awake), and a caller that
+// never waits for a helper to show up.
 //
 // A parallel region (pool_run) publishes its items and wakes up to nthreads - 1 helpers,
 // then works through the items itself, claiming them one at a time from an atomic
@@ -54,6 +54,23 @@ PoolMode set_thread_pool(PoolMode mode);
 /// Seconds between two samples of the machine's running tasks (kAuto).
 constexpr double kIdleSampleSeconds = 2e-3;
 
+/// A helper's spin after it leaves a region, before it sleeps, when the region began
+/// within kHelperSpinSeconds of the previous one's end (a caller calling back to back:
+/// one query after another, or the probe and the rounds of one search): the next region
+/// finds it awake instead of paying a wake-up on the condition variable (tens of us in a
+/// VM), and a woken helper's region is slower than either (one query over 4,096 x 384
+/// rows, AMD EPYC Zen 4: probe 108-111 us when the helper was spinning, 201-214 us when it
+/// slept, about 150 us on the caller alone). 400 us covers the work between two probes of
+/// back-to-back hybrid queries (150-200 us there), where at 200 us 58 % of the probes
+/// found the helper asleep (12 % of dense ones); one query's p50 went from 0.33-0.39 to
+/// 0.25-0.30 ms (hybrid), 0.51-0.58 to 0.47-0.54 (recollection), 0.17-0.21 to 0.17-0.19
+/// (dense), six interleaved runs. After a region that followed an idle gap the helper
+/// sleeps at once: a spin then made the next call after the gap slower (one query every
+/// 2 ms: dense search p50 0.25-0.34 -> 0.49-0.53 ms on the 2-core EPYC Zen 5 VM, whatever
+/// the spin's length or its pause instruction). A spinning helper counts as awake
+/// (idle_cpus). (_native.HELPER_SPIN_SECONDS)
+constexpr double kHelperSpinSeconds = 400e-6;
+
 /// CPUs of the machine that were idle at the last sample: online CPUs minus the tasks
 /// running or runnable (/proc/loadavg's fourth field, which counts the caller), >= 0;
 /// the online CPUs where /proc/loadavg cannot be read.
@@ -77,7 +94,7 @@ struct PoolCounters {
   int64_t waits;         // regions whose caller had to sleep for a helper's item
   int64_t inline_busy;   // regions run on the caller alone because no core was idle (kAuto)
   int64_t idle_samples;  // samples of the machine's idle CPUs taken by idle_cpus()
-  int64_t spin_regions;  // regions begun within 200 us of the previous one's end: their
+  int64_t spin_regions;  // regions begun within kHelperSpinSeconds of the previous one's end: their
                          // helpers spin for the next region before they sleep
   int helpers;           // helper threads started
 };
