@@ -67,8 +67,10 @@ constexpr double kIdleSampleSeconds = 2e-3;
 /// (dense), six interleaved runs. After a region that followed an idle gap the helper
 /// sleeps at once: a spin then made the next call after the gap slower (one query every
 /// 2 ms: dense search p50 0.25-0.34 -> 0.49-0.53 ms on the 2-core EPYC Zen 5 VM, whatever
-/// the spin's length or its pause instruction). A spinning helper counts as awake
-/// (idle_cpus). (_native.HELPER_SPIN_SECONDS)
+/// the spin's length or its pause instruction). In kAuto a helper also stops spinning once
+/// idle_cpus() says no core is idle (another job's process on the other core: a 400 us
+/// spin beside it made one query 10-28 % slower than a 200 us one, the stop took that
+/// back). A spinning helper counts as awake (idle_cpus). (_native.HELPER_SPIN_SECONDS)
 constexpr double kHelperSpinSeconds = 400e-6;
 
 /// CPUs of the machine that were idle at the last sample: online CPUs minus the tasks
