@@ -1559,7 +1559,8 @@ Raises:
       "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
       "regions run alone because no core was idle, samples of the idle CPUs taken, regions begun within "
-      "HELPER_SPIN_SECONDS of the previous one's end (their helpers spin for the next region before they sleep), helper threads started.");
+      "HELPER_SPIN_SECONDS of the previous one's end (their helpers spin for the next region before they sleep), "
+      "helper threads started.");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
   static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =

@@ -9,10 +9,9 @@
 // helper threads (pool.h), which sleep on a condition variable between regions (after a
 // spin of at most kHelperSpinSeconds, 400 us, when the calls come back to back; an
 // OpenMP runtime's pool busy-waits far longer and steals the cores of a busy serving
-// machine), and whose
-// caller never waits for a helper to be scheduled: it claims items one at a time from
-// an atomic counter like the helpers, so a helper that the OS
-// does not run in time only leaves its items to the caller. One region holds the pool at
+// machine), and whose caller never waits for a helper to be scheduled: it claims items
+// one at a time from an atomic counter like the helpers, so a helper that the OS does not
+// run in time only leaves its items to the caller. One region holds the pool at
 // a time: another thread of the process in a region, and the call runs alone. The rule
 // is the same for every kernel and every entry point (search, the server, the CLI).
 #pragma once
