@@ -88,6 +88,31 @@ def test_no_spin_after_an_idle_gap():
     assert ran > 0, "no call ran on the pool"
 
 
+def test_a_small_call_after_an_idle_gap_runs_alone():
+    """In the default mode a call of fewer than ALONE_AFTER_GAP_WORK multiply-adds that
+    finds the helpers asleep after an idle gap runs on its caller alone (no region: a
+    woken helper's vCPU starts late after a gap, pool.h kAloneAfterGapWork), with the
+    single-threaded result (fails when such a call wakes the helpers on an idle machine)."""
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((6000, 384)).astype(np.float32)
+    off = np.array([0, 6000], dtype=np.int64)
+    q1, s1 = rng.standard_normal((1, 384)).astype(np.float32), np.zeros(1, np.int64)
+    # one query over 6,000 x 384 rows: 2.3M multiply-adds, enough for two threads
+    assert 2 * _native.MIN_WORK_PER_THREAD <= 6000 * 384 < _native.ALONE_AFTER_GAP_WORK
+    ref_s, ref_r = _native.segmented_topk(X, off, q1, s1, 10, 1)
+    prev = _native.set_thread_pool("auto")
+    try:
+        for _ in range(3):
+            time.sleep(0.02)  # the helpers asleep, no region for 20 ms (the spin window: 400 us)
+            before = _native.pool_counters()["regions"]
+            s, r = _native.segmented_topk(X, off, q1, s1, 10, 2)
+            assert _native.pool_counters()["regions"] == before
+            np.testing.assert_array_equal(r, ref_r)
+            np.testing.assert_array_equal(s.view(np.uint32), ref_s.view(np.uint32))
+    finally:
+        _native.set_thread_pool(prev)
+
+
 def test_one_query_equal_whether_the_helper_is_awake_or_asleep():
     """One query's rows are cut into parts of >= 2,048 rows while the pool's helper is
     awake (spinning after a region) and of >= 512 rows while it sleeps (topk.cpp

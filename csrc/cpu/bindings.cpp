@@ -1512,6 +1512,8 @@ Raises:
   mod.attr("MIN_WORK_PER_THREAD") = rfmem::kMinWorkPerThread;
   // a pool helper's spin after a region begun within this many seconds of the previous one's end (pool.h)
   mod.attr("HELPER_SPIN_SECONDS") = rfmem::kHelperSpinSeconds;
+  // a call of fewer multiply-adds that finds the helpers asleep after an idle gap runs alone (pool.h)
+  mod.attr("ALONE_AFTER_GAP_WORK") = rfmem::kAloneAfterGapWork;
   mod.attr("PRUNE_MIN_ROWS") = rfmem::kPruneMinRows;
   mod.def(
       "set_thread_pool",

@@ -350,6 +350,17 @@ void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, 
 
 PoolMode set_thread_pool(PoolMode mode) { return static_cast<PoolMode>(g_mode.exchange(static_cast<int>(mode))); }
 
+PoolMode thread_pool_mode() { return static_cast<PoolMode>(g_mode.load(std::memory_order_relaxed)); }
+
+bool pool_recent() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p == nullptr) return false;
+  const int64_t end = p->last_end.load(std::memory_order_relaxed);
+  return end >= 0 && steady_ns() - end < static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+}
+
+void pool_mark_activity() { pool()->last_end.store(steady_ns(), std::memory_order_relaxed); }
+
 int pool_awake_helpers() {
   Pool* p = g_pool.load(std::memory_order_acquire);
   return p == nullptr ? 0 : std::max(0, p->awake.load(std::memory_order_relaxed));

@@ -107,4 +107,24 @@ PoolCounters pool_counters();
 /// asleep on the condition variable): a region published now would find them at once.
 int pool_awake_helpers();
 
+/// The mode set_thread_pool last set (kAuto unless changed).
+PoolMode thread_pool_mode();
+
+/// Whether the last region ended (or pool_mark_activity was called) within
+/// kHelperSpinSeconds: a region published now counts as back to back (its helpers spin
+/// after it).
+bool pool_recent();
+
+/// Records now as the end of a region: a call that ran on its caller alone after an idle
+/// gap (kAloneAfterGapWork) makes the next call within kHelperSpinSeconds a back-to-back
+/// one, which uses the pool (and leaves its helpers spinning for the calls after it).
+void pool_mark_activity();
+
+/// Multiply-adds below which a call that finds the helpers asleep after an idle gap (no
+/// region within kHelperSpinSeconds; kAuto) runs on its caller alone instead of waking
+/// them. A woken helper's vCPU is slow to start after a gap: one query over 4,096 x 384
+/// rows (1.6M multiply-adds) 2 ms after the previous one took 870 us (dense) / 1,060 us
+/// (hybrid) on two threads against 680 / 840 us on one (AMD EPYC Zen 4, p50 of 200).
+constexpr double kAloneAfterGapWork = 4e6;
+
 }  // namespace rfmem

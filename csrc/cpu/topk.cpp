@@ -1248,6 +1248,19 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
 
   // 2. threads the work pays for; row parts per group when there are too few groups
   int nthreads = threads_for(opt.num_threads, work, std::numeric_limits<int64_t>::max());
+  // a small call after an idle gap: the caller alone, and the next call counts as back to
+  // back (pool.h kAloneAfterGapWork)
+  struct MarkOnExit {
+    bool on = false;
+    ~MarkOnExit() {
+      if (on) pool_mark_activity();
+    }
+  } alone_after_gap;
+  if (nthreads > 1 && work < kAloneAfterGapWork && thread_pool_mode() == PoolMode::kAuto && pool_awake_helpers() == 0 &&
+      !pool_recent()) {
+    nthreads = 1;
+    alone_after_gap.on = true;
+  }
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
