@@ -120,9 +120,9 @@ bool pool_recent();
 /// one, which uses the pool (and leaves its helpers spinning for the calls after it).
 void pool_mark_activity();
 
-/// Multiply-adds below which a call that finds the helpers asleep after an idle gap (no
-/// region within kHelperSpinSeconds; kAuto) runs on its caller alone instead of waking
-/// them. A woken helper's vCPU is slow to start after a gap: one query over 4,096 x 384
+/// Multiply-adds below which a top-k call (topk.cpp segmented_topk) that finds the helpers
+/// asleep after an idle gap (no region within kHelperSpinSeconds; kAuto) runs on its
+/// caller alone instead of waking them. A woken helper's vCPU is slow to start after a gap: one query over 4,096 x 384
 /// rows (1.6M multiply-adds) 2 ms after the previous one took 870 us (dense) / 1,060 us
 /// (hybrid) on two threads against 680 / 840 us on one (AMD EPYC Zen 4, p50 of 200).
 constexpr double kAloneAfterGapWork = 4e6;
