@@ -133,6 +133,13 @@ Pool* pool() {
   return p;
 }
 
+// Whether the last region ended (or PoolCall marked a call's end) within
+// kHelperSpinSeconds: a region published now is back to back (its helpers spin after it).
+bool back_to_back(const Pool* p) {
+  const int64_t end = p->last_end.load(std::memory_order_relaxed);
+  return end >= 0 && steady_ns() - end < static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+}
+
 // Spins (pause; the clock read every 64 turns) while ``waiting()`` holds, at most
 // ``seconds``, and (every 64 turns) until ``stop()``: the caller's wait for a helper's
 // item, a helper's wait for the next region.
@@ -212,8 +219,7 @@ void publish(Pool* p, int64_t n, int want, void (*call)(const void*, int64_t, in
   p->done.store(0, std::memory_order_relaxed);
   p->seats = 0;
   p->max_seats = want;
-  const int64_t end = p->last_end.load(std::memory_order_relaxed);
-  p->spin = end >= 0 && steady_ns() - end < static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+  p->spin = back_to_back(p);
   if (p->spin) p->spin_regions.fetch_add(1, std::memory_order_relaxed);
   p->open = true;
   ++p->gen;
@@ -350,16 +356,20 @@ void pool_run(int64_t n, int nthreads, void (*call)(const void* ctx, int64_t i, 
 
 PoolMode set_thread_pool(PoolMode mode) { return static_cast<PoolMode>(g_mode.exchange(static_cast<int>(mode))); }
 
-PoolMode thread_pool_mode() { return static_cast<PoolMode>(g_mode.load(std::memory_order_relaxed)); }
-
-bool pool_recent() {
+PoolCall::PoolCall(int nthreads, double work) : threads_(nthreads) {
+  if (nthreads <= 1 || static_cast<PoolMode>(g_mode.load(std::memory_order_relaxed)) != PoolMode::kAuto) return;
   Pool* p = g_pool.load(std::memory_order_acquire);
-  if (p == nullptr) return false;
-  const int64_t end = p->last_end.load(std::memory_order_relaxed);
-  return end >= 0 && steady_ns() - end < static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+  if (work < kAloneAfterGapWork && pool_awake_helpers() == 0 && (p == nullptr || !back_to_back(p))) {
+    threads_ = 1;
+    mark_end_ = true;
+  } else if (idle_cpus() < 1) {  // (after the gap's test: the first sample after a gap reads /proc/loadavg)
+    threads_ = 1;
+  }
 }
 
-void pool_mark_activity() { pool()->last_end.store(steady_ns(), std::memory_order_relaxed); }
+PoolCall::~PoolCall() {
+  if (mark_end_) pool()->last_end.store(steady_ns(), std::memory_order_relaxed);
+}
 
 int pool_awake_helpers() {
   Pool* p = g_pool.load(std::memory_order_acquire);

@@ -107,24 +107,36 @@ PoolCounters pool_counters();
 /// asleep on the condition variable): a region published now would find them at once.
 int pool_awake_helpers();
 
-/// The mode set_thread_pool last set (kAuto unless changed).
-PoolMode thread_pool_mode();
-
-/// Whether the last region ended (or pool_mark_activity was called) within
-/// kHelperSpinSeconds: a region published now counts as back to back (its helpers spin
-/// after it).
-bool pool_recent();
-
-/// Records now as the end of a region: a call that ran on its caller alone after an idle
-/// gap (kAloneAfterGapWork) makes the next call within kHelperSpinSeconds a back-to-back
-/// one, which uses the pool (and leaves its helpers spinning for the calls after it).
-void pool_mark_activity();
-
-/// Multiply-adds below which a top-k call (topk.cpp segmented_topk) that finds the helpers
-/// asleep after an idle gap (no region within kHelperSpinSeconds; kAuto) runs on its
-/// caller alone instead of waking them. A woken helper's vCPU is slow to start after a gap: one query over 4,096 x 384
-/// rows (1.6M multiply-adds) 2 ms after the previous one took 870 us (dense) / 1,060 us
-/// (hybrid) on two threads against 680 / 840 us on one (AMD EPYC Zen 4, p50 of 200).
+/// Multiply-adds below which a call that finds the helpers asleep after an idle gap (no
+/// region within kHelperSpinSeconds; kAuto) runs on its caller alone instead of waking
+/// them (PoolCall). A woken helper's vCPU is slow to start after a gap: one query over
+/// 4,096 x 384 rows (1.6M multiply-adds) 2 ms after the previous one took 870 us (dense)
+/// / 1,060 us (hybrid) on two threads against 680 / 840 us on one (AMD EPYC Zen 4, p50 of
+/// 200).
 constexpr double kAloneAfterGapWork = 4e6;
+
+/// The threads one kernel call takes from the pool, decided before it cuts its work into
+/// items (topk.cpp segmented_topk). From ``nthreads`` (threads_for's count for ``work``
+/// multiply-adds), in kAuto: 1 for a call of fewer than kAloneAfterGapWork that finds the
+/// helpers asleep with no region within kHelperSpinSeconds (an idle gap), whose end then
+/// counts as a region's (the next call within the window is back to back: it uses the
+/// pool and leaves the helpers spinning); 1 when no core is idle (idle_cpus(): the region
+/// would run inline anyway, its work cut into items for threads it does not get: beside a
+/// CPU-bound process one dense query over 4,096 x 384 rows took 245-269 us so against
+/// 220-234 us alone, 215-231 us on one thread, the two alternating in one process); else
+/// ``nthreads``. Other modes: ``nthreads``. Results never depend on it.
+class PoolCall {
+ public:
+  PoolCall(int nthreads, double work);
+  ~PoolCall();
+  PoolCall(const PoolCall&) = delete;
+  PoolCall& operator=(const PoolCall&) = delete;
+  /// The threads the call takes, in [1, nthreads].
+  int threads() const { return threads_; }
+
+ private:
+  int threads_;
+  bool mark_end_ = false;
+};
 
 }  // namespace rfmem

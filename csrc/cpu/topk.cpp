@@ -1247,27 +1247,9 @@ void segmented_topk(const float* X, int64_t n, int64_t d, const int64_t* offsets
   std::stable_sort(gorder.begin(), gorder.end(), [&](int64_t x, int64_t y) { return gwork(x) > gwork(y); });
 
   // 2. threads the work pays for; row parts per group when there are too few groups
-  int nthreads = threads_for(opt.num_threads, work, std::numeric_limits<int64_t>::max());
-  // kAuto: a small call after an idle gap runs on the caller alone, and the next call
-  // counts as back to back (pool.h kAloneAfterGapWork); a call that finds no idle core
-  // runs alone in one part (the region would run inline anyway, cut into parts for
-  // threads it does not get: beside a CPU-bound process one dense query over 4,096 x 384
-  // rows took 245-269 us so against 220-234 us decided here and 215-231 us on one thread,
-  // the two settings alternating in one process)
-  struct MarkOnExit {
-    bool on = false;
-    ~MarkOnExit() {
-      if (on) pool_mark_activity();
-    }
-  } alone_after_gap;
-  if (nthreads > 1 && thread_pool_mode() == PoolMode::kAuto) {
-    if (work < kAloneAfterGapWork && pool_awake_helpers() == 0 && !pool_recent()) {
-      nthreads = 1;
-      alone_after_gap.on = true;
-    } else if (idle_cpus() < 1) {  // (after the gap's test: the first sample after a gap reads /proc/loadavg)
-      nthreads = 1;
-    }
-  }
+  // (kAuto: the caller alone after an idle gap or when no core is idle, pool.h PoolCall)
+  const PoolCall pool_call(threads_for(opt.num_threads, work, std::numeric_limits<int64_t>::max()), work);
+  int nthreads = pool_call.threads();
   int64_t max_len = 0;
   for (const Group& g : groups) max_len = std::max(max_len, offsets[g.seg + 1] - offsets[g.seg]);
   int64_t parts = 1;
