@@ -113,6 +113,46 @@ def test_a_small_call_after_an_idle_gap_runs_alone():
         _native.set_thread_pool(prev)
 
 
+def test_the_beam_driver_keeps_a_spinning_helper_awake():
+    """The C++ beam driver runs one query's rounds on its caller, between that query's
+    probe (a region) and the next one's: it restarts the spinning helpers' window
+    (pool.h pool_keep_awake), so a helper that spins after back-to-back regions is still
+    awake after more than HELPER_SPIN_SECONDS of driver calls (fails without it: the
+    helper sleeps 400 us after its region on an idle machine)."""
+    from rfmem_fast import RFMemConfig
+    from rfmem_fast.backends.native import _driver_params
+
+    rng = np.random.default_rng(8)
+    unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)  # noqa: E731
+    X = unit(rng.standard_normal((6000, 384)))  # (unit rows, their norm bound given: ~0.15 ms a call)
+    off = np.array([0, 6000], dtype=np.int64)
+    q1, s1 = unit(rng.standard_normal((1, 384))), np.zeros(1, np.int64)
+    Xs = unit(rng.standard_normal((300, 32)))  # the driver's small user
+    offs = np.array([0, 300], dtype=np.int64)
+    qs = unit(rng.standard_normal((1, 32)))
+    cfg = RFMemConfig()
+    k0 = cfg.beam_width * cfg.fanout
+    l0s, l0r = _native.segmented_topk(Xs, offs, qs, s1, k0, 1, 1.0)
+    ref = _native.recollect(Xs, offs, qs, s1, l0s, l0r, *_driver_params(cfg), 1, 1.0)
+    prev = _native.set_thread_pool("always")
+    try:
+        awake = []
+        for _ in range(10):  # (a busy machine may deschedule the caller past the window)
+            for _ in range(5):  # back to back: the helper joins and spins after each
+                _native.segmented_topk(X, off, q1, s1, 10, 2, 1.0)
+            t_end = time.perf_counter() + 3 * _native.HELPER_SPIN_SECONDS
+            while time.perf_counter() < t_end:
+                got = _native.recollect(Xs, offs, qs, s1, l0s, l0r, *_driver_params(cfg), 2, 1.0)
+                for a, b in zip(got, ref):
+                    np.testing.assert_array_equal(a, b)
+            awake.append(_native.pool_counters()["awake_helpers"])
+            if awake[-1] >= 1:
+                break
+        assert awake[-1] >= 1, f"helpers awake after the driver calls: {awake}"
+    finally:
+        _native.set_thread_pool(prev)
+
+
 def test_one_query_equal_whether_the_helper_is_awake_or_asleep():
     """One query's rows are cut into parts of >= 2,048 rows while the pool's helper is
     awake (spinning after a region) and of >= 512 rows while it sleeps (topk.cpp

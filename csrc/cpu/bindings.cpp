@@ -1556,13 +1556,14 @@ Raises:
         d["idle_samples"] = c.idle_samples;
         d["spin_regions"] = c.spin_regions;
         d["helpers"] = c.helpers;
+        d["awake_helpers"] = rfmem::pool_awake_helpers();
         return d;
       },
       "Counters of the thread pool since the process started (or forked): regions run on it, regions run alone "
       "because it was taken, items run by callers and by helpers, regions whose caller slept for a helper's item, "
       "regions run alone because no core was idle, samples of the idle CPUs taken, regions begun within "
       "HELPER_SPIN_SECONDS of the previous one's end (their helpers spin for the next region before they sleep), "
-      "helper threads started.");
+      "helper threads started; and awake_helpers: the helpers awake now (in a region or spinning for the next).");
   // recollect's stats: seconds of the call and its phases, then counts (recollect.h RecollectStat)
   static_assert(rfmem::kRecollectStats == 12, "recollect_stat_names lists every RecollectStat");
   mod.attr("recollect_stat_names") =

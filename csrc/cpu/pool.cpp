@@ -191,10 +191,16 @@ void helper_main(Pool* p, uint64_t seen) {
       // beside another job's process takes CPU time from the caller: with a CPU-bound
       // process on the other core, a 400 us spin made one query 10-28 % slower than the
       // 200 us one; idle_cpus() counts this helper's own core as not taken)
+      // The window runs from the later of this helper's leaving and the last end a caller
+      // marked (pool_keep_awake: single-threaded work between back-to-back regions).
       l.unlock();
-      spin_while([&] { return p->pub_gen.load(std::memory_order_acquire) == seen; }, kHelperSpinSeconds,
-                 [] { return g_mode.load(std::memory_order_relaxed) == static_cast<int>(PoolMode::kAuto) &&
-                             idle_cpus() < 1; });  // fmt: skip
+      const int64_t t0 = steady_ns(), lim = static_cast<int64_t>(kHelperSpinSeconds * 1e9);
+      spin_while([&] { return p->pub_gen.load(std::memory_order_acquire) == seen; },
+                 3600.0, [&] {
+                   if (steady_ns() - std::max(t0, p->last_end.load(std::memory_order_relaxed)) > lim) return true;
+                   return g_mode.load(std::memory_order_relaxed) == static_cast<int>(PoolMode::kAuto) &&
+                          idle_cpus() < 1;
+                 });  // fmt: skip
       l.lock();
     }
   }
@@ -369,6 +375,12 @@ PoolCall::PoolCall(int nthreads, double work) : threads_(nthreads) {
 
 PoolCall::~PoolCall() {
   if (mark_end_) pool()->last_end.store(steady_ns(), std::memory_order_relaxed);
+}
+
+void pool_keep_awake() {
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p != nullptr && p->awake.load(std::memory_order_relaxed) > 0)
+    p->last_end.store(steady_ns(), std::memory_order_relaxed);
 }
 
 int pool_awake_helpers() {

@@ -71,7 +71,8 @@ constexpr double kIdleSampleSeconds = 2e-3;
 /// the spin's length or its pause instruction). In kAuto a helper also stops spinning once
 /// idle_cpus() says no core is idle (another job's process on the other core: a 400 us
 /// spin beside it made one query 10-28 % slower than a 200 us one, the stop took that
-/// back). A spinning helper counts as awake (idle_cpus). (_native.HELPER_SPIN_SECONDS)
+/// back). A spinning helper counts as awake (idle_cpus). The window runs from the later of
+/// the helper's leaving its region and the last pool_keep_awake(). (_native.HELPER_SPIN_SECONDS)
 constexpr double kHelperSpinSeconds = 400e-6;
 
 /// CPUs of the machine that were idle at the last sample: online CPUs minus the tasks
@@ -106,6 +107,18 @@ PoolCounters pool_counters();
 /// Helpers awake now (running an item, or spinning for the next region after one; not
 /// asleep on the condition variable): a region published now would find them at once.
 int pool_awake_helpers();
+
+/// Restarts the spin window (kHelperSpinSeconds) of the helpers awake now from this
+/// moment (it marks the end of a region, as PoolCall's end after a gap does); nothing
+/// when every helper sleeps. For single-threaded work that belongs to back-to-back calls:
+/// the beam driver of one query (recollect.cpp) runs its rounds on the caller between the
+/// probe of that query and the probe of the next, 200-300 us plus the search's Python
+/// around them, so the next probe often found the helper asleep (one recollecting query
+/// over 4,096 x 384 rows, AMD EPYC Zen 4, blocks of back-to-back queries, both rules in one
+/// process: probe 151 -> 98 us, the search 0.520 -> 0.429 ms; 0.538-0.560 -> 0.500-0.520
+/// ms in blocks alternating with mode "rfmem" and "dense"). A helper still stops at
+/// idle_cpus() < 1 in kAuto.
+void pool_keep_awake();
 
 /// Multiply-adds below which a call that finds the helpers asleep after an idle gap (no
 /// region within kHelperSpinSeconds; kAuto) runs on its caller alone instead of waking

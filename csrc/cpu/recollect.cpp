@@ -633,6 +633,7 @@ void recollect(const float* X, int64_t n, int64_t d, const int64_t* offsets, int
     }
   });
   if (error) std::rethrow_exception(error);
+  pool_keep_awake();  // the next query's probe finds the helpers awake (pool.h)
   if (stats) {
     for (const Workspace& w : ws)
       for (int i = 1; i < kRecollectStats; ++i) stats[i] += w.prof.acc[i];
