@@ -251,7 +251,7 @@ def test_mode_validation_and_idle_cpus():
     c = _native.pool_counters()
     assert set(c) == {
         "regions", "inline_taken", "inline_busy", "items_caller", "items_helper", "waits", "idle_samples",
-        "spin_regions", "helpers",
+        "spin_regions", "helpers", "awake_helpers",
     }
 
 
