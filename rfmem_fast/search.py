@@ -70,6 +70,7 @@ from .routing.base import ROUTE_NAMES, RULE_NAMES, Router
 from .routing.files import resolve_reranker, resolve_router
 from .second_stage import resolve_stage
 from .search_chunk import ArrayKit, DeviceKit, HostKit, chunk_threads, run_chunk, unpadded as _unpadded
+from .search_single import lean_applies, single_query
 from .search_lexical import HYBRID_DENSE_DEPTH, HYBRID_MATRIX_ENTRIES, ONE_PASS_FUSIONS  # noqa: F401 (the search's constants)
 
 MODES = ("rfmem", "dense", "recollection")
@@ -630,6 +631,10 @@ def search(
     config, max_batch, be, view, Q, qseg, hints, router, texts, sel = _prepare(
         bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts, filters
     )
+    if output == "numpy" and lean_applies(be, config, mode, Q, texts, sel, router):  # one plain host query
+        fields, full, probe_full = single_query(be, view, Q, qseg, config, mode, hints[0][0])
+        return SearchResult(mode=mode, backend=be.name, config=config,
+                            **_host_fields(fields, view.snapshot, full, probe_full))  # fmt: skip
     res = search_tensors(
         be, view, Q, qseg, config, mode, max_batch=max_batch, chunk_hints=hints,
         host_output=output == "numpy", router=router, query_texts=texts, selection=sel,

@@ -1,0 +1,127 @@
+"""The lean entry of one host query (rfmem_fast.search_single) equals the general path
+(rfmem_fast.search_chunk.run_chunk) field by field, and serves only the calls it may."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import importlib
+from rfmem_fast import MemoryBank, RFMemConfig, search
+from rfmem_fast.backends import available
+from rfmem_fast.backends.native import NativeBackend
+
+search_module = importlib.import_module("rfmem_fast.search")  # (the package exports the function search)
+pytestmark = pytest.mark.skipif("native" not in available(), reason="the native backend is not built")
+
+D = 48
+
+
+def _bank() -> MemoryBank:
+    """Users of 3 (fewer rows than out_k), 40 and 700 rows (long enough for the driver's
+    pruned rounds, recollect.h kPruneMinRows), a user whose items were all deleted, and
+    items with and without texts, ids of two types; clustered rows so that both routes
+    occur."""
+    rng = np.random.default_rng(11)
+    bank = MemoryBank(dim=D)
+    centres = rng.standard_normal((6, D))
+    for u, n in (("small", 3), ("mid", 40), ("long", 700), ("gone", 5)):
+        x = centres[rng.integers(0, 6, n)] + 0.6 * rng.standard_normal((n, D))
+        ids = [f"{u}-{i}" if i % 3 else i for i in range(n)]
+        texts = [None if i % 4 == 0 else f"note {u} {i}" for i in range(n)]
+        bank.add(u, x.astype(np.float32), ids, texts=texts)
+    bank.delete("gone", [f"gone-{i}" if i % 3 else i for i in range(5)])
+    return bank
+
+
+def _equal(a, b, where: str) -> None:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape, (where, f.name)
+            if x.dtype.kind == "O":
+                assert x.tolist() == y.tolist(), (where, f.name)
+            else:  # bit for bit, NaN padding included
+                assert x.tobytes() == y.tobytes(), (where, f.name, x, y)
+        else:
+            assert x == y, (where, f.name)
+
+
+CONFIGS = [
+    RFMemConfig(),
+    RFMemConfig(out_k=3, probe_k=7),
+    RFMemConfig(out_k=25, probe_k=30, beam_width=2, fanout=3, max_rounds=4),
+    RFMemConfig(mmr_lambda=0.7, alpha=0.3, entropy="normalized", temperature=5.0),
+    RFMemConfig(theta_high=0.99, theta_low=0.98, tau=0.0),  # every probe unfamiliar: the Recollection path
+    RFMemConfig(theta_high=-1.0, theta_low=-1.0),  # every probe with hits familiar
+]
+
+
+@pytest.mark.parametrize("ci", range(len(CONFIGS)))
+def test_one_query_equals_the_general_path(ci, monkeypatch):
+    bank = _bank()
+    cfg = CONFIGS[ci]
+    rng = np.random.default_rng(100 + ci)
+    be = NativeBackend()
+    taken = []
+    lean = search_module.single_query
+
+    def spy(*a, **k):
+        taken.append(1)
+        return lean(*a, **k)
+
+    routes = set()
+    for user in ("small", "mid", "long", "gone"):
+        for mode in ("rfmem", "dense", "recollection"):
+            for j in range(3):
+                q = (rng.standard_normal((1, D)) * (1 + j)).astype(np.float64 if j == 2 else np.float32)
+                monkeypatch.setattr(search_module, "single_query", spy)
+                n0 = len(taken)
+                got = search(bank, q, [user], cfg, mode=mode, backend=be)
+                assert len(taken) == n0 + 1, "the lean entry was not taken"
+                monkeypatch.setattr(search_module, "lean_applies", lambda *a: False)
+                ref = search(bank, q, [user], cfg, mode=mode, backend=be)
+                monkeypatch.undo()
+                _equal(got, ref, f"{user} {mode} {j}")
+                routes.add(int(got.route[0]))
+    assert len(taken) == 4 * 3 * 3
+    if ci == 0:
+        assert routes == {0, 1}  # both paths compared
+
+
+def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
+    bank = _bank()
+    calls = []
+    lean = search_module.single_query
+    monkeypatch.setattr(search_module, "single_query", lambda *a, **k: calls.append(1) or lean(*a, **k))
+    q = np.random.default_rng(3).standard_normal((1, D)).astype(np.float32)
+    be = NativeBackend()
+    search(bank, q, ["mid"], backend=be)
+    assert calls == [1]
+    search(bank, np.vstack([q, q]), ["mid", "long"], backend=be)  # two queries
+    search(bank, q, ["mid"], backend=be, output="torch")
+    search(bank, q, ["mid"], backend=be, query_texts=["note"])
+    search(bank, q, ["mid"], backend=be, filters={"created_at": {"$gte": 0}})
+    search(bank, q, ["mid"], RFMemConfig(merge="rrf"), backend=be)
+    search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="recollection")
+    if "torch" in available():
+        search(bank, q, ["mid"], backend="torch")
+    assert calls == [1]
+    search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="dense")  # no driver needed
+    assert calls == [1, 1]
+
+
+def test_the_lean_entry_raises_the_search_errors():
+    bank = _bank()
+    be = NativeBackend()
+    with pytest.raises(ValueError, match="dimension"):
+        search(bank, np.ones((1, D + 1), np.float32), ["mid"], backend=be)
+    with pytest.raises(ValueError, match="zero norm"):
+        search(bank, np.zeros((1, D), np.float32), ["mid"], backend=be)
+    with pytest.raises(ValueError, match="NaN"):
+        search(bank, np.full((1, D), np.nan, np.float32), ["mid"], backend=be)
+    with pytest.raises(KeyError, match="unknown user"):
+        search(bank, np.ones((1, D), np.float32), ["nobody"], backend=be)
+    with pytest.raises(ValueError, match="mode"):
+        search(bank, np.ones((1, D), np.float32), ["mid"], mode="fast", backend=be)
