@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "datasets", "datasets.*", "encoders", "encoder_*", "models", "onnx_export", "metrics",
     )),
     ("search", (
-        "search", "search_chunk", "search_lexical",
+        "search", "search_single", "search_chunk", "search_lexical",
     )),
     ("engine", (
         "routing.*", "recollection", "fusion", "context", "expansion", "second_stage", "second_stage_features",

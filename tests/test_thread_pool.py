@@ -138,8 +138,11 @@ def test_the_beam_driver_keeps_a_spinning_helper_awake():
     try:
         awake = []
         for _ in range(10):  # (a busy machine may deschedule the caller past the window)
-            for _ in range(5):  # back to back: the helper joins and spins after each
-                _native.segmented_topk(X, off, q1, s1, 10, 2, 1.0)
+            t_end = time.perf_counter() + 0.5
+            while _native.pool_counters()["awake_helpers"] < 1 and time.perf_counter() < t_end:
+                _native.segmented_topk(X, off, q1, s1, 10, 2, 1.0)  # back to back: the helper joins, then spins
+            if _native.pool_counters()["awake_helpers"] < 1:
+                continue  # the helper got no core in time (another job on it)
             t_end = time.perf_counter() + 3 * _native.HELPER_SPIN_SECONDS
             while time.perf_counter() < t_end:
                 got = _native.recollect(Xs, offs, qs, s1, l0s, l0r, *_driver_params(cfg), 2, 1.0)
@@ -148,6 +151,8 @@ def test_the_beam_driver_keeps_a_spinning_helper_awake():
             awake.append(_native.pool_counters()["awake_helpers"])
             if awake[-1] >= 1:
                 break
+        if not awake:
+            pytest.skip("the pool's helper never got a core (a busy machine)")
         assert awake[-1] >= 1, f"helpers awake after the driver calls: {awake}"
     finally:
         _native.set_thread_pool(prev)
