@@ -632,7 +632,7 @@ def search(
         bank, queries, users, config, mode, backend, device, max_batch, expansions, router, query_texts, filters
     )
     if output == "numpy" and lean_applies(be, config, mode, Q, texts, sel, router):  # one plain host query
-        fields, full, probe_full = single_query(be, view, Q, qseg, config, mode, hints[0][0])
+        fields, full, probe_full = single_query(be, view, Q, qseg, config, mode, hints[0][0], texts)
         return SearchResult(mode=mode, backend=be.name, config=config,
                             **_host_fields(fields, view.snapshot, full, probe_full))  # fmt: skip
     res = search_tensors(

@@ -90,6 +90,39 @@ def test_one_query_equals_the_general_path(ci, monkeypatch):
         assert routes == {0, 1}  # both paths compared
 
 
+HYBRID_CONFIGS = [
+    RFMemConfig(lexical_weight=0.03, fusion="convex", lexical_norm="raw"),
+    RFMemConfig(lexical_weight=0.3, fusion="convex", out_k=3, probe_k=7),
+    RFMemConfig(lexical_weight=0.2, fusion="adaptive"),
+    RFMemConfig(lexical_weight=0.5, fusion="zscore", out_k=25, probe_k=30),
+]
+
+
+@pytest.mark.parametrize("ci", range(len(HYBRID_CONFIGS)))
+def test_one_hybrid_query_equals_the_general_path(ci, monkeypatch):
+    """Mode "dense" with a query text: the one-pass hybrid probe's fused list, its exact
+    dense and lexical scores, field by field as the general path gives them."""
+    bank = _bank()
+    cfg = HYBRID_CONFIGS[ci]
+    rng = np.random.default_rng(200 + ci)
+    be = NativeBackend()
+    taken = []
+    lean = search_module.single_query
+    texts = ["note long 7 mid", "note", "small 1", "nothing known here", None]
+    for user in ("small", "mid", "long", "gone"):
+        for t in texts:
+            q = rng.standard_normal((1, D)).astype(np.float32)
+            monkeypatch.setattr(search_module, "single_query", lambda *a, **k: taken.append(1) or lean(*a, **k))
+            n0 = len(taken)
+            got = search(bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
+            assert len(taken) == n0 + 1, "the lean entry was not taken"
+            monkeypatch.setattr(search_module, "lean_applies", lambda *a: False)
+            ref = search(bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
+            monkeypatch.undo()
+            _equal(got, ref, f"{user} {t!r}")
+    assert len(taken) == 4 * len(texts)
+
+
 def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
     bank = _bank()
     calls = []
@@ -101,7 +134,11 @@ def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
     assert calls == [1]
     search(bank, np.vstack([q, q]), ["mid", "long"], backend=be)  # two queries
     search(bank, q, ["mid"], backend=be, output="torch")
-    search(bank, q, ["mid"], backend=be, query_texts=["note"])
+    hyb = RFMemConfig(lexical_weight=0.1)
+    search(bank, q, ["mid"], hyb, backend=be, query_texts=["note"])  # mode "rfmem" with a text
+    search(bank, q, ["mid"], RFMemConfig(lexical_weight=0.1, fusion="rrf"), mode="dense", backend=be,
+           query_texts=["note"])
+    search(bank, q, ["mid"], mode="dense", backend=be, query_texts=["note"])  # weight 0: the texts' scores only
     search(bank, q, ["mid"], backend=be, filters={"created_at": {"$gte": 0}})
     search(bank, q, ["mid"], RFMemConfig(merge="rrf"), backend=be)
     search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="recollection")
@@ -109,7 +146,8 @@ def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
         search(bank, q, ["mid"], backend="torch")
     assert calls == [1]
     search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="dense")  # no driver needed
-    assert calls == [1, 1]
+    search(bank, q, ["mid"], hyb, mode="dense", backend=be, query_texts=["note"])  # the one-pass hybrid probe
+    assert calls == [1, 1, 1]
 
 
 def test_the_lean_entry_raises_the_search_errors():
