@@ -58,34 +58,34 @@ CONFIGS = [
 ]
 
 
+def _lean_and_general(monkeypatch, *args, **kw):
+    """(the search through the lean entry, asserting that it was taken; the same search
+    through the general path) for search(*args, **kw)."""
+    taken = []
+    lean = search_module.single_query
+    monkeypatch.setattr(search_module, "single_query", lambda *a, **k: taken.append(1) or lean(*a, **k))
+    got = search(*args, **kw)
+    assert taken == [1], "the lean entry was not taken"
+    monkeypatch.setattr(search_module, "lean_applies", lambda *a: False)
+    ref = search(*args, **kw)
+    monkeypatch.undo()
+    return got, ref
+
+
 @pytest.mark.parametrize("ci", range(len(CONFIGS)))
 def test_one_query_equals_the_general_path(ci, monkeypatch):
     bank = _bank()
     cfg = CONFIGS[ci]
     rng = np.random.default_rng(100 + ci)
     be = NativeBackend()
-    taken = []
-    lean = search_module.single_query
-
-    def spy(*a, **k):
-        taken.append(1)
-        return lean(*a, **k)
-
     routes = set()
     for user in ("small", "mid", "long", "gone"):
         for mode in ("rfmem", "dense", "recollection"):
             for j in range(3):
                 q = (rng.standard_normal((1, D)) * (1 + j)).astype(np.float64 if j == 2 else np.float32)
-                monkeypatch.setattr(search_module, "single_query", spy)
-                n0 = len(taken)
-                got = search(bank, q, [user], cfg, mode=mode, backend=be)
-                assert len(taken) == n0 + 1, "the lean entry was not taken"
-                monkeypatch.setattr(search_module, "lean_applies", lambda *a: False)
-                ref = search(bank, q, [user], cfg, mode=mode, backend=be)
-                monkeypatch.undo()
+                got, ref = _lean_and_general(monkeypatch, bank, q, [user], cfg, mode=mode, backend=be)
                 _equal(got, ref, f"{user} {mode} {j}")
                 routes.add(int(got.route[0]))
-    assert len(taken) == 4 * 3 * 3
     if ci == 0:
         assert routes == {0, 1}  # both paths compared
 
@@ -106,21 +106,11 @@ def test_one_hybrid_query_equals_the_general_path(ci, monkeypatch):
     cfg = HYBRID_CONFIGS[ci]
     rng = np.random.default_rng(200 + ci)
     be = NativeBackend()
-    taken = []
-    lean = search_module.single_query
-    texts = ["note long 7 mid", "note", "small 1", "nothing known here", None]
     for user in ("small", "mid", "long", "gone"):
-        for t in texts:
+        for t in ["note long 7 mid", "note", "small 1", "nothing known here", None]:
             q = rng.standard_normal((1, D)).astype(np.float32)
-            monkeypatch.setattr(search_module, "single_query", lambda *a, **k: taken.append(1) or lean(*a, **k))
-            n0 = len(taken)
-            got = search(bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
-            assert len(taken) == n0 + 1, "the lean entry was not taken"
-            monkeypatch.setattr(search_module, "lean_applies", lambda *a: False)
-            ref = search(bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
-            monkeypatch.undo()
+            got, ref = _lean_and_general(monkeypatch, bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
             _equal(got, ref, f"{user} {t!r}")
-    assert len(taken) == 4 * len(texts)
 
 
 def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
