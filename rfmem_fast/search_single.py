@@ -91,10 +91,11 @@ def single_query(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, co
         o_rows, o_sc, rounds, o_dense = be.recollect_host(view, Q, seg, cfg, (p_sc, p_rows), None)
         rows = fit(o_rows, out_k, W, -1)
         scores = fit(o_sc if o_sc.dtype is _F32 else o_sc.astype(np.float32), out_k, W, -np.inf)
-        if o_dense is None:  # (a driver without them: re-scored exactly, as the general path does)
-            o_dense = HostKit().rescore(view, Q, filled(o_rows.shape, np.nan, np.float32), o_rows, o_rows >= 0,
-                                        be.memory_budget)  # fmt: skip
-        dense = fit(o_dense, out_k, W, np.nan)  # the driver's exact dense scores (NaN at padding)
+        if o_dense is None:  # a driver without its hits' dense scores: re-scored exactly, as the general path does
+            dense = HostKit().rescore(view, Q, filled(rows.shape, np.nan, np.float32), rows, rows >= 0,
+                                      be.memory_budget)  # fmt: skip
+        else:
+            dense = fit(o_dense, out_k, W, np.nan)  # the driver's exact dense scores (NaN at padding)
     else:
         rounds = filled((1,), 0, np.int64)
         rows, scores = fit(p_rows, out_k, W, -1), fit(p_sc, out_k, W, -np.inf)

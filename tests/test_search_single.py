@@ -113,6 +113,25 @@ def test_one_hybrid_query_equals_the_general_path(ci, monkeypatch):
             _equal(got, ref, f"{user} {t!r}")
 
 
+class _NoDenseDriver(NativeBackend):
+    """The native backend with a host driver that gives no dense scores of its hits."""
+
+    def recollect_host(self, *a, **k):
+        rows, scores, rounds, _ = super().recollect_host(*a, **k)
+        return rows, scores, rounds, None
+
+
+def test_a_driver_without_dense_scores_gets_them_re_scored(monkeypatch):
+    bank = _bank()
+    rng = np.random.default_rng(5)
+    for user in ("small", "long"):
+        q = rng.standard_normal((1, D)).astype(np.float32)
+        got, ref = _lean_and_general(monkeypatch, bank, q, [user], mode="recollection", backend=_NoDenseDriver())
+        _equal(got, ref, user)
+        plain = search(bank, q, [user], mode="recollection", backend=NativeBackend())
+        np.testing.assert_array_equal(got.dense_scores, plain.dense_scores)  # exact either way
+
+
 def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
     bank = _bank()
     calls = []

@@ -196,7 +196,7 @@ void helper_main(Pool* p, uint64_t seen) {
       l.unlock();
       const int64_t t0 = steady_ns(), lim = static_cast<int64_t>(kHelperSpinSeconds * 1e9);
       spin_while([&] { return p->pub_gen.load(std::memory_order_acquire) == seen; },
-                 3600.0, [&] {
+                 3600.0 /* (no limit of its own: the moving window below ends the spin) */, [&] {
                    if (steady_ns() - std::max(t0, p->last_end.load(std::memory_order_relaxed)) > lim) return true;
                    return g_mode.load(std::memory_order_relaxed) == static_cast<int>(PoolMode::kAuto) &&
                           idle_cpus() < 1;
