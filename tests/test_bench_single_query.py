@@ -38,6 +38,9 @@ def test_bench_single_query_tiny(tmp_path):
     for t in ("1", "auto"):
         d = doc["derived"][t]
         assert math.isfinite(d["search_recollection_over_numpy_scan"]) and isinstance(d["goal_le_4x"], bool)
+        assert d["goal_recollection_le_2x"] == (d["search_recollection_over_numpy_scan"] <= 2
+                                                 and d["search_rfmem_recollecting_over_numpy_scan"] <= 2)
+        assert d["goal_dense_le_1_2x"] == (d["dense_over_numpy_scan"] <= 1.2)
         prof = doc["driver_profile_per_query"][t]
         assert prof["total_ms"] > 0 and prof["rounds"] >= 1 and prof["scan_rows"] >= 0
     assert doc["pool_counters"]["helpers"] >= 0
