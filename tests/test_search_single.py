@@ -72,45 +72,34 @@ def _lean_and_general(monkeypatch, *args, **kw):
     return got, ref
 
 
-@pytest.mark.parametrize("ci", range(len(CONFIGS)))
-def test_one_query_equals_the_general_path(ci, monkeypatch):
-    bank = _bank()
-    cfg = CONFIGS[ci]
-    rng = np.random.default_rng(100 + ci)
-    be = NativeBackend()
-    routes = set()
-    for user in ("small", "mid", "long", "gone"):
-        for mode in ("rfmem", "dense", "recollection"):
-            for j in range(3):
-                q = (rng.standard_normal((1, D)) * (1 + j)).astype(np.float64 if j == 2 else np.float32)
-                got, ref = _lean_and_general(monkeypatch, bank, q, [user], cfg, mode=mode, backend=be)
-                _equal(got, ref, f"{user} {mode} {j}")
-                routes.add(int(got.route[0]))
-    if ci == 0:
-        assert routes == {0, 1}  # both paths compared
-
-
 HYBRID_CONFIGS = [
     RFMemConfig(lexical_weight=0.03, fusion="convex", lexical_norm="raw"),
     RFMemConfig(lexical_weight=0.3, fusion="convex", out_k=3, probe_k=7),
-    RFMemConfig(lexical_weight=0.2, fusion="adaptive"),
-    RFMemConfig(lexical_weight=0.5, fusion="zscore", out_k=25, probe_k=30),
+    RFMemConfig(lexical_weight=0.2, fusion="adaptive", theta_high=0.99, theta_low=0.98, tau=0.0),
+    RFMemConfig(lexical_weight=0.5, fusion="zscore", out_k=25, probe_k=30, beam_width=2, fanout=3),
 ]
+TEXTS = ["note long 7 mid", "note", "small 1", "nothing known here", None]
 
 
-@pytest.mark.parametrize("ci", range(len(HYBRID_CONFIGS)))
-def test_one_hybrid_query_equals_the_general_path(ci, monkeypatch):
-    """Mode "dense" with a query text: the one-pass hybrid probe's fused list, its exact
-    dense and lexical scores, field by field as the general path gives them."""
+@pytest.mark.parametrize("cfg", CONFIGS + HYBRID_CONFIGS, ids=lambda c: f"lexical{c.lexical_weight}-out{c.out_k}")
+def test_one_query_equals_the_general_path(cfg, monkeypatch):
+    """Every mode, users of every kind, both routes: without a text (float32 and float64
+    queries of any norm), or with one (the one-pass hybrid probe's fused list and its exact
+    dense and lexical scores on the Familiarity path; the driver's hits, exact dense
+    scores and BM25 looked up on the Recollection path), field by field."""
     bank = _bank()
-    cfg = HYBRID_CONFIGS[ci]
-    rng = np.random.default_rng(200 + ci)
+    rng = np.random.default_rng(int(cfg.out_k * 100 + cfg.lexical_weight * 1000 + cfg.theta_high * 10))
     be = NativeBackend()
+    variants = [(j, {}) for j in range(3)] if cfg.lexical_weight == 0 else [(0, {"query_texts": [t]}) for t in TEXTS]
+    routes = set()
     for user in ("small", "mid", "long", "gone"):
-        for t in ["note long 7 mid", "note", "small 1", "nothing known here", None]:
-            q = rng.standard_normal((1, D)).astype(np.float32)
-            got, ref = _lean_and_general(monkeypatch, bank, q, [user], cfg, mode="dense", backend=be, query_texts=[t])
-            _equal(got, ref, f"{user} {t!r}")
+        for mode in ("rfmem", "dense", "recollection"):
+            for j, kw in variants:
+                q = (rng.standard_normal((1, D)) * (1 + j)).astype(np.float64 if j == 2 else np.float32)
+                got, ref = _lean_and_general(monkeypatch, bank, q, [user], cfg, mode=mode, backend=be, **kw)
+                _equal(got, ref, f"{user} {mode} {j} {kw}")
+                routes.add(int(got.route[0]))
+    assert routes == {0, 1}  # both paths compared (the forced modes give both)
 
 
 class _NoDenseDriver(NativeBackend):
@@ -144,19 +133,20 @@ def test_the_lean_entry_serves_only_plain_host_queries(monkeypatch):
     search(bank, np.vstack([q, q]), ["mid", "long"], backend=be)  # two queries
     search(bank, q, ["mid"], backend=be, output="torch")
     hyb = RFMemConfig(lexical_weight=0.1)
-    search(bank, q, ["mid"], hyb, backend=be, query_texts=["note"])  # mode "rfmem" with a text
     search(bank, q, ["mid"], RFMemConfig(lexical_weight=0.1, fusion="rrf"), mode="dense", backend=be,
            query_texts=["note"])
     search(bank, q, ["mid"], mode="dense", backend=be, query_texts=["note"])  # weight 0: the texts' scores only
     search(bank, q, ["mid"], backend=be, filters={"created_at": {"$gte": 0}})
     search(bank, q, ["mid"], RFMemConfig(merge="rrf"), backend=be)
     search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="recollection")
+    search(bank, q, ["mid"], hyb, backend=NativeBackend(beam_driver="python"), query_texts=["note"])
     if "torch" in available():
         search(bank, q, ["mid"], backend="torch")
     assert calls == [1]
     search(bank, q, ["mid"], backend=NativeBackend(beam_driver="python"), mode="dense")  # no driver needed
     search(bank, q, ["mid"], hyb, mode="dense", backend=be, query_texts=["note"])  # the one-pass hybrid probe
-    assert calls == [1, 1, 1]
+    search(bank, q, ["mid"], hyb, backend=be, query_texts=["note"])  # and mode "rfmem"
+    assert calls == [1, 1, 1, 1]
 
 
 def test_the_lean_entry_raises_the_search_errors():
