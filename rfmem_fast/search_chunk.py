@@ -491,7 +491,10 @@ def run_chunk(
                 rows, scores = o_rows, o_sc
             else:
                 rows, scores = kit.where(rc, o_rows, rows), kit.where(rc, o_sc, scores)
-            if o_dense is not None and hyb is None:  # the driver's exact dense scores: nothing to re-score
+            # the driver's exact dense scores RN32(q . x): nothing to re-score (with the lexical
+            # channel too: its fused list's dense scores are exact as well; not under a second
+            # stage or the context score, whose lists are built otherwise)
+            if o_dense is not None and (hyb is None or (stage is None and not ctx)):
                 o_dense = kit.fit(o_dense, out_k, W, np.nan)
                 fam_dense = o_dense if everyone else kit.where(rc, o_dense, fam_dense)
                 dense_known = True
