@@ -222,6 +222,37 @@ def test_fused_ids_equal_the_oracle(backend, fz):
                 assert res.lexical_scores[i, j] == np.float32(lex[r - snap.offsets[u]])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fz", FUSIONS, ids=lambda f: "-".join(str(v) for v in f.values()))
+def test_recollected_hits_carry_exact_dense_and_bm25_scores(backend, fz):
+    """The Recollection path with the lexical channel on (one query and a batch): each
+    hit's dense score is its exact cosine (the reference backend's scan) and its lexical
+    score its BM25 (the oracle), whichever way the search obtained them (the beam driver's
+    own exact scores, or a re-scoring)."""
+    bank, rng = _bank(6)
+    users = ["a", "b", 7, "a", "notext"]
+    texts = ["apple dog", "running paris", "piano ocean", None, "apple"]
+    Q = rng.normal(size=(len(users), 16))
+    snap = bank.snapshot()
+    cfg = RFMemConfig(out_k=6, probe_k=4, **fz)
+    dense_only = search(bank, Q, users, RFMemConfig(out_k=snap.num_items, probe_k=1), mode="dense",
+                        backend="reference")  # fmt: skip
+    batch = search(bank, Q, users, cfg, mode="recollection", backend=backend, query_texts=texts)
+    for i, user in enumerate(users):
+        one = search(bank, Q[i : i + 1], [user], cfg, mode="recollection", backend=backend, query_texts=texts[i : i + 1])
+        cos = {r: s for r, s in zip(dense_only.rows[i], dense_only.scores[i]) if r >= 0}
+        u = bank.user_index(user)
+        lex = bm25_scores(list(snap.texts[snap.offsets[u] : snap.offsets[u + 1]]), texts[i])
+        for res, row in ((batch, i), (one, 0)):
+            assert res.rows[row, 0] >= 0
+            for j, r in enumerate(res.rows[row]):
+                if r < 0:
+                    assert np.isnan(res.dense_scores[row, j]) and np.isnan(res.lexical_scores[row, j])
+                    continue
+                assert res.dense_scores[row, j] == cos[r]
+                assert res.lexical_scores[row, j] == np.float32(lex[r - snap.offsets[u]])
+
+
 @pytest.mark.parametrize("fz", FUSIONS[:1] + FUSIONS[3:6], ids=["convex", "adaptive", "rrf", "zscore"])
 def test_fused_search_batch_invariant_and_prefix_consistent(fz):
     bank, rng = _bank(6)
