@@ -207,19 +207,35 @@ def test_fused_ids_equal_the_oracle(backend, fz):
         assert res.probe_scores.shape == (len(users), probe_k)
         np.testing.assert_array_equal(res.probe_scores, want_sc[:, :probe_k].astype(np.float32))
         # dense / lexical per-hit scores: exact cosine and BM25 of each hit
-        dense_only = search(bank, Q, users, RFMemConfig(out_k=bank.snapshot().num_items, probe_k=1), mode="dense",
-                            backend="reference")  # fmt: skip
-        snap = bank.snapshot()
-        for i, user in enumerate(users):
-            cos = {r: s for r, s in zip(dense_only.rows[i], dense_only.scores[i]) if r >= 0}
-            u = bank.user_index(user)
-            lex = bm25_scores(list(snap.texts[snap.offsets[u] : snap.offsets[u + 1]]), texts[i])
-            for j, r in enumerate(res.rows[i]):
-                if r < 0:
-                    assert np.isnan(res.dense_scores[i, j]) and np.isnan(res.lexical_scores[i, j])
-                    continue
-                assert res.dense_scores[i, j] == cos[r]
-                assert res.lexical_scores[i, j] == np.float32(lex[r - snap.offsets[u]])
+        truth = _hit_truth(bank, Q, users, texts)
+        for i in range(len(users)):
+            _assert_hit_scores(res, i, *truth[i])
+
+
+def _hit_truth(bank, Q, users, texts) -> list:
+    """Per query: (each row's exact cosine from the reference backend's full scan, each row's
+    BM25 from the oracle, the user's first row)."""
+    snap = bank.snapshot()
+    dense_only = search(bank, Q, users, RFMemConfig(out_k=snap.num_items, probe_k=1), mode="dense",
+                        backend="reference")  # fmt: skip
+    out = []
+    for i, user in enumerate(users):
+        u = bank.user_index(user)
+        cos = {r: s for r, s in zip(dense_only.rows[i], dense_only.scores[i]) if r >= 0}
+        out.append((cos, bm25_scores(list(snap.texts[snap.offsets[u] : snap.offsets[u + 1]]), texts[i]),
+                    snap.offsets[u]))  # fmt: skip
+    return out
+
+
+def _assert_hit_scores(res, row, cos, lex, a) -> None:
+    """Row ``row`` of a result: each hit's dense score its exact cosine, its lexical score its
+    BM25 (float32); padding NaN in both."""
+    for j, r in enumerate(res.rows[row]):
+        if r < 0:
+            assert np.isnan(res.dense_scores[row, j]) and np.isnan(res.lexical_scores[row, j])
+            continue
+        assert res.dense_scores[row, j] == cos[r]
+        assert res.lexical_scores[row, j] == np.float32(lex[r - a])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -233,24 +249,14 @@ def test_recollected_hits_carry_exact_dense_and_bm25_scores(backend, fz):
     users = ["a", "b", 7, "a", "notext"]
     texts = ["apple dog", "running paris", "piano ocean", None, "apple"]
     Q = rng.normal(size=(len(users), 16))
-    snap = bank.snapshot()
     cfg = RFMemConfig(out_k=6, probe_k=4, **fz)
-    dense_only = search(bank, Q, users, RFMemConfig(out_k=snap.num_items, probe_k=1), mode="dense",
-                        backend="reference")  # fmt: skip
+    truth = _hit_truth(bank, Q, users, texts)
     batch = search(bank, Q, users, cfg, mode="recollection", backend=backend, query_texts=texts)
     for i, user in enumerate(users):
         one = search(bank, Q[i : i + 1], [user], cfg, mode="recollection", backend=backend, query_texts=texts[i : i + 1])
-        cos = {r: s for r, s in zip(dense_only.rows[i], dense_only.scores[i]) if r >= 0}
-        u = bank.user_index(user)
-        lex = bm25_scores(list(snap.texts[snap.offsets[u] : snap.offsets[u + 1]]), texts[i])
         for res, row in ((batch, i), (one, 0)):
             assert res.rows[row, 0] >= 0
-            for j, r in enumerate(res.rows[row]):
-                if r < 0:
-                    assert np.isnan(res.dense_scores[row, j]) and np.isnan(res.lexical_scores[row, j])
-                    continue
-                assert res.dense_scores[row, j] == cos[r]
-                assert res.lexical_scores[row, j] == np.float32(lex[r - snap.offsets[u]])
+            _assert_hit_scores(res, row, *truth[i])
 
 
 @pytest.mark.parametrize("fz", FUSIONS[:1] + FUSIONS[3:6], ids=["convex", "adaptive", "rrf", "zscore"])
