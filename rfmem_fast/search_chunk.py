@@ -2,7 +2,9 @@
 
 :func:`run_chunk` is the search's one implementation of a chunk of queries; every
 :func:`rfmem_fast.search.search` / :func:`~rfmem_fast.search.search_tensors` call runs
-it once per chunk of ``max_batch`` queries. Its steps:
+it once per chunk of ``max_batch`` queries, except one plain host query, which
+:func:`~rfmem_fast.search.search` sends through the same backend entries by the lean
+entry :mod:`rfmem_fast.search_single` (equal to this path field by field). Its steps:
 
 1. the probe (:meth:`Backend.probe <rfmem_fast.backends.base.Backend.probe>`; with the
    lexical channel on a backend with ``has_fused_topk``, ``Backend.probe_hits``, which
