@@ -36,6 +36,7 @@ from .search_lexical import KernelHits, probe_fused
 __all__ = ["lean_applies", "single_query"]
 
 _F32 = np.dtype(np.float32)
+_HOST = HostKit()  # the general path's host array operations (probe_host with its float32 scores, rescore)
 
 
 def lean_applies(be: Backend, config: RFMemConfig, mode: str, Q: Any, texts: list | None, sel: Any,
@@ -45,7 +46,18 @@ def lean_applies(be: Backend, config: RFMemConfig, mode: str, Q: Any, texts: lis
     backend with ``host_torch_free`` (and in a mode that recollects, its fused driver in
     effect), with a config without re-ranker, second stage, profile prior, merge or
     context score; without texts, or with texts for the one-pass hybrid probe
-    (``lexical_weight`` > 0, a score-based fusion, a backend with ``has_fused_topk``)."""
+    (``lexical_weight`` > 0, a score-based fusion, a backend with ``has_fused_topk``).
+
+    Args:
+        be: the resolved backend; config: the checked RFMemConfig; mode: "rfmem" |
+            "dense" | "recollection"; Q: the prepared queries (numpy float32 [b, d] or a
+            tensor); texts: the checked query texts (list of b str / None) or None; sel:
+            the compiled filters (RowSelection) or None; router: the resolved Router or None.
+
+    Returns:
+        bool. Raises nothing beyond ``be.fused_driver()``'s ValueError (a bad
+        ``RFMEM_BEAM_DRIVER``, which the general path raises too).
+    """
     if not (router is None and sel is None and isinstance(Q, np.ndarray) and Q.shape[0] == 1 and be.host_torch_free
             and config.reranker is None and config.second_stage is None and config.profile_weight == 0
             and config.merge == "none" and not config.context_on):  # fmt: skip
@@ -86,9 +98,7 @@ def single_query(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, co
     nan = np.float32(np.nan)
     hyb = None
     if texts is None:
-        p_sc, p_rows, mean, ent, count = be.probe_host(view, Q, seg, k0, probe_k, config.temperature, config.entropy)
-        if p_sc.dtype is not _F32:
-            p_sc = p_sc.astype(np.float32)
+        p_sc, p_rows, mean, ent, count = _HOST.probe(be, view, Q, seg, k0, probe_k, config, None)
     else:  # the dense probe recording its hits' keys and taking the fused top-k
         kh = KernelHits.of(be, view, seg, texts)
         k_f = max(probe_k, out_k)
@@ -104,12 +114,12 @@ def single_query(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, co
         rows = fit(o_rows, out_k, W, -1)
         scores = fit(o_sc if o_sc.dtype is _F32 else o_sc.astype(np.float32), out_k, W, -np.inf)
         if o_dense is None:  # a driver without its hits' exact dense scores: re-scored, as the general path does
-            dense = HostKit().rescore(view, Q, filled(rows.shape, nan, np.float32), rows, rows >= 0,
-                                      be.memory_budget)  # fmt: skip
+            dense = _HOST.rescore(view, Q, filled(rows.shape, nan, np.float32), rows, rows >= 0,
+                                  be.memory_budget)  # fmt: skip
         else:  # the driver's exact dense scores RN32(q . x) (NaN at padding): what re-scoring gives
             dense = fit(o_dense, out_k, W, np.nan)
         if hyb is not None:
-            lex = lexical_scores(HostKit(), rows, hyb.hit_list(), 1, W)
+            lex = lexical_scores(_HOST, rows, hyb.hit_list(), 1, W)
     else:
         rounds = filled((1,), 0, np.int64)
         if hyb is None:
