@@ -70,8 +70,8 @@ from .routing.base import ROUTE_NAMES, RULE_NAMES, Router
 from .routing.files import resolve_reranker, resolve_router
 from .second_stage import resolve_stage
 from .search_chunk import ArrayKit, DeviceKit, HostKit, chunk_threads, run_chunk, unpadded as _unpadded
-from .search_single import lean_applies, single_query
 from .search_lexical import HYBRID_DENSE_DEPTH, HYBRID_MATRIX_ENTRIES, ONE_PASS_FUSIONS  # noqa: F401 (the search's constants)
+from .search_single import lean_applies, single_query
 
 MODES = ("rfmem", "dense", "recollection")
 _HOST_KIT = HostKit()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
 
-import importlib
 from rfmem_fast import MemoryBank, RFMemConfig, search
 from rfmem_fast.backends import available
 from rfmem_fast.backends.native import NativeBackend

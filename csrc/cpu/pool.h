@@ -61,9 +61,8 @@ constexpr double kIdleSampleSeconds = 2e-3;
 /// VM): a region that must wake its helper is slower than the caller alone (one query
 /// over 4,096 x 384 rows, AMD EPYC Zen 4: probe 108-111 us when the helper was spinning,
 /// 201-214 us when it slept, 146-185 us on the caller alone). 400 us covers the work
-/// between two probes of
-/// back-to-back hybrid queries (150-200 us there), where at 200 us 58 % of the probes
-/// found the helper asleep (12 % of dense ones); one query's p50 went from 0.33-0.39 to
+/// between two probes of back-to-back hybrid queries (150-200 us there), where at 200 us
+/// 58 % of the probes found the helper asleep (12 % of dense ones); one query's p50 went from 0.33-0.39 to
 /// 0.25-0.30 ms (hybrid), 0.51-0.58 to 0.47-0.54 (recollection), 0.17-0.21 to 0.17-0.19
 /// (dense), six interleaved runs. After a region that followed an idle gap the helper
 /// sleeps at once: a spin then made the next call after the gap slower (one query every
