@@ -15,8 +15,15 @@ from typing import Any
 
 import numpy as np
 
+try:  # the one-call normalisation (csrc/cpu/normalize.cpp); a build without the extension: numpy
+    from ._native import unit_rows as _unit_rows_kernel
+except ImportError:  # pragma: no cover - a build without the extension
+    _unit_rows_kernel = None
+
 _NORM_EPS = 1e-12
 _F32 = np.dtype(np.float32)
+#: False makes every call take the numpy expression (tests compare both); results never depend on it
+USE_KERNEL = True
 
 
 def check_positive_int(value: Any, name: str) -> int:
@@ -99,6 +106,11 @@ def as_float_matrix(x: Any, name: str, dim: int | None = None, check_finite: boo
 def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
     """L2-normalise each row of a float32 matrix (RFMEM_SPEC.md "Vectors and scores").
 
+    Each row is divided by its L2 norm in float64 and rounded once to float32; the norm
+    is the square root of the float64 squares summed in numpy's pairwise order (the
+    native kernel ``_native.unit_rows``, bit for bit the numpy expression of
+    :func:`_normalized` in one call).
+
     Args:
         arr: float32 [n, d] with finite values.
         name: the argument's name, used in error messages.
@@ -109,7 +121,12 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
     Raises:
         ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise).
     """
-    return _divide_rows(arr, _row_norms(arr), name)
+    out, bad = _normalized(np.ascontiguousarray(arr, dtype=np.float32))
+    if bad >= 0:
+        if not np.isfinite(arr[bad]).all():  # (outside the contract: say what it is)
+            raise ValueError(f"{name} holds NaN or Inf (first in row {bad})")
+        raise ValueError(f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
+    return out
 
 
 def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
@@ -117,7 +134,8 @@ def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     errors (NaN / Inf before a zero norm), with ONE check of the rows' norms for both (a
     row is finite and nonzero iff its float64 norm is in (1e-12, inf): the squares of
     float32 values cannot overflow float64), where the two passes check the values and
-    then the norms.
+    then the norms. One native call after the conversion (a single query's checks cost a
+    few numpy calls less: each is several microseconds with the caches cold after a scan).
 
     Args:
         x, name, dim: as :func:`as_float_matrix`.
@@ -129,28 +147,24 @@ def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
         TypeError / ValueError: as :func:`as_float_matrix` and :func:`l2_normalize_rows`.
     """
     arr = as_float_matrix(x, name, dim, check_finite=False)
-    norms = _row_norms(arr)
-    if norms.shape[0] == 1:  # one query: its norm as a Python float (NaN fails both comparisons)
-        ok = _NORM_EPS < norms.item() < np.inf
-    else:
-        ok = not arr.shape[0] or (np.minimum.reduce(norms) > _NORM_EPS and np.maximum.reduce(norms) < np.inf)
-    if not ok:
-        as_float_matrix(x, name, dim)  # raises its error for NaN / Inf values
-    return _divide_rows(arr, norms, name, checked=ok)
+    out, bad = _normalized(arr)
+    if bad >= 0:
+        as_float_matrix(x, name, dim)  # raises its error for NaN / Inf values (in any row)
+        raise ValueError(f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
+    return out
 
 
-def _row_norms(arr: np.ndarray) -> np.ndarray:
-    """float64 [n, 1]: the L2 norm of each row of float32 ``arr`` [n, d] (squares in float64,
-    summed pairwise along the row: np.linalg.norm(arr.astype(np.float64), axis=1), without its overhead)."""
-    return np.sqrt(np.add.reduce(np.square(arr, dtype=np.float64), axis=1, keepdims=True))
-
-
-def _divide_rows(arr: np.ndarray, norms: np.ndarray, name: str, checked: bool = False) -> np.ndarray:
-    """``arr`` [n, d] divided by its row norms ``norms`` [n, 1] (float64), rounded to float32;
-    ValueError for a zero norm (<= 1e-12) unless ``checked`` (every norm known to be > 1e-12)."""
-    if not checked and arr.shape[0] and (norms <= _NORM_EPS).any():
-        bad = int(np.flatnonzero(norms <= _NORM_EPS)[0])
-        raise ValueError(
-            f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised"
-        )
-    return (arr / norms).astype(np.float32)
+def _normalized(arr: np.ndarray) -> tuple[np.ndarray, int]:
+    """(``arr`` [n, d] float32 C-contiguous divided by its rows' L2 norms, float32 [n, d];
+    -1, or the first row whose norm is not in (1e-12, inf): the rows are then unusable).
+    The native kernel when built (and :data:`USE_KERNEL`), else its numpy expression
+    ``(arr / np.sqrt(np.add.reduce(np.square(arr, dtype=np.float64), axis=1,
+    keepdims=True))).astype(np.float32)``: the same bits (the kernel sums the squares in
+    numpy's pairwise order)."""
+    if _unit_rows_kernel is not None and USE_KERNEL:
+        return _unit_rows_kernel(arr, _NORM_EPS)
+    norms = np.sqrt(np.add.reduce(np.square(arr, dtype=np.float64), axis=1, keepdims=True))
+    bad = np.flatnonzero(~((norms > _NORM_EPS) & (norms < np.inf)))  # (NaN fails both)
+    if bad.size:
+        return arr, int(bad[0])
+    return (arr / norms).astype(np.float32), -1

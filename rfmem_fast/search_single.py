@@ -132,10 +132,9 @@ def single_query(be: Backend, view: BankView, Q: np.ndarray, seg: np.ndarray, co
     full = probe_full = None
     if hyb is None:
         full = tail_unpadded(rows)
-        if full:
-            dense = dense.copy() if dense is scores else dense
-        else:
-            dense = np.where(rows >= 0, dense, nan).astype(np.float32, copy=False)
+        if dense is scores:  # the Familiarity path's probe scores (-inf padding): a copy, NaN at padding
+            dense = dense.copy() if full else np.where(rows >= 0, dense, nan).astype(np.float32, copy=False)
+        # (the Recollection path's dense scores hold NaN at padding already: the driver's or re-scored)
         probe_rows, probe_scores = fit(p_rows, probe_k, P, -1), fit(p_sc, probe_k, P, -np.inf)
         probe_full = full if rows is probe_rows else tail_unpadded(probe_rows)
     else:

@@ -840,6 +840,22 @@ py::array_t<float> py_alpha_mix(const py::object& qb_, const py::object& centroi
   return out;
 }
 
+py::tuple py_unit_rows(const py::object& X_, double eps, int num_threads) {
+  const char* fn = "unit_rows";
+  check_threads(fn, num_threads);
+  py::array X = checked<float>(X_, fn, "X", 2, "float32");
+  if (!(eps >= 0.0)) throw py::value_error(std::string(fn) + ": eps must be >= 0, got " + std::to_string(eps));
+  const int64_t n = X.shape(0), d = X.shape(1);
+  py::array_t<float> out({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(d)});
+  float* po = out.mutable_data();
+  int64_t bad;
+  {
+    py::gil_scoped_release nogil;
+    bad = rfmem::unit_rows(cptr<float>(X), n, d, eps, po, num_threads);
+  }
+  return py::make_tuple(out, bad);
+}
+
 py::array_t<double> py_max_similarity(const py::object& V_, const py::object& counts_, int num_threads) {
   const char* fn = "max_similarity";
   check_threads(fn, num_threads);
@@ -1249,6 +1265,26 @@ Returns:
 
 Raises:
     TypeError: wrong type / dtype. ValueError: wrong rank / shape / contiguity, non-finite alpha.
+)doc");
+
+  mod.def("unit_rows", &py_unit_rows, py::arg("X"), py::arg("eps"), py::arg("num_threads") = 0,
+          R"doc(The rows of X divided by their L2 norms (RFMEM_SPEC.md "Vectors and scores").
+
+out[r, j] = RN32(X[r, j] / ||X[r]||) with the norm the square root of the float64 squares
+summed in numpy's pairwise order and the division in float64: bit for bit
+``(X / np.sqrt(np.add.reduce(np.square(X, dtype=np.float64), axis=1, keepdims=True))).astype(np.float32)``.
+
+Args:
+    X: float32 [n, d], C-contiguous.
+    eps: float >= 0: a row needs a norm in (eps, inf).
+    num_threads: most threads to use (0 = the machine's; fewer for small work).
+
+Returns:
+    (out float32 [n, d], bad): bad is -1, or the first row whose norm is not in (eps, inf)
+    (NaN / Inf values or a zero row); out is then unusable.
+
+Raises:
+    TypeError: wrong type / dtype. ValueError: wrong rank or contiguity, eps < 0 or NaN.
 )doc");
 
   mod.def("max_similarity", &py_max_similarity, py::arg("V"), py::arg("counts"), py::arg("num_threads") = 0,

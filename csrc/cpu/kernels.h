@@ -253,4 +253,13 @@ int64_t kmeanspp_draws(int64_t k);
 void alpha_mix(const float* qb, const float* centroids, const float* q0, int64_t m, int64_t c,
                int64_t d, double alpha, float* out, int num_threads);
 
+/// The rows of X (float32 [n, d]) divided by their L2 norms, into out (float32 [n, d]):
+/// out[r, j] = RN32(x[r, j] / ||x[r]||), the norm the square root of the float64 squares
+/// summed as numpy's np.add.reduce sums a row (pairwise, numpy's order), the division in
+/// float64: bit for bit what rfmem_fast._validate computed with numpy before (RFMEM_SPEC.md
+/// "Vectors and scores"). Returns -1, or the first row whose norm is not in (eps, inf)
+/// (NaN / Inf values or a zero row; out's rows are then partly written and unusable).
+/// Threads (num_threads most, 0 = the machine's) over rows; results never depend on them.
+int64_t unit_rows(const float* X, int64_t n, int64_t d, double eps, float* out, int num_threads);
+
 }  // namespace rfmem
