@@ -1,7 +1,9 @@
 // L2-normalised rows of float32 vectors (kernels.h unit_rows): the arithmetic of
 // rfmem_fast._validate's numpy expression, bit for bit, in one call.
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "common.h"
 #include "kernels.h"
