@@ -119,7 +119,8 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
         float32 [n, d], each row of unit L2 norm (a new array).
 
     Raises:
-        ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise).
+        ValueError: a row has zero norm, i.e. L2 norm <= 1e-12 (nothing to normalise), or
+            (outside the contract) holds NaN / Inf: the message says which, and the row.
     """
     out, bad = _normalized(np.ascontiguousarray(arr, dtype=np.float32))
     if bad >= 0:
