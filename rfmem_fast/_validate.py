@@ -126,7 +126,7 @@ def l2_normalize_rows(arr: np.ndarray, name: str) -> np.ndarray:
     if bad >= 0:
         if not np.isfinite(arr[bad]).all():  # (outside the contract: say what it is)
             raise ValueError(f"{name} holds NaN or Inf (first in row {bad})")
-        raise ValueError(f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
+        raise _zero_norm(name, bad)
     return out
 
 
@@ -151,8 +151,13 @@ def unit_rows(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     out, bad = _normalized(arr)
     if bad >= 0:
         as_float_matrix(x, name, dim)  # raises its error for NaN / Inf values (in any row)
-        raise ValueError(f"{name} row {bad} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
+        raise _zero_norm(name, bad)
     return out
+
+
+def _zero_norm(name: str, row: int) -> ValueError:
+    """The error for row ``row`` of ``name`` whose L2 norm is <= 1e-12."""
+    return ValueError(f"{name} row {row} has zero norm (<= {_NORM_EPS:g}); it cannot be L2-normalised")
 
 
 def _normalized(arr: np.ndarray) -> tuple[np.ndarray, int]:

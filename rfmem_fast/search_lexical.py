@@ -364,14 +364,14 @@ class KernelHits:
         plist = [lex.postings(u) for u in slot]
         users = [(P.terms, P.ptr, P.rows, P.weight, P.n_rows) for P in plist]
         quser = np.array(qu, dtype=np.int64)
-        n_docs = np.array([plist[j].n_docs if j >= 0 else 0 for j in qu], dtype=np.int64)
+        # per slot, then a 0 for the queries without one (quser -1)
+        n_docs = np.array([P.n_docs for P in plist] + [0], dtype=np.int64)[quser]
         # the segment's rows, less a chunked user's extra chunk rows
         n_items = (off[seg + 1] - off[seg]).astype(np.int64, copy=False)
         got = list(be.bm25_hits(users, quser, qterms, qcnt, qptr))
         if any(P.chunk_ptr is not None for P in plist):
-            for i, j in enumerate(qu):
-                if j >= 0:
-                    n_items[i] = plist[j].n_items
+            known = quser >= 0
+            n_items[known] = np.array([P.n_items for P in plist], dtype=np.int64)[quser[known]]
             hp, hr, hv = got[:3]
             rows, vals = [], []
             for i in range(b):
